@@ -1,0 +1,35 @@
+"""RMSNorm and LayerNorm, computed in float32 and cast back, as the reference models do."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast before scaling: Llama-family checkpoints were trained with this order.
+        return self.weight * xf.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(),
+                                     self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    return RMSNorm(dim, eps) if kind == "rmsnorm" else LayerNorm(dim, eps)

@@ -1,0 +1,117 @@
+"""Plain-torch references for the four MoE steps (DeepSpeed-Inference, section V-C).
+
+Shape letters: T tokens, H hidden, E experts, k slots per token, F expert width,
+N = T * k rows of the expert-major buffer.
+
+  route     logits [T, E]            -> expert_ids [T, k] int32, weights [T, k] float32
+  maps      expert_ids [T, k]        -> offsets [E + 1] int32, rows [T, k] int32
+  scatter   x [T, H], rows           -> xs [N, H]   (grouped by expert)
+  experts   xs [N, H], offsets       -> ys [N, H]
+  gather    ys [N, H], rows, weights -> out [T, H]  (weighted sum over the k slots)
+
+No one-hot tensors: the maps are a histogram and an exclusive prefix scan, and the
+scatter / gather are row copies. The fast kernels must match these functions.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("silu", "gelu")  # silu: SwiGLU, w13 holds gate rows then up rows; gelu: plain
+
+
+def topk_gating_ref(logits: torch.Tensor, k: int, score: str = "softmax",
+                    renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the router scores: ids [T, k] int32 and weights [T, k] float32."""
+    logits = logits.float()
+    if score == "softmax":
+        scores = logits.softmax(dim=-1)  # [T, E]
+    elif score == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"score={score!r}: expected softmax or sigmoid")
+    weights, ids = torch.topk(scores, k, dim=-1)  # [T, k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights
+
+
+def token_maps_ref(expert_ids: torch.Tensor, num_experts: int,
+                   capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert-major layout: ``offsets [E + 1]`` (exclusive scan of per-expert counts) and
+    ``rows [T, k]``, the buffer row of each (token, slot); -1 where capacity dropped it.
+
+    Within an expert, rows keep token order (slot order breaks ties), as a stable sort would.
+    """
+    flat = expert_ids.reshape(-1).long()  # [N]
+    n = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    offsets = F.pad(torch.cumsum(counts, 0), (1, 0))  # [E + 1]
+    order = torch.argsort(flat, stable=True)  # buffer row -> flat index
+    sorted_pos = torch.empty_like(order)
+    sorted_pos[order] = torch.arange(n, device=flat.device)  # flat index -> buffer row
+    if capacity is None:
+        rows = sorted_pos
+    else:
+        rank = sorted_pos - offsets[flat]  # position of this pair inside its expert
+        counts = counts.clamp(max=capacity)
+        offsets = F.pad(torch.cumsum(counts, 0), (1, 0))
+        rows = torch.where(rank < capacity, offsets[flat] + rank, torch.full_like(rank, -1))
+    return offsets.to(torch.int32), rows.view(expert_ids.shape).to(torch.int32)
+
+
+def scatter_rows_ref(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Copies token t's hidden state to buffer row rows[t, j] for every slot j.
+
+    The buffer has T * k rows; rows past ``offsets[E]`` (dropped pairs) stay zero."""
+    t, k = rows.shape
+    xs = x.new_zeros(t * k, x.shape[1])  # [N, H]
+    flat = rows.reshape(-1).long()
+    keep = flat >= 0
+    token = torch.arange(t, device=x.device).repeat_interleave(k)  # [N]
+    xs[flat[keep]] = x[token[keep]]
+    return xs
+
+
+def gather_rows_ref(ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * ys[rows[t, j]], accumulated in float32."""
+    flat = rows.long()
+    picked = ys[flat.clamp(min=0)].float()  # [T, k, H]
+    w = torch.where(flat >= 0, weights.float(), torch.zeros_like(weights, dtype=torch.float32))
+    return (picked * w.unsqueeze(-1)).sum(dim=1).to(ys.dtype)
+
+
+def expert_ffn_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   activation: str = "silu") -> torch.Tensor:
+    """One expert: x [n, H], w13 [2F or F, H], w2 [H, F] -> [n, H]."""
+    h = x @ w13.t()
+    if activation == "silu":
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    elif activation == "gelu":
+        h = F.gelu(h)
+    else:
+        raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
+    return h @ w2.t()
+
+
+def grouped_ffn_ref(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Grouped expert FFN over the expert-major buffer; only experts with rows run."""
+    ys = torch.zeros_like(xs)  # [N, H]
+    bounds = offsets.tolist()  # a host sync: fine for the reference
+    for e in range(w13.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            ys[lo:hi] = expert_ffn_ref(xs[lo:hi], w13[e], w2[e], activation)
+    return ys
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  activation: str = "silu") -> torch.Tensor:
+    """The single-device expert computation: maps, scatter, grouped FFN, gather."""
+    offsets, rows = token_maps_ref(topk_ids, w13.shape[0])
+    xs = scatter_rows_ref(x, rows)
+    ys = grouped_ffn_ref(xs, offsets, w13, w2, activation)
+    return gather_rows_ref(ys, rows, topk_weights)

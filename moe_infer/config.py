@@ -1,0 +1,344 @@
+"""Validated configuration: model, MoE, parallel layout and engine, loadable from YAML.
+
+Each section is a small dataclass checked in ``__post_init__``; a bad value raises
+``ConfigError`` with one line naming the key, the value and what was expected. The
+Hugging Face ``config.json`` reader lives in ``moe_infer.hf`` and builds the same objects.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key has a value the system cannot run with."""
+
+
+def _fail(key: str, value, expected: str):
+    raise ConfigError(f"{key}={value!r}: expected {expected}")
+
+
+def _check_positive(section: str, obj, *names: str):
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            _fail(f"{section}.{name}", value, "a positive number")
+
+
+def _check_choice(section: str, obj, name: str, choices: tuple[str, ...]):
+    value = getattr(obj, name)
+    if value not in choices:
+        _fail(f"{section}.{name}", value, "one of " + ", ".join(choices))
+
+
+@dataclass
+class ModelConfig:
+    """The dense backbone. ``num_kv_heads``/``head_dim`` of None mean MHA / hidden // heads."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn_hidden: int  # width of the dense MLP (dense layers only)
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_eps: float = 1e-5
+    activation: str = "swiglu"  # swiglu (gated SiLU) | gelu (plain, GPT style)
+    positions: str = "rope"  # rope | learned
+    rope_theta: float = 10000.0
+    max_position: int = 4096
+    tied_embeddings: bool = False
+    parallel_block: bool = False  # x + attn(norm(x)) + ffn(norm(x)), one norm (GPT-J / PaLM)
+    qk_norm: str = "none"  # none | head (Qwen3: per head) | full (OLMoE: over all heads)
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    clip_qkv: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        s = "model"
+        _check_positive(s, self, "vocab_size", "hidden_size", "num_layers", "num_heads",
+                        "ffn_hidden", "norm_eps", "rope_theta", "max_position")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                _fail(f"{s}.num_heads", self.num_heads,
+                      f"a divisor of model.hidden_size={self.hidden_size} (or set model.head_dim)")
+            self.head_dim = self.hidden_size // self.num_heads
+        _check_positive(s, self, "num_kv_heads", "head_dim")
+        if self.num_heads % self.num_kv_heads:
+            _fail(f"{s}.num_kv_heads", self.num_kv_heads,
+                  f"a divisor of model.num_heads={self.num_heads}")
+        if self.positions == "rope" and self.head_dim % 2:
+            _fail(f"{s}.head_dim", self.head_dim, "an even number for rotary positions")
+        _check_choice(s, self, "norm", ("rmsnorm", "layernorm"))
+        _check_choice(s, self, "activation", ("swiglu", "gelu"))
+        _check_choice(s, self, "positions", ("rope", "learned"))
+        _check_choice(s, self, "qk_norm", ("none", "head", "full"))
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            _fail(f"{s}.sliding_window", self.sliding_window, "a positive number or null")
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            _fail(f"{s}.clip_qkv", self.clip_qkv, "a positive number or null")
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        for tok in (*self.eos_token_ids, self.bos_token_id):
+            if tok is not None and not 0 <= tok < self.vocab_size:
+                _fail(f"{s}.eos_token_ids/bos_token_id", tok,
+                      f"token ids in [0, {self.vocab_size})")
+
+
+@dataclass
+class MoEConfig:
+    """The sparse FFN. Layer i is MoE iff i >= first_dense, (i + 1) % every == 0 and
+    i is not listed in dense_layers (the Qwen2-MoE / DeepSpeed-MoE conventions)."""
+
+    num_experts: int
+    top_k: int
+    expert_hidden: int  # F: width of one expert
+    every: int = 1  # 1: every layer, 2: every other layer (1, 3, 5, ...)
+    first_dense: int = 0  # DeepSeek style: the first k layers stay dense
+    dense_layers: tuple[int, ...] = ()
+    shared_experts: int = 0
+    shared_expert_hidden: int = 0  # width of each shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ g) scales the shared output
+    score: str = "softmax"  # softmax | sigmoid
+    renormalize: bool = True  # divide the top-k weights by their sum
+    capacity_factor: float | None = None  # None: dropless
+
+    def __post_init__(self):
+        s = "moe"
+        _check_positive(s, self, "num_experts", "top_k", "expert_hidden", "every")
+        if self.top_k > self.num_experts:
+            _fail(f"{s}.top_k", self.top_k, f"at most moe.num_experts={self.num_experts}")
+        if self.first_dense < 0:
+            _fail(f"{s}.first_dense", self.first_dense, "a number >= 0")
+        if self.shared_experts < 0:
+            _fail(f"{s}.shared_experts", self.shared_experts, "a number >= 0")
+        if self.shared_experts and self.shared_expert_hidden <= 0:
+            _fail(f"{s}.shared_expert_hidden", self.shared_expert_hidden,
+                  "a positive width when moe.shared_experts > 0")
+        if self.shared_expert_gate and not self.shared_experts:
+            _fail(f"{s}.shared_expert_gate", True, "false when moe.shared_experts is 0")
+        _check_choice(s, self, "score", ("softmax", "sigmoid"))
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            _fail(f"{s}.capacity_factor", self.capacity_factor, "a positive number or null")
+        self.dense_layers = tuple(self.dense_layers)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_dense and (i + 1) % self.every == 0 and i not in self.dense_layers
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of parallelism; the expert dimension reuses the dense part's ranks."""
+
+    tp: int = 1
+    ep: int = 1
+    expert_slicing: int = 1
+    pp: int = 1
+    dp: int = 1
+    pcc: bool = True  # parallelism-coordinated all-to-all; False: naive all-to-all baseline
+
+    def __post_init__(self):
+        _check_positive("parallel", self, "tp", "ep", "expert_slicing", "pp", "dp")
+        expert_ranks = self.ep * self.expert_slicing
+        if self.world_size % expert_ranks:
+            _fail("parallel.ep", self.ep,
+                  f"ep * expert_slicing ({expert_ranks}) dividing the world size "
+                  f"tp * pp * dp = {self.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class EngineConfig:
+    max_seq_len: int | None = None  # None: the model's max_position
+    max_batch_size: int = 16
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0  # seeds random weights for configs without a checkpoint
+
+    def __post_init__(self):
+        s = "engine"
+        if self.max_seq_len is not None:
+            _check_positive(s, self, "max_seq_len")
+        _check_positive(s, self, "max_batch_size")
+        _check_choice(s, self, "dtype", ("auto", "float32", "float16", "bfloat16"))
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            _fail(f"{s}.device", self.device, "auto, cpu, cuda or cuda:N")
+
+
+@dataclass
+class Config:
+    """Everything needed to build and run one model."""
+
+    model: ModelConfig
+    moe: MoEConfig | None = None  # None: a dense model
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    name: str = "custom"
+    checkpoint: str | None = None  # a Hugging Face checkpoint directory for the weights
+
+    def __post_init__(self):
+        m, e, p = self.model, self.moe, self.parallel
+        if m.num_heads % p.tp:
+            _fail("parallel.tp", p.tp, f"a divisor of model.num_heads={m.num_heads}")
+        if m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:
+            _fail("parallel.tp", p.tp, f"a divisor or multiple of model.num_kv_heads={m.num_kv_heads}")
+        if m.num_layers % p.pp:
+            _fail("parallel.pp", p.pp, f"a divisor of model.num_layers={m.num_layers}")
+        if e is not None:
+            if e.num_experts % p.ep:
+                _fail("parallel.ep", p.ep, f"a divisor of moe.num_experts={e.num_experts}")
+            if e.expert_hidden % p.expert_slicing:
+                _fail("parallel.expert_slicing", p.expert_slicing,
+                      f"a divisor of moe.expert_hidden={e.expert_hidden}")
+            for i in e.dense_layers:
+                if not 0 <= i < m.num_layers:
+                    _fail("moe.dense_layers", i, f"layer indices in [0, {m.num_layers})")
+            if not any(e.is_moe_layer(i) for i in range(m.num_layers)):
+                _fail("moe", "no MoE layer", "at least one layer selected by every/first_dense")
+        if self.engine.max_seq_len is not None and self.engine.max_seq_len > m.max_position:
+            _fail("engine.max_seq_len", self.engine.max_seq_len,
+                  f"at most model.max_position={m.max_position}")
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len or self.model.max_position
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(i)
+
+
+# ---------------------------------------------------------------------------- loading
+
+def _convert(key: str, value, annotation):
+    """Checks ``value`` against a field's type annotation; returns the converted value."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(key, value, inner[0])
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            _fail(key, value, "a list")
+        return tuple(_convert(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
+    if annotation is bool:
+        if not isinstance(value, bool):
+            _fail(key, value, "true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(key, value, "an integer")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(key, value, "a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            _fail(key, value, "a string")
+        return value
+    raise TypeError(f"unsupported annotation {annotation!r} for {key}")
+
+
+def section_from_dict(cls, data, section: str):
+    """Builds dataclass ``cls`` from a mapping, rejecting unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        _fail(section, data, "a mapping of keys to values")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            _fail(f"{section}.{key}", data[key], f"no such key{hint}; known: {', '.join(fields)}")
+    missing = [n for n, f in fields.items() if n not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        _fail(f"{section}.{missing[0]}", "<missing>", "a value (this key is required)")
+    kwargs = {k: _convert(f"{section}.{k}", v, hints[k]) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+_SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig,
+             "engine": EngineConfig}
+
+
+def config_from_dict(data: dict, source: str = "config") -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping with a 'model' section, got {type(data).__name__}")
+    known = set(_SECTIONS) | {"name", "checkpoint"}
+    for key in data:
+        if key not in known:
+            _fail(str(key), data[key], f"a top-level key among {', '.join(sorted(known))}")
+    if "model" not in data and "checkpoint" not in data:
+        raise ConfigError(f"{source}: expected a 'model' section or a 'checkpoint' path")
+    kwargs = {}
+    for key, cls in _SECTIONS.items():
+        if data.get(key) is not None:
+            kwargs[key] = section_from_dict(cls, data[key], key)
+    for key in ("name", "checkpoint"):
+        if data.get(key) is not None:
+            kwargs[key] = _convert(key, data[key], str)
+    if "model" not in kwargs:
+        # Only a checkpoint path: the model comes from its config.json.
+        from moe_infer.hf import read_hf_config
+
+        base = read_hf_config(_resolve_checkpoint(kwargs["checkpoint"], source))
+        kwargs["model"], kwargs["moe"] = base.model, kwargs.get("moe", base.moe)
+    return Config(**kwargs)
+
+
+def _resolve_checkpoint(path: str, source: str) -> str:
+    p = Path(path).expanduser()
+    if not p.is_absolute() and Path(source).is_file():
+        p = Path(source).parent / p
+    return str(p)
+
+
+def load_yaml_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    cfg = config_from_dict(data, str(path))
+    if cfg.checkpoint is not None:
+        cfg.checkpoint = _resolve_checkpoint(cfg.checkpoint, str(path))
+    return cfg
+
+
+def configs_dir() -> Path:
+    """The preset YAML files: ``configs/`` in a source tree, else the installed copy."""
+    tree = Path(__file__).resolve().parent.parent / "configs"
+    if tree.is_dir():
+        return tree
+    from importlib import resources
+
+    return Path(str(resources.files("moe_infer.configs")))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in configs_dir().glob("*.yaml"))
+
+
+def load_preset(name: str) -> Config:
+    path = configs_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"preset {name!r}: no such built-in config; known: {', '.join(preset_names())}")
+    return load_yaml_config(path)

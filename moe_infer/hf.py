@@ -1,0 +1,188 @@
+"""Hugging Face MoE checkpoints: ``config.json`` -> ``Config``, and where each of our
+tensors comes from in the checkpoint's safetensors.
+
+Families: Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE. Per-expert tensors are
+stacked into ``w13 [E, 2F, H]`` (gate rows, then up rows) and ``w2 [E, H, F]``; q, k
+and v are concatenated into one ``qkv_proj``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_infer.config import Config, ConfigError, EngineConfig, ModelConfig, MoEConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    moe_prefix: str  # module name of the sparse block inside a layer
+    expert_names: tuple[str, str, str]  # gate, up, down projection names of one expert
+    defaults: dict  # the transformers config class defaults that matter when a key is absent
+
+
+FAMILIES = {
+    "mixtral": Family("mixtral", "block_sparse_moe", ("w1", "w3", "w2"),
+                      {"rms_norm_eps": 1e-5, "sliding_window": None}),
+    "qwen2_moe": Family("qwen2_moe", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                        {"rms_norm_eps": 1e-6, "norm_topk_prob": False, "qkv_bias": True,
+                         "decoder_sparse_step": 1, "use_sliding_window": False}),
+    "qwen3_moe": Family("qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                        {"rms_norm_eps": 1e-6, "norm_topk_prob": False, "attention_bias": False,
+                         "decoder_sparse_step": 1, "use_sliding_window": False}),
+    "olmoe": Family("olmoe", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                    {"rms_norm_eps": 1e-5, "norm_topk_prob": False, "attention_bias": False,
+                     "clip_qkv": None}),
+}
+_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                  "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe"}
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found (a checkpoint directory needs config.json)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+
+
+def family_of(hf: dict, source: str) -> Family:
+    names = [hf.get("model_type")] + [_ARCHITECTURES.get(a) for a in hf.get("architectures") or []]
+    for name in names:
+        if name in FAMILIES:
+            return FAMILIES[name]
+    raise ConfigError(f"{source}: model_type={hf.get('model_type')!r}, architectures="
+                      f"{hf.get('architectures')!r}: expected one of {', '.join(_ARCHITECTURES)}")
+
+
+def _rope_theta(hf: dict, source: str) -> float:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(f"{source}: rope_type={kind!r}: expected 'default' (scaled RoPE is not supported)")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def config_from_hf(hf: dict, source: str = "config.json") -> Config:
+    fam = family_of(hf, source)
+    get = lambda key: hf[key] if key in hf else fam.defaults.get(key)  # noqa: E731
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: hidden_act={hf['hidden_act']!r}: expected 'silu'")
+    sliding = get("sliding_window")
+    if fam.name in ("qwen2_moe", "qwen3_moe") and not get("use_sliding_window"):
+        sliding = None
+    try:
+        # transformers writes either name, depending on the family and version.
+        num_experts = hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"]
+        expert_width = hf["intermediate_size"] if fam.name in ("mixtral", "olmoe") else hf["moe_intermediate_size"]
+        model = ModelConfig(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
+            ffn_hidden=hf["intermediate_size"], norm="rmsnorm", norm_eps=get("rms_norm_eps"),
+            activation="swiglu", positions="rope", rope_theta=_rope_theta(hf, source),
+            max_position=hf.get("max_position_embeddings", 4096),
+            tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(fam.name, "none"),
+            qkv_bias=bool(get("qkv_bias") if fam.name == "qwen2_moe" else get("attention_bias")),
+            out_bias=bool(get("attention_bias")) if fam.name in ("qwen3_moe", "olmoe") else False,
+            sliding_window=sliding, clip_qkv=get("clip_qkv"),
+            bos_token_id=hf.get("bos_token_id"), eos_token_ids=_token_ids(hf.get("eos_token_id")))
+        shared = hf.get("shared_expert_intermediate_size", 0) if fam.name == "qwen2_moe" else 0
+        moe = MoEConfig(
+            num_experts=num_experts, top_k=hf["num_experts_per_tok"], expert_hidden=expert_width,
+            every=get("decoder_sparse_step") or 1, dense_layers=tuple(hf.get("mlp_only_layers") or ()),
+            shared_experts=1 if shared else 0, shared_expert_hidden=shared,
+            shared_expert_gate=bool(shared), score="softmax",
+            renormalize=True if fam.name == "mixtral" else bool(get("norm_topk_prob")))
+    except KeyError as exc:
+        raise ConfigError(f"{source}: missing key {exc.args[0]!r} required for {fam.name}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return Config(model=model, moe=moe, name=fam.name,
+                  engine=EngineConfig(max_seq_len=model.max_position))
+
+
+def read_hf_config(checkpoint_dir: str | Path) -> Config:
+    path = Path(checkpoint_dir) / "config.json"
+    cfg = config_from_hf(read_json(path), str(path))
+    cfg.checkpoint = str(checkpoint_dir)
+    return cfg
+
+
+# ------------------------------------------------------------------- tensor name plan
+
+@dataclass(frozen=True)
+class Source:
+    """Checkpoint tensors that make one of ours: ``parts[i]`` are concatenated along dim 0,
+    and the results stacked along a new dim 0 when ``stacked`` (one entry per expert)."""
+
+    parts: tuple[tuple[str, ...], ...]
+    stacked: bool = False
+
+    def names(self) -> list[str]:
+        return [n for group in self.parts for n in group]
+
+
+def one(name: str) -> Source:
+    return Source(((name,),))
+
+
+def tensor_plan(cfg: Config, family: Family, our_names: list[str]) -> dict[str, list[Source]]:
+    """For each of our parameter names, the checkpoint sources to try in order (a
+    per-expert layout first, then a layout with experts already fused)."""
+    plan = {}
+    for ours in our_names:
+        plan[ours] = _sources(ours, cfg, family)
+    return plan
+
+
+def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
+    top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+           "lm_head.weight": "lm_head.weight"}
+    if ours in top:
+        return [one(top[ours])]
+    parts = ours.split(".")  # layers.{i}.<module path>.<weight|bias>
+    i, rest = int(parts[1]), ".".join(parts[2:])
+    p = f"model.layers.{i}."
+    attn = {"attn_norm.weight": "input_layernorm.weight",
+            "ffn_norm.weight": "post_attention_layernorm.weight",
+            "attn.o_proj.weight": "self_attn.o_proj.weight", "attn.o_proj.bias": "self_attn.o_proj.bias",
+            "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"}
+    if rest in attn:
+        return [one(p + attn[rest])]
+    if rest.startswith("attn.qkv_proj."):
+        kind = rest.rsplit(".", 1)[1]
+        return [Source((tuple(f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"),))]
+    gate, up, down = fam.expert_names
+    m = p + fam.moe_prefix + "."
+    e = cfg.moe.num_experts if cfg.moe else 0
+    if rest == "ffn.router.weight":
+        return [one(m + "gate.weight")]
+    if rest == "ffn.experts.w13":
+        per_expert = Source(tuple((f"{m}experts.{j}.{gate}.weight", f"{m}experts.{j}.{up}.weight")
+                                  for j in range(e)), stacked=True)
+        return [per_expert, one(m + "experts.gate_up_proj")]
+    if rest == "ffn.experts.w2":
+        per_expert = Source(tuple((f"{m}experts.{j}.{down}.weight",) for j in range(e)), stacked=True)
+        return [per_expert, one(m + "experts.down_proj")]
+    if rest == "ffn.shared.up_proj.weight":
+        return [Source(((m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight"),))]
+    if rest == "ffn.shared.down_proj.weight":
+        return [one(m + "shared_expert.down_proj.weight")]
+    if rest == "ffn.shared_gate.weight":
+        return [one(m + "shared_expert_gate.weight")]
+    # A dense layer of an MoE model (Qwen2/3 mlp_only_layers).
+    if rest == "ffn.up_proj.weight":
+        return [Source(((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),))]
+    if rest == "ffn.down_proj.weight":
+        return [one(p + "mlp.down_proj.weight")]
+    raise ConfigError(f"{ours}: no Hugging Face {fam.name} tensor maps to this parameter")

@@ -1,0 +1,99 @@
+"""``moe_infer.load``: a checkpoint directory, a YAML config or a built-in name -> Engine."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moe_infer.checkpoint import load_checkpoint
+from moe_infer.config import Config, ConfigError, ParallelConfig, load_preset, load_yaml_config, preset_names
+from moe_infer.engine import Engine
+from moe_infer.hf import read_hf_config
+from moe_infer.model import Transformer
+from moe_infer.tokenizer import Tokenizer
+
+DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_config(path_or_name: str | Path | None) -> Config:
+    """None or "default": the embedded model; a directory: a Hugging Face checkpoint;
+    a .yaml/.yml file: a YAML config; otherwise a built-in preset name."""
+    if path_or_name is None or str(path_or_name) == "default":
+        return read_hf_config(DEFAULT_MODEL)
+    path = Path(path_or_name).expanduser()
+    if path.is_dir():
+        return read_hf_config(path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"{path}: YAML config not found")
+        return load_yaml_config(path)
+    if "/" in str(path_or_name) or path.suffix:
+        raise ConfigError(f"{path_or_name}: not a checkpoint directory or a .yaml file")
+    if str(path_or_name) not in preset_names():
+        raise ConfigError(f"{path_or_name!r}: not a checkpoint directory, a .yaml file or a built-in "
+                          f"name (built-in: default, {', '.join(preset_names())})")
+    return load_preset(str(path_or_name))
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={str(device)!r}: CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ConfigError(f"dtype={dtype}: expected one of {', '.join(_DTYPES)}")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype={dtype!r}: expected auto or one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype):
+    """Replaces meta parameters with uninitialised ones on the device, without a copy."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = nn.Parameter(
+                    torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False)
+
+
+def load(path_or_name: str | Path | None = None, *, device: str | torch.device | None = None,
+         dtype: str | torch.dtype | None = None, parallel: ParallelConfig | None = None,
+         progress: bool = True) -> Engine:
+    """Builds an inference engine. See ``resolve_config`` for what ``path_or_name`` may be."""
+    cfg = resolve_config(path_or_name)
+    if parallel is not None:
+        cfg = dataclasses.replace(cfg, parallel=parallel)  # re-validates against the model
+    p = cfg.parallel
+    ranks = max(p.world_size, p.ep * p.expert_slicing)
+    if ranks > 1:
+        raise ConfigError(f"parallel: tp={p.tp} pp={p.pp} dp={p.dp} ep={p.ep} expert_slicing="
+                          f"{p.expert_slicing} needs {ranks} ranks, but this process runs alone")
+    dev = resolve_device(device if device is not None else cfg.engine.device)
+    dt = resolve_dtype(dtype if dtype is not None else cfg.engine.dtype, dev)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    _materialize(model, dev, dt)
+    if cfg.checkpoint is not None:
+        load_checkpoint(model, cfg, cfg.checkpoint, progress=progress)
+    else:
+        model.init_random(cfg.engine.seed)
+    model.eval()
+    tokenizer = None
+    if cfg.checkpoint is not None and (Path(cfg.checkpoint) / "tokenizer.json").is_file():
+        tokenizer = Tokenizer(Path(cfg.checkpoint) / "tokenizer.json")
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"{tokenizer.path}: {tokenizer.vocab_size} tokens, more than the "
+                              f"model's vocab_size={cfg.model.vocab_size}")
+    return Engine(model, cfg, tokenizer)

@@ -1,0 +1,85 @@
+"""Model assembly: embedding, blocks of attention + (dense MLP | MoE layer), LM head.
+
+Shape letters: B batch, T tokens this step, S key slots, H hidden, V vocab.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dense import MLP, Attention, KVCache, Rotary, StepContext, make_norm
+from moe_infer.config import Config
+from moe_infer.moe_layer import MoELayer
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, index: int):
+        super().__init__()
+        m = cfg.model
+        self.parallel = m.parallel_block
+        self.attn_norm = make_norm(m.norm, m.hidden_size, m.norm_eps)
+        self.attn = Attention(m)
+        # A parallel block feeds the same normed input to attention and FFN.
+        self.ffn_norm = None if self.parallel else make_norm(m.norm, m.hidden_size, m.norm_eps)
+        if cfg.is_moe_layer(index):
+            self.ffn = MoELayer(m, cfg.moe)
+        else:
+            self.ffn = MLP(m.hidden_size, m.ffn_hidden, m.activation, bias=m.mlp_bias)
+        self.index = index
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None) -> torch.Tensor:
+        h = self.attn_norm(x)
+        a = self.attn(h, ctx, cache, self.index)
+        if self.parallel:
+            return x + a + self.ffn(h)
+        x = x + a
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        m = cfg.model
+        self.cfg = cfg
+        self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
+        self.pos_embed = nn.Embedding(m.max_position, m.hidden_size) if m.positions == "learned" else None
+        self.rotary = Rotary(m.head_dim, m.rope_theta) if m.positions == "rope" else None
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(m.num_layers))
+        self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps)
+        self.lm_head = None if m.tied_embeddings else nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+
+    def make_cache(self, batch: int, max_len: int) -> KVCache:
+        m = self.cfg.model
+        p = self.embed.weight
+        return KVCache(m.num_layers, batch, m.num_kv_heads, max_len, m.head_dim, p.dtype, p.device)
+
+    def context(self, positions: torch.Tensor, key_valid: torch.Tensor,
+                key_positions: torch.Tensor, start: int) -> StepContext:
+        return StepContext.build(positions, key_valid, key_positions, start, self.rotary,
+                                 self.embed.weight.dtype, self.cfg.model.sliding_window)
+
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext,
+                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] ([B, 1, V] with ``last_only``)."""
+        x = self.embed(input_ids)  # [B, T, H]
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(ctx.positions)
+        for layer in self.layers:
+            x = layer(x, ctx, cache)
+        if last_only:  # generation needs only the last slot: skip T - 1 rows of the LM head
+            x = x[:, -1:]
+        x = self.norm(x)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return x @ weight.t()
+
+    @torch.no_grad()
+    def init_random(self, seed: int):
+        """Seeded random weights for configs without a checkpoint (GPT-2 style scales)."""
+        gen = torch.Generator(device=self.embed.weight.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:  # norm scales
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)

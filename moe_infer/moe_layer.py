@@ -1,0 +1,44 @@
+"""The MoE feed-forward layer: route -> dispatch -> experts -> combine (+ shared experts).
+
+Shape letters: T tokens, H hidden. Only dispatch and combine would communicate.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dense.mlp import MLP
+from moe_infer.dispatch import LocalDispatcher
+from moe_infer.experts import Experts
+from moe_infer.gating import Router
+
+
+class MoELayer(nn.Module):
+    def __init__(self, model_cfg, moe_cfg):
+        super().__init__()
+        h = model_cfg.hidden_size
+        self.router = Router(h, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.score, moe_cfg.renormalize)
+        self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation)
+        self.dispatcher = LocalDispatcher(moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.capacity_factor)
+        self.shared = None
+        self.shared_gate = None
+        if moe_cfg.shared_experts:
+            # n shared experts of width F are one MLP of width n * F: the sum is the same.
+            width = moe_cfg.shared_experts * moe_cfg.shared_expert_hidden
+            self.shared = MLP(h, width, model_cfg.activation)
+            if moe_cfg.shared_expert_gate:
+                self.shared_gate = nn.Linear(h, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [T, H]
+        expert_ids, weights = self.router(x)  # [T, k] each
+        d = self.dispatcher.dispatch(x, expert_ids)
+        ys = self.experts(d.xs, d.offsets)
+        out = self.dispatcher.combine(ys, d, weights)  # [T, H]
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
+        return out.view(shape)

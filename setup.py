@@ -1,0 +1,37 @@
+from pathlib import Path
+
+from setuptools import setup
+
+# torch is required but never pinned to a build here: a CPU machine installs the local
+# CPU wheel first (scripts/install.sh), and a GPU machine keeps the CUDA torch it has.
+setup(
+    name="moe-infer",
+    version="0.1.0",
+    description="Mixture-of-experts specialist inference: fused kernels, expert parallelism, serving",
+    long_description=Path(__file__).with_name("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["moe_infer", "moe_infer.configs", "dense", "comm", "kernels"],
+    package_dir={"moe_infer.configs": "configs"},
+    package_data={"moe_infer": ["default_model/*"], "moe_infer.configs": ["*.yaml"]},
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "PyYAML>=6",
+        "tqdm",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=7",
+            "transformers>=5.0",
+            "mpi4py>=4",
+            "mpich",  # an MPI runtime from PyPI (mpiexec) for the mpi-marked tests on CPU
+            # The GPU image has Triton 3.6; its CPU interpreter runs our kernels in CI.
+            "triton==3.6.0; platform_system == 'Linux'",
+        ],
+        "serve": ["fastapi", "uvicorn", "prometheus-client"],
+    },
+    entry_points={"console_scripts": ["moe-infer=moe_infer.cli:main"]},
+)

@@ -1,0 +1,56 @@
+"""Tiny random Hugging Face MoE models, written with save_pretrained, for parity tests."""
+from __future__ import annotations
+
+import torch
+
+# Awkward sizes on purpose: hidden not a power of two, GQA ratios 1, 2 and 3, expert
+# counts that are not powers of two, an explicit head_dim, tied embeddings, qkv biases.
+FAMILIES = {
+    "mixtral": dict(cls="MixtralForCausalLM", cfg="MixtralConfig", kw=dict(
+        vocab_size=101, hidden_size=72, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, num_local_experts=5, num_experts_per_tok=2,
+        max_position_embeddings=96, rope_theta=5000.0, eos_token_id=None, bos_token_id=None)),
+    "qwen2_moe": dict(cls="Qwen2MoeForCausalLM", cfg="Qwen2MoeConfig", kw=dict(
+        vocab_size=103, hidden_size=60, intermediate_size=44, moe_intermediate_size=20,
+        shared_expert_intermediate_size=36, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=6, num_experts=7, num_experts_per_tok=3, mlp_only_layers=[1],
+        max_position_embeddings=96, eos_token_id=None)),
+    "qwen3_moe": dict(cls="Qwen3MoeForCausalLM", cfg="Qwen3MoeConfig", kw=dict(
+        vocab_size=99, hidden_size=56, head_dim=10, intermediate_size=36, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, num_experts=6,
+        num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True,
+        max_position_embeddings=96, eos_token_id=None)),
+    "olmoe": dict(cls="OlmoeForCausalLM", cfg="OlmoeConfig", kw=dict(
+        vocab_size=97, hidden_size=84, intermediate_size=28, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, num_experts=9, num_experts_per_tok=3,
+        clip_qkv=4.0, max_position_embeddings=96, eos_token_id=None, pad_token_id=None)),
+}
+
+
+def make_hf_model(family: str, seed: int = 0):
+    import transformers
+
+    spec = FAMILIES[family]
+    kw = dict(spec["kw"])
+    theta = kw.pop("rope_theta", 10000.0)
+    cfg = getattr(transformers, spec["cfg"])(**kw)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    torch.manual_seed(seed)
+    model = getattr(transformers, spec["cls"])(cfg).eval()
+    # The default init leaves norms at 1 and small weights; randomise everything so a
+    # wrong layout or a missed bias cannot hide.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            else:
+                p.normal_(0, 0.08)
+    return model
+
+
+def save_hf_model(family: str, path, seed: int = 0):
+    model = make_hf_model(family, seed)
+    model.save_pretrained(path)
+    return model
