@@ -264,9 +264,11 @@ def section_from_dict(cls, data, section: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
+            close = ([f for f in fields if f.startswith(str(key))]
+                     or difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5))
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            _fail(f"{section}.{key}", data[key], f"no such key{hint}; known: {', '.join(fields)}")
+            raise ConfigError(f"{section}.{key}={data[key]!r}: unknown key{hint}; "
+                              f"expected one of {', '.join(fields)}")
     missing = [n for n, f in fields.items() if n not in data
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
@@ -304,7 +306,13 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
     return Config(**kwargs)
 
 
+DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
+
+
 def _resolve_checkpoint(path: str, source: str) -> str:
+    """``default`` names the embedded model; a relative path is relative to the YAML file."""
+    if path == "default":
+        return str(DEFAULT_MODEL)
     p = Path(path).expanduser()
     if not p.is_absolute() and Path(source).is_file():
         p = Path(source).parent / p

@@ -14,15 +14,14 @@ from moe_infer.hf import read_hf_config
 from moe_infer.model import Transformer
 from moe_infer.tokenizer import Tokenizer
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_config(path_or_name: str | Path | None) -> Config:
     """None or "default": the embedded model; a directory: a Hugging Face checkpoint;
     a .yaml/.yml file: a YAML config; otherwise a built-in preset name."""
-    if path_or_name is None or str(path_or_name) == "default":
-        return read_hf_config(DEFAULT_MODEL)
+    if path_or_name is None:
+        return load_preset("default")
     path = Path(path_or_name).expanduser()
     if path.is_dir():
         return read_hf_config(path)
@@ -34,7 +33,7 @@ def resolve_config(path_or_name: str | Path | None) -> Config:
         raise ConfigError(f"{path_or_name}: not a checkpoint directory or a .yaml file")
     if str(path_or_name) not in preset_names():
         raise ConfigError(f"{path_or_name!r}: not a checkpoint directory, a .yaml file or a built-in "
-                          f"name (built-in: default, {', '.join(preset_names())})")
+                          f"name (built-in: {', '.join(preset_names())})")
     return load_preset(str(path_or_name))
 
 
@@ -70,9 +69,18 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype):
 
 def load(path_or_name: str | Path | None = None, *, device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None, parallel: ParallelConfig | None = None,
-         progress: bool = True) -> Engine:
-    """Builds an inference engine. See ``resolve_config`` for what ``path_or_name`` may be."""
-    cfg = resolve_config(path_or_name)
+         checkpoint: str | Path | None = None, progress: bool = True) -> Engine:
+    """Builds an inference engine. See ``resolve_config`` for what ``path_or_name`` may be;
+    ``checkpoint`` takes the model and weights from a Hugging Face directory instead, keeping
+    the engine and parallel settings of ``path_or_name`` when that is given too."""
+    if checkpoint is not None:
+        base = read_hf_config(checkpoint)
+        if path_or_name is not None:
+            given = resolve_config(path_or_name)
+            base = dataclasses.replace(base, engine=given.engine, parallel=given.parallel)
+        cfg = base
+    else:
+        cfg = resolve_config(path_or_name)
     if parallel is not None:
         cfg = dataclasses.replace(cfg, parallel=parallel)  # re-validates against the model
     p = cfg.parallel

@@ -1,0 +1,78 @@
+"""Configs: presets load, and every bad value fails at load with one line naming it."""
+import pytest
+import yaml
+
+from moe_infer.config import ConfigError, config_from_dict, load_preset, load_yaml_config, preset_names
+
+BASE = {
+    "model": dict(vocab_size=128, hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2, ffn_hidden=64),
+    "moe": dict(num_experts=6, top_k=2, expert_hidden=32),
+}
+
+
+def with_change(section, **kw):
+    data = {k: dict(v) for k, v in BASE.items()}
+    data.setdefault(section, {}).update(kw)
+    return data
+
+
+def test_every_preset_loads():
+    names = preset_names()
+    for expected in ["default", "mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "olmoe-1b-7b",
+                     "ds-moe-1.3b-e128", "ds-moe-47b-e128", "gpt-j-6b", "lm-530b"]:
+        assert expected in names
+    for name in names:
+        cfg = load_preset(name)
+        assert cfg.model.hidden_size % cfg.parallel.tp == 0
+
+
+def test_table_ii_presets_match_the_paper():
+    cfg = load_preset("ds-moe-24b-e128")
+    m, e, p = cfg.model, cfg.moe, cfg.parallel
+    assert (m.num_layers, m.hidden_size, p.tp, p.ep, p.expert_slicing, p.world_size) == (40, 8192, 8, 128, 2, 256)
+    assert (m.norm, m.activation, m.positions, e.top_k, e.every) == ("layernorm", "gelu", "learned", 1, 2)
+    assert [i for i in range(m.num_layers) if cfg.is_moe_layer(i)][:3] == [1, 3, 5]
+
+
+@pytest.mark.parametrize("data,match", [
+    (with_change("model", hidden=48), r"model\.hidden=48: unknown key \(did you mean 'hidden_size'\?\)"),
+    (with_change("model", num_layers="four"), r"model\.num_layers='four': expected an integer"),
+    (with_change("model", num_layers=True), r"model\.num_layers=True: expected an integer"),
+    (with_change("model", hidden_size=50), r"model\.num_heads=6: expected a divisor of model\.hidden_size=50"),
+    (with_change("model", num_kv_heads=4), r"model\.num_kv_heads=4: expected a divisor of model\.num_heads=6"),
+    (with_change("model", norm="batchnorm"), r"model\.norm='batchnorm': expected one of rmsnorm, layernorm"),
+    (with_change("model", vocab_size=-3), r"model\.vocab_size=-3: expected a positive number"),
+    (with_change("moe", top_k=7), r"moe\.top_k=7: expected at most moe\.num_experts=6"),
+    (with_change("moe", shared_expert_gate=True), r"moe\.shared_expert_gate=True"),
+    (with_change("moe", every=3, first_dense=2), r"moe='no MoE layer'"),
+    (with_change("parallel", ep=4, dp=4), r"parallel\.ep=4: expected a divisor of moe\.num_experts=6"),
+    (with_change("parallel", tp=4), r"parallel\.tp=4: expected a divisor of model\.num_heads=6"),
+    (with_change("parallel", tp=2, ep=4), r"parallel\.ep=4: expected ep \* expert_slicing \(4\) dividing"),
+    (with_change("engine", max_seq_len=10 ** 6), r"engine\.max_seq_len=1000000: expected at most model\.max_position"),
+    (with_change("engine", dtype="fp8"), r"engine\.dtype='fp8'"),
+    ({**BASE, "modle": {}}, r"modle=\{\}: expected a top-level key"),
+    ({"moe": BASE["moe"]}, r"expected a 'model' section"),
+    (with_change("model", num_heads=None), r"model\.num_heads=None: expected an integer"),
+])
+def test_bad_config_fails_with_one_line_naming_the_key(data, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        config_from_dict(data)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_required_key_is_named():
+    data = with_change("model")
+    del data["model"]["ffn_hidden"]
+    with pytest.raises(ConfigError, match=r"model\.ffn_hidden='<missing>'"):
+        config_from_dict(data)
+
+
+def test_yaml_file_round_trip_and_syntax_error(tmp_path):
+    good = tmp_path / "m.yaml"
+    good.write_text(yaml.safe_dump(BASE))
+    cfg = load_yaml_config(good)
+    assert cfg.moe.num_experts == 6 and cfg.model.num_kv_heads == 2 and cfg.model.head_dim == 8
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {hidden_size: 4\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML"):
+        load_yaml_config(bad)
