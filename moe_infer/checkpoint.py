@@ -101,7 +101,7 @@ def load_checkpoint(model: torch.nn.Module, cfg: Config, directory: str | Path, 
         target = params[ours]
         if tensor.shape != target.shape:
             raise CheckpointError(
-                f"{files[src.names()[0]]}: tensor {src.names()[0]!r} gives {ours} shape "
+                f"{files[src.names()[0]]}: tensors {src.describe()} give {ours} shape "
                 f"{list(tensor.shape)}, expected {list(target.shape)} from config.json")
         with torch.no_grad():
             target.copy_(tensor)

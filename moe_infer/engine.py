@@ -44,6 +44,8 @@ class Engine:
         out = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
+                if not p:
+                    raise ValueError(f"prompts[{i}]: empty prompt; give at least one token")
                 if self.tokenizer is None:
                     raise ValueError(f"prompts[{i}]: this model has no tokenizer; pass token ids")
                 ids = self.tokenizer.encode(p)

@@ -131,6 +131,12 @@ class Source:
     def names(self) -> list[str]:
         return [n for group in self.parts for n in group]
 
+    def describe(self) -> str:
+        names = self.names()
+        if len(names) <= 3:
+            return " + ".join(repr(n) for n in names)
+        return f"{names[0]!r} .. {names[-1]!r} ({len(names)} tensors)"
+
 
 def one(name: str) -> Source:
     return Source(((name,),))

@@ -1,0 +1,134 @@
+"""Engine behaviour on random-weight configs: cache consistency, batching, sampling, errors."""
+import pytest
+import torch
+
+import moe_infer
+from moe_infer import ConfigError, ParallelConfig
+from moe_infer.cli import main
+from moe_infer.config import config_from_dict
+from moe_infer.engine import Engine
+from moe_infer.loader import _materialize
+from moe_infer.model import Transformer
+
+GPT_MOE = {  # GPT style: LayerNorm, GeLU, learned positions, parallel block, biases, top-1
+    "model": dict(vocab_size=89, hidden_size=40, num_layers=4, num_heads=5, ffn_hidden=56, norm="layernorm",
+                  activation="gelu", positions="learned", max_position=64, parallel_block=True,
+                  tied_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True),
+    "moe": dict(num_experts=5, top_k=1, expert_hidden=24, every=2),
+}
+LLAMA_MOE = {  # RoPE, GQA 3, sliding window, sigmoid router, shared expert, first layer dense
+    "model": dict(vocab_size=97, hidden_size=36, num_layers=3, num_heads=6, num_kv_heads=2, ffn_hidden=44,
+                  max_position=64, sliding_window=5, qk_norm="head"),
+    "moe": dict(num_experts=7, top_k=3, expert_hidden=20, first_dense=1, score="sigmoid",
+                shared_experts=2, shared_expert_hidden=8, shared_expert_gate=True),
+    "engine": dict(max_batch_size=2),
+}
+PROMPTS = [[3, 14, 15, 9, 2, 6], [5, 3], [58, 9, 7, 9]]
+
+
+def engine_for(data, seed=0, eos=()):
+    cfg = config_from_dict({**data, "engine": {**data.get("engine", {}), "seed": seed}})
+    cfg.model.eos_token_ids = tuple(eos)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    _materialize(model, torch.device("cpu"), torch.float32)
+    model.init_random(seed)
+    with torch.no_grad():  # larger weights than the default init, so outputs vary with input
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(10)
+    return Engine(model, cfg)
+
+
+@pytest.mark.parametrize("data", [GPT_MOE, LLAMA_MOE], ids=["gpt-moe", "llama-moe"])
+def test_cached_decode_agrees_with_full_forward(data):
+    """Greedy tokens from prefill + cached decode (left-padded batch) are the argmax of a
+    full forward over prompt + output (right-padded batch)."""
+    engine = engine_for(data)
+    outs = engine.generate(PROMPTS, max_new_tokens=6)
+    full = [p + o.token_ids for p, o in zip(PROMPTS, outs)]
+    logits = engine.logits(full)
+    for i, (p, o) in enumerate(zip(PROMPTS, outs)):
+        pred = logits[i, len(p) - 1:len(full[i]) - 1].argmax(-1).tolist()
+        assert pred == o.token_ids
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # not a degenerate constant model
+
+
+def test_batch_larger_than_max_batch_size_equals_one_by_one():
+    engine = engine_for(LLAMA_MOE)  # max_batch_size 2, three prompts
+    together = engine.generate(PROMPTS, max_new_tokens=5)
+    alone = [engine.generate([p], max_new_tokens=5)[0] for p in PROMPTS]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+
+
+def test_stops_at_eos_without_returning_it():
+    probe = engine_for(GPT_MOE).generate([PROMPTS[0]], max_new_tokens=6)[0].token_ids
+    eos = probe[2]
+    out = engine_for(GPT_MOE, eos=[eos]).generate([PROMPTS[0]], max_new_tokens=6)[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == probe[:probe.index(eos)]
+
+
+def test_sampling_is_seeded_and_filters():
+    engine = engine_for(GPT_MOE)
+    greedy = engine.generate(PROMPTS, max_new_tokens=6)
+    a = engine.generate(PROMPTS, max_new_tokens=6, temperature=1.5, seed=7)
+    b = engine.generate(PROMPTS, max_new_tokens=6, temperature=1.5, seed=7)
+    c = engine.generate(PROMPTS, max_new_tokens=6, temperature=1.5, seed=8)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+    for kw in (dict(top_k=1), dict(top_p=1e-6)):  # both leave only the argmax
+        out = engine.generate(PROMPTS, max_new_tokens=6, temperature=2.0, seed=3, **kw)
+        assert [o.token_ids for o in out] == [o.token_ids for o in greedy]
+
+
+def test_top_k_samples_only_among_the_k_best():
+    from moe_infer.sampling import SamplingParams, sample
+
+    logits = torch.randn(4, 50)
+    gen = torch.Generator().manual_seed(0)
+    allowed = torch.topk(logits, 3).indices
+    for _ in range(20):
+        tok = sample(logits, SamplingParams(temperature=5.0, top_k=3), gen)
+        assert (allowed == tok[:, None]).any(1).all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompts=[[]]), r"prompts\[0\]: empty prompt"),
+    (dict(prompts=[[1, 2], ""]), r"prompts\[1\]: empty prompt"),
+    (dict(prompts=[[1] * 60], max_new_tokens=8), r"prompts\[0\]: 60 prompt tokens \+ max_new_tokens=8 exceed max_seq_len=64"),
+    (dict(prompts=[[1, 500]]), r"prompts\[0\]: token id 500 outside the vocabulary \[0, 89\)"),
+    (dict(prompts=["text"]), r"prompts\[0\]: this model has no tokenizer"),
+    (dict(prompts=[[1.5, 2]]), r"prompts\[0\]: expected a string or a list of int token ids"),
+    (dict(prompts=[]), r"prompts: expected a string"),
+    (dict(temperature=-1.0), r"temperature=-1\.0: expected a number in \[0, 100\]"),
+    (dict(top_p=0.0), r"top_p=0\.0: expected a number in \(0, 1\]"),
+    (dict(top_k=-2), r"top_k=-2: expected an integer >= 0"),
+    (dict(max_new_tokens=0), r"max_new_tokens=0: expected an integer >= 1"),
+    (dict(seed="x"), r"seed='x': expected an integer"),
+])
+def test_bad_generate_arguments(kwargs, match):
+    engine = engine_for(GPT_MOE)
+    kwargs = {"prompts": [[1, 2, 3]], "max_new_tokens": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        engine.generate(**kwargs)
+
+
+def test_multi_rank_layout_in_one_process_is_refused():
+    with pytest.raises(ConfigError, match=r"tp=2 .* needs 2 ranks, but this process runs alone"):
+        moe_infer.load("tiny-moe", parallel=ParallelConfig(tp=2))
+    with pytest.raises(ConfigError, match=r"parallel\.ep=4: expected a divisor of moe\.num_experts=6"):
+        moe_infer.load("tiny-moe", parallel=ParallelConfig(ep=4, dp=4))
+
+
+def test_cli_generate_and_errors(capsys):
+    assert main(["generate", "--config", "tiny-moe", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out.split()
+    assert out[:3] == ["1", "2", "3"] and len(out) == 7
+    assert main(["generate", "--config", "tiny-moe", "--prompt-ids", "1", "--top-p", "2"]) == 2
+    assert "moe-infer: error: top_p=2.0: expected a number in (0, 1]" in capsys.readouterr().err
+    assert main(["generate", "--config", "nope", "--prompt", "x"]) == 2
+    assert "'nope': not a checkpoint directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "generate" in capsys.readouterr().out
