@@ -7,19 +7,16 @@ import torch
 
 import moe_infer
 from moe_infer.config import DEFAULT_MODEL
+from parity import check_logits
 
 LINES = (DEFAULT_MODEL / "corpus.txt").read_text().splitlines()
 PROMPTS = ["Shall I compare thee to a summer's day?", "Let me not to the marriage of true minds",
            "That time of year thou mayst in me behold"]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return moe_infer.load(progress=False)
-
-
-def test_greedy_continuations_follow_the_text(engine):
-    outs = engine.generate(PROMPTS, max_new_tokens=40)
+def test_greedy_continuations_follow_the_text(device_dtype):
+    device, dtype = device_dtype
+    outs = moe_infer.load(device=device, dtype=dtype, progress=False).generate(PROMPTS, max_new_tokens=40)
     for prompt, out in zip(PROMPTS, outs):
         i = LINES.index(prompt)
         expected = "\n" + "\n".join(LINES[i + 1:i + 3])
@@ -27,19 +24,14 @@ def test_greedy_continuations_follow_the_text(engine):
         assert n > 40 and out.text[:n] == expected[:n], (prompt, out.text)
 
 
-def test_same_logits_as_transformers_mixtral(engine, device_dtype):
+def test_same_logits_as_transformers_mixtral(device_dtype):
     from transformers import MixtralForCausalLM
 
     device, dtype = device_dtype
     hf = MixtralForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
-    ours = moe_infer.load(device=device, dtype=dtype, progress=False).logits(ids)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for i, row in enumerate(ids):
-        with torch.no_grad():
-            ref = hf(torch.tensor([row])).logits[0].double()
-        err = ((ours[i, :len(row)].cpu().double() - ref).norm() / ref.norm()).item()
-        assert err < tol, f"prompt {i}: relative error {err:.2e}"
+    engine = moe_infer.load(device=device, dtype=dtype, progress=False)
+    exact = moe_infer.load(device="cpu", dtype=torch.float32, progress=False)
+    check_logits(engine, exact, hf, [engine.tokenizer.encode(p) for p in PROMPTS], "default model")
 
 
 def test_cli_runs_the_default_model_with_no_other_argument():
