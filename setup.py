@@ -30,6 +30,9 @@ setup(
             "mpich",  # an MPI runtime from PyPI (mpiexec) for the mpi-marked tests on CPU
             # The GPU image has Triton 3.6; its CPU interpreter runs our kernels in CI.
             "triton==3.6.0; platform_system == 'Linux'",
+            # Triton 3.6's interpreter calls int() on 1-element arrays (loop bounds), which
+            # numpy 2.4 rejects.
+            "numpy<2.4",
         ],
         "serve": ["fastapi", "uvicorn", "prometheus-client"],
     },

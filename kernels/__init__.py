@@ -6,17 +6,42 @@ from __future__ import annotations
 
 import torch
 
-from kernels.moe_ref import (ACTIVATIONS, expert_ffn_ref, fused_moe_ref, gather_rows_ref,
-                             grouped_ffn_ref, scatter_rows_ref, token_maps_ref, topk_gating_ref)
-
-topk_gating = topk_gating_ref
-token_maps = token_maps_ref
-scatter_rows = scatter_rows_ref
-gather_rows = gather_rows_ref
-grouped_ffn = grouped_ffn_ref
+from kernels.fused_moe import fused_moe_triton, grouped_ffn_triton, quantize_int8
+from kernels.layout import gather_rows_triton, scatter_rows_triton
+from kernels.maps import token_maps_triton
+from kernels.moe_ref import (ACTIVATIONS, dequantize_ref, expert_ffn_ref, fused_moe_ref,
+                             gather_rows_ref, grouped_ffn_ref, scatter_rows_ref, token_maps_ref,
+                             topk_gating_ref)
 
 
-def _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation):
+def topk_gating(logits, k, score="softmax", renormalize=True):
+    """-> expert ids [T, k] int32, weights [T, k] float32 (see ``topk_gating_ref``)."""
+    return topk_gating_ref(logits, k, score, renormalize)
+
+
+def token_maps(expert_ids, num_experts, capacity=None):
+    """-> offsets [E + 1], rows [T, k] (see ``token_maps_ref``)."""
+    if expert_ids.is_cuda:
+        return token_maps_triton(expert_ids, num_experts, capacity)[:2]
+    return token_maps_ref(expert_ids, num_experts, capacity)
+
+
+def scatter_rows(x, rows):
+    return scatter_rows_triton(x, rows) if x.is_cuda else scatter_rows_ref(x, rows)
+
+
+def gather_rows(ys, rows, weights):
+    return gather_rows_triton(ys, rows, weights) if ys.is_cuda else gather_rows_ref(ys, rows, weights)
+
+
+def grouped_ffn(xs, offsets, w13, w2, activation="silu", w13_scale=None, w2_scale=None):
+    if xs.is_cuda:
+        return grouped_ffn_triton(xs, offsets, w13, w2, activation, w13_scale, w2_scale)
+    return grouped_ffn_ref(xs, offsets, dequantize_ref(w13, w13_scale, xs.dtype),
+                           dequantize_ref(w2, w2_scale, xs.dtype), activation)
+
+
+def _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
     if x.dim() != 2:
@@ -35,20 +60,31 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation):
                          f"{list(topk_weights.shape)}: expected both [T={t}, k]")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids: expected int32 or int64, got {topk_ids.dtype}")
+    for name, w, s in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+        if (w.dtype == torch.int8) != (s is not None):
+            raise ValueError(f"{name}_scale: expected per-channel scales exactly when {name} is int8")
+        if s is not None and tuple(s.shape) != tuple(w.shape[:2]):
+            raise ValueError(f"{name}_scale {list(s.shape)}: expected {list(w.shape[:2])}")
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              activation: str = "silu") -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              capacity: int | None = None) -> torch.Tensor:
     """MoE expert computation on one device: x [T, H] -> [T, H].
 
     w13 [E, 2F, H] holds each expert's gate rows then up rows (Hugging Face / vLLM layout;
-    [E, F, H] for the plain GeLU experts of GPT-style models), w2 [E, H, F].
+    [E, F, H] for the plain GeLU experts of GPT-style models), w2 [E, H, F]. int8 weights
+    come with per-output-channel scales ``w13_scale [E, 2F]``, ``w2_scale [E, H]``
+    (``quantize_int8``). ``capacity`` drops pairs past that many per expert (None: dropless).
     """
-    _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation)
+    _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale)
+    if x.is_cuda:
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity)
 
 
 __all__ = ["fused_moe", "fused_moe_ref", "topk_gating", "topk_gating_ref", "token_maps",
            "token_maps_ref", "scatter_rows", "scatter_rows_ref", "gather_rows", "gather_rows_ref",
-           "grouped_ffn", "grouped_ffn_ref", "expert_ffn_ref"]
+           "grouped_ffn", "grouped_ffn_ref", "expert_ffn_ref", "fused_moe_triton", "grouped_ffn_triton",
+           "token_maps_triton", "scatter_rows_triton", "gather_rows_triton", "quantize_int8", "dequantize_ref"]

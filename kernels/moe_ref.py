@@ -36,6 +36,40 @@ def topk_gating_ref(logits: torch.Tensor, k: int, score: str = "softmax",
     return ids.to(torch.int32), weights
 
 
+def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
+                     topk_group: int, score: str = "sigmoid", renormalize: bool = True,
+                     routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: ids [T, k] int32 and weights [T, k] float32.
+
+    ``choice = scores + bias`` picks the experts (the bias is the e_score_correction_bias); the
+    E experts form ``n_group`` contiguous groups, a group's score is the sum of its two best
+    choices (its only one for groups of one expert), and only the ``topk_group`` best groups
+    stay eligible. ids are in descending choice order; the weights are the unbiased scores at
+    those ids, renormalised if asked, then multiplied by ``routed_scaling_factor``.
+    """
+    logits = logits.float()
+    if score == "softmax":
+        scores = logits.softmax(dim=-1)  # [T, E]
+    elif score == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"score={score!r}: expected softmax or sigmoid")
+    t, e = scores.shape
+    if e % n_group:
+        raise ValueError(f"n_group={n_group}: expected a divisor of E={e}")
+    choice = (scores + bias.float()).view(t, n_group, e // n_group)  # [T, G, E / G]
+    group_score = choice.topk(min(2, e // n_group), dim=-1).values.sum(dim=-1)  # [T, G]
+    kept = group_score.topk(topk_group, dim=-1).indices  # [T, topk_group]
+    dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, kept, False)
+    # -inf, not 0 as in some ports: a negative bias can push a kept expert's choice below 0.
+    choice = choice.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(t, e)
+    ids = torch.topk(choice, k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights * routed_scaling_factor
+
+
 def token_maps_ref(expert_ids: torch.Tensor, num_experts: int,
                    capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert-major layout: ``offsets [E + 1]`` (exclusive scan of per-expert counts) and
@@ -107,11 +141,20 @@ def grouped_ffn_ref(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
     return ys
 
 
+def dequantize_ref(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """int8 [E, N, K] with per-channel scales [E, N] -> ``dtype``; other weights pass through."""
+    if scale is None:
+        return q
+    return (q.float() * scale.float()[..., None]).to(dtype)
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  activation: str = "silu") -> torch.Tensor:
+                  activation: str = "silu", w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
     """The single-device expert computation: maps, scatter, grouped FFN, gather."""
-    offsets, rows = token_maps_ref(topk_ids, w13.shape[0])
+    w13, w2 = dequantize_ref(w13, w13_scale, x.dtype), dequantize_ref(w2, w2_scale, x.dtype)
+    offsets, rows = token_maps_ref(topk_ids, w13.shape[0], capacity)
     xs = scatter_rows_ref(x, rows)
     ys = grouped_ffn_ref(xs, offsets, w13, w2, activation)
     return gather_rows_ref(ys, rows, topk_weights)

@@ -1,26 +1,16 @@
-"""Steps 2-3 and the inverse of 3: expert-to-token maps, dispatch and combine.
+"""Getting tokens to their experts and back (steps 2-3 of the MoE layer and the inverse).
 
-Shape letters: T tokens, H hidden, E experts, k slots, N = T * k buffer rows.
-The local dispatcher moves rows within one device; expert-parallel dispatchers keep the
-same interface and add the all-to-all between the layout transform and the experts.
+Shape letters: T tokens, H hidden, E experts, k slots.
+A dispatcher owns where experts live. With all experts on this device the maps, the
+layout transform, the experts and the combine run as one fused kernel sequence
+(``kernels.fused_moe``); expert-parallel dispatchers keep this interface and put the
+all-to-all between the layout transform and the experts.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
-
-import kernels
-
-
-@dataclass
-class Dispatched:
-    """The expert-major buffer and what combine needs to undo the layout transform."""
-
-    xs: torch.Tensor  # [N, H] token copies grouped by expert
-    offsets: torch.Tensor  # [E + 1] int32: expert e owns rows offsets[e] .. offsets[e + 1]
-    rows: torch.Tensor  # [T, k] int32: buffer row of each (token, slot), -1 if dropped
 
 
 class LocalDispatcher:
@@ -34,9 +24,6 @@ class LocalDispatcher:
             return None  # dropless
         return max(1, math.ceil(num_tokens * self.top_k / self.num_experts * self.capacity_factor))
 
-    def dispatch(self, x: torch.Tensor, expert_ids: torch.Tensor) -> Dispatched:
-        offsets, rows = kernels.token_maps(expert_ids, self.num_experts, self.capacity(x.shape[0]))
-        return Dispatched(kernels.scatter_rows(x, rows), offsets, rows)
-
-    def combine(self, ys: torch.Tensor, d: Dispatched, weights: torch.Tensor) -> torch.Tensor:
-        return kernels.gather_rows(ys, d.rows, weights)  # [T, H]
+    def run(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts) -> torch.Tensor:
+        """x [T, H], expert_ids / weights [T, k] -> the weighted expert outputs [T, H]."""
+        return experts.fused(x, expert_ids, weights, self.capacity(x.shape[0]))

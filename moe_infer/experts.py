@@ -1,6 +1,7 @@
 """Step 4: the experts' weights and the grouped FFN over the expert-major buffer.
 
-Shape letters: E experts, H hidden, F expert width, N buffer rows.
+Shape letters: E experts, H hidden, F expert width, N buffer rows, T tokens, k slots.
+``Int8Experts`` is the weight-only int8 variant, swapped in by ``quantize_experts``.
 """
 from __future__ import annotations
 
@@ -22,5 +23,42 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, width))
         self.activation = _KERNEL_ACTIVATION[activation]
 
+    def scales(self) -> dict:
+        return {}
+
     def forward(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return kernels.grouped_ffn(xs, offsets, self.w13, self.w2, self.activation)  # [N, H]
+        """Dispatched rows xs [N, H] grouped by ``offsets`` -> [N, H]."""
+        return kernels.grouped_ffn(xs, offsets, self.w13, self.w2, self.activation, **self.scales())
+
+    def fused(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+              capacity: int | None = None) -> torch.Tensor:
+        """Tokens x [T, H] -> weighted sum of their experts' outputs [T, H], in one pass."""
+        return kernels.fused_moe(x, self.w13, self.w2, weights, expert_ids, self.activation,
+                                 capacity=capacity, **self.scales())
+
+
+class Int8Experts(Experts):
+    """Weight-only int8 experts: int8 w13 / w2 with per-output-channel float32 scales."""
+
+    def __init__(self, experts: Experts):
+        nn.Module.__init__(self)
+        self.activation = experts.activation
+        q13, s13 = kernels.quantize_int8(experts.w13.detach())
+        q2, s2 = kernels.quantize_int8(experts.w2.detach())
+        self.w13 = nn.Parameter(q13, requires_grad=False)
+        self.w2 = nn.Parameter(q2, requires_grad=False)
+        self.register_buffer("w13_scale", s13)
+        self.register_buffer("w2_scale", s2)
+
+    def scales(self) -> dict:
+        return {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale}
+
+
+def quantize_experts(model: nn.Module) -> nn.Module:
+    """Swaps every ``Experts`` module of ``model`` for its int8 version, in place."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is Experts:
+                setattr(module, name, Int8Experts(child))
+                del child
+    return model

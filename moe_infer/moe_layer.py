@@ -33,9 +33,7 @@ class MoELayer(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
         expert_ids, weights = self.router(x)  # [T, k] each
-        d = self.dispatcher.dispatch(x, expert_ids)
-        ys = self.experts(d.xs, d.offsets)
-        out = self.dispatcher.combine(ys, d, weights)  # [T, H]
+        out = self.dispatcher.run(x, expert_ids, weights, self.experts)  # [T, H]
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:

@@ -1,0 +1,123 @@
+"""The single-device MoE expert computation in Triton: maps, up GEMM (tokens read in place,
+activation fused), down GEMM (combine weights fused), combine.
+
+Shape letters: T tokens, H hidden, E experts, k slots, F expert width, N = T * k rows.
+Launch configurations come from ``kernels/configs/moe.json`` (written by
+``scripts/tune_moe.py``), looked up per device, shape and T; nothing is tuned while serving.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+
+from kernels.grouped_gemm import grouped_gemm
+from kernels.layout import combine_rows_triton
+from kernels.maps import token_maps_triton
+
+CONFIG_FILE = Path(__file__).with_name("configs") / "moe.json"
+NUM_SMS_DEFAULT = 132  # H100 SXM; only shapes the split-K heuristic
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned() -> dict:
+    return json.loads(CONFIG_FILE.read_text()) if CONFIG_FILE.is_file() else {}
+
+
+def device_key(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def shape_key(phase: str, e: int, n: int, k: int, wdtype: torch.dtype, topk: int) -> str:
+    """phase up/down, E, output rows of W, reduction K, weight dtype, top-k."""
+    return f"{phase}:E{e}:N{n}:K{k}:{str(wdtype).removeprefix('torch.')}:k{topk}"
+
+
+def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: int) -> dict:
+    """A reasonable launch configuration when the tuning table has no entry."""
+    rows_per_expert = max(1, t * topk // e) if t * topk >= e else 1
+    bm = min(128, max(16, triton.next_power_of_2(min(rows_per_expert, t))))
+    if bm <= 32:  # bandwidth-bound: wide K steps, many loads in flight
+        cfg = dict(bm=bm, bn=64, bk=128, num_warps=4, num_stages=4)
+    else:  # tensor-core bound
+        cfg = dict(bm=bm, bn=128 if phase == "down" else 64, bk=64, num_warps=8, num_stages=3)
+    split = 1
+    if phase == "down":
+        tiles = min(e, t * topk) * triton.cdiv(n, cfg["bn"])
+        while tiles * split < 2 * sms and k // (split * 2) >= 512 and split < 8:
+            split *= 2
+    cfg["split_k"] = split
+    return cfg
+
+
+def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: int,
+                  wdtype: torch.dtype, topk: int) -> dict:
+    table = _tuned().get(device_key(device), {}).get(shape_key(phase, e, n, k, wdtype, topk))
+    if table:
+        # Entries are keyed by T buckets; take the smallest bucket >= t (else the largest).
+        buckets = sorted(int(b) for b in table)
+        pick = next((b for b in buckets if b >= t), buckets[-1])
+        return dict(table[str(pick)])
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+        else NUM_SMS_DEFAULT
+    return default_config(phase, t, e, n, k, topk, sms)
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
+                     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                     capacity: int | None = None, configs: tuple[dict, dict] | None = None
+                     ) -> torch.Tensor:
+    """Same contract as ``kernels.fused_moe``; ``configs`` overrides the (up, down) launch
+    configurations (the tuning script uses it)."""
+    t, h = x.shape
+    e, topk = w2.shape[0], topk_ids.shape[1]
+    f = w2.shape[2]
+    n = t * topk
+    offsets, rows, row_pair = token_maps_triton(topk_ids, e, capacity)
+    if configs is None:
+        configs = (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk),
+                   launch_config("down", x.device, t, e, h, f, w2.dtype, topk))
+    up_cfg, down_cfg = configs
+    hidden = grouped_gemm(x.contiguous(), w13, offsets, row_pair, up_cfg, num_rows=n, topk=topk,
+                          a_from_tokens=True, gated=activation == "silu",
+                          act="gelu" if activation == "gelu" else "none", scale=w13_scale)[0]  # [N, F]
+    partial = grouped_gemm(hidden, w2, offsets, row_pair, down_cfg, num_rows=n, topk=topk,
+                           a_from_tokens=False, gated=False, scale=w2_scale,
+                           pair_weights=topk_weights.reshape(-1).float().contiguous(),
+                           out_dtype=torch.float32)  # [S, N, H], already weighted
+    return combine_rows_triton(partial, rows, None, x.dtype)
+
+
+def grouped_ffn_triton(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       activation: str = "silu", w13_scale: torch.Tensor | None = None,
+                       w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts on an already dispatched buffer xs [N, H] (``grouped_ffn_ref``)."""
+    n, h = xs.shape
+    e = w2.shape[0]
+    identity = torch.arange(n, dtype=torch.int32, device=xs.device)  # buffer row i holds "pair" i
+    up_cfg = launch_config("up", xs.device, n, e, w13.shape[1], h, w13.dtype, 1)
+    down_cfg = launch_config("down", xs.device, n, e, h, w2.shape[2], w2.dtype, 1)
+    hidden = grouped_gemm(xs, w13, offsets, identity, up_cfg, num_rows=n, topk=1, a_from_tokens=False,
+                          gated=activation == "silu", act="gelu" if activation == "gelu" else "none",
+                          scale=w13_scale)[0]
+    ys = grouped_gemm(hidden, w2, offsets, identity, down_cfg, num_rows=n, topk=1, a_from_tokens=False,
+                      gated=False, scale=w2_scale, out_dtype=torch.float32)
+    return ys.sum(0).to(xs.dtype) if ys.shape[0] > 1 else ys[0].to(xs.dtype)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8 with per-output-channel scales: w [E, N, K] -> (q int8, scale f32 [E, N]).
+
+    Symmetric: scale = max|w| / 127 per row, q = round(w / scale)."""
+    if w.dim() != 3:
+        raise ValueError(f"w: expected expert weights [E, N, K], got shape {list(w.shape)}")
+    wf = w.float()
+    scale = wf.abs().amax(dim=-1).clamp(min=1e-12) / 127.0  # [E, N]
+    q = torch.round(wf / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale

@@ -1,0 +1,254 @@
+"""Triton top-k gating: router logits -> the token-to-expert table, in one kernel
+(DeepSpeed-Inference section V-C, step 1).
+
+Shape letters: T tokens, E experts, k slots per token, G expert groups, S = E / G experts per
+group.
+
+  topk_gating_triton   logits [T, E]           -> ids [T, k] int32, weights [T, k] float32
+  grouped_topk_triton  logits [T, E], bias [E] -> ids [T, k] int32, weights [T, k] float32
+
+Each program owns BLOCK_T rows of logits and keeps them in registers from load to store: scores,
+the k rounds of max/argmax and the renormalisation never touch memory. Logits are converted
+to float32 right after the load (the interpreter computes bf16 arithmetic wrongly, and router
+scores want float32 anyway). ids come out in descending score order and ties go to the lowest
+expert index, as torch.topk does; ``kernels.moe_ref`` holds the reference math.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SCORES = ("softmax", "sigmoid")
+MAX_EXPERTS = 1024  # a row of scores lives in registers: at most 4 rows a program at E = 1024
+MAX_K = 16  # the k rounds are unrolled
+TILE = 4096  # float32 scores a program holds: 16 rows of 256 experts, 64 rows of 64
+
+
+@triton.jit
+def _topk_gating_kernel(
+    logits_ptr,  # [T, E] router logits, any float dtype, any strides
+    ids_ptr,  # [T, K] int32 output, contiguous
+    weights_ptr,  # [T, K] float32 output, contiguous
+    T, E,  # rows, experts (E <= BLOCK_E)
+    stride_lt, stride_le,  # logits strides in elements, along T and E
+    K: tl.constexpr,  # slots per token
+    SOFTMAX: tl.constexpr,  # softmax scores, else sigmoid
+    RENORMALIZE: tl.constexpr,  # divide the k weights by their sum
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    row_ok = rows < T
+    col_ok = cols < E
+    rows64 = rows.to(tl.int64)  # T * stride can pass 2**31
+    ptrs = logits_ptr + rows64[:, None] * stride_lt + cols[None, :] * stride_le
+    x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    # Padding experts get -inf so softmax gives them 0; padding rows stay 0 (no NaN) and
+    # are never stored.
+    x = tl.where(col_ok[None, :], x, float("-inf"))  # [BLOCK_T, BLOCK_E]
+    if SOFTMAX:
+        p = tl.exp(x - tl.max(x, axis=1)[:, None])
+        s = p / tl.sum(p, axis=1)[:, None]
+    else:
+        s = tl.sigmoid(x)
+    # -inf, not 0, so a padding expert never beats a real expert whose score underflowed.
+    s = tl.where(col_ok[None, :], s, float("-inf"))
+
+    # k rounds of max / argmax; each winner is knocked out with -inf. The table is built in
+    # registers ([BLOCK_T, BLOCK_K]) so the renormalisation needs no second pass.
+    slots = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    top_ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    for j in tl.static_range(K):
+        best = tl.max(s, axis=1)  # [BLOCK_T]
+        # Lowest index among the maxima: ties resolve as torch.topk does.
+        idx = tl.min(tl.where(s == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        top_ids = tl.where(slots[None, :] == j, idx[:, None], top_ids)
+        top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
+        s = tl.where(cols[None, :] == idx[:, None], float("-inf"), s)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]  # padding slots hold 0
+
+    out = rows64[:, None] * K + slots[None, :]
+    out_ok = row_ok[:, None] & (slots[None, :] < K)
+    tl.store(ids_ptr + out, top_ids, mask=out_ok)
+    tl.store(weights_ptr + out, top_w, mask=out_ok)
+
+
+@triton.jit
+def _grouped_topk_kernel(
+    logits_ptr,  # [T, E] router logits, any float dtype, any strides
+    bias_ptr,  # [E] score-correction bias, any float dtype; steers the choice only
+    ids_ptr,  # [T, K] int32 output, contiguous
+    weights_ptr,  # [T, K] float32 output, contiguous
+    T,  # rows
+    stride_lt, stride_le,  # logits strides in elements, along T and E
+    stride_b,  # bias stride in elements
+    scale,  # routed_scaling_factor, applied after the renormalisation
+    K: tl.constexpr,  # slots per token
+    N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,  # E = N_GROUP * GROUP_SIZE, contiguous
+    TOPK_GROUP: tl.constexpr,  # groups kept per token
+    SOFTMAX: tl.constexpr,  # softmax scores, else sigmoid
+    RENORMALIZE: tl.constexpr,  # divide the k weights by their sum
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Tiles are [BLOCK_T, BLOCK_G, BLOCK_S]: one row of logits seen as G groups of S experts,
+    # each padded separately, so per-group reductions are plain reductions over the last axis
+    # and S need not be a power of two.
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    groups = tl.arange(0, BLOCK_G)  # [BLOCK_G]
+    within = tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    row_ok = rows < T
+    e_ok = (groups[:, None] < N_GROUP) & (within[None, :] < GROUP_SIZE)  # [BLOCK_G, BLOCK_S]
+    # Expert index of each tile position; padding gets a sentinel past every real index, so a
+    # padded slot of group g never aliases the first expert of group g + 1.
+    BIG: tl.constexpr = BLOCK_G * BLOCK_S
+    expert = tl.where(e_ok, groups[:, None] * GROUP_SIZE + within[None, :], BIG)
+    rows64 = rows.to(tl.int64)  # T * stride can pass 2**31
+    ptrs = logits_ptr + rows64[:, None, None] * stride_lt + expert[None, :, :] * stride_le
+    x = tl.load(ptrs, mask=row_ok[:, None, None] & e_ok[None, :, :], other=0.0).to(tl.float32)
+    x = tl.where(e_ok[None, :, :], x, float("-inf"))  # [BLOCK_T, BLOCK_G, BLOCK_S]
+    if SOFTMAX:
+        p = tl.exp(x - tl.max(tl.max(x, axis=2), axis=1)[:, None, None])
+        scores = p / tl.sum(tl.sum(p, axis=2), axis=1)[:, None, None]
+    else:
+        scores = tl.sigmoid(x)
+    bias = tl.load(bias_ptr + expert * stride_b, mask=e_ok, other=0.0).to(tl.float32)
+    choice = tl.where(e_ok[None, :, :], scores + bias[None, :, :], float("-inf"))
+
+    # Group score: the sum of the group's two best choices (the only one for S = 1).
+    first = tl.max(choice, axis=2)  # [BLOCK_T, BLOCK_G]
+    first_at = tl.min(tl.where(choice == first[:, :, None], within[None, None, :], BLOCK_S), axis=2)
+    if GROUP_SIZE > 1:
+        rest = tl.where(within[None, None, :] == first_at[:, :, None], float("-inf"), choice)
+        group_score = first + tl.max(rest, axis=2)  # padding groups: -inf
+    else:
+        group_score = first
+
+    # Keep the TOPK_GROUP best groups (rounds of max / argmax, lowest index on ties).
+    keep = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.max(group_score, axis=1)  # [BLOCK_T]
+        g = tl.min(tl.where(group_score == best[:, None], groups[None, :], BLOCK_G), axis=1)
+        hit = groups[None, :] == g[:, None]  # [BLOCK_T, BLOCK_G]
+        keep = tl.where(hit, 1, keep)
+        group_score = tl.where(hit, float("-inf"), group_score)
+    choice = tl.where(keep[:, :, None] != 0, choice, float("-inf"))
+
+    # Top-k over the choice in the kept groups; the weight is the unbiased score.
+    slots = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    top_ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    for j in tl.static_range(K):
+        best = tl.max(tl.max(choice, axis=2), axis=1)  # [BLOCK_T]
+        idx = tl.min(tl.min(tl.where(choice == best[:, None, None], expert[None, :, :], BIG),
+                            axis=2), axis=1)
+        hit = expert[None, :, :] == idx[:, None, None]  # exactly one position per row
+        w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=2), axis=1)
+        top_ids = tl.where(slots[None, :] == j, idx[:, None], top_ids)
+        top_w = tl.where(slots[None, :] == j, w[:, None], top_w)
+        choice = tl.where(hit, float("-inf"), choice)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]  # padding slots hold 0
+    top_w = top_w * scale
+
+    out = rows64[:, None] * K + slots[None, :]
+    out_ok = row_ok[:, None] & (slots[None, :] < K)
+    tl.store(ids_ptr + out, top_ids, mask=out_ok)
+    tl.store(weights_ptr + out, top_w, mask=out_ok)
+
+
+def _check_logits(logits: torch.Tensor, k: int, score: str) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected [T, E], got shape {list(logits.shape)}")
+    if logits.dtype not in LOGIT_DTYPES:
+        raise ValueError(f"logits: expected one of {LOGIT_DTYPES}, got {logits.dtype}")
+    e = logits.shape[1]
+    if not 1 <= e <= MAX_EXPERTS:
+        raise ValueError(f"logits: expected 1 <= E <= {MAX_EXPERTS} experts, got E={e}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(e, MAX_K):
+        raise ValueError(f"k={k!r}: expected an int with 1 <= k <= min(E={e}, {MAX_K})")
+    if score not in SCORES:
+        raise ValueError(f"score={score!r}: expected one of {SCORES}")
+
+
+def _block_t(t: int, tile_cols: int) -> int:
+    """Rows per program: fill a TILE-element tile, but no more rows than there are tokens."""
+    return max(1, min(64, TILE // tile_cols, triton.next_power_of_2(t)))
+
+
+def _outputs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = logits.shape[0]
+    ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)  # [T, k]
+    weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)  # [T, k]
+    return ids, weights
+
+
+def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
+                       renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the router scores: ids [T, k] int32 (descending score) and weights [T, k]
+    float32; the same contract as ``topk_gating_ref``."""
+    _check_logits(logits, k, score)
+    t, e = logits.shape
+    ids, weights = _outputs(logits, k)
+    if t == 0:
+        return ids, weights
+    block_e = triton.next_power_of_2(e)
+    block_t = _block_t(t, block_e)
+    _topk_gating_kernel[(triton.cdiv(t, block_t),)](
+        logits, ids, weights, t, e, logits.stride(0), logits.stride(1),
+        K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+    return ids, weights
+
+
+def _check_grouped_args(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
+                        topk_group: int, routed_scaling_factor: float) -> None:
+    e = logits.shape[1]
+    if bias.dim() != 1 or bias.shape[0] != e:
+        raise ValueError(f"bias: expected [E={e}], got shape {list(bias.shape)}")
+    if not bias.is_floating_point():
+        raise ValueError(f"bias: expected a float dtype, got {bias.dtype}")
+    if bias.device != logits.device:
+        raise ValueError(f"bias: expected device {logits.device}, got {bias.device}")
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or e % n_group:
+        raise ValueError(f"n_group={n_group!r}: expected a positive int dividing E={e}")
+    if (isinstance(topk_group, bool) or not isinstance(topk_group, int)
+            or not 1 <= topk_group <= n_group):
+        raise ValueError(f"topk_group={topk_group!r}: expected an int with "
+                         f"1 <= topk_group <= n_group={n_group}")
+    kept = topk_group * (e // n_group)
+    if k > kept:
+        raise ValueError(f"k={k}: expected k <= topk_group * E / n_group = {kept} experts "
+                         "that the kept groups hold")
+    if not isinstance(routed_scaling_factor, (int, float)) or isinstance(routed_scaling_factor,
+                                                                         bool):
+        raise ValueError(f"routed_scaling_factor={routed_scaling_factor!r}: expected a number")
+
+
+def grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
+                        topk_group: int, score: str = "sigmoid", renormalize: bool = True,
+                        routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: ids [T, k] int32 (descending ``scores + bias``) and weights [T, k]
+    float32 (unbiased scores, renormalised if asked, times ``routed_scaling_factor``); the
+    same contract as ``grouped_topk_ref``."""
+    _check_logits(logits, k, score)
+    _check_grouped_args(logits, bias, k, n_group, topk_group, routed_scaling_factor)
+    t, e = logits.shape
+    ids, weights = _outputs(logits, k)
+    if t == 0:
+        return ids, weights
+    group_size = e // n_group
+    block_g, block_s = triton.next_power_of_2(n_group), triton.next_power_of_2(group_size)
+    block_t = _block_t(t, block_g * block_s)
+    _grouped_topk_kernel[(triton.cdiv(t, block_t),)](
+        logits, bias, ids, weights, t, logits.stride(0), logits.stride(1), bias.stride(0),
+        float(routed_scaling_factor),
+        K=k, N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
+        SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
+        BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_S=block_s,
+        BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+    return ids, weights

@@ -1,0 +1,142 @@
+"""Triton grouped expert GEMM over the expert-major buffer (DeepSpeed-Inference V-C step 4;
+the small-batch design of section III).
+
+Shape letters: E experts, H hidden, F expert width, N buffer rows (= T * k), BM x BN
+output tiles, BK the reduction step, S split-K partials.
+
+One kernel serves both expert GEMMs:
+- up:   A = x rows gathered through ``row_pair`` (the scatter fused into the load),
+        W = w13 [E, 2F, H]; SiLU(gate) * up (or GeLU) in the epilogue -> h [N, F].
+- down: A = h [N, F], W = w2 [E, H, F]; the combine weight of each row is applied in
+        the epilogue and S split-K partials go to a float32 buffer [S, N, H], summed by
+        the combine kernel (deterministic: no atomics).
+
+Expert e owns buffer rows offsets[e] .. offsets[e + 1], cut into ceil(count / BM) row
+tiles; every program rebuilds that tile map from ``offsets`` (E values), so nothing is
+read back to the host and the grid is sized from T alone: CUDA-graph safe. At decode
+sizes (T <= 16) each active expert is one row tile, so each weight byte is read once;
+at large T the same kernel runs with 128-row tiles on the tensor cores.
+
+int8 weights carry per-output-channel scales: the tile is widened to the activation
+dtype before the dot and the scale multiplies the accumulator once, in the epilogue.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # [*, K] activations: x [T, H] (A_FROM_TOKENS) or the buffer [N, K]
+    row_pair_ptr,  # [N] int32 pair held by each buffer row (token = pair // TOPK)
+    w_ptr,  # [E, W_ROWS, K] weights, K contiguous
+    scale_ptr,  # [E, W_ROWS] float32 per-output-channel scales (INT8_W only)
+    offsets_ptr,  # [E + 1] int32 expert segments of the buffer
+    pair_w_ptr,  # [T * TOPK] float32 combine weight of each pair (ROW_WEIGHT only)
+    out_ptr,  # [S, N, N_OUT] out
+    N_OUT, K, W_ROWS,  # output columns (F for gated up: gate rows, then up rows at +F)
+    stride_a, stride_we, stride_wn, stride_se, stride_os, stride_om,
+    E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Tile map: which expert owns row tile pid_m, and where its rows start.
+    e_idx = tl.arange(0, E_PAD)
+    seg_lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+    seg_hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    tiles = (seg_hi - seg_lo + BM - 1) // BM
+    tiles_end = tl.cumsum(tiles, axis=0)
+    if pid_m >= tl.sum(tiles):
+        return  # the grid is sized for the worst case; this tile has no rows
+    e = tl.sum((tiles_end <= pid_m).to(tl.int32))
+    mine = e_idx == e
+    first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0))
+    lo = tl.sum(tl.where(mine, seg_lo, 0))
+    hi = tl.sum(tl.where(mine, seg_hi, 0))
+
+    rows = lo + (pid_m - first_tile) * BM + tl.arange(0, BM)
+    row_ok = rows < hi
+    if A_FROM_TOKENS:  # read tokens in place: the layout transform fused into the load
+        a_rows = tl.load(row_pair_ptr + rows, mask=row_ok, other=0) // TOPK
+    else:
+        a_rows = rows
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < N_OUT
+    k_span = tl.cdiv(K, SPLIT_K * BK) * BK
+    k_lo = pid_k * k_span
+
+    a_base = a_ptr + a_rows[:, None].to(tl.int64) * stride_a
+    w_base = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_up = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, k_span, BK):
+        ks = k_lo + k0 + tl.arange(0, BK)
+        k_ok = ks < K
+        a = tl.load(a_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wm = k_ok[:, None] & col_ok[None, :]
+        b = tl.load(w_base + ks[:, None], mask=wm, other=0)  # [BK, BN]: W^T, K contiguous
+        if UPCAST:  # interpreter (its bf16 arithmetic is wrong) or fp32 inputs: fp32 dot
+            a = a.to(tl.float32)
+        b = b.to(a.dtype)  # int8 weights widen to the activation dtype (exact up to 127)
+        acc += tl.dot(a, b, input_precision="ieee" if IEEE else None)
+        if GATED:
+            b_up = tl.load(w_base + N_OUT * stride_wn + ks[:, None], mask=wm, other=0).to(a.dtype)
+            acc_up += tl.dot(a, b_up, input_precision="ieee" if IEEE else None)
+
+    if INT8_W:
+        s_base = scale_ptr + e * stride_se
+        acc *= tl.load(s_base + cols, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(s_base + N_OUT + cols, mask=col_ok, other=0.0)[None, :]
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # SiLU(gate) * up
+    elif ACT == "gelu":
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    if ROW_WEIGHT:
+        pair = tl.load(row_pair_ptr + rows, mask=row_ok, other=0)
+        acc *= tl.load(pair_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    out = out_ptr + pid_k * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def max_row_tiles(num_rows: int, num_experts: int, bm: int) -> int:
+    """Upper bound on the row tiles of any routing: each expert's last tile may be partial."""
+    return triton.cdiv(num_rows, bm) + min(num_experts, num_rows)
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, row_pair: torch.Tensor,
+                 cfg: dict, *, num_rows: int, topk: int, a_from_tokens: bool, gated: bool,
+                 act: str = "none", scale: torch.Tensor | None = None,
+                 pair_weights: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+    """Runs one expert GEMM; returns [S, num_rows, N_OUT] (S = cfg["split_k"]).
+
+    ``cfg`` holds the launch configuration: bm, bn, bk, split_k, num_warps, num_stages.
+    """
+    e, w_rows, k = w.shape
+    n_out = w_rows // 2 if gated else w_rows
+    split = cfg["split_k"]
+    if split > 1 and (gated or act != "none"):
+        raise ValueError("split_k > 1 needs a linear epilogue (the down GEMM)")
+    out = torch.empty(split, num_rows, n_out, device=a.device,
+                      dtype=torch.float32 if split > 1 else (out_dtype or a.dtype))
+    int8 = w.dtype == torch.int8
+    if int8 and scale is None:
+        raise ValueError("int8 weights need their per-channel scales")
+    grid = (max_row_tiles(num_rows, e, cfg["bm"]), triton.cdiv(n_out, cfg["bn"]), split)
+    _grouped_gemm_kernel[grid](
+        a, row_pair, w, scale if int8 else w, offsets,
+        pair_weights if pair_weights is not None else offsets, out,
+        n_out, k, w_rows, a.stride(0), w.stride(0), w.stride(1), scale.stride(0) if int8 else 0,
+        out.stride(0), out.stride(1),
+        E=e, E_PAD=triton.next_power_of_2(e), TOPK=topk,
+        BM=cfg["bm"], BN=cfg["bn"], BK=cfg["bk"], SPLIT_K=split,
+        A_FROM_TOKENS=a_from_tokens, GATED=gated, ACT=act, ROW_WEIGHT=pair_weights is not None,
+        INT8_W=int8, UPCAST=a.device.type == "cpu" or a.dtype == torch.float32,
+        IEEE=a.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out

@@ -1,0 +1,88 @@
+"""Triton layout transforms between token order and the expert-major buffer
+(DeepSpeed-Inference V-C, steps 3 and its inverse): row copies driven by the maps, never
+one-hot einsums.
+
+Shape letters: T tokens, k slots, H hidden, N = T * k buffer rows, S split-K partials.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scatter_kernel(
+    x_ptr,  # [T, H] tokens
+    rows_ptr,  # [T * k] int32 buffer row of each (token, slot), -1 if dropped
+    xs_ptr,  # [N, H] out: the expert-major buffer
+    H, stride_x, stride_xs,
+    K: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = h < H
+    v = tl.load(x_ptr + t * stride_x + h, mask=hm)  # read the token once, write it k times
+    for j in tl.static_range(K):
+        r = tl.load(rows_ptr + t * K + j)
+        tl.store(xs_ptr + r * stride_xs + h, v, mask=hm & (r >= 0))
+
+
+@triton.jit
+def _gather_kernel(
+    ys_ptr,  # [S, N, H] expert outputs (S split-K partials, summed here)
+    rows_ptr,  # [T * k] int32 buffer row of each (token, slot), -1 if dropped
+    w_ptr,  # [T * k] float32 combine weights (unused unless HAS_W)
+    out_ptr,  # [T, H] out
+    H, stride_ys_s, stride_ys, stride_out,
+    K: tl.constexpr, S: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = h < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.load(rows_ptr + t * K + j)
+        w = tl.load(w_ptr + t * K + j) if HAS_W else 1.0
+        for s in tl.static_range(S):
+            y = tl.load(ys_ptr + s * stride_ys_s + r * stride_ys + h, mask=hm & (r >= 0), other=0.0)
+            acc += w * y.to(tl.float32)
+    tl.store(out_ptr + t * stride_out + h, acc.to(out_ptr.dtype.element_ty), mask=hm)
+
+
+def _block_h(h: int) -> int:
+    return min(1024, triton.next_power_of_2(h))
+
+
+def scatter_rows_triton(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [T, H], rows [T, k] -> xs [T * k, H]; rows of dropped pairs are left zero."""
+    t, k = rows.shape
+    if x.dim() != 2 or x.shape[0] != t:
+        raise ValueError(f"x {list(x.shape)}: expected [T={t}, H] to match rows {list(rows.shape)}")
+    x = x.contiguous()
+    xs = x.new_zeros(t * k, x.shape[1])  # rows of dropped pairs stay zero, without a host check
+    bh = _block_h(x.shape[1])
+    _scatter_kernel[(t, triton.cdiv(x.shape[1], bh))](
+        x, rows.reshape(-1).contiguous(), xs, x.shape[1], x.stride(0), xs.stride(0), K=k, BLOCK_H=bh)
+    return xs
+
+
+def combine_rows_triton(ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """ys [S, N, H] (partials) -> out [T, H] = sum over slots and partials of w * ys."""
+    t, k = rows.shape
+    s, _, h = ys.shape
+    out = torch.empty(t, h, dtype=out_dtype, device=ys.device)
+    bh = _block_h(h)
+    w = weights.reshape(-1).float().contiguous() if weights is not None else rows
+    _gather_kernel[(t, triton.cdiv(h, bh))](
+        ys, rows.reshape(-1).contiguous(), w, out, h, ys.stride(0), ys.stride(1), out.stride(0),
+        K=k, S=s, HAS_W=weights is not None, BLOCK_H=bh)
+    return out
+
+
+def gather_rows_triton(ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * ys[rows[t, j]], accumulated in float32 (``gather_rows_ref``)."""
+    if weights.shape != rows.shape:
+        raise ValueError(f"weights {list(weights.shape)}: expected the shape of rows {list(rows.shape)}")
+    return combine_rows_triton(ys.contiguous().unsqueeze(0), rows, weights, ys.dtype)

@@ -1,0 +1,130 @@
+"""Chooses the fused-MoE launch configurations per shape and T on the GPU it runs on, and
+merges them into kernels/configs/moe.json (nothing is tuned while serving).
+
+    PYTHONPATH=. python scripts/tune_moe.py [--shapes mixtral,qwen3] [--tokens 1,8,64] [--out FILE]
+
+The up GEMM is tuned first with the default down configuration, then the down GEMM with
+the best up configuration; each candidate is timed with CUDA events (median of repeats).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernels  # noqa: E402
+from kernels.fused_moe import CONFIG_FILE, default_config, device_key, fused_moe_triton, shape_key  # noqa: E402
+
+SHAPES = {  # name: H, F, E, k, activation
+    "mixtral": (4096, 14336, 8, 2, "silu"),
+    "qwen3": (2048, 768, 128, 8, "silu"),
+    "olmoe": (2048, 1024, 64, 8, "silu"),
+    "dsmoe": (2048, 8192, 128, 1, "gelu"),
+}
+TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
+
+
+def candidates(phase: str, t: int, topk: int, e: int) -> list[dict]:
+    """A small search space per regime (each new configuration costs a compile)."""
+    rows = max(1, t * topk // e)
+    if t <= 16 or rows <= 16:  # bandwidth-bound: one 16-row tile per expert
+        grid = itertools.product([16], [64, 128], [128, 256] if phase == "up" else [128], [4], [3, 4])
+        splits = [1, 2, 4] if phase == "down" else [1]
+    elif rows <= 64:
+        grid = itertools.product([32, 64], [64, 128], [64], [4, 8], [3])
+        splits = [1, 2] if phase == "down" else [1]
+    else:
+        grid = itertools.product([64, 128], [128, 256] if phase == "down" else [64, 128], [64], [8], [3, 4])
+        splits = [1]
+    return [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=sp)
+            for bm, bn, bk, w, st in grid for sp in splits]
+
+
+def time_call(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int) -> dict:
+    h, f, e, topk, act = SHAPES[name]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows13 = 2 * f if act == "silu" else f
+    w13 = torch.randn(e, rows13, h, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+    w2 = torch.randn(e, h, f, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+    scales = {}
+    if wdtype == "int8":
+        w13, s13 = kernels.quantize_int8(w13)
+        w2, s2 = kernels.quantize_int8(w2)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    table: dict[str, dict] = {}
+    for t in tokens:
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
+        ids, w = kernels.topk_gating_ref(torch.randn(t, e, device=dev, generator=gen), topk)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        best_up = default_config("up", t, e, rows13, h, topk, sms)
+        best_down = default_config("down", t, e, h, f, topk, sms)
+        r = max(3, min(reps, int(2e5 / max(1, t * topk * h * f / 1e6))))
+        for phase in ("up", "down"):
+            results = []
+            for cfg in candidates(phase, t, topk, e):
+                pair = (cfg, best_down) if phase == "up" else (best_up, cfg)
+                try:
+                    us = time_call(lambda: fused_moe_triton(x, w13, w2, w, ids, act, configs=pair, **scales), r)
+                except Exception as exc:  # e.g. out of shared memory for this tile shape
+                    print(f"  {name} T={t} {phase} {cfg}: skipped ({type(exc).__name__})")
+                    continue
+                results.append((us, cfg))
+            us, cfg = min(results, key=lambda p: p[0])
+            if phase == "up":
+                best_up = cfg
+            else:
+                best_down = cfg
+            print(f"{name:8s} {wdtype:5s} T={t:6d} {phase:4s} {us:9.1f} us  {cfg}", flush=True)
+        wd = torch.int8 if wdtype == "int8" else torch.bfloat16
+        table.setdefault(shape_key("up", e, rows13, h, wd, topk), {})[str(t)] = best_up
+        table.setdefault(shape_key("down", e, h, f, wd, topk), {})[str(t)] = best_down
+    return table
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--int8-tokens", default="1,4,16,64", help="T values tuned for int8 weights")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=CONFIG_FILE)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tune_moe.py needs a CUDA GPU")
+    start = time.time()
+    data = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    mine = data.setdefault(device_key(torch.device("cuda")), {})
+    for name in args.shapes.split(","):
+        for wdtype, toks in (("bf16", args.tokens), ("int8", args.int8_tokens)):
+            if toks:
+                mine.update(tune_shape(name, [int(t) for t in toks.split(",")], wdtype, args.reps))
+        torch.cuda.empty_cache()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(data, indent=1, sort_keys=True))  # after every shape
+    print(f"wrote {args.out} in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
