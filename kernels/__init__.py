@@ -6,17 +6,27 @@ from __future__ import annotations
 
 import torch
 
+from kernels.gating import grouped_topk_triton, topk_gating_triton
 from kernels.fused_moe import fused_moe_triton, grouped_ffn_triton, quantize_int8
 from kernels.layout import gather_rows_triton, scatter_rows_triton
 from kernels.maps import token_maps_triton
 from kernels.moe_ref import (ACTIVATIONS, dequantize_ref, expert_ffn_ref, fused_moe_ref,
-                             gather_rows_ref, grouped_ffn_ref, scatter_rows_ref, token_maps_ref,
-                             topk_gating_ref)
+                             gather_rows_ref, grouped_ffn_ref, grouped_topk_ref, scatter_rows_ref,
+                             token_maps_ref, topk_gating_ref)
 
 
 def topk_gating(logits, k, score="softmax", renormalize=True):
     """-> expert ids [T, k] int32, weights [T, k] float32 (see ``topk_gating_ref``)."""
+    if logits.is_cuda:
+        return topk_gating_triton(logits, k, score, renormalize)
     return topk_gating_ref(logits, k, score, renormalize)
+
+
+def grouped_topk(logits, bias, k, n_group, topk_group, score="sigmoid", renormalize=True,
+                 routed_scaling_factor=1.0):
+    """DeepSeek-V3's bias-corrected grouped top-k (see ``grouped_topk_ref``)."""
+    fn = grouped_topk_triton if logits.is_cuda else grouped_topk_ref
+    return fn(logits, bias, k, n_group, topk_group, score, renormalize, routed_scaling_factor)
 
 
 def token_maps(expert_ids, num_experts, capacity=None):
@@ -87,4 +97,5 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 __all__ = ["fused_moe", "fused_moe_ref", "topk_gating", "topk_gating_ref", "token_maps",
            "token_maps_ref", "scatter_rows", "scatter_rows_ref", "gather_rows", "gather_rows_ref",
            "grouped_ffn", "grouped_ffn_ref", "expert_ffn_ref", "fused_moe_triton", "grouped_ffn_triton",
-           "token_maps_triton", "scatter_rows_triton", "gather_rows_triton", "quantize_int8", "dequantize_ref"]
+           "token_maps_triton", "scatter_rows_triton", "gather_rows_triton", "quantize_int8", "dequantize_ref",
+           "topk_gating_triton", "grouped_topk", "grouped_topk_ref", "grouped_topk_triton"]

@@ -9,7 +9,7 @@ from kernels import (fused_moe_ref, fused_moe_triton, gather_rows_ref, gather_ro
 
 # fp32 multiplies exactly (ieee dot); half types round the FFN's hidden activations.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
-CPU = pytest.param("cpu", id="interp")
+CPU = pytest.param("cpu", id="interp", marks=pytest.mark.interp)
 GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
 
 
@@ -65,6 +65,7 @@ INTERP_CASES = [(1, 40, 24, 4, 2, "silu"), (3, 33, 20, 5, 2, "silu"), (33, 48, 1
                 (40, 31, 12, 6, 1, "silu")]
 
 
+@pytest.mark.interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("t,h,f,e,k,activation", INTERP_CASES)
 def test_fused_moe_interpreted(dtype, t, h, f, e, k, activation):

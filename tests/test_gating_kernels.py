@@ -1,0 +1,201 @@
+"""Triton top-k gating kernels against their plain-torch references (kernels/moe_ref.py).
+
+On CPU the kernels run under the Triton interpreter (conftest sets TRITON_INTERPRET=1), at
+~1.5 ms a program plus the cost of the tile, so the shape lists below are picked, not a grid.
+ids are compared exactly, so the logits are drawn with no near-ties: rows whose reference
+decisions (order of the top k + 1 scores, the kept-group boundary) are closer than MARGIN are
+re-drawn. Two correct float32 implementations differ by ~1e-7; torch.topk on CPU does not
+even break exact ties by index at E = 256, so exact ties must not reach the comparison.
+"""
+import pytest
+import torch
+
+from kernels.gating import grouped_topk_triton, topk_gating_triton
+from kernels.moe_ref import grouped_topk_ref, topk_gating_ref
+
+MARGIN = 1e-5
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+DEVICES = [pytest.param("cpu", marks=pytest.mark.interp), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _scores(logits, score):
+    logits = logits.float()
+    return logits.softmax(-1) if score == "softmax" else logits.sigmoid()  # [T, E]
+
+
+def _order_gap(values, n):
+    """Smallest gap between consecutive values among each row's n largest: [T] (gaps
+    between two -inf, and rows with n = 1, count as inf)."""
+    top = values.topk(n, dim=-1).values  # [T, n]
+    gaps = top[:, :-1] - top[:, 1:]
+    gaps = torch.where(torch.isfinite(gaps), gaps, torch.full_like(gaps, float("inf")))
+    return torch.cat([gaps, torch.full_like(top[:, :1], float("inf"))], dim=1).amin(-1)
+
+
+def _topk_margin(logits, k, score):
+    return _order_gap(_scores(logits, score), min(k + 1, logits.shape[1]))  # [T]
+
+
+def _grouped_margin(logits, bias, k, n_group, topk_group, score):
+    t, e = logits.shape
+    choice = (_scores(logits, score) + bias.float()).view(t, n_group, e // n_group)
+    group_score = choice.topk(min(2, e // n_group), dim=-1).values.sum(-1)  # [T, G]
+    # Only the boundary between the last kept and the first dropped group decides anything.
+    ranked = group_score.sort(dim=-1, descending=True).values
+    margin = (ranked[:, topk_group - 1] - ranked[:, topk_group] if topk_group < n_group
+              else torch.full((t,), float("inf")))
+    dropped = ranked.new_ones(t, n_group, dtype=torch.bool).scatter_(
+        1, group_score.topk(topk_group, dim=-1).indices, False)
+    choice = choice.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(t, e)
+    n = min(k + 1, topk_group * (e // n_group))
+    return torch.minimum(margin, _order_gap(choice, n))  # [T]
+
+
+def _draw_logits(t, e, dtype, seed, margin_fn):
+    """t rows of logits in dtype whose reference decisions all have a gap of MARGIN."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = (2 * torch.randn(8 * t + 16, e, generator=gen)).to(dtype)
+    safe = pool[margin_fn(pool) > MARGIN]
+    assert safe.shape[0] >= t, "too few rows without near-ties: widen the pool"
+    return safe[:t]
+
+
+TOPK_CASES = [  # t, e, k, score, renormalize, dtype
+    (1, 6, 1, "softmax", True, F32),
+    (1, 256, 8, "sigmoid", True, BF16),
+    (3, 6, 2, "sigmoid", False, F16),
+    (3, 60, 8, "softmax", True, BF16),
+    (3, 128, 2, "sigmoid", True, F16),
+    (33, 8, 8, "softmax", False, F32),  # k == E
+    (33, 60, 2, "sigmoid", True, F32),
+    (33, 128, 1, "softmax", False, F16),
+    (33, 256, 2, "softmax", True, F16),
+    (130, 8, 2, "softmax", True, BF16),
+    (130, 60, 1, "sigmoid", False, F32),
+    (130, 128, 8, "sigmoid", False, BF16),
+    (130, 256, 8, "softmax", True, F32),
+    (3, 1000, 8, "softmax", True, F32),  # past 256: 4 rows a program
+    (33, 60, 8, "sigmoid", True, torch.float64),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t,e,k,score,renorm,dtype", TOPK_CASES)
+def test_topk_gating_triton_matches_ref(device, t, e, k, score, renorm, dtype):
+    logits = _draw_logits(t, e, dtype, seed=t * 1000 + e + k,
+                          margin_fn=lambda x: _topk_margin(x, k, score)).to(device)
+    ids, weights = topk_gating_triton(logits, k, score, renorm)
+    ref_ids, ref_weights = topk_gating_ref(logits, k, score, renorm)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert ids.shape == weights.shape == (t, k)
+    torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
+    torch.testing.assert_close(weights, ref_weights)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_topk_gating_triton_strided_and_empty(device):
+    # A transposed view: stride along E is T, not 1.
+    logits = _draw_logits(33, 60, F32, seed=7, margin_fn=lambda x: _topk_margin(x, 2, "softmax"))
+    strided = logits.t().contiguous().to(device).t()  # [T, E], strides (1, T)
+    ids, weights = topk_gating_triton(strided, 2)
+    ref_ids, ref_weights = topk_gating_ref(strided, 2)
+    torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
+    torch.testing.assert_close(weights, ref_weights)
+    ids, weights = topk_gating_triton(torch.empty(0, 8, device=device), 2)
+    assert ids.shape == weights.shape == (0, 2)
+
+
+GROUPED_CASES = [  # t, e, n_group, topk_group, k, score, renormalize, scale, dtype
+    (1, 64, 8, 3, 6, "sigmoid", True, 2.5, F32),
+    (33, 64, 8, 3, 6, "sigmoid", False, 1.0, BF16),
+    (130, 64, 8, 3, 6, "softmax", True, 1.0, F16),
+    (3, 256, 8, 4, 8, "sigmoid", True, 2.5, BF16),
+    (33, 256, 8, 4, 8, "softmax", False, 1.0, F32),
+    (130, 256, 8, 4, 8, "sigmoid", True, 2.5, F32),
+    (33, 60, 4, 2, 4, "sigmoid", True, 1.0, F32),  # groups of 15: each padded to 16
+    (3, 8, 8, 3, 2, "sigmoid", True, 1.0, F32),  # groups of one expert
+    (33, 128, 1, 1, 8, "sigmoid", True, 1.0, F16),  # one group: plain top-k of the choice
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t,e,n_group,topk_group,k,score,renorm,scale,dtype", GROUPED_CASES)
+def test_grouped_topk_triton_matches_ref(device, t, e, n_group, topk_group, k, score, renorm,
+                                         scale, dtype):
+    gen = torch.Generator().manual_seed(e + k)
+    # Of the order of the score spread, so the bias really reorders experts and groups.
+    bias = 0.3 * torch.randn(e, generator=gen)
+    logits = _draw_logits(t, e, dtype, seed=t * 1000 + e, margin_fn=lambda x: _grouped_margin(
+        x, bias, k, n_group, topk_group, score))
+    logits, bias = logits.to(device), bias.to(device)
+    args = (k, n_group, topk_group, score, renorm, scale)
+    ids, weights = grouped_topk_triton(logits, bias, *args)
+    ref_ids, ref_weights = grouped_topk_ref(logits, bias, *args)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert ids.shape == weights.shape == (t, k)
+    torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
+    torch.testing.assert_close(weights, ref_weights)
+
+
+def test_grouped_topk_ref_by_hand():
+    # 4 groups of 2 experts, topk_group=2, k=2. Group sums of the choice: 0.92, 0.95, 0.3,
+    # 1.0, so groups 3 and 1 stay and expert 0, the best single choice, is out. Expert 7
+    # scores 0.9 but its bias of -0.5 leaves it behind experts 6 and 2.
+    choice = torch.tensor([[0.9, 0.02, 0.5, 0.45, 0.1, 0.2, 0.6, 0.4]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.5])
+    scores = choice - bias  # the unbiased scores the weights come from
+    ids, weights = grouped_topk_ref(torch.logit(scores), bias, 2, 4, 2, renormalize=False,
+                                    routed_scaling_factor=2.0)
+    assert ids.tolist() == [[6, 2]]
+    torch.testing.assert_close(weights, 2.0 * scores[:, [6, 2]])
+
+
+def test_grouped_topk_ref_masks_dropped_groups_with_minus_inf():
+    # A negative bias pushes every kept choice below 0; a 0 fill would pick dropped experts.
+    logits = torch.tensor([[4.0, 3.0, -4.0, -3.0]])
+    bias = torch.full((4,), -2.0)
+    ids, _ = grouped_topk_ref(logits, bias, 2, 2, 1)
+    assert ids.tolist() == [[0, 1]]
+
+
+def test_grouped_topk_ref_with_one_group_and_no_bias_is_plain_topk():
+    logits = torch.randn(9, 16, generator=torch.Generator().manual_seed(3))
+    ids, weights = grouped_topk_ref(logits, torch.zeros(16), 4, 1, 1, score="softmax",
+                                    routed_scaling_factor=1.5)
+    ref_ids, ref_weights = topk_gating_ref(logits, 4, "softmax")
+    torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
+    torch.testing.assert_close(weights, 1.5 * ref_weights)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(k=9), "k=9"),  # k > E
+    (dict(k=0), "k=0"),
+    (dict(k=2.0), "k=2.0"),
+    (dict(logits=torch.randn(8)), r"logits: expected \[T, E\]"),
+    (dict(logits=torch.randn(2, 3, 8)), r"logits: expected \[T, E\]"),
+    (dict(logits=torch.ones(3, 8, dtype=torch.int32)), "logits: expected one of"),
+    (dict(logits=torch.randn(3, 2048)), "E=2048"),
+    (dict(score="relu"), "score='relu'"),
+])
+def test_topk_gating_triton_rejects_bad_arguments(kwargs, match):
+    args = dict(logits=torch.randn(3, 8), k=2, score="softmax")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        topk_gating_triton(**args)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(topk_group=5), "topk_group=5"),  # > n_group
+    (dict(n_group=3), "n_group=3"),  # 64 experts do not split into 3 groups
+    (dict(k=17), "k=17"),  # more than the 2 kept groups of 8 hold
+    (dict(k=65), "k=65"),  # k > E
+    (dict(bias=torch.zeros(63)), r"bias: expected \[E=64\]"),
+    (dict(bias=torch.zeros(64, dtype=torch.int64)), "bias: expected a float dtype"),
+    (dict(logits=torch.randn(64)), r"logits: expected \[T, E\]"),
+    (dict(score="tanh"), "score='tanh'"),
+])
+def test_grouped_topk_triton_rejects_bad_arguments(kwargs, match):
+    args = dict(logits=torch.randn(3, 64), bias=torch.zeros(64), k=4, n_group=4, topk_group=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        grouped_topk_triton(**args)
