@@ -38,7 +38,8 @@ def shape_key(phase: str, e: int, n: int, k: int, wdtype: torch.dtype, topk: int
     return f"{phase}:E{e}:N{n}:K{k}:{str(wdtype).removeprefix('torch.')}:k{topk}"
 
 
-def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: int) -> dict:
+def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: int,
+                   elem_bytes: int = 2) -> dict:
     """A reasonable launch configuration when the tuning table has no entry."""
     rows_per_expert = max(1, t * topk // e) if t * topk >= e else 1
     bm = min(128, max(16, triton.next_power_of_2(min(rows_per_expert, t))))
@@ -46,6 +47,8 @@ def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: i
         cfg = dict(bm=bm, bn=64, bk=128, num_warps=4, num_stages=4)
     else:  # tensor-core bound
         cfg = dict(bm=bm, bn=128 if phase == "down" else 64, bk=64, num_warps=8, num_stages=3)
+    if elem_bytes > 2:  # fp32 tiles take twice the shared memory per stage
+        cfg.update(bk=min(cfg["bk"], 64), num_stages=2)
     split = 1
     if phase == "down":
         tiles = min(e, t * topk) * triton.cdiv(n, cfg["bn"])
@@ -56,7 +59,7 @@ def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: i
 
 
 def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: int,
-                  wdtype: torch.dtype, topk: int) -> dict:
+                  wdtype: torch.dtype, topk: int, elem_bytes: int = 2) -> dict:
     table = _tuned().get(device_key(device), {}).get(shape_key(phase, e, n, k, wdtype, topk))
     if table:
         # Entries are keyed by T buckets; take the smallest bucket >= t (else the largest).
@@ -65,7 +68,7 @@ def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: i
         return dict(table[str(pick)])
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
         else NUM_SMS_DEFAULT
-    return default_config(phase, t, e, n, k, topk, sms)
+    return default_config(phase, t, e, n, k, topk, sms, elem_bytes)
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -81,8 +84,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     n = t * topk
     offsets, rows, row_pair = token_maps_triton(topk_ids, e, capacity)
     if configs is None:
-        configs = (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk),
-                   launch_config("down", x.device, t, e, h, f, w2.dtype, topk))
+        size = x.element_size()
+        configs = (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, size),
+                   launch_config("down", x.device, t, e, h, f, w2.dtype, topk, size))
     up_cfg, down_cfg = configs
     hidden = grouped_gemm(x.contiguous(), w13, offsets, row_pair, up_cfg, num_rows=n, topk=topk,
                           a_from_tokens=True, gated=activation == "silu",
@@ -101,8 +105,9 @@ def grouped_ffn_triton(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tenso
     n, h = xs.shape
     e = w2.shape[0]
     identity = torch.arange(n, dtype=torch.int32, device=xs.device)  # buffer row i holds "pair" i
-    up_cfg = launch_config("up", xs.device, n, e, w13.shape[1], h, w13.dtype, 1)
-    down_cfg = launch_config("down", xs.device, n, e, h, w2.shape[2], w2.dtype, 1)
+    size = xs.element_size()
+    up_cfg = launch_config("up", xs.device, n, e, w13.shape[1], h, w13.dtype, 1, size)
+    down_cfg = launch_config("down", xs.device, n, e, h, w2.shape[2], w2.dtype, 1, size)
     hidden = grouped_gemm(xs, w13, offsets, identity, up_cfg, num_rows=n, topk=1, a_from_tokens=False,
                           gated=activation == "silu", act="gelu" if activation == "gelu" else "none",
                           scale=w13_scale)[0]

@@ -1,0 +1,259 @@
+"""Measuring helpers shared by the benchmarks in scripts/.
+
+What a run records about itself (device kind, commit, date), the two machine ceilings a
+kernel is compared with (device copy bandwidth, bf16 matmul rate), timers for eager calls
+and CUDA-graph replays, a fixed-width table printer and the JSON writer for
+``bench/results/<name>-<device-slug>-<date>.json``.
+
+Every timer returns the median in microseconds. On CUDA each call is bracketed by its own
+pair of events (so host syncs inside the timed function are fine); on CPU it is
+``time.perf_counter``.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+
+
+# --- what ran, where, when -------------------------------------------------------------
+
+def device_kind(device: torch.device | str) -> str:
+    """'NVIDIA H100 80GB HBM3' on a GPU, 'cpu' otherwise."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def device_slug(kind: str) -> str:
+    """A file-name-safe form of the device kind: 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-") or "unknown"
+
+
+def git_commit() -> str:
+    """Short hash of HEAD, with '+dirty' when the working tree has changes.
+
+    'unknown' when there is no git or no repository (e.g. a copied tree on a GPU host)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def iso_date() -> str:
+    """Today's date, ISO 8601 (YYYY-MM-DD), local time."""
+    return datetime.date.today().isoformat()
+
+
+def run_info(device: torch.device | str) -> dict[str, str]:
+    """Everything needed to tell two result files apart."""
+    info = {"device": device_kind(device), "date": iso_date(),
+            "time": datetime.datetime.now().isoformat(timespec="seconds"),
+            "commit": git_commit(), "torch": torch.__version__}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def free_memory_bytes(device: torch.device | str) -> int:
+    """Bytes that can still be allocated on the device (host RAM for the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def empty_cache(device: torch.device | str) -> None:
+    """Return cached blocks between cases, so one shape's weights don't crowd the next."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- timers ----------------------------------------------------------------------------
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    # Zeroing twice the L2 size evicts whatever the previous call left there.
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
+    return torch.empty(2 * l2, dtype=torch.int8, device=device)
+
+
+def time_fn(fn: Callable[..., Any], warmup: int = 3, reps: int = 20, *,
+            inputs: Sequence[Any] | None = None, flush_l2: bool = False,
+            device: torch.device | str | None = None) -> float:
+    """Median time of one call of ``fn`` in microseconds.
+
+    With ``inputs``, call ``i`` runs ``fn(inputs[i % len(inputs)])``: rotating among
+    several input sets keeps a small case from re-reading what the previous call left in
+    L2 (and, for MoE, makes each call hit other experts). ``flush_l2`` (CUDA) zeroes a
+    buffer of twice the L2 size before each call, outside the timed interval.
+    """
+    device = torch.device(device) if device is not None else _default_device()
+    calls = [(lambda a=a: fn(a)) for a in inputs] if inputs else [fn]
+    for i in range(warmup):
+        calls[i % len(calls)]()
+    if device.type != "cuda":
+        times = []
+        for i in range(reps):
+            start = time.perf_counter()
+            calls[i % len(calls)]()
+            times.append((time.perf_counter() - start) * 1e6)
+        return statistics.median(times)
+    flush = _l2_flush_buffer(device) if flush_l2 else None
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    torch.cuda.synchronize(device)
+    for i in range(reps):
+        if flush is not None:
+            flush.zero_()
+        starts[i].record()
+        calls[i % len(calls)]()
+        ends[i].record()
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+
+
+def time_graph(fn: Callable[[], Any], reps: int = 20, warmup: int = 3, *,
+               device: torch.device | str | None = None) -> float:
+    """Median time of one replay of ``fn`` captured in a CUDA graph, in microseconds.
+
+    ``fn`` runs ``warmup`` times on a side stream first (lazy init and autotuning must not
+    happen during capture). Raises if ``fn`` cannot be captured (e.g. it syncs the host).
+    """
+    device = torch.device(device) if device is not None else _default_device()
+    if device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()  # the first replay uploads the graph; keep it out of the timings
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        torch.cuda.synchronize(device)
+        for i in range(reps):
+            starts[i].record()
+            graph.replay()
+            ends[i].record()
+        torch.cuda.synchronize(device)
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+    finally:
+        del graph  # frees the graph's private memory pool
+
+
+def single_run_s(fn: Callable[[], Any], device: torch.device | str) -> float:
+    """Wall time of one call including the device finishing it, in seconds."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def adaptive_reps(single_s: float, budget_s: float, max_reps: int, min_reps: int = 5) -> int:
+    """As many repeats as fit in ``budget_s``, within [min_reps, max_reps]: slow cases get
+    few repeats so a whole sweep keeps to its time budget."""
+    fit = int(budget_s / max(single_s, 1e-9))
+    return max(1, min(max_reps, max(min(min_reps, max_reps), fit)))
+
+
+# --- machine ceilings ------------------------------------------------------------------
+
+def measure_copy_bandwidth(device: torch.device | str, nbytes: int | None = None,
+                           reps: int = 10) -> float:
+    """Device-to-device copy rate in GB/s, counting bytes read plus bytes written.
+
+    1 GiB on a GPU (far past L2, so it is a DRAM rate); 256 MiB on a CPU."""
+    device = torch.device(device)
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)  # touched: no lazy pages on CPU
+    dst = torch.empty_like(src)
+    us = time_fn(lambda: dst.copy_(src), warmup=2, reps=reps, device=device)
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def measure_matmul_tflops(device: torch.device | str, n: int | None = None,
+                          reps: int = 10) -> float:
+    """bf16 n×n×n matmul rate in TFLOP/s (n = 8192 on a GPU, 1024 on a CPU).
+
+    Random operands: all-zero inputs draw less power and overstate the sustained rate."""
+    device = torch.device(device)
+    if n is None:
+        n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
+    us = time_fn(lambda: torch.matmul(a, b, out=out), warmup=3, reps=reps, device=device)
+    return 2 * n ** 3 / (us * 1e-6) / 1e12
+
+
+# --- output ----------------------------------------------------------------------------
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Fixed-width columns, each as wide as its widest cell; text left, numbers right."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(_is_number(r[i]) for r in rows if r[i] not in (None, "")) for i in
+               range(len(headers))]
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if num else c.ljust(w)
+                         for c, w, num in zip(r, widths, numeric)).rstrip()
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, (int, float)):
+        return True
+    try:
+        float(str(value).rstrip("%x"))
+        return True
+    except ValueError:
+        return False
+
+
+def write_results(name: str, device: torch.device | str, payload: dict[str, Any],
+                  date: str | None = None) -> Path:
+    """Writes ``payload`` to bench/results/<name>-<device-slug>-<date>.json; returns the path.
+
+    A later run on the same day and device replaces the earlier file."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}-{device_slug(device_kind(device))}-{date or iso_date()}.json"
+    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    return path
