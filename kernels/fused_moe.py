@@ -58,6 +58,7 @@ def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: i
     return cfg
 
 
+@functools.lru_cache(maxsize=4096)  # per call this is on the decode path: keep it a lookup
 def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: int,
                   wdtype: torch.dtype, topk: int, elem_bytes: int = 2) -> dict:
     table = _tuned().get(device_key(device), {}).get(shape_key(phase, e, n, k, wdtype, topk))
@@ -65,7 +66,7 @@ def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: i
         # Entries are keyed by T buckets; take the smallest bucket >= t (else the largest).
         buckets = sorted(int(b) for b in table)
         pick = next((b for b in buckets if b >= t), buckets[-1])
-        return dict(table[str(pick)])
+        return table[str(pick)]
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
         else NUM_SMS_DEFAULT
     return default_config(phase, t, e, n, k, topk, sms, elem_bytes)
