@@ -27,14 +27,15 @@ SHAPES = {  # name: H, F, E, k, activation
     "olmoe": (2048, 1024, 64, 8, "silu"),
     "dsmoe": (2048, 8192, 128, 1, "gelu"),
 }
-TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
+TOKENS = [1, 2, 4, 16, 64, 256, 1024, 4096, 16384]
 
 
 def candidates(phase: str, t: int, topk: int, e: int) -> list[dict]:
     """A small search space per regime (each new configuration costs a compile)."""
     rows = max(1, t * topk // e)
     if t <= 16 or rows <= 16:  # bandwidth-bound: one 16-row tile per expert
-        grid = itertools.product([16], [64, 128], [128, 256] if phase == "up" else [128], [4], [3, 4])
+        # Narrow column tiles keep all SMs busy when few, small experts are active.
+        grid = itertools.product([16], [32, 64, 128], [128, 256] if phase == "up" else [128], [4], [3, 4])
         splits = [1, 2, 4] if phase == "down" else [1]
     elif rows <= 64:
         grid = itertools.product([32, 64], [64, 128], [64], [4, 8], [3])
@@ -107,7 +108,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--int8-tokens", default="1,4,16,64", help="T values tuned for int8 weights")
+    ap.add_argument("--int8-tokens", default=",".join(map(str, TOKENS)), help="T values tuned for int8 weights")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", type=Path, default=CONFIG_FILE)
     args = ap.parse_args()
