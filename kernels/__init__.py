@@ -7,12 +7,13 @@ from __future__ import annotations
 import torch
 
 from kernels.gating import grouped_topk_triton, topk_gating_triton
+from kernels.route import route_triton
 from kernels.fused_moe import fused_moe_triton, grouped_ffn_triton, quantize_int8
 from kernels.layout import gather_rows_triton, scatter_rows_triton
 from kernels.maps import token_maps_triton
 from kernels.moe_ref import (ACTIVATIONS, dequantize_ref, expert_ffn_ref, fused_moe_ref,
-                             gather_rows_ref, grouped_ffn_ref, grouped_topk_ref, scatter_rows_ref,
-                             token_maps_ref, topk_gating_ref)
+                             gather_rows_ref, grouped_ffn_ref, grouped_topk_ref, row_pair_ref,
+                             scatter_rows_ref, token_maps_ref, topk_gating_ref)
 
 
 def topk_gating(logits, k, score="softmax", renormalize=True):
@@ -20,6 +21,16 @@ def topk_gating(logits, k, score="softmax", renormalize=True):
     if logits.is_cuda:
         return topk_gating_triton(logits, k, score, renormalize)
     return topk_gating_ref(logits, k, score, renormalize)
+
+
+def route(logits, k, score="softmax", renormalize=True):
+    """Gating and dropless maps together (one launch at decode sizes on a GPU):
+    -> ids [T, k], weights [T, k], maps = (offsets [E + 1], rows [T, k], row_pair [T * k])."""
+    if logits.is_cuda:
+        return route_triton(logits, k, score, renormalize)
+    ids, weights = topk_gating_ref(logits, k, score, renormalize)
+    offsets, rows = token_maps_ref(ids, logits.shape[1])
+    return ids, weights, (offsets, rows, row_pair_ref(rows))
 
 
 def grouped_topk(logits, bias, k, n_group, topk_group, score="sigmoid", renormalize=True,
@@ -80,17 +91,19 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              capacity: int | None = None) -> torch.Tensor:
+              capacity: int | None = None, maps: tuple | None = None) -> torch.Tensor:
     """MoE expert computation on one device: x [T, H] -> [T, H].
 
     w13 [E, 2F, H] holds each expert's gate rows then up rows (Hugging Face / vLLM layout;
     [E, F, H] for the plain GeLU experts of GPT-style models), w2 [E, H, F]. int8 weights
     come with per-output-channel scales ``w13_scale [E, 2F]``, ``w2_scale [E, H]``
     (``quantize_int8``). ``capacity`` drops pairs past that many per expert (None: dropless).
+    ``maps`` (from ``route``) saves recomputing the maps of ``topk_ids`` on a GPU.
     """
     _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale)
     if x.is_cuda:
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
+                                capacity, maps=maps)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity)
 
 
@@ -98,4 +111,4 @@ __all__ = ["fused_moe", "fused_moe_ref", "topk_gating", "topk_gating_ref", "toke
            "token_maps_ref", "scatter_rows", "scatter_rows_ref", "gather_rows", "gather_rows_ref",
            "grouped_ffn", "grouped_ffn_ref", "expert_ffn_ref", "fused_moe_triton", "grouped_ffn_triton",
            "token_maps_triton", "scatter_rows_triton", "gather_rows_triton", "quantize_int8", "dequantize_ref",
-           "topk_gating_triton", "grouped_topk", "grouped_topk_ref", "grouped_topk_triton"]
+           "topk_gating_triton", "route", "route_triton", "row_pair_ref", "grouped_topk", "grouped_topk_ref", "grouped_topk_triton"]

@@ -75,15 +75,16 @@ def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: i
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
                      w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                     capacity: int | None = None, configs: tuple[dict, dict] | None = None
-                     ) -> torch.Tensor:
+                     capacity: int | None = None, configs: tuple[dict, dict] | None = None,
+                     maps: tuple | None = None) -> torch.Tensor:
     """Same contract as ``kernels.fused_moe``; ``configs`` overrides the (up, down) launch
-    configurations (the tuning script uses it)."""
+    configurations (the tuning script uses it); ``maps`` are (offsets, rows, row_pair)
+    already built from ``topk_ids`` (``kernels.route``)."""
     t, h = x.shape
     e, topk = w2.shape[0], topk_ids.shape[1]
     f = w2.shape[2]
     n = t * topk
-    offsets, rows, row_pair = token_maps_triton(topk_ids, e, capacity)
+    offsets, rows, row_pair = maps if maps is not None else token_maps_triton(topk_ids, e, capacity)
     if configs is None:
         size = x.element_size()
         configs = (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, size),

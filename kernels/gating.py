@@ -27,20 +27,14 @@ TILE = 4096  # float32 scores a program holds: 16 rows of 256 experts, 64 rows o
 
 
 @triton.jit
-def _topk_gating_kernel(
-    logits_ptr,  # [T, E] router logits, any float dtype, any strides
-    ids_ptr,  # [T, K] int32 output, contiguous
-    weights_ptr,  # [T, K] float32 output, contiguous
-    T, E,  # rows, experts (E <= BLOCK_E)
-    stride_lt, stride_le,  # logits strides in elements, along T and E
-    K: tl.constexpr,  # slots per token
-    SOFTMAX: tl.constexpr,  # softmax scores, else sigmoid
-    RENORMALIZE: tl.constexpr,  # divide the k weights by their sum
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+def _topk_table(
+    logits_ptr, rows, row_ok, E, stride_lt, stride_le,
+    K: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    """Scores and the top-k table of the logits rows ``rows``, in registers:
+    -> ids [BLOCK_T, BLOCK_K] int32, weights [BLOCK_T, BLOCK_K] float32."""
     cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
-    row_ok = rows < T
     col_ok = cols < E
     rows64 = rows.to(tl.int64)  # T * stride can pass 2**31
     ptrs = logits_ptr + rows64[:, None] * stride_lt + cols[None, :] * stride_le
@@ -59,8 +53,8 @@ def _topk_gating_kernel(
     # k rounds of max / argmax; each winner is knocked out with -inf. The table is built in
     # registers ([BLOCK_T, BLOCK_K]) so the renormalisation needs no second pass.
     slots = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    top_ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    top_ids = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.int32)
+    top_w = tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32)
     for j in tl.static_range(K):
         best = tl.max(s, axis=1)  # [BLOCK_T]
         # Lowest index among the maxima: ties resolve as torch.topk does.
@@ -70,8 +64,27 @@ def _topk_gating_kernel(
         s = tl.where(cols[None, :] == idx[:, None], float("-inf"), s)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]  # padding slots hold 0
+    return top_ids, top_w
 
-    out = rows64[:, None] * K + slots[None, :]
+
+@triton.jit
+def _topk_gating_kernel(
+    logits_ptr,  # [T, E] router logits, any float dtype, any strides
+    ids_ptr,  # [T, K] int32 output, contiguous
+    weights_ptr,  # [T, K] float32 output, contiguous
+    T, E,  # rows, experts (E <= BLOCK_E)
+    stride_lt, stride_le,  # logits strides in elements, along T and E
+    K: tl.constexpr,  # slots per token
+    SOFTMAX: tl.constexpr,  # softmax scores, else sigmoid
+    RENORMALIZE: tl.constexpr,  # divide the k weights by their sum
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    row_ok = rows < T
+    top_ids, top_w = _topk_table(logits_ptr, rows, row_ok, E, stride_lt, stride_le, K, SOFTMAX,
+                                 RENORMALIZE, BLOCK_E, BLOCK_K)
+    slots = tl.arange(0, BLOCK_K)
+    out = rows.to(tl.int64)[:, None] * K + slots[None, :]
     out_ok = row_ok[:, None] & (slots[None, :] < K)
     tl.store(ids_ptr + out, top_ids, mask=out_ok)
     tl.store(weights_ptr + out, top_w, mask=out_ok)

@@ -22,6 +22,32 @@ BLOCK_PAIRS = 128  # pairs per program in the multi-block path
 
 
 @triton.jit
+def _maps_block(
+    ids, pair, valid,  # [BLOCK] expert, pair index, validity; pair increases along the vector
+    offsets_ptr, rows_ptr, row_pair_ptr, capacity,
+    E: tl.constexpr, E_PAD: tl.constexpr, HAS_CAP: tl.constexpr,
+):
+    """All the maps of one block of pairs, in registers (the decode sizes)."""
+    ids = tl.where(valid, ids, E)  # padding lands in a bin past the experts
+    pos = tl.arange(0, ids.shape[0])
+    # rank of each pair among earlier pairs of the same expert: a BLOCK x BLOCK compare,
+    # cheap at decode sizes and free of atomics, so the order is deterministic.
+    same = (ids[:, None] == ids[None, :]) & (pos[None, :] < pos[:, None])
+    rank = tl.sum(same.to(tl.int32), axis=1)
+    kept = valid & (rank < capacity) if HAS_CAP else valid
+    # rows before this pair's expert segment: kept pairs of smaller experts.
+    before = (ids[None, :] < ids[:, None]) & kept[None, :]
+    row = tl.sum(before.to(tl.int32), axis=1) + rank
+    tl.store(rows_ptr + pair, tl.where(kept, row, -1), mask=valid)
+    tl.store(row_pair_ptr + row, pair, mask=kept)
+    counts = tl.histogram(tl.where(kept, ids, E), E_PAD)  # [E_PAD]
+    e = tl.arange(0, E_PAD)
+    counts = tl.where(e < E, counts, 0)
+    excl = tl.cumsum(counts, axis=0) - counts
+    tl.store(offsets_ptr + e, excl, mask=e <= E)
+
+
+@triton.jit
 def _maps_small_kernel(
     ids_ptr,  # [n] int32 expert id of each pair
     offsets_ptr,  # [E + 1] int32 out: expert segment starts, then the total
@@ -32,22 +58,8 @@ def _maps_small_kernel(
 ):
     i = tl.arange(0, BLOCK)
     valid = i < n
-    ids = tl.load(ids_ptr + i, mask=valid, other=E)  # padding lands in a bin past the experts
-    # rank of each pair among earlier pairs of the same expert: a BLOCK x BLOCK compare,
-    # cheap at decode sizes and free of atomics, so the order is deterministic.
-    same = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
-    rank = tl.sum(same.to(tl.int32), axis=1)
-    kept = valid & (rank < capacity) if HAS_CAP else valid
-    # rows before this pair's expert segment: kept pairs of smaller experts.
-    before = (ids[None, :] < ids[:, None]) & kept[None, :]
-    row = tl.sum(before.to(tl.int32), axis=1) + rank
-    tl.store(rows_ptr + i, tl.where(kept, row, -1), mask=valid)
-    tl.store(row_pair_ptr + row, i, mask=kept)
-    counts = tl.histogram(tl.where(kept, ids, E), E_PAD)  # [E_PAD]
-    e = tl.arange(0, E_PAD)
-    counts = tl.where(e < E, counts, 0)
-    excl = tl.cumsum(counts, axis=0) - counts
-    tl.store(offsets_ptr + e, excl, mask=e <= E)
+    ids = tl.load(ids_ptr + i, mask=valid, other=E)
+    _maps_block(ids, i, valid, offsets_ptr, rows_ptr, row_pair_ptr, capacity, E, E_PAD, HAS_CAP)
 
 
 @triton.jit

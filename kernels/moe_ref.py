@@ -94,6 +94,16 @@ def token_maps_ref(expert_ids: torch.Tensor, num_experts: int,
     return offsets.to(torch.int32), rows.view(expert_ids.shape).to(torch.int32)
 
 
+def row_pair_ref(rows: torch.Tensor) -> torch.Tensor:
+    """The inverse map: the (token, slot) pair held by each buffer row ([T * k]; rows no
+    pair maps to hold -1)."""
+    flat = rows.reshape(-1).long()
+    keep = flat >= 0
+    row_pair = torch.full_like(flat, -1)
+    row_pair[flat[keep]] = torch.arange(flat.numel(), device=rows.device)[keep]
+    return row_pair.to(torch.int32)
+
+
 def scatter_rows_ref(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Copies token t's hidden state to buffer row rows[t, j] for every slot j.
 

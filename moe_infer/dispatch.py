@@ -24,6 +24,7 @@ class LocalDispatcher:
             return None  # dropless
         return max(1, math.ceil(num_tokens * self.top_k / self.num_experts * self.capacity_factor))
 
-    def run(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, experts) -> torch.Tensor:
-        """x [T, H], expert_ids / weights [T, k] -> the weighted expert outputs [T, H]."""
-        return experts.fused(x, expert_ids, weights, self.capacity(x.shape[0]))
+    def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
+        """x [T, H] and its Routing -> the weighted expert outputs [T, H]."""
+        return experts.fused(x, routing.expert_ids, routing.weights, self.capacity(x.shape[0]),
+                             routing.maps)

@@ -31,10 +31,10 @@ class Experts(nn.Module):
         return kernels.grouped_ffn(xs, offsets, self.w13, self.w2, self.activation, **self.scales())
 
     def fused(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-              capacity: int | None = None) -> torch.Tensor:
+              capacity: int | None = None, maps: tuple | None = None) -> torch.Tensor:
         """Tokens x [T, H] -> weighted sum of their experts' outputs [T, H], in one pass."""
         return kernels.fused_moe(x, self.w13, self.w2, weights, expert_ids, self.activation,
-                                 capacity=capacity, **self.scales())
+                                 capacity=capacity, maps=maps, **self.scales())
 
 
 class Int8Experts(Experts):

@@ -4,20 +4,35 @@ Shape letters: T tokens, H hidden, E experts, k slots per token.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 import kernels
 
 
-class Router(nn.Module):
-    """x [T, H] -> expert_ids [T, k] int32, weights [T, k] float32. No one-hot tensors."""
+@dataclass
+class Routing:
+    """The gating table, and the expert-to-token maps when they came with it."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, score: str, renormalize: bool):
+    expert_ids: torch.Tensor  # [T, k] int32
+    weights: torch.Tensor  # [T, k] float32
+    maps: tuple | None = None  # (offsets [E + 1], rows [T, k], row_pair [T * k]), dropless
+
+
+class Router(nn.Module):
+    """x [T, H] -> Routing. No one-hot tensors."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, score: str, renormalize: bool,
+                 with_maps: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.top_k, self.score, self.renormalize = top_k, score, renormalize
+        self.with_maps = with_maps  # dropless maps built in the gating launch
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> Routing:
         logits = x @ self.weight.t()  # [T, E]
-        return kernels.topk_gating(logits, self.top_k, self.score, self.renormalize)
+        if self.with_maps:
+            return Routing(*kernels.route(logits, self.top_k, self.score, self.renormalize))
+        return Routing(*kernels.topk_gating(logits, self.top_k, self.score, self.renormalize))

@@ -17,7 +17,9 @@ class MoELayer(nn.Module):
     def __init__(self, model_cfg, moe_cfg):
         super().__init__()
         h = model_cfg.hidden_size
-        self.router = Router(h, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.score, moe_cfg.renormalize)
+        # With a capacity the maps depend on it: the dispatcher builds them, not the router.
+        self.router = Router(h, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.score, moe_cfg.renormalize,
+                             with_maps=moe_cfg.capacity_factor is None)
         self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation)
         self.dispatcher = LocalDispatcher(moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.capacity_factor)
         self.shared = None
@@ -32,8 +34,8 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
-        expert_ids, weights = self.router(x)  # [T, k] each
-        out = self.dispatcher.run(x, expert_ids, weights, self.experts)  # [T, H]
+        routing = self.router(x)
+        out = self.dispatcher.run(x, routing, self.experts)  # [T, H]
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:

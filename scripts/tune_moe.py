@@ -4,7 +4,8 @@ merges them into kernels/configs/moe.json (nothing is tuned while serving).
     PYTHONPATH=. python scripts/tune_moe.py [--shapes mixtral,qwen3] [--tokens 1,8,64] [--out FILE]
 
 The up GEMM is tuned first with the default down configuration, then the down GEMM with
-the best up configuration; each candidate is timed with CUDA events (median of repeats).
+the best up configuration; each candidate is timed as device time: several input sets
+replayed in one CUDA graph, median over replays.
 """
 from __future__ import annotations
 
@@ -47,17 +48,28 @@ def candidates(phase: str, t: int, topk: int, e: int) -> list[dict]:
             for bm, bn, bk, w, st in grid for sp in splits]
 
 
-def time_call(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
+def time_graph(fns, reps: int) -> float:
+    """Device time per call, microseconds: every input set's call captured in one CUDA graph
+    and replayed (eager timing would measure the host's launch overhead at small T)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:  # compile outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
+        times.append(start.elapsed_time(end) * 1000 / len(fns))
     times.sort()
     return times[len(times) // 2]
 
@@ -76,8 +88,13 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int) -> dict:
         scales = dict(w13_scale=s13, w2_scale=s2)
     table: dict[str, dict] = {}
     for t in tokens:
-        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
-        ids, w = kernels.topk_gating_ref(torch.randn(t, e, device=dev, generator=gen), topk)
+        # Several input sets per graph, so the active experts' weights are not served from L2.
+        sets = max(1, min(8, 4096 // t))
+        inputs = []
+        for _ in range(sets):
+            x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
+            ids, w = kernels.topk_gating_ref(torch.randn(t, e, device=dev, generator=gen), topk)
+            inputs.append((x, w, ids))
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         best_up = default_config("up", t, e, rows13, h, topk, sms)
         best_down = default_config("down", t, e, h, f, topk, sms)
@@ -86,8 +103,10 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int) -> dict:
             results = []
             for cfg in candidates(phase, t, topk, e):
                 pair = (cfg, best_down) if phase == "up" else (best_up, cfg)
+                fns = [lambda x=x, w=w, ids=ids: fused_moe_triton(x, w13, w2, w, ids, act, configs=pair, **scales)
+                       for x, w, ids in inputs]
                 try:
-                    us = time_call(lambda: fused_moe_triton(x, w13, w2, w, ids, act, configs=pair, **scales), r)
+                    us = time_graph(fns, r)
                 except Exception as exc:  # e.g. out of shared memory for this tile shape
                     print(f"  {name} T={t} {phase} {cfg}: skipped ({type(exc).__name__})")
                     continue

@@ -147,3 +147,20 @@ def test_moe_layer_in_cuda_graph_matches_eager():
                 graph.replay()
                 eager = layer(fresh)
                 assert torch.equal(static_out, eager), t
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("t,e,k,score", [(1, 8, 2, "softmax"), (3, 60, 4, "sigmoid"), (16, 128, 8, "softmax"),
+                                         (5, 7, 3, "softmax"), (40, 64, 8, "softmax")])
+def test_route_matches_gating_then_maps(device, t, e, k, score):
+    """Gating and maps in one launch (or two, past the one-program size) equal the two
+    references run one after the other."""
+    gen = torch.Generator().manual_seed(t * e)
+    logits = torch.randn(t, e, generator=gen)
+    ids, w, (offsets, rows, row_pair) = kernels.route_triton(logits.to(device), k, score)
+    ref_ids, ref_w = kernels.topk_gating_ref(logits, k, score)
+    ref_offsets, ref_rows = token_maps_ref(ref_ids, e)
+    assert torch.equal(ids.cpu(), ref_ids) and torch.equal(offsets.cpu(), ref_offsets)
+    assert torch.equal(rows.cpu(), ref_rows)
+    torch.testing.assert_close(w.cpu(), ref_w)
+    assert torch.equal(row_pair.cpu(), kernels.row_pair_ref(ref_rows))
