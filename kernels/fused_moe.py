@@ -62,10 +62,10 @@ def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: i
 def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: int,
                   wdtype: torch.dtype, topk: int, elem_bytes: int = 2) -> dict:
     table = _tuned().get(device_key(device), {}).get(shape_key(phase, e, n, k, wdtype, topk))
-    if table:
-        # Entries are keyed by T buckets; take the smallest bucket >= t (else the largest).
-        buckets = sorted(int(b) for b in table)
-        pick = next((b for b in buckets if b >= t), buckets[-1])
+    # Entries are keyed by T buckets: take the smallest bucket >= t. Past the largest one
+    # the regime may have changed (bandwidth- to compute-bound): use the heuristic.
+    pick = min((int(b) for b in table or {} if int(b) >= t), default=None)
+    if pick is not None:
         return table[str(pick)]
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
         else NUM_SMS_DEFAULT

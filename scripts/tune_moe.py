@@ -139,7 +139,8 @@ def main():
     for name in args.shapes.split(","):
         for wdtype, toks in (("bf16", args.tokens), ("int8", args.int8_tokens)):
             if toks:
-                mine.update(tune_shape(name, [int(t) for t in toks.split(",")], wdtype, args.reps))
+                for key, entries in tune_shape(name, [int(t) for t in toks.split(",")], wdtype, args.reps).items():
+                    mine.setdefault(key, {}).update(entries)  # keep the T buckets not re-tuned
         torch.cuda.empty_cache()
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(data, indent=1, sort_keys=True))  # after every shape
