@@ -8,7 +8,7 @@ import torch
 
 from kernels.gating import grouped_topk_triton, topk_gating_triton
 from kernels.route import route_triton
-from kernels.fused_moe import fused_moe_triton, grouped_ffn_triton, quantize_int8
+from kernels.moe_triton import fused_moe_triton, grouped_ffn_triton, quantize_int8
 from kernels.layout import gather_rows_triton, scatter_rows_triton
 from kernels.maps import token_maps_triton
 from kernels.moe_ref import (ACTIVATIONS, dequantize_ref, expert_ffn_ref, fused_moe_ref,

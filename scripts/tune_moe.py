@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
-from kernels.fused_moe import CONFIG_FILE, default_config, device_key, fused_moe_triton, shape_key  # noqa: E402
+from kernels.moe_triton import CONFIG_FILE, default_config, device_key, fused_moe_triton, shape_key  # noqa: E402
 
 SHAPES = {  # name: H, F, E, k, activation
     "mixtral": (4096, 14336, 8, 2, "silu"),
