@@ -45,7 +45,8 @@ def device_slug(kind: str) -> str:
 def git_commit() -> str:
     """Short hash of HEAD, with '+dirty' when the working tree has changes.
 
-    'unknown' when there is no git or no repository (e.g. a copied tree on a GPU host)."""
+    A copied tree without .git (the GPU hosts get one) reports ``$MOE_INFER_COMMIT`` when the
+    launching command sets it, else 'unknown'."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
                               check=True, timeout=30).stdout.strip()
@@ -53,7 +54,7 @@ def git_commit() -> str:
         commit = git("rev-parse", "--short", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return os.environ.get("MOE_INFER_COMMIT", "unknown")
     return commit + ("+dirty" if dirty else "")
 
 
