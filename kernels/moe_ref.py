@@ -20,16 +20,19 @@ import torch.nn.functional as F
 ACTIVATIONS = ("silu", "gelu")  # silu: SwiGLU, w13 holds gate rows then up rows; gelu: plain
 
 
+def router_scores_ref(logits: torch.Tensor, score: str) -> torch.Tensor:
+    """float32 router scores [T, E]: softmax over experts, or an independent sigmoid each."""
+    if score == "softmax":
+        return logits.float().softmax(dim=-1)
+    if score == "sigmoid":
+        return logits.float().sigmoid()
+    raise ValueError(f"score={score!r}: expected softmax or sigmoid")
+
+
 def topk_gating_ref(logits: torch.Tensor, k: int, score: str = "softmax",
                     renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the router scores: ids [T, k] int32 and weights [T, k] float32."""
-    logits = logits.float()
-    if score == "softmax":
-        scores = logits.softmax(dim=-1)  # [T, E]
-    elif score == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        raise ValueError(f"score={score!r}: expected softmax or sigmoid")
+    scores = router_scores_ref(logits, score)  # [T, E]
     weights, ids = torch.topk(scores, k, dim=-1)  # [T, k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -47,13 +50,7 @@ def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: 
     stay eligible. ids are in descending choice order; the weights are the unbiased scores at
     those ids, renormalised if asked, then multiplied by ``routed_scaling_factor``.
     """
-    logits = logits.float()
-    if score == "softmax":
-        scores = logits.softmax(dim=-1)  # [T, E]
-    elif score == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        raise ValueError(f"score={score!r}: expected softmax or sigmoid")
+    scores = router_scores_ref(logits, score)  # [T, E]
     t, e = scores.shape
     if e % n_group:
         raise ValueError(f"n_group={n_group}: expected a divisor of E={e}")

@@ -132,3 +132,18 @@ def test_cli_generate_and_errors(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "generate" in capsys.readouterr().out
+
+
+def test_int8_experts_swap_in_and_stay_close():
+    from moe_infer.experts import Experts, Int8Experts, quantize_experts
+
+    engine = engine_for(LLAMA_MOE)
+    before = engine.logits(PROMPTS)
+    quantize_experts(engine.model)
+    kinds = {type(m) for m in engine.model.modules() if isinstance(m, Experts)}
+    assert kinds == {Int8Experts}
+    moe = next(m for m in engine.model.modules() if isinstance(m, Int8Experts))
+    assert moe.w13.dtype == torch.int8 and moe.w13_scale.shape == moe.w13.shape[:2]
+    after = engine.logits(PROMPTS)
+    err = ((after - before).norm() / before.norm()).item()
+    assert 0 < err < 3e-2
