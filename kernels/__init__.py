@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kernels.gating import grouped_topk_triton, topk_gating_triton
-from kernels.route import route_triton
+from kernels.route import route_scatter_triton, route_triton
 from kernels.moe_triton import fused_moe_triton, grouped_ffn_triton, quantize_int8
 from kernels.layout import gather_rows_triton, scatter_rows_triton
 from kernels.maps import token_maps_triton
@@ -31,6 +31,15 @@ def route(logits, k, score="softmax", renormalize=True):
     ids, weights = topk_gating_ref(logits, k, score, renormalize)
     offsets, rows = token_maps_ref(ids, logits.shape[1])
     return ids, weights, (offsets, rows, row_pair_ref(rows))
+
+
+def route_scatter(x, logits, k, score="softmax", renormalize=True):
+    """``route`` plus the scatter of x [T, H] into the expert-major buffer (one launch at
+    decode sizes on a GPU): -> ids, weights, maps, xs [T * k, H]."""
+    if logits.is_cuda:
+        return route_scatter_triton(x, logits, k, score, renormalize)
+    ids, weights, maps = route(logits, k, score, renormalize)
+    return ids, weights, maps, scatter_rows_ref(x, maps[1])
 
 
 def grouped_topk(logits, bias, k, n_group, topk_group, score="sigmoid", renormalize=True,
@@ -111,4 +120,4 @@ __all__ = ["fused_moe", "fused_moe_ref", "topk_gating", "topk_gating_ref", "toke
            "token_maps_ref", "scatter_rows", "scatter_rows_ref", "gather_rows", "gather_rows_ref",
            "grouped_ffn", "grouped_ffn_ref", "expert_ffn_ref", "fused_moe_triton", "grouped_ffn_triton",
            "token_maps_triton", "scatter_rows_triton", "gather_rows_triton", "quantize_int8", "dequantize_ref",
-           "topk_gating_triton", "route", "route_triton", "row_pair_ref", "grouped_topk", "grouped_topk_ref", "grouped_topk_triton"]
+           "topk_gating_triton", "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref", "grouped_topk", "grouped_topk_ref", "grouped_topk_triton"]

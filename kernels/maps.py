@@ -25,9 +25,10 @@ BLOCK_PAIRS = 128  # pairs per program in the multi-block path
 def _maps_block(
     ids, pair, valid,  # [BLOCK] expert, pair index, validity; pair increases along the vector
     offsets_ptr, rows_ptr, row_pair_ptr, capacity,
-    E: tl.constexpr, E_PAD: tl.constexpr, HAS_CAP: tl.constexpr,
+    E: tl.constexpr, E_PAD: tl.constexpr, HAS_CAP: tl.constexpr, STORE=True,
 ):
-    """All the maps of one block of pairs, in registers (the decode sizes)."""
+    """All the maps of one block of pairs, in registers (the decode sizes); written out when
+    ``STORE`` (one program of a grid that recomputes them). -> (row, kept) per pair."""
     ids = tl.where(valid, ids, E)  # padding lands in a bin past the experts
     pos = tl.arange(0, ids.shape[0])
     # rank of each pair among earlier pairs of the same expert: a BLOCK x BLOCK compare,
@@ -38,13 +39,14 @@ def _maps_block(
     # rows before this pair's expert segment: kept pairs of smaller experts.
     before = (ids[None, :] < ids[:, None]) & kept[None, :]
     row = tl.sum(before.to(tl.int32), axis=1) + rank
-    tl.store(rows_ptr + pair, tl.where(kept, row, -1), mask=valid)
-    tl.store(row_pair_ptr + row, pair, mask=kept)
+    tl.store(rows_ptr + pair, tl.where(kept, row, -1), mask=valid & STORE)
+    tl.store(row_pair_ptr + row, pair, mask=kept & STORE)
     counts = tl.histogram(tl.where(kept, ids, E), E_PAD)  # [E_PAD]
     e = tl.arange(0, E_PAD)
     counts = tl.where(e < E, counts, 0)
     excl = tl.cumsum(counts, axis=0) - counts
-    tl.store(offsets_ptr + e, excl, mask=e <= E)
+    tl.store(offsets_ptr + e, excl, mask=(e <= E) & STORE)
+    return row, kept
 
 
 @triton.jit

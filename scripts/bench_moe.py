@@ -295,12 +295,11 @@ class Notes:
 
 
 def routing_fn(shape: MoeShape) -> Callable[[MoeInputs], torch.Tensor]:
-    """Routing on its own, router logits given: gating and maps (one launch at decode
-    sizes), scatter, gather (the identity stands in for the experts)."""
+    """Routing on its own, router logits given: gating, maps and scatter (one launch at
+    decode sizes), gather (the identity stands in for the experts)."""
     def run(inp: MoeInputs) -> torch.Tensor:
-        ids, weights, (_, rows, _) = kernels.route(inp.logits, shape.topk, score="softmax",
-                                                   renormalize=shape.renormalize)
-        xs = kernels.scatter_rows(inp.x, rows)
+        ids, weights, (_, rows, _), xs = kernels.route_scatter(inp.x, inp.logits, shape.topk, score="softmax",
+                                                              renormalize=shape.renormalize)
         return kernels.gather_rows(xs, rows, weights)
     return run
 

@@ -166,3 +166,20 @@ def test_route_matches_gating_then_maps(device, t, e, k, score):
     assert torch.equal(rows.cpu(), ref_rows)
     torch.testing.assert_close(w.cpu(), ref_w)
     assert torch.equal(row_pair.cpu(), kernels.row_pair_ref(ref_rows))
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k,h", [(1, 8, 2, 37), (3, 60, 4, 130), (16, 128, 8, 64), (40, 64, 8, 33)])
+def test_route_scatter(device, dtype, t, e, k, h):
+    """Gating, maps and scatter in one launch (decode sizes) equal the references in turn."""
+    gen = torch.Generator().manual_seed(t + e + h)
+    logits = torch.randn(t, e, generator=gen)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    ids, w, (offsets, rows, row_pair), xs = kernels.route_scatter_triton(x.to(device), logits.to(device), k)
+    ref_ids, ref_w = kernels.topk_gating_ref(logits, k)
+    ref_offsets, ref_rows = token_maps_ref(ref_ids, e)
+    assert torch.equal(ids.cpu(), ref_ids) and torch.equal(rows.cpu(), ref_rows)
+    assert torch.equal(offsets.cpu(), ref_offsets) and torch.equal(row_pair.cpu(), kernels.row_pair_ref(ref_rows))
+    torch.testing.assert_close(w.cpu(), ref_w)
+    assert torch.equal(xs.cpu(), scatter_rows_ref(x, ref_rows))  # a copy: exact
