@@ -20,32 +20,6 @@ from kernels.maps import SMALL_PAIRS, _maps_block, token_maps_triton
 
 
 @triton.jit
-def _route_small_kernel(
-    logits_ptr,  # [T, E] router logits, any float dtype and strides
-    ids_ptr, weights_ptr,  # [T, K] int32 / float32 out: the top-k table
-    offsets_ptr,  # [E + 1] int32 out
-    rows_ptr,  # [T * K] int32 out: buffer row of each pair
-    row_pair_ptr,  # [T * K] int32 out: pair of each buffer row
-    T, E, stride_lt, stride_le,
-    K: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,
-    N_PAIRS: tl.constexpr,  # BLOCK_T * BLOCK_K
-):
-    rows = tl.arange(0, BLOCK_T)
-    row_ok = rows < T
-    top_ids, top_w = _topk_table(logits_ptr, rows, row_ok, E, stride_lt, stride_le, K, SOFTMAX,
-                                 RENORMALIZE, BLOCK_E, BLOCK_K)
-    slots = tl.arange(0, BLOCK_K)
-    pair = rows[:, None] * K + slots[None, :]  # [BLOCK_T, BLOCK_K]
-    ok = row_ok[:, None] & (slots[None, :] < K)
-    tl.store(ids_ptr + pair, top_ids, mask=ok)
-    tl.store(weights_ptr + pair, top_w, mask=ok)
-    # Flattened row-major, the table lists pairs in increasing pair order, as the maps need.
-    _maps_block(tl.reshape(top_ids, [N_PAIRS]), tl.reshape(pair, [N_PAIRS]), tl.reshape(ok, [N_PAIRS]),
-                offsets_ptr, rows_ptr, row_pair_ptr, 0, E, E_PAD, False)
-
-
-@triton.jit
 def _route_scatter_kernel(
     logits_ptr,  # [T, E] router logits
     x_ptr,  # [T, H] tokens
@@ -56,6 +30,7 @@ def _route_scatter_kernel(
     K: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,
     N_PAIRS: tl.constexpr, BLOCK_H: tl.constexpr,
+    SCATTER: tl.constexpr,  # copy x into xs too (else one program: gating and maps only)
 ):
     # Every program recomputes the (tiny) gating and maps in registers, as the paper
     # replicates pre-GEMM work across SMs, then copies its BLOCK_H columns of every pair;
@@ -74,10 +49,11 @@ def _route_scatter_kernel(
     pair = tl.reshape(pair, [N_PAIRS])
     row, kept = _maps_block(tl.reshape(top_ids, [N_PAIRS]), pair, tl.reshape(ok, [N_PAIRS]),
                             offsets_ptr, rows_ptr, row_pair_ptr, 0, E, E_PAD, False, first)
-    h = pid * BLOCK_H + tl.arange(0, BLOCK_H)
-    m = kept[:, None] & (h[None, :] < H)
-    vals = tl.load(x_ptr + (pair // K)[:, None].to(tl.int64) * stride_x + h[None, :], mask=m)
-    tl.store(xs_ptr + row[:, None].to(tl.int64) * stride_xs + h[None, :], vals, mask=m)
+    if SCATTER:
+        h = pid * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = kept[:, None] & (h[None, :] < H)
+        vals = tl.load(x_ptr + (pair // K)[:, None].to(tl.int64) * stride_x + h[None, :], mask=m)
+        tl.store(xs_ptr + row[:, None].to(tl.int64) * stride_xs + h[None, :], vals, mask=m)
 
 
 def _small(t: int, e: int, k: int) -> tuple[int, int, int] | None:
@@ -97,26 +73,32 @@ def route_scatter_triton(x: torch.Tensor, logits: torch.Tensor, k: int, score: s
     t, e = logits.shape
     if x.dim() != 2 or x.shape[0] != t:
         raise ValueError(f"x {list(x.shape)}: expected [T={t}, H] to match logits {list(logits.shape)}")
-    tiles = _small(t, e, k)
-    if tiles is None:
+    if _small(t, e, k) is None:
         ids, weights, maps = route_triton(logits, k, score, renormalize)
         return ids, weights, maps, scatter_rows_triton(x, maps[1])
-    block_t, block_e, block_k = tiles
-    x = x.contiguous()
-    h, dev = x.shape[1], logits.device
+    return _launch(logits, k, score, renormalize, x.contiguous())
+
+
+def _launch(logits, k, score, renormalize, x=None):
+    """The one-launch path; scatters x when given."""
+    t, e = logits.shape
+    block_t, block_e, block_k = _small(t, e, k)
+    dev = logits.device
+    h = x.shape[1] if x is not None else 0
     ids, weights = _outputs(logits, k)
     offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
     rows = torch.empty(t, k, dtype=torch.int32, device=dev)
     row_pair = torch.empty(t * k, dtype=torch.int32, device=dev)
-    xs = x.new_empty(t * k, h)
+    xs = x.new_empty(t * k, h) if x is not None else None
     n_pairs = block_t * block_k
-    block_h = max(16, min(1024, 8192 // n_pairs, triton.next_power_of_2(h)))
-    _route_scatter_kernel[(triton.cdiv(h, block_h),)](
-        logits, x, ids, weights, offsets, rows, row_pair, xs, t, e, h,
-        logits.stride(0), logits.stride(1), x.stride(0), xs.stride(0),
+    block_h = max(16, min(1024, 8192 // n_pairs, triton.next_power_of_2(max(h, 1))))
+    _route_scatter_kernel[(max(1, triton.cdiv(h, block_h)),)](
+        logits, x if x is not None else logits, ids, weights, offsets, rows, row_pair,
+        xs if xs is not None else logits, t, e, h, logits.stride(0), logits.stride(1),
+        x.stride(0) if x is not None else 0, xs.stride(0) if xs is not None else 0,
         K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), BLOCK_T=block_t,
         BLOCK_E=block_e, BLOCK_K=block_k, E_PAD=triton.next_power_of_2(e + 1), N_PAIRS=n_pairs,
-        BLOCK_H=block_h, num_warps=4)
+        BLOCK_H=block_h, SCATTER=x is not None, num_warps=4)
     return ids, weights, (offsets, rows, row_pair), xs
 
 
@@ -124,18 +106,7 @@ def route_triton(logits: torch.Tensor, k: int, score: str = "softmax", renormali
     """Top-k gating and dropless maps: -> ids, weights, (offsets, rows, row_pair)."""
     _check_logits(logits, k, score)
     t, e = logits.shape
-    tiles = _small(t, e, k)
-    if tiles is None:
+    if _small(t, e, k) is None:
         ids, weights = topk_gating_triton(logits, k, score, renormalize)
         return ids, weights, token_maps_triton(ids, e)
-    block_t, block_e, block_k = tiles
-    ids, weights = _outputs(logits, k)
-    offsets = torch.empty(e + 1, dtype=torch.int32, device=logits.device)
-    rows = torch.empty(t, k, dtype=torch.int32, device=logits.device)
-    row_pair = torch.empty(t * k, dtype=torch.int32, device=logits.device)
-    _route_small_kernel[(1,)](
-        logits, ids, weights, offsets, rows, row_pair, t, e, logits.stride(0), logits.stride(1),
-        K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), BLOCK_T=block_t,
-        BLOCK_E=block_e, BLOCK_K=block_k, E_PAD=triton.next_power_of_2(e + 1),
-        N_PAIRS=block_t * block_k, num_warps=4)
-    return ids, weights, (offsets, rows, row_pair)
+    return _launch(logits, k, score, renormalize)[:3]
