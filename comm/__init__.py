@@ -1,4 +1,9 @@
-"""Rank bootstrap, process groups and collectives (multi-rank work lands here).
+"""Rank bootstrap, process groups and collectives for jobs launched by mpirun.
 
 Nothing of ours is imported here; groups built in this package are handed to constructors.
 """
+from comm.bootstrap import RankInfo, bootstrap
+from comm.collectives import all_gather, all_reduce, all_to_all
+from comm.groups import Group, ParallelGroups
+
+__all__ = ["RankInfo", "bootstrap", "Group", "ParallelGroups", "all_reduce", "all_gather", "all_to_all"]

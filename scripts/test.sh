@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Sets up the test environment and runs the whole CPU test suite (GPU tests skip
-# themselves without a GPU). Extra arguments go to pytest.
+# Sets up the test environment and runs the test suite: the multi-rank tests under mpiexec
+# with 2 and 4 ranks (gloo on CPU), then the main suite last. GPU tests skip themselves
+# without a GPU. Extra arguments go to the main pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
-exec ${PYTHON:-python3} -m pytest -q --color=no "$@"
+py=${PYTHON:-python3}
+for ranks in 2 4; do
+    echo "== mpi tests, $ranks ranks"
+    timeout 300 mpiexec -n "$ranks" $py -m pytest -q --color=no -p no:cacheprovider -m mpi tests/test_comm_mpi.py
+done
+echo "== main test suite"
+exec $py -m pytest -q --color=no "$@"

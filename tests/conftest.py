@@ -21,7 +21,12 @@ DEVICES = [
 ]
 
 
+# Set by the MPI launchers (MPICH's Hydra, Open MPI) in every rank they start.
+MPI_RANKS = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+
+
 def pytest_collection_modifyitems(config, items):
+    no_mpi = pytest.mark.skip(reason="multi-rank test: run it under mpiexec -n 2 or more")
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     no_interp = pytest.mark.skip(reason="Triton interpreter tests run where there is no GPU (CI)")
     for item in items:
@@ -29,6 +34,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         if "interp" in item.keywords and not INTERPRETING:
             item.add_marker(no_interp)
+        if "mpi" in item.keywords and MPI_RANKS < 2:
+            item.add_marker(no_mpi)
 
 
 @pytest.fixture(params=DEVICES)

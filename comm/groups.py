@@ -1,0 +1,70 @@
+"""Process groups built once from the parallel layout and handed to constructors.
+
+Rank layout (pipeline stages outermost, then data-parallel replicas, tensor-parallel
+ranks innermost, as in Megatron): rank = (pp_rank * dp + dp_rank) * tp + tp_rank.
+The expert dimension reuses the same ranks: expert-parallel groups are ``ep *
+expert_slicing`` consecutive ranks, each expert sliced over ``expert_slicing`` consecutive
+ranks; PCC groups join the ranks of one stage that share a TP index.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass
+class Group:
+    """One process group as seen from this rank."""
+
+    group: object | None  # a torch ProcessGroup, or None when the group is this rank alone
+    rank: int
+    size: int
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def alone(cls, rank: int = 0) -> "Group":
+        return cls(None, 0, 1, (rank,))
+
+
+@dataclass
+class ParallelGroups:
+    tp: Group  # tensor parallel: heads / FFN columns split, all-reduce after row-parallel layers
+    dp: Group  # replicas of the dense part
+    ep: Group  # expert parallel: experts placed over these ranks (all-to-all)
+    expert_slice: Group  # ranks sharing the slices of one expert (reduction of its output)
+    pcc: Group  # ranks of one stage with this rank's TP index (the PCC all-to-all)
+    world_rank: int = 0
+
+    @classmethod
+    def single(cls) -> "ParallelGroups":
+        one = Group.alone()
+        return cls(one, one, one, one, one)
+
+    @classmethod
+    def build(cls, parallel, world_rank: int, world_size: int) -> "ParallelGroups":
+        """Every rank must call this with the same layout: torch creates groups collectively."""
+        tp, dp, pp = parallel.tp, parallel.dp, parallel.pp
+        ep, es = parallel.ep, parallel.expert_slicing
+        if tp * dp * pp != world_size:
+            raise ValueError(f"parallel: tp={tp} * dp={dp} * pp={pp} = {tp * dp * pp} ranks, "
+                             f"but the job has {world_size}")
+        if world_size % (ep * es):
+            raise ValueError(f"parallel: ep={ep} * expert_slicing={es} must divide the {world_size} ranks")
+
+        def blocks(size: int) -> list[list[int]]:
+            return [list(range(s, s + size)) for s in range(0, world_size, size)]
+
+        # Ranks of one stage that share a TP index: the dense part's replicas, and the
+        # PCC all-to-all's peers (p / L of them) - the same ranks, one group.
+        same_tp_index = [[s + d * tp + i for d in range(dp)]
+                         for s in range(0, world_size, tp * dp) for i in range(tp)]
+        mine = {}
+        for name, lists in (("tp", blocks(tp)), ("dp", same_tp_index), ("ep", blocks(ep * es)),
+                            ("expert_slice", blocks(es))):
+            for ranks in lists:
+                # new_group is collective: every rank creates every group, in the same order.
+                handle = dist.new_group(ranks) if len(ranks) > 1 else None
+                if world_rank in ranks:
+                    mine[name] = Group(handle, ranks.index(world_rank), len(ranks), tuple(ranks))
+        return cls(world_rank=world_rank, pcc=mine["dp"], **mine)

@@ -1,0 +1,61 @@
+"""Tensor-parallel linear layers (Megatron style). Each collective lives in exactly one
+layer type: ``ColumnParallelLinear`` never communicates, ``RowParallelLinear`` ends in the
+all-reduce. Each layer carries ``load(full)``, which keeps this rank's slice of a full
+weight, so a sharded loader can hand over only the rows or columns a rank needs.
+
+Shape letters: N rows, I input features, O output features, P = group size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comm import Group, all_reduce
+
+
+def _split(total: int, group: Group, what: str) -> int:
+    if total % group.size:
+        raise ValueError(f"{what}={total}: expected a multiple of the tensor-parallel size {group.size}")
+    return total // group.size
+
+
+class ColumnParallelLinear(nn.Module):
+    """x [N, I] -> this rank's O / P output columns; no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: Group):
+        super().__init__()
+        self.group = group
+        local = _split(out_features, group, "out_features")
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        self.bias = nn.Parameter(torch.empty(local)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """The rows of a full [O] or [O, I] tensor this rank keeps."""
+        n = self.weight.shape[0]
+        return full[self.group.rank * n:(self.group.rank + 1) * n]
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's I / P input columns -> the full [N, O], summed over the group by one
+    all-reduce; the bias is added once, after it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: Group):
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(out_features, _split(in_features, group, "in_features")))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """The columns of a full [O, I] weight this rank keeps (a bias is kept whole)."""
+        if full.dim() == 1:
+            return full
+        n = self.weight.shape[1]
+        return full[:, self.group.rank * n:(self.group.rank + 1) * n]

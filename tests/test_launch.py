@@ -1,0 +1,32 @@
+"""Launching under mpirun: a failing rank ends the whole job quickly, with its error."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MPIEXEC = shutil.which("mpiexec")
+
+FAILING = """
+import torch.distributed as dist
+from comm import bootstrap
+info = bootstrap(timeout_s=600)  # longer than the test allows: the abort must end it
+if info.rank == 1:
+    raise RuntimeError("rank one fails on purpose")
+dist.barrier()  # rank 0 would wait here forever without the abort
+"""
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (the test extras install mpich)")
+def test_a_rank_that_raises_ends_the_job_within_60s():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    start = time.time()
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", FAILING], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=90)
+    assert out.returncode != 0
+    assert time.time() - start < 60
+    assert "[rank 1]" in out.stderr and "rank one fails on purpose" in out.stderr
