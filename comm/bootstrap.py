@@ -9,8 +9,10 @@ rank instead of leaving the others blocked in a collective.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -35,8 +37,9 @@ def _free_port() -> int:
 def install_abort_on_error(comm) -> None:
     """An uncaught exception on this rank aborts the whole MPI job (no hung peers)."""
     def hook(kind, value, tb):
-        sys.stderr.write(f"[rank {comm.Get_rank()}] " + "".join(traceback.format_exception(kind, value, tb)))
-        sys.stderr.flush()
+        text = f"[rank {comm.Get_rank()}] " + "".join(traceback.format_exception(kind, value, tb))
+        os.write(2, text.encode())  # unbuffered: the abort may not let Python flush
+        time.sleep(0.5)  # give the launcher time to forward it before the job is torn down
         comm.Abort(1)
     sys.excepthook = hook
 
