@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dense.norm import RMSNorm
+from comm import Group
+from dense.norm import RMSNorm, ShardedRMSNorm
+from dense.parallel_linear import RowParallelLinear
 from dense.rotary import Rotary, apply_rotary
 
 
@@ -71,19 +73,42 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    """With a tensor-parallel group of P ranks each rank holds num_heads / P query heads
+    and their KV heads: num_kv_heads / P of them, or one KV head shared by P / num_kv_heads
+    ranks when there are fewer KV heads than ranks. The output projection is row-parallel
+    (one all-reduce); the KV cache holds only this rank's KV heads."""
+
+    def __init__(self, cfg, tp: Group | None = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        tp = tp or Group.alone()
+        d = cfg.head_dim
+        self.head_dim = d
+        self.num_heads = cfg.num_heads // tp.size
+        if cfg.num_kv_heads % tp.size == 0:
+            self.num_kv_heads, kv_first, replicas = cfg.num_kv_heads // tp.size, None, 1
+            kv_first = tp.rank * self.num_kv_heads
+        else:  # more ranks than KV heads: replicate each KV head over P / num_kv_heads ranks
+            replicas = tp.size // cfg.num_kv_heads
+            self.num_kv_heads, kv_first = 1, tp.rank // replicas
+        q_first = tp.rank * self.num_heads
+        q_width, kv_width = self.num_heads * d, self.num_kv_heads * d
         self.split = (q_width, kv_width, kv_width)
         # One fused projection for q, k and v: one weight read per step.
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_width + 2 * kv_width, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=cfg.out_bias)
+        q_total, kv_total = cfg.num_heads * d, cfg.num_kv_heads * d
+
+        def pick(full):  # this rank's q rows, then its k rows, then its v rows
+            k0, v0 = q_total + kv_first * d, q_total + kv_total + kv_first * d
+            return torch.cat([full[q_first * d:q_first * d + q_width], full[k0:k0 + kv_width],
+                              full[v0:v0 + kv_width]])
+        self.qkv_proj.shard_fns = {"weight": pick, "bias": pick}
+        self.o_proj = RowParallelLinear(q_total, cfg.hidden_size, cfg.out_bias, tp)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "head":  # Qwen3: over each head's D values
-            self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps), RMSNorm(self.head_dim, cfg.norm_eps)
-        elif cfg.qk_norm == "full":  # OLMoE: over all heads together
-            self.q_norm, self.k_norm = RMSNorm(q_width, cfg.norm_eps), RMSNorm(kv_width, cfg.norm_eps)
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.norm_eps), RMSNorm(d, cfg.norm_eps)
+        elif cfg.qk_norm == "full":  # OLMoE: over all heads together, so across ranks
+            self.q_norm = ShardedRMSNorm(q_width, q_total, cfg.norm_eps, tp, q_first * d)
+            self.k_norm = ShardedRMSNorm(kv_width, kv_total, cfg.norm_eps, tp, kv_first * d, replicas)
         self.clip_qkv = cfg.clip_qkv
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None = None,

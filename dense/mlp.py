@@ -5,16 +5,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from comm import Group
+from dense.parallel_linear import ColumnParallelLinear, RowParallelLinear
+
 
 class MLP(nn.Module):
-    """x [.., H] -> [.., H]. ``up_proj`` is [2F, H] (gate rows, then up rows) for SwiGLU."""
+    """x [.., H] -> [.., H]. ``up_proj`` is [2F, H] (gate rows, then up rows) for SwiGLU.
 
-    def __init__(self, hidden: int, width: int, activation: str, bias: bool = False):
+    With a tensor-parallel group each rank holds F / P of the width: the up projection is
+    column-parallel (its gate and up slices), the down projection row-parallel (one all-reduce)."""
+
+    def __init__(self, hidden: int, width: int, activation: str, bias: bool = False,
+                 tp: Group | None = None):
         super().__init__()
+        tp = tp or Group.alone()
         self.activation = activation
-        rows = 2 * width if activation == "swiglu" else width
-        self.up_proj = nn.Linear(hidden, rows, bias=bias)
-        self.down_proj = nn.Linear(width, hidden, bias=bias)
+        gated = activation == "swiglu"
+        self.up_proj = ColumnParallelLinear(hidden, 2 * width if gated else width, bias, tp)
+        self.down_proj = RowParallelLinear(width, hidden, bias, tp)
+        if gated:  # this rank's gate rows and its up rows, not a block of the fused [2F, H]
+            n = width // tp.size
+            pick = lambda full: torch.cat([full[tp.rank * n:(tp.rank + 1) * n],  # noqa: E731
+                                           full[width + tp.rank * n:width + (tp.rank + 1) * n]])
+            self.up_proj.shard_fns = {"weight": pick, "bias": pick}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up_proj(x)

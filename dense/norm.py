@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from comm import Group, all_reduce
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -33,3 +35,20 @@ class LayerNorm(nn.Module):
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
     return RMSNorm(dim, eps) if kind == "rmsnorm" else LayerNorm(dim, eps)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over features split across a tensor-parallel group: each rank holds
+    ``local_dim`` of the ``total_dim`` features (``replicas`` ranks hold the same slice when
+    KV heads are replicated). The mean square is all-reduced; the scale is this rank's slice."""
+
+    def __init__(self, local_dim: int, total_dim: int, eps: float, group: Group, first: int, replicas: int = 1):
+        super().__init__()
+        self.eps, self.total, self.group, self.replicas = eps, total_dim, group, replicas
+        self.weight = nn.Parameter(torch.ones(local_dim))
+        self.shard_fns = {"weight": lambda full: full[first:first + local_dim]}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        sq = all_reduce(xf.pow(2).sum(-1, keepdim=True), self.group) / self.replicas
+        return self.weight * (xf * torch.rsqrt(sq / self.total + self.eps)).to(x.dtype)

@@ -1,7 +1,7 @@
 """Tensor-parallel linear layers (Megatron style). Each collective lives in exactly one
 layer type: ``ColumnParallelLinear`` never communicates, ``RowParallelLinear`` ends in the
-all-reduce. Each layer carries ``load(full)``, which keeps this rank's slice of a full
-weight, so a sharded loader can hand over only the rows or columns a rank needs.
+all-reduce. Each layer carries ``shard_fns``: for each parameter, the function that keeps
+this rank's slice of the full tensor, which the checkpoint loader applies.
 
 Shape letters: N rows, I input features, O output features, P = group size.
 """
@@ -29,6 +29,7 @@ class ColumnParallelLinear(nn.Module):
         local = _split(out_features, group, "out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.empty(local)) if bias else None
+        self.shard_fns = {"weight": self.shard, "bias": self.shard}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -48,6 +49,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.weight = nn.Parameter(torch.empty(out_features, _split(in_features, group, "in_features")))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.shard_fns = {"weight": self.shard}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(F.linear(x, self.weight), self.group)

@@ -97,7 +97,17 @@ def load_checkpoint(model: torch.nn.Module, cfg: Config, directory: str | Path, 
         if src is None:
             missing = next(n for n in sources[0].names() if n not in files)
             raise CheckpointError(f"{directory}: missing tensor {missing!r} (needed for {ours})")
-        tensor = _assemble(src, reader)
+        used.update(src.names())
+        module_name, param = ours.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        read = src
+        if src.stacked and hasattr(module, "expert_range"):  # read only this rank's experts
+            lo, hi = module.expert_range
+            read = Source(src.parts[lo:hi], stacked=True)
+        tensor = _assemble(read, reader)
+        shard = getattr(module, "shard_fns", {}).get(param)
+        if shard is not None and tensor.shape != params[ours].shape:
+            tensor = shard(tensor)  # this rank's slice of a tensor- or expert-parallel weight
         target = params[ours]
         if tensor.shape != target.shape:
             raise CheckpointError(
@@ -105,7 +115,6 @@ def load_checkpoint(model: torch.nn.Module, cfg: Config, directory: str | Path, 
                 f"{list(tensor.shape)}, expected {list(target.shape)} from config.json")
         with torch.no_grad():
             target.copy_(tensor)
-        used.update(src.names())
     unexpected = sorted(set(files) - used)
     if unexpected:
         raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r} "

@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+import torch.distributed as dist
 
 from moe_infer import __version__
 from moe_infer.checkpoint import CheckpointError
-from moe_infer.config import ConfigError, preset_names
+from moe_infer.config import ConfigError, ParallelConfig, preset_names
 
 EPILOG = """examples:
   moe-infer generate --prompt "Shall I compare thee to a summer's day?"
   moe-infer generate --checkpoint ./Mixtral-8x7B-v0.1 --prompt "The capital of France is" --max-new-tokens 16
   moe-infer generate --config tiny-moe --prompt-ids 1,2,3 --temperature 0.8 --top-p 0.9 --seed 1
+  scripts/launch.sh -n 4 -- moe-infer generate --tp 2 --ep 2 --prompt "Let me not to the marriage of true minds"
   moe-infer presets
 
 Without --config or --checkpoint, the embedded default model runs (a tiny Mixtral-format MoE
@@ -51,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a prompt; repeat for a batch")
     inp.add_argument("--prompt-ids", action="append", default=[], type=_ids, metavar="IDS",
                      help="a prompt as comma-separated token ids (for models without a tokenizer)")
+    par = gen.add_argument_group("parallelism (launch with scripts/launch.sh -n N -- moe-infer ...)")
+    par.add_argument("--tp", type=int, help="tensor-parallel degree (heads and FFN columns split)")
+    par.add_argument("--ep", type=int, help="expert-parallel degree (experts placed across ranks)")
+    par.add_argument("--expert-slicing", type=int, help="ranks that split each expert's width")
+    par.add_argument("--pcc", action=argparse.BooleanOptionalAction, default=None,
+                     help="parallelism-coordinated all-to-all (default on; --no-pcc: naive baseline)")
     smp = gen.add_argument_group("sampling")
     smp.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: 64")
     smp.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -62,15 +72,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parallel(args) -> ParallelConfig | None:
+    """The layout from --tp / --ep / --expert-slicing / --pcc; the dense part's data
+    parallelism fills the ranks mpirun started."""
+    if all(v is None for v in (args.tp, args.ep, args.expert_slicing, args.pcc)):
+        return None
+    world = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+    tp = args.tp or 1
+    if world % tp:
+        raise ConfigError(f"--tp={tp}: expected a divisor of the {world} ranks this job runs")
+    return ParallelConfig(tp=tp, dp=world // tp, ep=args.ep or 1, expert_slicing=args.expert_slicing or 1,
+                          pcc=True if args.pcc is None else args.pcc)
+
+
 def _generate(args) -> int:
     from moe_infer.loader import load
 
     if not args.prompt and not args.prompt_ids:
         raise ValueError("no prompt: pass --prompt TEXT or --prompt-ids IDS")
-    engine = load(args.config, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype)
+    engine = load(args.config, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
+                  parallel=_parallel(args))
     prompts = args.prompt + args.prompt_ids
     outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0  # every rank computed the same tokens; rank 0 prints them
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         if i:
             print()

@@ -12,6 +12,9 @@ import math
 
 import torch
 
+import kernels
+from comm import ParallelGroups, all_reduce, all_to_all
+
 
 class LocalDispatcher:
     """All experts on this device."""
@@ -28,3 +31,71 @@ class LocalDispatcher:
         """x [T, H] and its Routing -> the weighted expert outputs [T, H]."""
         return experts.fused(x, routing.expert_ids, routing.weights, self.capacity(x.shape[0]),
                              routing.maps)
+
+
+class ExpertParallelDispatcher:
+    """Experts placed over the ``ep * expert_slicing`` consecutive ranks of the EP group:
+    expert e lives on EP rank e // (E / ep), sliced over the ``expert_slicing`` ranks from
+    (e // (E / ep)) * expert_slicing on.
+
+    Naive (the baseline): every rank sends all its (token, expert) pairs over the whole EP
+    group, to every slice of the expert, and combines every returned row itself.
+    PCC (paper V-B): after a TP layer the ranks of a TP group hold the same tokens, so TP
+    rank i sends only the pairs whose expert lives on ranks with TP index i, within the
+    ranks that share TP index i (p / L peers, not p), and an all-reduce inside the TP group
+    adds the partial combines. Each pair crosses the network once per TP group.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, ep: int, expert_slicing: int,
+                 groups: ParallelGroups, pcc: bool):
+        self.e_local, self.top_k, self.ep, self.es = num_experts // ep, top_k, ep, expert_slicing
+        self.groups = groups
+        tp = groups.tp.size
+        self.pcc = pcc and tp > 1
+        if self.pcc and (expert_slicing != 1 or ep % tp):
+            raise ValueError(f"parallel.pcc: needs expert_slicing=1 and ep a multiple of tp "
+                             f"(got ep={ep}, expert_slicing={expert_slicing}, tp={tp}); use pcc: false")
+        ep_ranks = groups.ep.ranks  # world ranks of this EP block
+        if self.pcc:
+            # The owner of EP index j in my block, as an index into my PCC group.
+            where = {r: i for i, r in enumerate(groups.pcc.ranks)}
+            self.dest_of = torch.tensor([where.get(ep_ranks[j], -1) for j in range(ep)], device="cpu")
+        self.sent_pairs = 0  # (pair, slice) rows this rank sent in the last call: for checks
+
+    def capacity(self, num_tokens: int) -> None:
+        return None
+
+    def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
+        t, h = x.shape
+        ids = routing.expert_ids.long().reshape(-1)  # [T * k]
+        token = torch.arange(t, device=x.device).repeat_interleave(self.top_k)
+        weight = routing.weights.reshape(-1).float()
+        owner = ids // self.e_local  # EP index of the expert's owner
+        if self.pcc:
+            mine = owner % self.groups.tp.size == self.groups.tp.rank
+            ids, token, weight, owner = ids[mine], token[mine], weight[mine], owner[mine]
+            dest, group, n_dest = self.dest_of.to(x.device)[owner], self.groups.pcc, self.groups.pcc.size
+        else:  # every slice of the expert gets the pair
+            s = torch.arange(self.es, device=x.device)
+            dest = (owner[:, None] * self.es + s[None, :]).reshape(-1)
+            ids, token, weight = (z.repeat_interleave(self.es) for z in (ids, token, weight))
+            group, n_dest = self.groups.ep, self.groups.ep.size
+        # Layout transform by destination: the same maps as for experts, over ranks.
+        offsets, rows = kernels.token_maps(dest[:, None].int(), n_dest)
+        order = torch.empty_like(dest)
+        order[rows.reshape(-1).long()] = torch.arange(dest.numel(), device=x.device)
+        counts = offsets[1:] - offsets[:-1]
+        self.sent_pairs = int(dest.numel())
+        recv_x, recv_counts = all_to_all(x[token[order]], counts, group)
+        recv_e, _ = all_to_all((ids[order] % self.e_local)[:, None], counts, group)
+        if recv_x.shape[0]:
+            ones = torch.ones(recv_x.shape[0], 1, device=x.device)
+            y = experts.fused(recv_x, recv_e.int(), ones)
+        else:
+            y = recv_x
+        back, _ = all_to_all(y, recv_counts, group)  # rows in the order they were sent
+        out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+        out.index_add_(0, token[order], back.float() * weight[order, None])
+        if self.pcc:
+            all_reduce(out, self.groups.tp)  # each TP rank combined only its share of pairs
+        return out.to(x.dtype)

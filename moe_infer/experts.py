@@ -14,14 +14,32 @@ _KERNEL_ACTIVATION = {"swiglu": "silu", "gelu": "gelu"}
 
 
 class Experts(nn.Module):
-    """w13 [E, 2F, H] (gate rows, then up rows; [E, F, H] for GeLU), w2 [E, H, F]."""
+    """w13 [E, 2F, H] (gate rows, then up rows; [E, F, H] for GeLU), w2 [E, H, F].
 
-    def __init__(self, num_experts: int, hidden: int, width: int, activation: str):
+    With expert parallelism this rank holds experts ``expert_range`` (E / ep of them); with
+    expert-slicing, F / expert_slicing of each one's width (its gate and up rows, and the
+    matching columns of w2), so its outputs are partial sums."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int, activation: str,
+                 ep_rank: int = 0, ep: int = 1, slice_rank: int = 0, slices: int = 1):
         super().__init__()
-        rows = 2 * width if activation == "swiglu" else width
-        self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, width))
+        e, f = num_experts // ep, width // slices
+        gated = activation == "swiglu"
+        self.w13 = nn.Parameter(torch.empty(e, 2 * f if gated else f, hidden))
+        self.w2 = nn.Parameter(torch.empty(e, hidden, f))
         self.activation = _KERNEL_ACTIVATION[activation]
+        self.expert_range = (ep_rank * e, (ep_rank + 1) * e)
+        lo = slice_rank * f
+
+        def experts_of(full):  # the loader may already have read only this rank's experts
+            return full if full.shape[0] == e else full[self.expert_range[0]:self.expert_range[1]]
+
+        def w13(full):
+            full = experts_of(full)
+            if not gated:
+                return full[:, lo:lo + f]
+            return torch.cat([full[:, lo:lo + f], full[:, width + lo:width + lo + f]], dim=1)
+        self.shard_fns = {"w13": w13, "w2": lambda full: experts_of(full)[:, :, lo:lo + f]}
 
     def scales(self) -> dict:
         return {}
@@ -42,7 +60,7 @@ class Int8Experts(Experts):
 
     def __init__(self, experts: Experts):
         nn.Module.__init__(self)
-        self.activation = experts.activation
+        self.activation, self.expert_range = experts.activation, experts.expert_range
         q13, s13 = kernels.quantize_int8(experts.w13.detach())
         q2, s2 = kernels.quantize_int8(experts.w2.detach())
         self.w13 = nn.Parameter(q13, requires_grad=False)

@@ -5,7 +5,10 @@ import dataclasses
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from comm import ParallelGroups, bootstrap
 
 from moe_infer.checkpoint import load_checkpoint
 from moe_infer.config import Config, ConfigError, ParallelConfig, load_preset, load_yaml_config, preset_names
@@ -58,6 +61,30 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def _parallel_groups(p: ParallelConfig):
+    """Groups for the layout; a multi-rank layout starts torch.distributed from the MPI job
+    (once per process) and must match its size."""
+    if p.pp > 1:
+        raise ConfigError(f"parallel.pp={p.pp}: pipeline parallelism is not available yet; expected 1")
+    ranks = max(p.world_size, p.ep * p.expert_slicing)
+    if ranks == 1:
+        return ParallelGroups.single(), None
+    if not dist.is_initialized():
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() != p.world_size:
+            raise ConfigError(f"parallel: tp={p.tp} * dp={p.dp} * pp={p.pp} needs {p.world_size} ranks, "
+                              f"but this job has {MPI.COMM_WORLD.Get_size()}; launch with mpirun -n "
+                              f"{p.world_size} (scripts/launch.sh)")
+        bootstrap()
+    if dist.get_world_size() != p.world_size:
+        raise ConfigError(f"parallel: tp={p.tp} * dp={p.dp} * pp={p.pp} = {p.world_size} ranks, "
+                          f"but torch.distributed has {dist.get_world_size()}")
+    rank = dist.get_rank()
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else None
+    return ParallelGroups.build(p, rank, p.world_size), device
+
+
 def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype):
     """Replaces meta parameters with uninitialised ones on the device, without a copy."""
     for module in model.modules():
@@ -83,15 +110,11 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         cfg = resolve_config(path_or_name)
     if parallel is not None:
         cfg = dataclasses.replace(cfg, parallel=parallel)  # re-validates against the model
-    p = cfg.parallel
-    ranks = max(p.world_size, p.ep * p.expert_slicing)
-    if ranks > 1:
-        raise ConfigError(f"parallel: tp={p.tp} pp={p.pp} dp={p.dp} ep={p.ep} expert_slicing="
-                          f"{p.expert_slicing} needs {ranks} ranks, but this process runs alone")
-    dev = resolve_device(device if device is not None else cfg.engine.device)
+    groups, rank_device = _parallel_groups(cfg.parallel)
+    dev = resolve_device(device if device is not None else (rank_device or cfg.engine.device))
     dt = resolve_dtype(dtype if dtype is not None else cfg.engine.dtype, dev)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, groups)
     _materialize(model, dev, dt)
     if cfg.checkpoint is not None:
         load_checkpoint(model, cfg, cfg.checkpoint, progress=progress)

@@ -7,24 +7,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from comm import ParallelGroups
 from dense import MLP, Attention, KVCache, Rotary, StepContext, make_norm
 from moe_infer.config import Config
 from moe_infer.moe_layer import MoELayer
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, index: int):
+    def __init__(self, cfg: Config, index: int, groups: ParallelGroups):
         super().__init__()
         m = cfg.model
         self.parallel = m.parallel_block
         self.attn_norm = make_norm(m.norm, m.hidden_size, m.norm_eps)
-        self.attn = Attention(m)
+        self.attn = Attention(m, groups.tp)
         # A parallel block feeds the same normed input to attention and FFN.
         self.ffn_norm = None if self.parallel else make_norm(m.norm, m.hidden_size, m.norm_eps)
         if cfg.is_moe_layer(index):
-            self.ffn = MoELayer(m, cfg.moe)
+            self.ffn = MoELayer(m, cfg.moe, cfg.parallel, groups)
         else:
-            self.ffn = MLP(m.hidden_size, m.ffn_hidden, m.activation, bias=m.mlp_bias)
+            self.ffn = MLP(m.hidden_size, m.ffn_hidden, m.activation, bias=m.mlp_bias, tp=groups.tp)
         self.index = index
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None) -> torch.Tensor:
@@ -37,21 +38,27 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: Config):
+    """The model as one rank holds it: ``groups`` (built once from ``cfg.parallel``) decide
+    which heads, FFN columns and experts live here; embeddings, norms and the LM head are
+    replicated."""
+
+    def __init__(self, cfg: Config, groups: ParallelGroups | None = None):
         super().__init__()
         m = cfg.model
         self.cfg = cfg
+        groups = groups or ParallelGroups.single()
         self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
         self.pos_embed = nn.Embedding(m.max_position, m.hidden_size) if m.positions == "learned" else None
         self.rotary = Rotary(m.head_dim, m.rope_theta) if m.positions == "rope" else None
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(m.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, groups) for i in range(m.num_layers))
+        self.num_kv_heads = self.layers[0].attn.num_kv_heads  # on this rank
         self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps)
         self.lm_head = None if m.tied_embeddings else nn.Linear(m.hidden_size, m.vocab_size, bias=False)
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         m = self.cfg.model
         p = self.embed.weight
-        return KVCache(m.num_layers, batch, m.num_kv_heads, max_len, m.head_dim, p.dtype, p.device)
+        return KVCache(m.num_layers, batch, self.num_kv_heads, max_len, m.head_dim, p.dtype, p.device)
 
     def context(self, positions: torch.Tensor, key_valid: torch.Tensor,
                 key_positions: torch.Tensor, start: int) -> StepContext:

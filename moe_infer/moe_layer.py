@@ -7,27 +7,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from comm import ParallelGroups
 from dense.mlp import MLP
-from moe_infer.dispatch import LocalDispatcher
+from moe_infer.dispatch import ExpertParallelDispatcher, LocalDispatcher
 from moe_infer.experts import Experts
 from moe_infer.gating import Router
 
 
 class MoELayer(nn.Module):
-    def __init__(self, model_cfg, moe_cfg):
+    def __init__(self, model_cfg, moe_cfg, parallel=None, groups: ParallelGroups | None = None):
         super().__init__()
         h = model_cfg.hidden_size
-        # With a capacity the maps depend on it: the dispatcher builds them, not the router.
+        groups = groups or ParallelGroups.single()
+        ep, es = (parallel.ep, parallel.expert_slicing) if parallel is not None else (1, 1)
+        # With a capacity the maps depend on it: the dispatcher builds them, not the router;
+        # with expert parallelism the maps are built per destination rank instead.
         self.router = Router(h, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.score, moe_cfg.renormalize,
-                             with_maps=moe_cfg.capacity_factor is None)
-        self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation)
-        self.dispatcher = LocalDispatcher(moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.capacity_factor)
+                             with_maps=moe_cfg.capacity_factor is None and ep * es == 1)
+        ep_index = groups.ep.rank // es
+        self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation,
+                               ep_index, ep, groups.ep.rank % es, es)
+        if ep * es > 1:
+            if moe_cfg.capacity_factor is not None:
+                raise ValueError("moe.capacity_factor: expert parallelism runs dropless; set it to null")
+            self.dispatcher = ExpertParallelDispatcher(moe_cfg.num_experts, moe_cfg.top_k, ep, es, groups,
+                                                       parallel.pcc)
+        else:
+            self.dispatcher = LocalDispatcher(moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.capacity_factor)
         self.shared = None
         self.shared_gate = None
         if moe_cfg.shared_experts:
             # n shared experts of width F are one MLP of width n * F: the sum is the same.
             width = moe_cfg.shared_experts * moe_cfg.shared_expert_hidden
-            self.shared = MLP(h, width, model_cfg.activation)
+            self.shared = MLP(h, width, model_cfg.activation, tp=groups.tp)
             if moe_cfg.shared_expert_gate:
                 self.shared_gate = nn.Linear(h, 1, bias=False)
 

@@ -8,7 +8,8 @@ bash scripts/install.sh test
 py=${PYTHON:-python3}
 for ranks in 2 4; do
     echo "== mpi tests, $ranks ranks"
-    timeout 300 mpiexec -n "$ranks" $py -m pytest -q --color=no -p no:cacheprovider -m mpi tests/test_comm_mpi.py
+    timeout 300 mpiexec -n "$ranks" $py -m pytest -q --color=no -p no:cacheprovider -m mpi \
+        tests/test_comm_mpi.py tests/test_model_mpi.py
 done
 echo "== main test suite"
 exec $py -m pytest -q --color=no "$@"

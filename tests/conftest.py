@@ -41,3 +41,19 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=DEVICES)
 def device_dtype(request):
     return request.param
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under mpirun a test that fails on one rank would leave the others blocked in their
+    next collective: print the failure and end the whole job at once."""
+    outcome = yield
+    report = outcome.get_result()
+    if MPI_RANKS > 1 and "mpi" in item.keywords and report.failed:
+        from mpi4py import MPI
+
+        os.write(2, f"[rank {MPI.COMM_WORLD.Get_rank()}] {item.nodeid} failed:\n{report.longreprtext}\n".encode())
+        import time
+
+        time.sleep(0.5)  # let the launcher forward the message
+        MPI.COMM_WORLD.Abort(1)
