@@ -45,13 +45,20 @@ def install_abort_on_error(comm) -> None:
 
 
 def bootstrap(backend: str | None = None, timeout_s: float = 300.0) -> RankInfo:
-    """Initialises torch.distributed from the MPI job this process belongs to.
+    """Initialises torch.distributed from the MPI job this process belongs to (once; a
+    second call returns the ranks of the first).
 
     ``timeout_s`` bounds every collective: a peer that stops answering fails the job after
     that long instead of hanging it."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    if dist.is_initialized():  # once per process: later callers get the same ranks
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local_rank = local.Get_rank()
+        local.Free()
+        device = torch.device("cuda", local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+        return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
     install_abort_on_error(comm)
     rank, world = comm.Get_rank(), comm.Get_size()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
