@@ -148,9 +148,10 @@ class ParallelConfig:
     pp: int = 1
     dp: int = 1
     pcc: bool = True  # parallelism-coordinated all-to-all; False: naive all-to-all baseline
+    timeout_s: float = 300.0  # a collective waiting longer than this fails the job
 
     def __post_init__(self):
-        _check_positive("parallel", self, "tp", "ep", "expert_slicing", "pp", "dp")
+        _check_positive("parallel", self, "tp", "ep", "expert_slicing", "pp", "dp", "timeout_s")
         expert_ranks = self.ep * self.expert_slicing
         if self.world_size % expert_ranks:
             _fail("parallel.ep", self.ep,

@@ -76,7 +76,7 @@ def _parallel_groups(p: ParallelConfig):
             raise ConfigError(f"parallel: tp={p.tp} * dp={p.dp} * pp={p.pp} needs {p.world_size} ranks, "
                               f"but this job has {MPI.COMM_WORLD.Get_size()}; launch with mpirun -n "
                               f"{p.world_size} (scripts/launch.sh)")
-        bootstrap()
+        bootstrap(timeout_s=p.timeout_s)
     if dist.get_world_size() != p.world_size:
         raise ConfigError(f"parallel: tp={p.tp} * dp={p.dp} * pp={p.pp} = {p.world_size} ranks, "
                           f"but torch.distributed has {dist.get_world_size()}")
