@@ -9,6 +9,7 @@ all-to-all between the layout transform and the experts.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -65,8 +66,9 @@ class ExpertParallelDispatcher:
     def capacity(self, num_tokens: int) -> None:
         return None
 
-    def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
-        t, h = x.shape
+    def dispatch(self, x: torch.Tensor, routing) -> "Sent":
+        """Layout transform by destination rank, then the all-to-all of rows and expert ids."""
+        t = x.shape[0]
         ids = routing.expert_ids.long().reshape(-1)  # [T * k]
         token = torch.arange(t, device=x.device).repeat_interleave(self.top_k)
         weight = routing.weights.reshape(-1).float()
@@ -74,28 +76,52 @@ class ExpertParallelDispatcher:
         if self.pcc:
             mine = owner % self.groups.tp.size == self.groups.tp.rank
             ids, token, weight, owner = ids[mine], token[mine], weight[mine], owner[mine]
-            dest, group, n_dest = self.dest_of.to(x.device)[owner], self.groups.pcc, self.groups.pcc.size
+            dest, group = self.dest_of.to(x.device)[owner], self.groups.pcc
         else:  # every slice of the expert gets the pair
             s = torch.arange(self.es, device=x.device)
             dest = (owner[:, None] * self.es + s[None, :]).reshape(-1)
             ids, token, weight = (z.repeat_interleave(self.es) for z in (ids, token, weight))
-            group, n_dest = self.groups.ep, self.groups.ep.size
-        # Layout transform by destination: the same maps as for experts, over ranks.
-        offsets, rows = kernels.token_maps(dest[:, None].int(), n_dest)
+            group = self.groups.ep
+        # The same maps as for experts, over destination ranks: rows grouped by destination.
+        offsets, rows = kernels.token_maps(dest[:, None].int(), group.size)
         order = torch.empty_like(dest)
         order[rows.reshape(-1).long()] = torch.arange(dest.numel(), device=x.device)
         counts = offsets[1:] - offsets[:-1]
         self.sent_pairs = int(dest.numel())
         recv_x, recv_counts = all_to_all(x[token[order]], counts, group)
         recv_e, _ = all_to_all((ids[order] % self.e_local)[:, None], counts, group)
-        if recv_x.shape[0]:
-            ones = torch.ones(recv_x.shape[0], 1, device=x.device)
-            y = experts.fused(recv_x, recv_e.int(), ones)
-        else:
-            y = recv_x
-        back, _ = all_to_all(y, recv_counts, group)  # rows in the order they were sent
-        out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
-        out.index_add_(0, token[order], back.float() * weight[order, None])
+        return Sent(recv_x, recv_e, recv_counts, counts, token[order], weight[order], group)
+
+    @staticmethod
+    def compute(sent: "Sent", experts) -> torch.Tensor:
+        """This rank's experts on the rows it received (each routed to one local expert)."""
+        if not sent.x.shape[0]:
+            return sent.x
+        ones = torch.ones(sent.x.shape[0], 1, device=sent.x.device)
+        return experts.fused(sent.x, sent.expert.int(), ones)
+
+    def combine(self, y: torch.Tensor, sent: "Sent", num_tokens: int) -> torch.Tensor:
+        """Rows back to their senders, weighted sum per token (+ the TP all-reduce under PCC)."""
+        back, _ = all_to_all(y, sent.recv_counts, sent.group)  # in the order they were sent
+        out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
+        out.index_add_(0, sent.token, back.float() * sent.weight[:, None])
         if self.pcc:
             all_reduce(out, self.groups.tp)  # each TP rank combined only its share of pairs
-        return out.to(x.dtype)
+        return out.to(y.dtype)
+
+    def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
+        sent = self.dispatch(x, routing)
+        return self.combine(self.compute(sent, experts), sent, x.shape[0]).to(x.dtype)
+
+
+@dataclass
+class Sent:
+    """What one rank received in the dispatch all-to-all, and how to undo it."""
+
+    x: torch.Tensor  # [M, H] rows received, grouped by source rank
+    expert: torch.Tensor  # [M, 1] local expert of each received row
+    recv_counts: torch.Tensor  # [group size] rows from each source
+    send_counts: torch.Tensor  # [group size] rows this rank sent to each destination
+    token: torch.Tensor  # [N] token of each sent row, in send order
+    weight: torch.Tensor  # [N] combine weight of each sent row
+    group: object  # the comm.Group of the all-to-all

@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""Multi-rank MoE benchmark: the MoE layer under expert parallelism, its time split into
+dispatch / experts / combine, the naive all-to-all against PCC, the bytes each rank sends
+and the peers it talks to; then the TP scaling of a dense decode layer.
+
+    scripts/launch.sh -n 4 -- python scripts/bench_ep.py                    # GPUs (NCCL)
+    scripts/launch.sh -n 4 -- python scripts/bench_ep.py --device cpu --smoke   # CPU (gloo)
+
+Every rank of a TP group holds the same tokens (as after a TP layer); data-parallel
+replicas hold different ones. Times are medians over repeats, each repeat started by a
+barrier, measured on rank 0 (the slowest rank decides a collective, so rank 0 sees it).
+Rank 0 prints the table and writes bench/results/ep-<device>-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+_SCRIPTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
+
+import bench_common as bc  # noqa: E402
+from comm import ParallelGroups, bootstrap  # noqa: E402
+from dense import Attention, KVCache, MLP, StepContext  # noqa: E402
+from moe_infer.config import ModelConfig, MoEConfig, ParallelConfig  # noqa: E402
+from moe_infer.dispatch import ExpertParallelDispatcher  # noqa: E402
+from moe_infer.moe_layer import MoELayer  # noqa: E402
+
+SHAPES = {  # name: H, F, E, k
+    "mixtral": (4096, 14336, 8, 2),
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "smoke": (64, 48, 8, 2),
+}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, reps: int):
+    """Median wall time of fn() in microseconds, each repeat after a barrier, plus its last result."""
+    times, out = [], None
+    for _ in range(reps):
+        dist.barrier()
+        sync(device)
+        start = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times), out
+
+
+def layouts(world: int) -> list[tuple[str, dict]]:
+    out = [(f"ep{world}", dict(dp=world, ep=world))]
+    if world >= 2 and world % 2 == 0:
+        out += [(f"tp2-ep{world // 2 * 2}-naive", dict(tp=2, dp=world // 2, ep=world, pcc=False)),
+                (f"tp2-ep{world // 2 * 2}-pcc", dict(tp=2, dp=world // 2, ep=world, pcc=True))]
+    return out
+
+
+def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int) -> dict:
+    h, f, e, k = SHAPES[shape]
+    parallel = ParallelConfig(**layout)
+    groups = ParallelGroups.build(parallel, dist.get_rank(), dist.get_world_size())
+    m = ModelConfig(vocab_size=16, hidden_size=h, num_layers=1, num_heads=8, ffn_hidden=16)
+    layer = MoELayer(m, MoEConfig(num_experts=e, top_k=k, expert_hidden=f), parallel, groups)
+    layer = layer.to(device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(1000 + groups.dp.rank)  # same within a TP group
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02, generator=gen)
+        x = torch.randn(t, h, device=device, dtype=dtype, generator=gen)
+        routing = layer.router(x)
+        d: ExpertParallelDispatcher = layer.dispatcher
+        t_dispatch, sent = timed(lambda: d.dispatch(x, routing), device, reps)
+        t_experts, y = timed(lambda: d.compute(sent, layer.experts), device, reps)
+        t_combine, _ = timed(lambda: d.combine(y, sent, t), device, reps)
+    row_bytes = h * x.element_size() + 8  # a hidden row and its expert id
+    peers = int((sent.send_counts > 0).sum()) - int(sent.send_counts[sent.group.rank] > 0)
+    del layer
+    return {"shape": shape, "T_per_rank": t, "dispatch_us": t_dispatch, "experts_us": t_experts,
+            "combine_us": t_combine, "pairs_sent": d.sent_pairs,
+            "bytes_sent": int(sent.send_counts.sum()) * row_bytes, "a2a_group": sent.group.size,
+            "peers": peers}
+
+
+def dense_case(tp_size: int, device, dtype, reps: int, hidden: int, heads: int, kv: int, ffn: int,
+               context: int) -> dict | None:
+    """One dense decode step (attention over a KV cache of ``context`` slots, then the MLP)
+    at batch 1, on the first ``tp_size`` ranks; the others wait at the barriers."""
+    world = dist.get_world_size()
+    if world % tp_size:
+        return None
+    groups = ParallelGroups.build(ParallelConfig(tp=tp_size, dp=world // tp_size), dist.get_rank(), world)
+    m = ModelConfig(vocab_size=16, hidden_size=hidden, num_layers=1, num_heads=heads, num_kv_heads=kv,
+                    ffn_hidden=ffn, max_position=context + 1)
+    attn = Attention(m, groups.tp).to(device=device, dtype=dtype)
+    mlp = MLP(hidden, ffn, "swiglu", tp=groups.tp).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in list(attn.parameters()) + list(mlp.parameters()):
+            p.normal_(0, 0.02)
+    cache = KVCache(1, 1, attn.num_kv_heads, context + 1, m.head_dim, dtype, device)
+    valid = torch.ones(1, context + 1, dtype=torch.bool, device=device)
+    pos = torch.arange(context + 1, device=device)[None]
+    from dense import Rotary
+
+    ctx = StepContext.build(pos[:, context:], valid, pos, context, Rotary(m.head_dim, m.rope_theta), dtype)
+    x = torch.randn(1, 1, hidden, device=device, dtype=dtype)
+    with torch.no_grad():
+        us, _ = timed(lambda: mlp(x + attn(x, ctx, cache)), device, reps)
+    return {"tp": tp_size, "decode_layer_us": us}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, few tokens and repeats")
+    ap.add_argument("--shapes", default="mixtral,qwen3-30b-a3b")
+    ap.add_argument("--tokens", default="1,8,64,512,4096", help="tokens per rank")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    info = bootstrap(backend="nccl" if args.device == "cuda" else "gloo", timeout_s=600)
+    device = info.device
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = ["smoke"] if args.smoke else args.shapes.split(",")
+    tokens = [1, 8] if args.smoke else [int(t) for t in args.tokens.split(",")]
+    reps = 3 if args.smoke else args.reps
+    rows = []
+    for shape in shapes:
+        for name, layout in layouts(info.world_size):
+            for t in tokens:
+                row = moe_case(shape, layout, t, device, dtype, reps)
+                row["layout"] = name
+                rows.append(row)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    h, heads, kv, ffn = (64, 8, 2, 96) if args.smoke else (4096, 32, 8, 14336)
+    dense = [r for tp in (1, 2, 4) if (r := dense_case(tp, device, dtype, reps, h, heads, kv, ffn, 512))]
+    if info.rank != 0:
+        return
+    run = bc.run_info(device)
+    print(f"device {run['device']} x {info.world_size} | date {run['date']} | commit {run['commit']} | {dtype}")
+    cols = ["shape", "layout", "T/rank", "dispatch µs", "experts µs", "combine µs", "pairs sent", "MB sent",
+            "a2a group", "peers"]
+    print(bc.format_table(cols, [[r["shape"], r["layout"], r["T_per_rank"], f"{r['dispatch_us']:.1f}",
+                                  f"{r['experts_us']:.1f}", f"{r['combine_us']:.1f}", r["pairs_sent"],
+                                  f"{r['bytes_sent'] / 1e6:.3f}", r["a2a_group"], r["peers"]] for r in rows]))
+    print(f"\ndense decode layer (H={h}, {heads} heads / {kv} KV, F={ffn}, 512 cached tokens, batch 1):")
+    print(bc.format_table(["tp", "µs"], [[r["tp"], f"{r['decode_layer_us']:.1f}"] for r in dense]))
+    bc.write_results("ep", device, {"run": run, "world_size": info.world_size, "dtype": str(dtype),
+                                    "moe": rows, "dense_decode": dense})
+
+
+if __name__ == "__main__":
+    main()
