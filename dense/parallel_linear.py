@@ -58,6 +58,6 @@ class RowParallelLinear(nn.Module):
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """The columns of a full [O, I] weight this rank keeps (a bias is kept whole)."""
         if full.dim() == 1:
-            return full
+            return full[:]
         n = self.weight.shape[1]
         return full[:, self.group.rank * n:(self.group.rank + 1) * n]

@@ -59,28 +59,69 @@ def _open(path: Path):
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
+_SAFE_FLOAT = {"F32", "F16", "BF16"}
+
+
 class _Reader:
-    """Keeps each shard open once while tensors are read."""
+    """Keeps each shard open once while tensors are read; reads whole tensors or row /
+    column ranges of them (safetensors slices: only those bytes leave the file)."""
 
     def __init__(self, files: dict[str, Path]):
         self.files, self.handles = files, {}
 
-    def get(self, name: str) -> torch.Tensor:
+    def slice(self, name: str):
         path = self.files[name]
         if path not in self.handles:
             self.handles[path] = _open(path)
         try:
-            t = self.handles[path].get_tensor(name)
+            view = self.handles[path].get_slice(name)
         except Exception as exc:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc}); is the file truncated?") from None
-        if t.dtype not in _FLOAT:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {t.dtype}, expected a float type")
-        return t
+        if view.get_dtype() not in _SAFE_FLOAT:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {view.get_dtype()}, expected a float type")
+        return view
+
+    def get(self, name: str, index: tuple = ()) -> torch.Tensor:
+        view = self.slice(name)
+        try:
+            return view[index] if index else view[:]
+        except Exception as exc:
+            raise CheckpointError(f"{self.files[name]}: cannot read tensor {name!r} ({exc}); "
+                                  f"is the file truncated?") from None
 
 
-def _assemble(src: Source, reader: _Reader) -> torch.Tensor:
-    groups = [torch.cat([reader.get(n) for n in group], dim=0) for group in src.parts]
-    return torch.stack(groups) if src.stacked else groups[0]
+class _Lazy:
+    """A checkpoint Source seen as one tensor without reading it: ``shape`` comes from the
+    headers and indexing with slices reads only the rows / columns asked for. Sharding
+    functions (``shard_fns``) take it in place of the full tensor."""
+
+    def __init__(self, src: Source, reader: _Reader):
+        self.src, self.reader = src, reader
+        self.rows = [[reader.slice(n).get_shape()[0] for n in group] for group in src.parts]
+        first = reader.slice(src.parts[0][0]).get_shape()
+        inner = [sum(r) for r in self.rows]
+        self.shape = torch.Size(([len(inner)] if src.stacked else []) + [inner[0], *first[1:]])
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def _group(self, g: int, index: tuple) -> torch.Tensor:
+        """Rows of group g (its tensors concatenated along dim 0), sliced by ``index``."""
+        lo, hi, _ = (index[0] if index else slice(None)).indices(sum(self.rows[g]))
+        rest, out, start = index[1:], [], 0
+        for name, n in zip(self.src.parts[g], self.rows[g]):
+            a, b = max(lo, start), min(hi, start + n)
+            if a < b:
+                out.append(self.reader.get(name, (slice(a - start, b - start), *rest)))
+            start += n
+        return torch.cat(out, dim=0)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        if not self.src.stacked:
+            return self._group(0, index)
+        experts = range(len(self.src.parts))[index[0]]
+        return torch.stack([self._group(g, index[1:]) for g in experts])
 
 
 def load_checkpoint(model: torch.nn.Module, cfg: Config, directory: str | Path, progress: bool = True):
@@ -104,10 +145,12 @@ def load_checkpoint(model: torch.nn.Module, cfg: Config, directory: str | Path, 
         if src.stacked and hasattr(module, "expert_range"):  # read only this rank's experts
             lo, hi = module.expert_range
             read = Source(src.parts[lo:hi], stacked=True)
-        tensor = _assemble(read, reader)
+        lazy = _Lazy(read, reader)
         shard = getattr(module, "shard_fns", {}).get(param)
-        if shard is not None and tensor.shape != params[ours].shape:
-            tensor = shard(tensor)  # this rank's slice of a tensor- or expert-parallel weight
+        if shard is not None and lazy.shape != params[ours].shape:
+            tensor = shard(lazy)  # reads only this rank's slice of a parallel weight
+        else:
+            tensor = lazy[:]
         target = params[ours]
         if tensor.shape != target.shape:
             raise CheckpointError(
