@@ -203,6 +203,11 @@ class Config:
         if e is not None:
             if e.num_experts % p.ep:
                 _fail("parallel.ep", p.ep, f"a divisor of moe.num_experts={e.num_experts}")
+            if e.capacity_factor is not None and p.ep * p.expert_slicing > 1:
+                _fail("moe.capacity_factor", e.capacity_factor, "null (expert parallelism runs dropless)")
+            if p.pcc and p.tp > 1 and p.ep * p.expert_slicing > 1 and (p.ep * p.expert_slicing) % p.tp:
+                _fail("parallel.pcc", True, f"false for this layout (PCC needs ep * expert_slicing a "
+                      f"multiple of tp={p.tp}; got ep={p.ep}, expert_slicing={p.expert_slicing})")
             if e.expert_hidden % p.expert_slicing:
                 _fail("parallel.expert_slicing", p.expert_slicing,
                       f"a divisor of moe.expert_hidden={e.expert_hidden}")

@@ -37,14 +37,14 @@ class LocalDispatcher:
 class ExpertParallelDispatcher:
     """Experts placed over the ``ep * expert_slicing`` consecutive ranks of the EP group:
     expert e lives on EP rank e // (E / ep), sliced over the ``expert_slicing`` ranks from
-    (e // (E / ep)) * expert_slicing on.
+    (e // (E / ep)) * expert_slicing on. A (pair, slice) unit goes to one of those ranks.
 
-    Naive (the baseline): every rank sends all its (token, expert) pairs over the whole EP
-    group, to every slice of the expert, and combines every returned row itself.
+    Naive (the baseline): every rank sends all its units over the whole EP group and
+    combines every returned row itself.
     PCC (paper V-B): after a TP layer the ranks of a TP group hold the same tokens, so TP
-    rank i sends only the pairs whose expert lives on ranks with TP index i, within the
-    ranks that share TP index i (p / L peers, not p), and an all-reduce inside the TP group
-    adds the partial combines. Each pair crosses the network once per TP group.
+    rank i sends only the units whose destination rank has TP index i, within the ranks
+    that share TP index i (p / L peers, not p), and an all-reduce inside the TP group adds
+    the partial combines. Each unit crosses the network once per TP group.
     """
 
     def __init__(self, num_experts: int, top_k: int, ep: int, expert_slicing: int,
@@ -53,18 +53,14 @@ class ExpertParallelDispatcher:
         self.groups = groups
         tp = groups.tp.size
         self.pcc = pcc and tp > 1
-        if self.pcc and (expert_slicing != 1 or ep % tp):
-            raise ValueError(f"parallel.pcc: needs expert_slicing=1 and ep a multiple of tp "
-                             f"(got ep={ep}, expert_slicing={expert_slicing}, tp={tp}); use pcc: false")
-        ep_ranks = groups.ep.ranks  # world ranks of this EP block
+        if self.pcc and (ep * expert_slicing) % tp:
+            raise ValueError(f"parallel.pcc: needs ep * expert_slicing to be a multiple of tp (got ep={ep}, "
+                             f"expert_slicing={expert_slicing}, tp={tp}); use pcc: false")
         if self.pcc:
-            # The owner of EP index j in my block, as an index into my PCC group.
+            # Each rank of my EP block, as an index into my PCC group (-1: another TP index).
             where = {r: i for i, r in enumerate(groups.pcc.ranks)}
-            self.dest_of = torch.tensor([where.get(ep_ranks[j], -1) for j in range(ep)], device="cpu")
-        self.sent_pairs = 0  # (pair, slice) rows this rank sent in the last call: for checks
-
-    def capacity(self, num_tokens: int) -> None:
-        return None
+            self.dest_of = torch.tensor([where.get(r, -1) for r in groups.ep.ranks], device="cpu")
+        self.sent_pairs = 0  # (pair, slice) units this rank sent in the last call: for checks
 
     def dispatch(self, x: torch.Tensor, routing) -> "Sent":
         """Layout transform by destination rank, then the all-to-all of rows and expert ids."""
@@ -72,16 +68,16 @@ class ExpertParallelDispatcher:
         ids = routing.expert_ids.long().reshape(-1)  # [T * k]
         token = torch.arange(t, device=x.device).repeat_interleave(self.top_k)
         weight = routing.weights.reshape(-1).float()
-        owner = ids // self.e_local  # EP index of the expert's owner
-        if self.pcc:
-            mine = owner % self.groups.tp.size == self.groups.tp.rank
-            ids, token, weight, owner = ids[mine], token[mine], weight[mine], owner[mine]
-            dest, group = self.dest_of.to(x.device)[owner], self.groups.pcc
-        else:  # every slice of the expert gets the pair
-            s = torch.arange(self.es, device=x.device)
-            dest = (owner[:, None] * self.es + s[None, :]).reshape(-1)
-            ids, token, weight = (z.repeat_interleave(self.es) for z in (ids, token, weight))
-            group = self.groups.ep
+        # Every slice of the expert gets the pair: unit (pair, s) goes to EP-block offset
+        # owner * es + s.
+        s = torch.arange(self.es, device=x.device)
+        dest = ((ids // self.e_local)[:, None] * self.es + s[None, :]).reshape(-1)
+        ids, token, weight = (z.repeat_interleave(self.es) for z in (ids, token, weight))
+        group = self.groups.ep
+        if self.pcc:  # only the units bound for ranks with my TP index, among those ranks
+            mine = dest % self.groups.tp.size == self.groups.tp.rank
+            ids, token, weight = ids[mine], token[mine], weight[mine]
+            dest, group = self.dest_of.to(x.device)[dest[mine]], self.groups.pcc
         # The same maps as for experts, over destination ranks: rows grouped by destination.
         offsets, rows = kernels.token_maps(dest[:, None].int(), group.size)
         order = torch.empty_like(dest)

@@ -1,6 +1,7 @@
 """The MoE feed-forward layer: route -> dispatch -> experts -> combine (+ shared experts).
 
-Shape letters: T tokens, H hidden. Only dispatch and combine would communicate.
+Shape letters: T tokens, H hidden. Only the dispatcher communicates (expert parallelism);
+the shared expert's row-parallel projection ends in its TP all-reduce.
 """
 from __future__ import annotations
 
@@ -28,8 +29,6 @@ class MoELayer(nn.Module):
         self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation,
                                ep_index, ep, groups.ep.rank % es, es)
         if ep * es > 1:
-            if moe_cfg.capacity_factor is not None:
-                raise ValueError("moe.capacity_factor: expert parallelism runs dropless; set it to null")
             self.dispatcher = ExpertParallelDispatcher(moe_cfg.num_experts, moe_cfg.top_k, ep, es, groups,
                                                        parallel.pcc)
         else:

@@ -35,7 +35,9 @@ def layouts(world):
     out = [("tp", dict(tp=world)), ("ep", dict(dp=world, ep=world))]
     if world == 4:
         out += [("tp2-ep2-pcc", dict(tp=2, dp=2, ep=2, pcc=True)), ("tp2-ep2-naive", dict(tp=2, dp=2, ep=2, pcc=False)),
-                ("tp2-ep4-pcc", dict(tp=2, dp=2, ep=4, pcc=True)), ("ep2-slicing2", dict(dp=4, ep=2, expert_slicing=2))]
+                ("tp2-ep4-pcc", dict(tp=2, dp=2, ep=4, pcc=True)), ("ep2-slicing2", dict(dp=4, ep=2, expert_slicing=2)),
+                ("tp2-ep2-slicing2-pcc", dict(tp=2, dp=2, ep=2, expert_slicing=2, pcc=True)),
+                ("tp2-slicing2-pcc", dict(tp=2, dp=2, ep=1, expert_slicing=2, pcc=True))]
     else:
         out += [("slicing2", dict(dp=2, ep=1, expert_slicing=2))]
     return out
@@ -111,12 +113,14 @@ def test_dispatch_then_combine_restores_input_and_pcc_sends_less(world, pcc):
     assert sent.item() == (t * k if pcc else tp * t * k)
 
 
-def test_moe_layer_rejects_pcc_with_expert_slicing(world):
+def test_moe_layer_rejects_pcc_when_expert_ranks_do_not_align_with_tp(world):
     from comm import ParallelGroups
     from moe_infer.config import MoEConfig, ModelConfig
 
-    layout = ParallelConfig(tp=2, dp=world // 2, ep=world // 2, expert_slicing=2, pcc=True)
+    if world < 4:  # with 2 ranks every EP layout (ep * slicing in {1, 2}) aligns with tp = 2
+        pytest.skip("needs 4 ranks: expert blocks that straddle TP groups")
+    layout = ParallelConfig(tp=world, dp=1, ep=world // 2, pcc=True)  # ep < tp: blocks straddle TP groups
     groups = ParallelGroups.build(layout, dist.get_rank(), world)
-    m = ModelConfig(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2, ffn_hidden=16)
-    with pytest.raises(ValueError, match=r"parallel\.pcc: needs expert_slicing=1"):
+    m = ModelConfig(vocab_size=16, hidden_size=16, num_layers=1, num_heads=4, ffn_hidden=16)
+    with pytest.raises(ValueError, match=r"parallel\.pcc: needs ep \* expert_slicing to be a multiple of tp"):
         MoELayer(m, MoEConfig(num_experts=4, top_k=2, expert_hidden=8), layout, groups)
