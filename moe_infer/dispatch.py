@@ -107,7 +107,7 @@ class ExpertParallelDispatcher:
 
     def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
         sent = self.dispatch(x, routing)
-        return self.combine(self.compute(sent, experts), sent, x.shape[0]).to(x.dtype)
+        return self.combine(self.compute(sent, experts), sent, x.shape[0])
 
 
 @dataclass
