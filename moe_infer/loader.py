@@ -66,8 +66,7 @@ def _parallel_groups(p: ParallelConfig):
     (once per process) and must match its size."""
     if p.pp > 1:
         raise ConfigError(f"parallel.pp={p.pp}: pipeline parallelism is not available yet; expected 1")
-    ranks = max(p.world_size, p.ep * p.expert_slicing)
-    if ranks == 1:
+    if p.world_size == 1:  # (the config checks that ep * expert_slicing divides it)
         return ParallelGroups.single(), None
     if not dist.is_initialized():
         from mpi4py import MPI
