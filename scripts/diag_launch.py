@@ -1,11 +1,24 @@
-"""Host-side cost per call of our kernel wrappers (diagnostic)."""
-import time, sys
+#!/usr/bin/env python
+"""Host-side cost of one call of each kernel wrapper (GPU): how much of an eager MoE step
+is Python and the Triton launcher rather than device time.
+
+    PYTHONPATH=. python scripts/diag_launch.py
+
+Each line is the mean host time of one call over a loop of calls that never waits for the
+device (launches queue up), so it is what the CPU spends per call.
+"""
+from __future__ import annotations
+
+import sys
+import time
 from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import torch, triton, triton.language as tl
-import kernels
-from kernels.maps import token_maps_triton
-from kernels.layout import scatter_rows_triton, gather_rows_triton, combine_rows_triton
+import kernels  # noqa: E402
 
 
 @triton.jit
@@ -14,44 +27,51 @@ def _noop(x_ptr, n):
 
 
 @triton.jit
-def _noop_many(a, b, c, d, e, f, g, h, n1, n2, n3, n4, n5, n6, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
-               D: tl.constexpr, E: tl.constexpr, F: tl.constexpr, G: tl.constexpr):
+def _noop_many(a, b, c, d, e, f, g, h, n1, n2, n3, n4, n5, n6, A: tl.constexpr, B: tl.constexpr,
+               C: tl.constexpr, D: tl.constexpr, E: tl.constexpr, F: tl.constexpr, G: tl.constexpr):
     pass
 
 
-def host_us(fn, n=300):
-    for _ in range(5):
+def host_us(fn, n: int = 300) -> float:
+    for _ in range(5):  # compile and warm up
         fn()
     torch.cuda.synchronize()
-    t = time.perf_counter()
+    start = time.perf_counter()
     for _ in range(n):
         fn()
-    t1 = time.perf_counter()
+    per_call = (time.perf_counter() - start) / n * 1e6
     torch.cuda.synchronize()
-    return (t1 - t) / n * 1e6
+    return per_call
 
 
-x = torch.randn(16, device="cuda")
-ts = [torch.randn(16, device="cuda") for _ in range(8)]
-ck = _noop.warmup(x, 5, grid=(1,))
-print(f"noop 2 args            {host_us(lambda: _noop[(1,)](x, 5)):7.1f} us")
-print(f"noop compiled direct   {host_us(lambda: ck[(1, 1, 1)](x, 5)):7.1f} us")
-print(f"noop 14 args 7 constexpr {host_us(lambda: _noop_many[(1,)](*ts, 1, 2, 3, 4, 5, 6, A=1, B=2, C=3, D=4, E=5, F=6, G=7)):7.1f} us")
-print(f"torch.empty            {host_us(lambda: torch.empty(16, 4096, device='cuda')):7.1f} us")
-print(f"torch.zeros            {host_us(lambda: torch.zeros(16, 4096, device='cuda')):7.1f} us")
-t, e, k, h = 1, 8, 2, 4096
-logits = torch.randn(t, e, device="cuda")
-xx = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-ids, w = kernels.topk_gating(logits, k)
-offs, rows, rp = token_maps_triton(ids, e)
-xs = scatter_rows_triton(xx, rows)
-print(f"topk_gating            {host_us(lambda: kernels.topk_gating(logits, k)):7.1f} us")
-print(f"token_maps_triton      {host_us(lambda: token_maps_triton(ids, e)):7.1f} us")
-print(f"scatter_rows_triton    {host_us(lambda: scatter_rows_triton(xx, rows)):7.1f} us")
-print(f"gather_rows_triton     {host_us(lambda: gather_rows_triton(xs, rows, w)):7.1f} us")
-w13 = torch.randn(e, 2 * 64, h, device="cuda", dtype=torch.bfloat16)
-w2 = torch.randn(e, h, 64, device="cuda", dtype=torch.bfloat16)
-print(f"fused_moe small        {host_us(lambda: kernels.fused_moe(xx, w13, w2, w, ids)):7.1f} us")
-import cProfile, pstats
-cProfile.run("for _ in range(200): kernels.fused_moe(xx, w13, w2, w, ids)", "/tmp/p")
-pstats.Stats("/tmp/p").sort_stats("tottime").print_stats(14)
+def main():
+    if not torch.cuda.is_available():
+        sys.exit("diag_launch.py measures launches on a CUDA GPU")
+    x = torch.randn(16, device="cuda")
+    ts = [torch.randn(16, device="cuda") for _ in range(8)]
+    t, e, k, h = 1, 8, 2, 4096
+    logits = torch.randn(t, e, device="cuda")
+    xx = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids, w, (_, rows, _) = kernels.route(logits, k)
+    xs = kernels.scatter_rows(xx, rows)
+    w13 = torch.randn(e, 2 * 64, h, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(e, h, 64, device="cuda", dtype=torch.bfloat16)
+    cases = {
+        "empty Triton kernel, 2 args": lambda: _noop[(1,)](x, 5),
+        "empty Triton kernel, 14 args + 7 constexpr": lambda: _noop_many[(1,)](*ts, 1, 2, 3, 4, 5, 6, A=1, B=2, C=3,
+                                                                              D=4, E=5, F=6, G=7),
+        "torch.empty": lambda: torch.empty(16, 4096, device="cuda"),
+        "torch.zeros": lambda: torch.zeros(16, 4096, device="cuda"),
+        "kernels.topk_gating": lambda: kernels.topk_gating(logits, k),
+        "kernels.route_scatter": lambda: kernels.route_scatter(xx, logits, k),
+        "kernels.token_maps": lambda: kernels.token_maps(ids, e),
+        "kernels.scatter_rows": lambda: kernels.scatter_rows(xx, rows),
+        "kernels.gather_rows": lambda: kernels.gather_rows(xs, rows, w),
+        "kernels.fused_moe (tiny experts)": lambda: kernels.fused_moe(xx, w13, w2, w, ids),
+    }
+    for name, fn in cases.items():
+        print(f"{name:44s} {host_us(fn):8.1f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,6 @@
 import subprocess
 import sys
 
-import pytest
 import torch
 
 import moe_infer
