@@ -50,20 +50,21 @@ def world():
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_KW))
-def checkpoint(request):
+def checkpoint(request, world):
     import hf_models
 
     spec = hf_models.FAMILIES[request.param]
     saved = dict(spec["kw"])
     spec["kw"].update(FAMILY_KW[request.param])
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    try:  # rank 0 writes (transformers saves on the main process only); ranks share /tmp
-        path = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None, root=0)
-        if comm.Get_rank() == 0:
-            save_hf_model(request.param, path)
-        comm.Barrier()
+    # Rank 0 writes (transformers saves on the main process only); the ranks share /tmp.
+    # torch.distributed's gloo waits without spinning, unlike an MPI barrier, which on a
+    # 2-core machine starves rank 0 while the others poll.
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    try:
+        if dist.get_rank() == 0:
+            save_hf_model(request.param, box[0])
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
     finally:
         spec["kw"].clear()
         spec["kw"].update(saved)
