@@ -116,8 +116,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity)
 
 
-__all__ = ["fused_moe", "fused_moe_ref", "topk_gating", "topk_gating_ref", "token_maps",
-           "token_maps_ref", "scatter_rows", "scatter_rows_ref", "gather_rows", "gather_rows_ref",
-           "grouped_ffn", "grouped_ffn_ref", "expert_ffn_ref", "fused_moe_triton", "grouped_ffn_triton",
-           "token_maps_triton", "scatter_rows_triton", "gather_rows_triton", "quantize_int8", "dequantize_ref",
-           "topk_gating_triton", "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref", "grouped_topk", "grouped_topk_ref", "grouped_topk_triton"]
+__all__ = [
+    "fused_moe", "fused_moe_ref", "fused_moe_triton", "quantize_int8", "dequantize_ref",
+    "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref",
+    "topk_gating", "topk_gating_ref", "topk_gating_triton",
+    "grouped_topk", "grouped_topk_ref", "grouped_topk_triton",
+    "token_maps", "token_maps_ref", "token_maps_triton",
+    "scatter_rows", "scatter_rows_ref", "scatter_rows_triton",
+    "gather_rows", "gather_rows_ref", "gather_rows_triton",
+    "grouped_ffn", "grouped_ffn_ref", "grouped_ffn_triton", "expert_ffn_ref",
+]

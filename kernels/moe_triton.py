@@ -118,13 +118,18 @@ def grouped_ffn_triton(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tenso
     return ys.sum(0).to(xs.dtype) if ys.shape[0] > 1 else ys[0].to(xs.dtype)
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(w: torch.Tensor, chunk: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-only int8 with per-output-channel scales: w [E, N, K] -> (q int8, scale f32 [E, N]).
 
-    Symmetric: scale = max|w| / 127 per row, q = round(w / scale)."""
+    Symmetric: scale = max|w| / 127 per row, q = round(w / scale). ``chunk`` experts at a
+    time, so the float32 temporaries stay small beside a large model's weights."""
     if w.dim() != 3:
         raise ValueError(f"w: expected expert weights [E, N, K], got shape {list(w.shape)}")
-    wf = w.float()
-    scale = wf.abs().amax(dim=-1).clamp(min=1e-12) / 127.0  # [E, N]
-    q = torch.round(wf / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+    for lo in range(0, w.shape[0], chunk):
+        wf = w[lo:lo + chunk].float()
+        s = wf.abs().amax(dim=-1).clamp(min=1e-12) / 127.0  # [chunk, N]
+        q[lo:lo + chunk] = torch.round(wf / s[..., None]).clamp(-127, 127).to(torch.int8)
+        scale[lo:lo + chunk] = s
     return q, scale

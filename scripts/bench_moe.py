@@ -3,9 +3,9 @@
 ops) against three torch baselines measured in the same run.
 
 For every model shape and token count T it times our fused MoE (bf16, and int8 weights
-when ``kernels.quantize_int8`` exists), a Hugging Face style per-expert loop,
+from ``kernels.quantize_int8``), a Hugging Face style per-expert loop,
 ``torch._grouped_mm`` after a sort, and the GShard / DeepSpeed-v1 one-hot einsum; the
-routing part (gating + maps + scatter + gather) eagerly and as a CUDA graph. Weight bytes
+routing part (gating, maps and scatter in one launch at decode sizes, then gather) eagerly and as a CUDA graph. Weight bytes
 read and FLOPs are set against the copy bandwidth and bf16 matmul rate measured at the
 start. One table is printed last; the same data goes to
 bench/results/moe-<device>-<date>.json.
@@ -184,15 +184,6 @@ def make_weights(shape: MoeShape, device, gen) -> tuple[torch.Tensor, torch.Tens
     w13 = torch.empty(shape.experts, shape.rows13, shape.hidden, dtype=torch.bfloat16, device=device)
     w2 = torch.empty(shape.experts, shape.hidden, shape.ffn, dtype=torch.bfloat16, device=device)
     return w13.normal_(0.0, 0.02, generator=gen), w2.normal_(0.0, 0.02, generator=gen)
-
-
-def quantize_experts(w: torch.Tensor, chunk: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.quantize_int8 a few experts at a time, bounding its float temporaries."""
-    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)  # [E, N, K]
-    scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)  # [E, N]
-    for lo in range(0, w.shape[0], chunk):
-        q[lo:lo + chunk], scale[lo:lo + chunk] = kernels.quantize_int8(w[lo:lo + chunk])
-    return q, scale
 
 
 def make_inputs(shape: MoeShape, t: int, n_sets: int, device, gen) -> list[MoeInputs]:
@@ -430,8 +421,8 @@ def prepare_weights(shape: MoeShape, dtypes: list[str], device, gen) -> tuple[di
           f"{shape.activation}, weights {(w13.numel() + w2.numel()) * 2 / 1e9:.2f} GB bf16", flush=True)
     if "int8" in dtypes:
         try:
-            weights["q13"], weights["s13"] = quantize_experts(w13)
-            weights["q2"], weights["s2"] = quantize_experts(w2)
+            weights["q13"], weights["s13"] = kernels.quantize_int8(w13)
+            weights["q2"], weights["s2"] = kernels.quantize_int8(w2)
         except Exception as exc:
             print(f"  int8 rows skipped for {shape.name}: quantize_int8 failed: {_short(exc)}", flush=True)
             dtypes = [d for d in dtypes if d != "int8"]
@@ -533,11 +524,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
-    if "int8" in args.dtypes and not hasattr(kernels, "quantize_int8"):
-        print("note: kernels.quantize_int8 does not exist yet: int8 rows skipped", flush=True)
-        args.dtypes = [d for d in args.dtypes if d != "int8"]
-    if not args.dtypes:
-        sys.exit("nothing to measure: no dtype left")
     baselines = [] if args.no_baselines else list(BASELINES)
     sweep = Sweep(device, args.reps, args.budget_ms / 1e3, args.cap_ms / 1e3)
     info = bc.run_info(device)
