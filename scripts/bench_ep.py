@@ -83,11 +83,13 @@ def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int) -> dict
         t_experts, y = timed(lambda: d.compute(sent, layer.experts), device, reps)
         t_combine, _ = timed(lambda: d.combine(y, sent, t), device, reps)
     row_bytes = h * x.element_size() + 8  # a hidden row and its expert id
-    peers = int((sent.send_counts > 0).sum()) - int(sent.send_counts[sent.group.rank] > 0)
+    counts = sent.send_counts.clone()
+    counts[sent.group.rank] = 0  # rows for this rank's own experts never leave it
+    peers = int((counts > 0).sum())
     del layer
     return {"shape": shape, "T_per_rank": t, "dispatch_us": t_dispatch, "experts_us": t_experts,
             "combine_us": t_combine, "pairs_sent": d.sent_pairs,
-            "bytes_sent": int(sent.send_counts.sum()) * row_bytes, "a2a_group": sent.group.size,
+            "bytes_sent": int(counts.sum()) * row_bytes, "a2a_group": sent.group.size,
             "peers": peers}
 
 
@@ -147,7 +149,7 @@ def main():
         return
     run = bc.run_info(device)
     print(f"device {run['device']} x {info.world_size} | date {run['date']} | commit {run['commit']} | {dtype}")
-    cols = ["shape", "layout", "T/rank", "dispatch µs", "experts µs", "combine µs", "pairs sent", "MB sent",
+    cols = ["shape", "layout", "T/rank", "dispatch µs", "experts µs", "combine µs", "pairs sent", "MB to peers",
             "a2a group", "peers"]
     print(bc.format_table(cols, [[r["shape"], r["layout"], r["T_per_rank"], f"{r['dispatch_us']:.1f}",
                                   f"{r['experts_us']:.1f}", f"{r['combine_us']:.1f}", r["pairs_sent"],

@@ -1,6 +1,8 @@
-"""Multi-rank tests, run under mpirun with 2 and 4 ranks (scripts/test.sh does):
+"""Multi-rank tests, run under mpirun with 2 and 4 ranks: gloo on CPU (scripts/test.sh
+does), NCCL on GPUs (tensors live on each rank's device):
 
     mpiexec -n 4 python -m pytest -m mpi tests/test_comm_mpi.py
+    scripts/launch.sh -n 4 -- python -m pytest -m mpi tests/test_comm_mpi.py
 
 Every rank runs every test; collectives must agree across ranks, so no test may be
 skipped on some ranks only.
@@ -22,7 +24,9 @@ class Layout:
 
 @pytest.fixture(scope="session")
 def info():
-    return bootstrap(timeout_s=60)
+    info = bootstrap(timeout_s=60)
+    torch.set_default_device(info.device)  # NCCL moves only tensors on the rank's GPU
+    return info
 
 
 def test_group_layout(info):
