@@ -26,16 +26,39 @@ def all_gather(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     return out if dim == 0 else torch.cat(out.chunk(group.size, 0), dim=dim)
 
 
-def all_to_all(x: torch.Tensor, send_counts: torch.Tensor, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+def all_to_all(x: torch.Tensor, send_counts, group: Group, recv_counts=None) -> tuple[torch.Tensor, list[int]]:
     """Uneven all-to-all of rows: x [N, ...] holds ``send_counts[j]`` rows for rank j, in rank
-    order. The counts are exchanged first, so each rank learns how much it receives.
-    -> (rows received [M, ...], in source-rank order; recv_counts [group size])."""
+    order. Unless the caller knows ``recv_counts`` (the return trip of an earlier exchange),
+    the counts are exchanged first, so each rank learns how much it receives; that costs one
+    small collective and one wait for the host, which needs the split sizes.
+    -> (rows received [M, ...], in source-rank order; recv_counts, a list per source rank)."""
+    if recv_counts is None:
+        send_counts, recv_counts = exchange_counts(send_counts, group)
+    send, recv = _as_list(send_counts), _as_list(recv_counts)
     if group.size == 1:
-        return x, send_counts.clone()
-    send_counts = send_counts.to(torch.int64)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group.group)
-    send, recv = send_counts.tolist(), recv_counts.tolist()  # the host needs the split sizes
+        return x, recv
     out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group.group)
-    return out, recv_counts
+    return out, recv
+
+
+def exchange_counts(send_counts, group: Group) -> tuple[list[int], list[int]]:
+    """Each rank tells each peer how many rows it will send it. -> (send, recv) as lists."""
+    if group.size == 1:
+        return _as_list(send_counts), _as_list(send_counts)
+    send = torch.as_tensor(send_counts, dtype=torch.int64, device=_comm_device(group))
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group.group)
+    both = torch.cat([send, recv]).tolist()  # one wait for the host, for both lists
+    return both[:group.size], both[group.size:]
+
+
+def _as_list(counts) -> list[int]:
+    return counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
+
+
+def _comm_device(group: Group) -> torch.device:
+    """Where the group's backend moves tensors: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend(group.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -90,7 +90,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         configs = (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, size),
                    launch_config("down", x.device, t, e, h, f, w2.dtype, topk, size))
     up_cfg, down_cfg = configs
-    hidden = grouped_gemm(x.contiguous(), w13, offsets, row_pair, up_cfg, num_rows=n, topk=topk,
+    x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (padded all-to-all rows)
+    hidden = grouped_gemm(x, w13, offsets, row_pair, up_cfg, num_rows=n, topk=topk,
                           a_from_tokens=True, gated=activation == "silu",
                           act="gelu" if activation == "gelu" else "none", scale=w13_scale)[0]  # [N, F]
     partial = grouped_gemm(hidden, w2, offsets, row_pair, down_cfg, num_rows=n, topk=topk,

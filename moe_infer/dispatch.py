@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from comm import ParallelGroups, all_reduce, all_to_all
+from comm import ParallelGroups, all_reduce, all_to_all, exchange_counts
 
 
 class LocalDispatcher:
@@ -56,37 +56,44 @@ class ExpertParallelDispatcher:
         if self.pcc and (ep * expert_slicing) % tp:
             raise ValueError(f"parallel.pcc: needs ep * expert_slicing to be a multiple of tp (got ep={ep}, "
                              f"expert_slicing={expert_slicing}, tp={tp}); use pcc: false")
+        # Destination of a (pair, slice) unit, as an index into the all-to-all group; the
+        # group size (it sorts last) marks the units another TP rank sends under PCC.
         if self.pcc:
-            # Each rank of my EP block, as an index into my PCC group (-1: another TP index).
             where = {r: i for i, r in enumerate(groups.pcc.ranks)}
-            self.dest_of = torch.tensor([where.get(r, -1) for r in groups.ep.ranks], device="cpu")
+            dest_of = [where.get(r, groups.pcc.size) for r in groups.ep.ranks]
+        else:
+            dest_of = list(range(groups.ep.size))
+        self.dest_of = torch.tensor(dest_of, device="cpu")  # moved to the tokens' device on first use
+        self.group = groups.pcc if self.pcc else groups.ep
         self.sent_pairs = 0  # (pair, slice) units this rank sent in the last call: for checks
 
     def dispatch(self, x: torch.Tensor, routing) -> "Sent":
-        """Layout transform by destination rank, then the all-to-all of rows and expert ids."""
-        t = x.shape[0]
-        ids = routing.expert_ids.long().reshape(-1)  # [T * k]
-        token = torch.arange(t, device=x.device).repeat_interleave(self.top_k)
-        weight = routing.weights.reshape(-1).float()
-        # Every slice of the expert gets the pair: unit (pair, s) goes to EP-block offset
-        # owner * es + s.
+        """Layout transform by destination rank, then one all-to-all of the rows, each with
+        its local expert id in a padding column (one count exchange, one wait for the host)."""
+        t, h = x.shape
+        group = self.group
+        if self.dest_of.device != x.device:
+            self.dest_of = self.dest_of.to(x.device)
+        ids = routing.expert_ids.reshape(-1).long()  # [T * k]
+        # Unit (pair, s) goes to EP-block offset owner * es + s: every slice gets the pair.
         s = torch.arange(self.es, device=x.device)
-        dest = ((ids // self.e_local)[:, None] * self.es + s[None, :]).reshape(-1)
-        ids, token, weight = (z.repeat_interleave(self.es) for z in (ids, token, weight))
-        group = self.groups.ep
-        if self.pcc:  # only the units bound for ranks with my TP index, among those ranks
-            mine = dest % self.groups.tp.size == self.groups.tp.rank
-            ids, token, weight = ids[mine], token[mine], weight[mine]
-            dest, group = self.dest_of.to(x.device)[dest[mine]], self.groups.pcc
-        # The same maps as for experts, over destination ranks: rows grouped by destination.
-        offsets, rows = kernels.token_maps(dest[:, None].int(), group.size)
-        order = torch.empty_like(dest)
-        order[rows.reshape(-1).long()] = torch.arange(dest.numel(), device=x.device)
-        counts = offsets[1:] - offsets[:-1]
-        self.sent_pairs = int(dest.numel())
-        recv_x, recv_counts = all_to_all(x[token[order]], counts, group)
-        recv_e, _ = all_to_all((ids[order] % self.e_local)[:, None], counts, group)
-        return Sent(recv_x, recv_e, recv_counts, counts, token[order], weight[order], group)
+        dest = self.dest_of[((ids // self.e_local)[:, None] * self.es + s).reshape(-1)]  # [T * k * es]
+        order = torch.sort(dest, stable=True).indices  # units grouped by destination
+        counts = torch.zeros(group.size + 1, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, dest, torch.ones_like(dest))
+        send, recv = exchange_counts(counts[:group.size], group)
+        order = order[:sum(send)]  # drops the units another TP rank sends
+        self.sent_pairs = len(order)
+        pair = order // self.es
+        token = pair // self.top_k
+        # Rows padded to a multiple of 16 bytes; the first padding column holds the expert id.
+        ints = {2: torch.int16, 4: torch.int32}[x.element_size()]
+        payload = torch.empty(len(order), h + 16 // x.element_size(), dtype=ints, device=x.device)
+        payload[:, :h] = x.view(ints)[token]
+        payload[:, h] = ids[pair] % self.e_local
+        received, _ = all_to_all(payload, send, group, recv_counts=recv)
+        return Sent(received[:, :h].view(x.dtype), received[:, h:h + 1], recv, send, token,
+                    routing.weights.reshape(-1)[pair].float(), group)
 
     @staticmethod
     def compute(sent: "Sent", experts) -> torch.Tensor:
@@ -97,13 +104,15 @@ class ExpertParallelDispatcher:
         return experts.fused(sent.x, sent.expert.int(), ones)
 
     def combine(self, y: torch.Tensor, sent: "Sent", num_tokens: int) -> torch.Tensor:
-        """Rows back to their senders, weighted sum per token (+ the TP all-reduce under PCC)."""
-        back, _ = all_to_all(y, sent.recv_counts, sent.group)  # in the order they were sent
+        """Rows back to their senders (counts known from the dispatch), weighted sum per token
+        in float32 (+ under PCC the all-reduce of the TP ranks' partial sums, in y's dtype)."""
+        back, _ = all_to_all(y, sent.recv_counts, sent.group, recv_counts=sent.send_counts)
         out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
         out.index_add_(0, sent.token, back.float() * sent.weight[:, None])
+        out = out.to(y.dtype)
         if self.pcc:
             all_reduce(out, self.groups.tp)  # each TP rank combined only its share of pairs
-        return out.to(y.dtype)
+        return out
 
     def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
         sent = self.dispatch(x, routing)
@@ -114,10 +123,10 @@ class ExpertParallelDispatcher:
 class Sent:
     """What one rank received in the dispatch all-to-all, and how to undo it."""
 
-    x: torch.Tensor  # [M, H] rows received, grouped by source rank
+    x: torch.Tensor  # [M, H] rows received, grouped by source rank (row stride H + padding)
     expert: torch.Tensor  # [M, 1] local expert of each received row
-    recv_counts: torch.Tensor  # [group size] rows from each source
-    send_counts: torch.Tensor  # [group size] rows this rank sent to each destination
+    recv_counts: list[int]  # rows from each source
+    send_counts: list[int]  # rows this rank sent to each destination
     token: torch.Tensor  # [N] token of each sent row, in send order
     weight: torch.Tensor  # [N] combine weight of each sent row
     group: object  # the comm.Group of the all-to-all

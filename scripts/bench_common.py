@@ -45,8 +45,10 @@ def device_slug(kind: str) -> str:
 def git_commit() -> str:
     """Short hash of HEAD, with '+dirty' when the working tree has changes.
 
-    A copied tree without .git (the GPU hosts get one) reports ``$MOE_INFER_COMMIT`` when the
-    launching command sets it, else 'unknown'."""
+    ``$MOE_INFER_COMMIT``, when the launching command sets it, wins: the GPU hosts get a
+    copy of the working tree whose .git (if any) is not this checkout's. Else 'unknown'."""
+    if os.environ.get("MOE_INFER_COMMIT"):
+        return os.environ["MOE_INFER_COMMIT"]
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
                               check=True, timeout=30).stdout.strip()
@@ -54,7 +56,7 @@ def git_commit() -> str:
         commit = git("rev-parse", "--short", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("MOE_INFER_COMMIT", "unknown")
+        return "unknown"
     return commit + ("+dirty" if dirty else "")
 
 

@@ -82,14 +82,14 @@ def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int) -> dict
         t_dispatch, sent = timed(lambda: d.dispatch(x, routing), device, reps)
         t_experts, y = timed(lambda: d.compute(sent, layer.experts), device, reps)
         t_combine, _ = timed(lambda: d.combine(y, sent, t), device, reps)
-    row_bytes = h * x.element_size() + 8  # a hidden row and its expert id
-    counts = sent.send_counts.clone()
+    row_bytes = sent.x.stride(0) * x.element_size()  # a hidden row, padded, its expert id inside
+    counts = list(sent.send_counts)
     counts[sent.group.rank] = 0  # rows for this rank's own experts never leave it
-    peers = int((counts > 0).sum())
+    peers = sum(c > 0 for c in counts)
     del layer
     return {"shape": shape, "T_per_rank": t, "dispatch_us": t_dispatch, "experts_us": t_experts,
             "combine_us": t_combine, "pairs_sent": d.sent_pairs,
-            "bytes_sent": int(counts.sum()) * row_bytes, "a2a_group": sent.group.size,
+            "bytes_sent": sum(counts) * row_bytes, "a2a_group": sent.group.size,
             "peers": peers}
 
 
@@ -115,9 +115,27 @@ def dense_case(tp_size: int, device, dtype, reps: int, hidden: int, heads: int, 
 
     ctx = StepContext.build(pos[:, context:], valid, pos, context, Rotary(m.head_dim, m.rope_theta), dtype)
     x = torch.randn(1, 1, hidden, device=device, dtype=dtype)
+
+    def step():
+        return mlp(x + attn(x, ctx, cache))
+
     with torch.no_grad():
-        us, _ = timed(lambda: mlp(x + attn(x, ctx, cache)), device, reps)
-    return {"tp": tp_size, "decode_layer_us": us}
+        eager_us, _ = timed(step, device, reps)
+        row = {"tp": tp_size, "eager_us": eager_us}
+        if device.type == "cuda":  # the layer as decode replays it: one CUDA graph, NCCL inside
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            row["graph_us"], _ = timed(graph.replay, device, reps)
+    weights = sum(p.numel() * p.element_size() for p in list(attn.parameters()) + list(mlp.parameters()))
+    row["weight_bytes_per_rank"] = weights
+    return row
 
 
 def main():
@@ -155,7 +173,9 @@ def main():
                                   f"{r['experts_us']:.1f}", f"{r['combine_us']:.1f}", r["pairs_sent"],
                                   f"{r['bytes_sent'] / 1e6:.3f}", r["a2a_group"], r["peers"]] for r in rows]))
     print(f"\ndense decode layer (H={h}, {heads} heads / {kv} KV, F={ffn}, 512 cached tokens, batch 1):")
-    print(bc.format_table(["tp", "µs"], [[r["tp"], f"{r['decode_layer_us']:.1f}"] for r in dense]))
+    print(bc.format_table(["tp", "eager µs", "graph µs", "MB weights/rank"],
+                          [[r["tp"], f"{r['eager_us']:.1f}", f"{r['graph_us']:.1f}" if "graph_us" in r else "-",
+                            f"{r['weight_bytes_per_rank'] / 1e6:.1f}"] for r in dense]))
     bc.write_results("ep", device, {"run": run, "world_size": info.world_size, "dtype": str(dtype),
                                     "moe": rows, "dense_decode": dense})
 

@@ -24,9 +24,14 @@ class Layout:
 
 @pytest.fixture(scope="session")
 def info():
-    info = bootstrap(timeout_s=60)
-    torch.set_default_device(info.device)  # NCCL moves only tensors on the rank's GPU
-    return info
+    return bootstrap(timeout_s=60)
+
+
+@pytest.fixture(autouse=True)
+def on_rank_device(info):
+    """Tensors made in a test live on the rank's device: NCCL moves only those on its GPU."""
+    with torch.device(info.device):
+        yield
 
 
 def test_group_layout(info):
@@ -55,9 +60,11 @@ def test_uneven_all_to_all_delivers_every_row(info):
     counts = torch.tensor([me + dst + 1 for dst in range(g.size)])  # uneven, never zero
     rows = torch.cat([torch.tensor([[me, dst, i] for i in range(me + dst + 1)]) for dst in range(g.size)])
     out, recv = all_to_all(rows, counts, g)
-    assert recv.tolist() == [src + me + 1 for src in range(g.size)]
+    assert recv == [src + me + 1 for src in range(g.size)]
     expected = [[src, me, i] for src in range(g.size) for i in range(src + me + 1)]
     assert out.tolist() == expected
+    back, sent = all_to_all(out, recv, g, recv_counts=counts)  # the return trip: counts known
+    assert sent == counts.tolist() and back.equal(rows)
 
 
 def test_column_then_row_parallel_equals_the_full_mlp(info):
@@ -84,4 +91,4 @@ def test_single_rank_group_is_a_no_op(info):
     x = torch.randn(4, 3)
     assert all_reduce(x.clone(), alone).equal(x) and all_gather(x, alone).equal(x)
     out, recv = all_to_all(x, torch.tensor([4]), alone)
-    assert out.equal(x) and recv.tolist() == [4]
+    assert out.equal(x) and recv == [4]
