@@ -65,7 +65,7 @@ def layouts(world: int) -> list[tuple[str, dict]]:
     return out
 
 
-def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int) -> dict:
+def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int, profile: bool = False) -> dict:
     h, f, e, k = SHAPES[shape]
     parallel = ParallelConfig(**layout)
     groups = ParallelGroups.build(parallel, dist.get_rank(), dist.get_world_size())
@@ -82,6 +82,20 @@ def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int) -> dict
         t_dispatch, sent = timed(lambda: d.dispatch(x, routing), device, reps)
         t_experts, y = timed(lambda: d.compute(sent, layer.experts), device, reps)
         t_combine, _ = timed(lambda: d.combine(y, sent, t), device, reps)
+        if profile:  # every rank runs the collectives; rank 0 records them
+            import contextlib
+
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            rec = torch_profile(activities=activities) if dist.get_rank() == 0 else contextlib.nullcontext()
+            with rec:
+                again = d.dispatch(x, routing)
+                d.combine(d.compute(again, layer.experts), again, t)
+                sync(device)
+            if dist.get_rank() == 0:
+                print(f"--- profile: {shape} {layout} T={t} (dispatch, experts, combine) ---")
+                print(rec.key_averages().table(sort_by="cpu_time_total", row_limit=25))
     row_bytes = sent.x.stride(0) * x.element_size()  # a hidden row, padded, its expert id inside
     counts = list(sent.send_counts)
     counts[sent.group.rank] = 0  # rows for this rank's own experts never leave it
@@ -145,6 +159,7 @@ def main():
     ap.add_argument("--shapes", default="mixtral,qwen3-30b-a3b")
     ap.add_argument("--tokens", default="1,8,64,512,4096", help="tokens per rank")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="rank 0 prints a torch.profiler table per case")
     args = ap.parse_args()
     info = bootstrap(backend="nccl" if args.device == "cuda" else "gloo", timeout_s=600)
     device = info.device
@@ -156,7 +171,7 @@ def main():
     for shape in shapes:
         for name, layout in layouts(info.world_size):
             for t in tokens:
-                row = moe_case(shape, layout, t, device, dtype, reps)
+                row = moe_case(shape, layout, t, device, dtype, reps, args.profile)
                 row["layout"] = name
                 rows.append(row)
             if device.type == "cuda":
