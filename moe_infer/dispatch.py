@@ -86,13 +86,14 @@ class ExpertParallelDispatcher:
         self.sent_pairs = len(order)
         pair = order // self.es
         token = pair // self.top_k
-        # Rows padded to a multiple of 16 bytes; the first padding column holds the expert id.
+        # Rows padded to a multiple of 16 bytes; the first padding column holds the expert
+        # id's bits (the all-to-all only copies bytes, and NCCL moves no 16-bit integers).
         ints = {2: torch.int16, 4: torch.int32}[x.element_size()]
-        payload = torch.empty(len(order), h + 16 // x.element_size(), dtype=ints, device=x.device)
-        payload[:, :h] = x.view(ints)[token]
-        payload[:, h] = ids[pair] % self.e_local
+        payload = torch.empty(len(order), h + 16 // x.element_size(), dtype=x.dtype, device=x.device)
+        payload[:, :h] = x[token]
+        payload.view(ints)[:, h] = ids[pair] % self.e_local
         received, _ = all_to_all(payload, send, group, recv_counts=recv)
-        return Sent(received[:, :h].view(x.dtype), received[:, h:h + 1], recv, send, token,
+        return Sent(received[:, :h], received.view(ints)[:, h:h + 1], recv, send, token,
                     routing.weights.reshape(-1)[pair].float(), group)
 
     @staticmethod
