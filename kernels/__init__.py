@@ -56,8 +56,8 @@ def token_maps(expert_ids, num_experts, capacity=None):
     return token_maps_ref(expert_ids, num_experts, capacity)
 
 
-def scatter_rows(x, rows):
-    return scatter_rows_triton(x, rows) if x.is_cuda else scatter_rows_ref(x, rows)
+def scatter_rows(x, rows, out=None):
+    return scatter_rows_triton(x, rows, out) if x.is_cuda else scatter_rows_ref(x, rows, out)
 
 
 def gather_rows(ys, rows, weights):

@@ -54,19 +54,27 @@ def _block_h(h: int) -> int:
     return min(1024, triton.next_power_of_2(h))
 
 
-def scatter_rows_triton(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def scatter_rows_triton(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], rows [T, k] -> xs [T * k, H]. Buffer rows past ``offsets[E]`` (there are
     some only when capacity dropped pairs) are not written: nothing reads them, and
-    skipping the fill saves a launch on the decode path."""
+    skipping the fill saves a launch on the decode path. ``out`` may be a view whose rows
+    are strided (a padded send buffer)."""
     t, k = rows.shape
     if x.dim() != 2 or x.shape[0] != t:
         raise ValueError(f"x {list(x.shape)}: expected [T={t}, H] to match rows {list(rows.shape)}")
     x = x.contiguous()
-    xs = x.new_empty(t * k, x.shape[1])
+    xs = x.new_empty(t * k, x.shape[1]) if out is None else _check_out(out, x, t * k)
     bh = _block_h(x.shape[1])
     _scatter_kernel[(t, triton.cdiv(x.shape[1], bh))](
         x, rows.reshape(-1).contiguous(), xs, x.shape[1], x.stride(0), xs.stride(0), K=k, BLOCK_H=bh)
     return xs
+
+
+def _check_out(out: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    if out.shape != (n, x.shape[1]) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {list(out.shape)} {out.dtype}: expected [{n}, {x.shape[1]}] {x.dtype} "
+                         "with contiguous rows")
+    return out
 
 
 def combine_rows_triton(ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None,

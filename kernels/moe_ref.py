@@ -101,12 +101,13 @@ def row_pair_ref(rows: torch.Tensor) -> torch.Tensor:
     return row_pair.to(torch.int32)
 
 
-def scatter_rows_ref(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def scatter_rows_ref(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copies token t's hidden state to buffer row rows[t, j] for every slot j.
 
-    The buffer has T * k rows; rows past ``offsets[E]`` (dropped pairs) stay zero."""
+    The buffer (``out`` when given) has T * k rows; rows past ``offsets[E]`` (dropped pairs)
+    stay zero in a new buffer and untouched in ``out``."""
     t, k = rows.shape
-    xs = x.new_zeros(t * k, x.shape[1])  # [N, H]
+    xs = x.new_zeros(t * k, x.shape[1]) if out is None else out  # [N, H]
     flat = rows.reshape(-1).long()
     keep = flat >= 0
     token = torch.arange(t, device=x.device).repeat_interleave(k)  # [N]

@@ -34,6 +34,9 @@ class LocalDispatcher:
                              routing.maps)
 
 
+PAD = 16  # columns after a row of the all-to-all payload: keeps rows 16-element aligned
+
+
 class ExpertParallelDispatcher:
     """Experts placed over the ``ep * expert_slicing`` consecutive ranks of the EP group:
     expert e lives on EP rank e // (E / ep), sliced over the ``expert_slicing`` ranks from
@@ -56,45 +59,55 @@ class ExpertParallelDispatcher:
         if self.pcc and (ep * expert_slicing) % tp:
             raise ValueError(f"parallel.pcc: needs ep * expert_slicing to be a multiple of tp (got ep={ep}, "
                              f"expert_slicing={expert_slicing}, tp={tp}); use pcc: false")
-        # Destination of a (pair, slice) unit, as an index into the all-to-all group; the
-        # group size (it sorts last) marks the units another TP rank sends under PCC.
+        # Where each (expert, slice) unit goes, as an index into the all-to-all group; the
+        # group size (a last, unsent bucket) marks units another TP rank sends under PCC.
+        self.group = groups.pcc if self.pcc else groups.ep
         if self.pcc:
             where = {r: i for i, r in enumerate(groups.pcc.ranks)}
             dest_of = [where.get(r, groups.pcc.size) for r in groups.ep.ranks]
         else:
             dest_of = list(range(groups.ep.size))
-        self.dest_of = torch.tensor(dest_of, device="cpu")  # moved to the tokens' device on first use
-        self.group = groups.pcc if self.pcc else groups.ep
+        # [E, es] tables, on the CPU (the model may be built on the meta device) until first use.
+        units = range(expert_slicing)
+        self.dest_table = torch.tensor([[dest_of[e // self.e_local * expert_slicing + s] for s in units]
+                                        for e in range(num_experts)], device="cpu")
+        self.local_id = torch.tensor([[e % self.e_local] * expert_slicing for e in range(num_experts)],
+                                     device="cpu")
+        self._tables = {}  # (device, id dtype) -> the two tables there
         self.sent_pairs = 0  # (pair, slice) units this rank sent in the last call: for checks
 
+    def tables(self, device: torch.device, ints: torch.dtype):
+        key = (device, ints)
+        if key not in self._tables:
+            self._tables[key] = (self.dest_table.to(device, torch.int32), self.local_id.to(device, ints))
+        return self._tables[key]
+
     def dispatch(self, x: torch.Tensor, routing) -> "Sent":
-        """Layout transform by destination rank, then one all-to-all of the rows, each with
-        its local expert id in a padding column (one count exchange, one wait for the host)."""
+        """The layout transform by destination rank (the maps and scatter kernels of the
+        local path, over ranks instead of experts), then one all-to-all of the rows, each
+        carrying its local expert id in its padding: one count exchange, one host wait."""
         t, h = x.shape
         group = self.group
-        if self.dest_of.device != x.device:
-            self.dest_of = self.dest_of.to(x.device)
-        ids = routing.expert_ids.reshape(-1).long()  # [T * k]
-        # Unit (pair, s) goes to EP-block offset owner * es + s: every slice gets the pair.
-        s = torch.arange(self.es, device=x.device)
-        dest = self.dest_of[((ids // self.e_local)[:, None] * self.es + s).reshape(-1)]  # [T * k * es]
-        order = torch.sort(dest, stable=True).indices  # units grouped by destination
-        counts = torch.zeros(group.size + 1, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, dest, torch.ones_like(dest))
-        send, recv = exchange_counts(counts[:group.size], group)
-        order = order[:sum(send)]  # drops the units another TP rank sends
-        self.sent_pairs = len(order)
-        pair = order // self.es
-        token = pair // self.top_k
-        # Rows padded to a multiple of 16 bytes; the first padding column holds the expert
-        # id's bits (the all-to-all only copies bytes, and NCCL moves no 16-bit integers).
+        # Rows padded to a multiple of 16 elements (aligned for the expert GEMM); the first
+        # padding column holds the expert id's bits (the all-to-all only copies bytes, and
+        # NCCL moves no 16-bit integers).
         ints = {2: torch.int16, 4: torch.int32}[x.element_size()]
-        payload = torch.empty(len(order), h + 16 // x.element_size(), dtype=x.dtype, device=x.device)
-        payload[:, :h] = x[token]
-        payload.view(ints)[:, h] = ids[pair] % self.e_local
-        received, _ = all_to_all(payload, send, group, recv_counts=recv)
-        return Sent(received[:, :h], received.view(ints)[:, h:h + 1], recv, send, token,
-                    routing.weights.reshape(-1)[pair].float(), group)
+        dest_table, local_id = self.tables(x.device, ints)
+        dest = dest_table[routing.expert_ids].reshape(t, -1)  # [T, k * es] unit -> destination
+        offsets, rows = kernels.token_maps(dest, group.size + 1)  # units grouped by destination
+        send, recv = exchange_counts(offsets[1:-1] - offsets[:-2], group)
+        n = sum(send)
+        self.sent_pairs = n
+        payload = torch.empty(dest.numel(), h + PAD, dtype=x.dtype, device=x.device)
+        kernels.scatter_rows(x, rows, out=payload[:, :h])
+        payload.view(ints)[rows.reshape(-1), h] = local_id[routing.expert_ids].reshape(-1)
+        received, _ = all_to_all(payload[:n], send, group, recv_counts=recv)
+        if self.pcc:  # the other TP ranks' units sit past n, unsent: nothing comes back for them
+            rows = torch.where(rows < n, rows, -1)
+        weights = routing.weights.float()
+        if self.es > 1:  # every slice returns a partial sum with the pair's weight
+            weights = weights.repeat_interleave(self.es, dim=1)
+        return Sent(received[:, :h], received.view(ints)[:, h:h + 1], recv, send, rows, weights, group)
 
     @staticmethod
     def compute(sent: "Sent", experts) -> torch.Tensor:
@@ -105,12 +118,11 @@ class ExpertParallelDispatcher:
         return experts.fused(sent.x, sent.expert.int(), ones)
 
     def combine(self, y: torch.Tensor, sent: "Sent", num_tokens: int) -> torch.Tensor:
-        """Rows back to their senders (counts known from the dispatch), weighted sum per token
-        in float32 (+ under PCC the all-reduce of the TP ranks' partial sums, in y's dtype)."""
+        """Rows back to their senders (counts known from the dispatch), then the gather
+        kernel's weighted sum per token, accumulated in float32 (+ under PCC the all-reduce
+        of the TP ranks' partial sums)."""
         back, _ = all_to_all(y, sent.recv_counts, sent.group, recv_counts=sent.send_counts)
-        out = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
-        out.index_add_(0, sent.token, back.float() * sent.weight[:, None])
-        out = out.to(y.dtype)
+        out = kernels.gather_rows(back, sent.rows, sent.weight)
         if self.pcc:
             all_reduce(out, self.groups.tp)  # each TP rank combined only its share of pairs
         return out
@@ -128,6 +140,6 @@ class Sent:
     expert: torch.Tensor  # [M, 1] local expert of each received row
     recv_counts: list[int]  # rows from each source
     send_counts: list[int]  # rows this rank sent to each destination
-    token: torch.Tensor  # [N] token of each sent row, in send order
-    weight: torch.Tensor  # [N] combine weight of each sent row
+    rows: torch.Tensor  # [T, k * es] send-buffer row of each (pair, slice) unit; -1: not sent here
+    weight: torch.Tensor  # [T, k * es] combine weight of each unit
     group: object  # the comm.Group of the all-to-all

@@ -54,6 +54,11 @@ def test_scatter_gather(device, dtype, t, h, k):
     rows = rows.to(device)
     xs = scatter_rows_triton(x, rows)
     assert torch.equal(xs.cpu(), scatter_rows_ref(x.cpu(), rows.cpu()))  # a copy: exact
+    padded = torch.full((t * k, h + 9), 7.0, device=device, dtype=dtype)  # rows of a padded send buffer
+    scatter_rows_triton(x, rows, out=padded[:, 1:h + 1])
+    assert torch.equal(padded[:, 1:h + 1], xs) and (padded[:, 0] == 7).all() and (padded[:, h + 1:] == 7).all()
+    with pytest.raises(ValueError, match=r"out \[.*\] torch\.\w+: expected"):
+        scatter_rows_triton(x, rows, out=padded[:, :h - 1 or 1].t())
     back = gather_rows_triton(xs, rows, torch.full((t, k), 1.0 / k, device=device))
     torch.testing.assert_close(back.cpu().float(), x.cpu().float(), rtol=1e-3 if dtype != torch.float32 else 1e-6,
                                atol=1e-3 if dtype != torch.float32 else 1e-6)
