@@ -116,7 +116,10 @@ def scatter_rows_ref(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | No
 
 
 def gather_rows_ref(ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * ys[rows[t, j]], accumulated in float32."""
+    """out[t] = sum_j weights[t, j] * ys[rows[t, j]], accumulated in float32; a row of -1
+    adds nothing (ys may then have no rows at all)."""
+    if not ys.shape[0]:
+        return ys.new_zeros(rows.shape[0], ys.shape[1])
     flat = rows.long()
     picked = ys[flat.clamp(min=0)].float()  # [T, k, H]
     w = torch.where(flat >= 0, weights.float(), torch.zeros_like(weights, dtype=torch.float32))

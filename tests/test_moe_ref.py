@@ -48,6 +48,11 @@ def test_scatter_then_gather_with_unit_weights_restores_input(t, h, k):
     xs = scatter_rows_ref(x, rows)
     back = gather_rows_ref(xs, rows, torch.full((t, k), 1.0 / k))
     torch.testing.assert_close(back, x)
+    # Rows of -1 add nothing, also when no row was kept (an expert-parallel rank that sent nothing).
+    dropped = torch.where(rows % 2 == 0, rows, -1)
+    expected = sum(torch.where(dropped[:, j, None] >= 0, xs[dropped[:, j].clamp(min=0).long()], 0) for j in range(k))
+    torch.testing.assert_close(gather_rows_ref(xs, dropped, torch.ones(t, k)), expected)
+    assert gather_rows_ref(xs[:0], torch.full_like(rows, -1), torch.ones(t, k)).equal(torch.zeros(t, h))
 
 
 @pytest.mark.parametrize("score,renorm", [("softmax", True), ("softmax", False), ("sigmoid", True)])
