@@ -7,8 +7,9 @@ and the peers it talks to; then the TP scaling of a dense decode layer.
     scripts/launch.sh -n 4 -- python scripts/bench_ep.py --device cpu --smoke   # CPU (gloo)
 
 Every rank of a TP group holds the same tokens (as after a TP layer); data-parallel
-replicas hold different ones. Times are medians over repeats, each repeat started by a
-barrier, measured on rank 0 (the slowest rank decides a collective, so rank 0 sees it).
+replicas hold different ones. Times are medians over back-to-back repeats after one
+barrier and a warm-up call, measured on rank 0 (the slowest rank decides a collective, so
+rank 0 sees it).
 Rank 0 prints the table and writes bench/results/ep-<device>-<date>.json.
 """
 from __future__ import annotations
@@ -45,11 +46,16 @@ def sync(device):
 
 
 def timed(fn, device, reps: int):
-    """Median wall time of fn() in microseconds, each repeat after a barrier, plus its last result."""
-    times, out = [], None
+    """Median wall time of fn() in microseconds over back-to-back repeats, plus its last result.
+
+    One barrier and a warm-up call come first; after them the ranks run in step, held
+    together by the collectives inside fn (a barrier per repeat would add its own skew
+    between ranks, hundreds of µs on a slow host, to every sample)."""
+    dist.barrier()
+    out = fn()
+    sync(device)
+    times = []
     for _ in range(reps):
-        dist.barrier()
-        sync(device)
         start = time.perf_counter()
         out = fn()
         sync(device)
@@ -187,6 +193,16 @@ def main():
     print(bc.format_table(cols, [[r["shape"], r["layout"], r["T_per_rank"], f"{r['dispatch_us']:.1f}",
                                   f"{r['experts_us']:.1f}", f"{r['combine_us']:.1f}", r["pairs_sent"],
                                   f"{r['bytes_sent'] / 1e6:.3f}", r["a2a_group"], r["peers"]] for r in rows]))
+    ratios = []
+    for r in rows:
+        if r["layout"].endswith("-pcc"):
+            naive = next(n for n in rows if n["layout"] == r["layout"][:-4] + "-naive"
+                         and n["shape"] == r["shape"] and n["T_per_rank"] == r["T_per_rank"])
+            r["pcc_over_naive"] = (r["dispatch_us"] + r["combine_us"]) / (naive["dispatch_us"] + naive["combine_us"])
+            ratios.append([r["shape"], r["layout"], r["T_per_rank"], f"{r['pcc_over_naive']:.2f}"])
+    if ratios:
+        print("\nPCC dispatch + combine time over the naive all-to-all's (target <= 0.7 at T >= 64):")
+        print(bc.format_table(["shape", "layout", "T/rank", "PCC / naive"], ratios))
     print(f"\ndense decode layer (H={h}, {heads} heads / {kv} KV, F={ffn}, 512 cached tokens, batch 1):")
     print(bc.format_table(["tp", "eager µs", "graph µs", "MB weights/rank"],
                           [[r["tp"], f"{r['eager_us']:.1f}", f"{r['graph_us']:.1f}" if "graph_us" in r else "-",
