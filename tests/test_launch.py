@@ -25,8 +25,9 @@ dist.barrier()  # rank 0 would wait here forever without the abort
 def test_a_rank_that_raises_ends_the_job_within_60s():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     start = time.time()
-    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", FAILING], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=90)
+    # Through our launcher: it picks mpich's mpiexec (CPU) or Open MPI's mpirun (GPU hosts).
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-c",
+                          FAILING], env=env, cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert out.returncode != 0
     assert time.time() - start < 60
     assert "[rank 1]" in out.stderr and "rank one fails on purpose" in out.stderr
