@@ -14,7 +14,7 @@ MPIEXEC = shutil.which("mpiexec")
 FAILING = """
 import torch.distributed as dist
 from comm import bootstrap
-info = bootstrap(timeout_s=600)  # longer than the test allows: the abort must end it
+info = bootstrap(backend="gloo", timeout_s=600)  # longer than the test allows: the abort must end it
 if info.rank == 1:
     raise RuntimeError("rank one fails on purpose")
 dist.barrier()  # rank 0 would wait here forever without the abort
