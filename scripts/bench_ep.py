@@ -10,7 +10,7 @@ Every rank of a TP group holds the same tokens (as after a TP layer); data-paral
 replicas hold different ones. Times are medians over back-to-back repeats after one
 barrier and a warm-up call, measured on rank 0 (the slowest rank decides a collective, so
 rank 0 sees it).
-Rank 0 prints the table and writes bench/results/ep-<device>-<date>.json.
+Rank 0 prints the table and writes bench/results/ep-x<ranks>-<device>-<date>.json.
 """
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ def main():
     print(bc.format_table(["tp", "eager µs", "graph µs", "MB weights/rank"],
                           [[r["tp"], f"{r['eager_us']:.1f}", f"{r['graph_us']:.1f}" if "graph_us" in r else "-",
                             f"{r['weight_bytes_per_rank'] / 1e6:.1f}"] for r in dense]))
-    bc.write_results("ep", device, {"run": run, "world_size": info.world_size, "dtype": str(dtype),
+    bc.write_results(f"ep-x{info.world_size}", device, {"run": run, "world_size": info.world_size, "dtype": str(dtype),
                                     "moe": rows, "dense_decode": dense})
 
 
