@@ -33,35 +33,53 @@ def _grouped_gemm_kernel(
     row_pair_ptr,  # [N] int32 pair held by each buffer row (token = pair // TOPK)
     w_ptr,  # [E, W_ROWS, K] weights, K contiguous
     scale_ptr,  # [E, W_ROWS] float32 per-output-channel scales (INT8_W only)
-    offsets_ptr,  # [E + 1] int32 expert segments of the buffer
+    offsets_ptr,  # [E + 1] int32 expert segments of the buffer; FROM_IDS: [N] int32 expert of each pair
     pair_w_ptr,  # [T * TOPK] float32 combine weight of each pair (ROW_WEIGHT only)
     out_ptr,  # [S, N, N_OUT] out
     N_OUT, K, W_ROWS,  # output columns (F for gated up: gate rows, then up rows at +F)
+    N_ROWS,  # pairs (FROM_IDS only)
     stride_a, stride_we, stride_wn, stride_se, stride_os, stride_om,
     E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    FROM_IDS: tl.constexpr,
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # Tile map: which expert owns row tile pid_m, and where its rows start.
-    e_idx = tl.arange(0, E_PAD)
-    seg_lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
-    seg_hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
-    tiles = (seg_hi - seg_lo + BM - 1) // BM
-    tiles_end = tl.cumsum(tiles, axis=0)
-    if pid_m >= tl.sum(tiles):
-        return  # the grid is sized for the worst case; this tile has no rows
-    e = tl.sum((tiles_end <= pid_m).to(tl.int32))
-    mine = e_idx == e
-    first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0))
-    lo = tl.sum(tl.where(mine, seg_lo, 0))
-    hi = tl.sum(tl.where(mine, seg_hi, 0))
-
-    rows = lo + (pid_m - first_tile) * BM + tl.arange(0, BM)
-    row_ok = rows < hi
+    if FROM_IDS:
+        # Decode sizes (all pairs fit one row tile): program pid_m takes the pid_m-th
+        # distinct expert, in order of first use, straight from the ids: no maps kernel.
+        # Rows are pair indices, masked to this expert's pairs.
+        rows = tl.arange(0, BM)
+        ids = tl.load(offsets_ptr + rows, mask=rows < N_ROWS, other=-1)
+        earlier = (ids[:, None] == ids[None, :]) & (rows[None, :] < rows[:, None])
+        leader = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & (rows < N_ROWS)
+        if pid_m >= tl.sum(leader.to(tl.int32)):
+            return  # fewer distinct experts than programs
+        rank = tl.cumsum(leader.to(tl.int32), axis=0) - 1
+        e = tl.sum(tl.where(leader & (rank == pid_m), ids, 0))
+        row_ok = ids == e
+        pair = rows
+    else:
+        # Tile map: which expert owns row tile pid_m, and where its rows start.
+        e_idx = tl.arange(0, E_PAD)
+        seg_lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+        seg_hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+        tiles = (seg_hi - seg_lo + BM - 1) // BM
+        tiles_end = tl.cumsum(tiles, axis=0)
+        if pid_m >= tl.sum(tiles):
+            return  # the grid is sized for the worst case; this tile has no rows
+        e = tl.sum((tiles_end <= pid_m).to(tl.int32))
+        mine = e_idx == e
+        first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0))
+        lo = tl.sum(tl.where(mine, seg_lo, 0))
+        hi = tl.sum(tl.where(mine, seg_hi, 0))
+        rows = lo + (pid_m - first_tile) * BM + tl.arange(0, BM)
+        row_ok = rows < hi
+        if A_FROM_TOKENS or ROW_WEIGHT:
+            pair = tl.load(row_pair_ptr + rows, mask=row_ok, other=0)
     if A_FROM_TOKENS:  # read tokens in place: the layout transform fused into the load
-        a_rows = tl.load(row_pair_ptr + rows, mask=row_ok, other=0) // TOPK
+        a_rows = pair // TOPK
     else:
         a_rows = rows
     cols = pid_n * BN + tl.arange(0, BN)
@@ -97,7 +115,6 @@ def _grouped_gemm_kernel(
     elif ACT == "gelu":
         acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
     if ROW_WEIGHT:
-        pair = tl.load(row_pair_ptr + rows, mask=row_ok, other=0)
         acc *= tl.load(pair_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out = out_ptr + pid_k * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -108,14 +125,16 @@ def max_row_tiles(num_rows: int, num_experts: int, bm: int) -> int:
     return triton.cdiv(num_rows, bm) + min(num_experts, num_rows)
 
 
-def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, row_pair: torch.Tensor,
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None, row_pair: torch.Tensor | None,
                  cfg: dict, *, num_rows: int, topk: int, a_from_tokens: bool, gated: bool,
                  act: str = "none", scale: torch.Tensor | None = None,
-                 pair_weights: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-                 ) -> torch.Tensor:
+                 pair_weights: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 pair_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Runs one expert GEMM; returns [S, num_rows, N_OUT] (S = cfg["split_k"]).
 
     ``cfg`` holds the launch configuration: bm, bn, bk, split_k, num_warps, num_stages.
+    With ``pair_ids`` ([N] int32 expert of each pair, N <= cfg["bm"]) instead of the maps,
+    buffer rows are pair indices and each program finds its expert itself (decode sizes).
     """
     e, w_rows, k = w.shape
     n_out = w_rows // 2 if gated else w_rows
@@ -127,16 +146,21 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, row_pa
     int8 = w.dtype == torch.int8
     if int8 and scale is None:
         raise ValueError("int8 weights need their per-channel scales")
-    grid = (max_row_tiles(num_rows, e, cfg["bm"]), triton.cdiv(n_out, cfg["bn"]), split)
+    from_ids = pair_ids is not None
+    if from_ids and num_rows > cfg["bm"]:
+        raise ValueError(f"pair_ids: {num_rows} pairs need bm >= {num_rows}, got bm={cfg['bm']}")
+    tiles = min(e, num_rows) if from_ids else max_row_tiles(num_rows, e, cfg["bm"])
+    grid = (tiles, triton.cdiv(n_out, cfg["bn"]), split)
+    table = pair_ids if from_ids else offsets
     _grouped_gemm_kernel[grid](
-        a, row_pair, w, scale if int8 else w, offsets,
-        pair_weights if pair_weights is not None else offsets, out,
-        n_out, k, w_rows, a.stride(0), w.stride(0), w.stride(1), scale.stride(0) if int8 else 0,
+        a, row_pair if row_pair is not None else table, w, scale if int8 else w, table,
+        pair_weights if pair_weights is not None else table, out,
+        n_out, k, w_rows, num_rows, a.stride(0), w.stride(0), w.stride(1), scale.stride(0) if int8 else 0,
         out.stride(0), out.stride(1),
         E=e, E_PAD=triton.next_power_of_2(e), TOPK=topk,
         BM=cfg["bm"], BN=cfg["bn"], BK=cfg["bk"], SPLIT_K=split,
         A_FROM_TOKENS=a_from_tokens, GATED=gated, ACT=act, ROW_WEIGHT=pair_weights is not None,
         INT8_W=int8, UPCAST=a.device.type == "cpu" or a.dtype == torch.float32,
-        IEEE=a.dtype == torch.float32,
+        IEEE=a.dtype == torch.float32, FROM_IDS=from_ids,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -36,13 +36,14 @@ def _gather_kernel(
     out_ptr,  # [T, H] out
     H, stride_ys_s, stride_ys, stride_out,
     K: tl.constexpr, S: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
+    IDENTITY: tl.constexpr,  # rows[t, j] = t * K + j: buffer rows are pairs (no rows read)
 ):
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(K):
-        r = tl.load(rows_ptr + t * K + j)
+        r = t * K + j if IDENTITY else tl.load(rows_ptr + t * K + j)
         w = tl.load(w_ptr + t * K + j) if HAS_W else 1.0
         for s in tl.static_range(S):
             y = tl.load(ys_ptr + s * stride_ys_s + r * stride_ys + h, mask=hm & (r >= 0), other=0.0)
@@ -77,17 +78,20 @@ def _check_out(out: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-def combine_rows_triton(ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None,
-                        out_dtype: torch.dtype) -> torch.Tensor:
-    """ys [S, N, H] (partials) -> out [T, H] = sum over slots and partials of w * ys."""
-    t, k = rows.shape
+def combine_rows_triton(ys: torch.Tensor, rows: torch.Tensor | None, weights: torch.Tensor | None,
+                        out_dtype: torch.dtype, topk: int | None = None) -> torch.Tensor:
+    """ys [S, N, H] (partials) -> out [T, H] = sum over slots and partials of w * ys.
+    ``rows=None``: buffer row t * topk + j holds pair (t, j)."""
+    identity = rows is None
+    t, k = (ys.shape[1] // topk, topk) if identity else rows.shape
     s, _, h = ys.shape
     out = torch.empty(t, h, dtype=out_dtype, device=ys.device)
     bh = _block_h(h)
+    rows = ys if identity else rows.reshape(-1).contiguous()  # a placeholder pointer when identity
     w = weights.reshape(-1).float().contiguous() if weights is not None else rows
     _gather_kernel[(t, triton.cdiv(h, bh))](
-        ys, rows.reshape(-1).contiguous(), w, out, h, ys.stride(0), ys.stride(1), out.stride(0),
-        K=k, S=s, HAS_W=weights is not None, BLOCK_H=bh)
+        ys, rows, w, out, h, ys.stride(0), ys.stride(1), out.stride(0),
+        K=k, S=s, HAS_W=weights is not None, BLOCK_H=bh, IDENTITY=identity)
     return out
 
 

@@ -20,6 +20,7 @@ from kernels.maps import token_maps_triton
 
 CONFIG_FILE = Path(__file__).with_name("configs") / "moe.json"
 NUM_SMS_DEFAULT = 132  # H100 SXM; only shapes the split-K heuristic
+FROM_IDS_PAIRS = 32  # up to this many (token, slot) pairs the GEMMs group pairs themselves
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,21 +85,31 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     e, topk = w2.shape[0], topk_ids.shape[1]
     f = w2.shape[2]
     n = t * topk
-    offsets, rows, row_pair = maps if maps is not None else token_maps_triton(topk_ids, e, capacity)
     if configs is None:
         size = x.element_size()
         configs = (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, size),
                    launch_config("down", x.device, t, e, h, f, w2.dtype, topk, size))
     up_cfg, down_cfg = configs
+    # Decode sizes: with no maps given, the GEMMs find each expert's pairs from the ids
+    # themselves (all pairs in one row tile), saving the maps kernel; buffer rows are pairs.
+    pair_ids = None
+    if maps is None and capacity is None and n <= FROM_IDS_PAIRS:
+        pair_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+        bm = max(16, triton.next_power_of_2(n))
+        up_cfg, down_cfg = dict(up_cfg, bm=max(bm, up_cfg["bm"])), dict(down_cfg, bm=max(bm, down_cfg["bm"]))
+        offsets = rows = row_pair = None
+    else:
+        offsets, rows, row_pair = maps if maps is not None else token_maps_triton(topk_ids, e, capacity)
     x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (padded all-to-all rows)
     hidden = grouped_gemm(x, w13, offsets, row_pair, up_cfg, num_rows=n, topk=topk,
                           a_from_tokens=True, gated=activation == "silu",
-                          act="gelu" if activation == "gelu" else "none", scale=w13_scale)[0]  # [N, F]
+                          act="gelu" if activation == "gelu" else "none", scale=w13_scale,
+                          pair_ids=pair_ids)[0]  # [N, F]
     partial = grouped_gemm(hidden, w2, offsets, row_pair, down_cfg, num_rows=n, topk=topk,
                            a_from_tokens=False, gated=False, scale=w2_scale,
                            pair_weights=topk_weights.reshape(-1).float().contiguous(),
-                           out_dtype=torch.float32)  # [S, N, H], already weighted
-    return combine_rows_triton(partial, rows, None, x.dtype)
+                           out_dtype=torch.float32, pair_ids=pair_ids)  # [S, N, H], already weighted
+    return combine_rows_triton(partial, rows, None, x.dtype, topk)
 
 
 def grouped_ffn_triton(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
