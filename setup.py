@@ -33,8 +33,10 @@ setup(
             # Triton 3.6's interpreter calls int() on 1-element arrays (loop bounds), which
             # numpy 2.4 rejects.
             "numpy<2.4",
+            # the server and its tests: the official client on loopback
+            "fastapi", "uvicorn", "prometheus-client", "jinja2", "httpx", "openai",
         ],
-        "serve": ["fastapi", "uvicorn", "prometheus-client"],
+        "serve": ["fastapi", "uvicorn", "prometheus-client", "jinja2"],
     },
     entry_points={"console_scripts": ["moe-infer=moe_infer.cli:main"]},
 )

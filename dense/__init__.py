@@ -3,10 +3,10 @@
 Modules take a ``moe_infer.config.ModelConfig``-shaped object (duck-typed: this package
 imports nothing from ``moe_infer``) and a per-step ``StepContext``.
 """
-from dense.attention import Attention, KVCache, StepContext
+from dense.attention import Attention, KVCache, PagedKVCache, StepContext
 from dense.mlp import MLP
 from dense.norm import LayerNorm, RMSNorm, make_norm
 from dense.rotary import Rotary, apply_rotary
 
-__all__ = ["Attention", "KVCache", "StepContext", "MLP", "LayerNorm", "RMSNorm", "make_norm",
+__all__ = ["Attention", "KVCache", "PagedKVCache", "StepContext", "MLP", "LayerNorm", "RMSNorm", "make_norm",
            "Rotary", "apply_rotary"]

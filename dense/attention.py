@@ -50,6 +50,25 @@ class StepContext:
         return cls(positions, mask.unsqueeze(1), cos, sin, start)
 
 
+    @classmethod
+    def paged(cls, positions: torch.Tensor, query_valid: torch.Tensor, context_lens: torch.Tensor,
+              num_keys: int, rotary: Rotary | None, dtype: torch.dtype,
+              sliding_window: int | None = None) -> "StepContext":
+        """For a ``PagedKVCache``: each row's keys are its own tokens in order, so key s has
+        position s. positions, query_valid [B, T]; context_lens [B] tokens cached after the
+        step; num_keys S, the key slots gathered per row."""
+        k_pos = torch.arange(num_keys, device=positions.device)  # [S]
+        mask = (k_pos[None, None, :] < context_lens[:, None, None]) \
+            & (k_pos[None, None, :] <= positions[:, :, None])  # [B, T, S]
+        if sliding_window is not None:
+            mask &= positions[:, :, None] - k_pos[None, None, :] < sliding_window
+        mask |= (k_pos == 0)[None, None, :] & ~query_valid[:, :, None]  # padding queries: finite softmax
+        cos = sin = None
+        if rotary is not None:
+            cos, sin = rotary(positions, dtype)
+        return cls(positions, mask.unsqueeze(1), cos, sin, 0)
+
+
 class KVCache:
     """Keys and values of every layer, allocated once: [layers, B, KV heads, S_max, D]."""
 
@@ -70,6 +89,43 @@ class KVCache:
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class PagedKVCache:
+    """Keys and values in fixed-size blocks shared by every sequence (continuous batching):
+    [layers, blocks * block_size + 1, KV heads, D]; the last slot takes padding writes.
+
+    A sequence owns a list of blocks (its block table); its token i lives in slot
+    ``table[i // block_size] * block_size + i % block_size``. Before each forward the
+    caller sets the step's slots with ``set_step``; ``append`` then writes the new keys and
+    gathers each row's keys in token order."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, num_blocks * block_size + 1, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.trash = num_blocks * block_size
+        self.write_slots = self.read_slots = None
+
+    def slots(self, table: list[int], start: int, stop: int) -> list[int]:
+        """Flat slots of a sequence's tokens start .. stop - 1."""
+        bs = self.block_size
+        return [table[i // bs] * bs + i % bs for i in range(start, stop)]
+
+    def set_step(self, write_slots: torch.Tensor, read_slots: torch.Tensor):
+        """write_slots [B, T]: slot of each new token (``trash`` for padding);
+        read_slots [B, S]: slots of the keys each row attends to, in token order."""
+        self.write_slots, self.read_slots = write_slots, read_slots
+
+    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """k, v [B, KV heads, T, D] -> this row's keys and values [B, KV heads, S, D]."""
+        b, h, t, d = k.shape
+        slots = self.write_slots.reshape(-1)
+        self.k[layer].index_copy_(0, slots, k.transpose(1, 2).reshape(b * t, h, d))
+        self.v[layer].index_copy_(0, slots, v.transpose(1, 2).reshape(b * t, h, d))
+        return self.k[layer][self.read_slots].transpose(1, 2), self.v[layer][self.read_slots].transpose(1, 2)
 
 
 class Attention(nn.Module):

@@ -69,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
 
     sub.add_parser("presets", help="list the built-in configs")
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
+                         description="Serves /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                                     "/metrics. The YAML has the sections model (a preset name or config "
+                                     "YAML), checkpoint, parallel, engine and server; flags override the "
+                                     "server section. Under scripts/launch.sh, rank 0 serves HTTP.")
+    srv.add_argument("--config", metavar="YAML", help="serve config (default: the embedded model, defaults)")
+    srv.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, help="port (default 8000)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    srv.add_argument("--model-name", help="the model id clients send (default: the config's name)")
     return parser
 
 
@@ -113,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            from moe_infer.server import read_serve_config, serve
+
+            serve(read_serve_config(args.config, {"host": args.host, "port": args.port, "api_key": args.api_key,
+                                                  "model_name": args.model_name}))
+            return 0
         if args.command == "presets":
             print("\n".join(preset_names()))
             return 0

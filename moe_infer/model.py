@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from comm import ParallelGroups
-from dense import MLP, Attention, KVCache, Rotary, StepContext, make_norm
+from dense import MLP, Attention, KVCache, PagedKVCache, Rotary, StepContext, make_norm
 from moe_infer.config import Config
 from moe_infer.moe_layer import MoELayer
 
@@ -59,6 +59,17 @@ class Transformer(nn.Module):
         m = self.cfg.model
         p = self.embed.weight
         return KVCache(m.num_layers, batch, self.num_kv_heads, max_len, m.head_dim, p.dtype, p.device)
+
+    def make_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        m = self.cfg.model
+        p = self.embed.weight
+        return PagedKVCache(m.num_layers, num_blocks, block_size, self.num_kv_heads, m.head_dim, p.dtype,
+                            p.device)
+
+    def paged_context(self, positions: torch.Tensor, query_valid: torch.Tensor,
+                      context_lens: torch.Tensor, num_keys: int) -> StepContext:
+        return StepContext.paged(positions, query_valid, context_lens, num_keys, self.rotary,
+                                 self.embed.weight.dtype, self.cfg.model.sliding_window)
 
     def context(self, positions: torch.Tensor, key_valid: torch.Tensor,
                 key_positions: torch.Tensor, start: int) -> StepContext:
