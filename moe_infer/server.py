@@ -397,10 +397,13 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
                 "model": handler.model_name}
         metrics.requests.labels(status="200").inc()
 
-        def choice(index, text, finish):
+        def choice(index, text, finish, token_id=None):
+            # token_ids (an extension, as vLLM has) lets clients of tokenizer-less models
+            # see each token; OpenAI clients ignore it.
+            ids = {"token_ids": [token_id]} if token_id is not None else {}
             if chat:
-                return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": finish}
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+                return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": finish, **ids}
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish, **ids}
 
         if stream:
             async def events():
@@ -414,8 +417,9 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
                     while done < len(reqs):
                         index, kind, data = await queue.get()
                         if kind == "token":
-                            if data["text"]:
-                                yield f"data: {json.dumps({**head, 'choices': [choice(index, data['text'], None)]})}\n\n"
+                            if data["text"] or data["token_id"] is not None:
+                                out = {**head, "choices": [choice(index, data["text"], None, data["token_id"])]}
+                                yield f"data: {json.dumps(out)}\n\n"
                         else:
                             done += 1
                             out = {**head, "choices": [choice(index, '', data['finish_reason'])]}

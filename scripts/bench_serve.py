@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Serving benchmark: throughput, time to first token and inter-token latency against the
+request rate, beside the offline ``generate()`` throughput of the same requests.
+
+    python scripts/bench_serve.py                         # OLMoE-shaped, random bf16 weights, GPU
+    python scripts/bench_serve.py --model qwen3-30b-a3b --requests 64 --rates 2,8,inf
+    python scripts/bench_serve.py --smoke                 # tiny-moe on the CPU, end to end
+
+The server runs in this process (uvicorn on a loopback port, its engine thread beside it);
+clients stream /v1/completions with token-id prompts, arriving as a Poisson process at
+each rate (inf: all at once). Every request asks for exactly ``--max-tokens`` tokens
+(``ignore_eos`` is not an OpenAI field, so random-weight models may stop early at EOS;
+the tokens actually generated are counted). TTFT is arrival to the first streamed token;
+ITL the gaps between a request's streamed tokens. Writes
+bench/results/serve-<device>-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+_SCRIPTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
+
+import bench_common as bc  # noqa: E402
+import moe_infer  # noqa: E402
+from moe_infer.server import ServerConfig, create_app  # noqa: E402
+
+
+def start_server(app):
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+async def one(client, url, prompt, max_tokens, delay, t0):
+    await asyncio.sleep(delay)
+    arrived = time.perf_counter()
+    stamps = []
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"][0].get("token_ids"):
+                stamps.append(time.perf_counter())
+    return {"arrived": arrived - t0, "ttft": stamps[0] - arrived if stamps else None,
+            "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": len(stamps),
+            "done": (stamps[-1] if stamps else arrived) - t0}
+
+
+async def run_rate(url, prompts, max_tokens, rate, seed):
+    import httpx
+
+    rng = random.Random(seed)
+    delays, t = [], 0.0
+    for _ in prompts:
+        delays.append(t)
+        if rate != float("inf"):
+            t += rng.expovariate(rate)
+    limits = httpx.Limits(max_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one(client, url, p, max_tokens, d, t0) for p, d in zip(prompts, delays)))
+        wall = time.perf_counter() - t0
+    return res, wall
+
+
+def pct(values, q):
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="olmoe-1b-7b", help="a preset name or config YAML (random weights)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", default="32,512", help="uniform range of prompt tokens")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rates", default="2,8,32,inf", help="requests per second, comma list (inf: all at once)")
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, few requests")
+    args = ap.parse_args()
+    if args.smoke:
+        args.model, args.device, args.requests, args.prompt_len = "tiny-moe", "cpu", 8, "4,24"
+        args.max_tokens, args.rates, args.max_batch = 8, "50,inf", 4
+    engine = moe_infer.load(args.model, device=args.device, progress=False)
+    engine.config.engine.max_batch_size = args.max_batch
+    lo, hi = map(int, args.prompt_len.split(","))
+    rng = random.Random(0)
+    vocab = engine.config.model.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(args.requests)]
+    max_len = hi + args.max_tokens
+    engine.config.engine.max_seq_len = max(max_len, 64)
+
+    # Offline: the same requests through generate(), max_batch at a time.
+    engine.generate(prompts[:2], max_new_tokens=2)  # warm-up (kernel compiles)
+    bc.synchronize(engine.device)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, max_new_tokens=args.max_tokens)
+    bc.synchronize(engine.device)
+    offline_s = time.perf_counter() - t0
+    offline_tokens = sum(len(o.token_ids) for o in outs)  # as streamed: an EOS is not a token
+
+    blocks = args.max_batch * -(-max_len // args.block_size)
+    app = create_app(engine, ServerConfig(block_size=args.block_size, num_blocks=blocks,
+                                          max_queue=args.requests + 8))
+    server, thread, url = start_server(app)
+    asyncio.run(run_rate(url, prompts[:2], 2, float("inf"), 0))  # warm-up through the server
+    rows = []
+    try:
+        for rate_text in args.rates.split(","):
+            rate = float(rate_text)
+            res, wall = asyncio.run(run_rate(url, prompts, args.max_tokens, rate, 1))
+            tokens = sum(r["tokens"] for r in res)
+            ttft = [r["ttft"] for r in res if r["ttft"] is not None]
+            itl = [x for r in res for x in r["itl"]]
+            rows.append({"rate": rate_text, "requests": len(res), "tokens": tokens, "wall_s": wall,
+                         "tokens_per_s": tokens / wall, "requests_per_s": len(res) / wall,
+                         "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
+                         "itl_ms": {q: 1e3 * pct(itl, q) for q in (50, 90, 99)},
+                         "itl_mean_ms": 1e3 * statistics.fmean(itl) if itl else float("nan")})
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+    run = bc.run_info(engine.device)
+    m = engine.config.model
+    print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {engine.dtype}")
+    print(f"model {args.model}: H={m.hidden_size} layers={m.num_layers} vocab={m.vocab_size}, random weights | "
+          f"{args.requests} requests, prompts {lo}-{hi} tokens, {args.max_tokens} new tokens each, "
+          f"max batch {args.max_batch}, KV blocks {blocks} x {args.block_size}")
+    print(f"offline generate(): {offline_tokens} tokens in {offline_s:.2f} s = {offline_tokens / offline_s:.1f} "
+          "tokens/s (same prompts, batches of max batch, no server)")
+    cols = ["rate req/s", "tokens/s", "req/s", "TTFT p50 ms", "TTFT p90", "TTFT p99", "ITL p50 ms", "ITL p90",
+            "ITL p99", "wall s"]
+    print(bc.format_table(cols, [[r["rate"], f"{r['tokens_per_s']:.1f}", f"{r['requests_per_s']:.2f}",
+                                  *(f"{r['ttft_ms'][q]:.1f}" for q in (50, 90, 99)),
+                                  *(f"{r['itl_ms'][q]:.1f}" for q in (50, 90, 99)), f"{r['wall_s']:.2f}"]
+                                 for r in rows]))
+    if not args.smoke:
+        bc.write_results("serve", engine.device, {"run": run, "model": args.model, "args": vars(args),
+                                                  "offline": {"tokens": offline_tokens, "seconds": offline_s},
+                                                  "rates": rows})
+
+
+if __name__ == "__main__":
+    main()
