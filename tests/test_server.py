@@ -256,9 +256,11 @@ def test_serve_config_errors(tmp_path):
     assert spec.server.port == 9002 and spec.engine == {"max_batch_size": 4} and spec.model == "default"
 
 
-def test_two_ranks_serve_with_tensor_parallelism(tmp_path, engine):
+@pytest.mark.parametrize("layout", ["{tp: 2}", "{ep: 2, dp: 2}"], ids=["tp2", "ep2"])
+def test_two_ranks_serve(tmp_path, engine, layout):
     """Under the launcher, rank 0 serves HTTP and broadcasts every step; rank 1 follows.
-    With tp = 2 each rank holds half the heads and the answers equal one process's."""
+    With tp = 2 each rank holds half the heads, with ep = 2 half the experts; the answers
+    equal one process's."""
     import os
     import shutil
     import subprocess
@@ -271,7 +273,7 @@ def test_two_ranks_serve_with_tensor_parallelism(tmp_path, engine):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text(f"model: default\nparallel: {{tp: 2}}\nengine: {{max_batch_size: 4}}\n"
+    cfg.write_text(f"model: default\nparallel: {layout}\nengine: {{max_batch_size: 4}}\n"
                    f"server: {{port: {port}, model_name: default, block_size: 8}}\n")
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
