@@ -117,7 +117,7 @@ class ExpertParallelDispatcher:
         ones = torch.ones(sent.x.shape[0], 1, device=sent.x.device)
         return experts.fused(sent.x, sent.expert.int(), ones)
 
-    def combine(self, y: torch.Tensor, sent: "Sent", num_tokens: int) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, sent: "Sent") -> torch.Tensor:
         """Rows back to their senders (counts known from the dispatch), then the gather
         kernel's weighted sum per token, accumulated in float32 (+ under PCC the all-reduce
         of the TP ranks' partial sums)."""
@@ -129,7 +129,7 @@ class ExpertParallelDispatcher:
 
     def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
         sent = self.dispatch(x, routing)
-        return self.combine(self.compute(sent, experts), sent, x.shape[0])
+        return self.combine(self.compute(sent, experts), sent)
 
 
 @dataclass

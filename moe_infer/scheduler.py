@@ -83,7 +83,8 @@ class QueueFull(Exception):
 class Request:
     """One sequence to generate. ``on_event(kind, data)`` is called from the engine thread:
     ("token", {"text": delta, "token_id": id}) per token, then once ("done", {"finish_reason":
-    ..., "prompt_tokens": n, "completion_tokens": m})."""
+    ..., "prompt_tokens": n, "completion_tokens": m}) or ("error", {"message": ...}) if the
+    forward failed."""
 
     prompt: list[int]
     params: SamplingParams
@@ -162,7 +163,21 @@ class Scheduler:
                 while not stop.is_set() and not self.waiting and not self.running:
                     self.wake.wait(timeout=0.5)
             if not stop.is_set():
-                self.step()
+                try:
+                    self.step()
+                except Exception as exc:  # e.g. out of memory: fail the batch, keep serving
+                    self._fail_running(f"{type(exc).__name__}: {exc}")
+
+    def _fail_running(self, message: str):
+        """Ends every running request with an error event; their blocks go back."""
+        with self.lock:
+            for r in self.running:
+                if r.finish is None:
+                    r.finish = "error"
+                    r.on_event("error", {"message": message})
+                self.free_blocks += r.table
+                r.table = []
+            self.running = []
 
     def step(self):
         admitted = self._schedule()

@@ -420,6 +420,10 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
                             if data["text"] or data["token_id"] is not None:
                                 out = {**head, "choices": [choice(index, data["text"], None, data["token_id"])]}
                                 yield f"data: {json.dumps(out)}\n\n"
+                        elif kind == "error":  # the status is sent already: an error event ends it
+                            err = {"message": data["message"], "type": "server_error", "param": None, "code": 500}
+                            yield f"data: {json.dumps({'error': err})}\n\n"
+                            return
                         else:
                             done += 1
                             out = {**head, "choices": [choice(index, '', data['finish_reason'])]}
@@ -439,6 +443,8 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
                 index, kind, data = await queue.get()
                 if kind == "token":
                     texts[index] += data["text"]
+                elif kind == "error":
+                    raise ApiError(500, f"generation failed: {data['message']}")
                 else:
                     done += 1
                     finish[index] = data["finish_reason"]

@@ -87,7 +87,7 @@ def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int, profile
         d: ExpertParallelDispatcher = layer.dispatcher
         t_dispatch, sent = timed(lambda: d.dispatch(x, routing), device, reps)
         t_experts, y = timed(lambda: d.compute(sent, layer.experts), device, reps)
-        t_combine, _ = timed(lambda: d.combine(y, sent, t), device, reps)
+        t_combine, _ = timed(lambda: d.combine(y, sent), device, reps)
         if profile:  # every rank runs the collectives; rank 0 records them
             import contextlib
 
@@ -97,7 +97,7 @@ def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int, profile
             rec = torch_profile(activities=activities) if dist.get_rank() == 0 else contextlib.nullcontext()
             with rec:
                 again = d.dispatch(x, routing)
-                d.combine(d.compute(again, layer.experts), again, t)
+                d.combine(d.compute(again, layer.experts), again)
                 sync(device)
             if dist.get_rank() == 0:
                 print(f"--- profile: {shape} {layout} T={t} (dispatch, experts, combine) ---")

@@ -188,8 +188,10 @@ def test_unknown_route_is_an_openai_error(server):
     assert r.status_code == 404 and "error" in r.json()
 
 
-def test_disconnect_mid_stream_frees_the_blocks(server):
-    body = {"model": "default", "prompt": "Shall I compare thee", "max_tokens": 150, "stream": True}
+def test_disconnect_mid_stream_frees_the_blocks(server, engine):
+    prompt = "Shall I compare thee"  # and as many tokens as the context allows: still running when we leave
+    body = {"model": "default", "prompt": prompt, "stream": True,
+            "max_tokens": engine.config.max_seq_len - len(engine.encode(prompt)[0])}
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server.url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()
@@ -215,28 +217,34 @@ def test_api_key(engine):
         live.stop()
 
 
-def test_full_queue_answers_503_with_retry_after(engine):
-    # One sequence fits the cache at a time: A runs, B waits (the queue holds one), C is refused.
-    cfg = ServerConfig(block_size=8, num_blocks=40, max_queue=1, model_name="default", retry_after_s=2)
+def test_full_queue_answers_503_with_retry_after(engine, monkeypatch):
+    # The engine thread is held at its next step, so nothing leaves the queue: A waits in
+    # it (it holds one request) and B is refused; once released, A completes.
+    cfg = ServerConfig(block_size=8, max_queue=1, model_name="default", retry_after_s=2)
     live = LiveServer(create_app(engine, cfg))
-    body = {"prompt": "Shall I compare thee", "max_tokens": 300, "stream": True}
+    gate, step = threading.Event(), live.scheduler.step
+
+    def held():
+        gate.wait(timeout=60)
+        step()
+    monkeypatch.setattr(live.scheduler, "step", held)
+    answers = []
+    a = threading.Thread(target=lambda: answers.append(
+        httpx.post(live.url + "/v1/completions", json={"prompt": "When", "max_tokens": 4}, timeout=60)))
     try:
-        with httpx.Client(timeout=60) as c, c.stream("POST", live.url + "/v1/completions", json=body) as a:
-            next(a.iter_lines())
-            assert len(live.scheduler.running) == 1
-            with c.stream("POST", live.url + "/v1/completions", json=body) as b:
-                deadline = time.time() + 5
-                while not live.scheduler.waiting and time.time() < deadline:
-                    time.sleep(0.01)
-                r = c.post(live.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
-                assert r.status_code == 503 and r.headers["retry-after"] == "2"
-                assert r.json()["error"]["type"] == "server_overloaded"
-                assert b.status_code == 200
-        deadline = time.time() + 5
-        while (live.scheduler.blocks_in_use or live.scheduler.waiting) and time.time() < deadline:
+        a.start()
+        deadline = time.time() + 10
+        while not live.scheduler.waiting and time.time() < deadline:
             time.sleep(0.01)
+        r = httpx.post(live.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "2"
+        assert r.json()["error"]["type"] == "server_overloaded"
+        gate.set()
+        a.join(timeout=60)
+        assert answers[0].status_code == 200 and answers[0].json()["choices"][0]["finish_reason"] == "length"
         assert live.scheduler.blocks_in_use == 0
     finally:
+        gate.set()
         live.stop()
 
 
@@ -299,3 +307,26 @@ def test_two_ranks_serve(tmp_path, engine, layout):
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=30)
+
+
+def test_a_failing_forward_answers_500_and_the_server_keeps_serving(engine, monkeypatch):
+    live = LiveServer(create_app(engine, ServerConfig(model_name="default")))
+    try:
+        runner = live.scheduler.runner
+        real = runner.forward
+
+        def broken(rows):
+            raise RuntimeError("CUDA out of memory (simulated)")
+        monkeypatch.setattr(runner, "forward", broken)
+        r = httpx.post(live.url + "/v1/completions", json={"prompt": "When", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 500 and "out of memory" in r.json()["error"]["message"]
+        with httpx.stream("POST", live.url + "/v1/completions", json={"prompt": "When", "max_tokens": 3,
+                                                                     "stream": True}, timeout=30) as s:
+            events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert "out of memory" in events[-1]["error"]["message"]
+        assert live.scheduler.blocks_in_use == 0
+        monkeypatch.setattr(runner, "forward", real)
+        r = httpx.post(live.url + "/v1/completions", json={"prompt": "When", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        live.stop()
