@@ -330,3 +330,27 @@ def test_a_failing_forward_answers_500_and_the_server_keeps_serving(engine, monk
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     finally:
         live.stop()
+
+
+def test_top_k_top_p_and_the_checkpoints_chat_template(tmp_path, server, engine):
+    import shutil
+
+    c = client(server)
+    kw = dict(model="default", prompt="When", max_tokens=10, temperature=0.9, top_k=5, top_p=0.8, seed=3)
+    kw_extra = {"top_k": kw.pop("top_k")}  # top_k is not an OpenAI field: it travels as an extra
+    a = c.completions.create(**kw, extra_body=kw_extra).choices[0].text
+    b = c.completions.create(**kw, extra_body=kw_extra).choices[0].text
+    assert a == b and a
+    # A checkpoint whose tokenizer_config.json has a chat template: that template is used.
+    from moe_infer.config import DEFAULT_MODEL
+    from moe_infer.server import Handler
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DEFAULT_MODEL, ckpt)
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}"}))
+    other = moe_infer.load(checkpoint=ckpt, progress=False)
+    h = Handler(other, server.scheduler, ServerConfig(), None)
+    ids = h.chat_prompt({"messages": [{"role": "user", "content": "Hi"}]})
+    assert other.tokenizer.decode(ids) == "<user>Hi<assistant>"
