@@ -26,7 +26,8 @@ class StepContext:
     attn_mask: torch.Tensor  # [B, 1, T, S] bool, True where a query may attend
     cos: torch.Tensor | None  # [B, T, D] rotary tables, None for learned positions
     sin: torch.Tensor | None
-    start: int  # cache slot of the first query token (0 without a cache)
+    start: int | torch.Tensor  # cache slot of the first query token (0 without a cache; a 0-d
+    # device tensor for a static-shape decode step, see ``decode_static``)
 
     @classmethod
     def build(cls, positions: torch.Tensor, key_valid: torch.Tensor,
@@ -49,6 +50,25 @@ class StepContext:
             cos, sin = rotary(positions, dtype)
         return cls(positions, mask.unsqueeze(1), cos, sin, start)
 
+
+    @classmethod
+    def decode_static(cls, slot: torch.Tensor, key_valid: torch.Tensor, key_positions: torch.Tensor,
+                      rotary: Rotary | None, dtype: torch.dtype,
+                      sliding_window: int | None = None) -> "StepContext":
+        """One decode token per row at cache slot ``slot`` (a 0-d device tensor), attending
+        over all S slots of the cache with a mask: every shape is fixed, so the step can be
+        captured in a CUDA graph and replayed for any slot. key_valid, key_positions [B, S]."""
+        b, s = key_valid.shape
+        k_slot = torch.arange(s, device=key_valid.device)  # [S]
+        positions = key_positions.gather(1, slot.view(1, 1).expand(b, 1))  # [B, 1]
+        mask = key_valid & (k_slot <= slot)[None, :]  # [B, S]
+        if sliding_window is not None:
+            mask &= positions - key_positions < sliding_window
+        mask |= (k_slot == slot)[None, :]  # a padding row still sees itself: finite softmax
+        cos = sin = None
+        if rotary is not None:
+            cos, sin = rotary(positions, dtype)
+        return cls(positions, mask[:, None, None, :], cos, sin, slot)
 
     @classmethod
     def paged(cls, positions: torch.Tensor, query_valid: torch.Tensor, context_lens: torch.Tensor,
@@ -82,9 +102,14 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+    def append(self, layer: int, start: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Writes k, v [B, KV heads, T, D] at slots start.. and returns the keys and
-        values of slots 0 .. start + T."""
+        values of slots 0 .. start + T; with a tensor ``start`` (one decode token, static
+        shapes) it writes there and returns every slot (the mask hides the rest)."""
+        if torch.is_tensor(start):
+            self.k[layer].index_copy_(2, start.view(1), k)
+            self.v[layer].index_copy_(2, start.view(1), v)
+            return self.k[layer], self.v[layer]
         end = start + k.shape[2]
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v

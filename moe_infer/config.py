@@ -170,9 +170,12 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0  # seeds random weights for configs without a checkpoint
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (one GPU)
 
     def __post_init__(self):
         s = "engine"
+        if not isinstance(self.cuda_graphs, bool):
+            _fail(f"{s}.cuda_graphs", self.cuda_graphs, "true or false")
         if self.max_seq_len is not None:
             _check_positive(s, self, "max_seq_len")
         _check_positive(s, self, "max_batch_size")

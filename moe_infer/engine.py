@@ -23,12 +23,71 @@ class Completion:
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens)
 
 
+class StaticDecoder:
+    """The decode step with fixed shapes for one (batch, cache slots) bucket: its own KV
+    cache and input buffers, the slot as a device tensor. ``graph=True`` captures the step
+    (every layer, and the greedy argmax) once in a CUDA graph and replays it; otherwise it
+    runs the same step eagerly (how CPU tests check the math)."""
+
+    def __init__(self, model: Transformer, batch: int, slots: int, graph: bool):
+        dev = model.embed.weight.device
+        self.model, self.batch, self.slots = model, batch, slots
+        self.cache = model.make_cache(batch, slots)
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.slot = torch.zeros((), dtype=torch.long, device=dev)
+        self.key_valid = torch.zeros(batch, slots, dtype=torch.bool, device=dev)
+        self.positions = torch.zeros(batch, slots, dtype=torch.long, device=dev)
+        self.graph = None
+        if graph:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # compiles every kernel outside the capture
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self._step()
+
+    def _step(self):
+        ctx = self.model.static_decode_context(self.slot, self.key_valid, self.positions)
+        logits = self.model(self.tokens, ctx, self.cache, last_only=True)[:, -1]
+        return logits, logits.argmax(dim=-1)
+
+    def run(self, tokens: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [batch] written at ``slot`` -> (logits [batch, V], greedy ids [batch])."""
+        self.tokens[:, 0].copy_(tokens)
+        self.slot.fill_(slot)
+        if self.graph is None:
+            return self._step()
+        self.graph.replay()
+        return self.out
+
+
 class Engine:
+    SLOT_BUCKET = 64  # cache lengths of static decode steps are rounded up to a multiple of this
+    MAX_DECODERS = 4  # captured (batch, slots) buckets kept; the oldest goes first
+
     def __init__(self, model: Transformer, config: Config, tokenizer: Tokenizer | None = None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         p = model.embed.weight
         self.device, self.dtype = p.device, p.dtype
         self.eos = set(config.model.eos_token_ids)
+        # "graph": decode steps replay CUDA graphs (one GPU); "static": the same fixed-shape
+        # step run eagerly; "eager": shapes grow with the cache (any device, any layout).
+        import torch.distributed as dist
+
+        single = not (dist.is_initialized() and dist.get_world_size() > 1)
+        self.decode_mode = "graph" if p.is_cuda and single and config.engine.cuda_graphs else "eager"
+        self._decoders: dict[tuple[int, int], StaticDecoder] = {}
+
+    def decoder(self, batch: int, slots: int) -> StaticDecoder:
+        key = (batch, slots)
+        if key not in self._decoders:
+            if len(self._decoders) >= self.MAX_DECODERS:
+                del self._decoders[next(iter(self._decoders))]
+            self._decoders[key] = StaticDecoder(self.model, batch, slots, self.decode_mode == "graph")
+        return self._decoders[key]
 
     # ----------------------------------------------------------------- inputs
 
@@ -116,19 +175,38 @@ class Engine:
     def _generate_batch(self, rows, max_new, params, generator) -> list[Completion]:
         b, width = len(rows), max(map(len, rows))
         slots = width + max_new
+        decoder = None
+        if self.decode_mode != "eager" and max_new > 1:
+            # Fixed shapes: the batch padded to a power of two (copies of row 0, dropped
+            # below), the cache to a multiple of SLOT_BUCKET; one decoder per bucket.
+            bucket = 1 << (b - 1).bit_length()
+            rows = rows + [rows[0]] * (bucket - b)
+            slots = min(-(-slots // self.SLOT_BUCKET) * self.SLOT_BUCKET, max(slots, self.config.max_seq_len))
+            decoder = self.decoder(bucket, slots)
         pad = torch.tensor([width - len(r) for r in rows], device=self.device)  # [B]
         tokens = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=self.device)
         slot = torch.arange(slots, device=self.device)
         key_valid = slot[None, :] >= pad[:, None]  # [B, S]: padding slots never attend
         positions = (slot[None, :] - pad[:, None]).clamp(min=0)  # [B, S]
-        cache = self.model.make_cache(b, slots)
+        if decoder is not None:
+            decoder.key_valid.copy_(key_valid)
+            decoder.positions.copy_(positions)
+            cache = decoder.cache
+        else:
+            cache = self.model.make_cache(len(rows), slots)
 
         logits = self._prefill(tokens, key_valid[:, :width], positions[:, :width], cache)
+        greedy = None
         generated = [[] for _ in range(b)]
         finish = [None] * b
         for t in range(max_new):
-            nxt = sample(logits, params, generator)  # [B]
-            for i, tok in enumerate(nxt.tolist()):  # the one host sync per token
+            if greedy is not None and params.greedy:
+                nxt = greedy  # the argmax the graph computed
+            else:
+                nxt = sample(logits[:b], params, generator)  # [b]: padding rows draw nothing
+                if len(rows) > b:
+                    nxt = torch.cat([nxt, nxt[:1].expand(len(rows) - b)])
+            for i, tok in enumerate(nxt[:b].tolist()):  # the one host sync per token
                 if finish[i] is None:
                     if tok in self.eos:
                         finish[i] = "stop"
@@ -137,7 +215,10 @@ class Engine:
             if all(f is not None for f in finish) or t == max_new - 1:
                 break
             s = width + t
-            logits = self._decode(nxt, s, key_valid[:, :s + 1], positions[:, :s + 1], cache)
+            if decoder is not None:
+                logits, greedy = decoder.run(nxt, s)
+            else:
+                logits = self._decode(nxt, s, key_valid[:, :s + 1], positions[:, :s + 1], cache)
         return [Completion(g, self.tokenizer.decode(g) if self.tokenizer else None, f or "length")
                 for g, f in zip(generated, finish)]
 

@@ -66,6 +66,11 @@ class Transformer(nn.Module):
         return PagedKVCache(m.num_layers, num_blocks, block_size, self.num_kv_heads, m.head_dim, p.dtype,
                             p.device)
 
+    def static_decode_context(self, slot: torch.Tensor, key_valid: torch.Tensor,
+                              key_positions: torch.Tensor) -> StepContext:
+        return StepContext.decode_static(slot, key_valid, key_positions, self.rotary, self.embed.weight.dtype,
+                                         self.cfg.model.sliding_window)
+
     def paged_context(self, positions: torch.Tensor, query_valid: torch.Tensor,
                       context_lens: torch.Tensor, num_keys: int) -> StepContext:
         return StepContext.paged(positions, query_valid, context_lens, num_keys, self.rotary,
