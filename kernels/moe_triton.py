@@ -132,6 +132,34 @@ def grouped_ffn_triton(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tenso
     return ys.sum(0).to(xs.dtype) if ys.shape[0] > 1 else ys[0].to(xs.dtype)
 
 
+_ROW_TABLES: dict = {}  # (rows, device) -> the pair ids / segment offsets of one dense GEMM
+
+
+def linear_int8_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ dequant(q [N, K], scale [N]).T -> [..., N] in x's dtype: the grouped GEMM
+    with one group, int8 widened in registers and the scale applied in the epilogue; split-K
+    (deterministic) when the output is too narrow to fill the GPU."""
+    k = x.shape[-1]
+    a = x.reshape(-1, k)
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    t, n = a.shape[0], q.shape[0]
+    cfg = launch_config("down", a.device, t, 1, n, k, q.dtype, 1, a.element_size())
+    key = (t, a.device)
+    if key not in _ROW_TABLES:  # small constant tables, made once per size (graph-safe after)
+        if len(_ROW_TABLES) > 256:
+            _ROW_TABLES.clear()
+        ids = torch.zeros(t, dtype=torch.int32, device=a.device) if t <= FROM_IDS_PAIRS else None
+        offsets = torch.tensor([0, t], dtype=torch.int32, device=a.device)
+        _ROW_TABLES[key] = ids, offsets
+    ids, offsets = _ROW_TABLES[key]
+    if ids is not None:
+        cfg = dict(cfg, bm=max(cfg["bm"], 16, triton.next_power_of_2(t)))
+    out = grouped_gemm(a, q[None], offsets, None, cfg, num_rows=t, topk=1, a_from_tokens=False, gated=False,
+                       scale=scale[None], out_dtype=a.dtype, pair_ids=ids)  # [S, T, N]
+    out = out[0] if out.shape[0] == 1 else out.sum(0).to(a.dtype)
+    return out.view(*x.shape[:-1], n)
+
+
 def quantize_int8(w: torch.Tensor, chunk: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-only int8 with per-output-channel scales: w [E, N, K] -> (q int8, scale f32 [E, N]).
 

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a Hugging Face checkpoint directory (config.json + *.safetensors); "
                           "with --config, its engine/parallel settings apply")
     src.add_argument("--device", help="cpu, cuda or cuda:N (default: the config's, else auto)")
+    src.add_argument("--quantize", choices=["int8"], help="weight-only int8 experts and linear layers")
     src.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                      help="weight and activation dtype (default: bfloat16 on GPU, float32 on CPU)")
     inp = gen.add_argument_group("input")
@@ -102,7 +103,7 @@ def _generate(args) -> int:
     if not args.prompt and not args.prompt_ids:
         raise ValueError("no prompt: pass --prompt TEXT or --prompt-ids IDS")
     engine = load(args.config, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
-                  parallel=_parallel(args))
+                  parallel=_parallel(args), quantize=args.quantize)
     prompts = args.prompt + args.prompt_ids
     outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)

@@ -171,9 +171,12 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0  # seeds random weights for configs without a checkpoint
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (one GPU)
+    quantize: str | None = None  # "int8": weight-only int8 experts and linear layers, at load
 
     def __post_init__(self):
         s = "engine"
+        if self.quantize is not None:
+            _check_choice(s, self, "quantize", ("int8",))
         if not isinstance(self.cuda_graphs, bool):
             _fail(f"{s}.cuda_graphs", self.cuda_graphs, "true or false")
         if self.max_seq_len is not None:

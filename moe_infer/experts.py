@@ -80,3 +80,13 @@ def quantize_experts(model: nn.Module) -> nn.Module:
                 setattr(module, name, Int8Experts(child))
                 del child
     return model
+
+
+def quantize_model(model: nn.Module) -> nn.Module:
+    """Weight-only int8 for the whole model, in place: the experts (``Int8Experts``) and
+    every dense linear layer but the router and gates (``dense.quant.Int8Linear``)."""
+    from dense.quant import quantize_linears
+
+    quantize_experts(model)
+    quantize_linears(model)
+    return model

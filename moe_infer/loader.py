@@ -95,7 +95,7 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype):
 
 def load(path_or_name: str | Path | None = None, *, device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None, parallel: ParallelConfig | None = None,
-         checkpoint: str | Path | None = None, progress: bool = True) -> Engine:
+         checkpoint: str | Path | None = None, progress: bool = True, quantize: str | None = None) -> Engine:
     """Builds an inference engine. See ``resolve_config`` for what ``path_or_name`` may be;
     ``checkpoint`` takes the model and weights from a Hugging Face directory instead, keeping
     the engine and parallel settings of ``path_or_name`` when that is given too."""
@@ -109,6 +109,8 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         cfg = resolve_config(path_or_name)
     if parallel is not None:
         cfg = dataclasses.replace(cfg, parallel=parallel)  # re-validates against the model
+    if quantize is not None:  # "int8" (EngineConfig.quantize): weight-only int8 at load
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, quantize=quantize))
     groups, rank_device = _parallel_groups(cfg.parallel)
     dev = resolve_device(device if device is not None else (rank_device or cfg.engine.device))
     dt = resolve_dtype(dtype if dtype is not None else cfg.engine.dtype, dev)
@@ -119,6 +121,10 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         load_checkpoint(model, cfg, cfg.checkpoint, progress=progress)
     else:
         model.init_random(cfg.engine.seed)
+    if cfg.engine.quantize == "int8":  # bf16 / fp32 weights in, int8 weights on the device
+        from moe_infer.experts import quantize_model
+
+        quantize_model(model)
     model.eval()
     tokenizer = None
     if cfg.checkpoint is not None and (Path(cfg.checkpoint) / "tokenizer.json").is_file():

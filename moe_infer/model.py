@@ -92,8 +92,9 @@ class Transformer(nn.Module):
         if last_only:  # generation needs only the last slot: skip T - 1 rows of the LM head
             x = x[:, -1:]
         x = self.norm(x)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return x @ weight.t()
+        if self.lm_head is None:  # tied: the embedding table (kept in full precision) is the head
+            return x @ self.embed.weight.t()
+        return self.lm_head(x)
 
     @torch.no_grad()
     def init_random(self, seed: int):

@@ -110,7 +110,7 @@ def build_engine(spec: ServeSpec, progress: bool = True) -> Engine:
     parallel = ParallelConfig(**spec.parallel) if spec.parallel else None
     e = spec.engine
     engine = moe_infer.load(spec.model, checkpoint=spec.checkpoint, parallel=parallel, device=e.get("device"),
-                            dtype=e.get("dtype"), progress=progress)
+                            dtype=e.get("dtype"), progress=progress, quantize=e.get("quantize"))
     if e:
         merged = {**dataclasses.asdict(engine.config.engine), **e}
         engine.config = dataclasses.replace(engine.config, engine=EngineConfig(**merged))

@@ -1,0 +1,57 @@
+"""Weight-only int8 for the dense linear layers: per-output-channel scales, dequantisation
+fused into the GEMM on GPUs (``kernels.linear_int8``).
+
+``quantize_linears(model)`` swaps every ``nn.Linear``, ``ColumnParallelLinear`` and
+``RowParallelLinear`` of a loaded model for ``Int8Linear`` in place (bf16 weights in, int8
+weights on the device); a row-parallel layer keeps its all-reduce. Layers named in
+``skip`` (by default the MoE router and shared-expert gates, whose outputs pick experts)
+and layers narrower than ``min_out`` stay as they are.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from comm import Group, all_reduce
+from dense.parallel_linear import ColumnParallelLinear, RowParallelLinear
+
+LINEAR_TYPES = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ dequant(weight).T (+ the row-parallel all-reduce) + bias."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        q, scale = kernels.quantize_int8(linear.weight.detach()[None])
+        self.weight = nn.Parameter(q[0], requires_grad=False)  # [O, I] int8
+        self.register_buffer("scale", scale[0])  # [O] float32
+        self.bias = linear.bias
+        self.reduce: Group | None = linear.group if isinstance(linear, RowParallelLinear) else None
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.linear_int8(x, self.weight, self.scale)
+        if self.reduce is not None:
+            y = all_reduce(y, self.reduce)
+        return y + self.bias if self.bias is not None else y
+
+
+def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("router", "shared_gate"),
+                     min_out: int = 16) -> int:
+    """Swaps the model's linear layers for ``Int8Linear`` in place; returns how many."""
+    swapped = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if not isinstance(child, LINEAR_TYPES) or any(s in full.split(".") for s in skip):
+                continue
+            if child.weight.shape[0] < min_out:
+                continue
+            setattr(parent, name, Int8Linear(child))
+            swapped += 1
+    return swapped
