@@ -60,8 +60,8 @@ class PagedRunner:
             positions.append([0] * pad + list(range(r.start, r.start + len(r.tokens))))
             valid.append([False] * pad + [True] * len(r.tokens))
             write.append([self.cache.trash] * pad + self.cache.slots(r.table, r.start, r.start + len(r.tokens)))
+        s = max(r.start + len(r.tokens) for r in rows)  # keys of the longest row
         lens = torch.tensor([r.start + len(r.tokens) for r in rows], device=dev)  # [B]
-        s = int(lens.max())
         width = math.ceil(s / bs)
         tables = torch.tensor([r.table[:width] + [0] * (width - len(r.table[:width])) for r in rows],
                               device=dev)  # [B, blocks]
@@ -79,7 +79,7 @@ class QueueFull(Exception):
     """The waiting queue is at its bound: the server answers 503 with Retry-After."""
 
 
-@dataclass
+@dataclass(eq=False)  # requests compare by identity
 class Request:
     """One sequence to generate. ``on_event(kind, data)`` is called from the engine thread:
     ("token", {"text": delta, "token_id": id}) per token, then once ("done", {"finish_reason":
