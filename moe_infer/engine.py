@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from moe_infer.config import Config
 from moe_infer.model import Transformer
@@ -75,8 +76,6 @@ class Engine:
         self.eos = set(config.model.eos_token_ids)
         # "graph": decode steps replay CUDA graphs (one GPU); "static": the same fixed-shape
         # step run eagerly; "eager": shapes grow with the cache (any device, any layout).
-        import torch.distributed as dist
-
         single = not (dist.is_initialized() and dist.get_world_size() > 1)
         self.decode_mode = "graph" if p.is_cuda and single and config.engine.cuda_graphs else "eager"
         self._decoders: dict[tuple[int, int], StaticDecoder] = {}
