@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from kernels.gating import grouped_topk_triton, topk_gating_triton
 from kernels.route import route_scatter_triton, route_triton
 from kernels.moe_triton import fused_moe_triton, grouped_ffn_triton, linear_int8_triton, quantize_int8
@@ -116,6 +117,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity)
 
 
+def decode_attention(q, k, v, visible, scale=None):
+    """One query token per row over a KV cache: q [B, Hq, D], k / v [B, Hkv, S, D], visible
+    [B, S] bool -> [B, Hq, D] (split over the keys on a GPU, GQA-aware)."""
+    if q.is_cuda:
+        return decode_attention_triton(q, k, v, visible, scale)
+    return decode_attention_ref(q, k, v, visible, scale)
+
+
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Weight-only int8 linear layer: x [..., K], q [N, K] int8, scale [N] -> [..., N]."""
     if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
@@ -126,6 +135,7 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
 
 
 __all__ = [
+    "decode_attention", "decode_attention_ref", "decode_attention_triton",
     "linear_int8", "linear_int8_ref", "linear_int8_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "quantize_int8", "dequantize_ref",
     "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref",
