@@ -9,7 +9,7 @@ import torch
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from kernels.gating import grouped_topk_triton, topk_gating_triton
 from kernels.route import route_scatter_triton, route_triton
-from kernels.moe_triton import fused_moe_triton, grouped_ffn_triton, linear_int8_triton, quantize_int8
+from kernels.moe_triton import fused_moe_triton, grouped_ffn_triton, linear_triton, quantize_int8
 from kernels.layout import gather_rows_triton, scatter_rows_triton
 from kernels.maps import token_maps_triton
 from kernels.moe_ref import (ACTIVATIONS, dequantize_ref, expert_ffn_ref, fused_moe_ref,
@@ -131,12 +131,12 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
         raise ValueError(f"q {list(q.shape)} {q.dtype}, scale {list(scale.shape)}: expected int8 [N, K] and [N]")
     if x.shape[-1] != q.shape[1]:
         raise ValueError(f"x {list(x.shape)}: expected last dimension {q.shape[1]} (the weight's K)")
-    return linear_int8_triton(x, q, scale) if x.is_cuda else linear_int8_ref(x, q, scale)
+    return linear_triton(x, q, scale) if x.is_cuda else linear_int8_ref(x, q, scale)
 
 
 __all__ = [
     "decode_attention", "decode_attention_ref", "decode_attention_triton",
-    "linear_int8", "linear_int8_ref", "linear_int8_triton",
+    "linear_int8", "linear_int8_ref", "linear_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "quantize_int8", "dequantize_ref",
     "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref",
     "topk_gating", "topk_gating_ref", "topk_gating_triton",

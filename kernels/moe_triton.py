@@ -135,10 +135,11 @@ def grouped_ffn_triton(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tenso
 _ROW_TABLES: dict = {}  # (rows, device) -> the pair ids / segment offsets of one dense GEMM
 
 
-def linear_int8_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ dequant(q [N, K], scale [N]).T -> [..., N] in x's dtype: the grouped GEMM
-    with one group, int8 widened in registers and the scale applied in the epilogue; split-K
-    (deterministic) when the output is too narrow to fill the GPU."""
+def linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T -> [..., N] in x's dtype, W = q [N, K] (bf16 / fp16 / fp32, or int8
+    dequantised with per-row ``scale`` [N]): the grouped GEMM with one group, int8 widened
+    in registers and the scale applied in the epilogue; split-K (deterministic) when the
+    output is too narrow to fill the GPU. The small-batch GEMM of the decode path."""
     k = x.shape[-1]
     a = x.reshape(-1, k)
     a = a if a.stride(-1) == 1 else a.contiguous()
@@ -155,7 +156,7 @@ def linear_int8_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     if ids is not None:
         cfg = dict(cfg, bm=max(cfg["bm"], 16, triton.next_power_of_2(t)))
     out = grouped_gemm(a, q[None], offsets, None, cfg, num_rows=t, topk=1, a_from_tokens=False, gated=False,
-                       scale=scale[None], out_dtype=a.dtype, pair_ids=ids)  # [S, T, N]
+                       scale=None if scale is None else scale[None], out_dtype=a.dtype, pair_ids=ids)  # [S, T, N]
     out = out[0] if out.shape[0] == 1 else out.sum(0).to(a.dtype)
     return out.view(*x.shape[:-1], n)
 

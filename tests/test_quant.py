@@ -34,10 +34,12 @@ def test_linear_int8_kernel_matches_its_reference(device, dtype, t, k, n):
     w = torch.randn(n, k, generator=gen)
     q, s = kernels.quantize_int8(w[None])
     q, s = q[0].to(device), s[0].to(device)
-    out = kernels.linear_int8_triton(x, q, s)
+    out = kernels.linear_triton(x, q, s)
     ref = x.double() @ (q.double() * s.double()[:, None]).t()
     assert out.shape == (2, t, n) and out.dtype == dtype
     assert rel(out, ref) < TOL[dtype]
+    wd = w.to(device, dtype)  # the same GEMM on full-precision weights
+    assert rel(kernels.linear_triton(x, wd), x.double() @ wd.double().t()) < TOL[dtype]
     assert rel(kernels.linear_int8_ref(x.cpu(), q.cpu(), s.cpu()), ref.cpu()) < TOL[dtype]
 
 

@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Dense decode kernels against their torch baselines, measured in one run:
+
+1. small-batch GEMM (T = 1..16 rows) at the linear-layer shapes of the presets: cuBLAS
+   (``torch.matmul``, bf16) against ``kernels.linear_triton`` with bf16 and with int8
+   weights; time in a CUDA graph (device time, no launch gaps), weight GB/s and percent of
+   the copy bandwidth measured at the start;
+2. decode attention (one query token per row over a KV cache): ``kernels.decode_attention``
+   against SDPA over the whole cache with a mask (what the fixed-shape decode step runs
+   now) and SDPA over exactly the visible prefix; KV GB/s.
+
+Inputs rotate among several copies so a small case is not served from L2.
+
+    python scripts/bench_dense.py                                  # the GPU sweep
+    python scripts/bench_dense.py --models mixtral-8x7b --tokens 1,8
+    python scripts/bench_dense.py --device cpu --smoke             # tiny, end to end
+
+Writes bench/results/dense-<device>-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on a CPU (smoke runs)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_SCRIPTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
+
+import bench_common as bc  # noqa: E402
+import kernels  # noqa: E402
+from moe_infer.loader import resolve_config  # noqa: E402
+
+MODELS = "mixtral-8x7b,qwen3-30b-a3b,gpt-j-6b,gpt-neox-20b,gpt-13b"
+
+
+def linear_shapes(name: str) -> list[tuple[str, int, int]]:
+    """(layer, K in, N out) of a preset's dense linear layers (one rank)."""
+    m = resolve_config(name).model
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    shapes = [("qkv", m.hidden_size, q + 2 * kv), ("o", q, m.hidden_size)]
+    cfg = resolve_config(name)
+    if cfg.moe is None or cfg.moe.first_dense or cfg.moe.every > 1:  # a dense MLP exists
+        gated = m.activation == "silu"
+        shapes += [("mlp up", m.hidden_size, (2 if gated else 1) * m.ffn_hidden), ("mlp down", m.ffn_hidden,
+                                                                                    m.hidden_size)]
+    shapes.append(("lm head", m.hidden_size, m.vocab_size))
+    return shapes
+
+
+def timer(device, copies):
+    """fn(inputs) -> median µs: a CUDA graph over all copies on a GPU, eager on the CPU."""
+    def run(fn, inputs):
+        if device.type == "cuda":
+            return bc.time_graph(lambda: [fn(*a) for a in inputs], reps=20, device=device) / len(inputs)
+        return bc.time_fn(lambda a: fn(*a), inputs=inputs, reps=3, device=device)
+    return run
+
+
+def gemm_rows(models, tokens, device, dtype, copies, copy_gbs):
+    rows, time = [], timer(device, copies)
+    for model in models:
+        for layer, k, n in linear_shapes(model):
+            ws = [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(copies)]
+            qs = [kernels.quantize_int8(w[None]) for w in ws]
+            qs = [(q[0], s[0]) for q, s in qs]
+            for t in tokens:
+                xs = [torch.randn(t, k, device=device, dtype=dtype) for _ in range(copies)]
+                cublas = time(lambda x, w: x @ w.t(), list(zip(xs, ws)))
+                ours = time(lambda x, w: kernels.linear_triton(x, w), list(zip(xs, ws)))
+                ours8 = time(lambda x, q, s: kernels.linear_triton(x, q, s), [(x, q, s) for x, (q, s) in zip(xs, qs)])
+                wb, qb = n * k * ws[0].element_size(), n * k + 4 * n
+                err = ((kernels.linear_triton(xs[0], qs[0][0], qs[0][1]).double() - xs[0].double() @ ws[0].double().t())
+                       .norm() / (xs[0].double() @ ws[0].double().t()).norm()).item()
+                row = {"model": model, "layer": layer, "K": k, "N": n, "T": t, "cublas_us": cublas, "ours_us": ours,
+                       "ours_int8_us": ours8, "weight_mb": wb / 1e6, "int8_rel_err": err,
+                       "ours_gbs": wb / ours / 1e3, "int8_gbs": qb / ours8 / 1e3}
+                if copy_gbs:
+                    row.update(ours_pct=100 * row["ours_gbs"] / copy_gbs, int8_pct=100 * row["int8_gbs"] / copy_gbs,
+                               cublas_pct=100 * wb / cublas / 1e3 / copy_gbs)
+                rows.append(row)
+            del ws, qs
+    return rows
+
+
+def attention_rows(cases, device, dtype, copies, copy_gbs):
+    rows, time = [], timer(device, copies)
+    for b, hq, hkv, s, d in cases:
+        inputs = []
+        for _ in range(copies):
+            q = torch.randn(b, hq, d, device=device, dtype=dtype)
+            k = torch.randn(b, hkv, s, d, device=device, dtype=dtype)
+            v = torch.randn(b, hkv, s, d, device=device, dtype=dtype)
+            visible = torch.ones(b, s, dtype=torch.bool, device=device)
+            visible[:, s * 3 // 4:] = False  # the decode step's cache holds a quarter spare
+            inputs.append((q, k, v, visible))
+        live = s * 3 // 4
+        ours = time(lambda q, k, v, m: kernels.decode_attention(q, k, v, m), inputs)
+        masked = time(lambda q, k, v, m: F.scaled_dot_product_attention(
+            q[:, :, None], k, v, attn_mask=m[:, None, None, :], enable_gqa=hq != hkv), inputs)
+        prefix = time(lambda q, k, v, m: F.scaled_dot_product_attention(
+            q[:, :, None], k[:, :, :live], v[:, :, :live], enable_gqa=hq != hkv), inputs)
+        q, k, v, m = inputs[0]
+        ref = F.scaled_dot_product_attention(q[:, :, None].double(), k.double(), v.double(),
+                                             attn_mask=m[:, None, None, :], enable_gqa=hq != hkv)[:, :, 0]
+        err = ((kernels.decode_attention(q, k, v, m).double() - ref).norm() / ref.norm()).item()
+        kv_bytes = 2 * b * hkv * live * d * k.element_size()
+        row = {"B": b, "Hq": hq, "Hkv": hkv, "S": s, "visible": live, "D": d, "ours_us": ours,
+               "sdpa_masked_us": masked, "sdpa_prefix_us": prefix, "rel_err": err, "ours_gbs": kv_bytes / ours / 1e3}
+        if copy_gbs:
+            row["ours_pct"] = 100 * row["ours_gbs"] / copy_gbs
+        rows.append(row)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--models", default=MODELS)
+    ap.add_argument("--tokens", default="1,2,4,8,16")
+    ap.add_argument("--copies", type=int, default=4, help="input sets rotated through (defeats L2 reuse)")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    models, tokens = args.models.split(","), [int(t) for t in args.tokens.split(",")]
+    cases = [(b, hq, hkv, s, 128) for b in (1, 8, 32) for hq, hkv in ((32, 8), (32, 4)) for s in (512, 2048, 8192)]
+    if args.smoke:
+        models, tokens, args.copies = ["tiny-moe"], [1, 3], 2
+        cases = [(2, 4, 2, 40, 16)]
+    copy_gbs = bc.measure_copy_bandwidth(device) if device.type == "cuda" else None
+    gemm = gemm_rows(models, tokens, device, dtype, args.copies, copy_gbs)
+    attn = attention_rows(cases, device, dtype, args.copies, copy_gbs)
+    run = bc.run_info(device)
+    print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {dtype}"
+          + (f" | copy {copy_gbs:.0f} GB/s" if copy_gbs else ""))
+    pct = (lambda r, key: f"{r[key]:.0f}") if copy_gbs else (lambda r, key: "-")
+    print(bc.format_table(
+        ["model", "layer", "K", "N", "T", "cuBLAS µs", "ours µs", "int8 µs", "weight MB", "%copy cuBLAS",
+         "%copy ours", "%copy int8", "ours/cuBLAS", "int8 err"],
+        [[r["model"], r["layer"], r["K"], r["N"], r["T"], f"{r['cublas_us']:.1f}", f"{r['ours_us']:.1f}",
+          f"{r['ours_int8_us']:.1f}", f"{r['weight_mb']:.1f}", pct(r, "cublas_pct"), pct(r, "ours_pct"),
+          pct(r, "int8_pct"), f"{r['cublas_us'] / r['ours_us']:.2f}x", f"{r['int8_rel_err']:.1e}"] for r in gemm]))
+    print()
+    print(bc.format_table(
+        ["B", "Hq/Hkv", "S (visible)", "D", "ours µs", "SDPA masked µs", "SDPA prefix µs", "KV GB/s", "%copy", "err"],
+        [[r["B"], f"{r['Hq']}/{r['Hkv']}", f"{r['S']} ({r['visible']})", r["D"], f"{r['ours_us']:.1f}",
+          f"{r['sdpa_masked_us']:.1f}", f"{r['sdpa_prefix_us']:.1f}", f"{r['ours_gbs']:.0f}",
+          pct(r, "ours_pct"), f"{r['rel_err']:.1e}"] for r in attn]))
+    if not args.smoke:
+        bc.write_results("dense", device, {"run": run, "copy_gbs": copy_gbs, "gemm": gemm, "attention": attn})
+
+
+if __name__ == "__main__":
+    main()
