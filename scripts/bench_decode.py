@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Decode latency per token: the fixed-shape decode step replayed as a CUDA graph against
-eager decode (shapes that grow with the cache), through ``Engine.generate``.
+eager decode (shapes that grow with the cache), through ``Engine.generate``; beside them
+the bandwidth floor (bytes a step must read over the copy bandwidth measured in the same
+run) and, with ``--peer``, Hugging Face transformers' ``generate()`` with a static cache on
+the same model shape.
 
     python scripts/bench_decode.py                          # the embedded model on the GPU
     python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 64
@@ -10,6 +13,11 @@ Per-token time = (time of generate() with N + 1 new tokens - time with 1 new tok
 the prefill and the first token cancel out, what is left is N decode steps including
 sampling and the one host sync per token. Medians of ``--reps`` runs after a warm-up
 (which also captures the graphs). The greedy tokens of both modes are compared.
+
+Floor per step: every weight but the experts and the embedding table; the experts a batch
+of B is expected to hit (E * (1 - (1 - k/E)^B) per MoE layer, routing taken as uniform);
+the KV cache up to the middle of the generated span. Read once, at the measured copy
+bandwidth (device-to-device, read + write counted).
 Writes bench/results/decode-<device>-<date>.json.
 """
 from __future__ import annotations
@@ -47,6 +55,93 @@ def per_token_ms(engine, prompts, n, reps):
     return 1e3 * (t_all - t_one) / n, [o.token_ids for o in out]
 
 
+def floor_bytes(engine, batch: int, context: int) -> int:
+    """Bytes one decode step of ``batch`` rows must read, ``context`` cached tokens each."""
+    cfg, model = engine.config, engine.model
+    total = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            continue
+        if name == "embed.weight" and model.lm_head is not None:
+            total += batch * p.shape[1] * p.element_size()  # only the rows looked up
+            continue
+        total += p.numel() * p.element_size()
+    for layer in model.layers:
+        experts = getattr(layer.ffn, "experts", None)
+        if experts is None:
+            continue
+        e, k = cfg.moe.num_experts, cfg.moe.top_k
+        hit = e * (1 - (1 - k / e) ** batch)
+        per_expert = sum(t.numel() * t.element_size() for t in experts.state_dict().values()) / e
+        total += hit * per_expert
+    m = cfg.model
+    kv = 2 * m.num_layers * model.num_kv_heads * m.head_dim * engine.dtype.itemsize
+    return int(total + batch * context * kv)
+
+
+def hf_config(cfg):
+    """A transformers config of the same shape (Mixtral, Qwen3-MoE or OLMoE), or None."""
+    import transformers
+
+    m, e = cfg.model, cfg.moe
+    if e is None or m.positions != "rope" or e.shared_experts:
+        return None
+    common = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+                  num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim,
+                  max_position_embeddings=m.max_position, rms_norm_eps=m.norm_eps,
+                  num_experts_per_tok=e.top_k, tie_word_embeddings=m.tied_embeddings)
+    if m.qk_norm == "full":
+        c = transformers.OlmoeConfig(**common, intermediate_size=e.expert_hidden, num_experts=e.num_experts,
+                                     norm_topk_prob=e.renormalize)
+    elif m.qk_norm == "head":
+        c = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=e.expert_hidden, num_experts=e.num_experts,
+                                        intermediate_size=m.ffn_hidden, norm_topk_prob=e.renormalize)
+    else:
+        c = transformers.MixtralConfig(**common, intermediate_size=e.expert_hidden, num_local_experts=e.num_experts)
+    c.rope_parameters = {"rope_type": "default", "rope_theta": m.rope_theta}
+    return c
+
+
+def peer_ms(engine, args, batches, prompts_for):
+    """transformers generate() per token (static cache, greedy, no early EOS), per batch."""
+    import transformers
+
+    device, dtype = engine.device, engine.dtype
+    if args.model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(moe_infer.config.DEFAULT_MODEL, dtype=dtype)
+        model = model.to(device)
+    else:
+        cfg = hf_config(engine.config)
+        if cfg is None:
+            return {}, "no transformers family of this shape"
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.eval()
+    out = {}
+    for b in batches:
+        ids = torch.tensor(prompts_for[b], device=device)
+
+        def run(n):
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, cache_implementation="static", pad_token_id=0)
+
+        with torch.no_grad():
+            run(args.new_tokens + 1)  # warm-up
+            one = statistics.median(_wall(lambda: run(1), device) for _ in range(args.reps))
+            full = statistics.median(_wall(lambda: run(args.new_tokens + 1), device) for _ in range(args.reps))
+        out[b] = 1e3 * (full - one) / args.new_tokens
+    del model
+    return out, "transformers generate(), static cache, greedy"
+
+
+def _wall(fn, device) -> float:
+    bc.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    bc.synchronize(device)
+    return time.perf_counter() - start
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a preset name or config YAML (default: the embedded model)")
@@ -56,6 +151,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny run (CPU: the static step without a graph)")
+    ap.add_argument("--peer", action="store_true", help="also time transformers generate() on the same shape")
     args = ap.parse_args()
     if args.smoke:
         args.batches, args.new_tokens, args.reps = "1,3", 8, 2
@@ -63,28 +159,51 @@ def main():
     fast = "graph" if engine.decode_mode == "graph" else "static"
     vocab = engine.config.model.vocab_size
     gen = torch.Generator().manual_seed(0)
-    rows = []
-    for b in map(int, args.batches.split(",")):
+    copy_gbs = bc.measure_copy_bandwidth(engine.device) if engine.device.type == "cuda" else None
+    rows, prompts_for = [], {}
+    batches = [int(b) for b in args.batches.split(",")]
+    for b in batches:
         engine.config.engine.max_batch_size = max(engine.config.engine.max_batch_size, b)
         prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(b)]
+        prompts_for[b] = prompts
         engine.decode_mode = "eager"
         eager_ms, eager_tokens = per_token_ms(engine, prompts, args.new_tokens, args.reps)
         engine.decode_mode = fast
         fast_ms, fast_tokens = per_token_ms(engine, prompts, args.new_tokens, args.reps)
         same = sum(a == c for a, c in zip(eager_tokens, fast_tokens))
+        nbytes = floor_bytes(engine, b, args.prompt_len + args.new_tokens // 2)
         rows.append({"batch": b, "eager_ms_per_token": eager_ms, f"{fast}_ms_per_token": fast_ms,
-                     "speedup": eager_ms / fast_ms, "rows_with_equal_tokens": same})
+                     "speedup": eager_ms / fast_ms, "rows_with_equal_tokens": same, "floor_bytes": nbytes,
+                     "floor_ms": nbytes / copy_gbs / 1e6 if copy_gbs else None})
+    peer, peer_note = ({}, "not run (--peer)")
+    if args.peer:
+        engine.decode_mode, engine._decoders = fast, {}  # free the captured caches first
+        peer, peer_note = peer_ms(engine, args, batches, prompts_for)
+        for r in rows:
+            r["peer_ms_per_token"] = peer.get(r["batch"])
     run = bc.run_info(engine.device)
     m = engine.config.model
     print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {engine.dtype}")
     print(f"model {args.model or 'default (embedded)'}: H={m.hidden_size} layers={m.num_layers} | prompts "
           f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy")
-    print(bc.format_table(["batch", "eager ms/token", f"{fast} ms/token", "speedup", "same tokens"],
-                          [[r["batch"], f"{r['eager_ms_per_token']:.3f}", f"{r[f'{fast}_ms_per_token']:.3f}",
-                            f"{r['speedup']:.2f}x", f"{r['rows_with_equal_tokens']}/{r['batch']}"] for r in rows]))
+    if copy_gbs:
+        print(f"copy bandwidth {copy_gbs:.0f} GB/s; peer: {peer_note}")
+
+    def opt(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    print(bc.format_table(
+        ["batch", "eager ms/token", f"{fast} ms/token", "speedup", "same tokens", "floor MB", "floor ms",
+         f"{fast} / floor", "peer ms/token", "peer / ours"],
+        [[r["batch"], f"{r['eager_ms_per_token']:.3f}", f"{r[f'{fast}_ms_per_token']:.3f}", f"{r['speedup']:.2f}x",
+          f"{r['rows_with_equal_tokens']}/{r['batch']}", f"{r['floor_bytes'] / 1e6:.1f}", opt(r["floor_ms"], ".3f"),
+          opt(r["floor_ms"] and r[f"{fast}_ms_per_token"] / r["floor_ms"], ".2f"),
+          opt(r.get("peer_ms_per_token"), ".3f"),
+          opt(r.get("peer_ms_per_token") and r["peer_ms_per_token"] / r[f"{fast}_ms_per_token"], ".2f")]
+         for r in rows]))
     if not args.smoke:
         bc.write_results("decode", engine.device, {"run": run, "model": args.model or "default", "args": vars(args),
-                                                   "rows": rows})
+                                                   "copy_gbs": copy_gbs, "peer": peer_note, "rows": rows})
 
 
 if __name__ == "__main__":
