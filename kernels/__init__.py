@@ -9,6 +9,7 @@ import torch
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from kernels.gating import grouped_topk_triton, topk_gating_triton
 from kernels.route import route_scatter_triton, route_triton
+from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
 from kernels.moe_triton import fused_moe_triton, grouped_ffn_triton, linear_triton, quantize_int8
 from kernels.layout import gather_rows_triton, scatter_rows_triton
 from kernels.maps import token_maps_triton
@@ -125,6 +126,14 @@ def decode_attention(q, k, v, visible, scale=None):
     return decode_attention_ref(q, k, v, visible, scale)
 
 
+def sbi_linear(x, w, scale=None, bias=None, residual=None, norm=None):
+    """The small-batch GEMM with deep fusion: y = norm(x) @ W.T (+ bias) (+ residual), x [T, K]
+    with T <= 64, W [N, K] (int8 with per-row ``scale``); ``norm`` = (kind, weight, bias, eps)."""
+    if x.is_cuda:
+        return sbi_linear_triton(x, w, scale, bias, residual, norm)
+    return sbi_linear_ref(x, w, scale, bias, residual, norm)
+
+
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Weight-only int8 linear layer: x [..., K], q [N, K] int8, scale [N] -> [..., N]."""
     if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
@@ -136,7 +145,7 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
 
 __all__ = [
     "decode_attention", "decode_attention_ref", "decode_attention_triton",
-    "linear_int8", "linear_int8_ref", "linear_triton",
+    "linear_int8", "linear_int8_ref", "linear_triton", "sbi_linear", "sbi_linear_ref", "sbi_linear_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "quantize_int8", "dequantize_ref",
     "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref",
     "topk_gating", "topk_gating_ref", "topk_gating_triton",
