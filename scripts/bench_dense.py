@@ -2,8 +2,8 @@
 """Dense decode kernels against their torch baselines, measured in one run:
 
 1. small-batch GEMM (T = 1..16 rows) at the linear-layer shapes of the presets: cuBLAS
-   (``torch.matmul``, bf16) against ``kernels.linear_triton`` with bf16 and with int8
-   weights; time in a CUDA graph (device time, no launch gaps), weight GB/s and percent of
+   (``torch.matmul``, bf16) against ``kernels.linear_triton`` (the grouped GEMM, one group)
+   and ``kernels.sbi_linear`` (SBI-GeMM), each with bf16 and int8 weights; time in a CUDA graph (device time, no launch gaps), weight GB/s and percent of
    the copy bandwidth measured at the start;
 2. decode attention (one query token per row over a KV cache): ``kernels.decode_attention``
    against SDPA over the whole cache with a mask (what the fixed-shape decode step runs
@@ -75,11 +75,14 @@ def gemm_rows(models, tokens, device, dtype, copies, copy_gbs):
                 cublas = time(lambda x, w: x @ w.t(), list(zip(xs, ws)))
                 ours = time(lambda x, w: kernels.linear_triton(x, w), list(zip(xs, ws)))
                 ours8 = time(lambda x, q, s: kernels.linear_triton(x, q, s), [(x, q, s) for x, (q, s) in zip(xs, qs)])
+                sbi = time(lambda x, w: kernels.sbi_linear(x, w), list(zip(xs, ws)))
+                sbi8 = time(lambda x, q, s: kernels.sbi_linear(x, q, s), [(x, q, s) for x, (q, s) in zip(xs, qs)])
                 wb, qb = n * k * ws[0].element_size(), n * k + 4 * n
                 err = ((kernels.linear_triton(xs[0], qs[0][0], qs[0][1]).double() - xs[0].double() @ ws[0].double().t())
                        .norm() / (xs[0].double() @ ws[0].double().t()).norm()).item()
                 row = {"model": model, "layer": layer, "K": k, "N": n, "T": t, "cublas_us": cublas, "ours_us": ours,
-                       "ours_int8_us": ours8, "weight_mb": wb / 1e6, "int8_rel_err": err,
+                       "ours_int8_us": ours8, "sbi_us": sbi, "sbi_int8_us": sbi8, "weight_mb": wb / 1e6,
+                       "int8_rel_err": err,
                        "ours_gbs": wb / ours / 1e3, "int8_gbs": qb / ours8 / 1e3}
                 if copy_gbs:
                     row.update(ours_pct=100 * row["ours_gbs"] / copy_gbs, int8_pct=100 * row["int8_gbs"] / copy_gbs,
@@ -142,10 +145,11 @@ def main():
           + (f" | copy {copy_gbs:.0f} GB/s" if copy_gbs else ""))
     pct = (lambda r, key: f"{r[key]:.0f}") if copy_gbs else (lambda r, key: "-")
     print(bc.format_table(
-        ["model", "layer", "K", "N", "T", "cuBLAS µs", "ours µs", "int8 µs", "weight MB", "%copy cuBLAS",
-         "%copy ours", "%copy int8", "ours/cuBLAS", "int8 err"],
+        ["model", "layer", "K", "N", "T", "cuBLAS µs", "ours µs", "int8 µs", "sbi µs", "sbi int8 µs", "weight MB",
+         "%copy cuBLAS", "%copy ours", "%copy int8", "ours/cuBLAS", "int8 err"],
         [[r["model"], r["layer"], r["K"], r["N"], r["T"], f"{r['cublas_us']:.1f}", f"{r['ours_us']:.1f}",
-          f"{r['ours_int8_us']:.1f}", f"{r['weight_mb']:.1f}", pct(r, "cublas_pct"), pct(r, "ours_pct"),
+          f"{r['ours_int8_us']:.1f}", f"{r['sbi_us']:.1f}", f"{r['sbi_int8_us']:.1f}", f"{r['weight_mb']:.1f}",
+          pct(r, "cublas_pct"), pct(r, "ours_pct"),
           pct(r, "int8_pct"), f"{r['cublas_us'] / r['ours_us']:.2f}x", f"{r['int8_rel_err']:.1e}"] for r in gemm]))
     print()
     print(bc.format_table(
