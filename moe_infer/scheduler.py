@@ -7,8 +7,9 @@ Each iteration of ``Scheduler.step`` is schedule / run / post-process:
 - schedule: drop finished and cancelled requests (their blocks go back at once), then
   admit waiting requests while the batch has room and the free blocks cover each one's
   prompt + max_tokens (reserved at admission, so a running request never runs out);
-- run: one prefill forward for the newly admitted requests, then one decode forward for
-  every running request (new requests join the running batch at the next decode step);
+- run: one prefill forward over chunks of the admitted prompts (at most ``prefill_chunk``
+  tokens a step, so long prompts do not stall the batch), then one decode forward for
+  every running request whose prompt is cached (it joins the batch at the next step);
 - post-process: sample, detect EOS / stop strings / max_tokens, stream the text delta.
 
 ``PagedRunner.forward`` is the only code that touches the model; on several ranks rank 0
@@ -108,13 +109,14 @@ class Request:
 
 class Scheduler:
     def __init__(self, engine: Engine, num_blocks: int, block_size: int = 16, max_batch: int = 16,
-                 max_queue: int = 256, metrics=None):
+                 max_queue: int = 256, metrics=None, prefill_chunk: int = 512):
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size), ("max_batch", max_batch),
-                        ("max_queue", max_queue)):
+                        ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"server.{name}={v!r}: expected an integer >= 1")
         self.engine, self.runner = engine, PagedRunner(engine, num_blocks, block_size)
         self.block_size, self.max_batch, self.max_queue = block_size, max_batch, max_queue
+        self.prefill_chunk = prefill_chunk
         self.free_blocks = list(range(num_blocks))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -180,13 +182,26 @@ class Scheduler:
             self.running = []
 
     def step(self):
-        admitted = self._schedule()
-        if admitted:
-            rows = [Row(r.prompt, 0, r.table) for r in admitted]
-            self._post_process(admitted, self._forward(rows))
-            for r in admitted:
-                r.cached = len(r.prompt)
-        decoding = [r for r in self.running if r.finish is None and r.pending is not None and r not in admitted]
+        self._schedule()
+        # Prefill in chunks of at most prefill_chunk tokens a step (over all prefilling
+        # requests, oldest first), so a long prompt cannot stall the running batch's next
+        # token for long; a request samples its first token when its last chunk is cached.
+        budget, chunks = self.prefill_chunk, []
+        for r in self.running:
+            if r.finish is None and r.cached < len(r.prompt) and budget > 0:
+                n = min(budget, len(r.prompt) - r.cached)
+                chunks.append((r, n))
+                budget -= n
+        if chunks:
+            logits = self._forward([Row(r.prompt[r.cached:r.cached + n], r.cached, r.table) for r, n in chunks])
+            for r, n in chunks:
+                r.cached += n
+            done = [i for i, (r, _) in enumerate(chunks) if r.cached == len(r.prompt)]
+            if done:
+                self._post_process([chunks[i][0] for i in done], logits[done])
+        prefilled = {id(r) for r, _ in chunks}
+        decoding = [r for r in self.running
+                    if r.finish is None and r.pending is not None and id(r) not in prefilled]
         if decoding:
             rows = [Row([r.pending], r.cached, r.table) for r in decoding]
             logits = self._forward(rows)
@@ -200,7 +215,9 @@ class Scheduler:
             self.broadcast(rows)
         return self.runner.forward(rows)
 
-    def _schedule(self) -> list[Request]:
+    def _schedule(self):
+        """Drops finished and cancelled requests (their blocks go back), then admits waiting
+        ones while batch slots and free blocks allow, first come first served."""
         with self.lock:
             for r in self.running:
                 if r.cancelled and r.finish is None:
@@ -211,7 +228,6 @@ class Scheduler:
                 self.running.remove(r)
             for r in [r for r in self.waiting if r.cancelled]:
                 self.waiting.remove(r)
-            admitted = []
             while self.waiting and len(self.running) < self.max_batch:
                 r = self.waiting[0]
                 need = self.blocks_needed(len(r.prompt), r.max_tokens)
@@ -220,8 +236,6 @@ class Scheduler:
                 self.waiting.popleft()
                 r.table, self.free_blocks = self.free_blocks[:need], self.free_blocks[need:]
                 self.running.append(r)
-                admitted.append(r)
-            return admitted
 
     def _post_process(self, reqs: list[Request], logits: torch.Tensor):
         tokens = self._sample(reqs, logits).tolist()  # the one host sync per step

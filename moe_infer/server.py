@@ -44,12 +44,14 @@ class ServerConfig:
     block_size: int = 16  # tokens per KV-cache block
     num_blocks: int | None = None  # default: max_batch_size full-length sequences
     max_queue: int = 256  # waiting requests beyond the running batch; then 503
+    prefill_chunk: int = 512  # prompt tokens prefilled per engine step (bounds inter-token latency)
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1
     default_max_tokens: int = 16
 
     def __post_init__(self):
-        for name in ("port", "block_size", "max_queue", "max_body_bytes", "retry_after_s", "default_max_tokens"):
+        for name in ("port", "block_size", "max_queue", "max_body_bytes", "retry_after_s", "default_max_tokens",
+                     "prefill_chunk"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "port" else 1):
                 raise ConfigError(f"server.{name}={v!r}: expected a positive integer")
@@ -306,7 +308,8 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
     if scheduler is None:
         e = engine.config.engine
         blocks = cfg.num_blocks or e.max_batch_size * -(-engine.config.max_seq_len // cfg.block_size)
-        scheduler = Scheduler(engine, blocks, cfg.block_size, e.max_batch_size, cfg.max_queue, metrics)
+        scheduler = Scheduler(engine, blocks, cfg.block_size, e.max_batch_size, cfg.max_queue, metrics,
+                              cfg.prefill_chunk)
     else:
         scheduler.metrics = metrics
     handler = Handler(engine, scheduler, cfg, metrics)
@@ -511,7 +514,8 @@ def serve(spec: ServeSpec):
     e = engine.config.engine
     blocks = cfg.num_blocks or e.max_batch_size * -(-engine.config.max_seq_len // cfg.block_size)
     multi = dist.is_initialized() and dist.get_world_size() > 1
-    scheduler = Scheduler(engine, blocks, cfg.block_size, e.max_batch_size, cfg.max_queue)
+    scheduler = Scheduler(engine, blocks, cfg.block_size, e.max_batch_size, cfg.max_queue,
+                          prefill_chunk=cfg.prefill_chunk)
     if multi:
         send, receive = _row_channel()
         if dist.get_rank() != 0:

@@ -53,7 +53,9 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    live = LiveServer(create_app(engine, ServerConfig(block_size=8, max_queue=128, model_name="default")))
+    # Prefill in chunks of 16 tokens a step: long prompts take several steps, mixed with decodes.
+    live = LiveServer(create_app(engine, ServerConfig(block_size=8, max_queue=128, model_name="default",
+                                                      prefill_chunk=16)))
     yield live
     live.stop()
 
