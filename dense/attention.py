@@ -14,7 +14,7 @@ from torch import nn
 
 from comm import Group
 from dense.norm import RMSNorm, ShardedRMSNorm
-from dense.parallel_linear import RowParallelLinear
+from dense.parallel_linear import Linear, RowParallelLinear
 from dense.rotary import Rotary, apply_rotary
 
 
@@ -175,7 +175,7 @@ class Attention(nn.Module):
         q_width, kv_width = self.num_heads * d, self.num_kv_heads * d
         self.split = (q_width, kv_width, kv_width)
         # One fused projection for q, k and v: one weight read per step.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_width + 2 * kv_width, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * kv_width, bias=cfg.qkv_bias)
         q_total, kv_total = cfg.num_heads * d, cfg.num_kv_heads * d
 
         def pick(full):  # this rank's q rows, then its k rows, then its v rows

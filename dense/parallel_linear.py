@@ -8,10 +8,17 @@ Shape letters: N rows, I input features, O output features, P = group size.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from comm import Group, all_reduce
+from kernels import dense_linear
+
+
+class Linear(nn.Linear):
+    """An unsplit linear layer whose GEMM is picked per shape (``kernels.dense_linear``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.weight, self.bias)
 
 
 def _split(total: int, group: Group, what: str) -> int:
@@ -32,7 +39,7 @@ class ColumnParallelLinear(nn.Module):
         self.shard_fns = {"weight": self.shard, "bias": self.shard}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """The rows of a full [O] or [O, I] tensor this rank keeps."""
@@ -52,7 +59,7 @@ class RowParallelLinear(nn.Module):
         self.shard_fns = {"weight": self.shard}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.group)
+        y = all_reduce(dense_linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:

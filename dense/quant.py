@@ -1,5 +1,5 @@
 """Weight-only int8 for the dense linear layers: per-output-channel scales, dequantisation
-fused into the GEMM on GPUs (``kernels.linear_int8``).
+fused into the GEMM on GPUs (``kernels.dense_linear``).
 
 ``quantize_linears(model)`` swaps every ``nn.Linear``, ``ColumnParallelLinear`` and
 ``RowParallelLinear`` of a loaded model for ``Int8Linear`` in place (bf16 weights in, int8
@@ -35,7 +35,7 @@ class Int8Linear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.linear_int8(x, self.weight, self.scale)
+        y = kernels.dense_linear(x, self.weight, scale=self.scale)
         if self.reduce is not None:
             y = all_reduce(y, self.reduce)
         return y + self.bias if self.bias is not None else y

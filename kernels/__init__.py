@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from kernels.linear_select import dense_linear
 from kernels.gating import grouped_topk_triton, topk_gating_triton
 from kernels.route import route_scatter_triton, route_triton
 from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
@@ -134,18 +135,9 @@ def sbi_linear(x, w, scale=None, bias=None, residual=None, norm=None):
     return sbi_linear_ref(x, w, scale, bias, residual, norm)
 
 
-def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Weight-only int8 linear layer: x [..., K], q [N, K] int8, scale [N] -> [..., N]."""
-    if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
-        raise ValueError(f"q {list(q.shape)} {q.dtype}, scale {list(scale.shape)}: expected int8 [N, K] and [N]")
-    if x.shape[-1] != q.shape[1]:
-        raise ValueError(f"x {list(x.shape)}: expected last dimension {q.shape[1]} (the weight's K)")
-    return linear_triton(x, q, scale) if x.is_cuda else linear_int8_ref(x, q, scale)
-
-
 __all__ = [
     "decode_attention", "decode_attention_ref", "decode_attention_triton",
-    "linear_int8", "linear_int8_ref", "linear_triton", "sbi_linear", "sbi_linear_ref", "sbi_linear_triton",
+    "dense_linear", "linear_int8_ref", "linear_triton", "sbi_linear", "sbi_linear_ref", "sbi_linear_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "quantize_int8", "dequantize_ref",
     "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref",
     "topk_gating", "topk_gating_ref", "topk_gating_triton",

@@ -9,6 +9,7 @@ from torch import nn
 
 from comm import ParallelGroups
 from dense import MLP, Attention, KVCache, PagedKVCache, Rotary, StepContext, make_norm
+from dense.parallel_linear import Linear
 from moe_infer.config import Config
 from moe_infer.moe_layer import MoELayer
 
@@ -53,7 +54,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, groups) for i in range(m.num_layers))
         self.num_kv_heads = self.layers[0].attn.num_kv_heads  # on this rank
         self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps)
-        self.lm_head = None if m.tied_embeddings else nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+        self.lm_head = None if m.tied_embeddings else Linear(m.hidden_size, m.vocab_size, bias=False)
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         m = self.cfg.model

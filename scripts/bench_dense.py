@@ -129,6 +129,8 @@ def main():
     ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--copies", type=int, default=4, help="input sets rotated through (defeats L2 reuse)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--write-table", action="store_true",
+                    help="store the fastest GEMM per shape and row bucket in kernels/configs/dense.json")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -159,6 +161,26 @@ def main():
           pct(r, "ours_pct"), f"{r['rel_err']:.1e}"] for r in attn]))
     if not args.smoke:
         bc.write_results("dense", device, {"run": run, "copy_gbs": copy_gbs, "gemm": gemm, "attention": attn})
+    if args.write_table:
+        write_table(device, dtype, gemm)
+
+
+def write_table(device, dtype, gemm):
+    """Merges this run's winners into kernels/configs/dense.json (per device kind)."""
+    import json
+
+    from kernels import linear_select as sel
+
+    table = json.loads(sel.TABLE_FILE.read_text()) if sel.TABLE_FILE.is_file() else {}
+    mine = table.setdefault(sel.device_key(device), {})
+    for r in gemm:
+        bucket = str(next(b for b in sel.BUCKETS if b >= r["T"]))
+        full = {"cublas": r["cublas_us"], "triton": r["ours_us"], "sbi": r["sbi_us"]}
+        int8 = {"triton": r["ours_int8_us"], "sbi": r["sbi_int8_us"]}
+        mine.setdefault(sel.table_key(r["N"], r["K"], dtype), {})[bucket] = min(full, key=full.get)
+        mine.setdefault(sel.table_key(r["N"], r["K"], torch.int8), {})[bucket] = min(int8, key=int8.get)
+    sel.TABLE_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {sel.TABLE_FILE}")
 
 
 if __name__ == "__main__":

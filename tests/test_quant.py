@@ -43,12 +43,27 @@ def test_linear_int8_kernel_matches_its_reference(device, dtype, t, k, n):
     assert rel(kernels.linear_int8_ref(x.cpu(), q.cpu(), s.cpu()), ref.cpu()) < TOL[dtype]
 
 
-def test_linear_int8_rejects_bad_arguments():
+def test_dense_linear_routes_by_the_table(monkeypatch):
+    """Without a table entry: cuBLAS for full-precision weights, linear_triton for int8; an
+    entry picks SBI-GeMM or linear_triton per shape and row bucket; every pick gives the
+    same numbers (CPU tensors here take the reference, so the choice is checked directly)."""
+    from kernels import linear_select as dl
+
     q = torch.zeros(4, 8, dtype=torch.int8)
-    with pytest.raises(ValueError, match=r"expected int8 \[N, K\] and \[N\]"):
-        kernels.linear_int8(torch.randn(2, 8), q.float(), torch.ones(4))
-    with pytest.raises(ValueError, match=r"x \[2, 7\]: expected last dimension 8"):
-        kernels.linear_int8(torch.randn(2, 7), q, torch.ones(4))
+    with pytest.raises(ValueError, match=r"int8 needs its per-output-channel scale"):
+        kernels.dense_linear(torch.randn(2, 8), q)
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(dl, "device_key", lambda d: "H")
+    dl.choice.cache_clear()
+    monkeypatch.setattr(dl, "_table", lambda: {"H": {"N30:K40:bfloat16": {"1": "sbi", "4": "triton"},
+                                                     "N30:K40:int8": {"16": "cublas"}}})
+    assert dl.choice(dev, 30, 40, torch.bfloat16, 1) == "sbi"
+    assert dl.choice(dev, 30, 40, torch.bfloat16, 3) == "triton"  # bucket 4
+    assert dl.choice(dev, 30, 40, torch.bfloat16, 16) == "cublas"  # no entry
+    assert dl.choice(dev, 30, 40, torch.int8, 9) == "triton"  # cuBLAS cannot take int8 weights
+    dl.choice.cache_clear()
+    x, w, b = torch.randn(2, 3, 40), torch.randn(30, 40), torch.randn(30)
+    torch.testing.assert_close(kernels.dense_linear(x, w, b), x @ w.t() + b)
 
 
 @pytest.mark.parametrize("kind", [nn.Linear, ColumnParallelLinear, RowParallelLinear])

@@ -1,0 +1,70 @@
+"""The dense linear layer, routed per shape to the fastest measured implementation.
+
+At decode sizes (at most ``SMALL_T`` rows) on a GPU, ``kernels/configs/dense.json`` (written
+by ``scripts/bench_dense.py --write-table``, nothing is timed while serving) names the
+winner per device, weight shape, weight dtype and row bucket:
+- "cublas": ``torch.nn.functional.linear`` (full-precision weights only);
+- "triton": ``kernels.linear_triton``, the grouped GEMM with one group;
+- "sbi": ``kernels.sbi_linear``, SBI-GeMM.
+Without an entry, full-precision weights use cuBLAS and int8 weights ``linear_triton``.
+Larger batches, and every CPU call, take cuBLAS / the reference.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.moe_ref import linear_int8_ref
+from kernels.moe_triton import device_key, linear_triton
+from kernels.sbi_gemm import sbi_linear_triton
+
+TABLE_FILE = Path(__file__).with_name("configs") / "dense.json"
+SMALL_T = 16
+BUCKETS = (1, 2, 4, 8, 16)
+CHOICES = ("cublas", "triton", "sbi")
+
+
+def table_key(n: int, k: int, wdtype: torch.dtype) -> str:
+    return f"N{n}:K{k}:{str(wdtype).removeprefix('torch.')}"
+
+
+@functools.lru_cache(maxsize=1)
+def _table() -> dict:
+    return json.loads(TABLE_FILE.read_text()) if TABLE_FILE.is_file() else {}
+
+
+@functools.lru_cache(maxsize=4096)
+def choice(device: torch.device, n: int, k: int, wdtype: torch.dtype, t: int) -> str:
+    """The implementation for t rows of x @ W.T, W [n, k] of ``wdtype``, on ``device``."""
+    bucket = next(b for b in BUCKETS if b >= t)
+    picked = _table().get(device_key(device), {}).get(table_key(n, k, wdtype), {}).get(str(bucket))
+    if picked in CHOICES and not (picked == "cublas" and wdtype == torch.int8):
+        return picked
+    return "triton" if wdtype == torch.int8 else "cublas"
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias) -> [..., N]; W [N, K] full precision, or int8 with per-row
+    ``scale`` [N]."""
+    int8 = weight.dtype == torch.int8
+    if int8 and scale is None:
+        raise ValueError("weight: int8 needs its per-output-channel scale")
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not x.is_cuda or rows > SMALL_T or rows == 0:
+        if int8:
+            y = linear_int8_ref(x, weight, scale) if not x.is_cuda else linear_triton(x, weight, scale)
+            return y + bias if bias is not None else y
+        return F.linear(x, weight, bias)
+    pick = choice(x.device, weight.shape[0], weight.shape[1], weight.dtype, rows)
+    if pick == "cublas":
+        return F.linear(x, weight, bias)
+    if pick == "sbi":
+        x2 = x.reshape(rows, x.shape[-1])
+        return sbi_linear_triton(x2, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
+    y = linear_triton(x, weight, scale)
+    return y + bias if bias is not None else y
