@@ -13,7 +13,7 @@ setup(
     python_requires=">=3.10",
     packages=["moe_infer", "moe_infer.configs", "dense", "comm", "kernels"],
     package_dir={"moe_infer.configs": "configs"},
-    package_data={"moe_infer": ["default_model/*"], "moe_infer.configs": ["*.yaml"]},
+    package_data={"moe_infer": ["default_model/*"], "moe_infer.configs": ["*.yaml"], "kernels": ["configs/*.json"]},
     install_requires=[
         "torch>=2.4",
         "numpy",
