@@ -498,7 +498,7 @@ def _row_channel():
         dist.broadcast(size, src=0)
         buf = torch.empty(int(size), dtype=torch.uint8, device=dev)
         dist.broadcast(buf, src=0)
-        data = json.loads(bytes(buf.cpu().tolist()).decode())
+        data = json.loads(buf.cpu().numpy().tobytes().decode())
         return None if data is None else [Row(*r) for r in data]
 
     return send, receive
