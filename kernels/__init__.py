@@ -15,7 +15,7 @@ from kernels.moe_triton import fused_moe_triton, grouped_ffn_triton, linear_trit
 from kernels.layout import gather_rows_triton, scatter_rows_triton
 from kernels.maps import token_maps_triton
 from kernels.moe_ref import (ACTIVATIONS, dequantize_ref, expert_ffn_ref, fused_moe_ref,
-                             gather_rows_ref, grouped_ffn_ref, grouped_topk_ref, linear_int8_ref, row_pair_ref,
+                             gather_rows_ref, grouped_ffn_ref, grouped_topk_ref, row_pair_ref,
                              scatter_rows_ref, token_maps_ref, topk_gating_ref)
 
 
@@ -137,7 +137,7 @@ def sbi_linear(x, w, scale=None, bias=None, residual=None, norm=None):
 
 __all__ = [
     "decode_attention", "decode_attention_ref", "decode_attention_triton",
-    "dense_linear", "linear_int8_ref", "linear_triton", "sbi_linear", "sbi_linear_ref", "sbi_linear_triton",
+    "dense_linear", "linear_triton", "sbi_linear", "sbi_linear_ref", "sbi_linear_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "quantize_int8", "dequantize_ref",
     "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref",
     "topk_gating", "topk_gating_ref", "topk_gating_triton",

@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.moe_ref import linear_int8_ref
 from kernels.moe_triton import device_key, linear_triton
-from kernels.sbi_gemm import sbi_linear_triton
+from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
 
 TABLE_FILE = Path(__file__).with_name("configs") / "dense.json"
 SMALL_T = 16
@@ -57,7 +56,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not x.is_cuda or rows > SMALL_T or rows == 0:
         if int8:
-            y = linear_int8_ref(x, weight, scale) if not x.is_cuda else linear_triton(x, weight, scale)
+            y = sbi_linear_ref(x, weight, scale) if not x.is_cuda else linear_triton(x, weight, scale)
             return y + bias if bias is not None else y
         return F.linear(x, weight, bias)
     pick = choice(x.device, weight.shape[0], weight.shape[1], weight.dtype, rows)

@@ -159,11 +159,6 @@ def dequantize_ref(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dty
     return (q.float() * scale.float()[..., None]).to(dtype)
 
 
-def linear_int8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ (q [N, K] * scale [N, 1]).T in float32 -> x's dtype."""
-    return (x.float() @ (q.float() * scale.float()[:, None]).t()).to(x.dtype)
-
-
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   activation: str = "silu", w13_scale: torch.Tensor | None = None,

@@ -40,7 +40,7 @@ def test_linear_int8_kernel_matches_its_reference(device, dtype, t, k, n):
     assert rel(out, ref) < TOL[dtype]
     wd = w.to(device, dtype)  # the same GEMM on full-precision weights
     assert rel(kernels.linear_triton(x, wd), x.double() @ wd.double().t()) < TOL[dtype]
-    assert rel(kernels.linear_int8_ref(x.cpu(), q.cpu(), s.cpu()), ref.cpu()) < TOL[dtype]
+    assert rel(kernels.sbi_linear_ref(x.cpu(), q.cpu(), s.cpu()), ref.cpu()) < TOL[dtype]
 
 
 def test_dense_linear_routes_by_the_table(monkeypatch):
