@@ -177,9 +177,13 @@ class Scheduler:
                 if r.finish is None:
                     r.finish = "error"
                     r.on_event("error", {"message": message})
-                self.free_blocks += r.table
-                r.table = []
+                self._release(r)
             self.running = []
+
+    def _release(self, r: Request):
+        """Gives a request's KV blocks back (under the lock)."""
+        self.free_blocks += r.table
+        r.table = []
 
     def step(self):
         self._schedule()
@@ -223,8 +227,7 @@ class Scheduler:
                 if r.cancelled and r.finish is None:
                     r.finish = "cancelled"
             for r in [r for r in self.running if r.finish is not None]:
-                self.free_blocks += r.table
-                r.table = []
+                self._release(r)
                 self.running.remove(r)
             for r in [r for r in self.waiting if r.cancelled]:
                 self.waiting.remove(r)

@@ -301,17 +301,21 @@ class Handler:
         return reqs
 
 
+def build_scheduler(engine: Engine, cfg: ServerConfig) -> Scheduler:
+    """The scheduler a server config asks for; by default the KV cache holds max_batch_size
+    sequences of the full context."""
+    e = engine.config.engine
+    blocks = cfg.num_blocks or e.max_batch_size * -(-engine.config.max_seq_len // cfg.block_size)
+    return Scheduler(engine, blocks, cfg.block_size, e.max_batch_size, cfg.max_queue,
+                     prefill_chunk=cfg.prefill_chunk)
+
+
 def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Scheduler | None = None):
     """The FastAPI app; its lifespan starts and stops the engine thread."""
     cfg = cfg or ServerConfig()
     metrics = Metrics()
-    if scheduler is None:
-        e = engine.config.engine
-        blocks = cfg.num_blocks or e.max_batch_size * -(-engine.config.max_seq_len // cfg.block_size)
-        scheduler = Scheduler(engine, blocks, cfg.block_size, e.max_batch_size, cfg.max_queue, metrics,
-                              cfg.prefill_chunk)
-    else:
-        scheduler.metrics = metrics
+    scheduler = scheduler or build_scheduler(engine, cfg)
+    scheduler.metrics = metrics
     handler = Handler(engine, scheduler, cfg, metrics)
 
     @asynccontextmanager
@@ -511,11 +515,8 @@ def serve(spec: ServeSpec):
 
     engine = build_engine(spec)
     cfg = spec.server
-    e = engine.config.engine
-    blocks = cfg.num_blocks or e.max_batch_size * -(-engine.config.max_seq_len // cfg.block_size)
     multi = dist.is_initialized() and dist.get_world_size() > 1
-    scheduler = Scheduler(engine, blocks, cfg.block_size, e.max_batch_size, cfg.max_queue,
-                          prefill_chunk=cfg.prefill_chunk)
+    scheduler = build_scheduler(engine, cfg)
     if multi:
         send, receive = _row_channel()
         if dist.get_rank() != 0:
