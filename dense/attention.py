@@ -18,6 +18,11 @@ from dense.parallel_linear import Linear, RowParallelLinear
 from dense.rotary import Rotary, apply_rotary
 
 
+def _rotary(rotary: Rotary | None, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [B, T, D] for the query positions (None, None for learned positions)."""
+    return rotary(positions, dtype) if rotary is not None else (None, None)
+
+
 @dataclass
 class StepContext:
     """What every layer of one forward step shares, computed once per step."""
@@ -45,9 +50,7 @@ class StepContext:
             mask &= dist < sliding_window
         # A padding query may have no valid key; let it see itself so softmax stays finite.
         mask |= k_slot[None, :] == q_slot[:, None]
-        cos = sin = None
-        if rotary is not None:
-            cos, sin = rotary(positions, dtype)
+        cos, sin = _rotary(rotary, positions, dtype)
         return cls(positions, mask.unsqueeze(1), cos, sin, start)
 
 
@@ -65,9 +68,7 @@ class StepContext:
         if sliding_window is not None:
             mask &= positions - key_positions < sliding_window
         mask |= (k_slot == slot)[None, :]  # a padding row still sees itself: finite softmax
-        cos = sin = None
-        if rotary is not None:
-            cos, sin = rotary(positions, dtype)
+        cos, sin = _rotary(rotary, positions, dtype)
         return cls(positions, mask[:, None, None, :], cos, sin, slot)
 
     @classmethod
@@ -83,9 +84,7 @@ class StepContext:
         if sliding_window is not None:
             mask &= positions[:, :, None] - k_pos[None, None, :] < sliding_window
         mask |= (k_pos == 0)[None, None, :] & ~query_valid[:, :, None]  # padding queries: finite softmax
-        cos = sin = None
-        if rotary is not None:
-            cos, sin = rotary(positions, dtype)
+        cos, sin = _rotary(rotary, positions, dtype)
         return cls(positions, mask.unsqueeze(1), cos, sin, 0)
 
 
