@@ -69,8 +69,38 @@ def main():
         "kernels.gather_rows": lambda: kernels.gather_rows(xs, rows, w),
         "kernels.fused_moe (tiny experts)": lambda: kernels.fused_moe(xx, w13, w2, w, ids),
     }
+    cases.update(direct_cases(x, ts))
     for name, fn in cases.items():
         print(f"{name:44s} {host_us(fn):8.1f} us")
+
+
+def direct_cases(x, ts) -> dict:
+    """The floor under the JIT's launch: the compiled kernel launched straight through its
+    launcher (no argument binding, no cache-key hashing), the stream handle, and one replay
+    of a captured graph of one kernel."""
+    from triton import knobs
+
+    k2 = _noop[(1,)](x, 5)
+    k14 = _noop_many[(1,)](*ts, 1, 2, 3, 4, 5, 6, A=1, B=2, C=3, D=4, E=5, F=6, G=7)
+    stream = torch.cuda.current_stream().cuda_stream
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _noop[(1,)](x, 5)
+        with torch.cuda.graph(graph, stream=side):
+            _noop[(1,)](x, 5)
+    torch.cuda.current_stream().wait_stream(side)
+    return {
+        "compiled kernel .run, 2 args": lambda: k2.run(1, 1, 1, stream, k2.function, k2.packed_metadata, None,
+                                                       *hooks, x, 5),
+        "compiled kernel .run, 14 args + 7 constexpr": lambda: k14.run(
+            1, 1, 1, stream, k14.function, k14.packed_metadata, None, *hooks, *ts, 1, 2, 3, 4, 5, 6,
+            1, 2, 3, 4, 5, 6, 7),
+        "torch.cuda.current_stream().cuda_stream": lambda: torch.cuda.current_stream().cuda_stream,
+        "CUDAGraph.replay, one kernel": graph.replay,
+    }
 
 
 if __name__ == "__main__":

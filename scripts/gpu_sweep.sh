@@ -17,10 +17,11 @@ step() {  # name, timeout in seconds, command...: runs it, logs it, prints its t
     echo "== $name: rc $?"
     tail -n 25 "$out/$name.log"
 }
-step gpu_tests 170 python -m pytest -q -p no:cacheprovider --color=no -m gpu tests/test_quant.py \
+step diag_launch 40 python scripts/diag_launch.py
+step gpu_tests 160 python -m pytest -q -p no:cacheprovider --color=no -m gpu tests/test_quant.py \
     tests/test_decode_attention.py tests/test_sbi_gemm.py tests/test_engine.py
 step bench_dense 200 python scripts/bench_dense.py --write-table --models mixtral-8x7b,qwen3-30b-a3b,gpt-j-6b
 step decode_default 60 python scripts/bench_decode.py --peer
-step decode_olmoe 150 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 64 --reps 3 --peer
+step decode_olmoe 130 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 64 --reps 3 --peer
 cp bench/results/*.json kernels/configs/dense.json "$out/" 2>/dev/null
 exit 0
