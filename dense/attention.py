@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from comm import Group
 from dense.norm import RMSNorm, ShardedRMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
@@ -28,7 +29,8 @@ class StepContext:
     """What every layer of one forward step shares, computed once per step."""
 
     positions: torch.Tensor  # [B, T] int64 position of each query token
-    attn_mask: torch.Tensor  # [B, 1, T, S] bool, True where a query may attend
+    attn_mask: torch.Tensor  # [B, 1, T, S] bool, True where a query may attend (or additive:
+    # 0 / -inf in the model dtype, as ``decode_static`` builds it)
     cos: torch.Tensor | None  # [B, T, D] rotary tables, None for learned positions
     sin: torch.Tensor | None
     start: int | torch.Tensor  # cache slot of the first query token (0 without a cache; a 0-d
@@ -68,8 +70,11 @@ class StepContext:
         if sliding_window is not None:
             mask &= positions - key_positions < sliding_window
         mask |= (k_slot == slot)[None, :]  # a padding row still sees itself: finite softmax
+        # Additive, in the model dtype: SDPA would otherwise convert a bool mask in every layer.
+        bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=mask.device).masked_fill_(~mask[:, None, None, :],
+                                                                                   float("-inf"))
         cos, sin = _rotary(rotary, positions, dtype)
-        return cls(positions, mask[:, None, None, :], cos, sin, slot)
+        return cls(positions, bias, cos, sin, slot)
 
     @classmethod
     def paged(cls, positions: torch.Tensor, query_valid: torch.Tensor, context_lens: torch.Tensor,
@@ -108,11 +113,17 @@ class KVCache:
         if torch.is_tensor(start):
             self.k[layer].index_copy_(2, start.view(1), k)
             self.v[layer].index_copy_(2, start.view(1), v)
+        else:
+            self.k[layer, :, :, start:start + k.shape[2]] = k
+            self.v[layer, :, :, start:start + k.shape[2]] = v
+        return self.visible(layer, start, k.shape[2])
+
+    def visible(self, layer: int, start: int | torch.Tensor, t: int):
+        """Keys and values a step of t tokens from ``start`` attends over (every slot for a
+        tensor ``start``)."""
+        if torch.is_tensor(start):
             return self.k[layer], self.v[layer]
-        end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return self.k[layer, :, :, :start + t], self.v[layer, :, :, :start + t]
 
 
 class PagedKVCache:
@@ -191,10 +202,39 @@ class Attention(nn.Module):
             self.k_norm = ShardedRMSNorm(kv_width, kv_total, cfg.norm_eps, tp, kv_first * d, replicas)
         self.clip_qkv = cfg.clip_qkv
 
+    def _fused_decode(self, qkv: torch.Tensor, ctx: StepContext, cache, layer: int):
+        """q [B, Hq, 1, D], k, v [B, Hkv, S, D] through one fused kernel (norms, clip,
+        rotary, cache append) for one decode token per row on a GPU; None where it does not
+        apply (CPU, prefill, the paged cache, an all-heads q/k norm split across ranks)."""
+        b, t, _ = qkv.shape
+        if not (qkv.is_cuda and t == 1 and type(cache) is KVCache and kernels.qkv_decode_supported(self.head_dim)):
+            return None
+        norm = self.q_norm if self.qk_norm else None
+        if isinstance(norm, ShardedRMSNorm) and norm.group.size > 1:
+            return None
+        q = kernels.qkv_decode(
+            qkv.view(b, -1), self.num_heads, self.num_kv_heads, self.head_dim, cache.k[layer], cache.v[layer],
+            ctx.start, ctx.cos, ctx.sin, self.qk_norm, norm.weight if norm else None,
+            self.k_norm.weight if norm else None, norm.eps if norm else 1e-6, self.clip_qkv)
+        return (q, *cache.visible(layer, ctx.start, 1))
+
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)  # [B, T, heads * D] each
+        qkv = self.qkv_proj(x)
+        fused = self._fused_decode(qkv, ctx, cache, layer)
+        if fused is not None:
+            q, k, v = fused
+        else:
+            q, k, v = self._unfused(qkv, ctx, cache, layer)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _unfused(self, qkv: torch.Tensor, ctx: StepContext, cache, layer: int):
+        """q [B, Hq, T, D], k, v [B, Hkv, S, D] through torch ops (any device and step)."""
+        b, t, _ = qkv.shape
+        q, k, v = qkv.split(self.split, dim=-1)  # [B, T, heads * D] each
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -209,6 +249,4 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         if cache is not None:
             k, v = cache.append(layer, ctx.start, k, v)  # [B, KV heads, S, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return q, k, v

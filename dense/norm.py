@@ -1,9 +1,13 @@
-"""RMSNorm and LayerNorm, computed in float32 and cast back, as the reference models do."""
+"""RMSNorm and LayerNorm, computed in float32 and cast back, as the reference models do.
+
+Both take an optional ``residual``: ``norm(x, residual=r)`` returns (norm(x + r), x + r),
+so a block adds its residual and normalises in one step (one launch for RMSNorm on a GPU)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+import kernels
 from comm import Group, all_reduce
 
 
@@ -13,11 +17,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast before scaling: Llama-family checkpoints were trained with this order.
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class LayerNorm(nn.Module):
@@ -27,10 +28,12 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
         y = nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(),
-                                     self.bias.float(), self.eps)
-        return y.to(x.dtype)
+                                     self.bias.float(), self.eps).to(x.dtype)
+        return (y, x) if residual is not None else y
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:

@@ -8,6 +8,8 @@ import torch
 
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from kernels.linear_select import dense_linear
+from kernels.norm import rms_norm_ref, rms_norm_triton
+from kernels.qkv_decode import qkv_decode_ref, qkv_decode_supported, qkv_decode_triton
 from kernels.gating import grouped_topk_triton, topk_gating_triton
 from kernels.route import route_scatter_triton, route_triton
 from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
@@ -127,6 +129,22 @@ def decode_attention(q, k, v, visible, scale=None):
     return decode_attention_ref(q, k, v, visible, scale)
 
 
+def rms_norm(x, weight, eps, residual=None):
+    """RMSNorm over the last dimension in one launch on a GPU; with ``residual`` the add
+    before it is fused too: -> norm(x + residual), x + residual."""
+    fn = rms_norm_triton if x.is_cuda else rms_norm_ref
+    return fn(x, weight, eps, residual)
+
+
+def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
+               qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
+    """A decode token's QKV epilogue in one launch on a GPU: q/k norms, clip, rotary, and
+    the KV-cache append at ``slot`` -> q [B, Hq, 1, D] (see ``qkv_decode_ref``)."""
+    fn = qkv_decode_triton if qkv.is_cuda else qkv_decode_ref
+    return fn(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm, q_norm_w,
+              k_norm_w, eps, clip)
+
+
 def sbi_linear(x, w, scale=None, bias=None, residual=None, norm=None):
     """The small-batch GEMM with deep fusion: y = norm(x) @ W.T (+ bias) (+ residual), x [T, K]
     with T <= 64, W [N, K] (int8 with per-row ``scale``); ``norm`` = (kind, weight, bias, eps)."""
@@ -137,6 +155,8 @@ def sbi_linear(x, w, scale=None, bias=None, residual=None, norm=None):
 
 __all__ = [
     "decode_attention", "decode_attention_ref", "decode_attention_triton",
+    "rms_norm", "rms_norm_ref", "rms_norm_triton",
+    "qkv_decode", "qkv_decode_ref", "qkv_decode_supported", "qkv_decode_triton",
     "dense_linear", "linear_triton", "sbi_linear", "sbi_linear_ref", "sbi_linear_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "quantize_int8", "dequantize_ref",
     "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref",

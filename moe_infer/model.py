@@ -29,13 +29,20 @@ class Block(nn.Module):
             self.ffn = MLP(m.hidden_size, m.ffn_hidden, m.activation, bias=m.mlp_bias, tp=groups.tp)
         self.index = index
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None) -> torch.Tensor:
-        h = self.attn_norm(x)
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (residual stream, this block's output not yet added to it). ``pending`` is
+        the previous block's such output: each residual add happens inside the next norm
+        (one launch for add + RMSNorm on a GPU)."""
+        if pending is None:
+            h = self.attn_norm(x)
+        else:
+            h, x = self.attn_norm(pending, residual=x)
         a = self.attn(h, ctx, cache, self.index)
         if self.parallel:
-            return x + a + self.ffn(h)
-        x = x + a
-        return x + self.ffn(self.ffn_norm(x))
+            return x, a + self.ffn(h)
+        h, x = self.ffn_norm(a, residual=x)
+        return x, self.ffn(h)
 
 
 class Transformer(nn.Module):
@@ -88,11 +95,12 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)  # [B, T, H]
         if self.pos_embed is not None:
             x = x + self.pos_embed(ctx.positions)
+        pending = None
         for layer in self.layers:
-            x = layer(x, ctx, cache)
+            x, pending = layer(x, ctx, cache, pending)
         if last_only:  # generation needs only the last slot: skip T - 1 rows of the LM head
-            x = x[:, -1:]
-        x = self.norm(x)
+            x, pending = x[:, -1:], (pending[:, -1:] if pending is not None else None)
+        x = self.norm(x) if pending is None else self.norm(pending, residual=x)[0]
         if self.lm_head is None:  # tied: the embedding table (kept in full precision) is the head
             return x @ self.embed.weight.t()
         return self.lm_head(x)

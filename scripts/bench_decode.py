@@ -79,6 +79,107 @@ def floor_bytes(engine, batch: int, context: int) -> int:
     return int(total + batch * context * kv)
 
 
+# Kernel name patterns -> the part of the step they belong to (first match wins).
+PARTS = [
+    ("MoE experts", ("_grouped_gemm_kernel", "_gather_kernel", "_scatter_kernel")),
+    ("MoE routing", ("_topk_gating_kernel", "_grouped_topk_kernel", "_route_scatter_kernel", "_maps_")),
+    ("norms", ("_rms_norm_kernel", "layer_norm", "LayerNorm")),
+    ("qkv epilogue", ("_qkv_decode_kernel",)),
+    ("attention", ("fmha", "flash", "attention", "_split_kernel", "_combine_kernel", "softmax")),
+    ("dense GEMM", ("gemm", "nvjet", "sm90", "cutlass", "_sbi_kernel", "_reduce_kernel", "gemv", "splitK")),
+]
+
+
+def _part(name: str) -> str:
+    low = name.lower()
+    for part, keys in PARTS:
+        if any(k.lower() in low for k in keys):
+            return part
+    return "other (elementwise, copies, sampling)"
+
+
+def kernel_times(engine, prompts, new_tokens) -> dict:
+    """Device time and launches of each kernel over one generate() call: name -> [µs, calls]."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, max_new_tokens=new_tokens)
+        torch.cuda.synchronize(engine.device)
+    out = {}
+    for ev in prof.events():
+        if ev.device_type == DeviceType.CUDA and ev.device_time > 0:
+            slot = out.setdefault(ev.name, [0.0, 0])
+            slot[0] += ev.device_time
+            slot[1] += 1
+    return out
+
+
+def profile_step(engine, prompts, n: int, step_ms: float, floor: dict) -> dict:
+    """Per decode step (the run with n + 1 new tokens minus the run with 1): each kernel's
+    device time and launches, grouped into parts; a part that reads weights or the cache
+    also gets the share of the copy bandwidth it reaches on those bytes."""
+    engine.generate(prompts, max_new_tokens=n + 1)  # warm-up, graphs captured
+    one, full = kernel_times(engine, prompts, 1), kernel_times(engine, prompts, n + 1)
+    per = {}
+    for name, (us, calls) in full.items():
+        us0, calls0 = one.get(name, (0.0, 0))
+        if calls > calls0:
+            per[name] = ((us - us0) / n, (calls - calls0) / n)
+    parts = {}
+    for name, (us, calls) in per.items():
+        agg = parts.setdefault(_part(name), [0.0, 0.0])
+        agg[0] += us
+        agg[1] += calls
+    busy = sum(us for us, _ in per.values())
+    rows = []
+    for part, (us, calls) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
+        nbytes = floor.get(part)
+        rows.append({"part": part, "us_per_step": us, "launches_per_step": calls, "floor_bytes": nbytes,
+                     "pct_copy": (100 * nbytes / (us * 1e-6) / (floor["copy_gbs"] * 1e9)) if nbytes and us else None})
+    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:20]
+    return {"step_ms": step_ms, "kernel_busy_ms": busy / 1e3, "parts": rows,
+            "kernels": [{"name": k[:90], "us_per_step": us, "launches_per_step": c} for k, (us, c) in top]}
+
+
+def floor_parts(engine, batch: int, context: int, copy_gbs: float) -> dict:
+    """Bytes each part of a step must read: the dense GEMMs' weights, the experts hit, the KV cache."""
+    model, cfg = engine.model, engine.config
+    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if ".experts." not in n and n != "embed.weight" and p.dim() == 2)
+    if model.lm_head is None:
+        dense += model.embed.weight.numel() * model.embed.weight.element_size()
+    m = cfg.model
+    kv = batch * context * 2 * m.num_layers * model.num_kv_heads * m.head_dim * engine.dtype.itemsize
+    experts = floor_bytes(engine, batch, 0) - dense - batch * m.hidden_size * engine.dtype.itemsize
+    return {"dense GEMM": dense, "MoE experts": max(experts, 0) if cfg.moe else None, "attention": kv,
+            "copy_gbs": copy_gbs}
+
+
+def prefill_rate(engine, prompt_len: int, batch: int, reps: int, gen) -> dict:
+    """Prefill tokens/s (generate() with one new token: the prefill and one sampled token)
+    and its matmul rate: 2 * active parameters * tokens (+ attention) over the time."""
+    vocab = engine.config.model.vocab_size
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    engine.config.engine.max_batch_size = max(engine.config.engine.max_batch_size, batch)
+    engine.generate(prompts, max_new_tokens=1)
+    t, _ = timed_generate(engine, prompts, 1, reps)
+    m, moe = engine.config.model, engine.config.moe
+    active = 0
+    for name, p in engine.model.named_parameters():
+        if p.dim() != 2 or name == "embed.weight":
+            continue
+        if ".experts." in name and moe is not None:
+            active += p.numel() * moe.top_k / moe.num_experts
+        else:
+            active += p.numel()
+    tokens = batch * prompt_len
+    attn = 4 * m.num_layers * m.num_heads * m.head_dim * batch * prompt_len * prompt_len / 2  # causal QK^T and PV
+    flops = 2 * active * tokens + attn
+    return {"prompt_len": prompt_len, "batch": batch, "seconds": t, "tokens_per_s": tokens / t,
+            "tflops": flops / t / 1e12}
+
+
 def hf_config(cfg):
     """A transformers config of the same shape (Mixtral, Qwen3-MoE or OLMoE), or None."""
     import transformers
@@ -152,6 +253,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny run (CPU: the static step without a graph)")
     ap.add_argument("--peer", action="store_true", help="also time transformers generate() on the same shape")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel device time of one decode step (first batch size, fast mode)")
+    ap.add_argument("--prefill", default="", help="prefill rates for LEN:BATCH pairs, e.g. 2048:8,512:32")
     args = ap.parse_args()
     if args.smoke:
         args.batches, args.new_tokens, args.reps = "1,3", 8, 2
@@ -175,6 +279,17 @@ def main():
         rows.append({"batch": b, "eager_ms_per_token": eager_ms, f"{fast}_ms_per_token": fast_ms,
                      "speedup": eager_ms / fast_ms, "rows_with_equal_tokens": same, "floor_bytes": nbytes,
                      "floor_ms": nbytes / copy_gbs / 1e6 if copy_gbs else None})
+    profile = None
+    if args.profile and engine.device.type == "cuda":
+        b = batches[0]
+        floor = floor_parts(engine, b, args.prompt_len + args.new_tokens // 2, copy_gbs)
+        profile = profile_step(engine, prompts_for[b], min(args.new_tokens, 32),
+                               rows[0][f"{fast}_ms_per_token"], floor)
+        profile["batch"] = b
+    prefill = []
+    for pair in filter(None, args.prefill.split(",")):
+        length, b = (int(v) for v in pair.split(":"))
+        prefill.append(prefill_rate(engine, length, b, args.reps, gen))
     peer, peer_note = ({}, "not run (--peer)")
     if args.peer:
         engine.decode_mode, engine._decoders = fast, {}  # free the captured caches first
@@ -201,9 +316,28 @@ def main():
           opt(r.get("peer_ms_per_token"), ".3f"),
           opt(r.get("peer_ms_per_token") and r["peer_ms_per_token"] / r[f"{fast}_ms_per_token"], ".2f")]
          for r in rows]))
+    if profile:
+        print(f"\ndecode step at batch {profile['batch']}: {profile['step_ms']:.3f} ms per token, kernels busy "
+              f"{profile['kernel_busy_ms']:.3f} ms (the rest: gaps between kernels, the host)")
+        print(bc.format_table(["part", "µs/step", "launches", "floor MB", "%copy"],
+                              [[r["part"], f"{r['us_per_step']:.1f}", f"{r['launches_per_step']:.0f}",
+                                opt(r["floor_bytes"] and r["floor_bytes"] / 1e6, ".1f"), opt(r["pct_copy"], ".0f")]
+                               for r in profile["parts"]]))
+        print(bc.format_table(["kernel", "µs/step", "launches"],
+                              [[k["name"][:70], f"{k['us_per_step']:.1f}", f"{k['launches_per_step']:.0f}"]
+                               for k in profile["kernels"]]))
+    if prefill:
+        mm = bc.measure_matmul_tflops(engine.device) if engine.device.type == "cuda" else None
+        print(f"\nprefill (generate() with 1 new token){f'; bf16 matmul {mm:.0f} TFLOP/s' if mm else ''}")
+        for r in prefill:
+            r["pct_mm"] = 100 * r["tflops"] / mm if mm else None
+        print(bc.format_table(["prompt", "batch", "ms", "tokens/s", "TFLOP/s", "%mm"],
+                              [[r["prompt_len"], r["batch"], f"{1e3 * r['seconds']:.1f}", f"{r['tokens_per_s']:.0f}",
+                                f"{r['tflops']:.1f}", opt(r["pct_mm"], ".0f")] for r in prefill]))
     if not args.smoke:
         bc.write_results("decode", engine.device, {"run": run, "model": args.model or "default", "args": vars(args),
-                                                   "copy_gbs": copy_gbs, "peer": peer_note, "rows": rows})
+                                                   "copy_gbs": copy_gbs, "peer": peer_note, "rows": rows,
+                                                   "profile": profile, "prefill": prefill})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,166 @@
+"""The QKV epilogue of a decode step in one launch: split, q/k norms, rotary and the
+KV-cache append (DeepSpeed-Inference III-A's deep fusion, on the decode path).
+
+Shape letters: B rows (one token each), Hq / Hkv query / KV heads, D head dim, S cache slots.
+
+After the fused QKV projection a decode token needs, per layer: its q and k normalised
+(none, per head as Qwen3, or over all heads as OLMoE), clipped where the model clips,
+rotated, and its k and v written into the cache. As torch ops that is 20 to 40 tiny
+kernels per layer; here one program per row does it all. Rounding follows the torch
+modules in the model dtype step by step (norm, then each product and sum of the rotation),
+so the fused step and the unfused one agree to the last bit in most elements.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+QK_NORMS = {None: 0, "head": 1, "full": 2}
+
+
+@triton.jit
+def _rnd(x, dtype: tl.constexpr):
+    """Round a float32 value to the model dtype and back: the rounding a torch op applies."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _normed_rotated(base, w_ptr, cos, sin, heads, d, partner, sign, eps, clip,
+                    H: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
+                    ROPE: tl.constexpr, DT: tl.constexpr):
+    """[H_P, D] block of one row's q or k: clipped, normalised, rotated (float32 values
+    rounded to DT at each step the torch modules round)."""
+    ok = (heads < H)[:, None] & (d < D)[None, :]
+    x = tl.load(base + heads[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    xp = tl.load(base + heads[:, None] * D + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    if QK_NORM == 2:  # over all H * D values of the row (before the clip, as the module does)
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (H * D) + eps)
+        wx = tl.load(w_ptr + heads[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + heads[:, None] * D + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = _rnd(_rnd(x * rstd, DT) * wx, DT)
+        xp = _rnd(_rnd(xp * rstd, DT) * wp, DT)
+    if CLIP:
+        x = tl.minimum(tl.maximum(x, -clip), clip)
+        xp = tl.minimum(tl.maximum(xp, -clip), clip)
+    if QK_NORM == 1:  # per head over its D values
+        rstd_h = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [H_P]
+        wx = tl.load(w_ptr + d).to(tl.float32)
+        wp = tl.load(w_ptr + partner).to(tl.float32)
+        x = _rnd(_rnd(x * rstd_h[:, None], DT) * wx[None, :], DT)
+        xp = _rnd(_rnd(xp * rstd_h[:, None], DT) * wp[None, :], DT)
+    if ROPE:  # rotate-half: x * cos + cat(-x2, x1) * sin
+        x = _rnd(_rnd(x * cos[None, :], DT) + _rnd(sign[None, :] * xp * sin[None, :], DT), DT)
+    return x
+
+
+@triton.jit
+def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
+                       slot, eps, clip, stride_qkv, stride_cos,
+                       stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                       HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
+                       D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr, ROPE: tl.constexpr,
+                       SLOT_PTR: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    DT: tl.constexpr = q_ptr.dtype.element_ty
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    cos = tl.zeros([D], tl.float32)
+    sin = tl.zeros([D], tl.float32)
+    if ROPE:
+        cos = tl.load(cos_ptr + b * stride_cos + d).to(tl.float32)
+        sin = tl.load(sin_ptr + b * stride_cos + d).to(tl.float32)
+    if SLOT_PTR:
+        slot = tl.load(slot_ptr)
+    row = qkv_ptr + b * stride_qkv
+    hq = tl.arange(0, HQ_P)
+    q = _normed_rotated(row, qn_w_ptr, cos, sin, hq, d, partner, sign, eps, clip, HQ, D, QK_NORM, CLIP, ROPE, DT)
+    q_ok = (hq < HQ)[:, None]
+    tl.store(q_ptr + b * HQ * D + hq[:, None] * D + d[None, :], q.to(DT), mask=q_ok)
+    hk = tl.arange(0, HKV_P)
+    k = _normed_rotated(row + HQ * D, kn_w_ptr, cos, sin, hk, d, partner, sign, eps, clip, HKV, D, QK_NORM, CLIP,
+                        ROPE, DT)
+    kv_ok = (hk < HKV)[:, None]
+    tl.store(kc_ptr + b * stride_kb + hk[:, None] * stride_kh + slot * stride_ks + d[None, :], k.to(DT), mask=kv_ok)
+    v = tl.load(row + (HQ + HKV) * D + hk[:, None] * D + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+    if CLIP:
+        v = tl.minimum(tl.maximum(v, -clip), clip)
+    tl.store(vc_ptr + b * stride_vb + hk[:, None] * stride_vh + slot * stride_vs + d[None, :], v.to(DT), mask=kv_ok)
+
+
+def _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm):
+    b = qkv.shape[0]
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width:
+        raise ValueError(f"qkv {list(qkv.shape)}: expected [B, (Hq + 2 Hkv) * D = {width}]")
+    want = (b, num_kv_heads, k_cache.shape[2], head_dim)
+    if k_cache.dim() != 4 or tuple(k_cache.shape) != want or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache / v_cache {list(k_cache.shape)} / {list(v_cache.shape)}: expected {list(want)}")
+    if qk_norm not in QK_NORMS:
+        raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
+
+
+def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
+                   qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
+    """qkv [B, (Hq + 2 Hkv) * D] of one token per row -> q [B, Hq, 1, D]; writes k and v at
+    cache slot ``slot`` (int or 0-d tensor) of k_cache / v_cache [B, Hkv, S, D]. cos, sin
+    [B, D] rotary tables (None: no rotation); ``qk_norm`` None / "head" (weights [D]) /
+    "full" (weights [Hq * D], [Hkv * D]); ``clip`` clamps q, k, v."""
+    _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
+    b, d = qkv.shape[0], head_dim
+
+    def norm(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    q, k, v = qkv.split((num_heads * d, num_kv_heads * d, num_kv_heads * d), dim=-1)
+    if qk_norm == "full":
+        q, k = norm(q, q_norm_w), norm(k, k_norm_w)
+    if clip is not None:
+        q, k, v = (z.clamp(-clip, clip) for z in (q, k, v))
+    q, k, v = q.view(b, num_heads, d), k.view(b, num_kv_heads, d), v.view(b, num_kv_heads, d)
+    if qk_norm == "head":
+        q, k = norm(q, q_norm_w), norm(k, k_norm_w)
+    if cos is not None:
+        c, s = cos[:, None, :], sin[:, None, :]
+
+        def rotate(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * c + torch.cat((-x2, x1), dim=-1) * s
+        q, k = rotate(q), rotate(k)
+    slot = slot.view(1) if torch.is_tensor(slot) else torch.tensor([slot], device=qkv.device)
+    k_cache.index_copy_(2, slot, k[:, :, None].to(k_cache.dtype))
+    v_cache.index_copy_(2, slot, v[:, :, None].to(v_cache.dtype))
+    return q[:, :, None].contiguous()
+
+
+def qkv_decode_supported(head_dim: int) -> bool:
+    """The fused kernel needs a power-of-two head dim (every model in configs/ has one)."""
+    return head_dim >= 2 and head_dim & (head_dim - 1) == 0
+
+
+def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
+                      qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
+    """Same contract as ``qkv_decode_ref``; one launch, one program per row."""
+    _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
+    if not qkv_decode_supported(head_dim):
+        return qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
+                              q_norm_w, k_norm_w, eps, clip)
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    b = qkv.shape[0]
+    q = torch.empty(b, num_heads, 1, head_dim, dtype=qkv.dtype, device=qkv.device)
+    rope = cos is not None
+    if rope:
+        cos, sin = cos.reshape(b, head_dim), sin.reshape(b, head_dim)
+    slot_t = torch.is_tensor(slot)
+    _qkv_decode_kernel[(b,)](
+        qkv, q_norm_w if q_norm_w is not None else qkv, k_norm_w if k_norm_w is not None else qkv,
+        cos if rope else qkv, sin if rope else qkv, q, k_cache, v_cache, slot if slot_t else qkv,
+        0 if slot_t else int(slot), float(eps), float(clip or 0.0), qkv.stride(0), cos.stride(0) if rope else 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), HQ=num_heads, HKV=num_kv_heads, HQ_P=triton.next_power_of_2(num_heads),
+        HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim, QK_NORM=QK_NORMS[qk_norm],
+        CLIP=clip is not None, ROPE=rope, SLOT_PTR=slot_t, num_warps=4)
+    return q

@@ -1,0 +1,139 @@
+"""The decode step's fused kernels against their torch references: RMSNorm with the residual
+add in front, and the QKV epilogue (q/k norms, clip, rotary, KV-cache append); on CPU under
+the interpreter and on a GPU, where the model's fused decode path must match the unfused one."""
+import pytest
+import torch
+
+import kernels
+from kernels.norm import rms_norm_ref, rms_norm_triton
+from kernels.qkv_decode import qkv_decode_ref, qkv_decode_triton
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+BACKENDS = [
+    pytest.param("cpu", torch.float32, id="interp-fp32", marks=pytest.mark.interp),
+    pytest.param("cpu", torch.bfloat16, id="interp-bf16", marks=pytest.mark.interp),
+    pytest.param("cuda", torch.bfloat16, id="gpu-bf16", marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.float16, id="gpu-fp16", marks=pytest.mark.gpu),
+]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("shape", [(1, 64), (3, 1, 200), (5, 4096), (2, 3, 33)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(device, dtype, shape, with_residual):
+    gen = torch.Generator().manual_seed(sum(shape) + with_residual)
+    x = (torch.randn(shape, generator=gen) * 3 + 0.5).to(device, dtype)
+    r = torch.randn(shape, generator=gen).to(device, dtype) if with_residual else None
+    w = (torch.rand(shape[-1], generator=gen) + 0.5).to(device, dtype)
+    out = rms_norm_triton(x, w, 1e-5, r)
+    ref = rms_norm_ref(x.double(), w.double(), 1e-5, None if r is None else r.double())
+    if with_residual:
+        (out, summed), (ref, ref_sum) = out, ref
+        assert summed.dtype == dtype and rel(summed, ref_sum) < TOL[dtype]
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel(out, ref) < TOL[dtype]
+
+
+def test_rms_norm_rejects_mismatched_shapes():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"weight \[7\]: expected \[8\]"):
+        rms_norm_triton(x, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match=r"residual \[2, 4\]: expected x's shape \[2, 8\]"):
+        rms_norm_triton(x, torch.ones(8), 1e-6, torch.randn(2, 4))
+
+
+def _qkv_case(device, dtype, b, hq, hkv, d, s, qk_norm, rope, seed):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(b, (hq + 2 * hkv) * d, generator=gen) * 2).to(device, dtype)
+    kc = torch.randn(b, hkv, s, d, generator=gen).to(device, dtype)
+    vc = torch.randn(b, hkv, s, d, generator=gen).to(device, dtype)
+    pos = torch.randint(0, 500, (b, 1), generator=gen).float()
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    ang = torch.cat([pos * inv, pos * inv], dim=-1)
+    cos, sin = (ang.cos().to(device, dtype), ang.sin().to(device, dtype)) if rope else (None, None)
+    qw = kw = None
+    if qk_norm == "head":
+        qw, kw = ((torch.rand(d, generator=gen) + 0.5).to(device, dtype) for _ in range(2))
+    elif qk_norm == "full":
+        qw = (torch.rand(hq * d, generator=gen) + 0.5).to(device, dtype)
+        kw = (torch.rand(hkv * d, generator=gen) + 0.5).to(device, dtype)
+    return qkv, kc, vc, cos, sin, qw, kw
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("b,hq,hkv,d", [(1, 4, 4, 16), (3, 6, 2, 32), (2, 5, 1, 64)])
+@pytest.mark.parametrize("qk_norm", [None, "head", "full"])
+@pytest.mark.parametrize("rope,clip,tensor_slot", [(True, None, True), (True, 1.5, False), (False, None, False)])
+def test_qkv_decode_matches_reference(device, dtype, b, hq, hkv, d, qk_norm, rope, clip, tensor_slot):
+    s, slot = 9, 6
+    qkv, kc, vc, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, s, qk_norm, rope, b * hq + d)
+    slot_arg = torch.tensor(slot, device=device) if tensor_slot else slot
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = qkv_decode_triton(qkv, hq, hkv, d, kc, vc, slot_arg, cos, sin, qk_norm, qw, kw, 1e-6, clip)
+    up = lambda z: None if z is None else z.double()  # noqa: E731
+    kr, vr = kc2.double(), vc2.double()
+    qr = qkv_decode_ref(qkv.double(), hq, hkv, d, kr, vr, slot, up(cos), up(sin), qk_norm, up(qw), up(kw), 1e-6,
+                        clip)
+    assert q.shape == (b, hq, 1, d) and q.dtype == dtype
+    # Norm and rotation round to the dtype at each step, as the torch modules do: against the
+    # float64 math that is a few roundings of error; against the same ops in the dtype, less
+    # (on a GPU; the interpreter's bf16 casts truncate rather than round).
+    loose, tight = (2 * TOL[dtype], TOL[dtype] / 4) if device == "cuda" else (3 * TOL[dtype], 3 * TOL[dtype])
+    assert rel(q, qr) < loose and rel(kc[:, :, slot], kr[:, :, slot]) < loose
+    kd, vd = kc2.clone(), vc2.clone()
+    qd = qkv_decode_ref(qkv, hq, hkv, d, kd, vd, slot, cos, sin, qk_norm, qw, kw, 1e-6, clip)
+    assert rel(q, qd) < tight and rel(kc[:, :, slot], kd[:, :, slot]) < tight
+    assert rel(vc[:, :, slot], vr[:, :, slot]) < TOL[dtype]
+    others = [i for i in range(s) if i != slot]  # the append touches the one slot only
+    assert torch.equal(kc[:, :, others], kc2[:, :, others]) and torch.equal(vc[:, :, others], vc2[:, :, others])
+
+
+def test_qkv_decode_rejects_bad_shapes():
+    kc = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"qkv \[1, 40\]: expected \[B, \(Hq \+ 2 Hkv\) \* D = 64\]"):
+        qkv_decode_triton(torch.randn(1, 40), 4, 2, 8, kc, kc.clone(), 0)
+    with pytest.raises(ValueError, match=r"k_cache / v_cache"):
+        qkv_decode_triton(torch.randn(1, 64), 4, 2, 8, torch.zeros(1, 3, 4, 8), kc, 0)
+    with pytest.raises(ValueError, match=r"qk_norm='layer'"):
+        qkv_decode_triton(torch.randn(1, 64), 4, 2, 8, kc, kc.clone(), 0, qk_norm="layer")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk_norm", [None, "head", "full"])
+def test_attention_fused_decode_equals_unfused(qk_norm):
+    """The model's attention on a decode token: the fused kernel and the torch ops agree
+    (same cache contents, same output), for a tensor slot and an int start."""
+    from types import SimpleNamespace
+
+    from dense.attention import Attention, KVCache, StepContext
+    from dense.rotary import Rotary
+
+    cfg = SimpleNamespace(head_dim=64, num_heads=8, num_kv_heads=2, hidden_size=256, qkv_bias=False,
+                          out_bias=False, qk_norm=qk_norm, norm_eps=1e-6, clip_qkv=None)
+    torch.manual_seed(0)
+    attn = Attention(cfg).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.05)
+    b, s = 3, 64
+    x = torch.randn(b, 1, 256, device="cuda", dtype=torch.bfloat16)
+    key_valid = torch.ones(b, s, dtype=torch.bool, device="cuda")
+    positions = torch.arange(s, device="cuda").expand(b, s).contiguous()
+    slot = torch.tensor(17, device="cuda")
+    ctx = StepContext.decode_static(slot, key_valid, positions, Rotary(64, 10000.0), torch.bfloat16)
+    caches = [KVCache(1, b, 2, s, 64, torch.bfloat16, "cuda") for _ in range(2)]
+    for c in caches[1:]:
+        c.k.copy_(caches[0].k.normal_()), c.v.copy_(caches[0].v.normal_())
+    with torch.no_grad():
+        qkv = attn.qkv_proj(x)
+        fused = attn._fused_decode(qkv, ctx, caches[0], 0)
+        unfused = attn._unfused(qkv, ctx, caches[1], 0)
+    assert fused is not None
+    for a, r in zip(fused, unfused):
+        assert rel(a, r) < 1e-2
+    assert rel(caches[0].k, caches[1].k) < 1e-3 and rel(caches[0].v, caches[1].v) == 0.0
+    assert kernels.qkv_decode_supported(64) and not kernels.qkv_decode_supported(96)
