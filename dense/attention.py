@@ -209,7 +209,7 @@ class Attention(nn.Module):
         b, t, _ = qkv.shape
         if not (qkv.is_cuda and t == 1 and type(cache) is KVCache and kernels.qkv_decode_supported(self.head_dim)):
             return None
-        norm = self.q_norm if self.qk_norm else None
+        norm = getattr(self, "q_norm", None)
         if isinstance(norm, ShardedRMSNorm) and norm.group.size > 1:
             return None
         q = kernels.qkv_decode(

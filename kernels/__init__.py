@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from kernels.argmax import argmax_ref, argmax_triton
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from kernels.linear_select import dense_linear
-from kernels.norm import rms_norm_ref, rms_norm_triton
+from kernels.norm import (ROUTER_MAX_ROWS, rms_norm_ref, rms_norm_router_ref, rms_norm_router_triton,
+                          rms_norm_triton)
 from kernels.qkv_decode import qkv_decode_ref, qkv_decode_supported, qkv_decode_triton
 from kernels.gating import grouped_topk_triton, topk_gating_triton
 from kernels.route import route_scatter_triton, route_triton
@@ -129,11 +131,23 @@ def decode_attention(q, k, v, visible, scale=None):
     return decode_attention_ref(q, k, v, visible, scale)
 
 
+def argmax(x):
+    """x [B, V] -> [B] int64: first index of each row's maximum (split over the SMs on a GPU)."""
+    return argmax_triton(x) if x.is_cuda else argmax_ref(x)
+
+
 def rms_norm(x, weight, eps, residual=None):
     """RMSNorm over the last dimension in one launch on a GPU; with ``residual`` the add
     before it is fused too: -> norm(x + residual), x + residual."""
     fn = rms_norm_triton if x.is_cuda else rms_norm_ref
     return fn(x, weight, eps, residual)
+
+
+def rms_norm_router(x, residual, norm_w, eps, router_w):
+    """The MoE layer's entry in one launch on a GPU (T <= 16 rows): h = RMSNorm(x + residual),
+    the new residual stream x + residual, and the router logits h @ router_w.T."""
+    fn = rms_norm_router_triton if x.is_cuda else rms_norm_router_ref
+    return fn(x, residual, norm_w, eps, router_w)
 
 
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
@@ -155,7 +169,9 @@ def sbi_linear(x, w, scale=None, bias=None, residual=None, norm=None):
 
 __all__ = [
     "decode_attention", "decode_attention_ref", "decode_attention_triton",
-    "rms_norm", "rms_norm_ref", "rms_norm_triton",
+    "argmax", "argmax_ref", "argmax_triton",
+    "rms_norm", "rms_norm_ref", "rms_norm_triton", "ROUTER_MAX_ROWS",
+    "rms_norm_router", "rms_norm_router_ref", "rms_norm_router_triton",
     "qkv_decode", "qkv_decode_ref", "qkv_decode_supported", "qkv_decode_triton",
     "dense_linear", "linear_triton", "sbi_linear", "sbi_linear_ref", "sbi_linear_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "quantize_int8", "dequantize_ref",

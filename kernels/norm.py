@@ -75,3 +75,75 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
                                   h, h, BLOCK_H=block, HAS_RES=residual is not None,
                                   num_warps=max(1, min(16, block // 512)))
     return (out, summed) if residual is not None else out
+
+
+@triton.jit
+def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logits_ptr, T, H, E, eps,
+                            stride_x, stride_res, stride_rw,
+                            BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    """Program p: logits of experts p*BE .. for every row; program 0 also writes h and the sum."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BT)
+    row_ok = rows < T
+    experts = pid * BE + tl.arange(0, BE)
+    e_ok = experts < E
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    ss = tl.zeros([BT], tl.float32)
+    for k0 in range(0, H, BK):  # pass 1: each row's mean square of x + residual
+        ks = k0 + tl.arange(0, BK)
+        m = row_ok[:, None] & (ks < H)[None, :]
+        s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        s += tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        s = s.to(DT).to(tl.float32)
+        ss += tl.sum(s * s, axis=1)
+    rstd = 1.0 / tl.sqrt(ss / H + eps)
+    acc = tl.zeros([BT, BE], tl.float32)
+    for k0 in range(0, H, BK):  # pass 2: normalise, scale, and multiply by the router rows
+        ks = k0 + tl.arange(0, BK)
+        m = row_ok[:, None] & (ks < H)[None, :]
+        s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        s += tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        s = s.to(DT)
+        nw = tl.load(nw_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
+        h = ((s.to(tl.float32) * rstd[:, None]).to(DT).to(tl.float32) * nw[None, :]).to(DT)
+        if pid == 0:
+            tl.store(sum_ptr + rows[:, None] * H + ks[None, :], s, mask=m)
+            tl.store(h_ptr + rows[:, None] * H + ks[None, :], h, mask=m)
+        w = tl.load(rw_ptr + experts[None, :] * stride_rw + ks[:, None], mask=e_ok[None, :] & (ks < H)[:, None],
+                    other=0.0)  # [BK, BE]
+        # float32 products of the rounded operands, as cuBLAS forms them (and exact under the
+        # interpreter, whose bf16 dot is not); a decode step's 16 x BE tile is cheap on FMAs.
+        acc += tl.dot(h.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    tl.store(logits_ptr + rows[:, None] * E + experts[None, :], acc.to(DT), mask=row_ok[:, None] & e_ok[None, :])
+
+
+ROUTER_MAX_ROWS = 16  # the fused norm + router launch is for decode steps
+
+
+def rms_norm_router_ref(x, residual, norm_w, eps, router_w):
+    """x, residual [T, H]; router_w [E, H] -> (h = norm(x + residual) [T, H], x + residual,
+    router logits h @ router_w.T [T, E] in the input dtype)."""
+    h, summed = rms_norm_ref(x, norm_w, eps, residual)
+    return h, summed, h @ router_w.t()
+
+
+def rms_norm_router_triton(x, residual, norm_w, eps, router_w):
+    """Same contract as ``rms_norm_router_ref`` for T <= 16 rows in one launch: the MoE
+    layer's norm (with the residual add) and its router GEMM, which for a decode step is a
+    few hundred KB of weights, too little for cuBLAS to spread over the SMs."""
+    t, h = x.shape
+    e = router_w.shape[0]
+    if residual.shape != x.shape or tuple(norm_w.shape) != (h,) or router_w.shape[1] != h:
+        raise ValueError(f"x {list(x.shape)}, residual {list(residual.shape)}, norm weight {list(norm_w.shape)}, "
+                         f"router weight {list(router_w.shape)}: expected [T, H], [T, H], [H], [E, H]")
+    if t > ROUTER_MAX_ROWS or t == 0:
+        return rms_norm_router_ref(x, residual, norm_w, eps, router_w)
+    x, residual = x.contiguous(), residual.contiguous()
+    out_h = torch.empty_like(x)
+    summed = torch.empty_like(x)
+    logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
+    be = 16
+    _rms_norm_router_kernel[(triton.cdiv(e, be),)](
+        x, residual, norm_w, router_w, out_h, summed, logits, t, h, e, eps, x.stride(0), residual.stride(0),
+        router_w.stride(0), BT=16, BE=be, BK=128, num_warps=4)
+    return out_h, summed, logits

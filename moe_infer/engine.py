@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import kernels
+
 from moe_infer.config import Config
 from moe_infer.model import Transformer
 from moe_infer.sampling import SamplingParams, sample
@@ -53,7 +55,7 @@ class StaticDecoder:
     def _step(self):
         ctx = self.model.static_decode_context(self.slot, self.key_valid, self.positions)
         logits = self.model(self.tokens, ctx, self.cache, last_only=True)[:, -1]
-        return logits, logits.argmax(dim=-1)
+        return logits, kernels.argmax(logits)
 
     def run(self, tokens: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [batch] written at ``slot`` -> (logits [batch, V], greedy ids [batch])."""

@@ -31,8 +31,10 @@ class Router(nn.Module):
         self.top_k, self.score, self.renormalize = top_k, score, renormalize
         self.with_maps = with_maps  # dropless maps built in the gating launch
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        logits = x @ self.weight.t()  # [T, E]
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> Routing:
+        """``logits`` [T, E]: already computed (by the fused norm + router launch)."""
+        if logits is None:
+            logits = x @ self.weight.t()  # [T, E]
         if self.with_maps:
             return Routing(*kernels.route(logits, self.top_k, self.score, self.renormalize))
         return Routing(*kernels.topk_gating(logits, self.top_k, self.score, self.renormalize))

@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import kernels
 from comm import ParallelGroups
 from dense import MLP, Attention, KVCache, PagedKVCache, Rotary, StepContext, make_norm
+from dense.norm import RMSNorm
 from dense.parallel_linear import Linear
 from moe_infer.config import Config
 from moe_infer.moe_layer import MoELayer
@@ -28,6 +30,7 @@ class Block(nn.Module):
         else:
             self.ffn = MLP(m.hidden_size, m.ffn_hidden, m.activation, bias=m.mlp_bias, tp=groups.tp)
         self.index = index
+        self.fused_router = isinstance(self.ffn, MoELayer) and isinstance(self.ffn_norm, RMSNorm)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None,
                 pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +44,12 @@ class Block(nn.Module):
         a = self.attn(h, ctx, cache, self.index)
         if self.parallel:
             return x, a + self.ffn(h)
+        if self.fused_router and a.is_cuda and a.numel() <= kernels.ROUTER_MAX_ROWS * a.shape[-1]:
+            # Decode: the add, the norm and the router GEMM in one launch.
+            shape = a.shape
+            h, x, logits = kernels.rms_norm_router(a.view(-1, shape[-1]), x.view(-1, shape[-1]), self.ffn_norm.weight,
+                                                   self.ffn_norm.eps, self.ffn.router.weight)
+            return x.view(shape), self.ffn(h.view(shape), router_logits=logits)
         h, x = self.ffn_norm(a, residual=x)
         return x, self.ffn(h)
 

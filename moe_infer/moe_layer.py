@@ -42,10 +42,10 @@ class MoELayer(nn.Module):
             if moe_cfg.shared_expert_gate:
                 self.shared_gate = nn.Linear(h, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
-        routing = self.router(x)
+        routing = self.router(x, router_logits)
         out = self.dispatcher.run(x, routing, self.experts)  # [T, H]
         if self.shared is not None:
             shared = self.shared(x)

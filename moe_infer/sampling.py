@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -40,7 +42,7 @@ def sample(logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [B, V] -> token ids [B], without a host sync."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return kernels.argmax(logits)
     logits = logits.float() / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]

@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+import kernels
+
 from moe_infer.engine import Engine
 from moe_infer.sampling import SamplingParams, sample
 
@@ -297,7 +299,7 @@ class Scheduler:
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
         greedy = all(r.params.greedy for r in reqs)
         if greedy:
-            return logits.argmax(dim=-1)
+            return kernels.argmax(logits)
         return torch.cat([sample(logits[i:i + 1], r.params, r.generator) for i, r in enumerate(reqs)])
 
     def _report(self):

@@ -18,7 +18,7 @@ Floor per step: every weight but the experts and the embedding table; the expert
 of B is expected to hit (E * (1 - (1 - k/E)^B) per MoE layer, routing taken as uniform);
 the KV cache up to the middle of the generated span. Read once, at the measured copy
 bandwidth (device-to-device, read + write counted).
-Writes bench/results/decode-<device>-<date>.json.
+Writes bench/results/decode-<model>[-int8]-<device>-<date>.json.
 """
 from __future__ import annotations
 
@@ -253,13 +253,14 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny run (CPU: the static step without a graph)")
     ap.add_argument("--peer", action="store_true", help="also time transformers generate() on the same shape")
+    ap.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights for every linear layer")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel device time of one decode step (first batch size, fast mode)")
     ap.add_argument("--prefill", default="", help="prefill rates for LEN:BATCH pairs, e.g. 2048:8,512:32")
     args = ap.parse_args()
     if args.smoke:
         args.batches, args.new_tokens, args.reps = "1,3", 8, 2
-    engine = moe_infer.load(args.model, device=args.device, progress=False)
+    engine = moe_infer.load(args.model, device=args.device, progress=False, quantize=args.quantize)
     fast = "graph" if engine.decode_mode == "graph" else "static"
     vocab = engine.config.model.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -298,7 +299,8 @@ def main():
             r["peer_ms_per_token"] = peer.get(r["batch"])
     run = bc.run_info(engine.device)
     m = engine.config.model
-    print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {engine.dtype}")
+    print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {engine.dtype}"
+          f"{' | int8 weights' if args.quantize else ''}")
     print(f"model {args.model or 'default (embedded)'}: H={m.hidden_size} layers={m.num_layers} | prompts "
           f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy")
     if copy_gbs:
@@ -335,7 +337,8 @@ def main():
                               [[r["prompt_len"], r["batch"], f"{1e3 * r['seconds']:.1f}", f"{r['tokens_per_s']:.0f}",
                                 f"{r['tflops']:.1f}", opt(r["pct_mm"], ".0f")] for r in prefill]))
     if not args.smoke:
-        bc.write_results("decode", engine.device, {"run": run, "model": args.model or "default", "args": vars(args),
+        name = f"decode-{Path(args.model).stem if args.model else 'default'}{'-int8' if args.quantize else ''}"
+        bc.write_results(name, engine.device, {"run": run, "model": args.model or "default", "args": vars(args),
                                                    "copy_gbs": copy_gbs, "peer": peer_note, "rows": rows,
                                                    "profile": profile, "prefill": prefill})
 

@@ -129,6 +129,7 @@ def main():
     ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--copies", type=int, default=4, help="input sets rotated through (defeats L2 reuse)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--no-attention", action="store_true", help="only the GEMM shapes")
     ap.add_argument("--write-table", action="store_true",
                     help="store the fastest GEMM per shape and row bucket in kernels/configs/dense.json")
     args = ap.parse_args()
@@ -139,6 +140,8 @@ def main():
     if args.smoke:
         models, tokens, args.copies = ["tiny-moe"], [1, 3], 2
         cases = [(2, 4, 2, 40, 16)]
+    if args.no_attention:
+        cases = []
     copy_gbs = bc.measure_copy_bandwidth(device) if device.type == "cuda" else None
     gemm = gemm_rows(models, tokens, device, dtype, args.copies, copy_gbs)
     attn = attention_rows(cases, device, dtype, args.copies, copy_gbs)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call's worth of checks and measurements for the dense decode path (issue 5):
-# the GPU tests of the new kernels and of graph decode, and decode per token with
-# its floor, the transformers peer and a per-kernel profile of the step. Logs go to OUT
-# (default $OUT, else bench/results/sweep).
-# The step limits add up to under 10 minutes, one device call.
+# the GPU tests of the fused decode kernels and of graph decode; the GEMM table for the
+# OLMoE shapes; decode per token with its floor, a per-kernel profile of the step, the
+# transformers peer and prefill rates (OLMoE bf16 and int8, Qwen3-30B-A3B, the embedded
+# model). Logs go to OUT (default $OUT, else bench/results/sweep). The step limits add up
+# to under 10 minutes, one device call.
 #
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sweep.sh [OUT]
 set -uo pipefail
@@ -15,12 +16,17 @@ step() {  # name, timeout in seconds, command...: runs it, logs it, prints its t
     shift 2
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     echo "== $name: rc $?"
-    tail -n 25 "$out/$name.log"
+    tail -n "${TAIL:-12}" "$out/$name.log"
 }
-step gpu_tests 150 python -m pytest -q -p no:cacheprovider --color=no -m gpu tests/test_fused_decode.py \
-    tests/test_engine.py tests/test_quant.py tests/test_default_model.py
-step decode_default 60 python scripts/bench_decode.py --batches 1,8 --new-tokens 64 --reps 3 --profile
-step decode_olmoe 200 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 64 --reps 3 \
-    --profile --peer --prefill 2048:8,512:8,128:32
-cp bench/results/*.json "$out/" 2>/dev/null
+TAIL=4 step gpu_tests 100 python -m pytest -q -p no:cacheprovider --color=no -m gpu tests/test_fused_decode.py \
+    tests/test_engine.py tests/test_default_model.py
+TAIL=2 step dense_olmoe 40 python scripts/bench_dense.py --write-table --models olmoe-1b-7b --no-attention
+TAIL=25 step decode_olmoe 170 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 64 \
+    --reps 3 --profile --peer --prefill 2048:8
+TAIL=6 step decode_olmoe_int8 60 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 64 \
+    --reps 3 --quantize int8
+TAIL=20 step decode_qwen3 120 python scripts/bench_decode.py --model qwen3-30b-a3b --batches 1,8 --new-tokens 64 \
+    --reps 3 --profile
+TAIL=6 step decode_default 40 python scripts/bench_decode.py --batches 1 --new-tokens 64 --reps 3
+cp bench/results/decode-*.json kernels/configs/dense.json "$out/" 2>/dev/null
 exit 0
