@@ -28,5 +28,8 @@ TAIL=6 step decode_olmoe_int8 60 python scripts/bench_decode.py --model olmoe-1b
 TAIL=20 step decode_qwen3 120 python scripts/bench_decode.py --model qwen3-30b-a3b --batches 1,8 --new-tokens 64 \
     --reps 3 --profile
 TAIL=6 step decode_default 40 python scripts/bench_decode.py --batches 1 --new-tokens 64 --reps 3
-cp bench/results/decode-*.json kernels/configs/dense.json "$out/" 2>/dev/null
+# One archive back: the logs, this run's result files and the GEMM table.
+find bench/results -newer "$out/gpu_tests.log" -name '*.json' -print0 | xargs -0 cp -t "$out" 2>/dev/null
+cp kernels/configs/dense.json "$out/dense-table.json"
+tar czf "$out.tgz" -C "$out" . && mv "$out.tgz" "$out/sweep.tgz"
 exit 0
