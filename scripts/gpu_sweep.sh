@@ -31,5 +31,5 @@ TAIL=6 step decode_default 40 python scripts/bench_decode.py --batches 1 --new-t
 # One archive back: the logs, this run's result files and the GEMM table.
 find bench/results -newer "$out/gpu_tests.log" -name '*.json' -print0 | xargs -0 cp -t "$out" 2>/dev/null
 cp kernels/configs/dense.json "$out/dense-table.json"
-tar czf "$out.tgz" -C "$out" . && mv "$out.tgz" "$out/sweep.tgz"
+tar czf /tmp/sweep.tgz -C "$out" . && rm -f "$out"/* && mv /tmp/sweep.tgz "$out/"
 exit 0
