@@ -214,7 +214,7 @@ class Attention(nn.Module):
             return None
         q = kernels.qkv_decode(
             qkv.view(b, -1), self.num_heads, self.num_kv_heads, self.head_dim, cache.k[layer], cache.v[layer],
-            ctx.start, ctx.cos, ctx.sin, self.qk_norm, norm.weight if norm else None,
+            ctx.start, ctx.cos, ctx.sin, self.qk_norm if norm else None, norm.weight if norm else None,
             self.k_norm.weight if norm else None, norm.eps if norm else 1e-6, self.clip_qkv)
         return (q, *cache.visible(layer, ctx.start, 1))
 

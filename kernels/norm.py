@@ -81,7 +81,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logits_ptr, T, H, E, eps,
                             stride_x, stride_res, stride_rw,
                             BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
-    """Program p: logits of experts p*BE .. for every row; program 0 also writes h and the sum."""
+    """Program p: logits of experts p*BE .. for every row; program 0 also writes h and the sum.
+    Products are summed in float32 on the CUDA cores ([BT, BE, BK] per step): a decode step
+    has too few rows for the tensor cores to pay, and each program's weights are a few KB."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BT)
     row_ok = rows < T
@@ -109,12 +111,18 @@ def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logi
         if pid == 0:
             tl.store(sum_ptr + rows[:, None] * H + ks[None, :], s, mask=m)
             tl.store(h_ptr + rows[:, None] * H + ks[None, :], h, mask=m)
-        w = tl.load(rw_ptr + experts[None, :] * stride_rw + ks[:, None], mask=e_ok[None, :] & (ks < H)[:, None],
-                    other=0.0)  # [BK, BE]
-        # float32 products of the rounded operands, as cuBLAS forms them (and exact under the
-        # interpreter, whose bf16 dot is not); a decode step's 16 x BE tile is cheap on FMAs.
-        acc += tl.dot(h.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        w = tl.load(rw_ptr + experts[:, None] * stride_rw + ks[None, :], mask=e_ok[:, None] & (ks < H)[None, :],
+                    other=0.0).to(tl.float32)  # [BE, BK]
+        acc += tl.sum(h.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     tl.store(logits_ptr + rows[:, None] * E + experts[None, :], acc.to(DT), mask=row_ok[:, None] & e_ok[None, :])
+
+
+def _router_blocks(t: int, h: int) -> tuple[int, int, int]:
+    """(BT, BE, BK): rows padded to a power of two, 4 experts a program (16-32 programs for
+    the MoE models here), and a K step that keeps the [BT, BE, BK] product at 8K values."""
+    bt, be = triton.next_power_of_2(max(t, 1)), 4
+    bk = max(32, min(triton.next_power_of_2(h), 8192 // (bt * be)))
+    return bt, be, bk
 
 
 ROUTER_MAX_ROWS = 16  # the fused norm + router launch is for decode steps
@@ -142,8 +150,8 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w):
     out_h = torch.empty_like(x)
     summed = torch.empty_like(x)
     logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
-    be = 16
+    bt, be, bk = _router_blocks(t, h)
     _rms_norm_router_kernel[(triton.cdiv(e, be),)](
         x, residual, norm_w, router_w, out_h, summed, logits, t, h, e, eps, x.stride(0), residual.stride(0),
-        router_w.stride(0), BT=16, BE=be, BK=128, num_warps=4)
+        router_w.stride(0), BT=bt, BE=be, BK=bk, num_warps=4)
     return out_h, summed, logits

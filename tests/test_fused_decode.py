@@ -103,7 +103,7 @@ def test_qkv_decode_rejects_bad_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qk_norm", [None, "head", "full"])
+@pytest.mark.parametrize("qk_norm", ["none", "head", "full"])  # the config's spellings
 def test_attention_fused_decode_equals_unfused(qk_norm):
     """The model's attention on a decode token: the fused kernel and the torch ops agree
     (same cache contents, same output), for a tensor slot and an int start."""
