@@ -79,10 +79,12 @@ def floor_bytes(engine, batch: int, context: int) -> int:
     return int(total + batch * context * kv)
 
 
-# Kernel name patterns -> the part of the step they belong to (first match wins).
+# Kernel name patterns -> the part of the step they belong to (first match wins; the
+# fused norm + router launch counts as routing).
 PARTS = [
+    ("MoE routing", ("_topk_gating_kernel", "_grouped_topk_kernel", "_route_scatter_kernel", "_maps_",
+                     "_rms_norm_router_kernel")),
     ("MoE experts", ("_grouped_gemm_kernel", "_gather_kernel", "_scatter_kernel")),
-    ("MoE routing", ("_topk_gating_kernel", "_grouped_topk_kernel", "_route_scatter_kernel", "_maps_")),
     ("norms", ("_rms_norm_kernel", "layer_norm", "LayerNorm")),
     ("qkv epilogue", ("_qkv_decode_kernel",)),
     ("attention", ("fmha", "flash", "attention", "_split_kernel", "_combine_kernel", "softmax")),
