@@ -44,14 +44,10 @@ class Int8Linear(nn.Module):
 def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("router", "shared_gate"),
                      min_out: int = 16) -> int:
     """Swaps the model's linear layers for ``Int8Linear`` in place; returns how many."""
-    swapped = 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
-            if not isinstance(child, LINEAR_TYPES) or any(s in full.split(".") for s in skip):
-                continue
-            if child.weight.shape[0] < min_out:
-                continue
-            setattr(parent, name, Int8Linear(child))
-            swapped += 1
-    return swapped
+    targets = [(parent, name) for parent_name, parent in model.named_modules()
+               for name, child in parent.named_children()
+               if isinstance(child, LINEAR_TYPES) and child.weight.shape[0] >= min_out
+               and not any(s in f"{parent_name}.{name}".split(".") for s in skip)]
+    for parent, name in targets:  # pairs, not modules: each full-precision weight is freed as it goes
+        setattr(parent, name, Int8Linear(getattr(parent, name)))
+    return len(targets)

@@ -117,10 +117,11 @@ def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logi
     tl.store(logits_ptr + rows[:, None] * E + experts[None, :], acc.to(DT), mask=row_ok[:, None] & e_ok[None, :])
 
 
-def _router_blocks(t: int, h: int) -> tuple[int, int, int]:
-    """(BT, BE, BK): rows padded to a power of two, 4 experts a program (16-32 programs for
-    the MoE models here), and a K step that keeps the [BT, BE, BK] product at 8K values."""
-    bt, be = triton.next_power_of_2(max(t, 1)), 4
+def _router_blocks(t: int, h: int, e: int) -> tuple[int, int, int]:
+    """(BT, BE, BK): rows padded to a power of two; up to 4 experts a program, fewer when
+    that leaves under 16 programs (Mixtral's 8 experts: one each); a K step that keeps the
+    [BT, BE, BK] product at 8K values."""
+    bt, be = triton.next_power_of_2(max(t, 1)), max(1, min(4, triton.next_power_of_2(e) // 16))
     bk = max(32, min(triton.next_power_of_2(h), 8192 // (bt * be)))
     return bt, be, bk
 
@@ -150,7 +151,7 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w):
     out_h = torch.empty_like(x)
     summed = torch.empty_like(x)
     logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
-    bt, be, bk = _router_blocks(t, h)
+    bt, be, bk = _router_blocks(t, h, e)
     _rms_norm_router_kernel[(triton.cdiv(e, be),)](
         x, residual, norm_w, router_w, out_h, summed, logits, t, h, e, eps, x.stride(0), residual.stride(0),
         router_w.stride(0), BT=bt, BE=be, BK=bk, num_warps=4)

@@ -74,11 +74,12 @@ class Int8Experts(Experts):
 
 def quantize_experts(model: nn.Module) -> nn.Module:
     """Swaps every ``Experts`` module of ``model`` for its int8 version, in place."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is Experts:
-                setattr(module, name, Int8Experts(child))
-                del child
+    # (parent, name) pairs, not the modules: a list holding every bf16 Experts would keep
+    # them all alive until the end, and a model that fills the GPU has no room for that.
+    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+               if type(child) is Experts]
+    for parent, name in targets:
+        setattr(parent, name, Int8Experts(getattr(parent, name)))  # the bf16 module is freed here
     return model
 
 
