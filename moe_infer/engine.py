@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 import kernels
-
 from moe_infer.config import Config
 from moe_infer.model import Transformer
 from moe_infer.sampling import SamplingParams, sample

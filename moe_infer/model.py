@@ -47,8 +47,8 @@ class Block(nn.Module):
         if self.fused_router and a.is_cuda and a.numel() <= kernels.ROUTER_MAX_ROWS * a.shape[-1]:
             # Decode: the add, the norm and the router GEMM in one launch.
             shape = a.shape
-            h, x, logits = kernels.rms_norm_router(a.view(-1, shape[-1]), x.view(-1, shape[-1]), self.ffn_norm.weight,
-                                                   self.ffn_norm.eps, self.ffn.router.weight)
+            h, x, logits = kernels.rms_norm_router(a.view(-1, shape[-1]), x.view(-1, shape[-1]),
+                                                   self.ffn_norm.weight, self.ffn_norm.eps, self.ffn.router.weight)
             return x.view(shape), self.ffn(h.view(shape), router_logits=logits)
         h, x = self.ffn_norm(a, residual=x)
         return x, self.ffn(h)
