@@ -201,17 +201,18 @@ class Attention(nn.Module):
             self.q_norm = ShardedRMSNorm(q_width, q_total, cfg.norm_eps, tp, q_first * d)
             self.k_norm = ShardedRMSNorm(kv_width, kv_total, cfg.norm_eps, tp, kv_first * d, replicas)
         self.clip_qkv = cfg.clip_qkv
+        # The fused decode kernel covers power-of-two head dims, and an all-heads q/k norm
+        # only when this rank holds all heads (otherwise the norm needs an all-reduce).
+        self.fusable = kernels.qkv_decode_supported(d) and not (cfg.qk_norm == "full" and tp.size > 1)
 
     def _fused_decode(self, qkv: torch.Tensor, ctx: StepContext, cache, layer: int):
         """q [B, Hq, 1, D], k, v [B, Hkv, S, D] through one fused kernel (norms, clip,
         rotary, cache append) for one decode token per row on a GPU; None where it does not
         apply (CPU, prefill, the paged cache, an all-heads q/k norm split across ranks)."""
         b, t, _ = qkv.shape
-        if not (qkv.is_cuda and t == 1 and type(cache) is KVCache and kernels.qkv_decode_supported(self.head_dim)):
+        if not (self.fusable and qkv.is_cuda and t == 1 and type(cache) is KVCache):
             return None
         norm = getattr(self, "q_norm", None)
-        if isinstance(norm, ShardedRMSNorm) and norm.group.size > 1:
-            return None
         q = kernels.qkv_decode(
             qkv.view(b, -1), self.num_heads, self.num_kv_heads, self.head_dim, cache.k[layer], cache.v[layer],
             ctx.start, ctx.cos, ctx.sin, self.qk_norm if norm else None, norm.weight if norm else None,

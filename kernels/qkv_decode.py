@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.norm import rms_norm_ref
+
 QK_NORMS = {None: 0, "head": 1, "full": 2}
 
 
@@ -109,11 +111,7 @@ def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slo
     "full" (weights [Hq * D], [Hkv * D]); ``clip`` clamps q, k, v."""
     _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
     b, d = qkv.shape[0], head_dim
-
-    def norm(x, w):
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
+    norm = lambda x, w: rms_norm_ref(x, w, eps)  # noqa: E731
     q, k, v = qkv.split((num_heads * d, num_kv_heads * d, num_kv_heads * d), dim=-1)
     if qk_norm == "full":
         q, k = norm(q, q_norm_w), norm(k, k_norm_w)
