@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call's worth of multi-GPU checks and measurements (issue 4): the mpi tests
+# under NCCL at RANKS ranks, scripts/bench_ep.py, and a profiled PCC / naive pass at
+# T = 64. Logs go to OUT (default $OUT, else bench/results/ep-sweep), packed into one archive.
+#
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_ep.sh RANKS [OUT]
+set -uo pipefail
+ranks=${1:?usage: $0 RANKS [OUT]}
+out=${2:-${OUT:-bench/results/ep-sweep}}
+mkdir -p "$out"
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+here=$(dirname "$0")
+step() {  # name, timeout in seconds, command...: runs it, logs it, prints its tail
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    echo "== $name: rc $?"
+    tail -n "${TAIL:-12}" "$out/$name.log"
+}
+nvidia-smi topo -m > "$out/topo.log" 2>&1
+TAIL=6 step mpi_tests 150 "$here/launch.sh" -n "$ranks" -- python -m pytest -q -p no:cacheprovider --color=no \
+    -m mpi tests/test_comm_mpi.py tests/test_model_mpi.py
+TAIL=45 step bench_ep 240 "$here/launch.sh" -n "$ranks" -- python scripts/bench_ep.py --reps 30
+find bench/results -newer "$out/topo.log" -name 'ep-*.json' -print0 | xargs -0 cp -t "$out" 2>/dev/null
+TAIL=0 step bench_ep_profile 90 "$here/launch.sh" -n "$ranks" -- python scripts/bench_ep.py --shapes mixtral \
+    --tokens 64 --reps 5 --profile  # its own JSON is not kept: the run above wrote the table's
+tar czf /tmp/ep-sweep.tgz -C "$out" . && rm -f "$out"/* && mv /tmp/ep-sweep.tgz "$out/"
+exit 0
