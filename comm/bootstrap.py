@@ -80,3 +80,12 @@ def bootstrap(backend: str | None = None, timeout_s: float = 300.0) -> RankInfo:
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return RankInfo(rank, world, local_rank, device)
+
+
+def shutdown() -> None:
+    """Ends this rank's part of the job's process group: waits for every rank, then
+    destroys it. (A rank that exits while a peer's gloo connection to it is still open
+    makes gloo terminate that peer.)"""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

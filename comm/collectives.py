@@ -45,8 +45,14 @@ def all_to_all(x: torch.Tensor, send_counts, group: Group, recv_counts=None) -> 
 def exchange_counts(send_counts, group: Group) -> tuple[list[int], list[int]]:
     """Each rank tells each peer how many rows it will send it. -> (send, recv) as lists."""
     if group.size == 1:
-        return _as_list(send_counts), _as_list(send_counts)
-    send = torch.as_tensor(send_counts, dtype=torch.int64, device=_comm_device(group))
+        counts = _as_list(send_counts)
+        return counts, list(counts)
+    device = _comm_device(group)
+    if isinstance(send_counts, torch.Tensor) and send_counts.device == device and send_counts.dtype in (
+            torch.int32, torch.int64):
+        send = send_counts.contiguous()  # sent as it is: no cast launch
+    else:
+        send = torch.as_tensor(send_counts, dtype=torch.int64, device=device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group.group)
     both = torch.cat([send, recv]).tolist()  # one wait for the host, for both lists

@@ -16,9 +16,9 @@ from kernels.gating import grouped_topk_triton, topk_gating_triton
 from kernels.route import route_scatter_triton, route_triton
 from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
 from kernels.moe_triton import fused_moe_triton, grouped_ffn_triton, linear_triton, quantize_int8
-from kernels.layout import gather_rows_triton, scatter_rows_triton
+from kernels.layout import dispatch_rows_triton, gather_rows_triton, scatter_rows_triton
 from kernels.maps import token_maps_triton
-from kernels.moe_ref import (ACTIVATIONS, dequantize_ref, expert_ffn_ref, fused_moe_ref,
+from kernels.moe_ref import (ACTIVATIONS, TAG_INTS, dequantize_ref, dispatch_rows_ref, expert_ffn_ref, fused_moe_ref,
                              gather_rows_ref, grouped_ffn_ref, grouped_topk_ref, row_pair_ref,
                              scatter_rows_ref, token_maps_ref, topk_gating_ref)
 
@@ -67,8 +67,18 @@ def scatter_rows(x, rows, out=None):
     return scatter_rows_triton(x, rows, out) if x.is_cuda else scatter_rows_ref(x, rows, out)
 
 
-def gather_rows(ys, rows, weights):
-    return gather_rows_triton(ys, rows, weights) if ys.is_cuda else gather_rows_ref(ys, rows, weights)
+def gather_rows(ys, rows, weights, limit=None):
+    if ys.is_cuda:
+        return gather_rows_triton(ys, rows, weights, limit)
+    return gather_rows_ref(ys, rows, weights, limit)
+
+
+def dispatch_rows(x, rows, expert_ids, experts_per_rank, out):
+    """The expert-parallel send buffer, each row tagged with its local expert (see
+    ``dispatch_rows_ref``)."""
+    if x.is_cuda:
+        return dispatch_rows_triton(x, rows, expert_ids, experts_per_rank, out)
+    return dispatch_rows_ref(x, rows, expert_ids, experts_per_rank, out)
 
 
 def grouped_ffn(xs, offsets, w13, w2, activation="silu", w13_scale=None, w2_scale=None):
@@ -181,5 +191,6 @@ __all__ = [
     "token_maps", "token_maps_ref", "token_maps_triton",
     "scatter_rows", "scatter_rows_ref", "scatter_rows_triton",
     "gather_rows", "gather_rows_ref", "gather_rows_triton",
+    "dispatch_rows", "dispatch_rows_ref", "dispatch_rows_triton", "TAG_INTS",
     "grouped_ffn", "grouped_ffn_ref", "grouped_ffn_triton", "expert_ffn_ref",
 ]

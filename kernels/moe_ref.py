@@ -115,12 +115,36 @@ def scatter_rows_ref(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | No
     return xs
 
 
-def gather_rows_ref(ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * ys[rows[t, j]], accumulated in float32; a row of -1
-    adds nothing (ys may then have no rows at all)."""
+TAG_INTS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # the integer a row's tag column is read as
+
+
+def dispatch_rows_ref(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, experts_per_rank: int,
+                      out: torch.Tensor) -> torch.Tensor:
+    """The send buffer of an expert-parallel all-to-all: x [T, H] copied to rows ``rows``
+    [T, k * es] of ``out`` [N, H + pad] (es rows per pair), and in column H of each written
+    row, read as an integer of the element's width, the pair's local expert
+    ``expert_ids % experts_per_rank``."""
+    t, units = rows.shape
+    h = x.shape[1]
+    scatter_rows_ref(x, rows, out=out[:, :h])
+    local = (expert_ids % experts_per_rank).repeat_interleave(units // expert_ids.shape[1], dim=1)
+    flat = rows.reshape(-1).long()
+    keep = flat >= 0
+    ints = TAG_INTS[out.element_size()]
+    out.view(ints)[flat[keep], h] = local.reshape(-1)[keep].to(ints)
+    return out
+
+
+def gather_rows_ref(ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                    limit: int | None = None) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * ys[rows[t, j]], accumulated in float32; a row of -1,
+    or at or past ``limit`` (rows not sent, so not in ys), adds nothing (ys may then have
+    no rows at all)."""
     if not ys.shape[0]:
         return ys.new_zeros(rows.shape[0], ys.shape[1])
     flat = rows.long()
+    if limit is not None:
+        flat = torch.where(flat < limit, flat, -1)
     picked = ys[flat.clamp(min=0)].float()  # [T, k, H]
     w = torch.where(flat >= 0, weights.float(), torch.zeros_like(weights, dtype=torch.float32))
     return (picked * w.unsqueeze(-1)).sum(dim=1).to(ys.dtype)

@@ -67,47 +67,42 @@ class ExpertParallelDispatcher:
             dest_of = [where.get(r, groups.pcc.size) for r in groups.ep.ranks]
         else:
             dest_of = list(range(groups.ep.size))
-        # [E, es] tables, on the CPU (the model may be built on the meta device) until first use.
+        # [E, es] table, on the CPU (the model may be built on the meta device) until first use.
         units = range(expert_slicing)
         self.dest_table = torch.tensor([[dest_of[e // self.e_local * expert_slicing + s] for s in units]
                                         for e in range(num_experts)], device="cpu")
-        self.local_id = torch.tensor([[e % self.e_local] * expert_slicing for e in range(num_experts)],
-                                     device="cpu")
-        self._tables = {}  # (device, id dtype) -> the two tables there
+        self._tables = {}  # device -> the table there
         self.sent_pairs = 0  # (pair, slice) units this rank sent in the last call: for checks
 
-    def tables(self, device: torch.device, ints: torch.dtype):
-        key = (device, ints)
-        if key not in self._tables:
-            self._tables[key] = (self.dest_table.to(device, torch.int32), self.local_id.to(device, ints))
-        return self._tables[key]
+    def table(self, device: torch.device) -> torch.Tensor:
+        if device not in self._tables:
+            self._tables[device] = self.dest_table.to(device, torch.int32)
+        return self._tables[device]
 
     def dispatch(self, x: torch.Tensor, routing) -> "Sent":
-        """The layout transform by destination rank (the maps and scatter kernels of the
-        local path, over ranks instead of experts), then one all-to-all of the rows, each
-        carrying its local expert id in its padding: one count exchange, one host wait."""
+        """The layout transform by destination rank (the maps kernel of the local path, over
+        ranks instead of experts, then one kernel writing the send buffer), then one
+        all-to-all of the rows, each carrying its local expert id in its padding: one count
+        exchange, one host wait."""
         t, h = x.shape
         group = self.group
-        # Rows padded to a multiple of 16 elements (aligned for the expert GEMM); the first
-        # padding column holds the expert id's bits (the all-to-all only copies bytes, and
-        # NCCL moves no 16-bit integers).
-        ints = {2: torch.int16, 4: torch.int32}[x.element_size()]
-        dest_table, local_id = self.tables(x.device, ints)
-        dest = dest_table[routing.expert_ids].reshape(t, -1)  # [T, k * es] unit -> destination
+        dest = self.table(x.device)[routing.expert_ids].reshape(t, -1)  # [T, k * es] unit -> destination
         offsets, rows = kernels.token_maps(dest, group.size + 1)  # units grouped by destination
         send, recv = exchange_counts(offsets[1:-1] - offsets[:-2], group)
         n = sum(send)
         self.sent_pairs = n
+        # Rows padded to a multiple of 16 elements (aligned for the expert GEMM); the first
+        # padding column holds the expert id's bits (the all-to-all only copies bytes, and
+        # NCCL moves no 16-bit integers).
         payload = torch.empty(dest.numel(), h + PAD, dtype=x.dtype, device=x.device)
-        kernels.scatter_rows(x, rows, out=payload[:, :h])
-        payload.view(ints)[rows.reshape(-1), h] = local_id[routing.expert_ids].reshape(-1)
+        kernels.dispatch_rows(x, rows, routing.expert_ids, self.e_local, payload)
         received, _ = all_to_all(payload[:n], send, group, recv_counts=recv)
-        if self.pcc:  # the other TP ranks' units sit past n, unsent: nothing comes back for them
-            rows = torch.where(rows < n, rows, -1)
         weights = routing.weights.float()
         if self.es > 1:  # every slice returns a partial sum with the pair's weight
             weights = weights.repeat_interleave(self.es, dim=1)
-        return Sent(received[:, :h], received.view(ints)[:, h:h + 1], recv, send, rows, weights, group)
+        ints = kernels.TAG_INTS[x.element_size()]
+        # Under PCC the other TP ranks' units sit at rows n and on, unsent: nothing comes back for them.
+        return Sent(received[:, :h], received.view(ints)[:, h:h + 1], recv, send, rows, weights, group, n)
 
     @staticmethod
     def compute(sent: "Sent", experts) -> torch.Tensor:
@@ -122,7 +117,7 @@ class ExpertParallelDispatcher:
         kernel's weighted sum per token, accumulated in float32 (+ under PCC the all-reduce
         of the TP ranks' partial sums)."""
         back, _ = all_to_all(y, sent.recv_counts, sent.group, recv_counts=sent.send_counts)
-        out = kernels.gather_rows(back, sent.rows, sent.weight)
+        out = kernels.gather_rows(back, sent.rows, sent.weight, limit=sent.sent_rows)
         if self.pcc:
             all_reduce(out, self.groups.tp)  # each TP rank combined only its share of pairs
         return out
@@ -140,6 +135,7 @@ class Sent:
     expert: torch.Tensor  # [M, 1] local expert of each received row
     recv_counts: list[int]  # rows from each source
     send_counts: list[int]  # rows this rank sent to each destination
-    rows: torch.Tensor  # [T, k * es] send-buffer row of each (pair, slice) unit; -1: not sent here
+    rows: torch.Tensor  # [T, k * es] send-buffer row of each (pair, slice) unit
     weight: torch.Tensor  # [T, k * es] combine weight of each unit
     group: object  # the comm.Group of the all-to-all
+    sent_rows: int  # send-buffer rows that were sent (rows past them: another TP rank's units)

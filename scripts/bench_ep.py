@@ -27,7 +27,7 @@ _SCRIPTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
-from comm import ParallelGroups, bootstrap  # noqa: E402
+from comm import ParallelGroups, bootstrap, shutdown  # noqa: E402
 from dense import Attention, KVCache, MLP, StepContext  # noqa: E402
 from moe_infer.config import ModelConfig, MoEConfig, ParallelConfig  # noqa: E402
 from moe_infer.dispatch import ExpertParallelDispatcher  # noqa: E402
@@ -184,6 +184,7 @@ def main():
                 torch.cuda.empty_cache()
     h, heads, kv, ffn = (64, 8, 2, 96) if args.smoke else (4096, 32, 8, 14336)
     dense = [r for tp in (1, 2, 4) if (r := dense_case(tp, device, dtype, reps, h, heads, kv, ffn, 512))]
+    shutdown()
     if info.rank != 0:
         return
     run = bc.run_info(device)

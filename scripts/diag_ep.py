@@ -23,7 +23,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 import kernels  # noqa: E402
-from comm import ParallelGroups, all_reduce, all_to_all, bootstrap, exchange_counts  # noqa: E402
+from comm import ParallelGroups, all_reduce, all_to_all, bootstrap, exchange_counts, shutdown  # noqa: E402
 from moe_infer.config import ModelConfig, MoEConfig, ParallelConfig  # noqa: E402
 from moe_infer.moe_layer import MoELayer  # noqa: E402
 
@@ -76,22 +76,23 @@ def main():
             for t in [int(s) for s in args.tokens.split(",")]:
                 x = torch.randn(t, h, device=device, dtype=dtype, generator=gen)
                 routing = layer.router(x)
-                dest_table, _ = d.tables(device, torch.int16 if dtype == torch.bfloat16 else torch.int32)
-                dest = dest_table[routing.expert_ids].reshape(t, -1)
-                offsets, _ = kernels.token_maps(dest, d.group.size + 1)
+                dest = d.table(device)[routing.expert_ids].reshape(t, -1)
+                offsets, unit_rows = kernels.token_maps(dest, d.group.size + 1)
                 counts = offsets[1:-1] - offsets[:-2]
                 send, recv = exchange_counts(counts, d.group)
                 payload = torch.empty(dest.numel(), h + 16, dtype=x.dtype, device=device)
                 sent = d.dispatch(x, routing)
                 y = sent.x.contiguous()
+                back = torch.randn(sent.sent_rows, h, device=device, dtype=dtype)
                 steps = {
                     "token_maps": lambda: kernels.token_maps(dest, d.group.size + 1),
                     "exchange_counts (a2a + host wait)": lambda: exchange_counts(counts, d.group),
+                    "dispatch_rows (send buffer)": lambda: kernels.dispatch_rows(x, unit_rows, routing.expert_ids,
+                                                                                 d.e_local, payload),
                     "payload a2a": lambda: all_to_all(payload[:sum(send)], send, d.group, recv_counts=recv),
                     "whole dispatch": lambda: d.dispatch(x, routing),
                     "a2a back": lambda: all_to_all(y, sent.recv_counts, sent.group, recv_counts=sent.send_counts),
-                    "gather": lambda: kernels.gather_rows(y, sent.rows.clamp(max=max(y.shape[0] - 1, 0)),
-                                                          sent.weight),
+                    "gather": lambda: kernels.gather_rows(back, sent.rows, sent.weight, limit=sent.sent_rows),
                     "whole combine": lambda: d.combine(y, sent),
                 }
                 if d.pcc:
@@ -100,6 +101,7 @@ def main():
                 for step, fn in steps.items():
                     rows.append([name, t, step, median_us(fn, reps)])
         del layer
+    shutdown()
     if info.rank == 0:
         run = bc.run_info(device)
         print(f"device {run['device']} x {world} | date {run['date']} | commit {run['commit']} | {args.label}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of multi-GPU checks and measurements (issue 4): the mpi tests
-# under NCCL at RANKS ranks, scripts/bench_ep.py, and a profiled PCC / naive pass at
-# T = 64. Logs go to OUT (default $OUT, else bench/results/ep-sweep), packed into one archive.
+# under NCCL at RANKS ranks, scripts/bench_ep.py, and scripts/diag_ep.py (each step of the
+# dispatch and combine on its own). Logs go to OUT (default $OUT, else bench/results/ep-sweep), packed into one archive.
 #
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_ep.sh RANKS [OUT]
 set -uo pipefail
@@ -18,11 +18,10 @@ step() {  # name, timeout in seconds, command...: runs it, logs it, prints its t
     tail -n "${TAIL:-12}" "$out/$name.log"
 }
 nvidia-smi topo -m > "$out/topo.log" 2>&1
-TAIL=6 step mpi_tests 150 "$here/launch.sh" -n "$ranks" -- python -m pytest -q -p no:cacheprovider --color=no \
+TAIL=6 step mpi_tests 240 "$here/launch.sh" -n "$ranks" -- python -m pytest -q -p no:cacheprovider --color=no \
     -m mpi tests/test_comm_mpi.py tests/test_model_mpi.py
 TAIL=45 step bench_ep 240 "$here/launch.sh" -n "$ranks" -- python scripts/bench_ep.py --reps 30
 find bench/results -newer "$out/topo.log" -name 'ep-*.json' -print0 | xargs -0 cp -t "$out" 2>/dev/null
-TAIL=0 step bench_ep_profile 90 "$here/launch.sh" -n "$ranks" -- python scripts/bench_ep.py --shapes mixtral \
-    --tokens 64 --reps 5 --profile  # its own JSON is not kept: the run above wrote the table's
+TAIL=40 step diag_ep 90 "$here/launch.sh" -n "$ranks" -- python scripts/diag_ep.py --tokens 64,512,4096
 tar czf /tmp/ep-sweep.tgz -C "$out" . && rm -f "$out"/* && mv /tmp/ep-sweep.tgz "$out/"
 exit 0

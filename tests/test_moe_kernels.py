@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import kernels
-from kernels import (fused_moe_ref, fused_moe_triton, gather_rows_ref, gather_rows_triton, quantize_int8,
-                     scatter_rows_ref, scatter_rows_triton, token_maps_ref, token_maps_triton)
+from kernels import (TAG_INTS, dispatch_rows_ref, dispatch_rows_triton, fused_moe_ref, fused_moe_triton,
+                     gather_rows_ref, gather_rows_triton, quantize_int8, scatter_rows_ref, scatter_rows_triton,
+                     token_maps_ref, token_maps_triton)
 
 # fp32 multiplies exactly (ieee dot); half types round the FFN's hidden activations.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
@@ -64,6 +65,39 @@ def test_scatter_gather(device, dtype, t, h, k):
                                atol=1e-3 if dtype != torch.float32 else 1e-6)
     out = gather_rows_triton(xs, rows, w)
     assert rel(out.cpu(), gather_rows_ref(xs.cpu().double(), rows.cpu(), w.cpu().double())) < TOL[dtype]
+
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,h,e,k,es,ranks", [(1, 7, 8, 2, 1, 4), (5, 33, 6, 2, 2, 3), (33, 130, 12, 3, 1, 2)])
+def test_dispatch_rows(device, dtype, t, h, e, k, es, ranks):
+    """The expert-parallel send buffer: rows grouped by destination rank, each tagged with
+    its local expert in the integer column after H; then the gather with a row limit (rows
+    past it were never sent) leaves those units out."""
+    gen = torch.Generator().manual_seed(t * h + es)
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    ids, w = routing(t, e, k, device, gen)
+    per_rank = e // ranks
+    dest = (ids // per_rank).repeat_interleave(es, dim=1)  # [T, k * es]
+    _, rows = token_maps_ref(dest.cpu(), ranks)
+    rows = rows.to(device)
+    out = torch.full((t * k * es, h + 16), 3.0, device=device, dtype=dtype)
+    expected = dispatch_rows_ref(x.cpu(), rows.cpu(), ids.cpu(), per_rank, out.cpu().clone())
+    dispatch_rows_triton(x, rows, ids, per_rank, out)
+    assert torch.equal(out.cpu(), expected)  # copies and integer tags: exact
+    tags = out.view(TAG_INTS[out.element_size()])[:, h].cpu().long()
+    flat_rows = rows.reshape(-1).cpu().long()
+    assert torch.equal(tags[flat_rows], (ids.cpu().long() % per_rank).repeat_interleave(es, dim=1).reshape(-1))
+    with pytest.raises(ValueError, match=r"out \[.*\] torch\.\w+: expected a contiguous"):
+        dispatch_rows_triton(x, rows, ids, per_rank, out[:, :h])
+    limit = t * k * es // 2
+    ww = w.repeat_interleave(es, dim=1)
+    got = gather_rows_triton(out[:limit, :h].contiguous(), rows, ww, limit=limit)
+    ref = gather_rows_ref(out[:, :h].cpu().double(), torch.where(rows.cpu() < limit, rows.cpu(), -1),
+                          ww.cpu().double())
+    assert rel(got.cpu(), ref) < TOL[dtype]
+    assert torch.allclose(gather_rows_ref(out[:limit, :h].cpu().double(), rows.cpu(), ww.cpu().double(), limit), ref)
 
 
 INTERP_CASES = [(1, 40, 24, 4, 2, "silu"), (3, 33, 20, 5, 2, "silu"), (33, 48, 16, 7, 3, "gelu"),
