@@ -86,7 +86,8 @@ class ExpertParallelDispatcher:
         exchange, one host wait."""
         t, h = x.shape
         group = self.group
-        dest = self.table(x.device)[routing.expert_ids].reshape(t, -1)  # [T, k * es] unit -> destination
+        # [T, k * es] unit -> destination (index_select takes the int32 ids as they are)
+        dest = self.table(x.device).index_select(0, routing.expert_ids.reshape(-1)).reshape(t, -1)
         offsets, rows = kernels.token_maps(dest, group.size + 1)  # units grouped by destination
         send, recv = exchange_counts(offsets[1:-1] - offsets[:-2], group)
         n = sum(send)

@@ -76,7 +76,7 @@ def main():
             for t in [int(s) for s in args.tokens.split(",")]:
                 x = torch.randn(t, h, device=device, dtype=dtype, generator=gen)
                 routing = layer.router(x)
-                dest = d.table(device)[routing.expert_ids].reshape(t, -1)
+                dest = d.table(device).index_select(0, routing.expert_ids.reshape(-1)).reshape(t, -1)
                 offsets, unit_rows = kernels.token_maps(dest, d.group.size + 1)
                 counts = offsets[1:-1] - offsets[:-2]
                 send, recv = exchange_counts(counts, d.group)
