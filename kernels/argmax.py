@@ -14,11 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 BLOCK = 4096
 
 
 @triton.jit
-def _chunk_max_kernel(x_ptr, max_ptr, idx_ptr, V, C, stride_x, BLOCK: tl.constexpr):
+def _chunk_max_kernel(x_ptr, max_ptr, idx_ptr, V, C, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
@@ -29,7 +32,8 @@ def _chunk_max_kernel(x_ptr, max_ptr, idx_ptr, V, C, stride_x, BLOCK: tl.constex
 
 
 @triton.jit
-def _pick_kernel(max_ptr, idx_ptr, out_ptr, C, C_P: tl.constexpr):
+def _pick_kernel(max_ptr, idx_ptr, out_ptr, C, C_P: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, C_P)
     m = tl.load(max_ptr + row * C + c, mask=c < C, other=float("-inf"))
@@ -53,6 +57,6 @@ def argmax_triton(x: torch.Tensor) -> torch.Tensor:
     idx = torch.empty(b, c, dtype=torch.int32, device=x.device)
     out = torch.empty(b, dtype=torch.int64, device=x.device)
     if b:
-        _chunk_max_kernel[(b, c)](x, maxes, idx, v, c, x.stride(0), BLOCK=BLOCK, num_warps=8)
-        _pick_kernel[(b,)](maxes, idx, out, c, C_P=triton.next_power_of_2(c), num_warps=1)
+        _chunk_max_kernel[(b, c)](x, maxes, idx, v, c, x.stride(0), BLOCK=BLOCK, num_warps=8, **pdl_launch(x.device))
+        _pick_kernel[(b,)](maxes, idx, out, c, C_P=triton.next_power_of_2(c), num_warps=1, **pdl_launch(maxes.device))
     return out

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SCORES = ("softmax", "sigmoid")
 MAX_EXPERTS = 1024  # a row of scores lives in registers: at most 4 rows a program at E = 1024
@@ -78,7 +80,9 @@ def _topk_gating_kernel(
     SOFTMAX: tl.constexpr,  # softmax scores, else sigmoid
     RENORMALIZE: tl.constexpr,  # divide the k weights by their sum
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     row_ok = rows < T
     top_ids, top_w = _topk_table(logits_ptr, rows, row_ok, E, stride_lt, stride_le, K, SOFTMAX,
@@ -107,7 +111,9 @@ def _grouped_topk_kernel(
     RENORMALIZE: tl.constexpr,  # divide the k weights by their sum
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     # Tiles are [BLOCK_T, BLOCK_G, BLOCK_S]: one row of logits seen as G groups of S experts,
     # each padded separately, so per-group reductions are plain reductions over the last axis
     # and S need not be a power of two.
@@ -214,7 +220,7 @@ def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
     _topk_gating_kernel[(triton.cdiv(t, block_t),)](
         logits, ids, weights, t, e, logits.stride(0), logits.stride(1),
         K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), num_warps=4, **pdl_launch(logits.device))
     return ids, weights
 
 
@@ -263,5 +269,5 @@ def grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, n_grou
         K=k, N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
         SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
         BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_S=block_s,
-        BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+        BLOCK_K=triton.next_power_of_2(k), num_warps=4, **pdl_launch(logits.device))
     return ids, weights

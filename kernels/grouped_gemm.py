@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 
 @triton.jit
 def _grouped_gemm_kernel(
@@ -44,7 +46,9 @@ def _grouped_gemm_kernel(
     A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     FROM_IDS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if FROM_IDS:
         # Decode sizes (all pairs fit one row tile): program pid_m takes the pid_m-th
@@ -162,5 +166,5 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
         A_FROM_TOKENS=a_from_tokens, GATED=gated, ACT=act, ROW_WEIGHT=pair_weights is not None,
         INT8_W=int8, UPCAST=a.device.type == "cpu" or a.dtype == torch.float32,
         IEEE=a.dtype == torch.float32, FROM_IDS=from_ids,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(a.device))
     return out

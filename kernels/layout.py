@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 from kernels.moe_ref import TAG_INTS
 
 
@@ -24,7 +26,9 @@ def _scatter_kernel(
     K: tl.constexpr, BLOCK_H: tl.constexpr,
     TAG: tl.constexpr,  # also write expert % e_local into the integer column H of each row
     ES: tl.constexpr,  # rows per pair (expert slices): row j of a token belongs to pair j // ES
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < H
@@ -48,7 +52,9 @@ def _gather_kernel(
     limit,  # rows at or past it add nothing (not sent, so not in ys)
     K: tl.constexpr, S: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
     IDENTITY: tl.constexpr,  # rows[t, j] = t * K + j: buffer rows are pairs (no rows read)
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < H
@@ -80,7 +86,7 @@ def scatter_rows_triton(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor |
     bh = _block_h(x.shape[1])
     _scatter_kernel[(t, triton.cdiv(x.shape[1], bh))](
         x, rows.reshape(-1).contiguous(), xs, rows, rows, x.shape[1], x.stride(0), xs.stride(0), 1,
-        K=k, BLOCK_H=bh, TAG=False, ES=1)
+        K=k, BLOCK_H=bh, TAG=False, ES=1, **pdl_launch(x.device))
     return xs
 
 
@@ -104,7 +110,7 @@ def dispatch_rows_triton(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.
     _scatter_kernel[(t, triton.cdiv(h, bh))](
         x, rows.reshape(-1).contiguous(), out, expert_ids.to(torch.int32).contiguous(),
         out.view(TAG_INTS[out.element_size()]), h, x.stride(0), out.stride(0), experts_per_rank,
-        K=units, BLOCK_H=bh, TAG=True, ES=units // expert_ids.shape[1])
+        K=units, BLOCK_H=bh, TAG=True, ES=units // expert_ids.shape[1], **pdl_launch(x.device))
     return out
 
 
@@ -129,7 +135,7 @@ def combine_rows_triton(ys: torch.Tensor, rows: torch.Tensor | None, weights: to
     w = weights.reshape(-1).float().contiguous() if weights is not None else rows
     _gather_kernel[(t, triton.cdiv(h, bh))](
         ys, rows, w, out, h, ys.stride(0), ys.stride(1), out.stride(0), ys.shape[1] if limit is None else limit,
-        K=k, S=s, HAS_W=weights is not None, BLOCK_H=bh, IDENTITY=identity)
+        K=k, S=s, HAS_W=weights is not None, BLOCK_H=bh, IDENTITY=identity, **pdl_launch(ys.device))
     return out
 
 

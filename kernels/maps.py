@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 SMALL_PAIRS = 128  # up to this many pairs, one program does everything
 BLOCK_PAIRS = 128  # pairs per program in the multi-block path
 
@@ -57,7 +59,9 @@ def _maps_small_kernel(
     row_pair_ptr,  # [n] int32 out: pair held by each buffer row
     n, capacity,  # number of pairs; per-expert capacity (ignored unless HAS_CAP)
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_CAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     i = tl.arange(0, BLOCK)
     valid = i < n
     ids = tl.load(ids_ptr + i, mask=valid, other=E)
@@ -71,7 +75,9 @@ def _maps_count_kernel(
     rank_ptr,  # [n] int32 out: rank of the pair among its block's pairs of the same expert
     n,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     i = b * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
@@ -90,7 +96,9 @@ def _maps_scan_kernel(
     cap_ptr,  # [E_PAD] int32 out: kept pairs per expert (counts clipped to capacity)
     num_blocks, capacity,
     E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, HAS_CAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     e = tl.arange(0, E_PAD)
     running = tl.zeros([E_PAD], dtype=tl.int32)
     # Serial over chunks of blocks, parallel over experts and over the blocks of a chunk.
@@ -120,7 +128,9 @@ def _maps_rows_kernel(
     row_pair_ptr,  # [n] int32 out
     n, capacity,
     E_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_CAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     i = b * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
@@ -148,15 +158,17 @@ def token_maps_triton(expert_ids: torch.Tensor, num_experts: int, capacity: int 
     cap = capacity if capacity is not None else n
     if n <= SMALL_PAIRS:
         _maps_small_kernel[(1,)](ids, offsets, rows, row_pair, n, cap, E=num_experts, E_PAD=e_pad,
-                                 BLOCK=max(16, triton.next_power_of_2(n)), HAS_CAP=capacity is not None)
+                                 BLOCK=max(16, triton.next_power_of_2(n)), HAS_CAP=capacity is not None,
+                                 **pdl_launch(ids.device))
     else:
         blocks = triton.cdiv(n, BLOCK_PAIRS)
         counts = torch.empty(blocks, e_pad, dtype=torch.int32, device=dev)
         rank = torch.empty(n, dtype=torch.int32, device=dev)
         kept = torch.empty(e_pad, dtype=torch.int32, device=dev)
-        _maps_count_kernel[(blocks,)](ids, counts, rank, n, E=num_experts, E_PAD=e_pad, BLOCK=BLOCK_PAIRS)
+        _maps_count_kernel[(blocks,)](ids, counts, rank, n, E=num_experts, E_PAD=e_pad, BLOCK=BLOCK_PAIRS,
+                                      **pdl_launch(ids.device))
         _maps_scan_kernel[(1,)](counts, offsets, kept, blocks, cap, E=num_experts, E_PAD=e_pad,
-                                CHUNK=16, HAS_CAP=capacity is not None)
+                                CHUNK=16, HAS_CAP=capacity is not None, **pdl_launch(counts.device))
         _maps_rows_kernel[(blocks,)](ids, counts, rank, offsets, rows, row_pair, n, cap, E_PAD=e_pad,
-                                     BLOCK=BLOCK_PAIRS, HAS_CAP=capacity is not None)
+                                     BLOCK=BLOCK_PAIRS, HAS_CAP=capacity is not None, **pdl_launch(ids.device))
     return offsets, rows.view(expert_ids.shape), row_pair

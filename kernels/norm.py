@@ -14,13 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 MAX_FEATURES = 32768  # one program holds a whole row in registers up to this width
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, H, eps,
                      stride_x, stride_res, stride_out, stride_sum,
-                     BLOCK_H: tl.constexpr, HAS_RES: tl.constexpr):
+                     BLOCK_H: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -73,17 +76,18 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         block = triton.next_power_of_2(h)
         _rms_norm_kernel[(rows,)](x2, r2, weight, out.view(-1, h), s2, h, eps, x2.stride(0), r2.stride(0),
                                   h, h, BLOCK_H=block, HAS_RES=residual is not None,
-                                  num_warps=max(1, min(16, block // 512)))
+                                  num_warps=max(1, min(16, block // 512)), **pdl_launch(x2.device))
     return (out, summed) if residual is not None else out
 
 
 @triton.jit
 def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logits_ptr, T, H, E, eps,
                             stride_x, stride_res, stride_rw,
-                            BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+                            BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     """Program p: logits of experts p*BE .. for every row; program 0 also writes h and the sum.
     Products are summed in float32 on the CUDA cores ([BT, BE, BK] per step): a decode step
     has too few rows for the tensor cores to pay, and each program's weights are a few KB."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     rows = tl.arange(0, BT)
     row_ok = rows < T
@@ -154,5 +158,5 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w):
     bt, be, bk = _router_blocks(t, h, e)
     _rms_norm_router_kernel[(triton.cdiv(e, be),)](
         x, residual, norm_w, router_w, out_h, summed, logits, t, h, e, eps, x.stride(0), residual.stride(0),
-        router_w.stride(0), BT=bt, BE=be, BK=bk, num_warps=4)
+        router_w.stride(0), BT=bt, BE=be, BK=bk, num_warps=4, **pdl_launch(x.device))
     return out_h, summed, logits

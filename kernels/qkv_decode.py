@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 from kernels.norm import rms_norm_ref
 
 QK_NORMS = {None: 0, "head": 1, "full": 2}
@@ -62,7 +64,8 @@ def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr, kc_
                        stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                        HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
                        D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr, ROPE: tl.constexpr,
-                       SLOT_PTR: tl.constexpr):
+                       SLOT_PTR: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     DT: tl.constexpr = q_ptr.dtype.element_ty
     d = tl.arange(0, D)
@@ -160,5 +163,5 @@ def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), HQ=num_heads, HKV=num_kv_heads, HQ_P=triton.next_power_of_2(num_heads),
         HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim, QK_NORM=QK_NORMS[qk_norm],
-        CLIP=clip is not None, ROPE=rope, SLOT_PTR=slot_t, num_warps=4)
+        CLIP=clip is not None, ROPE=rope, SLOT_PTR=slot_t, num_warps=4, **pdl_launch(qkv.device))
     return q

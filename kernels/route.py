@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 from kernels.gating import _check_logits, _outputs, _topk_table, topk_gating_triton
 from kernels.layout import scatter_rows_triton
 from kernels.maps import SMALL_PAIRS, _maps_block, token_maps_triton
@@ -31,7 +33,9 @@ def _route_scatter_kernel(
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,
     N_PAIRS: tl.constexpr, BLOCK_H: tl.constexpr,
     SCATTER: tl.constexpr,  # copy x into xs too (else one program: gating and maps only)
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     # Every program recomputes the (tiny) gating and maps in registers, as the paper
     # replicates pre-GEMM work across SMs, then copies its BLOCK_H columns of every pair;
     # program 0 alone writes the table and the maps.
@@ -98,7 +102,7 @@ def _launch(logits, k, score, renormalize, x=None):
         x.stride(0) if x is not None else 0, xs.stride(0) if xs is not None else 0,
         K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), BLOCK_T=block_t,
         BLOCK_E=block_e, BLOCK_K=block_k, E_PAD=triton.next_power_of_2(e + 1), N_PAIRS=n_pairs,
-        BLOCK_H=block_h, SCATTER=x is not None, num_warps=4)
+        BLOCK_H=block_h, SCATTER=x is not None, num_warps=4, **pdl_launch(logits.device))
     return ids, weights, (offsets, rows, row_pair), xs
 
 

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_launch
+
 NORMS = {None: 0, "rmsnorm": 1, "layernorm": 2}
 
 
@@ -30,7 +32,9 @@ def _sbi_kernel(
     T, N, K, eps, stride_x, stride_w, stride_res, stride_os, stride_o,
     BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, NORM: tl.constexpr,
     INT8_W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BT)
     row_ok = rows < T
@@ -89,7 +93,9 @@ def _reduce_kernel(
     bias_ptr, res_ptr, out_ptr,  # [N], [T, N], [T, N]
     N, stride_ps, stride_p, stride_res, stride_o,
     S: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -139,13 +145,13 @@ def sbi_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | No
         BT=cfg["bt"], BN=cfg["bn"], BK=cfg["bk"], SPLIT_K=split, NORM=NORMS[kind], INT8_W=w.dtype == torch.int8,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         UPCAST=x.device.type == "cpu" or x.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(x.device))
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _reduce_kernel[(t, triton.cdiv(n, block))](
             target, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
             n, target.stride(0), target.stride(1), residual.stride(0) if residual is not None else 0, out.stride(0),
-            S=split, BLOCK=block, HAS_BIAS=bias is not None, HAS_RES=residual is not None)
+            S=split, BLOCK=block, HAS_BIAS=bias is not None, HAS_RES=residual is not None, **pdl_launch(target.device))
     return out
 
 
