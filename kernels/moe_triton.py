@@ -161,18 +161,23 @@ def linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None =
     return out.view(*x.shape[:-1], n)
 
 
-def quantize_int8(w: torch.Tensor, chunk: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(w: torch.Tensor, max_elements: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-only int8 with per-output-channel scales: w [E, N, K] -> (q int8, scale f32 [E, N]).
 
-    Symmetric: scale = max|w| / 127 per row, q = round(w / scale). ``chunk`` experts at a
-    time, so the float32 temporaries stay small beside a large model's weights."""
+    Symmetric: scale = max|w| / 127 per row, q = round(w / scale). Done in blocks of rows
+    of at most ``max_elements`` weights, in place on one float32 copy of the block, so the
+    temporaries stay small beside a large model's weights (one Mixtral expert alone holds
+    117M weights in w13)."""
     if w.dim() != 3:
         raise ValueError(f"w: expected expert weights [E, N, K], got shape {list(w.shape)}")
+    e, n, k = w.shape
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-    scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
-    for lo in range(0, w.shape[0], chunk):
-        wf = w[lo:lo + chunk].float()
-        s = wf.abs().amax(dim=-1).clamp(min=1e-12) / 127.0  # [chunk, N]
-        q[lo:lo + chunk] = torch.round(wf / s[..., None]).clamp(-127, 127).to(torch.int8)
-        scale[lo:lo + chunk] = s
+    scale = torch.empty(e, n, dtype=torch.float32, device=w.device)
+    rows_w, rows_q, rows_s = w.contiguous().view(e * n, k), q.view(e * n, k), scale.view(e * n)
+    step = max(1, max_elements // max(k, 1))
+    for lo in range(0, e * n, step):
+        wf = rows_w[lo:lo + step].to(torch.float32, copy=True)  # a copy even from float32: worked in place
+        s = torch.linalg.vector_norm(wf, ord=float("inf"), dim=-1).clamp_(min=1e-12).div_(127.0)
+        rows_q[lo:lo + step] = wf.div_(s[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        rows_s[lo:lo + step] = s
     return q, scale

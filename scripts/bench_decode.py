@@ -323,6 +323,9 @@ def main():
     if profile:
         print(f"\ndecode step at batch {profile['batch']}: {profile['step_ms']:.3f} ms per token, kernels busy "
               f"{profile['kernel_busy_ms']:.3f} ms (the rest: gaps between kernels, the host)")
+        if profile["kernel_busy_ms"] > profile["step_ms"]:
+            print("kernels overlap: under programmatic dependent launch (MOE_INFER_PDL) a kernel starts before the "
+                  "one before it ends and waits for it, so its time below includes that wait")
         print(bc.format_table(["part", "µs/step", "launches", "floor MB", "%copy"],
                               [[r["part"], f"{r['us_per_step']:.1f}", f"{r['launches_per_step']:.0f}",
                                 opt(r["floor_bytes"] and r["floor_bytes"] / 1e6, ".1f"), opt(r["pct_copy"], ".0f")]

@@ -43,6 +43,23 @@ def test_linear_int8_kernel_matches_its_reference(device, dtype, t, k, n):
     assert rel(kernels.sbi_linear_ref(x.cpu(), q.cpu(), s.cpu()), ref.cpu()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_int8_in_blocks_leaves_its_input_alone(dtype):
+    """Blocks of rows give the same int8 weights and scales as one pass, and the float32
+    work done in place never touches the caller's weights (a float32 input included)."""
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(3, 37, 50, generator=gen) * torch.rand(3, 37, 1, generator=gen)).to(dtype)
+    before = w.clone()
+    q, s = kernels.quantize_int8(w, max_elements=200)  # 4 rows per block, the last one short
+    assert torch.equal(w, before)
+    wf = w.double()
+    expected = wf.abs().amax(-1).clamp(min=1e-12) / 127
+    torch.testing.assert_close(s.double(), expected, rtol=1e-6, atol=0)
+    assert torch.equal(q, kernels.quantize_int8(w)[0]) and q.dtype == torch.int8
+    assert (q.abs().amax(-1) == 127).all()
+    assert ((q.double() * s.double()[..., None] - wf).abs() <= s.double()[..., None] / 2 + 1e-6).all()
+
+
 def test_dense_linear_routes_by_the_table(monkeypatch):
     """Without a table entry: cuBLAS for full-precision weights, linear_triton for int8; an
     entry picks SBI-GeMM or linear_triton per shape and row bucket; every pick gives the
