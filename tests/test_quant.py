@@ -77,7 +77,8 @@ def test_dense_linear_routes_by_the_table(monkeypatch):
     assert dl.choice(dev, 30, 40, torch.bfloat16, 1) == "sbi"
     assert dl.choice(dev, 30, 40, torch.bfloat16, 3) == "triton"  # bucket 4
     assert dl.choice(dev, 30, 40, torch.bfloat16, 16) == "cublas"  # no entry
-    assert dl.choice(dev, 30, 40, torch.int8, 9) == "triton"  # cuBLAS cannot take int8 weights
+    assert dl.choice(dev, 30, 40, torch.int8, 9) == "sbi"  # cuBLAS cannot take int8 weights
+    assert dl.choice(dev, 31, 40, torch.int8, 1) == "sbi"  # no entry
     dl.choice.cache_clear()
     x, w, b = torch.randn(2, 3, 40), torch.randn(30, 40), torch.randn(30)
     torch.testing.assert_close(kernels.dense_linear(x, w, b), x @ w.t() + b)
