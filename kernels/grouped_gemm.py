@@ -8,8 +8,9 @@ One kernel serves both expert GEMMs:
 - up:   A = x rows gathered through ``row_pair`` (the scatter fused into the load),
         W = w13 [E, 2F, H]; SiLU(gate) * up (or GeLU) in the epilogue -> h [N, F].
 - down: A = h [N, F], W = w2 [E, H, F]; the combine weight of each row is applied in
-        the epilogue and S split-K partials go to a float32 buffer [S, N, H], summed by
-        the combine kernel (deterministic: no atomics).
+        the epilogue and S split-K partials go to a float32 buffer [S, N, H] (without
+        split-K, the caller's dtype), summed by the combine kernel in float32
+        (deterministic: no atomics).
 
 Expert e owns buffer rows offsets[e] .. offsets[e + 1], cut into ceil(count / BM) row
 tiles; every program rebuilds that tile map from ``offsets`` (E values), so nothing is
