@@ -10,13 +10,7 @@ out=${2:-${OUT:-bench/results/ep-sweep}}
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 here=$(dirname "$0")
-step() {  # name, timeout in seconds, command...: runs it, logs it, prints its tail
-    local name=$1 limit=$2
-    shift 2
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "== $name: rc $?"
-    tail -n "${TAIL:-12}" "$out/$name.log"
-}
+. "$here/device_step.sh"
 nvidia-smi topo -m > "$out/topo.log" 2>&1
 TAIL=6 step mpi_tests 240 "$here/launch.sh" -n "$ranks" -- python -m pytest -q -p no:cacheprovider --color=no \
     -m mpi tests/test_comm_mpi.py tests/test_model_mpi.py

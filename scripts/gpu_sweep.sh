@@ -10,13 +10,7 @@ set -uo pipefail
 out=${1:-${OUT:-bench/results/sweep}}
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
-step() {  # name, timeout in seconds, command...: runs it, logs it, prints its tail
-    local name=$1 limit=$2
-    shift 2
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "== $name: rc $?"
-    tail -n "${TAIL:-12}" "$out/$name.log"
-}
+. "$(dirname "$0")/device_step.sh"
 TAIL=4 step gpu_tests 100 python -m pytest -q -p no:cacheprovider --color=no -m gpu tests/test_fused_decode.py \
     tests/test_engine.py tests/test_default_model.py
 TAIL=25 step decode_olmoe 170 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 64 \
