@@ -10,9 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_enter, pdl_launch
-
 from kernels.moe_ref import TAG_INTS
+from kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit

@@ -107,13 +107,13 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           a_from_tokens=True, gated=activation == "silu",
                           act="gelu" if activation == "gelu" else "none", scale=w13_scale,
                           pair_ids=pair_ids)[0]  # [N, F]
+    # Without split-K each weighted pair row is stored in x's dtype (half the bytes written
+    # and read again at large T; the sum over slots is still float32); split-K partials
+    # stay float32.
     partial = grouped_gemm(hidden, w2, offsets, row_pair, down_cfg, num_rows=n, topk=topk,
                            a_from_tokens=False, gated=False, scale=w2_scale,
                            pair_weights=topk_weights.reshape(-1).float().contiguous(),
                            out_dtype=x.dtype, pair_ids=pair_ids)  # [S, N, H], already weighted
-    # Without split-K each weighted pair row is stored in x's dtype (half the bytes written
-    # and read again at large T; the sum over slots is still float32); split-K partials
-    # stay float32.
     return combine_rows_triton(partial, rows, None, x.dtype, topk)
 
 
