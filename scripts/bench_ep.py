@@ -166,6 +166,7 @@ def main():
     ap.add_argument("--tokens", default="1,8,64,512,4096", help="tokens per rank")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="rank 0 prints a torch.profiler table per case")
+    ap.add_argument("--no-json", action="store_true", help="do not write bench/results/*.json")
     args = ap.parse_args()
     info = bootstrap(backend="nccl" if args.device == "cuda" else "gloo", timeout_s=600)
     device = info.device
@@ -208,8 +209,9 @@ def main():
     print(bc.format_table(["tp", "eager µs", "graph µs", "MB weights/rank"],
                           [[r["tp"], f"{r['eager_us']:.1f}", f"{r['graph_us']:.1f}" if "graph_us" in r else "-",
                             f"{r['weight_bytes_per_rank'] / 1e6:.1f}"] for r in dense]))
-    bc.write_results(f"ep-x{info.world_size}", device, {"run": run, "world_size": info.world_size, "dtype": str(dtype),
-                                    "moe": rows, "dense_decode": dense})
+    if not args.no_json:
+        bc.write_results(f"ep-x{info.world_size}", device, {"run": run, "world_size": info.world_size,
+                                                            "dtype": str(dtype), "moe": rows, "dense_decode": dense})
 
 
 if __name__ == "__main__":

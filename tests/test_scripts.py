@@ -2,6 +2,7 @@
 GPU session's scarce device time is not lost to a script that no longer starts. Their
 numbers here mean nothing; only that each prints its table and exits 0."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,26 @@ def test_benchmark_smoke_run(script):
     args, header = SMOKES[script]
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert header in out.stdout, out.stdout[-2000:]
+
+
+MULTI_RANK = {  # run under scripts/launch.sh with 2 ranks (gloo)
+    "bench_ep": (["--device", "cpu", "--smoke", "--no-json"], "PCC / naive"),
+    "diag_ep": (["--hidden", "64", "--tokens", "8", "--reps", "2"], "whole combine"),
+}
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (the test extras install mpich)")
+@pytest.mark.parametrize("script", list(MULTI_RANK))
+def test_multi_rank_script_smoke_run(script):
+    """Both ranks finish and the job exits 0: the process group is shut down cleanly (a
+    rank leaving while gloo still talks to it used to make mpiexec report a bad exit)."""
+    args, header = MULTI_RANK[script]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    out = subprocess.run([str(ROOT / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable,
+                          str(ROOT / "scripts" / f"{script}.py"), *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert header in out.stdout, out.stdout[-2000:]
