@@ -102,8 +102,7 @@ class ExpertParallelDispatcher:
         if self.es > 1:  # every slice returns a partial sum with the pair's weight
             weights = weights.repeat_interleave(self.es, dim=1)
         ints = kernels.TAG_INTS[x.element_size()]
-        # Under PCC the other TP ranks' units sit at rows n and on, unsent: nothing comes back for them.
-        return Sent(received[:, :h], received.view(ints)[:, h:h + 1], recv, send, rows, weights, group, n)
+        return Sent(received[:, :h], received.view(ints)[:, h:h + 1], recv, send, rows, weights, group)
 
     @staticmethod
     def compute(sent: "Sent", experts) -> torch.Tensor:
@@ -139,4 +138,8 @@ class Sent:
     rows: torch.Tensor  # [T, k * es] send-buffer row of each (pair, slice) unit
     weight: torch.Tensor  # [T, k * es] combine weight of each unit
     group: object  # the comm.Group of the all-to-all
-    sent_rows: int  # send-buffer rows that were sent (rows past them: another TP rank's units)
+
+    @property
+    def sent_rows(self) -> int:
+        """Send-buffer rows that were sent; rows past them hold another TP rank's units."""
+        return sum(self.send_counts)
