@@ -10,40 +10,20 @@ The experts are left out: the combine sends back the rows the dispatch received.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 _SCRIPTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
+from bench_ep import timed  # noqa: E402
 import kernels  # noqa: E402
 from comm import ParallelGroups, all_reduce, all_to_all, bootstrap, exchange_counts, shutdown  # noqa: E402
 from moe_infer.config import ModelConfig, MoEConfig, ParallelConfig  # noqa: E402
 from moe_infer.moe_layer import MoELayer  # noqa: E402
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def median_us(fn, reps: int) -> float:
-    dist.barrier()
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
 
 
 def main():
@@ -58,8 +38,8 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     one = torch.ones(1, device=device)
     world_group = ParallelGroups.build(ParallelConfig(dp=world), info.rank, world).dp
-    rows = [["-", "-", "one torch launch (add_)", median_us(lambda: one.add_(1), reps)],
-            ["-", "-", "NCCL all_reduce, 1 float, world", median_us(lambda: all_reduce(one, world_group), reps)]]
+    rows = [["-", "-", "one torch launch (add_)", timed(lambda: one.add_(1), device, reps)[0]],
+            ["-", "-", "NCCL all_reduce, 1 float, world", timed(lambda: all_reduce(one, world_group), device, reps)[0]]]
     h, f, e, k = args.hidden, 64, 8, 2  # Mixtral's H, E and k; the experts are not run
     for name, layout in [("naive", dict(tp=2, dp=world // 2, ep=world, pcc=False)),
                          ("pcc", dict(tp=2, dp=world // 2, ep=world, pcc=True))]:
@@ -99,7 +79,7 @@ def main():
                     out = torch.randn(t, h, device=device, dtype=dtype)
                     steps["TP all_reduce of the output"] = lambda: all_reduce(out, groups.tp)
                 for step, fn in steps.items():
-                    rows.append([name, t, step, median_us(fn, reps)])
+                    rows.append([name, t, step, timed(fn, device, reps)[0]])
         del layer
     shutdown()
     if info.rank == 0:
