@@ -48,8 +48,8 @@ def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: i
     bm = min(128, max(16, triton.next_power_of_2(min(rows_per_expert, t))))
     if bm <= 32:  # bandwidth-bound: wide K steps, many loads in flight
         cfg = dict(bm=bm, bn=64, bk=128, num_warps=4, num_stages=4)
-    else:  # tensor-core bound
-        cfg = dict(bm=bm, bn=128 if phase == "down" else 64, bk=64, num_warps=8, num_stages=3)
+    else:  # tensor-core bound; groups of 8 row tiles keep their A rows in L2
+        cfg = dict(bm=bm, bn=128 if phase == "down" else 64, bk=64, num_warps=8, num_stages=3, group_m=8)
     if elem_bytes > 2:  # fp32 tiles take twice the shared memory per stage
         cfg.update(bk=min(cfg["bk"], 64), num_stages=2)
     split = 1

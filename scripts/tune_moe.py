@@ -43,7 +43,9 @@ def candidates(phase: str, t: int, topk: int, e: int) -> list[dict]:
         splits = [1, 2] if phase == "down" else [1]
     else:
         grid = itertools.product([64, 128], [128, 256] if phase == "down" else [64, 128], [64], [8], [3, 4])
-        splits = [1]
+        # Tile order (a launch argument, no recompile): row-major, or groups of 4 / 16 row tiles.
+        return [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=1, group_m=g)
+                for bm, bn, bk, w, st in grid for g in (None, 4, 16)]
     return [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=sp)
             for bm, bn, bk, w, st in grid for sp in splits]
 
