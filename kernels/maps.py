@@ -8,8 +8,9 @@ row) that the grouped GEMM uses to read tokens straight from x.
 
 Within an expert, rows keep pair order, so the result equals a stable sort by expert.
 Small n (decode) runs in one program; large n in three launches (per-block counts and
-ranks, a scan over blocks, then the rows). No host synchronisation either way, so the
-maps can be captured in a CUDA graph.
+ranks; a scan over blocks, parallel over experts; then the rows, each program redoing the
+short scan across experts). No host synchronisation either way, so the maps can be
+captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from kernels.pdl import pdl_enter, pdl_launch
 
 SMALL_PAIRS = 128  # up to this many pairs, one program does everything
 BLOCK_PAIRS = 128  # pairs per program in the multi-block path
+SCAN_EXPERTS = 16  # experts per program of the scan over blocks
+SCAN_CHUNK = 64  # blocks per step of that scan (T = 16384, k = 8: 1024 blocks, 16 steps)
 
 
 @triton.jit
@@ -92,29 +95,28 @@ def _maps_count_kernel(
 @triton.jit
 def _maps_scan_kernel(
     counts_ptr,  # [num_blocks, E_PAD] int32 in: per-block counts; out: each block's base per expert
-    offsets_ptr,  # [E + 1] int32 out
     cap_ptr,  # [E_PAD] int32 out: kept pairs per expert (counts clipped to capacity)
     num_blocks, capacity,
-    E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, HAS_CAP: tl.constexpr,
+    E: tl.constexpr, E_PAD: tl.constexpr, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_CAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Program p scans the counts of experts p * E_BLOCK .. over all blocks (the experts'
+    scans are independent, so they run side by side; the scan across experts is left to
+    the rows kernel)."""
     pdl_enter(PDL)
-    e = tl.arange(0, E_PAD)
-    running = tl.zeros([E_PAD], dtype=tl.int32)
-    # Serial over chunks of blocks, parallel over experts and over the blocks of a chunk.
+    e = tl.program_id(0) * E_BLOCK + tl.arange(0, E_BLOCK)
+    running = tl.zeros([E_BLOCK], dtype=tl.int32)
     for c in range(0, num_blocks, CHUNK):
         blk = c + tl.arange(0, CHUNK)
         ptrs = counts_ptr + blk[:, None] * E_PAD + e[None, :]
         m = blk[:, None] < num_blocks
-        cnt = tl.load(ptrs, mask=m, other=0)  # [CHUNK, E_PAD]
+        cnt = tl.load(ptrs, mask=m, other=0)  # [CHUNK, E_BLOCK]
         incl = tl.cumsum(cnt, axis=0)
         tl.store(ptrs, running[None, :] + incl - cnt, mask=m)  # rank base within the expert
         running += tl.sum(cnt, axis=0)
     kept = tl.where(e < E, running, 0)
     if HAS_CAP:
         kept = tl.minimum(kept, capacity)
-    excl = tl.cumsum(kept, axis=0) - kept
-    tl.store(offsets_ptr + e, excl, mask=e <= E)
     tl.store(cap_ptr + e, kept)
 
 
@@ -123,21 +125,28 @@ def _maps_rows_kernel(
     ids_ptr,  # [n] int32
     base_ptr,  # [num_blocks, E_PAD] int32: rank base of each expert at the block start
     rank_ptr,  # [n] int32: rank within the block
-    offsets_ptr,  # [E + 1] int32
+    cap_ptr,  # [E_PAD] int32: kept pairs per expert
+    offsets_ptr,  # [E + 1] int32 out (program 0 writes it)
     rows_ptr,  # [n] int32 out
     row_pair_ptr,  # [n] int32 out
     n, capacity,
-    E_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_CAP: tl.constexpr,
+    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_CAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0)
+    # Expert segment starts: an exclusive scan of the kept counts (E_PAD values, cheap to
+    # redo in every program).
+    e = tl.arange(0, E_PAD)
+    kept_e = tl.load(cap_ptr + e)
+    starts = tl.cumsum(kept_e, axis=0) - kept_e
+    tl.store(offsets_ptr + e, starts, mask=(e <= E) & (b == 0))
     i = b * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
     ids = tl.load(ids_ptr + i, mask=valid, other=0)
     rank = tl.load(base_ptr + b * E_PAD + ids, mask=valid, other=0) + tl.load(rank_ptr + i, mask=valid, other=0)
     kept = valid & (rank < capacity) if HAS_CAP else valid
-    row = tl.load(offsets_ptr + ids, mask=valid, other=0) + rank
+    row = tl.gather(starts, ids, 0) + rank
     tl.store(rows_ptr + i, tl.where(kept, row, -1), mask=valid)
     tl.store(row_pair_ptr + row, i, mask=kept)
 
@@ -167,8 +176,11 @@ def token_maps_triton(expert_ids: torch.Tensor, num_experts: int, capacity: int 
         kept = torch.empty(e_pad, dtype=torch.int32, device=dev)
         _maps_count_kernel[(blocks,)](ids, counts, rank, n, E=num_experts, E_PAD=e_pad, BLOCK=BLOCK_PAIRS,
                                       **pdl_launch(ids.device))
-        _maps_scan_kernel[(1,)](counts, offsets, kept, blocks, cap, E=num_experts, E_PAD=e_pad,
-                                CHUNK=16, HAS_CAP=capacity is not None, **pdl_launch(counts.device))
-        _maps_rows_kernel[(blocks,)](ids, counts, rank, offsets, rows, row_pair, n, cap, E_PAD=e_pad,
-                                     BLOCK=BLOCK_PAIRS, HAS_CAP=capacity is not None, **pdl_launch(ids.device))
+        e_block = min(e_pad, SCAN_EXPERTS)
+        _maps_scan_kernel[(e_pad // e_block,)](counts, kept, blocks, cap, E=num_experts, E_PAD=e_pad,
+                                               E_BLOCK=e_block, CHUNK=SCAN_CHUNK, HAS_CAP=capacity is not None,
+                                               **pdl_launch(counts.device))
+        _maps_rows_kernel[(blocks,)](ids, counts, rank, kept, offsets, rows, row_pair, n, cap, E=num_experts,
+                                     E_PAD=e_pad, BLOCK=BLOCK_PAIRS, HAS_CAP=capacity is not None,
+                                     **pdl_launch(ids.device))
     return offsets, rows.view(expert_ids.shape), row_pair

@@ -75,6 +75,20 @@ def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: i
     return default_config(phase, t, e, n, k, topk, sms, elem_bytes)
 
 
+def grouped_mm_ok(cfg: dict, a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a GEMM whose launch configuration names ``backend: grouped_mm`` can take
+    ``torch._grouped_mm``: weights in the activations' dtype (not int8), 16-byte aligned
+    rows, and on CUDA a Hopper or later GPU with bf16 (the CPU takes any float dtype: the
+    interpreter tests run this path). Otherwise the Triton kernel runs with the table's
+    tile sizes."""
+    if cfg.get("backend") != "grouped_mm" or a.dtype != w.dtype or not a.is_floating_point():
+        return False
+    if a.is_cuda and (a.dtype != torch.bfloat16 or torch.cuda.get_device_capability(a.device)[0] < 9):
+        return False
+    return a.shape[1] * a.element_size() % 16 == 0 and w.shape[1] * w.element_size() % 16 == 0 \
+        and a.stride(1) == 1 and w.is_contiguous()
+
+
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
                      w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
@@ -110,6 +124,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # Without split-K each weighted pair row is stored in x's dtype (half the bytes written
     # and read again at large T; the sum over slots is still float32); split-K partials
     # stay float32.
+    if pair_ids is None and grouped_mm_ok(down_cfg, hidden, w2):
+        # Large T, where the table says so: the down GEMM by torch's grouped GEMM (CUTLASS)
+        # over the expert-major rows; the combine weights move into the combine.
+        ys = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets[1:])  # [N, H], buffer rows
+        return combine_rows_triton(ys[None], rows, topk_weights, x.dtype, topk)
     partial = grouped_gemm(hidden, w2, offsets, row_pair, down_cfg, num_rows=n, topk=topk,
                            a_from_tokens=False, gated=False, scale=w2_scale,
                            pair_weights=topk_weights.reshape(-1).float().contiguous(),

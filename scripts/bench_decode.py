@@ -158,9 +158,10 @@ def floor_parts(engine, batch: int, context: int, copy_gbs: float) -> dict:
             "copy_gbs": copy_gbs}
 
 
-def prefill_rate(engine, prompt_len: int, batch: int, reps: int, gen) -> dict:
+def prefill_rate(engine, prompt_len: int, batch: int, reps: int, gen, profile: bool = False) -> dict:
     """Prefill tokens/s (generate() with one new token: the prefill and one sampled token)
-    and its matmul rate: 2 * active parameters * tokens (+ attention) over the time."""
+    and its matmul rate: 2 * active parameters * tokens (+ attention) over the time. With
+    ``profile``, also the kernels that took the most device time in one such call."""
     vocab = engine.config.model.vocab_size
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
     engine.config.engine.max_batch_size = max(engine.config.engine.max_batch_size, batch)
@@ -178,8 +179,14 @@ def prefill_rate(engine, prompt_len: int, batch: int, reps: int, gen) -> dict:
     tokens = batch * prompt_len
     attn = 4 * m.num_layers * m.num_heads * m.head_dim * batch * prompt_len * prompt_len / 2  # causal QK^T and PV
     flops = 2 * active * tokens + attn
-    return {"prompt_len": prompt_len, "batch": batch, "seconds": t, "tokens_per_s": tokens / t,
-            "tflops": flops / t / 1e12}
+    out = {"prompt_len": prompt_len, "batch": batch, "seconds": t, "tokens_per_s": tokens / t,
+           "tflops": flops / t / 1e12}
+    if profile:
+        times = kernel_times(engine, prompts, 1)
+        out["kernel_busy_ms"] = sum(us for us, _ in times.values()) / 1e3
+        out["kernels"] = [{"name": k[:90], "ms": us / 1e3, "launches": c}
+                          for k, (us, c) in sorted(times.items(), key=lambda kv: -kv[1][0])[:15]]
+    return out
 
 
 def hf_config(cfg):
@@ -257,7 +264,8 @@ def main():
     ap.add_argument("--peer", action="store_true", help="also time transformers generate() on the same shape")
     ap.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights for every linear layer")
     ap.add_argument("--profile", action="store_true",
-                    help="per-kernel device time of one decode step (first batch size, fast mode)")
+                    help="per-kernel device time of one decode step (first batch size, fast mode) and of "
+                         "the first --prefill case")
     ap.add_argument("--prefill", default="", help="prefill rates for LEN:BATCH pairs, e.g. 2048:8,512:32")
     args = ap.parse_args()
     if args.smoke:
@@ -292,7 +300,8 @@ def main():
     prefill = []
     for pair in filter(None, args.prefill.split(",")):
         length, b = (int(v) for v in pair.split(":"))
-        prefill.append(prefill_rate(engine, length, b, args.reps, gen))
+        prefill.append(prefill_rate(engine, length, b, args.reps, gen,
+                                    profile=args.profile and not prefill and engine.device.type == "cuda"))
     peer, peer_note = ({}, "not run (--peer)")
     if args.peer:
         engine.decode_mode, engine._decoders = fast, {}  # free the captured caches first
@@ -341,6 +350,12 @@ def main():
         print(bc.format_table(["prompt", "batch", "ms", "tokens/s", "TFLOP/s", "%mm"],
                               [[r["prompt_len"], r["batch"], f"{1e3 * r['seconds']:.1f}", f"{r['tokens_per_s']:.0f}",
                                 f"{r['tflops']:.1f}", opt(r["pct_mm"], ".0f")] for r in prefill]))
+        for r in prefill:
+            if "kernels" in r:
+                print(f"\nprefill {r['prompt_len']} x {r['batch']}: {1e3 * r['seconds']:.1f} ms, kernels busy "
+                      f"{r['kernel_busy_ms']:.1f} ms; the kernels that took longest:")
+                print(bc.format_table(["kernel", "ms", "launches"],
+                                      [[k["name"][:80], f"{k['ms']:.2f}", k["launches"]] for k in r["kernels"]]))
     if not args.smoke:
         name = f"decode-{Path(args.model).stem if args.model else 'default'}{'-int8' if args.quantize else ''}"
         bc.write_results(name, engine.device, {"run": run, "model": args.model or "default", "args": vars(args),

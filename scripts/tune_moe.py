@@ -31,7 +31,7 @@ SHAPES = {  # name: H, F, E, k, activation
 TOKENS = [1, 2, 4, 16, 64, 256, 1024, 4096, 16384]
 
 
-def candidates(phase: str, t: int, topk: int, e: int) -> list[dict]:
+def candidates(phase: str, t: int, topk: int, e: int, wdtype: str) -> list[dict]:
     """A small search space per regime (each new configuration costs a compile)."""
     rows = max(1, t * topk // e)
     if t <= 16 or rows <= 16:  # bandwidth-bound: one 16-row tile per expert
@@ -44,8 +44,13 @@ def candidates(phase: str, t: int, topk: int, e: int) -> list[dict]:
     else:
         grid = itertools.product([64, 128], [128, 256] if phase == "down" else [64, 128], [64], [8], [3, 4])
         # Tile order (a launch argument, no recompile): row-major, or groups of 4 / 16 row tiles.
-        return [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=1, group_m=g)
-                for bm, bn, bk, w, st in grid for g in (None, 4, 16)]
+        # The down GEMM may also go to torch._grouped_mm (bf16 on Hopper; the tile sizes
+        # stay for where it cannot).
+        cands = [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=1, group_m=g)
+                 for bm, bn, bk, w, st in grid for g in (None, 4, 16)]
+        if phase == "down" and wdtype == "bf16":
+            cands.append(dict(cands[-1], backend="grouped_mm"))
+        return cands
     return [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=sp)
             for bm, bn, bk, w, st in grid for sp in splits]
 
@@ -103,7 +108,7 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int) -> dict:
         r = max(3, min(reps, int(2e5 / max(1, t * topk * h * f / 1e6))))
         for phase in ("up", "down"):
             results = []
-            for cfg in candidates(phase, t, topk, e):
+            for cfg in candidates(phase, t, topk, e, wdtype):
                 pair = (cfg, best_down) if phase == "up" else (best_up, cfg)
                 fns = [lambda x=x, w=w, ids=ids: fused_moe_triton(x, w13, w2, w, ids, act, configs=pair, **scales)
                        for x, w, ids in inputs]

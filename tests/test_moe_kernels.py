@@ -33,7 +33,7 @@ def weights(e, h, f, activation, dtype, device, gen):
 
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("t,e,k,cap", [(1, 8, 2, None), (3, 5, 2, None), (33, 7, 3, None), (60, 6, 2, 4),
-                                       (511, 60, 4, None), (700, 9, 3, 100)])
+                                       (511, 60, 4, None), (700, 9, 3, 100), (2100, 12, 4, 800)])
 def test_token_maps(device, t, e, k, cap):
     gen = torch.Generator().manual_seed(t + e)
     ids, _ = routing(t, e, k, device, gen)
@@ -164,6 +164,34 @@ def test_tile_order_does_not_change_results(device):
         outs.append(fused_moe_triton(x, w13, w2, w, ids, configs=(cfg, cfg), maps=token_maps_triton(ids, e)))
         assert rel(outs[-1].cpu(), ref) < 1e-5
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("capacity", [None, 9])
+def test_down_gemm_by_grouped_mm(device, capacity):
+    # A table entry may send the large-T down GEMM to torch._grouped_mm; the combine then
+    # applies the weights. Same result as the reference, dropped pairs included.
+    gen = torch.Generator().manual_seed(11)
+    t, h, f, e, k = 30, 32, 24, 5, 2
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    w13, w2 = weights(e, h, f, "silu", dtype, device, gen)
+    ids, w = routing(t, e, k, device, gen)
+    up = dict(bm=16, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1)
+    down = dict(up, backend="grouped_mm")
+    assert kernels.moe_triton.grouped_mm_ok(down, x, w2)
+    out = fused_moe_triton(x, w13, w2, w, ids, capacity=capacity, configs=(up, down))
+    ref = fused_moe_ref(x.cpu().double(), w13.cpu().double(), w2.cpu().double(), w.cpu().double(), ids.cpu(),
+                        capacity=capacity)
+    assert rel(out.cpu(), ref) < (TOL[dtype] if device == "cuda" else 1e-5)
+    # int8 weights cannot take it: the Triton kernel runs with the entry's tile sizes.
+    q13, s13 = quantize_int8(w13)
+    q2, s2 = quantize_int8(w2)
+    assert not kernels.moe_triton.grouped_mm_ok(down, x, q2)
+    out8 = fused_moe_triton(x, q13, q2, w, ids, "silu", s13, s2, capacity=capacity, configs=(up, down))
+    ref8 = fused_moe_ref(x.cpu().double(), q13.cpu(), q2.cpu(), w.cpu().double(), ids.cpu(), "silu", s13.cpu(),
+                         s2.cpu(), capacity=capacity)
+    assert rel(out8.cpu(), ref8) < (TOL[dtype] if device == "cuda" else 1e-5)
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
