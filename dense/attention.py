@@ -35,12 +35,17 @@ class StepContext:
     sin: torch.Tensor | None
     start: int | torch.Tensor  # cache slot of the first query token (0 without a cache; a 0-d
     # device tensor for a static-shape decode step, see ``decode_static``)
+    causal: bool = False  # the queries are every row's first T tokens with no padding and no
+    # sliding window: attention is plain causal over these T keys (``is_causal``, no mask)
 
     @classmethod
     def build(cls, positions: torch.Tensor, key_valid: torch.Tensor,
               key_positions: torch.Tensor, start: int, rotary: Rotary | None,
-              dtype: torch.dtype, sliding_window: int | None = None) -> "StepContext":
-        """positions [B, T]; key_valid, key_positions [B, S] with S = start + T."""
+              dtype: torch.dtype, sliding_window: int | None = None,
+              no_padding: bool = False) -> "StepContext":
+        """positions [B, T]; key_valid, key_positions [B, S] with S = start + T. ``no_padding``:
+        the caller knows every key is valid (all rows full), so a prefill from slot 0 may run
+        attention as plain causal."""
         t, s = positions.shape[1], key_valid.shape[1]
         device = positions.device
         q_slot = torch.arange(start, start + t, device=device)  # [T]
@@ -53,7 +58,8 @@ class StepContext:
         # A padding query may have no valid key; let it see itself so softmax stays finite.
         mask |= k_slot[None, :] == q_slot[:, None]
         cos, sin = _rotary(rotary, positions, dtype)
-        return cls(positions, mask.unsqueeze(1), cos, sin, start)
+        causal = no_padding and start == 0 and sliding_window is None and t > 1
+        return cls(positions, mask.unsqueeze(1), cos, sin, start, causal)
 
 
     @classmethod
@@ -228,8 +234,10 @@ class Attention(nn.Module):
             q, k, v = fused
         else:
             q, k, v = self._unfused(qkv, ctx, cache, layer)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        # A full prefill from slot 0 attends causally over its own T keys: no mask, so the
+        # flash kernels skip the masked half; otherwise the mask over every cache slot.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if ctx.causal else ctx.attn_mask,
+                                             is_causal=ctx.causal, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _unfused(self, qkv: torch.Tensor, ctx: StepContext, cache, layer: int):
@@ -249,5 +257,7 @@ class Attention(nn.Module):
         if ctx.cos is not None:
             q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         if cache is not None:
-            k, v = cache.append(layer, ctx.start, k, v)  # [B, KV heads, S, D]
+            k_all, v_all = cache.append(layer, ctx.start, k, v)  # [B, KV heads, S, D]
+            if not ctx.causal:  # a causal prefill attends over its fresh keys alone
+                k, v = k_all, v_all
         return q, k, v

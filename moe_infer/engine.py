@@ -137,6 +137,7 @@ class Engine:
             attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected [B, L], got shape {list(input_ids.shape)}")
+        no_padding = attention_mask is None  # then attention runs plain causal
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if attention_mask.shape != input_ids.shape:
@@ -145,7 +146,7 @@ class Engine:
         ids = input_ids.to(self.device)
         valid = attention_mask.to(self.device).bool()
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
-        ctx = self.model.context(positions, valid, positions, start=0)
+        ctx = self.model.context(positions, valid, positions, start=0, no_padding=no_padding)
         out = self.model(ids, ctx).float()
         return out.masked_fill(~valid.unsqueeze(-1), 0.0)
 
@@ -195,7 +196,8 @@ class Engine:
         else:
             cache = self.model.make_cache(len(rows), slots)
 
-        logits = self._prefill(tokens, key_valid[:, :width], positions[:, :width], cache)
+        logits = self._prefill(tokens, key_valid[:, :width], positions[:, :width], cache,
+                               no_padding=all(len(r) == width for r in rows))
         greedy = None
         generated = [[] for _ in range(b)]
         finish = [None] * b
@@ -222,9 +224,10 @@ class Engine:
         return [Completion(g, self.tokenizer.decode(g) if self.tokenizer else None, f or "length")
                 for g, f in zip(generated, finish)]
 
-    def _prefill(self, tokens, key_valid, positions, cache) -> torch.Tensor:
-        """tokens [B, L] -> logits of the last prompt slot [B, V]."""
-        ctx = self.model.context(positions, key_valid, positions, start=0)
+    def _prefill(self, tokens, key_valid, positions, cache, no_padding: bool = False) -> torch.Tensor:
+        """tokens [B, L] -> logits of the last prompt slot [B, V]. ``no_padding``: every
+        prompt is L tokens long (attention then runs plain causal)."""
+        ctx = self.model.context(positions, key_valid, positions, start=0, no_padding=no_padding)
         return self.model(tokens, ctx, cache, last_only=True)[:, -1]
 
     def _decode(self, tokens, slot: int, key_valid, positions, cache) -> torch.Tensor:

@@ -94,9 +94,9 @@ class Transformer(nn.Module):
                                  self.embed.weight.dtype, self.cfg.model.sliding_window)
 
     def context(self, positions: torch.Tensor, key_valid: torch.Tensor,
-                key_positions: torch.Tensor, start: int) -> StepContext:
+                key_positions: torch.Tensor, start: int, no_padding: bool = False) -> StepContext:
         return StepContext.build(positions, key_valid, key_positions, start, self.rotary,
-                                 self.embed.weight.dtype, self.cfg.model.sliding_window)
+                                 self.embed.weight.dtype, self.cfg.model.sliding_window, no_padding)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
                 cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:

@@ -158,6 +158,24 @@ def floor_parts(engine, batch: int, context: int, copy_gbs: float) -> dict:
             "copy_gbs": copy_gbs}
 
 
+def prefill_flops(engine, prompt_len: int, batch: int) -> float:
+    """FLOPs a prefill must do: 2 per weight a token uses (each token's top-k experts out of
+    the [E, ...] expert tensors; the LM head for the last token of each prompt only, as
+    ``last_only`` computes it) plus causal attention (QK^T and PV over the keys at or
+    before each query)."""
+    m, moe, model = engine.config.model, engine.config.moe, engine.model
+    tokens, per_token = batch * prompt_len, 0.0
+    for name, w in model.state_dict().items():  # int8 weights are buffers
+        if name == "embed.weight" or name.startswith("lm_head.") or w.dim() < 2:
+            continue
+        if ".experts." in name and moe is not None:
+            per_token += w.numel() * moe.top_k / moe.num_experts
+        elif w.dim() == 2:
+            per_token += w.numel()
+    attn = 4 * m.num_layers * m.num_heads * m.head_dim * batch * prompt_len * (prompt_len + 1) / 2
+    return 2 * per_token * tokens + 2 * m.vocab_size * m.hidden_size * batch + attn
+
+
 def prefill_rate(engine, prompt_len: int, batch: int, reps: int, gen, profile: bool = False) -> dict:
     """Prefill tokens/s (generate() with one new token: the prefill and one sampled token)
     and its matmul rate: 2 * active parameters * tokens (+ attention) over the time. With
@@ -167,19 +185,8 @@ def prefill_rate(engine, prompt_len: int, batch: int, reps: int, gen, profile: b
     engine.config.engine.max_batch_size = max(engine.config.engine.max_batch_size, batch)
     engine.generate(prompts, max_new_tokens=1)
     t, _ = timed_generate(engine, prompts, 1, reps)
-    m, moe = engine.config.model, engine.config.moe
-    active = 0
-    for name, p in engine.model.named_parameters():
-        if p.dim() != 2 or name == "embed.weight":
-            continue
-        if ".experts." in name and moe is not None:
-            active += p.numel() * moe.top_k / moe.num_experts
-        else:
-            active += p.numel()
-    tokens = batch * prompt_len
-    attn = 4 * m.num_layers * m.num_heads * m.head_dim * batch * prompt_len * prompt_len / 2  # causal QK^T and PV
-    flops = 2 * active * tokens + attn
-    out = {"prompt_len": prompt_len, "batch": batch, "seconds": t, "tokens_per_s": tokens / t,
+    flops = prefill_flops(engine, prompt_len, batch)
+    out = {"prompt_len": prompt_len, "batch": batch, "seconds": t, "tokens_per_s": batch * prompt_len / t,
            "tflops": flops / t / 1e12}
     if profile:
         times = kernel_times(engine, prompts, 1)

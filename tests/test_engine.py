@@ -54,6 +54,35 @@ def test_cached_decode_agrees_with_full_forward(data):
     assert len({tuple(o.token_ids) for o in outs}) > 1  # not a degenerate constant model
 
 
+LLAMA_MOE_FULL = {**LLAMA_MOE, "model": {**LLAMA_MOE["model"], "sliding_window": None}}
+
+
+@pytest.mark.parametrize("data", [GPT_MOE, LLAMA_MOE_FULL], ids=["gpt-moe", "llama-moe"])
+def test_unpadded_prefill_runs_causal_and_matches_the_masked_one(data):
+    """Prompts of one length prefill with plain causal attention (no mask): the same
+    logits and cache as the masked prefill, and decode from that cache agrees with a full
+    forward."""
+    engine = engine_for(data)
+    model = engine.model
+    ids = torch.tensor([[3, 14, 15, 9, 2, 6], [5, 3, 58, 9, 7, 9]])
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    pos = torch.arange(6).expand(2, 6)
+    out = {}
+    for no_padding in (False, True):
+        ctx = model.context(pos, valid, pos, start=0, no_padding=no_padding)
+        assert ctx.causal == no_padding
+        cache = model.make_cache(2, 9)
+        out[no_padding] = model(ids, ctx, cache).float(), cache
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[True][1].k[1], out[False][1].k[1])
+    prompts = ids.tolist()
+    outs = engine.generate(prompts, max_new_tokens=5)
+    full = [p + o.token_ids for p, o in zip(prompts, outs)]
+    logits = engine.logits(full)  # id lists get a mask: the masked path
+    for i, o in enumerate(outs):
+        assert logits[i, 5:5 + len(o.token_ids)].argmax(-1).tolist() == o.token_ids
+
+
 @pytest.mark.parametrize("data", [GPT_MOE, LLAMA_MOE], ids=["gpt-moe", "llama-moe"])
 def test_static_shape_decode_equals_growing_decode(data):
     """The fixed-shape decode step (the one CUDA graphs capture: batch padded to a power of
