@@ -212,18 +212,21 @@ class Attention(nn.Module):
         self.fusable = kernels.qkv_decode_supported(d) and not (cfg.qk_norm == "full" and tp.size > 1)
 
     def _fused_decode(self, qkv: torch.Tensor, ctx: StepContext, cache, layer: int):
-        """q [B, Hq, 1, D], k, v [B, Hkv, S, D] through one fused kernel (norms, clip,
-        rotary, cache append) for one decode token per row on a GPU; None where it does not
-        apply (CPU, prefill, the paged cache, an all-heads q/k norm split across ranks)."""
+        """q [B, Hq, T, D], k, v [B, Hkv, S, D] through one fused kernel (norms, clip,
+        rotary, cache append; one program per token) on a GPU; None where it does not apply
+        (CPU, no cache or the paged cache, an all-heads q/k norm split across ranks). A
+        causal prefill gets back only its own T keys."""
         b, t, _ = qkv.shape
-        if not (self.fusable and qkv.is_cuda and t == 1 and type(cache) is KVCache):
+        if not (self.fusable and qkv.is_cuda and type(cache) is KVCache):
             return None
         norm = getattr(self, "q_norm", None)
         q = kernels.qkv_decode(
-            qkv.view(b, -1), self.num_heads, self.num_kv_heads, self.head_dim, cache.k[layer], cache.v[layer],
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, cache.k[layer], cache.v[layer],
             ctx.start, ctx.cos, ctx.sin, self.qk_norm if norm else None, norm.weight if norm else None,
             self.k_norm.weight if norm else None, norm.eps if norm else 1e-6, self.clip_qkv)
-        return (q, *cache.visible(layer, ctx.start, 1))
+        if ctx.causal:
+            return q, cache.k[layer, :, :, :t], cache.v[layer, :, :, :t]
+        return (q, *cache.visible(layer, ctx.start, t))
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None = None,
                 layer: int = 0) -> torch.Tensor:

@@ -162,8 +162,9 @@ def rms_norm_router(x, residual, norm_w, eps, router_w):
 
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
                qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
-    """A decode token's QKV epilogue in one launch on a GPU: q/k norms, clip, rotary, and
-    the KV-cache append at ``slot`` -> q [B, Hq, 1, D] (see ``qkv_decode_ref``)."""
+    """The QKV epilogue of a decode step (qkv [B, W]) or a prefill (qkv [B, T, W]) in one
+    launch on a GPU: q/k norms, clip, rotary, and the KV-cache append at slots ``slot`` ..
+    -> q [B, Hq, T, D] (see ``qkv_decode_ref``)."""
     fn = qkv_decode_triton if qkv.is_cuda else qkv_decode_ref
     return fn(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm, q_norm_w,
               k_norm_w, eps, clip)

@@ -1,7 +1,9 @@
 """The QKV epilogue of a decode step in one launch: split, q/k norms, rotary and the
-KV-cache append (DeepSpeed-Inference III-A's deep fusion, on the decode path).
+KV-cache append (DeepSpeed-Inference III-A's deep fusion, on the decode path). A prefill
+of T tokens per row runs the same kernel with one program per token.
 
-Shape letters: B rows (one token each), Hq / Hkv query / KV heads, D head dim, S cache slots.
+Shape letters: B rows, T tokens per row (1 when decoding), Hq / Hkv query / KV heads,
+D head dim, S cache slots.
 
 After the fused QKV projection a decode token needs, per layer: its q and k normalised
 (none, per head as Qwen3, or over all heads as OLMoE), clipped where the model clips,
@@ -60,13 +62,14 @@ def _normed_rotated(base, w_ptr, cos, sin, heads, d, partner, sign, eps, clip,
 
 @triton.jit
 def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
-                       slot, eps, clip, stride_qkv, stride_cos,
+                       slot, eps, clip, T, stride_qkv, stride_cos,
                        stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                        HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
                        D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr, ROPE: tl.constexpr,
                        SLOT_PTR: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(0).to(tl.int64)  # token r = b * T + t: row b, cache slot slot + t
+    b, t = r // T, r % T
     DT: tl.constexpr = q_ptr.dtype.element_ty
     d = tl.arange(0, D)
     partner = (d + D // 2) % D
@@ -74,15 +77,16 @@ def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr, kc_
     cos = tl.zeros([D], tl.float32)
     sin = tl.zeros([D], tl.float32)
     if ROPE:
-        cos = tl.load(cos_ptr + b * stride_cos + d).to(tl.float32)
-        sin = tl.load(sin_ptr + b * stride_cos + d).to(tl.float32)
+        cos = tl.load(cos_ptr + r * stride_cos + d).to(tl.float32)
+        sin = tl.load(sin_ptr + r * stride_cos + d).to(tl.float32)
     if SLOT_PTR:
         slot = tl.load(slot_ptr)
-    row = qkv_ptr + b * stride_qkv
+    slot += t
+    row = qkv_ptr + r * stride_qkv
     hq = tl.arange(0, HQ_P)
     q = _normed_rotated(row, qn_w_ptr, cos, sin, hq, d, partner, sign, eps, clip, HQ, D, QK_NORM, CLIP, ROPE, DT)
     q_ok = (hq < HQ)[:, None]
-    tl.store(q_ptr + b * HQ * D + hq[:, None] * D + d[None, :], q.to(DT), mask=q_ok)
+    tl.store(q_ptr + ((b * HQ + hq[:, None]) * T + t) * D + d[None, :], q.to(DT), mask=q_ok)
     hk = tl.arange(0, HKV_P)
     k = _normed_rotated(row + HQ * D, kn_w_ptr, cos, sin, hk, d, partner, sign, eps, clip, HKV, D, QK_NORM, CLIP,
                         ROPE, DT)
@@ -94,46 +98,50 @@ def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr, kc_
     tl.store(vc_ptr + b * stride_vb + hk[:, None] * stride_vh + slot * stride_vs + d[None, :], v.to(DT), mask=kv_ok)
 
 
-def _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm):
-    b = qkv.shape[0]
+def _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm) -> tuple[int, int]:
+    """-> (B, T)."""
     width = (num_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dim() != 2 or qkv.shape[1] != width:
-        raise ValueError(f"qkv {list(qkv.shape)}: expected [B, (Hq + 2 Hkv) * D = {width}]")
+    if qkv.dim() not in (2, 3) or qkv.shape[-1] != width:
+        raise ValueError(f"qkv {list(qkv.shape)}: expected [B, (Hq + 2 Hkv) * D = {width}] or [B, T, {width}]")
+    b, t = qkv.shape[0], qkv.shape[1] if qkv.dim() == 3 else 1
     want = (b, num_kv_heads, k_cache.shape[2], head_dim)
     if k_cache.dim() != 4 or tuple(k_cache.shape) != want or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache / v_cache {list(k_cache.shape)} / {list(v_cache.shape)}: expected {list(want)}")
     if qk_norm not in QK_NORMS:
         raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
+    return b, t
 
 
 def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
                    qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
-    """qkv [B, (Hq + 2 Hkv) * D] of one token per row -> q [B, Hq, 1, D]; writes k and v at
-    cache slot ``slot`` (int or 0-d tensor) of k_cache / v_cache [B, Hkv, S, D]. cos, sin
-    [B, D] rotary tables (None: no rotation); ``qk_norm`` None / "head" (weights [D]) /
-    "full" (weights [Hq * D], [Hkv * D]); ``clip`` clamps q, k, v."""
-    _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
-    b, d = qkv.shape[0], head_dim
+    """qkv [B, (Hq + 2 Hkv) * D] of one token per row, or [B, T, ...] of T -> q [B, Hq, T, D];
+    writes k and v at cache slots ``slot`` .. ``slot + T - 1`` (``slot`` an int or 0-d
+    tensor) of k_cache / v_cache [B, Hkv, S, D]. cos, sin [B, D] or [B, T, D] rotary tables
+    (None: no rotation); ``qk_norm`` None / "head" (weights [D]) / "full" (weights
+    [Hq * D], [Hkv * D]); ``clip`` clamps q, k, v."""
+    b, t = _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
+    d = head_dim
     norm = lambda x, w: rms_norm_ref(x, w, eps)  # noqa: E731
-    q, k, v = qkv.split((num_heads * d, num_kv_heads * d, num_kv_heads * d), dim=-1)
+    q, k, v = qkv.reshape(b, t, -1).split((num_heads * d, num_kv_heads * d, num_kv_heads * d), dim=-1)
     if qk_norm == "full":
         q, k = norm(q, q_norm_w), norm(k, k_norm_w)
     if clip is not None:
         q, k, v = (z.clamp(-clip, clip) for z in (q, k, v))
-    q, k, v = q.view(b, num_heads, d), k.view(b, num_kv_heads, d), v.view(b, num_kv_heads, d)
+    q, k, v = q.view(b, t, num_heads, d), k.view(b, t, num_kv_heads, d), v.view(b, t, num_kv_heads, d)
     if qk_norm == "head":
         q, k = norm(q, q_norm_w), norm(k, k_norm_w)
     if cos is not None:
-        c, s = cos[:, None, :], sin[:, None, :]
+        c, s = cos.reshape(b, t, 1, d), sin.reshape(b, t, 1, d)
 
         def rotate(x):
             x1, x2 = x.chunk(2, dim=-1)
             return x * c + torch.cat((-x2, x1), dim=-1) * s
         q, k = rotate(q), rotate(k)
-    slot = slot.view(1) if torch.is_tensor(slot) else torch.tensor([slot], device=qkv.device)
-    k_cache.index_copy_(2, slot, k[:, :, None].to(k_cache.dtype))
-    v_cache.index_copy_(2, slot, v[:, :, None].to(v_cache.dtype))
-    return q[:, :, None].contiguous()
+    first = slot.view(1) if torch.is_tensor(slot) else torch.tensor([slot], device=qkv.device)
+    slots = first + torch.arange(t, device=first.device)
+    k_cache.index_copy_(2, slots, k.transpose(1, 2).to(k_cache.dtype))
+    v_cache.index_copy_(2, slots, v.transpose(1, 2).to(v_cache.dtype))
+    return q.transpose(1, 2).contiguous()
 
 
 def qkv_decode_supported(head_dim: int) -> bool:
@@ -143,23 +151,23 @@ def qkv_decode_supported(head_dim: int) -> bool:
 
 def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
                       qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
-    """Same contract as ``qkv_decode_ref``; one launch, one program per row."""
-    _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
+    """Same contract as ``qkv_decode_ref``; one launch, one program per token."""
+    b, t = _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
     if not qkv_decode_supported(head_dim):
         return qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
                               q_norm_w, k_norm_w, eps, clip)
+    qkv = qkv.reshape(b * t, qkv.shape[-1])
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
-    b = qkv.shape[0]
-    q = torch.empty(b, num_heads, 1, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(b, num_heads, t, head_dim, dtype=qkv.dtype, device=qkv.device)
     rope = cos is not None
     if rope:
-        cos, sin = cos.reshape(b, head_dim), sin.reshape(b, head_dim)
+        cos, sin = cos.reshape(b * t, head_dim), sin.reshape(b * t, head_dim)
     slot_t = torch.is_tensor(slot)
-    _qkv_decode_kernel[(b,)](
+    _qkv_decode_kernel[(b * t,)](
         qkv, q_norm_w if q_norm_w is not None else qkv, k_norm_w if k_norm_w is not None else qkv,
         cos if rope else qkv, sin if rope else qkv, q, k_cache, v_cache, slot if slot_t else qkv,
-        0 if slot_t else int(slot), float(eps), float(clip or 0.0), qkv.stride(0), cos.stride(0) if rope else 0,
+        0 if slot_t else int(slot), float(eps), float(clip or 0.0), t, qkv.stride(0), cos.stride(0) if rope else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), HQ=num_heads, HKV=num_kv_heads, HQ_P=triton.next_power_of_2(num_heads),
         HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim, QK_NORM=QK_NORMS[qk_norm],

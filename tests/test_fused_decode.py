@@ -92,6 +92,39 @@ def test_qkv_decode_matches_reference(device, dtype, b, hq, hkv, d, qk_norm, rop
     assert torch.equal(kc[:, :, others], kc2[:, :, others]) and torch.equal(vc[:, :, others], vc2[:, :, others])
 
 
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("qk_norm", [None, "head", "full"])
+def test_qkv_epilogue_of_a_prefill(device, dtype, qk_norm):
+    """T tokens per row (a prefill): one program per token, each at its own position and
+    cache slot; q comes back [B, Hq, T, D]."""
+    b, t, hq, hkv, d, s, slot = 2, 5, 4, 2, 16, 9, 3
+    qkv, kc, vc, _, _, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, s, qk_norm, False, 7)
+    gen = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(b, t, qkv.shape[1], generator=gen) * 2).to(device, dtype)
+    pos = torch.arange(slot, slot + t).float()[None, :, None].expand(b, t, 1)
+    ang = pos * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = (z.to(device, dtype) for z in (torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()))
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = qkv_decode_triton(qkv, hq, hkv, d, kc, vc, slot, cos, sin, qk_norm, qw, kw, 1e-6, 1.5)
+    up = lambda z: None if z is None else z.double()  # noqa: E731
+    kr, vr = kc2.double(), vc2.double()
+    qr = qkv_decode_ref(qkv.double(), hq, hkv, d, kr, vr, slot, up(cos), up(sin), qk_norm, up(qw), up(kw), 1e-6,
+                        1.5)
+    assert q.shape == (b, hq, t, d) and qr.shape == q.shape
+    tol = 2 * TOL[dtype] if device == "cuda" else 3 * TOL[dtype]
+    new = slice(slot, slot + t)
+    assert rel(q, qr) < tol and rel(kc[:, :, new], kr[:, :, new]) < tol and rel(vc[:, :, new], vr[:, :, new]) < tol
+    others = [i for i in range(s) if not slot <= i < slot + t]
+    assert torch.equal(kc[:, :, others], kc2[:, :, others]) and torch.equal(vc[:, :, others], vc2[:, :, others])
+    # Token by token through the decode form gives the same q.
+    kd, vd = kc2.clone(), vc2.clone()
+    for i in range(t):
+        qi = qkv_decode_triton(qkv[:, i].contiguous(), hq, hkv, d, kd, vd, slot + i, cos[:, i], sin[:, i], qk_norm,
+                               qw, kw, 1e-6, 1.5)
+        assert torch.equal(qi[:, :, 0], q[:, :, i])
+    assert torch.equal(kd, kc) and torch.equal(vd, vc)
+
+
 def test_qkv_decode_rejects_bad_shapes():
     kc = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match=r"qkv \[1, 40\]: expected \[B, \(Hq \+ 2 Hkv\) \* D = 64\]"):
@@ -137,6 +170,54 @@ def test_attention_fused_decode_equals_unfused(qk_norm):
         assert rel(a, r) < 1e-2
     assert rel(caches[0].k, caches[1].k) < 1e-3 and rel(caches[0].v, caches[1].v) == 0.0
     assert kernels.qkv_decode_supported(64) and not kernels.qkv_decode_supported(96)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk_norm", ["none", "head", "full"])
+@pytest.mark.parametrize("no_padding", [True, False])
+def test_attention_fused_prefill_equals_unfused(qk_norm, no_padding):
+    """A prefill through the fused epilogue (one program per token) and through the torch
+    ops: same q, keys, values and cache; causal (unpadded) or masked (left padding)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from dense.attention import Attention, KVCache, StepContext
+    from dense.rotary import Rotary
+
+    cfg = SimpleNamespace(head_dim=64, num_heads=8, num_kv_heads=2, hidden_size=256, qkv_bias=False,
+                          out_bias=False, qk_norm=qk_norm, norm_eps=1e-6, clip_qkv=None)
+    torch.manual_seed(1)
+    attn = Attention(cfg).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.05)
+    b, t, s = 3, 37, 48
+    x = torch.randn(b, t, 256, device="cuda", dtype=torch.bfloat16)
+    pad = torch.tensor([0, 0, 0] if no_padding else [0, 5, 11], device="cuda")
+    slots = torch.arange(t, device="cuda")
+    key_valid = slots[None, :] >= pad[:, None]
+    positions = (slots[None, :] - pad[:, None]).clamp(min=0)
+    ctx = StepContext.build(positions, key_valid, positions, 0, Rotary(64, 10000.0), torch.bfloat16,
+                            no_padding=no_padding)
+    assert ctx.causal == no_padding
+    caches = [KVCache(1, b, 2, s, 64, torch.bfloat16, "cuda") for _ in range(2)]
+    with torch.no_grad():
+        qkv = attn.qkv_proj(x)
+        fused = attn._fused_decode(qkv, ctx, caches[0], 0)
+        unfused = attn._unfused(qkv, ctx, caches[1], 0)
+    assert fused is not None
+    for a, r in zip(fused, unfused):
+        assert a.shape == r.shape and rel(a, r) < 1e-2
+    assert rel(caches[0].k, caches[1].k) < 1e-3 and rel(caches[0].v, caches[1].v) == 0.0
+    # Causal over the fresh keys equals the mask over the cache.
+    q, k, v = fused
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if ctx.causal else ctx.attn_mask,
+                                         is_causal=ctx.causal, enable_gqa=True)
+    kc, vc = caches[1].k[0, :, :, :t], caches[1].v[0, :, :, :t]
+    ref = F.scaled_dot_product_attention(unfused[0].float(), kc.float(), vc.float(), attn_mask=ctx.attn_mask,
+                                         enable_gqa=True)
+    assert rel(out, ref) < 2e-2
 
 
 @pytest.mark.parametrize("device,dtype", BACKENDS)
