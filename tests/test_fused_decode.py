@@ -209,7 +209,10 @@ def test_attention_fused_prefill_equals_unfused(qk_norm, no_padding):
     assert fused is not None
     for a, r in zip(fused, unfused):
         assert a.shape == r.shape and rel(a, r) < 1e-2
-    assert rel(caches[0].k, caches[1].k) < 1e-3 and rel(caches[0].v, caches[1].v) == 0.0
+    # Every written slot is a fresh key (the rest stay zero), so this is the full bf16
+    # rounding difference of the rotation (1.7e-3 to 2.0e-3 measured), not diluted as in
+    # the decode test above.
+    assert rel(caches[0].k, caches[1].k) < 1e-2 and rel(caches[0].v, caches[1].v) == 0.0
     # Causal over the fresh keys equals the mask over the cache.
     q, k, v = fused
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if ctx.causal else ctx.attn_mask,
