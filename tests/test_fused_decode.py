@@ -135,23 +135,31 @@ def test_qkv_decode_rejects_bad_shapes():
         qkv_decode_triton(torch.randn(1, 64), 4, 2, 8, kc, kc.clone(), 0, qk_norm="layer")
 
 
+def _gpu_attention(qk_norm: str, seed: int):
+    """A bf16 attention block on the GPU (GQA 8 / 2, D = 64) with random weights."""
+    from types import SimpleNamespace
+
+    from dense.attention import Attention
+
+    cfg = SimpleNamespace(head_dim=64, num_heads=8, num_kv_heads=2, hidden_size=256, qkv_bias=False,
+                          out_bias=False, qk_norm=qk_norm, norm_eps=1e-6, clip_qkv=None)
+    torch.manual_seed(seed)
+    attn = Attention(cfg).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.05)
+    return attn
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("qk_norm", ["none", "head", "full"])  # the config's spellings
 def test_attention_fused_decode_equals_unfused(qk_norm):
     """The model's attention on a decode token: the fused kernel and the torch ops agree
     (same cache contents, same output), for a tensor slot and an int start."""
-    from types import SimpleNamespace
-
-    from dense.attention import Attention, KVCache, StepContext
+    from dense.attention import KVCache, StepContext
     from dense.rotary import Rotary
 
-    cfg = SimpleNamespace(head_dim=64, num_heads=8, num_kv_heads=2, hidden_size=256, qkv_bias=False,
-                          out_bias=False, qk_norm=qk_norm, norm_eps=1e-6, clip_qkv=None)
-    torch.manual_seed(0)
-    attn = Attention(cfg).cuda().to(torch.bfloat16)
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.05)
+    attn = _gpu_attention(qk_norm, seed=0)
     b, s = 3, 64
     x = torch.randn(b, 1, 256, device="cuda", dtype=torch.bfloat16)
     key_valid = torch.ones(b, s, dtype=torch.bool, device="cuda")
@@ -178,20 +186,12 @@ def test_attention_fused_decode_equals_unfused(qk_norm):
 def test_attention_fused_prefill_equals_unfused(qk_norm, no_padding):
     """A prefill through the fused epilogue (one program per token) and through the torch
     ops: same q, keys, values and cache; causal (unpadded) or masked (left padding)."""
-    from types import SimpleNamespace
-
     import torch.nn.functional as F
 
-    from dense.attention import Attention, KVCache, StepContext
+    from dense.attention import KVCache, StepContext
     from dense.rotary import Rotary
 
-    cfg = SimpleNamespace(head_dim=64, num_heads=8, num_kv_heads=2, hidden_size=256, qkv_bias=False,
-                          out_bias=False, qk_norm=qk_norm, norm_eps=1e-6, clip_qkv=None)
-    torch.manual_seed(1)
-    attn = Attention(cfg).cuda().to(torch.bfloat16)
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.05)
+    attn = _gpu_attention(qk_norm, seed=1)
     b, t, s = 3, 37, 48
     x = torch.randn(b, t, 256, device="cuda", dtype=torch.bfloat16)
     pad = torch.tensor([0, 0, 0] if no_padding else [0, 5, 11], device="cuda")
