@@ -14,15 +14,15 @@ One kernel serves both expert GEMMs:
 
 Expert e owns buffer rows offsets[e] .. offsets[e + 1], cut into ceil(count / BM) row
 tiles; every program rebuilds that tile map from ``offsets`` (E values), so nothing is
-read back to the host and the grid is sized from T alone: CUDA-graph safe.
+read back to the host and the grid is sized from T alone: CUDA-graph safe. At decode
+sizes (T <= 16) each active expert is one row tile, so each weight byte is read once;
+at large T the same kernel runs with 128-row tiles on the tensor cores.
 
 Tile order: programs run in groups of GROUP_M row tiles; within a group the row tile
 changes fastest, then the column tile. At large T a group's A rows are then reused by
 all its column tiles while they are still in L2 (with row tiles fastest over the whole
 buffer, a down GEMM re-read its [N, F] input from memory once per column tile: 8 times
-200 MB for Qwen3-30B-A3B at T = 16384). GROUP_M = all row tiles is plain row-major order. At decode
-sizes (T <= 16) each active expert is one row tile, so each weight byte is read once;
-at large T the same kernel runs with 128-row tiles on the tensor cores.
+200 MB for Qwen3-30B-A3B at T = 16384). GROUP_M = all row tiles is plain row-major order.
 
 int8 weights carry per-output-channel scales: the tile is widened to the activation
 dtype before the dot and the scale multiplies the accumulator once, in the epilogue.
@@ -170,11 +170,12 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
     tiles = min(e, num_rows) if from_ids else max_row_tiles(num_rows, e, cfg["bm"])
     grid = (tiles * triton.cdiv(n_out, cfg["bn"]), split)
     table = pair_ids if from_ids else offsets
+    group_m = max(1, min(cfg.get("group_m") or tiles, tiles))
     _grouped_gemm_kernel[grid](
         a, row_pair if row_pair is not None else table, w, scale if int8 else w, table,
         pair_weights if pair_weights is not None else table, out,
-        n_out, k, w_rows, num_rows, tiles, max(1, min(cfg.get("group_m") or tiles, tiles)), a.stride(0), w.stride(0), w.stride(1), scale.stride(0) if int8 else 0,
-        out.stride(0), out.stride(1),
+        n_out, k, w_rows, num_rows, tiles, group_m, a.stride(0), w.stride(0), w.stride(1),
+        scale.stride(0) if int8 else 0, out.stride(0), out.stride(1),
         E=e, E_PAD=triton.next_power_of_2(e), TOPK=topk,
         BM=cfg["bm"], BN=cfg["bn"], BK=cfg["bk"], SPLIT_K=split,
         A_FROM_TOKENS=a_from_tokens, GATED=gated, ACT=act, ROW_WEIGHT=pair_weights is not None,
