@@ -121,14 +121,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                           a_from_tokens=True, gated=activation == "silu",
                           act="gelu" if activation == "gelu" else "none", scale=w13_scale,
                           pair_ids=pair_ids)[0]  # [N, F]
-    # Without split-K each weighted pair row is stored in x's dtype (half the bytes written
-    # and read again at large T; the sum over slots is still float32); split-K partials
-    # stay float32.
     if pair_ids is None and grouped_mm_ok(down_cfg, hidden, w2):
         # Large T, where the table says so: the down GEMM by torch's grouped GEMM (CUTLASS)
         # over the expert-major rows; the combine weights move into the combine.
         ys = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets[1:])  # [N, H], buffer rows
         return combine_rows_triton(ys[None], rows, topk_weights, x.dtype, topk)
+    # Without split-K each weighted pair row is stored in x's dtype (half the bytes written
+    # and read again at large T; the sum over slots is still float32); split-K partials
+    # stay float32.
     partial = grouped_gemm(hidden, w2, offsets, row_pair, down_cfg, num_rows=n, topk=topk,
                            a_from_tokens=False, gated=False, scale=w2_scale,
                            pair_weights=topk_weights.reshape(-1).float().contiguous(),

@@ -151,6 +151,19 @@ def _gpu_attention(qk_norm: str, seed: int):
     return attn
 
 
+def _fused_and_unfused(attn, x, ctx, caches):
+    """q, k, v through the fused epilogue (into caches[0]) and through the torch ops (into
+    caches[1]); they must agree in shape and to bf16 rounding."""
+    with torch.no_grad():
+        qkv = attn.qkv_proj(x)
+        fused = attn._fused_decode(qkv, ctx, caches[0], 0)
+        unfused = attn._unfused(qkv, ctx, caches[1], 0)
+    assert fused is not None
+    for a, r in zip(fused, unfused):
+        assert a.shape == r.shape and rel(a, r) < 1e-2
+    return fused, unfused
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("qk_norm", ["none", "head", "full"])  # the config's spellings
 def test_attention_fused_decode_equals_unfused(qk_norm):
@@ -169,13 +182,7 @@ def test_attention_fused_decode_equals_unfused(qk_norm):
     caches = [KVCache(1, b, 2, s, 64, torch.bfloat16, "cuda") for _ in range(2)]
     for c in caches[1:]:
         c.k.copy_(caches[0].k.normal_()), c.v.copy_(caches[0].v.normal_())
-    with torch.no_grad():
-        qkv = attn.qkv_proj(x)
-        fused = attn._fused_decode(qkv, ctx, caches[0], 0)
-        unfused = attn._unfused(qkv, ctx, caches[1], 0)
-    assert fused is not None
-    for a, r in zip(fused, unfused):
-        assert rel(a, r) < 1e-2
+    _fused_and_unfused(attn, x, ctx, caches)
     assert rel(caches[0].k, caches[1].k) < 1e-3 and rel(caches[0].v, caches[1].v) == 0.0
     assert kernels.qkv_decode_supported(64) and not kernels.qkv_decode_supported(96)
 
@@ -202,13 +209,7 @@ def test_attention_fused_prefill_equals_unfused(qk_norm, no_padding):
                             no_padding=no_padding)
     assert ctx.causal == no_padding
     caches = [KVCache(1, b, 2, s, 64, torch.bfloat16, "cuda") for _ in range(2)]
-    with torch.no_grad():
-        qkv = attn.qkv_proj(x)
-        fused = attn._fused_decode(qkv, ctx, caches[0], 0)
-        unfused = attn._unfused(qkv, ctx, caches[1], 0)
-    assert fused is not None
-    for a, r in zip(fused, unfused):
-        assert a.shape == r.shape and rel(a, r) < 1e-2
+    fused, unfused = _fused_and_unfused(attn, x, ctx, caches)
     # Every written slot is a fresh key (the rest stay zero), so this is the full bf16
     # rounding difference of the rotation (1.7e-3 to 2.0e-3 measured), not diluted as in
     # the decode test above.
