@@ -33,6 +33,10 @@ setup(
             # Triton 3.6's interpreter calls int() on 1-element arrays (loop bounds), which
             # numpy 2.4 rejects.
             "numpy<2.4",
+            # SBI-GeMM's CUDA C++ source compiles for Hopper through NVRTC in CI (no GPU):
+            # CuPy as on the GPU image, and NVRTC from PyPI.
+            "cupy-cuda12x==14.2.0; platform_system == 'Linux'",
+            "nvidia-cuda-nvrtc-cu12; platform_system == 'Linux'",
             # the server and its tests: the official client on loopback
             "fastapi", "uvicorn", "prometheus-client", "jinja2", "httpx", "openai",
         ],

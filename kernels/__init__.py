@@ -14,6 +14,7 @@ from kernels.norm import (ROUTER_MAX_ROWS, rms_norm_ref, rms_norm_router_ref, rm
 from kernels.qkv_decode import qkv_decode_ref, qkv_decode_supported, qkv_decode_triton
 from kernels.gating import grouped_topk_triton, topk_gating_triton
 from kernels.route import route_scatter_triton, route_triton
+from kernels.sbi_cuda import sbi_linear_cuda
 from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
 from kernels.moe_triton import fused_moe_triton, grouped_ffn_triton, linear_triton, quantize_int8
 from kernels.layout import dispatch_rows_triton, gather_rows_triton, scatter_rows_triton
@@ -184,7 +185,7 @@ __all__ = [
     "rms_norm", "rms_norm_ref", "rms_norm_triton", "ROUTER_MAX_ROWS",
     "rms_norm_router", "rms_norm_router_ref", "rms_norm_router_triton",
     "qkv_decode", "qkv_decode_ref", "qkv_decode_supported", "qkv_decode_triton",
-    "dense_linear", "linear_triton", "sbi_linear", "sbi_linear_ref", "sbi_linear_triton",
+    "dense_linear", "linear_triton", "sbi_linear", "sbi_linear_cuda", "sbi_linear_ref", "sbi_linear_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "quantize_int8", "dequantize_ref",
     "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref",
     "topk_gating", "topk_gating_ref", "topk_gating_triton",

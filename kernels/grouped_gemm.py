@@ -24,6 +24,11 @@ all its column tiles while they are still in L2 (with row tiles fastest over the
 buffer, a down GEMM re-read its [N, F] input from memory once per column tile: 8 times
 200 MB for Qwen3-30B-A3B at T = 16384). GROUP_M = all row tiles is plain row-major order.
 
+Weight tiles come by TMA where the configuration asks for it (``tma``; Hopper): the
+descriptor copies [BN, BK] boxes into shared memory without the per-element address
+tensors of a pointer load. A's rows are gathered (the fused scatter), which TMA on Hopper
+cannot do, so A always loads through pointers.
+
 int8 weights carry per-output-channel scales: the tile is widened to the activation
 dtype before the dot and the scale multiplies the accumulator once, in the epilogue.
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.pdl import pdl_enter, pdl_launch
 
@@ -40,7 +46,7 @@ from kernels.pdl import pdl_enter, pdl_launch
 def _grouped_gemm_kernel(
     a_ptr,  # [*, K] activations: x [T, H] (A_FROM_TOKENS) or the buffer [N, K]
     row_pair_ptr,  # [N] int32 pair held by each buffer row (token = pair // TOPK)
-    w_ptr,  # [E, W_ROWS, K] weights, K contiguous
+    w_ptr,  # [E, W_ROWS, K] weights, K contiguous (W_TMA: a descriptor over [E * W_ROWS, K])
     scale_ptr,  # [E, W_ROWS] float32 per-output-channel scales (INT8_W only)
     offsets_ptr,  # [E + 1] int32 expert segments of the buffer; FROM_IDS: [N] int32 expert of each pair
     pair_w_ptr,  # [T * TOPK] float32 combine weight of each pair (ROW_WEIGHT only)
@@ -53,7 +59,7 @@ def _grouped_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    FROM_IDS: tl.constexpr,
+    FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -105,21 +111,34 @@ def _grouped_gemm_kernel(
     k_lo = pid_k * k_span
 
     a_base = a_ptr + a_rows[:, None].to(tl.int64) * stride_a
-    w_base = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    if W_TMA:  # weight tiles by the tensor-memory accelerator: [BN, BK] boxes of [E * W_ROWS, K]
+        w_row = e * W_ROWS + pid_n * BN
+    else:
+        w_base = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, k_span, BK):
         ks = k_lo + k0 + tl.arange(0, BK)
         k_ok = ks < K
-        a = tl.load(a_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wm = k_ok[:, None] & col_ok[None, :]
-        b = tl.load(w_base + ks[:, None], mask=wm, other=0)  # [BK, BN]: W^T, K contiguous
+        if EVEN_K:  # K a multiple of SPLIT_K * BK: only the rows are masked
+            a = tl.load(a_base + ks[None, :], mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if UPCAST:  # interpreter (its bf16 arithmetic is wrong) or fp32 inputs: fp32 dot
             a = a.to(tl.float32)
-        b = b.to(a.dtype)  # int8 weights widen to the activation dtype (exact up to 127)
+        # Columns past N_OUT (and K past the end, zero-filled) only reach masked outputs.
+        if W_TMA:
+            b = w_ptr.load([w_row, k_lo + k0]).T.to(a.dtype)
+        else:
+            b = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0).to(a.dtype)
+        # int8 weights widen to the activation dtype (exact up to 127)
         acc += tl.dot(a, b, input_precision="ieee" if IEEE else None)
         if GATED:
-            b_up = tl.load(w_base + N_OUT * stride_wn + ks[:, None], mask=wm, other=0).to(a.dtype)
+            if W_TMA:
+                b_up = w_ptr.load([w_row + N_OUT, k_lo + k0]).T.to(a.dtype)
+            else:
+                b_up = tl.load(w_base + N_OUT * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                               other=0).to(a.dtype)
             acc_up += tl.dot(a, b_up, input_precision="ieee" if IEEE else None)
 
     if INT8_W:
@@ -142,6 +161,19 @@ def max_row_tiles(num_rows: int, num_experts: int, bm: int) -> int:
     return triton.cdiv(num_rows, bm) + min(num_experts, num_rows)
 
 
+def tma_ok(w: torch.Tensor, cfg: dict) -> bool:
+    """Whether weight tiles can come by TMA: asked for (``tma`` in the launch configuration),
+    a Hopper-or-later GPU or the CPU interpreter, contiguous weights with 16-byte aligned
+    rows, and a [BN, BK] box TMA can copy (at most 256 per side, rows of 16 bytes or more)."""
+    if not cfg.get("tma"):
+        return False
+    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
+        return False
+    row_bytes = w.shape[-1] * w.element_size()
+    return (w.is_contiguous() and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0
+            and cfg["bn"] <= 256 and cfg["bk"] <= 256 and cfg["bk"] * w.element_size() >= 16)
+
+
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None, row_pair: torch.Tensor | None,
                  cfg: dict, *, num_rows: int, topk: int, a_from_tokens: bool, gated: bool,
                  act: str = "none", scale: torch.Tensor | None = None,
@@ -150,7 +182,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
     """Runs one expert GEMM; returns [S, num_rows, N_OUT] (S = cfg["split_k"]).
 
     ``cfg`` holds the launch configuration: bm, bn, bk, split_k, num_warps, num_stages, and
-    optionally group_m (row tiles per group of the tile order; absent: row-major order).
+    optionally group_m (row tiles per group of the tile order; absent: row-major order) and
+    tma (weight tiles by TMA where ``tma_ok``).
     With ``pair_ids`` ([N] int32 expert of each pair, N <= cfg["bm"]) instead of the maps,
     buffer rows are pair indices and each program finds its expert itself (decode sizes).
     """
@@ -171,8 +204,10 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
     grid = (tiles * triton.cdiv(n_out, cfg["bn"]), split)
     table = pair_ids if from_ids else offsets
     group_m = max(1, min(cfg.get("group_m") or tiles, tiles))
+    tma = tma_ok(w, cfg)
+    w_arg = TensorDescriptor.from_tensor(w.view(e * w_rows, k), [cfg["bn"], cfg["bk"]]) if tma else w
     _grouped_gemm_kernel[grid](
-        a, row_pair if row_pair is not None else table, w, scale if int8 else w, table,
+        a, row_pair if row_pair is not None else table, w_arg, scale if int8 else w, table,
         pair_weights if pair_weights is not None else table, out,
         n_out, k, w_rows, num_rows, tiles, group_m, a.stride(0), w.stride(0), w.stride(1),
         scale.stride(0) if int8 else 0, out.stride(0), out.stride(1),
@@ -180,6 +215,6 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
         BM=cfg["bm"], BN=cfg["bn"], BK=cfg["bk"], SPLIT_K=split,
         A_FROM_TOKENS=a_from_tokens, GATED=gated, ACT=act, ROW_WEIGHT=pair_weights is not None,
         INT8_W=int8, UPCAST=a.device.type == "cpu" or a.dtype == torch.float32,
-        IEEE=a.dtype == torch.float32, FROM_IDS=from_ids,
+        IEEE=a.dtype == torch.float32, FROM_IDS=from_ids, EVEN_K=k % (split * cfg["bk"]) == 0, W_TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(a.device))
     return out

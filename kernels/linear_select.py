@@ -5,7 +5,9 @@ by ``scripts/bench_dense.py --write-table``, nothing is timed while serving) nam
 winner per device, weight shape, weight dtype and row bucket:
 - "cublas": ``torch.nn.functional.linear`` (full-precision weights only);
 - "triton": ``kernels.linear_triton``, the grouped GEMM with one group;
-- "sbi": ``kernels.sbi_linear``, SBI-GeMM.
+- "sbi": ``kernels.sbi_linear``, SBI-GeMM in Triton;
+- {"backend": "cuda", bn, warps, unroll, split_k}: SBI-GeMM in CUDA C++
+  (``kernels.sbi_cuda``) with the launch configuration that measured fastest.
 Without an entry, full-precision weights use cuBLAS and int8 weights SBI-GeMM (one launch
 with its epilogue, or two with split-K; it won 29 of the 32 int8 entries measured on the
 H100).
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels import sbi_cuda
 from kernels.moe_triton import device_key, linear_triton
 from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
 
@@ -39,13 +42,21 @@ def _table() -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def choice(device: torch.device, n: int, k: int, wdtype: torch.dtype, t: int) -> str:
-    """The implementation for t rows of x @ W.T, W [n, k] of ``wdtype``, on ``device``."""
+def _choice(device: torch.device, n: int, k: int, wdtype: torch.dtype, t: int) -> str | tuple:
     bucket = next(b for b in BUCKETS if b >= t)
     picked = _table().get(device_key(device), {}).get(table_key(n, k, wdtype), {}).get(str(bucket))
+    if isinstance(picked, dict) and picked.get("backend") == "cuda":
+        return tuple(sorted(picked.items()))  # hashable for the cache
     if picked in CHOICES and not (picked == "cublas" and wdtype == torch.int8):
         return picked
     return "sbi" if wdtype == torch.int8 else "cublas"
+
+
+def choice(device: torch.device, n: int, k: int, wdtype: torch.dtype, t: int) -> str | dict:
+    """The implementation for t rows of x @ W.T, W [n, k] of ``wdtype``, on ``device``: a
+    name from CHOICES, or the CUDA SBI-GeMM's launch configuration (a dict)."""
+    picked = _choice(device, n, k, wdtype, t)
+    return dict(picked) if isinstance(picked, tuple) else picked
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -62,6 +73,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             return y + bias if bias is not None else y
         return F.linear(x, weight, bias)
     pick = choice(x.device, weight.shape[0], weight.shape[1], weight.dtype, rows)
+    if isinstance(pick, dict):
+        x2 = x.reshape(rows, x.shape[-1])
+        if sbi_cuda.check(x2, weight, scale, bias) is None:
+            return sbi_cuda.sbi_linear_cuda(x2, weight, scale, bias, config=pick).view(*x.shape[:-1], weight.shape[0])
+        pick = "sbi"  # operands the CUDA kernel cannot take (alignment, dtype): the Triton version
     if pick == "cublas":
         return F.linear(x, weight, bias)
     if pick == "sbi":

@@ -86,7 +86,7 @@ def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr, kc_
     hq = tl.arange(0, HQ_P)
     q = _normed_rotated(row, qn_w_ptr, cos, sin, hq, d, partner, sign, eps, clip, HQ, D, QK_NORM, CLIP, ROPE, DT)
     q_ok = (hq < HQ)[:, None]
-    tl.store(q_ptr + ((b * HQ + hq[:, None]) * T + t) * D + d[None, :], q.to(DT), mask=q_ok)
+    tl.store(q_ptr + (r * HQ + hq[:, None]) * D + d[None, :], q.to(DT), mask=q_ok)  # q [B, T, HQ, D]
     hk = tl.arange(0, HKV_P)
     k = _normed_rotated(row + HQ * D, kn_w_ptr, cos, sin, hk, d, partner, sign, eps, clip, HKV, D, QK_NORM, CLIP,
                         ROPE, DT)
@@ -159,7 +159,9 @@ def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, 
     qkv = qkv.reshape(b * t, qkv.shape[-1])
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
-    q = torch.empty(b, num_heads, t, head_dim, dtype=qkv.dtype, device=qkv.device)
+    # q is stored [B, T, Hq, D] and returned as its [B, Hq, T, D] view: attention then
+    # writes its output in that layout too, and the output projection reads it in place.
+    q = torch.empty(b, t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device).transpose(1, 2)
     rope = cos is not None
     if rope:
         cos, sin = cos.reshape(b * t, head_dim), sin.reshape(b * t, head_dim)

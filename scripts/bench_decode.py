@@ -100,20 +100,33 @@ def _part(name: str) -> str:
     return "other (elementwise, copies, sampling)"
 
 
-def kernel_times(engine, prompts, new_tokens) -> dict:
-    """Device time and launches of each kernel over one generate() call: name -> [µs, calls]."""
+def kernel_times(engine, prompts, new_tokens, timeline: dict | None = None) -> dict:
+    """Device time and launches of each kernel over one generate() call: name -> [µs, calls].
+    With ``timeline`` (a dict to fill): the span from the first kernel's start to the last
+    one's end, the idle time inside it, and its longest gaps with the kernels on each side."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, max_new_tokens=new_tokens)
         torch.cuda.synchronize(engine.device)
-    out = {}
+    out, spans = {}, []
     for ev in prof.events():
         if ev.device_type == DeviceType.CUDA and ev.device_time > 0:
             slot = out.setdefault(ev.name, [0.0, 0])
             slot[0] += ev.device_time
             slot[1] += 1
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name))
+    if timeline is not None and spans:
+        spans.sort()
+        gaps, end, before = [], spans[0][1], spans[0][2]
+        for lo, hi, name in spans[1:]:
+            if lo > end:
+                gaps.append((lo - end, before, name))
+            if hi > end:
+                end, before = hi, name
+        timeline.update(span_ms=(end - spans[0][0]) / 1e3, idle_ms=sum(g for g, _, _ in gaps) / 1e3,
+                        gaps=[{"us": g, "after": a[:60], "before": b[:60]} for g, a, b in sorted(gaps)[::-1][:8]])
     return out
 
 
@@ -189,8 +202,10 @@ def prefill_rate(engine, prompt_len: int, batch: int, reps: int, gen, profile: b
     out = {"prompt_len": prompt_len, "batch": batch, "seconds": t, "tokens_per_s": batch * prompt_len / t,
            "tflops": flops / t / 1e12}
     if profile:
-        times = kernel_times(engine, prompts, 1)
+        timeline = {}
+        times = kernel_times(engine, prompts, 1, timeline)
         out["kernel_busy_ms"] = sum(us for us, _ in times.values()) / 1e3
+        out["timeline"] = timeline
         out["kernels"] = [{"name": k[:90], "ms": us / 1e3, "launches": c}
                           for k, (us, c) in sorted(times.items(), key=lambda kv: -kv[1][0])[:15]]
     return out
@@ -363,6 +378,12 @@ def main():
                       f"{r['kernel_busy_ms']:.1f} ms; the kernels that took longest:")
                 print(bc.format_table(["kernel", "ms", "launches"],
                                       [[k["name"][:80], f"{k['ms']:.2f}", k["launches"]] for k in r["kernels"]]))
+                tl = r["timeline"]
+                print(f"first kernel start to last kernel end {tl['span_ms']:.1f} ms, idle inside it "
+                      f"{tl['idle_ms']:.2f} ms (the rest of the wall time: the host before the first launch "
+                      f"and after the last); longest gaps:")
+                print(bc.format_table(["µs", "after", "before"],
+                                      [[f"{g['us']:.0f}", g["after"], g["before"]] for g in tl["gaps"]]))
     if not args.smoke:
         name = f"decode-{Path(args.model).stem if args.model else 'default'}{'-int8' if args.quantize else ''}"
         bc.write_results(name, engine.device, {"run": run, "model": args.model or "default", "args": vars(args),

@@ -2,9 +2,13 @@
 """Dense decode kernels against their torch baselines, measured in one run:
 
 1. small-batch GEMM (T = 1..16 rows) at the linear-layer shapes of the presets: cuBLAS
-   (``torch.matmul``, bf16) against ``kernels.linear_triton`` (the grouped GEMM, one group)
-   and ``kernels.sbi_linear`` (SBI-GeMM), each with bf16 and int8 weights; time in a CUDA graph (device time, no launch gaps), weight GB/s and percent of
-   the copy bandwidth measured at the start;
+   (``torch.matmul``, bf16) against ``kernels.linear_triton`` (the grouped GEMM, one group),
+   SBI-GeMM in Triton (``kernels.sbi_linear_triton``) and SBI-GeMM in CUDA C++
+   (``kernels.sbi_linear_cuda``, the fastest of a few launch configurations), each with
+   bf16 and int8 weights; time in a CUDA graph (device time, no launch gaps), weight GB/s
+   and percent of the copy bandwidth measured at the start. Beside them, a device copy
+   that moves the same bytes (half read, half written), timed the same way: the share of
+   the copy bandwidth a kernel of this size reaches at all;
 2. decode attention (one query token per row over a KV cache): ``kernels.decode_attention``
    against SDPA over the whole cache with a mask (what the fixed-shape decode step runs
    now) and SDPA over exactly the visible prefix; KV GB/s.
@@ -63,10 +67,41 @@ def timer(device, copies):
     return run
 
 
+def cuda_candidates(t: int, n: int, k: int, sms: int, int8: bool) -> list[dict]:
+    """The heuristic launch configuration of the CUDA SBI-GeMM and its neighbours: BN
+    outputs per block, 4 or 8 warps, half or twice the K splits."""
+    base = kernels.sbi_cuda.sbi_cuda_config(t, n, k, sms, int8)
+    bns = (2, 4, 8) if t <= 2 else (1, 2, 4)
+    splits = sorted({max(1, base["split_k"] // 2), base["split_k"], base["split_k"] * 2})
+    return [dict(base, bn=bn, warps=warps, split_k=sp) for bn in bns for warps in (4, 8) for sp in splits]
+
+
+def best_cuda(time, inputs, t, n, k, sms, int8):
+    """(µs, configuration) of the fastest CUDA SBI-GeMM candidate; (None, None) on a CPU."""
+    if inputs[0][0].device.type != "cuda":
+        return None, None
+    timed = [(time(lambda x, w, s, c=cfg: kernels.sbi_linear_cuda(x, w, s, config=c), inputs), cfg)
+             for cfg in cuda_candidates(t, n, k, sms, int8)]
+    return min(timed, key=lambda p: p[0])
+
+
 def gemm_rows(models, tokens, device, dtype, copies, copy_gbs):
     rows, time = [], timer(device, copies)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    copy_same = {}  # bytes moved -> µs of a device copy moving them
+
+    def same_bytes(nbytes):
+        if nbytes not in copy_same and copy_gbs:
+            half = nbytes // 4  # bf16 elements read, and as many written
+            pairs = [(torch.empty(half, device=device, dtype=torch.bfloat16),
+                      torch.empty(half, device=device, dtype=torch.bfloat16)) for _ in range(copies)]
+            copy_same[nbytes] = time(lambda a, b: b.copy_(a), pairs)
+        return copy_same.get(nbytes)
+
     for model in models:
         for layer, k, n in linear_shapes(model):
+            same_bytes(n * k * 2)
+            same_bytes(n * k + 4 * n)
             ws = [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(copies)]
             qs = [kernels.quantize_int8(w[None]) for w in ws]
             qs = [(q[0], s[0]) for q, s in qs]
@@ -77,16 +112,24 @@ def gemm_rows(models, tokens, device, dtype, copies, copy_gbs):
                 ours8 = time(lambda x, q, s: kernels.linear_triton(x, q, s), [(x, q, s) for x, (q, s) in zip(xs, qs)])
                 sbi = time(lambda x, w: kernels.sbi_linear(x, w), list(zip(xs, ws)))
                 sbi8 = time(lambda x, q, s: kernels.sbi_linear(x, q, s), [(x, q, s) for x, (q, s) in zip(xs, qs)])
+                cuda, cuda_cfg = best_cuda(time, [(x, w, None) for x, w in zip(xs, ws)], t, n, k, sms, False)
+                cuda8, cuda8_cfg = best_cuda(time, [(x, q, s) for x, (q, s) in zip(xs, qs)], t, n, k, sms, True)
                 wb, qb = n * k * ws[0].element_size(), n * k + 4 * n
                 err = ((kernels.linear_triton(xs[0], qs[0][0], qs[0][1]).double() - xs[0].double() @ ws[0].double().t())
                        .norm() / (xs[0].double() @ ws[0].double().t()).norm()).item()
                 row = {"model": model, "layer": layer, "K": k, "N": n, "T": t, "cublas_us": cublas, "ours_us": ours,
-                       "ours_int8_us": ours8, "sbi_us": sbi, "sbi_int8_us": sbi8, "weight_mb": wb / 1e6,
-                       "int8_rel_err": err,
+                       "ours_int8_us": ours8, "sbi_us": sbi, "sbi_int8_us": sbi8, "cuda_us": cuda,
+                       "cuda_int8_us": cuda8, "cuda_cfg": cuda_cfg, "cuda_int8_cfg": cuda8_cfg,
+                       "weight_mb": wb / 1e6, "int8_rel_err": err,
                        "ours_gbs": wb / ours / 1e3, "int8_gbs": qb / ours8 / 1e3}
                 if copy_gbs:
+                    # the best SBI-GeMM (either version) on the weights' bytes, and a copy of the same bytes
+                    best, best8 = min(sbi, cuda or sbi), min(sbi8, cuda8 or sbi8)
                     row.update(ours_pct=100 * row["ours_gbs"] / copy_gbs, int8_pct=100 * row["int8_gbs"] / copy_gbs,
-                               cublas_pct=100 * wb / cublas / 1e3 / copy_gbs)
+                               cublas_pct=100 * wb / cublas / 1e3 / copy_gbs,
+                               sbi_pct=100 * wb / best / 1e3 / copy_gbs, sbi_int8_pct=100 * qb / best8 / 1e3 / copy_gbs,
+                               copy_same_pct=100 * wb / copy_same[wb] / 1e3 / copy_gbs,
+                               copy_same_int8_pct=100 * qb / copy_same[qb] / 1e3 / copy_gbs)
                 rows.append(row)
             del ws, qs
     return rows
@@ -149,13 +192,20 @@ def main():
     print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {dtype}"
           + (f" | copy {copy_gbs:.0f} GB/s" if copy_gbs else ""))
     pct = (lambda r, key: f"{r[key]:.0f}") if copy_gbs else (lambda r, key: "-")
+    opt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    print("bf16 weights: cuBLAS, the grouped GEMM (ours), SBI-GeMM in Triton and in CUDA; int8 weights: the "
+          "same three without cuBLAS. %copy SBI: the faster SBI-GeMM; %copy same bytes: a device copy moving the "
+          "weights' bytes; SBI/cuBLAS: the faster SBI-GeMM's speedup over cuBLAS")
     print(bc.format_table(
-        ["model", "layer", "K", "N", "T", "cuBLAS µs", "ours µs", "int8 µs", "sbi µs", "sbi int8 µs", "weight MB",
-         "%copy cuBLAS", "%copy ours", "%copy int8", "ours/cuBLAS", "int8 err"],
+        ["model", "layer", "K", "N", "T", "cuBLAS µs", "ours µs", "sbi µs", "cuda µs", "int8 ours µs", "int8 sbi µs",
+         "int8 cuda µs", "weight MB", "%copy cuBLAS", "%copy SBI", "%copy same bytes", "%copy SBI int8",
+         "%copy same bytes int8", "SBI/cuBLAS", "int8 err"],
         [[r["model"], r["layer"], r["K"], r["N"], r["T"], f"{r['cublas_us']:.1f}", f"{r['ours_us']:.1f}",
-          f"{r['ours_int8_us']:.1f}", f"{r['sbi_us']:.1f}", f"{r['sbi_int8_us']:.1f}", f"{r['weight_mb']:.1f}",
-          pct(r, "cublas_pct"), pct(r, "ours_pct"),
-          pct(r, "int8_pct"), f"{r['cublas_us'] / r['ours_us']:.2f}x", f"{r['int8_rel_err']:.1e}"] for r in gemm]))
+          f"{r['sbi_us']:.1f}", opt(r["cuda_us"]), f"{r['ours_int8_us']:.1f}", f"{r['sbi_int8_us']:.1f}",
+          opt(r["cuda_int8_us"]), f"{r['weight_mb']:.1f}", pct(r, "cublas_pct"), pct(r, "sbi_pct"),
+          pct(r, "copy_same_pct"), pct(r, "sbi_int8_pct"), pct(r, "copy_same_int8_pct"),
+          f"{r['cublas_us'] / min(r['sbi_us'], r['cuda_us'] or r['sbi_us']):.2f}x", f"{r['int8_rel_err']:.1e}"]
+         for r in gemm]))
     print()
     print(bc.format_table(
         ["B", "Hq/Hkv", "S (visible)", "D", "ours µs", "SDPA masked µs", "SDPA prefix µs", "KV GB/s", "%copy", "err"],
@@ -178,10 +228,13 @@ def write_table(device, dtype, gemm):
     mine = table.setdefault(sel.device_key(device), {})
     for r in gemm:
         bucket = str(next(b for b in sel.BUCKETS if b >= r["T"]))
-        full = {"cublas": r["cublas_us"], "triton": r["ours_us"], "sbi": r["sbi_us"]}
-        int8 = {"triton": r["ours_int8_us"], "sbi": r["sbi_int8_us"]}
-        mine.setdefault(sel.table_key(r["N"], r["K"], dtype), {})[bucket] = min(full, key=full.get)
-        mine.setdefault(sel.table_key(r["N"], r["K"], torch.int8), {})[bucket] = min(int8, key=int8.get)
+        full = {"cublas": r["cublas_us"], "triton": r["ours_us"], "sbi": r["sbi_us"], "cuda": r["cuda_us"]}
+        int8 = {"triton": r["ours_int8_us"], "sbi": r["sbi_int8_us"], "cuda": r["cuda_int8_us"]}
+        for wdtype, times, cfg in ((dtype, full, r["cuda_cfg"]), (torch.int8, int8, r["cuda_int8_cfg"])):
+            times = {name: us for name, us in times.items() if us is not None}
+            pick = min(times, key=times.get)
+            entry = dict(cfg, backend="cuda") if pick == "cuda" else pick
+            mine.setdefault(sel.table_key(r["N"], r["K"], wdtype), {})[bucket] = entry
     sel.TABLE_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"wrote {sel.TABLE_FILE}")
 

@@ -46,8 +46,9 @@ def candidates(phase: str, t: int, topk: int, e: int, wdtype: str) -> list[dict]
         # Tile order (a launch argument, no recompile): row-major, or groups of 4 / 16 row tiles.
         # The down GEMM may also go to torch._grouped_mm (bf16 on Hopper; the tile sizes
         # stay for where it cannot).
-        cands = [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=1, group_m=g)
-                 for bm, bn, bk, w, st in grid for g in (None, 4, 16)]
+        # Weight tiles by pointer loads or by TMA (a recompile).
+        cands = [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=1, group_m=g, **tma)
+                 for bm, bn, bk, w, st in grid for tma in ({}, {"tma": True}) for g in (None, 4, 16)]
         if phase == "down" and wdtype == "bf16":
             cands.append(dict(cands[-1], backend="grouped_mm"))
         return cands

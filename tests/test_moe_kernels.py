@@ -167,6 +167,37 @@ def test_tile_order_does_not_change_results(device):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("wdtype", ["float", "int8"])
+def test_weight_tiles_by_tma(device, wdtype):
+    # Weight tiles by TMA descriptor against pointer loads: up GEMM over H = 48 (K a
+    # multiple of BK: no K mask) with F = 40 (the last column tile reads past the gate rows),
+    # down GEMM over K = F = 40 (a K tail TMA fills with zeros).
+    gen = torch.Generator().manual_seed(13)
+    t, h, f, e, k = 37, 48, 40, 3, 2
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    w13, w2 = weights(e, h, f, "silu", dtype, device, gen)
+    scales = {}
+    if wdtype == "int8":
+        (w13, s13), (w2, s2) = quantize_int8(w13), quantize_int8(w2)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    ids, w = routing(t, e, k, device, gen)
+    ptr = dict(bm=16, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1, group_m=2)
+    tma = dict(ptr, tma=True)
+    assert kernels.grouped_gemm.tma_ok(w13, tma) and not kernels.grouped_gemm.tma_ok(w13, ptr)
+    assert kernels.grouped_gemm.tma_ok(w2, tma) == (w2.shape[-1] * w2.element_size() % 16 == 0)
+    maps = token_maps_triton(ids, e)
+    out_ptr = fused_moe_triton(x, w13, w2, w, ids, configs=(ptr, ptr), maps=maps, **scales)
+    out_tma = fused_moe_triton(x, w13, w2, w, ids, configs=(tma, tma), maps=maps, **scales)
+    ref = fused_moe_ref(x.cpu().double(), w13.cpu().double() if wdtype == "float" else w13.cpu(),
+                        w2.cpu().double() if wdtype == "float" else w2.cpu(), w.cpu().double(), ids.cpu(),
+                        **{n: v.cpu() for n, v in scales.items()})
+    tol = TOL[dtype] if device == "cuda" else 1e-5
+    assert rel(out_tma.cpu(), ref) < tol and rel(out_ptr.cpu(), ref) < tol
+    assert rel(out_tma.cpu(), out_ptr.cpu().double()) < tol
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("capacity", [None, 9])
 def test_down_gemm_by_grouped_mm(device, capacity):
     # A table entry may send the large-T down GEMM to torch._grouped_mm; the combine then

@@ -61,8 +61,9 @@ def test_quantize_int8_in_blocks_leaves_its_input_alone(dtype):
 
 
 def test_dense_linear_routes_by_the_table(monkeypatch):
-    """Without a table entry: cuBLAS for full-precision weights, linear_triton for int8; an
-    entry picks SBI-GeMM or linear_triton per shape and row bucket; every pick gives the
+    """Without a table entry: cuBLAS for full-precision weights, SBI-GeMM for int8; an
+    entry picks SBI-GeMM (Triton, or CUDA with a launch configuration) or linear_triton per
+    shape and row bucket; every pick gives the
     same numbers (CPU tensors here take the reference, so the choice is checked directly)."""
     from kernels import linear_select as dl
 
@@ -71,15 +72,17 @@ def test_dense_linear_routes_by_the_table(monkeypatch):
         kernels.dense_linear(torch.randn(2, 8), q)
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(dl, "device_key", lambda d: "H")
-    dl.choice.cache_clear()
-    monkeypatch.setattr(dl, "_table", lambda: {"H": {"N30:K40:bfloat16": {"1": "sbi", "4": "triton"},
+    dl._choice.cache_clear()
+    cuda = {"backend": "cuda", "bn": 4, "warps": 4, "unroll": 2, "split_k": 2}
+    monkeypatch.setattr(dl, "_table", lambda: {"H": {"N30:K40:bfloat16": {"1": "sbi", "4": "triton", "8": cuda},
                                                      "N30:K40:int8": {"16": "cublas"}}})
     assert dl.choice(dev, 30, 40, torch.bfloat16, 1) == "sbi"
     assert dl.choice(dev, 30, 40, torch.bfloat16, 3) == "triton"  # bucket 4
     assert dl.choice(dev, 30, 40, torch.bfloat16, 16) == "cublas"  # no entry
     assert dl.choice(dev, 30, 40, torch.int8, 9) == "sbi"  # cuBLAS cannot take int8 weights
     assert dl.choice(dev, 31, 40, torch.int8, 1) == "sbi"  # no entry
-    dl.choice.cache_clear()
+    assert dl.choice(dev, 30, 40, torch.bfloat16, 5) == cuda  # the CUDA kernel with its launch configuration
+    dl._choice.cache_clear()
     x, w, b = torch.randn(2, 3, 40), torch.randn(30, 40), torch.randn(30)
     torch.testing.assert_close(kernels.dense_linear(x, w, b), x @ w.t() + b)
 

@@ -1,0 +1,400 @@
+"""SBI-GeMM in CUDA C++, compiled at run time through CuPy (NVRTC): the small-batch GEMM
+of DeepSpeed-Inference III-C, y = norm(x) @ W.T (+ bias) (+ residual), x [T, K] with
+T <= 16, W [N, K] bf16 / fp16 or int8 with per-output-channel scales. Same contract as
+``kernels.sbi_gemm.sbi_linear_triton``.
+
+The paper's three parts, as built here:
+- Tiling (III-C1). A block of WARPS warps owns BN output channels; grid.y splits K when
+  N alone gives too few blocks, and a second kernel then sums the float32 partials.
+- Cooperative reduction (III-C2). Every thread accumulates its own slice of K for all
+  T x BN outputs; each warp reduces its partials in registers with shuffles, and one
+  shared-memory exchange sums the warps: no shared-memory tree.
+- Full cache lines (III-C3). The paper transposes column-major weights at load so a
+  thread reads several input-dimension elements. Our weights are [N, K] with K
+  contiguous, which is that layout already: each thread reads 16 bytes along K (8 bf16
+  or 16 int8), a warp 512 contiguous bytes of one row, with no L1 allocation and a
+  256-byte L2 prefetch. U such loads per row are issued before any is used.
+
+The norm (RMSNorm / LayerNorm) is recomputed by every block for the rows it needs, as the
+paper replicates pre-GEMM work. Rows of x are read through the L1 cache (every block
+reads them). bf16 / fp16 conversions use PTX cvt (no CUDA headers under NVRTC); int8
+widens through the 2^23 float trick with byte permutes.
+
+Compile-time parameters (macros): TP (rows, padded to 1, 2, 4, 8, 16), BN, WARPS, U,
+INT8, DT (0 bf16, 1 fp16), NORM (0 none, 1 RMSNorm, 2 LayerNorm), PARTIAL (write float32
+split-K partials). Each combination compiles once per process (CuPy caches the binary).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+
+from kernels.sbi_gemm import NORMS
+
+SOURCE = r"""
+typedef unsigned short u16;
+typedef unsigned int u32;
+#define THREADS (WARPS * 32)
+#define WVEC (INT8 ? 16 : 8)
+#define STEP (THREADS * WVEC)
+
+struct __align__(16) u32x4 { u32 v[4]; };
+
+__device__ __forceinline__ u32x4 load_stream(const void* p) {  // weights: read once
+  u32x4 r;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3]) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32x4 load_cached(const void* p) {  // activations: read by every block
+  u32x4 r;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3]) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ float lo_f(u32 u) {
+#if DT == 0
+  return __uint_as_float(u << 16);
+#else
+  float f; u16 h = (u16)(u & 0xffff); asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+#endif
+}
+
+__device__ __forceinline__ float hi_f(u32 u) {
+#if DT == 0
+  return __uint_as_float(u & 0xffff0000u);
+#else
+  float f; u16 h = (u16)(u >> 16); asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+#endif
+}
+
+__device__ __forceinline__ u16 to_act(float f) {
+  u16 h;
+#if DT == 0
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+  return h;
+}
+
+__device__ __forceinline__ float act_f(const u16* p) { return lo_f((u32)*p); }
+
+// WVEC consecutive activations (8: one 16-byte load; 16: two) as floats.
+__device__ __forceinline__ void load_act(const u16* p, float* f) {
+#pragma unroll
+  for (int h = 0; h < WVEC / 8; ++h) {
+    u32x4 r = load_cached(p + 8 * h);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[8 * h + 2 * i] = lo_f(r.v[i]);
+      f[8 * h + 2 * i + 1] = hi_f(r.v[i]);
+    }
+  }
+}
+
+// One 16-byte weight vector as WVEC floats (int8: byte b -> float(0x4B000000 | (b ^ 0x80)) - 2^23 - 128).
+__device__ __forceinline__ void widen_w(const u32x4& r, float* f) {
+#if INT8
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    u32 u = r.v[i] ^ 0x80808080u;
+#pragma unroll
+    for (int b = 0; b < 4; ++b)
+      f[4 * i + b] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440 + b)) - 8388736.0f;
+  }
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = lo_f(r.v[i]);
+    f[2 * i + 1] = hi_f(r.v[i]);
+  }
+#endif
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale,
+         const u16* __restrict__ norm_w, const u16* __restrict__ norm_b, const u16* __restrict__ bias,
+         const u16* __restrict__ res, void* __restrict__ out, int T, int N, int K, float eps,
+         long long stride_x, long long stride_w, long long stride_res, long long stride_o, int k_span) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int n0 = blockIdx.x * BN;
+  const int k_lo = blockIdx.y * k_span, k_hi = min(K, k_lo + k_span);
+  const size_t w_bytes = INT8 ? 1 : 2;
+  const char* w_rows = (const char*)w + (size_t)n0 * stride_w * w_bytes;
+
+#if NORM
+  __shared__ float stat[2][TP];  // mean, 1 / std of each row over all of K
+  for (int t = warp; t < T; t += WARPS) {
+    float s1 = 0.f, s2 = 0.f;
+    for (int k = lane * 8; k < K; k += 256) {
+      u32x4 r = load_cached(x + t * stride_x + k);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float a = lo_f(r.v[i]), b = hi_f(r.v[i]);
+        s1 += a + b;
+        s2 += a * a + b * b;
+      }
+    }
+    s1 = warp_sum(s1);
+    s2 = warp_sum(s2);
+    if (lane == 0) {
+      float mean = NORM == 2 ? s1 / K : 0.f;
+      stat[0][t] = mean;
+      stat[1][t] = rsqrtf(s2 / K - mean * mean + eps);
+    }
+  }
+  __syncthreads();
+#endif
+
+  float acc[TP][BN];
+#pragma unroll
+  for (int t = 0; t < TP; ++t)
+#pragma unroll
+    for (int j = 0; j < BN; ++j) acc[t][j] = 0.f;
+
+  for (int kb = k_lo + tid * WVEC; kb < k_hi; kb += U * STEP) {
+    u32x4 wv[U][BN];  // every weight load of this step in flight before the first is used
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < BN; ++j) {
+        const int k = kb + u * STEP;
+        if (k < k_hi && n0 + j < N) {
+          wv[u][j] = load_stream(w_rows + ((size_t)j * stride_w + k) * w_bytes);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) wv[u][j].v[i] = 0u;
+        }
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * STEP;
+      if (k >= k_hi) break;
+      float g[WVEC], gb[WVEC];
+#if NORM
+      load_act(norm_w + k, g);
+#if NORM == 2
+      load_act(norm_b + k, gb);
+#endif
+#endif
+      float wf[BN][WVEC];
+#pragma unroll
+      for (int j = 0; j < BN; ++j) widen_w(wv[u][j], wf[j]);
+#pragma unroll
+      for (int t = 0; t < TP; ++t) {
+        if (t < T) {
+          float a[WVEC];
+          load_act(x + t * stride_x + k, a);
+#if NORM
+#pragma unroll
+          for (int i = 0; i < WVEC; ++i) {
+            a[i] = (a[i] - stat[0][t]) * stat[1][t] * g[i];
+#if NORM == 2
+            a[i] += gb[i];
+#endif
+          }
+#endif
+#pragma unroll
+          for (int j = 0; j < BN; ++j)
+#pragma unroll
+            for (int i = 0; i < WVEC; ++i) acc[t][j] = fmaf(a[i], wf[j][i], acc[t][j]);
+        }
+      }
+    }
+  }
+
+  __shared__ float part[WARPS][TP * BN];
+#pragma unroll
+  for (int t = 0; t < TP; ++t)
+#pragma unroll
+    for (int j = 0; j < BN; ++j) {
+      float v = warp_sum(acc[t][j]);
+      if (lane == 0) part[warp][t * BN + j] = v;
+    }
+  __syncthreads();
+  for (int o = tid; o < TP * BN; o += THREADS) {
+    const int t = o / BN, n = n0 + o % BN;
+    if (t >= T || n >= N) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int q = 0; q < WARPS; ++q) v += part[q][o];
+#if INT8
+    v *= scale[n];
+#endif
+#if PARTIAL
+    ((float*)out)[((size_t)blockIdx.y * T + t) * N + n] = v;
+#else
+    if (bias) v += act_f(bias + n);
+    if (res) v += act_f(res + t * stride_res + n);
+    ((u16*)out)[t * stride_o + n] = to_act(v);
+#endif
+  }
+}
+
+// Split-K: out[t, n] = sum of the S partials (+ bias) (+ residual).
+extern "C" __global__ void sbi_reduce(const float* __restrict__ part, const u16* __restrict__ bias,
+                                      const u16* __restrict__ res, u16* __restrict__ out, int S, int T, int N,
+                                      long long stride_res, long long stride_o) {
+  const int t = blockIdx.y, n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  float v = 0.f;
+  for (int s = 0; s < S; ++s) v += part[((size_t)s * T + t) * N + n];
+  if (bias) v += act_f(bias + n);
+  if (res) v += act_f(res + t * stride_res + n);
+  out[t * stride_o + n] = to_act(v);
+}
+"""
+
+DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+MAX_T = 16
+
+
+def _tp(t: int) -> int:
+    return 1 << max(0, t - 1).bit_length()
+
+
+def options(tp: int, bn: int, warps: int, unroll: int, int8: bool, dt: int, norm: int, partial: bool) -> tuple:
+    return ("-std=c++17", f"-DTP={tp}", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
+            f"-DDT={dt}", f"-DNORM={norm}", f"-DPARTIAL={int(partial)}")
+
+
+def sbi_cuda_config(t: int, n: int, k: int, sms: int, int8: bool) -> dict:
+    """Launch configuration: BN outputs per block of ``warps`` warps, U loads in flight per
+    output row, K split until there are about four blocks per SM, each split keeping at
+    least two block steps of K."""
+    tp = _tp(t)
+    bn = 4 if tp <= 4 else 2
+    warps = 4
+    unroll = 4 if tp <= 2 else (2 if tp <= 8 else 1)
+    step = warps * 32 * (16 if int8 else 8)
+    split = 1
+    while -(-n // bn) * split < 4 * sms and k // (2 * split) >= 2 * step and split < 16:
+        split *= 2
+    return dict(bn=bn, warps=warps, unroll=unroll, split_k=split)
+
+
+def check(x: torch.Tensor, w: torch.Tensor, scale=None, bias=None, residual=None, norm=None) -> str | None:
+    """Why the CUDA version cannot take these operands (None: it can)."""
+    t, k = x.shape if x.dim() == 2 else (None, None)
+    if x.dim() != 2 or w.dim() != 2 or w.shape[1] != k:
+        return f"x {list(x.shape)} / w {list(w.shape)}: expected [T, K] and [N, K]"
+    if x.dtype not in DTYPES:
+        return f"x: bf16 or fp16, got {x.dtype}"
+    if t > MAX_T or t == 0:
+        return f"x {list(x.shape)}: 1 to {MAX_T} rows"
+    if w.dtype not in (x.dtype, torch.int8) or (w.dtype == torch.int8) != (scale is not None):
+        return f"w {w.dtype}: expected {x.dtype}, or int8 with its per-row scale"
+    vec = 16 if w.dtype == torch.int8 else 8
+    if k % vec or x.stride(1) != 1 or w.stride(1) != 1:
+        return f"K = {k}: expected a multiple of {vec} with unit stride along K"
+    for name, z, row in (("x", x, x.stride(0)), ("w", w, w.stride(0))):
+        if z.data_ptr() % 16 or row * z.element_size() % 16:
+            return f"{name}: rows must start on 16-byte boundaries"
+    n = w.shape[0]
+    if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (n,) or not scale.is_contiguous()):
+        return f"scale {list(scale.shape)} {scale.dtype}: expected contiguous float32 [{n}]"
+    for name, z, shape in (("bias", bias, (n,)), ("residual", residual, (t, n))):
+        if z is not None and (z.dtype != x.dtype or tuple(z.shape) != shape or z.stride(-1) != 1):
+            return f"{name} {list(z.shape)} {z.dtype}: expected {x.dtype} {list(shape)} with unit stride"
+    if norm is not None:
+        kind, g, gb, _ = norm
+        if kind not in ("rmsnorm", "layernorm") or g.dtype != x.dtype or not g.is_contiguous() or g.data_ptr() % 16:
+            return f"norm {kind!r}: expected rmsnorm / layernorm with a contiguous, aligned {x.dtype} weight"
+        if kind == "layernorm" and (gb is None or gb.dtype != x.dtype or gb.data_ptr() % 16):
+            return "norm: layernorm needs an aligned bias in the activations' dtype"
+    if not (x.is_cuda and w.device == x.device):
+        return f"x / w on {x.device} / {w.device}: expected one CUDA device"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device: int, name: str, opts: tuple):
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.RawModule(code=SOURCE, options=opts).get_function(name)
+
+
+def _launch(device: torch.device, name: str, opts: tuple, grid: tuple, block: tuple, args: tuple):
+    import cupy
+
+    kernel = _kernel(device.index, name, opts)
+    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
+        kernel(grid, block, args)
+
+
+def _ptr(z: torch.Tensor | None):
+    import numpy as np
+
+    return np.uint64(z.data_ptr() if z is not None else 0)
+
+
+def sbi_linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                    norm: tuple | None = None, config: dict | None = None) -> torch.Tensor:
+    """y [T, N] = norm(x [T, K]) @ dequant(w [N, K]).T (+ bias [N]) (+ residual [T, N]), in x's
+    dtype; ``norm`` is (kind, weight [K], bias [K] or None, eps). Raises ValueError naming
+    the operand where the kernel cannot take it (``check``)."""
+    import numpy as np
+
+    why = check(x, w, scale, bias, residual, norm)
+    if why is not None:
+        raise ValueError(f"sbi_linear_cuda: {why}")
+    t, k = x.shape
+    n = w.shape[0]
+    int8 = w.dtype == torch.int8
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    cfg = config or sbi_cuda_config(t, n, k, sms, int8)
+    bn, warps, unroll, split = cfg["bn"], cfg["warps"], cfg["unroll"], cfg["split_k"]
+    step = warps * 32 * (16 if int8 else 8)
+    k_span = -(-k // (split * step)) * step
+    split = -(-k // k_span)  # no empty splits
+    kind, g, gb, eps = norm if norm is not None else (None, None, None, 0.0)
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    target = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=x.device)
+    opts = options(_tp(t), bn, warps, unroll, int8, DTYPES[x.dtype], NORMS[kind], split > 1)
+    stride_res = residual.stride(0) if residual is not None else 0
+    _launch(x.device, "sbi_gemm", opts, (-(-n // bn), split), (warps * 32,),
+            (_ptr(x), _ptr(w), _ptr(scale), _ptr(g), _ptr(gb), _ptr(bias if split == 1 else None),
+             _ptr(residual if split == 1 else None), _ptr(target), np.int32(t), np.int32(n), np.int32(k),
+             np.float32(eps), np.int64(x.stride(0)), np.int64(w.stride(0)), np.int64(stride_res),
+             np.int64(out.stride(0)), np.int32(k_span)))
+    if split > 1:
+        _launch(x.device, "sbi_reduce", opts, (-(-n // 256), t), (256,),
+                (_ptr(target), _ptr(bias), _ptr(residual), _ptr(out), np.int32(split), np.int32(t), np.int32(n),
+                 np.int64(stride_res), np.int64(out.stride(0))))
+    return out
+
+
+def compile_all(arch: str = "sm_90") -> int:
+    """Compiles the kernels to a binary for ``arch`` with NVRTC (ptxas included; no GPU
+    needed) over a set of combinations that takes every value of every compile-time
+    parameter; returns how many. Raises RuntimeError with the compiler log on a failure."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    tiles = ((1, 4, 4), (2, 4, 2), (4, 8, 4), (8, 4, 1))  # (bn, warps, unroll)
+    count = 0
+    for i, (tp, int8, dt) in enumerate(itertools.product((1, 2, 4, 8, 16), (False, True), DTYPES.values())):
+        bn, warps, unroll = tiles[i % len(tiles)]
+        opts = options(tp, bn, warps, unroll, int8, dt, i % len(NORMS), i % 2 == 1)
+        prog = nvrtc.createProgram(SOURCE, "sbi_cuda.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, [*opts, f"-arch={arch}"])
+            nvrtc.getCUBIN(prog)
+        except Exception as exc:
+            raise RuntimeError(f"{' '.join(opts)}: {exc}\n{nvrtc.getProgramLog(prog)}") from exc
+        finally:
+            nvrtc.destroyProgram(prog)
+        count += 1
+    return count

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Device sweeps for SBI-GeMM in CUDA C++ and the large-T / prefill work (issues 3 and 5),
+# each under 10 minutes (one device call). Logs go to OUT (default $OUT, else
+# bench/results/sweep), packed into one archive with the tables the run wrote.
+#
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh dense [OUT]
+#       the CUDA SBI-GeMM's tests first (a broken kernel stops the sweep), the other GPU
+#       tests these changes touch, then bench_dense with --write-table
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
+#       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
+#       the OLMoE prefill profile and decode at batch 1
+set -uo pipefail
+part=${1:?dense or moe}
+out=${2:-${OUT:-bench/results/sweep}}
+mkdir -p "$out"
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+. "$(dirname "$0")/device_step.sh"
+pytest_gpu() { python -m pytest -q -p no:cacheprovider --color=no -m gpu "$@"; }
+if [ "$part" = dense ]; then
+    TAIL=6 step sbi_smoke 150 pytest_gpu -x tests/test_sbi_cuda.py -k "graph or 1-200-24" || true
+    if grep -q " passed" "$out/sbi_smoke.log" && ! grep -q "failed\|error" "$out/sbi_smoke.log"; then
+        TAIL=8 step gpu_tests 200 pytest_gpu tests/test_sbi_cuda.py tests/test_quant.py tests/test_fused_decode.py \
+            tests/test_moe_kernels.py -k "not test_moe_kernels or weight_tiles or tile_order"
+        TAIL=40 step dense 230 python scripts/bench_dense.py --no-attention --write-table
+        cp kernels/configs/dense.json "$out/"
+    fi
+else
+    TAIL=12 step tune 200 python scripts/tune_moe.py --shapes qwen3,olmoe --tokens 4096,16384 --int8-tokens ""
+    cp kernels/configs/moe.json "$out/"
+    TAIL=8 step large_t 70 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe --tokens 4096,16384 --dtypes bf16 \
+        --no-baselines --no-json
+    TAIL=45 step prefill 150 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 8 --reps 3 \
+        --prefill 2048:8,512:8 --profile
+fi
+tar czf /tmp/sweep.tgz -C "$out" . && rm -f "$out"/* && mv /tmp/sweep.tgz "$out/"
+exit 0
