@@ -6,6 +6,9 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh dense [OUT]
 #       the CUDA SBI-GeMM's tests first (a broken kernel stops the sweep), the other GPU
 #       tests these changes touch, then bench_dense with --write-table
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh decode [OUT]
+#       the read ceiling of small weights (diag_read.py), the OLMoE dense table, then decode
+#       (OLMoE, Qwen3; bf16 and int8) and the OLMoE prefill with the tables in place
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
@@ -15,15 +18,28 @@ out=${2:-${OUT:-bench/results/sweep}}
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 . "$(dirname "$0")/device_step.sh"
-pytest_gpu() { python -m pytest -q -p no:cacheprovider --color=no -m gpu "$@"; }
+pytest_gpu="python -m pytest -q -p no:cacheprovider --color=no -m gpu"
 if [ "$part" = dense ]; then
-    TAIL=6 step sbi_smoke 150 pytest_gpu -x tests/test_sbi_cuda.py -k "graph or 1-200-24" || true
+    TAIL=6 step sbi_smoke 150 $pytest_gpu -x tests/test_sbi_cuda.py -k "graph or 1-200-24" || true
     if grep -q " passed" "$out/sbi_smoke.log" && ! grep -q "failed\|error" "$out/sbi_smoke.log"; then
-        TAIL=8 step gpu_tests 200 pytest_gpu tests/test_sbi_cuda.py tests/test_quant.py tests/test_fused_decode.py \
+        TAIL=8 step gpu_tests 200 $pytest_gpu tests/test_sbi_cuda.py tests/test_quant.py tests/test_fused_decode.py \
             tests/test_moe_kernels.py -k "not test_moe_kernels or weight_tiles or tile_order"
         TAIL=40 step dense 230 python scripts/bench_dense.py --no-attention --write-table
         cp kernels/configs/dense.json "$out/"
     fi
+elif [ "$part" = decode ]; then
+    TAIL=25 step read 120 python scripts/diag_read.py
+    TAIL=14 step dense_olmoe 90 python scripts/bench_dense.py --models olmoe-1b-7b --no-attention --write-table
+    cp kernels/configs/dense.json "$out/"
+    TAIL=4 step engine_tests 100 $pytest_gpu tests/test_engine.py tests/test_default_model.py
+    TAIL=45 step olmoe 150 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 32 --reps 3 \
+        --prefill 2048:8,512:8 --profile
+    TAIL=6 step olmoe_int8 60 python scripts/bench_decode.py --model olmoe-1b-7b --quantize int8 --batches 1,8 \
+        --new-tokens 32 --reps 3
+    for q in "" int8; do
+        TAIL=6 step qwen3_${q:-bf16} 80 python scripts/bench_decode.py --model qwen3-30b-a3b ${q:+--quantize $q} \
+            --batches 1 --new-tokens 32 --reps 3
+    done
 else
     TAIL=12 step tune 200 python scripts/tune_moe.py --shapes qwen3,olmoe --tokens 4096,16384 --int8-tokens ""
     cp kernels/configs/moe.json "$out/"

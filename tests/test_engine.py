@@ -171,6 +171,8 @@ def test_top_k_samples_only_among_the_k_best():
     (dict(prompts=[[1, 500]]), r"prompts\[0\]: token id 500 outside the vocabulary \[0, 89\)"),
     (dict(prompts=["text"]), r"prompts\[0\]: this model has no tokenizer"),
     (dict(prompts=[[1.5, 2]]), r"prompts\[0\]: expected a string or a list of int token ids"),
+    (dict(prompts=[[1, 2], [3, True]]), r"prompts\[1\]: expected a string or a list of int token ids"),
+    (dict(prompts=[[2, 2 ** 70, -1]]), r"prompts\[0\]: token id 1180591620717411303424 outside the vocabulary"),
     (dict(prompts=[]), r"prompts: expected a string"),
     (dict(temperature=-1.0), r"temperature=-1\.0: expected a number in \[0, 100\]"),
     (dict(top_p=0.0), r"top_p=0\.0: expected a number in \(0, 1\]"),

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""How fast can one kernel read a small weight matrix at all? For the linear-layer shapes
+SBI-GeMM serves at T = 1, the time of:
+
+- a device copy moving the weights' bytes (half read, half written);
+- the fastest pure read of the same bytes we have: a CUDA kernel that streams them with
+  the loads SBI-GeMM uses (16 bytes per thread, no L1 allocation, 256-byte L2 prefetch,
+  four loads in flight per thread) and keeps one XOR, over a sweep of grid sizes;
+- SBI-GeMM in CUDA (best of its launch candidates) and cuBLAS, T = 1.
+
+Each is a CUDA-graph replay over rotating copies (no L2 reuse), as in bench_dense.py, with
+the large-copy bandwidth measured at the start as the 100% mark. The pure read is the
+ceiling for a kernel of that size on this GPU: launch, ramp-up and tail included.
+
+    PYTHONPATH=. python scripts/diag_read.py [--models qwen3-30b-a3b,mixtral-8x7b,...]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_SCRIPTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
+
+import bench_common as bc  # noqa: E402
+import bench_dense  # noqa: E402
+import kernels  # noqa: E402
+
+READ = r"""
+extern "C" __global__ void read_all(const char* __restrict__ p, long long n16, unsigned* __restrict__ out) {
+  unsigned acc = 0;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    unsigned r[4][4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+          : "=r"(r[u][0]), "=r"(r[u][1]), "=r"(r[u][2]), "=r"(r[u][3]) : "l"(p + 16 * (i + u * stride)));
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= r[u][0] ^ r[u][1] ^ r[u][2] ^ r[u][3];
+  }
+  for (; i < n16; i += stride) {
+    unsigned r0, r1, r2, r3;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "l"(p + 16 * i));
+    acc ^= r0 ^ r1 ^ r2 ^ r3;
+  }
+  if (acc == 0x9e3779b9u) out[blockIdx.x] = acc;  // keeps the loads; almost never stores
+}
+"""
+
+
+def read_time(time, bufs, sms: int) -> tuple[float, int, int]:
+    """(µs, blocks, threads) of the fastest pure read of each buffer over a grid sweep."""
+    import cupy
+
+    fn = cupy.RawKernel(READ, "read_all")
+    out = torch.empty(64 * sms, dtype=torch.int32, device=bufs[0].device)
+    n16 = bufs[0].numel() // 16
+
+    def launch(buf, blocks, threads):
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            fn((blocks,), (threads,), (np.uint64(buf.data_ptr()), np.int64(n16), np.uint64(out.data_ptr())))
+
+    best = None
+    for blocks in (sms, 2 * sms, 4 * sms, 8 * sms, 16 * sms):
+        for threads in (256, 512, 1024):
+            us = time(lambda b, g=blocks, t=threads: launch(b, g, t), [(b,) for b in bufs])
+            best = min(best or (us, blocks, threads), (us, blocks, threads))
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b,gpt-j-6b,olmoe-1b-7b")
+    ap.add_argument("--copies", type=int, default=4)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    copy_gbs = bc.measure_copy_bandwidth(device)
+    time = bench_dense.timer(device, args.copies)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows, seen = [], set()
+    for model in args.models.split(","):
+        for layer, k, n in bench_dense.linear_shapes(model):
+            if (k, n) in seen:
+                continue
+            seen.add((k, n))
+            nbytes = n * k * 2
+            ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(args.copies)]
+            xs = [torch.randn(1, k, device=device, dtype=torch.bfloat16) for _ in range(args.copies)]
+            halves = [(torch.empty(nbytes // 4, device=device, dtype=torch.bfloat16),
+                       torch.empty(nbytes // 4, device=device, dtype=torch.bfloat16)) for _ in range(args.copies)]
+            copy = time(lambda a, b: b.copy_(a), halves)
+            read, blocks, threads = read_time(time, [w.view(torch.uint8).view(-1) for w in ws], sms)
+            cuda, cfg = bench_dense.best_cuda(time, [(x, w, None) for x, w in zip(xs, ws)], 1, n, k, sms, False)
+            cublas = time(lambda x, w: x @ w.t(), list(zip(xs, ws)))
+            pct = lambda us: 100 * nbytes / us / 1e3 / copy_gbs  # noqa: E731
+            rows.append(dict(model=model, layer=layer, K=k, N=n, mb=nbytes / 1e6, copy_us=copy, read_us=read,
+                             read_grid=[blocks, threads], sbi_cuda_us=cuda, sbi_cuda_cfg=cfg, cublas_us=cublas,
+                             copy_pct=pct(copy), read_pct=pct(read), sbi_pct=pct(cuda), cublas_pct=pct(cublas)))
+            del ws, xs, halves
+    run = bc.run_info(device)
+    print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | bf16 | copy {copy_gbs:.0f} GB/s")
+    print(bc.format_table(
+        ["model", "layer", "K", "N", "MB", "copy µs", "read µs", "SBI cuda µs", "cuBLAS µs", "%copy: copy",
+         "read", "SBI", "cuBLAS", "SBI / read"],
+        [[r["model"], r["layer"], r["K"], r["N"], f"{r['mb']:.1f}", f"{r['copy_us']:.1f}", f"{r['read_us']:.1f}",
+          f"{r['sbi_cuda_us']:.1f}", f"{r['cublas_us']:.1f}", f"{r['copy_pct']:.0f}", f"{r['read_pct']:.0f}",
+          f"{r['sbi_pct']:.0f}", f"{r['cublas_pct']:.0f}", f"{r['sbi_cuda_us'] / r['read_us']:.2f}"] for r in rows]))
+    bc.write_results("read-ceiling", device, {"run": run, "copy_gbs": copy_gbs, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
