@@ -9,6 +9,8 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh decode [OUT]
 #       the read ceiling of small weights (diag_read.py), the OLMoE dense table, then decode
 #       (OLMoE, Qwen3; bf16 and int8) and the OLMoE prefill with the tables in place
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh tests [OUT]
+#       the GPU tests of everything these changes touch, on the final tables
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
@@ -27,6 +29,10 @@ if [ "$part" = dense ]; then
         TAIL=40 step dense 230 python scripts/bench_dense.py --no-attention --write-table
         cp kernels/configs/dense.json "$out/"
     fi
+elif [ "$part" = tests ]; then
+    TAIL=6 step tests 560 $pytest_gpu tests/test_parity.py tests/test_sbi_cuda.py tests/test_quant.py \
+        tests/test_engine.py tests/test_moe_kernels.py -k "not test_moe_kernels or weight_tiles or tile_order or large \
+        or grouped_mm or maps or graph or 4097"
 elif [ "$part" = decode ]; then
     TAIL=25 step read 120 python scripts/diag_read.py
     TAIL=14 step dense_olmoe 90 python scripts/bench_dense.py --models olmoe-1b-7b --no-attention --write-table
