@@ -126,12 +126,12 @@ def _grouped_gemm_kernel(
             a = tl.load(a_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if UPCAST:  # interpreter (its bf16 arithmetic is wrong) or fp32 inputs: fp32 dot
             a = a.to(tl.float32)
-        # Columns past N_OUT (and K past the end, zero-filled) only reach masked outputs.
+        # int8 weights widen to the activation dtype (exact up to 127). Columns past N_OUT
+        # (and, by TMA, K past the end, zero-filled) only reach masked outputs.
         if W_TMA:
             b = w_ptr.load([w_row, k_lo + k0]).T.to(a.dtype)
         else:
             b = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0).to(a.dtype)
-        # int8 weights widen to the activation dtype (exact up to 127)
         acc += tl.dot(a, b, input_precision="ieee" if IEEE else None)
         if GATED:
             if W_TMA:

@@ -166,22 +166,28 @@ def test_tile_order_does_not_change_results(device):
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
+def small_problem(device, seed, t, h, f, e, k):
+    """(dtype, x, w13, w2, ids, weights) of a small SiLU MoE problem: bf16 on a GPU, float32
+    under the interpreter."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    w13, w2 = weights(e, h, f, "silu", dtype, device, gen)
+    return (dtype, x, w13, w2, *routing(t, e, k, device, gen))
+
+
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("wdtype", ["float", "int8"])
 def test_weight_tiles_by_tma(device, wdtype):
     # Weight tiles by TMA descriptor against pointer loads: up GEMM over H = 48 (K a
     # multiple of BK: no K mask) with F = 40 (the last column tile reads past the gate rows),
     # down GEMM over K = F = 40 (a K tail TMA fills with zeros).
-    gen = torch.Generator().manual_seed(13)
-    t, h, f, e, k = 37, 48, 40, 3, 2
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    x = torch.randn(t, h, generator=gen).to(device, dtype)
-    w13, w2 = weights(e, h, f, "silu", dtype, device, gen)
+    e = 3
+    dtype, x, w13, w2, ids, w = small_problem(device, 13, t=37, h=48, f=40, e=e, k=2)
     scales = {}
     if wdtype == "int8":
         (w13, s13), (w2, s2) = quantize_int8(w13), quantize_int8(w2)
         scales = dict(w13_scale=s13, w2_scale=s2)
-    ids, w = routing(t, e, k, device, gen)
     ptr = dict(bm=16, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1, group_m=2)
     tma = dict(ptr, tma=True)
     assert kernels.grouped_gemm.tma_ok(w13, tma) and not kernels.grouped_gemm.tma_ok(w13, ptr)
@@ -202,12 +208,7 @@ def test_weight_tiles_by_tma(device, wdtype):
 def test_down_gemm_by_grouped_mm(device, capacity):
     # A table entry may send the large-T down GEMM to torch._grouped_mm; the combine then
     # applies the weights. Same result as the reference, dropped pairs included.
-    gen = torch.Generator().manual_seed(11)
-    t, h, f, e, k = 30, 32, 24, 5, 2
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    x = torch.randn(t, h, generator=gen).to(device, dtype)
-    w13, w2 = weights(e, h, f, "silu", dtype, device, gen)
-    ids, w = routing(t, e, k, device, gen)
+    dtype, x, w13, w2, ids, w = small_problem(device, 11, t=30, h=32, f=24, e=5, k=2)
     up = dict(bm=16, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1)
     down = dict(up, backend="grouped_mm")
     assert kernels.moe_triton.grouped_mm_ok(down, x, w2)
