@@ -74,10 +74,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return F.linear(x, weight, bias)
     pick = choice(x.device, weight.shape[0], weight.shape[1], weight.dtype, rows)
     if isinstance(pick, dict):
-        x2 = x.reshape(rows, x.shape[-1])
-        if sbi_cuda.check(x2, weight, scale, bias) is None:
-            return sbi_cuda.sbi_linear_cuda(x2, weight, scale, bias, config=pick).view(*x.shape[:-1], weight.shape[0])
-        pick = "sbi"  # operands the CUDA kernel cannot take (alignment, dtype): the Triton version
+        try:
+            y = sbi_cuda.sbi_linear_cuda(x.reshape(rows, x.shape[-1]), weight, scale, bias, config=pick)
+            return y.view(*x.shape[:-1], weight.shape[0])
+        except ValueError:  # operands the CUDA kernel cannot take (alignment, dtype): the Triton version
+            pick = "sbi"
     if pick == "cublas":
         return F.linear(x, weight, bias)
     if pick == "sbi":

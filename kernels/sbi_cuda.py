@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+import numpy as np
 import torch
 
 from kernels.sbi_gemm import NORMS
@@ -335,8 +336,6 @@ def _launch(device: torch.device, name: str, opts: tuple, grid: tuple, block: tu
 
 
 def _ptr(z: torch.Tensor | None):
-    import numpy as np
-
     return np.uint64(z.data_ptr() if z is not None else 0)
 
 
@@ -346,8 +345,6 @@ def sbi_linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None
     """y [T, N] = norm(x [T, K]) @ dequant(w [N, K]).T (+ bias [N]) (+ residual [T, N]), in x's
     dtype; ``norm`` is (kind, weight [K], bias [K] or None, eps). Raises ValueError naming
     the operand where the kernel cannot take it (``check``)."""
-    import numpy as np
-
     why = check(x, w, scale, bias, residual, norm)
     if why is not None:
         raise ValueError(f"sbi_linear_cuda: {why}")

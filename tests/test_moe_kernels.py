@@ -148,15 +148,22 @@ def check_fused_moe(device, dtype, t, h, f, e, k, activation):
     assert rel(out8, ref) < 3e-2
 
 
+def small_problem(device, seed, t, h, f, e, k, dtype=None):
+    """(dtype, x, w13, w2, ids, weights) of a small SiLU MoE problem: in ``dtype``, by default
+    bf16 on a GPU and float32 under the interpreter."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    w13, w2 = weights(e, h, f, "silu", dtype, device, gen)
+    return (dtype, x, w13, w2, *routing(t, e, k, device, gen))
+
+
 @pytest.mark.parametrize("device", [CPU, GPU])
 def test_tile_order_does_not_change_results(device):
     # Several row tiles per expert and several column tiles: row-major order and groups
     # of 1 or 3 row tiles (a last group cut short) compute the same tiles, bit for bit.
-    gen = torch.Generator().manual_seed(9)
-    t, h, f, e, k = 40, 48, 40, 3, 2
-    x = torch.randn(t, h, generator=gen).to(device)
-    w13, w2 = weights(e, h, f, "silu", torch.float32, device, gen)
-    ids, w = routing(t, e, k, device, gen)
+    e = 3
+    _, x, w13, w2, ids, w = small_problem(device, 9, t=40, h=48, f=40, e=e, k=2, dtype=torch.float32)
     ref = fused_moe_ref(x.cpu().double(), w13.cpu().double(), w2.cpu().double(), w.cpu().double(), ids.cpu())
     outs = []
     for group_m in (None, 1, 3):
@@ -164,16 +171,6 @@ def test_tile_order_does_not_change_results(device):
         outs.append(fused_moe_triton(x, w13, w2, w, ids, configs=(cfg, cfg), maps=token_maps_triton(ids, e)))
         assert rel(outs[-1].cpu(), ref) < 1e-5
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
-
-
-def small_problem(device, seed, t, h, f, e, k):
-    """(dtype, x, w13, w2, ids, weights) of a small SiLU MoE problem: bf16 on a GPU, float32
-    under the interpreter."""
-    gen = torch.Generator().manual_seed(seed)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    x = torch.randn(t, h, generator=gen).to(device, dtype)
-    w13, w2 = weights(e, h, f, "silu", dtype, device, gen)
-    return (dtype, x, w13, w2, *routing(t, e, k, device, gen))
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
@@ -228,11 +225,8 @@ def test_down_gemm_by_grouped_mm(device, capacity):
 
 @pytest.mark.parametrize("device", [CPU, GPU])
 def test_capacity_and_grouped_ffn(device):
-    gen = torch.Generator().manual_seed(5)
-    t, h, f, e, k = 24, 20, 12, 4, 2
-    x = torch.randn(t, h, generator=gen).to(device)
-    w13, w2 = weights(e, h, f, "silu", torch.float32, device, gen)
-    ids, w = routing(t, e, k, device, gen)
+    e = 4
+    _, x, w13, w2, ids, w = small_problem(device, 5, t=24, h=20, f=12, e=e, k=2, dtype=torch.float32)
     out = fused_moe_triton(x, w13, w2, w, ids, capacity=5)
     ref = fused_moe_ref(x.cpu().double(), w13.cpu().double(), w2.cpu().double(), w.cpu().double(), ids.cpu(),
                         capacity=5)
