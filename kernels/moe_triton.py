@@ -17,6 +17,7 @@ import triton
 from kernels.grouped_gemm import grouped_gemm
 from kernels.layout import combine_rows_triton
 from kernels.maps import token_maps_triton
+from kernels.moe_cuda import fused_moe_cuda
 
 CONFIG_FILE = Path(__file__).with_name("configs") / "moe.json"
 NUM_SMS_DEFAULT = 132  # H100 SXM; only shapes the split-K heuristic
@@ -101,11 +102,24 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     e, topk = w2.shape[0], topk_ids.shape[1]
     f = w2.shape[2]
     n = t * topk
+    size = x.element_size()
     if configs is None:
-        size = x.element_size()
         configs = (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, size),
                    launch_config("down", x.device, t, e, h, f, w2.dtype, topk, size))
     up_cfg, down_cfg = configs
+    if up_cfg.get("backend") == "cuda":
+        # Where the table chose the CUDA decode kernels (small T, measured faster). No pair
+        # is dropped when each expert can keep T pairs: an expert appears once per token.
+        if capacity is None or capacity >= t:
+            try:
+                return fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
+                                      (up_cfg, down_cfg if down_cfg.get("backend") == "cuda" else None))
+            except ValueError:  # operands those kernels cannot take (fp32, odd widths): Triton
+                pass
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else NUM_SMS_DEFAULT
+        up_cfg = default_config("up", t, e, w13.shape[1], h, topk, sms, size)
+        if down_cfg.get("backend") == "cuda":
+            down_cfg = default_config("down", t, e, h, f, topk, sms, size)
     # Decode sizes: with no maps given, the GEMMs find each expert's pairs from the ids
     # themselves (all pairs in one row tile), saving the maps kernel; buffer rows are pairs.
     pair_ids = None

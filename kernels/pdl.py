@@ -33,6 +33,11 @@ def _launch(device_type: str, index: int | None) -> dict:
     return ON if torch.cuda.get_device_capability(index)[0] >= 9 else OFF
 
 
+def pdl_on(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL (as ``pdl_launch`` decides)."""
+    return _launch(device.type, device.index)["PDL"]
+
+
 def pdl_launch(device: torch.device) -> dict:
     """Keyword arguments for a Triton launch on ``device``: the kernel's ``PDL`` constexpr,
     and the launch option where PDL is on: a CUDA GPU of compute capability 9.0 or later,

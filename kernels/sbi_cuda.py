@@ -20,109 +20,24 @@ paper replicates pre-GEMM work. Rows of x are read through the L1 cache (every b
 reads them). bf16 / fp16 conversions use PTX cvt (no CUDA headers under NVRTC); int8
 widens through the 2^23 float trick with byte permutes.
 
+The first step's weight loads are issued before the wait for the previous kernel (PDL,
+``kernels.cuda_common``), so they overlap that kernel's tail.
+
 Compile-time parameters (macros): TP (rows, padded to 1, 2, 4, 8, 16), BN, WARPS, U,
 INT8, DT (0 bf16, 1 fp16), NORM (0 none, 1 RMSNorm, 2 LayerNorm), PARTIAL (write float32
 split-K partials). Each combination compiles once per process (CuPy caches the binary).
 """
 from __future__ import annotations
 
-import functools
 import itertools
 
 import numpy as np
 import torch
 
+from kernels.cuda_common import COMMON, DTYPES, compile_check, launch, ptr
 from kernels.sbi_gemm import NORMS
 
-SOURCE = r"""
-typedef unsigned short u16;
-typedef unsigned int u32;
-#define THREADS (WARPS * 32)
-#define WVEC (INT8 ? 16 : 8)
-#define STEP (THREADS * WVEC)
-
-struct __align__(16) u32x4 { u32 v[4]; };
-
-__device__ __forceinline__ u32x4 load_stream(const void* p) {  // weights: read once
-  u32x4 r;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3]) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ u32x4 load_cached(const void* p) {  // activations: read by every block
-  u32x4 r;
-  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3]) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ float lo_f(u32 u) {
-#if DT == 0
-  return __uint_as_float(u << 16);
-#else
-  float f; u16 h = (u16)(u & 0xffff); asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
-#endif
-}
-
-__device__ __forceinline__ float hi_f(u32 u) {
-#if DT == 0
-  return __uint_as_float(u & 0xffff0000u);
-#else
-  float f; u16 h = (u16)(u >> 16); asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
-#endif
-}
-
-__device__ __forceinline__ u16 to_act(float f) {
-  u16 h;
-#if DT == 0
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-#endif
-  return h;
-}
-
-__device__ __forceinline__ float act_f(const u16* p) { return lo_f((u32)*p); }
-
-// WVEC consecutive activations (8: one 16-byte load; 16: two) as floats.
-__device__ __forceinline__ void load_act(const u16* p, float* f) {
-#pragma unroll
-  for (int h = 0; h < WVEC / 8; ++h) {
-    u32x4 r = load_cached(p + 8 * h);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[8 * h + 2 * i] = lo_f(r.v[i]);
-      f[8 * h + 2 * i + 1] = hi_f(r.v[i]);
-    }
-  }
-}
-
-// One 16-byte weight vector as WVEC floats (int8: byte b -> float(0x4B000000 | (b ^ 0x80)) - 2^23 - 128).
-__device__ __forceinline__ void widen_w(const u32x4& r, float* f) {
-#if INT8
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    u32 u = r.v[i] ^ 0x80808080u;
-#pragma unroll
-    for (int b = 0; b < 4; ++b)
-      f[4 * i + b] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440 + b)) - 8388736.0f;
-  }
-#else
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = lo_f(r.v[i]);
-    f[2 * i + 1] = hi_f(r.v[i]);
-  }
-#endif
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
+SOURCE = COMMON + r"""
 extern "C" __global__ void __launch_bounds__(THREADS)
 sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale,
          const u16* __restrict__ norm_w, const u16* __restrict__ norm_b, const u16* __restrict__ bias,
@@ -131,8 +46,22 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int n0 = blockIdx.x * BN;
   const int k_lo = blockIdx.y * k_span, k_hi = min(K, k_lo + k_span);
-  const size_t w_bytes = INT8 ? 1 : 2;
-  const char* w_rows = (const char*)w + (size_t)n0 * stride_w * w_bytes;
+  const char* w_rows = (const char*)w + (size_t)n0 * stride_w * W_BYTES;
+
+  u32x4 wv[U][BN];  // every weight load of a step in flight before the first is used
+  auto load_step = [&](int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < BN; ++j) {
+        const int k = kb + u * STEP;
+        wv[u][j] = k < k_hi && n0 + j < N ? load_stream(w_rows + ((size_t)j * stride_w + k) * W_BYTES) : zero4();
+      }
+  };
+  int kb = k_lo + tid * WVEC;
+  load_step(kb);  // weights are no kernel's output: in flight before the wait
+  grid_dep_wait();
+  grid_dep_launch();
 
 #if NORM
   __shared__ float stat[2][TP];  // mean, 1 / std of each row over all of K
@@ -158,26 +87,11 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
   __syncthreads();
 #endif
 
-  float acc[TP][BN];
+  float acc[TP * BN];  // acc[t * BN + j]
 #pragma unroll
-  for (int t = 0; t < TP; ++t)
-#pragma unroll
-    for (int j = 0; j < BN; ++j) acc[t][j] = 0.f;
+  for (int o = 0; o < TP * BN; ++o) acc[o] = 0.f;
 
-  for (int kb = k_lo + tid * WVEC; kb < k_hi; kb += U * STEP) {
-    u32x4 wv[U][BN];  // every weight load of this step in flight before the first is used
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int j = 0; j < BN; ++j) {
-        const int k = kb + u * STEP;
-        if (k < k_hi && n0 + j < N) {
-          wv[u][j] = load_stream(w_rows + ((size_t)j * stride_w + k) * w_bytes);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) wv[u][j].v[i] = 0u;
-        }
-      }
+  for (; kb < k_hi; kb += U * STEP) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u * STEP;
@@ -209,21 +123,15 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
 #pragma unroll
           for (int j = 0; j < BN; ++j)
 #pragma unroll
-            for (int i = 0; i < WVEC; ++i) acc[t][j] = fmaf(a[i], wf[j][i], acc[t][j]);
+            for (int i = 0; i < WVEC; ++i) acc[t * BN + j] = fmaf(a[i], wf[j][i], acc[t * BN + j]);
         }
       }
     }
+    load_step(kb + U * STEP);
   }
 
   __shared__ float part[WARPS][TP * BN];
-#pragma unroll
-  for (int t = 0; t < TP; ++t)
-#pragma unroll
-    for (int j = 0; j < BN; ++j) {
-      float v = warp_sum(acc[t][j]);
-      if (lane == 0) part[warp][t * BN + j] = v;
-    }
-  __syncthreads();
+  warps_to_shared<TP * BN>(acc, part);
   for (int o = tid; o < TP * BN; o += THREADS) {
     const int t = o / BN, n = n0 + o % BN;
     if (t >= T || n >= N) continue;
@@ -242,22 +150,8 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
 #endif
   }
 }
-
-// Split-K: out[t, n] = sum of the S partials (+ bias) (+ residual).
-extern "C" __global__ void sbi_reduce(const float* __restrict__ part, const u16* __restrict__ bias,
-                                      const u16* __restrict__ res, u16* __restrict__ out, int S, int T, int N,
-                                      long long stride_res, long long stride_o) {
-  const int t = blockIdx.y, n = blockIdx.x * blockDim.x + threadIdx.x;
-  if (n >= N) return;
-  float v = 0.f;
-  for (int s = 0; s < S; ++s) v += part[((size_t)s * T + t) * N + n];
-  if (bias) v += act_f(bias + n);
-  if (res) v += act_f(res + t * stride_res + n);
-  out[t * stride_o + n] = to_act(v);
-}
 """
 
-DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 MAX_T = 16
 
 
@@ -319,26 +213,6 @@ def check(x: torch.Tensor, w: torch.Tensor, scale=None, bias=None, residual=None
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(device: int, name: str, opts: tuple):
-    import cupy
-
-    with cupy.cuda.Device(device):
-        return cupy.RawModule(code=SOURCE, options=opts).get_function(name)
-
-
-def _launch(device: torch.device, name: str, opts: tuple, grid: tuple, block: tuple, args: tuple):
-    import cupy
-
-    kernel = _kernel(device.index, name, opts)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
-        kernel(grid, block, args)
-
-
-def _ptr(z: torch.Tensor | None):
-    return np.uint64(z.data_ptr() if z is not None else 0)
-
-
 def sbi_linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                     norm: tuple | None = None, config: dict | None = None) -> torch.Tensor:
@@ -362,36 +236,26 @@ def sbi_linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None
     target = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=x.device)
     opts = options(_tp(t), bn, warps, unroll, int8, DTYPES[x.dtype], NORMS[kind], split > 1)
     stride_res = residual.stride(0) if residual is not None else 0
-    _launch(x.device, "sbi_gemm", opts, (-(-n // bn), split), (warps * 32,),
-            (_ptr(x), _ptr(w), _ptr(scale), _ptr(g), _ptr(gb), _ptr(bias if split == 1 else None),
-             _ptr(residual if split == 1 else None), _ptr(target), np.int32(t), np.int32(n), np.int32(k),
-             np.float32(eps), np.int64(x.stride(0)), np.int64(w.stride(0)), np.int64(stride_res),
-             np.int64(out.stride(0)), np.int32(k_span)))
+    launch(x.device, SOURCE, "sbi_gemm", opts, (-(-n // bn), split), warps * 32,
+           (ptr(x), ptr(w), ptr(scale), ptr(g), ptr(gb), ptr(bias if split == 1 else None),
+            ptr(residual if split == 1 else None), ptr(target), np.int32(t), np.int32(n), np.int32(k),
+            np.float32(eps), np.int64(x.stride(0)), np.int64(w.stride(0)), np.int64(stride_res),
+            np.int64(out.stride(0)), np.int32(k_span)))
     if split > 1:
-        _launch(x.device, "sbi_reduce", opts, (-(-n // 256), t), (256,),
-                (_ptr(target), _ptr(bias), _ptr(residual), _ptr(out), np.int32(split), np.int32(t), np.int32(n),
-                 np.int64(stride_res), np.int64(out.stride(0))))
+        launch(x.device, SOURCE, "splitk_reduce", opts, (-(-n // 256), t), 256,
+               (ptr(target), ptr(bias), ptr(residual), ptr(out), np.int32(split), np.int32(t), np.int32(n),
+                np.int64(stride_res), np.int64(out.stride(0))))
     return out
 
 
 def compile_all(arch: str = "sm_90") -> int:
-    """Compiles the kernels to a binary for ``arch`` with NVRTC (ptxas included; no GPU
-    needed) over a set of combinations that takes every value of every compile-time
-    parameter; returns how many. Raises RuntimeError with the compiler log on a failure."""
-    from cupy_backends.cuda.libs import nvrtc
-
+    """Compiles the kernels for ``arch`` through NVRTC (no GPU needed) over a set of
+    combinations that takes every value of every compile-time parameter; returns how
+    many. Raises RuntimeError with the compiler log on a failure."""
     tiles = ((1, 4, 4), (2, 4, 2), (4, 8, 4), (8, 4, 1))  # (bn, warps, unroll)
     count = 0
     for i, (tp, int8, dt) in enumerate(itertools.product((1, 2, 4, 8, 16), (False, True), DTYPES.values())):
         bn, warps, unroll = tiles[i % len(tiles)]
-        opts = options(tp, bn, warps, unroll, int8, dt, i % len(NORMS), i % 2 == 1)
-        prog = nvrtc.createProgram(SOURCE, "sbi_cuda.cu", [], [])
-        try:
-            nvrtc.compileProgram(prog, [*opts, f"-arch={arch}"])
-            nvrtc.getCUBIN(prog)
-        except Exception as exc:
-            raise RuntimeError(f"{' '.join(opts)}: {exc}\n{nvrtc.getProgramLog(prog)}") from exc
-        finally:
-            nvrtc.destroyProgram(prog)
+        compile_check(SOURCE, options(tp, bn, warps, unroll, int8, dt, i % len(NORMS), i % 2 == 1), arch, "sbi_cuda.cu")
         count += 1
     return count

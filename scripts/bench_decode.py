@@ -84,7 +84,7 @@ def floor_bytes(engine, batch: int, context: int) -> int:
 PARTS = [
     ("MoE routing", ("_topk_gating_kernel", "_grouped_topk_kernel", "_route_scatter_kernel", "_maps_",
                      "_rms_norm_router_kernel")),
-    ("MoE experts", ("_grouped_gemm_kernel", "_gather_kernel", "_scatter_kernel")),
+    ("MoE experts", ("_grouped_gemm_kernel", "_gather_kernel", "_scatter_kernel", "moe_up", "moe_down")),
     ("norms", ("_rms_norm_kernel", "layer_norm", "LayerNorm")),
     ("qkv epilogue", ("_qkv_decode_kernel",)),
     ("attention", ("fmha", "flash", "attention", "_split_kernel", "_combine_kernel", "softmax")),

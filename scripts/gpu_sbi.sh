@@ -11,6 +11,10 @@
 #       (OLMoE, Qwen3; bf16 and int8) and the OLMoE prefill with the tables in place
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh tests [OUT]
 #       the GPU tests of everything these changes touch, on the final tables
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moedec [OUT]
+#       the CUDA MoE decode kernels' tests first, the GPU tests the CUDA launcher touches,
+#       tune_moe --cuda-only at T = 1, 2, 4, bench_moe at decode sizes (PDL on and off),
+#       decode at batch 1 (OLMoE bf16 / int8 with the profile, Qwen3) and SBI at T = 1
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
@@ -28,6 +32,23 @@ if [ "$part" = dense ]; then
             tests/test_moe_kernels.py -k "not test_moe_kernels or weight_tiles or tile_order"
         TAIL=40 step dense 230 python scripts/bench_dense.py --no-attention --write-table
         cp kernels/configs/dense.json "$out/"
+    fi
+elif [ "$part" = moedec ]; then
+    TAIL=6 step moe_smoke 150 $pytest_gpu -x tests/test_moe_cuda.py -k "graph or 1-4096" || true
+    if grep -q " passed" "$out/moe_smoke.log" && ! grep -q "failed\|error" "$out/moe_smoke.log"; then
+        TAIL=8 step gpu_tests 200 $pytest_gpu tests/test_moe_cuda.py tests/test_sbi_cuda.py tests/test_fused_decode.py \
+            tests/test_moe_kernels.py -k "not test_moe_kernels or graph or gpu"
+        TAIL=30 step tune 200 python scripts/tune_moe.py --cuda-only --tokens 1,2,4 --int8-tokens 1,2,4
+        cp kernels/configs/moe.json "$out/"
+        TAIL=40 step moe 120 python scripts/bench_moe.py --tokens 1,2,4,8 --no-baselines --no-json
+        MOE_INFER_PDL=0 TAIL=12 step moe_nopdl 60 python scripts/bench_moe.py --tokens 1,8 --dtypes bf16,int8 \
+            --no-baselines --no-json
+        TAIL=45 step olmoe 100 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 32 \
+            --reps 3 --profile
+        TAIL=6 step olmoe_int8 60 python scripts/bench_decode.py --model olmoe-1b-7b --quantize int8 --batches 1,8 \
+            --new-tokens 32 --reps 3
+        TAIL=6 step qwen3 80 python scripts/bench_decode.py --model qwen3-30b-a3b --batches 1 --new-tokens 32 --reps 3
+        TAIL=30 step dense 120 python scripts/bench_dense.py --models olmoe-1b-7b,qwen3-30b-a3b --tokens 1 --no-attention
     fi
 elif [ "$part" = tests ]; then
     TAIL=6 step tests 560 $pytest_gpu tests/test_parity.py tests/test_sbi_cuda.py tests/test_quant.py \

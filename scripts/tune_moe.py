@@ -20,7 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
-from kernels.moe_triton import CONFIG_FILE, default_config, device_key, fused_moe_triton, shape_key  # noqa: E402
+from kernels.moe_cuda import DOWN_CANDIDATES, UP_CANDIDATES  # noqa: E402
+from kernels.moe_triton import (CONFIG_FILE, default_config, device_key, fused_moe_triton, launch_config,  # noqa: E402
+                                shape_key)
 
 SHAPES = {  # name: H, F, E, k, activation
     "mixtral": (4096, 14336, 8, 2, "silu"),
@@ -29,9 +31,23 @@ SHAPES = {  # name: H, F, E, k, activation
     "dsmoe": (2048, 8192, 128, 1, "gelu"),
 }
 TOKENS = [1, 2, 4, 16, 64, 256, 1024, 4096, 16384]
+CUDA_TOKENS = 4  # up to this T the CUDA decode kernels (moe_cuda) compete too
 
 
-def candidates(phase: str, t: int, topk: int, e: int, wdtype: str) -> list[dict]:
+def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, up_backend: str | None = None,
+               stored: dict | None = None) -> list[dict]:
+    """The Triton search space, plus the CUDA up kernel at small T. The down GEMM is
+    searched within the chosen up GEMM's backend (``up_backend``): the two come as a pair.
+    With ``stored`` (``--cuda-only``), the table's entry stands for the Triton space."""
+    if phase == "down" and up_backend == "cuda":
+        return DOWN_CANDIDATES
+    extra = UP_CANDIDATES if phase == "up" and t <= CUDA_TOKENS else []
+    if stored is not None:
+        return [stored] + extra
+    return triton_candidates(phase, t, topk, e, wdtype) + extra
+
+
+def triton_candidates(phase: str, t: int, topk: int, e: int, wdtype: str) -> list[dict]:
     """A small search space per regime (each new configuration costs a compile)."""
     rows = max(1, t * topk // e)
     if t <= 16 or rows <= 16:  # bandwidth-bound: one 16-row tile per expert
@@ -82,7 +98,9 @@ def time_graph(fns, reps: int) -> float:
     return times[len(times) // 2]
 
 
-def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int) -> dict:
+def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: bool = False) -> dict:
+    """The best (up, down) configurations per T. ``cuda_only``: the table's current entries
+    stand in for the Triton search."""
     h, f, e, topk, act = SHAPES[name]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -104,12 +122,16 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int) -> dict:
             ids, w = kernels.topk_gating_ref(torch.randn(t, e, device=dev, generator=gen), topk)
             inputs.append((x, w, ids))
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        best_up = default_config("up", t, e, rows13, h, topk, sms)
-        best_down = default_config("down", t, e, h, f, topk, sms)
+        wd = torch.int8 if wdtype == "int8" else torch.bfloat16
+        keys = {"up": shape_key("up", e, rows13, h, wd, topk), "down": shape_key("down", e, h, f, wd, topk)}
+        stored = {phase: launch_config(phase, dev, t, e, *((rows13, h) if phase == "up" else (h, f)), wd, topk)
+                  for phase in keys} if cuda_only else {}
+        best_up = stored.get("up") or default_config("up", t, e, rows13, h, topk, sms)
+        best_down = stored.get("down") or default_config("down", t, e, h, f, topk, sms)
         r = max(3, min(reps, int(2e5 / max(1, t * topk * h * f / 1e6))))
         for phase in ("up", "down"):
             results = []
-            for cfg in candidates(phase, t, topk, e, wdtype):
+            for cfg in candidates(phase, t, topk, e, wdtype, best_up.get("backend"), stored.get(phase)):
                 pair = (cfg, best_down) if phase == "up" else (best_up, cfg)
                 fns = [lambda x=x, w=w, ids=ids: fused_moe_triton(x, w13, w2, w, ids, act, configs=pair, **scales)
                        for x, w, ids in inputs]
@@ -125,9 +147,10 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int) -> dict:
             else:
                 best_down = cfg
             print(f"{name:8s} {wdtype:5s} T={t:6d} {phase:4s} {us:9.1f} us  {cfg}", flush=True)
-        wd = torch.int8 if wdtype == "int8" else torch.bfloat16
-        table.setdefault(shape_key("up", e, rows13, h, wd, topk), {})[str(t)] = best_up
-        table.setdefault(shape_key("down", e, h, f, wd, topk), {})[str(t)] = best_down
+            if stored.get(phase) and results and results[0][1] is stored[phase]:
+                print(f"{'':8s} {'':5s} {'':8s} {phase:4s} {results[0][0]:9.1f} us  (the table's entry)", flush=True)
+        table.setdefault(keys["up"], {})[str(t)] = best_up
+        table.setdefault(keys["down"], {})[str(t)] = best_down
     return table
 
 
@@ -137,6 +160,8 @@ def main():
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--int8-tokens", default=",".join(map(str, TOKENS)), help="T values tuned for int8 weights")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--cuda-only", action="store_true",
+                    help="time the CUDA decode kernels against the table's current entries only")
     ap.add_argument("--out", type=Path, default=CONFIG_FILE)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -147,7 +172,8 @@ def main():
     for name in args.shapes.split(","):
         for wdtype, toks in (("bf16", args.tokens), ("int8", args.int8_tokens)):
             if toks:
-                for key, entries in tune_shape(name, [int(t) for t in toks.split(",")], wdtype, args.reps).items():
+                for key, entries in tune_shape(name, [int(t) for t in toks.split(",")], wdtype, args.reps,
+                                                     args.cuda_only).items():
                     mine.setdefault(key, {}).update(entries)  # keep the T buckets not re-tuned
         torch.cuda.empty_cache()
         args.out.parent.mkdir(parents=True, exist_ok=True)

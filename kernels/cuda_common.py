@@ -1,0 +1,228 @@
+"""What the CUDA C++ kernels (``sbi_cuda``, ``moe_cuda``) share: device helpers for
+streaming 16-byte weight vectors, bf16 / fp16 / int8 conversions and warp sums; the
+split-K reduction kernel; compilation through CuPy (NVRTC); and a launcher that can start
+a kernel with programmatic dependent launch (PDL), which CuPy's own launch cannot.
+
+PDL (see ``kernels/pdl.py``): a kernel launched with it may start while the kernel
+before it is finishing. Every kernel here calls ``grid_dep_wait()`` in every block before
+it reads anything an earlier kernel wrote (a no-op without PDL), and may load weights,
+which no kernel writes, before that: the first weight loads of a step then overlap the
+previous kernel's tail.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+import torch
+
+from kernels.pdl import pdl_on
+
+COMMON = r"""
+typedef unsigned short u16;
+typedef unsigned int u32;
+#define THREADS (WARPS * 32)
+#define WVEC (INT8 ? 16 : 8)
+#define STEP (THREADS * WVEC)
+#define W_BYTES (INT8 ? 1 : 2)
+
+struct __align__(16) u32x4 { u32 v[4]; };
+
+__device__ __forceinline__ void grid_dep_wait() {  // PDL: the previous kernel has finished
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dep_launch() {  // PDL: the next kernel may start
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ u32x4 load_stream(const void* p) {  // weights: read once
+  u32x4 r;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3]) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32x4 load_cached(const void* p) {  // activations: read by every block
+  u32x4 r;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3]) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32x4 zero4() {
+  u32x4 r;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r.v[i] = 0u;
+  return r;
+}
+
+__device__ __forceinline__ float lo_f(u32 u) {
+#if DT == 0
+  return __uint_as_float(u << 16);
+#else
+  float f; u16 h = (u16)(u & 0xffff); asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+#endif
+}
+
+__device__ __forceinline__ float hi_f(u32 u) {
+#if DT == 0
+  return __uint_as_float(u & 0xffff0000u);
+#else
+  float f; u16 h = (u16)(u >> 16); asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+#endif
+}
+
+__device__ __forceinline__ u16 to_act(float f) {
+  u16 h;
+#if DT == 0
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+#endif
+  return h;
+}
+
+__device__ __forceinline__ float act_f(const u16* p) { return lo_f((u32)*p); }
+
+// WVEC consecutive activations (8: one 16-byte load; 16: two) as floats.
+__device__ __forceinline__ void load_act(const u16* p, float* f) {
+#pragma unroll
+  for (int h = 0; h < WVEC / 8; ++h) {
+    u32x4 r = load_cached(p + 8 * h);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[8 * h + 2 * i] = lo_f(r.v[i]);
+      f[8 * h + 2 * i + 1] = hi_f(r.v[i]);
+    }
+  }
+}
+
+// One 16-byte weight vector as WVEC floats (int8: byte b -> float(0x4B000000 | (b ^ 0x80)) - 2^23 - 128).
+__device__ __forceinline__ void widen_w(const u32x4& r, float* f) {
+#if INT8
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    u32 u = r.v[i] ^ 0x80808080u;
+#pragma unroll
+    for (int b = 0; b < 4; ++b)
+      f[4 * i + b] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440 + b)) - 8388736.0f;
+  }
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = lo_f(r.v[i]);
+    f[2 * i + 1] = hi_f(r.v[i]);
+  }
+#endif
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The cooperative reduction across a block: each warp sums its NV partials with shuffles,
+// then one shared-memory exchange; part[q][j] holds warp q's sum of output j.
+template <int NV>
+__device__ __forceinline__ void warps_to_shared(const float* acc, float (*part)[NV]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    float v = warp_sum(acc[j]);
+    if (lane == 0) part[warp][j] = v;
+  }
+  __syncthreads();
+}
+
+// Split-K: out[t, n] = sum of the S float32 partials [S, T, N] (+ bias) (+ residual).
+extern "C" __global__ void splitk_reduce(const float* __restrict__ part, const u16* __restrict__ bias,
+                                         const u16* __restrict__ res, u16* __restrict__ out, int S, int T, int N,
+                                         long long stride_res, long long stride_o) {
+  grid_dep_wait();
+  grid_dep_launch();
+  const int t = blockIdx.y, n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  float v = 0.f;
+  for (int s = 0; s < S; ++s) v += part[((size_t)s * T + t) * N + n];
+  if (bias) v += act_f(bias + n);
+  if (res) v += act_f(res + t * stride_res + n);
+  out[t * stride_o + n] = to_act(v);
+}
+"""
+
+DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+
+
+@functools.lru_cache(maxsize=None)
+def function(device: int, source: str, name: str, opts: tuple):
+    """The compiled kernel ``name`` of ``source`` with ``opts`` (one compile per process)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.RawModule(code=source, options=opts).get_function(name)
+
+
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_...: the PDL launch attribute
+_C_TYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32,
+            np.float32: ctypes.c_float}
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                     ctypes.c_void_p]
+    return lib
+
+
+def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tuple, block: int, args: tuple):
+    """Launches kernel ``name`` on the current stream of ``device``; with PDL where
+    ``kernels.pdl`` turns it on. ``args`` are numpy scalars (pointers as np.uint64)."""
+    kernel = function(device.index, source, name, opts)
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    pdl = pdl_on(device)
+    config = _Config(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), shared_bytes=0,
+                     stream=torch.cuda.current_stream(device).cuda_stream,
+                     attrs=ctypes.pointer(attr) if pdl else None, num_attrs=int(pdl))
+    values = [_C_TYPES[type(a)](a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    err = _driver().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(kernel.ptr), params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx({name}) failed with CUDA error {err}")
+
+
+def ptr(z: torch.Tensor | None) -> np.uint64:
+    return np.uint64(z.data_ptr() if z is not None else 0)
+
+
+def compile_check(source: str, opts: tuple, arch: str = "sm_90", name: str = "kernel.cu") -> None:
+    """Compiles ``source`` to a binary for ``arch`` with NVRTC (ptxas included; no GPU
+    needed). Raises RuntimeError with the compiler log on a failure."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, name, [], [])
+    try:
+        nvrtc.compileProgram(prog, [*opts, f"-arch={arch}"])
+        nvrtc.getCUBIN(prog)
+    except Exception as exc:
+        raise RuntimeError(f"{' '.join(opts)}: {exc}\n{nvrtc.getProgramLog(prog)}") from exc
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -1,0 +1,311 @@
+"""The MoE experts at decode sizes in CUDA C++ (compiled through CuPy): two kernels, no
+maps, no combine launch. Same contract as ``kernels.fused_moe`` for T <= MAX_T tokens.
+
+Shape letters: T tokens, H hidden, E experts, k slots, F expert width, P = T * k pairs
+(pair p is slot p % k of token p // k).
+
+- ``moe_up``: block (column tile, pair p) computes BN columns of
+  h[p] = act(x[p // k] @ w1[e_p].T) (* x @ w3[e_p].T) times the pair's combine weight. The
+  weight moves here from the down GEMM because the sum over slots is linear; h is [P, F].
+- ``moe_down``: block (column tile, K split, token t) computes
+  out[t] = sum over the token's k slots of w2[e_p] @ h[p]: one reduction over the k slots'
+  F columns back to back (k * F long), so the combine is the GEMM's own sum. int8 scales
+  differ per expert, so each 16-byte vector's dot product is scaled before it is added.
+
+Both stream weights as SBI-GeMM does (``kernels.sbi_cuda``: 16-byte loads along the
+reduction, U loads per row in flight, warp-shuffle then one shared-memory reduction).
+Weights are read once per pair, not once per expert: at T = 1 the k experts are
+distinct, so that is each active byte once; past T = 1 the Triton grouped GEMM, which
+groups pairs by expert, is used unless the tuning table chose this for that T.
+
+The down kernel loads the ids and its first weights before waiting for the up kernel
+(PDL): the ids come from the routing kernel before the up GEMM, which has completed once
+every up block has passed its own wait, the condition for the down grid to start.
+
+Compile-time parameters: BN, WARPS, U, INT8, DT (0 bf16, 1 fp16), GATED (SiLU gate * up,
+else GeLU), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials).
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from kernels.cuda_common import COMMON, DTYPES, compile_check, launch, ptr
+
+MAX_T = 16
+MAX_K = 16
+
+SOURCE = COMMON + r"""
+#define ROWS_PER_F (GATED ? 2 : 1)  // rows of w13 per column of h
+#define ROWS (ROWS_PER_F * BN)
+#define MAX_K 16
+
+__device__ __forceinline__ long long id_at(const void* ids, int p) {
+#if IDS64
+  return ((const long long*)ids)[p];
+#else
+  return ((const int*)ids)[p];
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
+       const void* __restrict__ w13,     // [E, 2F, H] gate rows then up rows ([E, F, H] for GeLU)
+       const float* __restrict__ scale,  // [E, 2F] int8 per-row scales
+       const void* __restrict__ ids,     // [P] expert of each pair
+       const float* __restrict__ pair_w, // [P] combine weight of each pair
+       u16* __restrict__ h,              // [P, F] out
+       int H, int F, int topk, long long stride_x) {
+  const int tid = threadIdx.x, p = blockIdx.y, n0 = blockIdx.x * BN;
+  grid_dep_wait();  // x and the ids are earlier kernels' outputs
+  grid_dep_launch();
+  const long long e = id_at(ids, p);
+  const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
+  const u16* xr = x + (size_t)(p / topk) * stride_x;
+
+  float acc[ROWS];  // j < BN: gate (or GeLU) column n0 + j; j >= BN: up column n0 + j - BN
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
+  for (int kb = tid * WVEC; kb < H; kb += U * STEP) {
+    u32x4 wv[U][ROWS];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) {
+        const int k = kb + u * STEP, n = n0 + j % BN, row = (j < BN ? 0 : F) + n;
+        wv[u][j] = k < H && n < F ? load_stream(w_e + ((size_t)row * H + k) * W_BYTES) : zero4();
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * STEP;
+      if (k >= H) break;
+      float a[WVEC];
+      load_act(xr + k, a);
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) {
+        float wf[WVEC];
+        widen_w(wv[u][j], wf);
+#pragma unroll
+        for (int i = 0; i < WVEC; ++i) acc[j] = fmaf(a[i], wf[i], acc[j]);
+      }
+    }
+  }
+
+  __shared__ float part[WARPS][ROWS];
+  warps_to_shared<ROWS>(acc, part);
+  for (int o = tid; o < BN; o += THREADS) {
+    const int n = n0 + o;
+    if (n >= F) continue;
+    float g = 0.f;
+#pragma unroll
+    for (int q = 0; q < WARPS; ++q) g += part[q][o];
+#if INT8
+    g *= scale[e * ROWS_PER_F * F + n];
+#endif
+#if GATED
+    float up = 0.f;
+#pragma unroll
+    for (int q = 0; q < WARPS; ++q) up += part[q][BN + o];
+#if INT8
+    up *= scale[e * 2 * F + F + n];
+#endif
+    const float v = g / (1.f + __expf(-g)) * up;
+#else
+    const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
+#endif
+    h[(size_t)p * F + n] = to_act(v * pair_w[p]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up)
+         const void* __restrict__ w2,      // [E, H, F]
+         const float* __restrict__ scale,  // [E, H] int8 per-row scales
+         const void* __restrict__ ids,     // [P] expert of each pair
+         void* __restrict__ out,           // [T, H] (PARTIAL: float32 [S, T, H])
+         int H, int F, int topk, int k_span, long long stride_o) {
+  const int tid = threadIdx.x, t = blockIdx.z, n0 = blockIdx.x * BN;
+  const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
+  const int k_lo = blockIdx.y * k_span, k_hi = min(len, k_lo + k_span);
+  __shared__ long long expert[MAX_K];
+  for (int i = tid; i < topk; i += THREADS) expert[i] = id_at(ids, t * topk + i);
+#if INT8
+  __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
+  for (int i = tid; i < topk * BN; i += THREADS) {
+    const int n = n0 + i % BN;
+    sc[i / BN][i % BN] = n < H ? scale[id_at(ids, t * topk + i / BN) * H + n] : 0.f;
+  }
+#endif
+  __syncthreads();
+
+  u32x4 wv[U][BN];
+  int slot[U];  // the pair (slot) of each step's vectors: F is a multiple of WVEC
+  auto load_step = [&](int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * STEP;
+      slot[u] = k < k_hi ? k / F : 0;
+      const char* row = (const char*)w2 + ((size_t)expert[slot[u]] * H + n0) * F * W_BYTES;
+#pragma unroll
+      for (int j = 0; j < BN; ++j)
+        wv[u][j] = k < k_hi && n0 + j < H ? load_stream(row + ((size_t)j * F + k - slot[u] * F) * W_BYTES)
+                                          : zero4();
+    }
+  };
+  int kb = k_lo + tid * WVEC;
+  load_step(kb);
+  grid_dep_wait();  // h is the up kernel's output
+  grid_dep_launch();
+
+  float acc[BN];
+#pragma unroll
+  for (int j = 0; j < BN; ++j) acc[j] = 0.f;
+  const u16* ht = h + (size_t)t * len;
+  for (; kb < k_hi; kb += U * STEP) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * STEP;
+      if (k >= k_hi) break;
+      float a[WVEC];
+      load_act(ht + k, a);
+#pragma unroll
+      for (int j = 0; j < BN; ++j) {
+        float wf[WVEC], d = 0.f;
+        widen_w(wv[u][j], wf);
+#pragma unroll
+        for (int i = 0; i < WVEC; ++i) d = fmaf(a[i], wf[i], d);
+#if INT8
+        acc[j] = fmaf(d, sc[slot[u]][j], acc[j]);
+#else
+        acc[j] += d;
+#endif
+      }
+    }
+    load_step(kb + U * STEP);
+  }
+
+  __shared__ float part[WARPS][BN];
+  warps_to_shared<BN>(acc, part);
+  for (int o = tid; o < BN; o += THREADS) {
+    const int n = n0 + o;
+    if (n >= H) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int q = 0; q < WARPS; ++q) v += part[q][o];
+#if PARTIAL
+    ((float*)out)[((size_t)blockIdx.y * gridDim.z + t) * H + n] = v;
+#else
+    ((u16*)out)[t * stride_o + n] = to_act(v);
+#endif
+  }
+}
+"""
+
+# Launch configurations tried by the tuning script (the table stores the winner per shape
+# and T): bn outputs per block, warps, unroll (loads per row in flight), split_k (down).
+UP_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u)
+                 for bn, w, u in ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 2), (4, 8, 1))]
+DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
+                   for (bn, w, u), s in itertools.product(((2, 4, 4), (4, 4, 2), (4, 4, 4), (8, 4, 2), (4, 8, 2)),
+                                                          (1, 2))]
+
+
+def default_configs(t: int, h: int, f: int, topk: int, sms: int) -> tuple[dict, dict]:
+    """(up, down) launch configurations when the table has none for this shape."""
+    up = dict(backend="cuda", bn=4, warps=4, unroll=2)
+    down = dict(backend="cuda", bn=4, warps=4, unroll=4, split_k=1)
+    if -(-h // down["bn"]) * t < 2 * sms:  # too few blocks: split the k * F reduction
+        down["split_k"] = 2
+    return up, down
+
+
+def check(x, w13, w2, topk_weights, topk_ids, activation, w13_scale=None, w2_scale=None) -> str | None:
+    """Why these kernels cannot take the operands (None: they can). The shapes themselves
+    were checked by ``kernels.fused_moe``."""
+    t, h = x.shape
+    f, topk = w2.shape[2], topk_ids.shape[1]
+    if not (x.is_cuda and w13.device == x.device and w2.device == x.device):
+        return f"x / w13 / w2 on {x.device} / {w13.device} / {w2.device}: expected one CUDA device"
+    if x.dtype not in DTYPES:
+        return f"x: bf16 or fp16, got {x.dtype}"
+    if not 1 <= t <= MAX_T or topk > MAX_K:
+        return f"x {list(x.shape)}, k = {topk}: 1 to {MAX_T} tokens and k <= {MAX_K}"
+    int8 = w13.dtype == torch.int8
+    if w13.dtype != w2.dtype or w13.dtype not in (x.dtype, torch.int8):
+        return f"w13 / w2 {w13.dtype} / {w2.dtype}: expected both {x.dtype}, or both int8"
+    vec = 16 if int8 else 8
+    if h % vec or f % vec:
+        return f"H = {h}, F = {f}: expected multiples of {vec}"
+    if not (w13.is_contiguous() and w2.is_contiguous()) or w13.data_ptr() % 16 or w2.data_ptr() % 16:
+        return "w13 / w2: expected contiguous weights on 16-byte boundaries"
+    if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16:
+        return "x: expected unit stride along H and rows on 16-byte boundaries"
+    if int8 and not (w13_scale.dtype == w2_scale.dtype == torch.float32
+                     and w13_scale.is_contiguous() and w2_scale.is_contiguous()):
+        return "w13_scale / w2_scale: expected contiguous float32"
+    return None
+
+
+def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, ids64: bool,
+            partial: bool) -> tuple:
+    return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
+            f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}", f"-DPARTIAL={int(partial)}")
+
+
+def fused_moe_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, activation: str = "silu", w13_scale: torch.Tensor | None = None,
+                   w2_scale: torch.Tensor | None = None, configs: tuple[dict | None, dict | None] | None = None) -> torch.Tensor:
+    """``kernels.fused_moe`` for T <= MAX_T tokens (dropless); ``configs`` are the (up, down)
+    launch configurations (None: ``default_configs``). Raises ValueError naming the
+    operand where the kernels cannot take it (``check``)."""
+    why = check(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale)
+    if why is not None:
+        raise ValueError(f"fused_moe_cuda: {why}")
+    t, h = x.shape
+    f, topk = w2.shape[2], topk_ids.shape[1]
+    p = t * topk
+    up, down = configs if configs is not None else (None, None)
+    if up is None or down is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        default_up, default_down = default_configs(t, h, f, topk, sms)
+        up, down = up or default_up, down or default_down
+    int8, gated, dt = w13.dtype == torch.int8, activation == "silu", DTYPES[x.dtype]
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    ids64 = ids.dtype == torch.int64
+    pair_w = topk_weights.reshape(-1).float().contiguous()  # [P]
+    hidden = torch.empty(p, f, dtype=x.dtype, device=x.device)  # [P, F]
+    launch(x.device, SOURCE, "moe_up", options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, ids64, False),
+           (-(-f // up["bn"]), p), up["warps"] * 32,
+           (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h), np.int32(f),
+            np.int32(topk), np.int64(x.stride(0))))
+    step = down["warps"] * 32 * (16 if int8 else 8)
+    length = topk * f
+    k_span = -(-length // (down["split_k"] * step)) * step
+    split = -(-length // k_span)  # no empty splits
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    target = out if split == 1 else torch.empty(split, t, h, dtype=torch.float32, device=x.device)
+    opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, ids64, split > 1)
+    launch(x.device, SOURCE, "moe_down", opts, (-(-h // down["bn"]), split, t), down["warps"] * 32,
+           (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(ids), ptr(target), np.int32(h), np.int32(f), np.int32(topk),
+            np.int32(k_span), np.int64(out.stride(0))))
+    if split > 1:
+        launch(x.device, SOURCE, "splitk_reduce", opts, (-(-h // 256), t), 256,
+               (ptr(target), ptr(None), ptr(None), ptr(out), np.int32(split), np.int32(t), np.int32(h),
+                np.int64(0), np.int64(out.stride(0))))
+    return out
+
+
+def compile_all(arch: str = "sm_90") -> int:
+    """Compiles the kernels for ``arch`` through NVRTC (no GPU needed) over combinations
+    that take every value of every compile-time parameter; returns how many."""
+    count = 0
+    for i, (int8, dt, gated) in enumerate(itertools.product((False, True), DTYPES.values(), (False, True))):
+        up, down = UP_CANDIDATES[i % len(UP_CANDIDATES)], DOWN_CANDIDATES[i % len(DOWN_CANDIDATES)]
+        compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, i % 2 == 0, False),
+                      arch, "moe_cuda.cu")
+        compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 2 == 1,
+                                      i % 4 < 2), arch, "moe_cuda.cu")
+        count += 2
+    return count

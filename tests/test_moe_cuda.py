@@ -1,0 +1,143 @@
+"""The MoE decode kernels in CUDA C++ (``kernels.moe_cuda``): the source compiles for
+Hopper with no GPU (CI); unsupported operands are named, and a table entry naming them
+falls back to Triton there; on a GPU, every configuration, dtype and activation against
+the float64 reference, and the same numbers replayed from a CUDA graph."""
+import pytest
+import torch
+
+from kernels import fused_moe_ref, fused_moe_triton, quantize_int8
+from kernels import moe_cuda
+from kernels import moe_triton
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def problem(device, dtype, t, h, f, e, k, activation, seed, ids_dtype=torch.int32):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, h, generator=gen) + 0.3).to(device, dtype)
+    rows = 2 * f if activation == "silu" else f
+    w13 = (torch.randn(e, rows, h, generator=gen) / h ** 0.5).to(device, dtype)
+    w2 = (torch.randn(e, h, f, generator=gen) / f ** 0.5).to(device, dtype)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(device, ids_dtype)
+    weights = torch.rand(t, k, generator=gen).to(device)
+    return x, w13, w2, ids, weights
+
+
+def test_source_compiles_for_hopper():
+    # NVRTC runs ptxas too, so inline PTX, the lambdas and register allocation are checked.
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the test extras install cupy and NVRTC")
+    assert moe_cuda.compile_all("sm_90") == 16
+
+
+def test_check_names_what_the_kernels_cannot_take():
+    x, w13, w2, ids, w = problem("cpu", torch.bfloat16, 1, 64, 32, 4, 2, "silu", 0)
+    args = (w13, w2, w, ids, "silu")
+    assert "CUDA device" in moe_cuda.check(x, *args)
+    with pytest.raises(ValueError, match=r"fused_moe_cuda: .*CUDA device"):
+        moe_cuda.fused_moe_cuda(x, *args)
+
+
+@pytest.mark.interp
+def test_table_entry_falls_back_to_triton_where_cuda_cannot_run():
+    # A "cuda" entry on operands the kernels cannot take (here: the CPU interpreter) runs
+    # the Triton kernels with their default configuration instead.
+    x, w13, w2, ids, w = problem("cpu", torch.float32, 1, 64, 48, 6, 2, "silu", 1)
+    configs = (moe_cuda.UP_CANDIDATES[0], moe_cuda.DOWN_CANDIDATES[0])
+    out = fused_moe_triton(x, w13, w2, w, ids, "silu", configs=configs)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
+    assert rel(out, ref) < TOL[torch.float32]
+
+
+GPU_CASES = [  # t, h, f, e, k, activation
+    (1, 4096, 1408, 8, 2, "silu"), (1, 2048, 768, 128, 8, "silu"), (1, 528, 1008, 16, 1, "gelu"),
+    (2, 272, 144, 60, 4, "silu"), (3, 2048, 1024, 64, 8, "silu"), (16, 256, 96, 7, 1, "gelu"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,h,f,e,k,activation", GPU_CASES)
+@pytest.mark.parametrize("int8", [False, True])
+def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
+    x, w13, w2, ids, w = problem("cuda", dtype, t, h, f, e, k, activation, t * 13 + e,
+                                 torch.int64 if t % 2 else torch.int32)
+    s13 = s2 = None
+    if int8:
+        w13, s13 = quantize_int8(w13)
+        w2, s2 = quantize_int8(w2)
+    ref = fused_moe_ref(x.double(), w13 if int8 else w13.double(), w2 if int8 else w2.double(), w.double(), ids,
+                        activation, s13, s2)
+    # Every tuning candidate pair that the problem's size keeps apart (up i with down i).
+    for up, down in zip(moe_cuda.UP_CANDIDATES, moe_cuda.DOWN_CANDIDATES):
+        out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, (up, down))
+        assert out.shape == (t, h) and out.dtype == dtype
+        assert rel(out, ref) < TOL[dtype], (up, down)
+    out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2)  # default configurations
+    assert rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+def test_split_k_and_odd_widths():
+    # The k * F reduction split where a split ends inside a slot's F columns; F not a
+    # multiple of the block's step.
+    x, w13, w2, ids, w = problem("cuda", torch.bfloat16, 1, 1040, 200, 12, 3, "silu", 5)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
+    for split in (1, 2, 3, 5):
+        down = dict(backend="cuda", bn=2, warps=4, unroll=1, split_k=split)
+        out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, "silu", configs=(None, down))
+        assert rel(out, ref) < TOL[torch.bfloat16], split
+
+
+@pytest.mark.gpu
+def test_unsupported_operands_fall_back_in_fused_moe():
+    # fp32 activations: the table's CUDA entry falls back to the Triton kernels.
+    x, w13, w2, ids, w = problem("cuda", torch.float32, 1, 256, 96, 8, 2, "silu", 6)
+    assert "bf16 or fp16" in moe_cuda.check(x, w13, w2, w, ids, "silu")
+    configs = (moe_cuda.UP_CANDIDATES[1], moe_cuda.DOWN_CANDIDATES[1])
+    out = fused_moe_triton(x, w13, w2, w, ids, "silu", configs=configs)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
+    assert rel(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int8", [False, True])
+def test_graph_replay_and_table_routing(int8, monkeypatch):
+    # Captured in a CUDA graph (as in the decode step) the two launches replay to the eager
+    # result for new inputs; a table entry naming the CUDA backend routes fused_moe there.
+    x, w13, w2, ids, w = problem("cuda", torch.bfloat16, 1, 2048, 1024, 64, 8, "silu", 7)
+    scales = {}
+    if int8:
+        w13, s13 = quantize_int8(w13)
+        w2, s2 = quantize_int8(w2)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    configs = (moe_cuda.UP_CANDIDATES[2], moe_cuda.DOWN_CANDIDATES[3])
+    run = lambda: moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, "silu", configs=configs, **scales)  # noqa: E731
+    eager = run()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    gen = torch.Generator().manual_seed(8)
+    x.copy_(torch.randn(1, 2048, generator=gen).to("cuda", torch.bfloat16))
+    ids.copy_(torch.randperm(64, generator=gen)[:8].to("cuda", torch.int32)[None])
+    graph.replay()
+    torch.testing.assert_close(out, run(), rtol=0, atol=0)
+    assert not torch.equal(out, eager)
+    key = moe_triton.device_key(x.device)
+    table = {key: {moe_triton.shape_key("up", 64, 2048, 2048, w13.dtype, 8): {"1": configs[0]},
+                   moe_triton.shape_key("down", 64, 2048, 1024, w2.dtype, 8): {"1": configs[1]}}}
+    monkeypatch.setattr(moe_triton, "_tuned", lambda: table)
+    moe_triton.launch_config.cache_clear()
+    try:
+        routed = fused_moe_triton(x, w13, w2, w, ids, "silu", **scales)
+    finally:
+        moe_triton.launch_config.cache_clear()
+    torch.testing.assert_close(routed, run(), rtol=0, atol=0)
