@@ -162,11 +162,12 @@ DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
 @functools.lru_cache(maxsize=None)
 def function(device: int, source: str, name: str, opts: tuple):
-    """The compiled kernel ``name`` of ``source`` with ``opts`` (one compile per process)."""
+    """The handle of kernel ``name`` of ``source`` compiled with ``opts`` (one compile per
+    process)."""
     import cupy
 
-    with cupy.cuda.Device(device):
-        return cupy.RawModule(code=source, options=opts).get_function(name)
+    with cupy.cuda.Device(device):  # the CUfunction loaded on this device (RawKernel.kernel)
+        return ctypes.c_void_p(cupy.RawModule(code=source, options=opts).get_function(name).kernel.ptr)
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -204,7 +205,7 @@ def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tupl
                      attrs=ctypes.pointer(attr) if pdl else None, num_attrs=int(pdl))
     values = [_C_TYPES[type(a)](a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    err = _driver().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(kernel.ptr), params, None)
+    err = _driver().cuLaunchKernelEx(ctypes.byref(config), kernel, params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx({name}) failed with CUDA error {err}")
 
