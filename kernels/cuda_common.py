@@ -167,7 +167,8 @@ def function(device: int, source: str, name: str, opts: tuple):
     import cupy
 
     with cupy.cuda.Device(device):  # the CUfunction loaded on this device (RawKernel.kernel)
-        return ctypes.c_void_p(cupy.RawModule(code=source, options=opts).get_function(name).kernel.ptr)
+        kernel = cupy.RawModule(code=source, options=opts).get_function(name).kernel
+    return kernel, ctypes.c_void_p(kernel.ptr)  # the Function keeps its module loaded
 
 
 class _Attribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -195,7 +196,7 @@ def _driver():
 def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tuple, block: int, args: tuple):
     """Launches kernel ``name`` on the current stream of ``device``; with PDL where
     ``kernels.pdl`` turns it on. ``args`` are numpy scalars (pointers as np.uint64)."""
-    kernel = function(device.index, source, name, opts)
+    _, handle = function(device.index, source, name, opts)
     grid = tuple(grid) + (1,) * (3 - len(grid))
     attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1
@@ -205,7 +206,7 @@ def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tupl
                      attrs=ctypes.pointer(attr) if pdl else None, num_attrs=int(pdl))
     values = [_C_TYPES[type(a)](a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    err = _driver().cuLaunchKernelEx(ctypes.byref(config), kernel, params, None)
+    err = _driver().cuLaunchKernelEx(ctypes.byref(config), handle, params, None)
     if err:
         raise RuntimeError(f"cuLaunchKernelEx({name}) failed with CUDA error {err}")
 
