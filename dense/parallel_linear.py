@@ -36,15 +36,16 @@ class ColumnParallelLinear(nn.Module):
         local = _split(out_features, group, "out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.empty(local)) if bias else None
-        self.shard_fns = {"weight": self.shard, "bias": self.shard}
+        first = group.rank * local
+
+        def shard(full: torch.Tensor) -> torch.Tensor:  # the rows of a full [O] or [O, I] tensor kept here
+            return full[first:first + local]
+        # Plain closures, not bound methods: a module must not reference itself, or the int8
+        # converter's swap leaves it (and its weight) to the garbage collector.
+        self.shard_fns = {"weight": shard, "bias": shard}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias)
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """The rows of a full [O] or [O, I] tensor this rank keeps."""
-        n = self.weight.shape[0]
-        return full[self.group.rank * n:(self.group.rank + 1) * n]
 
 
 class RowParallelLinear(nn.Module):
@@ -54,17 +55,14 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, group: Group):
         super().__init__()
         self.group = group
-        self.weight = nn.Parameter(torch.empty(out_features, _split(in_features, group, "in_features")))
+        local = _split(in_features, group, "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.shard_fns = {"weight": self.shard}
+        first = group.rank * local
+        # The columns of a full [O, I] weight kept here (the bias stays whole); a closure, as
+        # in ColumnParallelLinear.
+        self.shard_fns = {"weight": lambda full: full[:, first:first + local]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(dense_linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """The columns of a full [O, I] weight this rank keeps (a bias is kept whole)."""
-        if full.dim() == 1:
-            return full[:]
-        n = self.weight.shape[1]
-        return full[:, self.group.rank * n:(self.group.rank + 1) * n]

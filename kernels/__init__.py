@@ -12,11 +12,12 @@ from kernels.linear_select import dense_linear
 from kernels.norm import (ROUTER_MAX_ROWS, rms_norm_ref, rms_norm_router_ref, rms_norm_router_triton,
                           rms_norm_triton)
 from kernels.qkv_decode import qkv_decode_ref, qkv_decode_supported, qkv_decode_triton
-from kernels.gating import grouped_topk_triton, topk_gating_triton
+from kernels.gating import _check_logits, grouped_topk_triton, topk_gating_triton
 from kernels.route import route_scatter_triton, route_triton
 from kernels.sbi_cuda import sbi_linear_cuda
 from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
-from kernels.moe_triton import fused_moe_triton, grouped_ffn_triton, linear_triton, quantize_int8
+from kernels.moe_triton import (fused_moe_logits_triton, fused_moe_triton, grouped_ffn_triton, linear_triton,
+                                quantize_int8)
 from kernels.layout import dispatch_rows_triton, gather_rows_triton, scatter_rows_triton
 from kernels.maps import token_maps_triton
 from kernels.moe_ref import (ACTIVATIONS, TAG_INTS, dequantize_ref, dispatch_rows_ref, expert_ffn_ref, fused_moe_ref,
@@ -90,11 +91,20 @@ def grouped_ffn(xs, offsets, w13, w2, activation="silu", w13_scale=None, w2_scal
 
 
 def _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale):
+    _check_experts(x, w13, w2, activation, w13_scale, w2_scale)
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {list(topk_ids.shape)} / topk_weights "
+                         f"{list(topk_weights.shape)}: expected both [T={x.shape[0]}, k]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids: expected int32 or int64, got {topk_ids.dtype}")
+
+
+def _check_experts(x, w13, w2, activation, w13_scale, w2_scale):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
     if x.dim() != 2:
         raise ValueError(f"x: expected [T, H], got shape {list(x.shape)}")
-    t, h = x.shape
+    h = x.shape[1]
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 / w2: expected [E, 2F, H] / [E, H, F], got "
                          f"{list(w13.shape)} / {list(w2.shape)}")
@@ -103,11 +113,6 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w
     if tuple(w13.shape) != (e, rows13, h) or w2.shape[1] != h:
         raise ValueError(f"w13 {list(w13.shape)} / w2 {list(w2.shape)}: expected "
                          f"[E, {'2F' if activation == 'silu' else 'F'}, H={h}] / [E, H={h}, F]")
-    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
-        raise ValueError(f"topk_ids {list(topk_ids.shape)} / topk_weights "
-                         f"{list(topk_weights.shape)}: expected both [T={t}, k]")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids: expected int32 or int64, got {topk_ids.dtype}")
     for name, w, s in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
         if (w.dtype == torch.int8) != (s is not None):
             raise ValueError(f"{name}_scale: expected per-channel scales exactly when {name} is int8")
@@ -132,6 +137,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
                                 capacity, maps=maps)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity)
+
+
+def fused_moe_logits(x: torch.Tensor, logits: torch.Tensor, k: int, w13: torch.Tensor, w2: torch.Tensor,
+                     activation: str = "silu", score: str = "softmax", renormalize: bool = True,
+                     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Top-k gating of the router ``logits`` [T, E] (as ``route``) and the experts, dropless:
+    x [T, H] -> [T, H]. Where the tuning table chose the CUDA decode kernels, the gating
+    runs inside them (no routing launch); otherwise ``route`` then ``fused_moe``."""
+    _check_experts(x, w13, w2, activation, w13_scale, w2_scale)
+    _check_logits(logits, k, score)
+    if logits.shape[0] != x.shape[0] or logits.shape[1] != w2.shape[0]:
+        raise ValueError(f"logits {list(logits.shape)}: expected [T={x.shape[0]}, E={w2.shape[0]}]")
+    if x.is_cuda:
+        return fused_moe_logits_triton(x, logits, k, w13, w2, activation, score, renormalize, w13_scale, w2_scale)
+    ids, weights = topk_gating_ref(logits, k, score, renormalize)
+    return fused_moe(x, w13, w2, weights, ids, activation, w13_scale, w2_scale)
 
 
 def decode_attention(q, k, v, visible, scale=None):
@@ -186,7 +207,7 @@ __all__ = [
     "rms_norm_router", "rms_norm_router_ref", "rms_norm_router_triton",
     "qkv_decode", "qkv_decode_ref", "qkv_decode_supported", "qkv_decode_triton",
     "dense_linear", "linear_triton", "sbi_linear", "sbi_linear_cuda", "sbi_linear_ref", "sbi_linear_triton",
-    "fused_moe", "fused_moe_ref", "fused_moe_triton", "quantize_int8", "dequantize_ref",
+    "fused_moe", "fused_moe_ref", "fused_moe_triton", "fused_moe_logits", "fused_moe_logits_triton", "quantize_int8", "dequantize_ref",
     "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref",
     "topk_gating", "topk_gating_ref", "topk_gating_triton",
     "grouped_topk", "grouped_topk_ref", "grouped_topk_triton",

@@ -18,12 +18,19 @@ Weights are read once per pair, not once per expert: at T = 1 the k experts are
 distinct, so that is each active byte once; past T = 1 the Triton grouped GEMM, which
 groups pairs by expert, is used unless the tuning table chose this for that T.
 
-The down kernel loads the ids and its first weights before waiting for the up kernel
-(PDL): the ids come from the routing kernel before the up GEMM, which has completed once
-every up block has passed its own wait, the condition for the down grid to start.
+With router logits instead of ids (``fused_moe_logits_cuda``) both kernels compute the
+top-k gating themselves, each block for its token (k rounds of a warp argmax over at most
+256 experts): the routing kernel before them is gone too.
+
+The down kernel loads the ids (or computes them) and its first weights before waiting
+for the up kernel (PDL): the ids or logits come from a kernel before the up GEMM, which
+has completed once every up block has passed its own wait, the condition for the down
+grid to start.
 
 Compile-time parameters: BN, WARPS, U, INT8, DT (0 bf16, 1 fp16), GATED (SiLU gate * up,
-else GeLU), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials).
+else GeLU), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials),
+ROUTE (0 ids given, 1 softmax, 2 sigmoid of the logits), RENORM, E_LANES (ceil(E / 32)),
+LOGITS_F32 (float32 logits, else the activations' dtype).
 """
 from __future__ import annotations
 
@@ -36,11 +43,16 @@ from kernels.cuda_common import COMMON, DTYPES, compile_check, launch, ptr
 
 MAX_T = 16
 MAX_K = 16
+MAX_E = 256  # routing in the kernels: E / 32 scores a lane
+ROUTE_SCORES = {"softmax": 1, "sigmoid": 2}
 
 SOURCE = COMMON + r"""
 #define ROWS_PER_F (GATED ? 2 : 1)  // rows of w13 per column of h
 #define ROWS (ROWS_PER_F * BN)
 #define MAX_K 16
+
+#define NEG_INF __int_as_float(0xff800000u)
+#define LOGIT_BYTES (LOGITS_F32 ? 4 : 2)
 
 __device__ __forceinline__ long long id_at(const void* ids, int p) {
 #if IDS64
@@ -50,18 +62,89 @@ __device__ __forceinline__ long long id_at(const void* ids, int p) {
 #endif
 }
 
+#if ROUTE
+// Top-k gating of one token's router logits lg [E] (E <= 32 * E_LANES; float32, or the
+// activations' dtype), as kernels.route:
+// softmax (ROUTE 1) or sigmoid (ROUTE 2) scores, k rounds of argmax (ties to the lower
+// expert index, torch.topk's order), optional renormalisation. Every warp computes the
+// same table (the paper replicates such pre-GEMM work): slot r -> (ids[r], w[r]).
+__device__ void route_token(const void* __restrict__ lg, int E, int topk, int* ids, float* w) {
+  const int lane = threadIdx.x % 32;
+  float s[E_LANES];  // lane holds experts lane, lane + 32, ...
+  float mx = NEG_INF;
+#pragma unroll
+  for (int i = 0; i < E_LANES; ++i) {
+    const int e = lane + 32 * i;
+#if LOGITS_F32
+    s[i] = e < E ? ((const float*)lg)[e] : NEG_INF;
+#else
+    s[i] = e < E ? act_f((const u16*)lg + e) : NEG_INF;
+#endif
+    mx = fmaxf(mx, s[i]);
+  }
+#if ROUTE == 1
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < E_LANES; ++i) {
+    s[i] = lane + 32 * i < E ? __expf(s[i] - mx) : 0.f;
+    sum += s[i];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < E_LANES; ++i) s[i] = lane + 32 * i < E ? s[i] / sum : NEG_INF;
+#else
+#pragma unroll
+  for (int i = 0; i < E_LANES; ++i) s[i] = lane + 32 * i < E ? 1.f / (1.f + __expf(-s[i])) : NEG_INF;
+#endif
+  float total = 0.f;
+  for (int r = 0; r < topk; ++r) {
+    float best = NEG_INF;
+    int arg = 1 << 30;
+#pragma unroll
+    for (int i = 0; i < E_LANES; ++i)
+      if (s[i] > best) { best = s[i]; arg = lane + 32 * i; }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
+      if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }
+    }
+#pragma unroll
+    for (int i = 0; i < E_LANES; ++i)
+      if (lane + 32 * i == arg) s[i] = NEG_INF;  // knocked out for the next round
+    ids[r] = arg;
+    w[r] = best;
+    total += best;
+  }
+#if RENORM
+  for (int r = 0; r < topk; ++r) w[r] /= total;
+#endif
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
        const void* __restrict__ w13,     // [E, 2F, H] gate rows then up rows ([E, F, H] for GeLU)
        const float* __restrict__ scale,  // [E, 2F] int8 per-row scales
-       const void* __restrict__ ids,     // [P] expert of each pair
-       const float* __restrict__ pair_w, // [P] combine weight of each pair
+       const void* __restrict__ ids,     // [P] expert of each pair (ROUTE: [T, E] router logits)
+       const float* __restrict__ pair_w, // [P] combine weight of each pair (ROUTE: unused)
        u16* __restrict__ h,              // [P, F] out
-       int H, int F, int topk, long long stride_x) {
+       int H, int F, int topk, long long stride_x, int E) {
   const int tid = threadIdx.x, p = blockIdx.y, n0 = blockIdx.x * BN;
-  grid_dep_wait();  // x and the ids are earlier kernels' outputs
+  grid_dep_wait();  // x and the ids (or logits) are earlier kernels' outputs
   grid_dep_launch();
+#if ROUTE
+  int top[MAX_K];
+  float top_w[MAX_K];
+  route_token((const char*)ids + (size_t)(p / topk) * E * LOGIT_BYTES, E, topk, top, top_w);
+  const long long e = top[p % topk];
+  const float weight = top_w[p % topk];
+#else
   const long long e = id_at(ids, p);
+  const float weight = pair_w[p];
+#endif
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
   const u16* xr = x + (size_t)(p / topk) * stride_x;
 
@@ -115,7 +198,7 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
 #else
     const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
 #endif
-    h[(size_t)p * F + n] = to_act(v * pair_w[p]);
+    h[(size_t)p * F + n] = to_act(v * weight);
   }
 }
 
@@ -123,22 +206,31 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up)
          const void* __restrict__ w2,      // [E, H, F]
          const float* __restrict__ scale,  // [E, H] int8 per-row scales
-         const void* __restrict__ ids,     // [P] expert of each pair
+         const void* __restrict__ ids,     // [P] expert of each pair (ROUTE: [T, E] router logits)
          void* __restrict__ out,           // [T, H] (PARTIAL: float32 [S, T, H])
-         int H, int F, int topk, int k_span, long long stride_o) {
+         int H, int F, int topk, int k_span, long long stride_o, int E) {
   const int tid = threadIdx.x, t = blockIdx.z, n0 = blockIdx.x * BN;
   const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
   const int k_lo = blockIdx.y * k_span, k_hi = min(len, k_lo + k_span);
   __shared__ long long expert[MAX_K];
+#if ROUTE
+  int top[MAX_K];
+  float top_w[MAX_K];
+  route_token((const char*)ids + (size_t)t * E * LOGIT_BYTES, E, topk, top, top_w);
+  if (tid == 0)
+    for (int i = 0; i < topk; ++i) expert[i] = top[i];
+#else
   for (int i = tid; i < topk; i += THREADS) expert[i] = id_at(ids, t * topk + i);
+#endif
+  __syncthreads();
 #if INT8
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
   for (int i = tid; i < topk * BN; i += THREADS) {
     const int n = n0 + i % BN;
-    sc[i / BN][i % BN] = n < H ? scale[id_at(ids, t * topk + i / BN) * H + n] : 0.f;
+    sc[i / BN][i % BN] = n < H ? scale[expert[i / BN] * H + n] : 0.f;
   }
-#endif
   __syncthreads();
+#endif
 
   u32x4 wv[U][BN];
   int slot[U];  // the pair (slot) of each step's vectors: F is a multiple of WVEC
@@ -221,11 +313,11 @@ def default_configs(t: int, h: int, f: int, topk: int, sms: int) -> tuple[dict, 
     return up, down
 
 
-def check(x, w13, w2, topk_weights, topk_ids, activation, w13_scale=None, w2_scale=None) -> str | None:
+def check(x, w13, w2, topk, activation, w13_scale=None, w2_scale=None) -> str | None:
     """Why these kernels cannot take the operands (None: they can). The shapes themselves
     were checked by ``kernels.fused_moe``."""
     t, h = x.shape
-    f, topk = w2.shape[2], topk_ids.shape[1]
+    f = w2.shape[2]
     if not (x.is_cuda and w13.device == x.device and w2.device == x.device):
         return f"x / w13 / w2 on {x.device} / {w13.device} / {w2.device}: expected one CUDA device"
     if x.dtype not in DTYPES:
@@ -248,48 +340,84 @@ def check(x, w13, w2, topk_weights, topk_ids, activation, w13_scale=None, w2_sca
     return None
 
 
-def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, ids64: bool,
-            partial: bool) -> tuple:
+def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> str | None:
+    """Why the kernels cannot route from these router logits (None: they can)."""
+    if score not in ROUTE_SCORES:
+        return f"score={score!r}: expected one of {tuple(ROUTE_SCORES)}"
+    t = x.shape[0]
+    if logits.dtype not in (torch.float32, x.dtype) or not logits.is_contiguous() or tuple(logits.shape) != (t, e):
+        return f"logits {list(logits.shape)} {logits.dtype}: expected contiguous float32 or {x.dtype} [{t}, {e}]"
+    if e > MAX_E:
+        return f"E = {e}: at most {MAX_E} experts"
+    return None
+
+
+def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
+            ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
+            logits_f32: bool = False) -> tuple:
     return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
-            f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}", f"-DPARTIAL={int(partial)}")
+            f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}", f"-DPARTIAL={int(partial)}",
+            f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
+            f"-DLOGITS_F32={int(logits_f32)}")
 
 
 def fused_moe_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, activation: str = "silu", w13_scale: torch.Tensor | None = None,
-                   w2_scale: torch.Tensor | None = None, configs: tuple[dict | None, dict | None] | None = None) -> torch.Tensor:
+                   w2_scale: torch.Tensor | None = None,
+                   configs: tuple[dict | None, dict | None] | None = None) -> torch.Tensor:
     """``kernels.fused_moe`` for T <= MAX_T tokens (dropless); ``configs`` are the (up, down)
     launch configurations (None: ``default_configs``). Raises ValueError naming the
     operand where the kernels cannot take it (``check``)."""
-    why = check(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale)
+    why = check(x, w13, w2, topk_ids.shape[1], activation, w13_scale, w2_scale)
     if why is not None:
         raise ValueError(f"fused_moe_cuda: {why}")
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    pair_w = topk_weights.reshape(-1).float().contiguous()  # [P]
+    route = dict(ids64=ids.dtype == torch.int64)
+    return _experts(x, w13, w2, ids, pair_w, topk_ids.shape[1], route, activation, w13_scale, w2_scale, configs)
+
+
+def fused_moe_logits_cuda(x: torch.Tensor, logits: torch.Tensor, topk: int, w13: torch.Tensor, w2: torch.Tensor,
+                          activation: str = "silu", score: str = "softmax", renormalize: bool = True,
+                          w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                          configs: tuple[dict | None, dict | None] | None = None) -> torch.Tensor:
+    """Top-k gating of ``logits`` [T, E] (as ``kernels.route``) and the experts, in the same
+    two launches. Raises ValueError naming the operand where the kernels cannot take it."""
+    e = w2.shape[0]
+    why = check(x, w13, w2, topk, activation, w13_scale, w2_scale) or check_logits(logits, x, e, score)
+    if why is not None:
+        raise ValueError(f"fused_moe_logits_cuda: {why}")
+    route = dict(route=ROUTE_SCORES[score], renorm=renormalize, e_lanes=-(-e // 32),
+                 logits_f32=logits.dtype == torch.float32)
+    return _experts(x, w13, w2, logits, None, topk, route, activation, w13_scale, w2_scale, configs)
+
+
+def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, w2_scale, configs) -> torch.Tensor:
+    """The two launches (and the split-K sum); ``ids`` are the pairs' experts, or the
+    router logits where ``route`` says so."""
     t, h = x.shape
-    f, topk = w2.shape[2], topk_ids.shape[1]
-    p = t * topk
+    e, f = w2.shape[0], w2.shape[2]
     up, down = configs if configs is not None else (None, None)
     if up is None or down is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         default_up, default_down = default_configs(t, h, f, topk, sms)
         up, down = up or default_up, down or default_down
     int8, gated, dt = w13.dtype == torch.int8, activation == "silu", DTYPES[x.dtype]
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    ids64 = ids.dtype == torch.int64
-    pair_w = topk_weights.reshape(-1).float().contiguous()  # [P]
-    hidden = torch.empty(p, f, dtype=x.dtype, device=x.device)  # [P, F]
-    launch(x.device, SOURCE, "moe_up", options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, ids64, False),
-           (-(-f // up["bn"]), p), up["warps"] * 32,
+    hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]
+    launch(x.device, SOURCE, "moe_up", options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, **route),
+           (-(-f // up["bn"]), t * topk), up["warps"] * 32,
            (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h), np.int32(f),
-            np.int32(topk), np.int64(x.stride(0))))
+            np.int32(topk), np.int64(x.stride(0)), np.int32(e)))
     step = down["warps"] * 32 * (16 if int8 else 8)
     length = topk * f
     k_span = -(-length // (down["split_k"] * step)) * step
     split = -(-length // k_span)  # no empty splits
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     target = out if split == 1 else torch.empty(split, t, h, dtype=torch.float32, device=x.device)
-    opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, ids64, split > 1)
+    opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, **route)
     launch(x.device, SOURCE, "moe_down", opts, (-(-h // down["bn"]), split, t), down["warps"] * 32,
            (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(ids), ptr(target), np.int32(h), np.int32(f), np.int32(topk),
-            np.int32(k_span), np.int64(out.stride(0))))
+            np.int32(k_span), np.int64(out.stride(0)), np.int32(e)))
     if split > 1:
         launch(x.device, SOURCE, "splitk_reduce", opts, (-(-h // 256), t), 256,
                (ptr(target), ptr(None), ptr(None), ptr(out), np.int32(split), np.int32(t), np.int32(h),
@@ -303,9 +431,10 @@ def compile_all(arch: str = "sm_90") -> int:
     count = 0
     for i, (int8, dt, gated) in enumerate(itertools.product((False, True), DTYPES.values(), (False, True))):
         up, down = UP_CANDIDATES[i % len(UP_CANDIDATES)], DOWN_CANDIDATES[i % len(DOWN_CANDIDATES)]
-        compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, i % 2 == 0, False),
-                      arch, "moe_cuda.cu")
-        compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 2 == 1,
-                                      i % 4 < 2), arch, "moe_cuda.cu")
+        route = dict(route=i % 3, renorm=i % 2 == 0, e_lanes=1 + i % 8, logits_f32=i % 4 < 2)
+        compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, ids64=i % 2 == 0,
+                                      **route), arch, "moe_cuda.cu")
+        compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
+                                      ids64=i % 2 == 1, **route), arch, "moe_cuda.cu")
         count += 2
     return count

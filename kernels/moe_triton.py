@@ -17,7 +17,8 @@ import triton
 from kernels.grouped_gemm import grouped_gemm
 from kernels.layout import combine_rows_triton
 from kernels.maps import token_maps_triton
-from kernels.moe_cuda import fused_moe_cuda
+from kernels.moe_cuda import fused_moe_cuda, fused_moe_logits_cuda
+from kernels.route import route_triton
 
 CONFIG_FILE = Path(__file__).with_name("configs") / "moe.json"
 NUM_SMS_DEFAULT = 132  # H100 SXM; only shapes the split-K heuristic
@@ -148,6 +149,26 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                            pair_weights=topk_weights.reshape(-1).float().contiguous(),
                            out_dtype=x.dtype, pair_ids=pair_ids)  # [S, N, H], already weighted
     return combine_rows_triton(partial, rows, None, x.dtype, topk)
+
+
+def fused_moe_logits_triton(x: torch.Tensor, logits: torch.Tensor, topk: int, w13: torch.Tensor, w2: torch.Tensor,
+                            activation: str = "silu", score: str = "softmax", renormalize: bool = True,
+                            w13_scale: torch.Tensor | None = None,
+                            w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as ``kernels.fused_moe_logits``: the CUDA decode kernels with the gating
+    inside where the table chose them for this T, else the routing launch and the experts."""
+    t, h = x.shape
+    e, f = w2.shape[0], w2.shape[2]
+    up_cfg = launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, x.element_size())
+    if up_cfg.get("backend") == "cuda":
+        down_cfg = launch_config("down", x.device, t, e, h, f, w2.dtype, topk, x.element_size())
+        try:
+            return fused_moe_logits_cuda(x, logits, topk, w13, w2, activation, score, renormalize, w13_scale,
+                                         w2_scale, (up_cfg, down_cfg if down_cfg.get("backend") == "cuda" else None))
+        except ValueError:  # operands the CUDA kernels cannot take: the routing launch first
+            pass
+    ids, weights, maps = route_triton(logits, topk, score, renormalize)
+    return fused_moe_triton(x, w13, w2, weights, ids, activation, w13_scale, w2_scale, maps=maps)
 
 
 def grouped_ffn_triton(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

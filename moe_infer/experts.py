@@ -28,11 +28,13 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * f if gated else f, hidden))
         self.w2 = nn.Parameter(torch.empty(e, hidden, f))
         self.activation = _KERNEL_ACTIVATION[activation]
-        self.expert_range = (ep_rank * e, (ep_rank + 1) * e)
+        first, end = self.expert_range = (ep_rank * e, (ep_rank + 1) * e)
         lo = slice_rank * f
 
+        # These closures must not hold self: a cycle would keep the module (and its weights)
+        # alive after the int8 converter swaps it out, until the garbage collector runs.
         def experts_of(full):  # the loader may already have read only this rank's experts
-            return full if full.shape[0] == e else full[self.expert_range[0]:self.expert_range[1]]
+            return full if full.shape[0] == e else full[first:end]
 
         def w13(full):
             full = experts_of(full)
@@ -53,6 +55,14 @@ class Experts(nn.Module):
         """Tokens x [T, H] -> weighted sum of their experts' outputs [T, H], in one pass."""
         return kernels.fused_moe(x, self.w13, self.w2, weights, expert_ids, self.activation,
                                  capacity=capacity, maps=maps, **self.scales())
+
+    def fused_logits(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, score: str,
+                     renormalize: bool) -> torch.Tensor:
+        """Tokens x [T, H] and their router logits [T, E] -> the weighted sum of their top-k
+        experts' outputs [T, H], dropless; at decode sizes the gating runs inside the
+        experts' kernels (``kernels.fused_moe_logits``)."""
+        return kernels.fused_moe_logits(x, logits, top_k, self.w13, self.w2, self.activation, score, renormalize,
+                                        **self.scales())
 
 
 class Int8Experts(Experts):

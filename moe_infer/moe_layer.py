@@ -25,6 +25,9 @@ class MoELayer(nn.Module):
         # with expert parallelism the maps are built per destination rank instead.
         self.router = Router(h, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.score, moe_cfg.renormalize,
                              with_maps=moe_cfg.capacity_factor is None and ep * es == 1)
+        # Local and dropless: given router logits (the decode step's fused norm + router
+        # launch), the experts' kernels do the gating too.
+        self.route_in_experts = moe_cfg.capacity_factor is None and ep * es == 1
         ep_index = groups.ep.rank // es
         self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation,
                                ep_index, ep, groups.ep.rank % es, es)
@@ -45,8 +48,12 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
-        routing = self.router(x, router_logits)
-        out = self.dispatcher.run(x, routing, self.experts)  # [T, H]
+        if router_logits is not None and self.route_in_experts:
+            r = self.router
+            out = self.experts.fused_logits(x, router_logits, r.top_k, r.score, r.renormalize)  # [T, H]
+        else:
+            routing = self.router(x, router_logits)
+            out = self.dispatcher.run(x, routing, self.experts)  # [T, H]
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:

@@ -12,9 +12,9 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh tests [OUT]
 #       the GPU tests of everything these changes touch, on the final tables
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moedec [OUT]
-#       the CUDA MoE decode kernels' tests first, the GPU tests the CUDA launcher touches,
-#       tune_moe --cuda-only at T = 1, 2, 4, bench_moe at decode sizes (PDL on and off),
-#       decode at batch 1 (OLMoE bf16 / int8 with the profile, Qwen3) and SBI at T = 1
+#       the CUDA MoE decode kernels' tests first, the GPU tests the changes touch, OLMoE
+#       decode at batch 1 with parts switched off (diag_decode_ab.py), decode with the
+#       profile (OLMoE, Qwen3; bf16 and int8), bench_moe at T = 1 and 8 with baselines
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
@@ -34,21 +34,25 @@ if [ "$part" = dense ]; then
         cp kernels/configs/dense.json "$out/"
     fi
 elif [ "$part" = moedec ]; then
-    TAIL=6 step moe_smoke 150 $pytest_gpu -x tests/test_moe_cuda.py -k "graph or 1-4096" || true
+    TAIL=6 step moe_smoke 150 $pytest_gpu -x tests/test_moe_cuda.py -k "gating or graph or 1-4096" || true
     if grep -q " passed" "$out/moe_smoke.log" && ! grep -q "failed\|error" "$out/moe_smoke.log"; then
-        TAIL=8 step gpu_tests 200 $pytest_gpu tests/test_moe_cuda.py tests/test_sbi_cuda.py tests/test_fused_decode.py \
-            tests/test_moe_kernels.py -k "not test_moe_kernels or graph or gpu"
-        TAIL=30 step tune 200 python scripts/tune_moe.py --cuda-only --tokens 1,2,4 --int8-tokens 1,2,4
-        cp kernels/configs/moe.json "$out/"
-        TAIL=40 step moe 120 python scripts/bench_moe.py --tokens 1,2,4,8 --no-baselines --no-json
-        MOE_INFER_PDL=0 TAIL=12 step moe_nopdl 60 python scripts/bench_moe.py --tokens 1,8 --dtypes bf16,int8 \
-            --no-baselines --no-json
+        TAIL=8 step gpu_tests 300 $pytest_gpu tests/test_moe_cuda.py tests/test_fused_decode.py tests/test_engine.py \
+            tests/test_quant.py tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
+            tests/test_sbi_cuda.py -k "not test_sbi_cuda or graph or 1-200-24"
+        ab="python scripts/diag_decode_ab.py --model olmoe-1b-7b --batches 1 --new-tokens 32 --reps 3"
+        for v in none route-in moe-cuda cuda-pdl none moe-cuda; do
+            TAIL=3 step "ab_$v" 60 $ab $([ $v = none ] || echo --off $v)
+            cat "$out/ab_$v.log" >> "$out/ab.log"
+        done
         TAIL=45 step olmoe 100 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 32 \
             --reps 3 --profile
         TAIL=6 step olmoe_int8 60 python scripts/bench_decode.py --model olmoe-1b-7b --quantize int8 --batches 1,8 \
             --new-tokens 32 --reps 3
-        TAIL=6 step qwen3 80 python scripts/bench_decode.py --model qwen3-30b-a3b --batches 1 --new-tokens 32 --reps 3
-        TAIL=30 step dense 120 python scripts/bench_dense.py --models olmoe-1b-7b,qwen3-30b-a3b --tokens 1 --no-attention
+        for q in "" int8; do
+            TAIL=6 step qwen3_${q:-bf16} 100 python scripts/bench_decode.py --model qwen3-30b-a3b ${q:+--quantize $q} \
+                --batches 1 --new-tokens 32 --reps 3
+        done
+        TAIL=30 step moe 150 python scripts/bench_moe.py --tokens 1,8 --no-json
     fi
 elif [ "$part" = tests ]; then
     TAIL=6 step tests 560 $pytest_gpu tests/test_parity.py tests/test_sbi_cuda.py tests/test_quant.py \

@@ -78,10 +78,10 @@ def test_column_then_row_parallel_equals_the_full_mlp(info):
     col = ColumnParallelLinear(12, 8 * g.size, True, g)
     row = RowParallelLinear(8 * g.size, 12, True, g)
     with torch.no_grad():
-        col.weight.copy_(col.shard(up.weight))
-        col.bias.copy_(col.shard(up.bias))
-        row.weight.copy_(row.shard(down.weight))
-        row.bias.copy_(row.shard(down.bias))
+        col.weight.copy_(col.shard_fns["weight"](up.weight))
+        col.bias.copy_(col.shard_fns["bias"](up.bias))
+        row.weight.copy_(row.shard_fns["weight"](down.weight))
+        row.bias.copy_(down.bias)  # kept whole
         out = row(torch.nn.functional.gelu(col(x)))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 

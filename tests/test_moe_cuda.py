@@ -141,3 +141,72 @@ def test_graph_replay_and_table_routing(int8, monkeypatch):
     finally:
         moe_triton.launch_config.cache_clear()
     torch.testing.assert_close(routed, run(), rtol=0, atol=0)
+
+
+def test_fused_moe_logits_on_cpu_and_its_errors():
+    # The reference path: gating then the experts; bad logits are named.
+    import kernels
+
+    x, w13, w2, _, _ = problem("cpu", torch.float32, 3, 64, 32, 6, 2, "silu", 9)
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(9))
+    ids, w = kernels.topk_gating_ref(logits, 2, "sigmoid", False)
+    ref = fused_moe_ref(x, w13, w2, w, ids, "silu")
+    out = kernels.fused_moe_logits(x, logits, 2, w13, w2, "silu", "sigmoid", False)
+    torch.testing.assert_close(out, ref)
+    with pytest.raises(ValueError, match=r"logits \[3, 5\]: expected \[T=3, E=6\]"):
+        kernels.fused_moe_logits(x, logits[:, :5], 2, w13, w2)
+    with pytest.raises(ValueError, match="k=7"):
+        kernels.fused_moe_logits(x, logits, 7, w13, w2)
+    with pytest.raises(ValueError, match="activation='relu'"):
+        kernels.fused_moe_logits(x, logits, 2, w13, w2, "relu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (1, 60, 4), (1, 128, 8), (3, 256, 8), (2, 64, 1)])
+@pytest.mark.parametrize("score,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_gating_inside_the_kernels(t, e, k, score, renormalize, logits_dtype):
+    # Routing from the logits in both kernels gives the gating reference's experts and
+    # weights: the output matches gating then the experts.
+    from kernels import topk_gating_ref
+
+    h, f = 512, 256
+    x, w13, w2, _, _ = problem("cuda", torch.bfloat16, t, h, f, e, k, "silu", e + k)
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(e * k)).to("cuda", logits_dtype)
+    ids, w = topk_gating_ref(logits.float(), k, score, renormalize)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
+    out = moe_cuda.fused_moe_logits_cuda(x, logits, k, w13, w2, "silu", score, renormalize)
+    assert rel(out, ref) < TOL[torch.bfloat16]
+    q13, s13 = quantize_int8(w13)
+    q2, s2 = quantize_int8(w2)
+    out8 = moe_cuda.fused_moe_logits_cuda(x, logits, k, q13, q2, "silu", score, renormalize, s13, s2,
+                                          (moe_cuda.UP_CANDIDATES[3], moe_cuda.DOWN_CANDIDATES[5]))
+    ref8 = fused_moe_ref(x.double(), q13, q2, w.double(), ids, "silu", s13, s2)
+    assert rel(out8, ref8) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_fused_moe_logits_follows_the_table(monkeypatch):
+    # A CUDA table entry: the gating runs in the kernels (bit for bit the direct call);
+    # logits the kernels cannot take (E > 256) go through the routing launch instead.
+    import kernels
+
+    for e in (64, 300):
+        x, w13, w2, _, _ = problem("cuda", torch.bfloat16, 1, 256, 128, e, 4, "silu", e)
+        logits = torch.randn(1, e, generator=torch.Generator().manual_seed(1)).to("cuda")
+        configs = (moe_cuda.UP_CANDIDATES[0], moe_cuda.DOWN_CANDIDATES[0])
+        table = {moe_triton.device_key(x.device): {
+            moe_triton.shape_key("up", e, 256, 256, w13.dtype, 4): {"1": configs[0]},
+            moe_triton.shape_key("down", e, 256, 128, w2.dtype, 4): {"1": configs[1]}}}
+        monkeypatch.setattr(moe_triton, "_tuned", lambda: table)
+        moe_triton.launch_config.cache_clear()
+        try:
+            out = kernels.fused_moe_logits(x, logits, 4, w13, w2)
+        finally:
+            moe_triton.launch_config.cache_clear()
+        ids, w = kernels.topk_gating_ref(logits, 4)
+        if e <= moe_cuda.MAX_E:
+            direct = moe_cuda.fused_moe_logits_cuda(x, logits, 4, w13, w2, configs=configs)
+            torch.testing.assert_close(out, direct, rtol=0, atol=0)
+        ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
+        assert rel(out, ref) < TOL[torch.bfloat16]

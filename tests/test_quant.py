@@ -128,3 +128,26 @@ def test_quantize_config_is_checked_and_routers_stay_full_precision():
     assert quantize_linears(model) == 1
     assert isinstance(model["proj"], Int8Linear) and isinstance(model["router"], nn.Linear)
     assert isinstance(model["tiny"], nn.Linear)  # narrower than min_out
+
+
+def test_converter_frees_each_full_precision_module_as_it_goes():
+    """Each bf16 Experts / linear module is freed by reference counting the moment its int8
+    version replaces it (a reference cycle would keep every one alive until a garbage
+    collection: a model filling the GPU then runs out of memory while converting)."""
+    import gc
+    import weakref
+
+    from dense.quant import LINEAR_TYPES
+    from moe_infer.experts import Experts, quantize_model
+
+    engine = moe_infer.load(progress=False)
+    refs = [weakref.ref(m) for name, m in engine.model.named_modules()
+            if type(m) is Experts or (isinstance(m, LINEAR_TYPES) and "router" not in name)]
+    assert len(refs) == 3 + 3 * 2 + 1  # per layer the experts, qkv_proj and o_proj; the LM head
+    gc.disable()
+    try:
+        quantize_model(engine.model)
+        alive = [r() for r in refs if r() is not None]
+    finally:
+        gc.enable()
+    assert not alive, [type(m).__name__ for m in alive]

@@ -1,0 +1,60 @@
+#!/usr/bin/env python
+"""A/B runs of the decode benchmark with parts of the decode path switched off inside this
+process (the library itself reads no such switch), to show what each part is worth in
+the same run and on the same device:
+
+    PYTHONPATH=. python scripts/diag_decode_ab.py --off moe-cuda [bench_decode.py arguments]
+
+--off (repeatable):
+  moe-cuda    the tuning table's CUDA MoE entries are dropped: the Triton grouped GEMM,
+              the routing launch and the combine run as before those kernels
+  route-in    the MoE layer routes with its own launch before the CUDA experts
+  cuda-pdl    the CUDA C++ kernels (SBI-GeMM, MoE) launch without PDL
+"""
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from kernels import cuda_common, moe_triton  # noqa: E402
+from moe_infer import moe_layer  # noqa: E402
+
+SWITCHES = ("moe-cuda", "route-in", "cuda-pdl")
+
+
+def switch_off(part: str) -> None:
+    if part == "moe-cuda":
+        table = moe_triton._tuned()
+        for entries in table.values():
+            for buckets in entries.values():
+                for t in [t for t, cfg in buckets.items() if cfg.get("backend") == "cuda"]:
+                    del buckets[t]
+        moe_triton.launch_config.cache_clear()
+    elif part == "route-in":
+        init = moe_layer.MoELayer.__init__
+
+        def no_route_in(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.route_in_experts = False
+        moe_layer.MoELayer.__init__ = no_route_in
+    elif part == "cuda-pdl":
+        cuda_common.pdl_on = lambda device: False
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--off", action="append", choices=SWITCHES, default=[])
+    args, rest = ap.parse_known_args()
+    for part in args.off:
+        switch_off(part)
+    print(f"switched off: {', '.join(args.off) or 'nothing'}", flush=True)
+    sys.argv = [str(ROOT / "scripts" / "bench_decode.py"), *rest]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
