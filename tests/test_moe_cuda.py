@@ -161,10 +161,15 @@ def test_fused_moe_logits_on_cpu_and_its_errors():
         kernels.fused_moe_logits(x, logits, 2, w13, w2, "relu")
 
 
+GATING_CASES = [  # t, e, k, score, renormalize, logits dtype (each combination is a compile)
+    (1, 8, 2, "softmax", True, torch.float32), (1, 60, 4, "sigmoid", True, torch.bfloat16),
+    (1, 128, 8, "softmax", True, torch.bfloat16), (3, 256, 8, "softmax", False, torch.float32),
+    (2, 64, 1, "sigmoid", False, torch.float32), (1, 64, 8, "softmax", True, torch.bfloat16),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (1, 60, 4), (1, 128, 8), (3, 256, 8), (2, 64, 1)])
-@pytest.mark.parametrize("score,renormalize", [("softmax", True), ("softmax", False), ("sigmoid", True)])
-@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k,score,renormalize,logits_dtype", GATING_CASES)
 def test_gating_inside_the_kernels(t, e, k, score, renormalize, logits_dtype):
     # Routing from the logits in both kernels gives the gating reference's experts and
     # weights: the output matches gating then the experts.
