@@ -12,9 +12,10 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh tests [OUT]
 #       the GPU tests of everything these changes touch, on the final tables
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moedec [OUT]
-#       the CUDA MoE decode kernels' tests first, the GPU tests the changes touch, OLMoE
-#       decode at batch 1 with parts switched off (diag_decode_ab.py), decode with the
-#       profile (OLMoE, Qwen3; bf16 and int8), bench_moe at T = 1 and 8 with baselines
+#       the CUDA MoE decode kernels' tests first, OLMoE decode at batch 1 with parts
+#       switched off (diag_decode_ab.py), decode with the profile (OLMoE, Qwen3; bf16, int8)
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moetests [OUT]
+#       the GPU tests these changes touch, bench_moe at T = 1 and 8 with baselines
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
@@ -36,9 +37,6 @@ if [ "$part" = dense ]; then
 elif [ "$part" = moedec ]; then
     TAIL=6 step moe_smoke 150 $pytest_gpu -x tests/test_moe_cuda.py -k "gating or graph or table" || true
     if grep -q " passed" "$out/moe_smoke.log" && ! grep -q "failed\|error" "$out/moe_smoke.log"; then
-        TAIL=8 step gpu_tests 400 $pytest_gpu tests/test_moe_cuda.py tests/test_fused_decode.py tests/test_engine.py \
-            tests/test_quant.py tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
-            tests/test_sbi_cuda.py -k "not test_sbi_cuda or graph or 1-200-24"
         ab="python scripts/diag_decode_ab.py --model olmoe-1b-7b --batches 1 --new-tokens 32 --reps 3"
         for v in none route-in moe-cuda cuda-pdl none moe-cuda; do
             TAIL=3 step "ab_$v" 60 $ab $([ $v = none ] || echo --off $v)
@@ -52,8 +50,12 @@ elif [ "$part" = moedec ]; then
             TAIL=6 step qwen3_${q:-bf16} 100 python scripts/bench_decode.py --model qwen3-30b-a3b ${q:+--quantize $q} \
                 --batches 1 --new-tokens 32 --reps 3
         done
-        TAIL=30 step moe 150 python scripts/bench_moe.py --tokens 1,8 --no-json
     fi
+elif [ "$part" = moetests ]; then
+    TAIL=8 step gpu_tests 400 $pytest_gpu tests/test_moe_cuda.py tests/test_fused_decode.py tests/test_engine.py \
+        tests/test_quant.py tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
+        tests/test_sbi_cuda.py -k "not test_sbi_cuda or graph or 1-200-24"
+    TAIL=30 step moe 150 python scripts/bench_moe.py --tokens 1,8 --no-json
 elif [ "$part" = tests ]; then
     TAIL=6 step tests 560 $pytest_gpu tests/test_parity.py tests/test_sbi_cuda.py tests/test_quant.py \
         tests/test_engine.py tests/test_moe_kernels.py -k "not test_moe_kernels or weight_tiles or tile_order or large \
