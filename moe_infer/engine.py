@@ -67,6 +67,27 @@ class StaticDecoder:
         return self.out
 
 
+class _HostIds:
+    """Token ids [B] on their way to the host: ``send`` queues the copy (into pinned memory
+    on a GPU) and returns; ``receive`` waits for that copy alone, not for what the stream
+    has queued after it."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.buf = torch.empty(n, dtype=torch.long, pin_memory=self.cuda)
+        self.done = torch.cuda.Event() if self.cuda else None
+
+    def send(self, ids: torch.Tensor) -> None:
+        self.buf.copy_(ids, non_blocking=True)
+        if self.cuda:
+            self.done.record()
+
+    def receive(self) -> list[int]:
+        if self.cuda:
+            self.done.synchronize()
+        return self.buf.tolist()
+
+
 class Engine:
     SLOT_BUCKET = 64  # cache lengths of static decode steps are rounded up to a multiple of this
     MAX_DECODERS = 4  # captured (batch, slots) buckets kept; the oldest goes first
@@ -202,17 +223,28 @@ class Engine:
 
         logits = self._prefill(tokens, key_valid[:, :width], positions[:, :width], cache,
                                no_padding=all(len(r) == width for r in rows))
-        greedy = None
+
+        def pick(logits, greedy):  # -> the next ids [len(rows)], on the device
+            if greedy is not None and params.greedy:
+                return greedy  # the argmax the graph computed
+            nxt = sample(logits[:b], params, generator)  # [b]: padding rows draw nothing
+            return torch.cat([nxt, nxt[:1].expand(len(rows) - b)]) if len(rows) > b else nxt
+
         generated = [[] for _ in range(b)]
         finish = [None] * b
+        host = _HostIds(len(rows), self.device)
+        nxt = pick(logits, None)
         for t in range(max_new):
-            if greedy is not None and params.greedy:
-                nxt = greedy  # the argmax the graph computed
-            else:
-                nxt = sample(logits[:b], params, generator)  # [b]: padding rows draw nothing
-                if len(rows) > b:
-                    nxt = torch.cat([nxt, nxt[:1].expand(len(rows) - b)])
-            for i, tok in enumerate(nxt[:b].tolist()):  # the one host sync per token
+            host.send(nxt)
+            if t < max_new - 1:
+                # Step t + 1 is queued before token t reaches the host, so the GPU never
+                # waits for this loop. After the last EOS it is one wasted step.
+                s = width + t
+                if decoder is not None:
+                    upcoming = pick(*decoder.run(nxt, s))
+                else:
+                    upcoming = pick(self._decode(nxt, s, key_valid[:, :s + 1], positions[:, :s + 1], cache), None)
+            for i, tok in enumerate(host.receive()[:b]):  # the one host sync per token
                 if finish[i] is None:
                     if tok in self.eos:
                         finish[i] = "stop"
@@ -220,11 +252,7 @@ class Engine:
                         generated[i].append(tok)
             if all(f is not None for f in finish) or t == max_new - 1:
                 break
-            s = width + t
-            if decoder is not None:
-                logits, greedy = decoder.run(nxt, s)
-            else:
-                logits = self._decode(nxt, s, key_valid[:, :s + 1], positions[:, :s + 1], cache)
+            nxt = upcoming
         return [Completion(g, self.tokenizer.decode(g) if self.tokenizer else None, f or "length")
                 for g, f in zip(generated, finish)]
 
