@@ -37,18 +37,18 @@ if [ "$part" = dense ]; then
 elif [ "$part" = moedec ]; then
     TAIL=6 step moe_smoke 150 $pytest_gpu -x tests/test_moe_cuda.py -k "gating or graph or table" || true
     if grep -q " passed" "$out/moe_smoke.log" && ! grep -q "failed\|error" "$out/moe_smoke.log"; then
-        ab="python scripts/diag_decode_ab.py --model olmoe-1b-7b --batches 1 --new-tokens 32 --reps 3"
-        for v in none route-in moe-cuda cuda-pdl none moe-cuda; do
+        ab="python scripts/diag_decode_ab.py --model olmoe-1b-7b --batches 1 --new-tokens 128 --reps 5"
+        for v in none moe-cuda route-in cuda-pdl none moe-cuda; do
             TAIL=3 step "ab_$v" 60 $ab $([ $v = none ] || echo --off $v)
             cat "$out/ab_$v.log" >> "$out/ab.log"
         done
-        TAIL=45 step olmoe 100 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 32 \
-            --reps 3 --profile
+        TAIL=45 step olmoe 100 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 128 \
+            --reps 5 --profile
         TAIL=6 step olmoe_int8 60 python scripts/bench_decode.py --model olmoe-1b-7b --quantize int8 --batches 1,8 \
-            --new-tokens 32 --reps 3
+            --new-tokens 128 --reps 5
         for q in "" int8; do
             TAIL=6 step qwen3_${q:-bf16} 100 python scripts/bench_decode.py --model qwen3-30b-a3b ${q:+--quantize $q} \
-                --batches 1 --new-tokens 32 --reps 3
+                --batches 1 --new-tokens 128 --reps 5
         done
     fi
 elif [ "$part" = moetests ]; then
