@@ -141,6 +141,15 @@ __device__ __forceinline__ void warps_to_shared(const float* acc, float (*part)[
   __syncthreads();
 }
 
+// Output j's sum over the warps (after warps_to_shared).
+template <int NV>
+__device__ __forceinline__ float warps_total(float (*part)[NV], int j) {
+  float v = 0.f;
+#pragma unroll
+  for (int q = 0; q < WARPS; ++q) v += part[q][j];
+  return v;
+}
+
 // Split-K: out[t, n] = sum of the S float32 partials [S, T, N] (+ bias) (+ residual).
 extern "C" __global__ void splitk_reduce(const float* __restrict__ part, const u16* __restrict__ bias,
                                          const u16* __restrict__ res, u16* __restrict__ out, int S, int T, int N,

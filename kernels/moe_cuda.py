@@ -181,16 +181,12 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   for (int o = tid; o < BN; o += THREADS) {
     const int n = n0 + o;
     if (n >= F) continue;
-    float g = 0.f;
-#pragma unroll
-    for (int q = 0; q < WARPS; ++q) g += part[q][o];
+    float g = warps_total<ROWS>(part, o);
 #if INT8
     g *= scale[e * ROWS_PER_F * F + n];
 #endif
 #if GATED
-    float up = 0.f;
-#pragma unroll
-    for (int q = 0; q < WARPS; ++q) up += part[q][BN + o];
+    float up = warps_total<ROWS>(part, BN + o);
 #if INT8
     up *= scale[e * 2 * F + F + n];
 #endif
@@ -283,9 +279,7 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   for (int o = tid; o < BN; o += THREADS) {
     const int n = n0 + o;
     if (n >= H) continue;
-    float v = 0.f;
-#pragma unroll
-    for (int q = 0; q < WARPS; ++q) v += part[q][o];
+    const float v = warps_total<BN>(part, o);
 #if PARTIAL
     ((float*)out)[((size_t)blockIdx.y * gridDim.z + t) * H + n] = v;
 #else

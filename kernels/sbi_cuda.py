@@ -135,9 +135,7 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
   for (int o = tid; o < TP * BN; o += THREADS) {
     const int t = o / BN, n = n0 + o % BN;
     if (t >= T || n >= N) continue;
-    float v = 0.f;
-#pragma unroll
-    for (int q = 0; q < WARPS; ++q) v += part[q][o];
+    float v = warps_total<TP * BN>(part, o);
 #if INT8
     v *= scale[n];
 #endif

@@ -25,6 +25,15 @@ out=${2:-${OUT:-bench/results/sweep}}
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 . "$(dirname "$0")/device_step.sh"
+# decode_more NEW_TOKENS REPS [LIMIT]: OLMoE int8 at batch 1 and 8, Qwen3 bf16 and int8 at batch 1.
+decode_more() {
+    TAIL=6 step olmoe_int8 ${3:-60} python scripts/bench_decode.py --model olmoe-1b-7b --quantize int8 --batches 1,8 \
+        --new-tokens "$1" --reps "$2"
+    for q in "" int8; do
+        TAIL=6 step qwen3_${q:-bf16} 100 python scripts/bench_decode.py --model qwen3-30b-a3b ${q:+--quantize $q} \
+            --batches 1 --new-tokens "$1" --reps "$2"
+    done
+}
 pytest_gpu="python -m pytest -q -p no:cacheprovider --color=no -m gpu"
 if [ "$part" = dense ]; then
     TAIL=6 step sbi_smoke 150 $pytest_gpu -x tests/test_sbi_cuda.py -k "graph or 1-200-24" || true
@@ -44,12 +53,7 @@ elif [ "$part" = moedec ]; then
         done
         TAIL=45 step olmoe 100 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 128 \
             --reps 5 --profile
-        TAIL=6 step olmoe_int8 60 python scripts/bench_decode.py --model olmoe-1b-7b --quantize int8 --batches 1,8 \
-            --new-tokens 128 --reps 5
-        for q in "" int8; do
-            TAIL=6 step qwen3_${q:-bf16} 100 python scripts/bench_decode.py --model qwen3-30b-a3b ${q:+--quantize $q} \
-                --batches 1 --new-tokens 128 --reps 5
-        done
+        decode_more 128 5 120
     fi
 elif [ "$part" = moetests ]; then
     TAIL=8 step gpu_tests 400 $pytest_gpu tests/test_moe_cuda.py tests/test_fused_decode.py tests/test_engine.py \
@@ -67,12 +71,7 @@ elif [ "$part" = decode ]; then
     TAIL=4 step engine_tests 100 $pytest_gpu tests/test_engine.py tests/test_default_model.py
     TAIL=45 step olmoe 150 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 32 --reps 3 \
         --prefill 2048:8,512:8 --profile
-    TAIL=6 step olmoe_int8 60 python scripts/bench_decode.py --model olmoe-1b-7b --quantize int8 --batches 1,8 \
-        --new-tokens 32 --reps 3
-    for q in "" int8; do
-        TAIL=6 step qwen3_${q:-bf16} 80 python scripts/bench_decode.py --model qwen3-30b-a3b ${q:+--quantize $q} \
-            --batches 1 --new-tokens 32 --reps 3
-    done
+    decode_more 32 3
 else
     TAIL=12 step tune 200 python scripts/tune_moe.py --shapes qwen3,olmoe --tokens 4096,16384 --int8-tokens ""
     cp kernels/configs/moe.json "$out/"
