@@ -230,8 +230,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
-        b, t, _ = x.shape
-        qkv = self.qkv_proj(x)
+        return self._attend(self.qkv_proj(x), ctx, cache, layer)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm, ctx: StepContext,
+                       cache: KVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention on norm(x + residual) -> (output, x + residual): the add and the norm go
+        into the QKV GEMM's prologue where that is one launch (``kernels.norm_linear``)."""
+        qkv, summed = self.qkv_proj.normed(x, residual, norm)
+        return self._attend(qkv, ctx, cache, layer), summed
+
+    def _attend(self, qkv: torch.Tensor, ctx: StepContext, cache: KVCache | None, layer: int) -> torch.Tensor:
+        b, t, _ = qkv.shape
         fused = self._fused_decode(qkv, ctx, cache, layer)
         if fused is not None:
             q, k, v = fused

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from comm import Group, all_reduce
-from kernels import dense_linear
+from kernels import dense_linear, norm_linear
 
 
 class Linear(nn.Linear):
@@ -19,6 +19,11 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias)
+
+    def normed(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """s = x + residual, then this layer on ``norm`` (an RMSNorm) of s -> (y, s); at
+        decode sizes one launch (``kernels.norm_linear``)."""
+        return norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
 
 
 def _split(total: int, group: Group, what: str) -> int:

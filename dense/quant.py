@@ -35,7 +35,14 @@ class Int8Linear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.dense_linear(x, self.weight, scale=self.scale)
+        return self._finish(kernels.dense_linear(x, self.weight, scale=self.scale))
+
+    def normed(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``Linear.normed``: s = x + residual, this layer on rmsnorm(s) -> (y, s)."""
+        y, s = kernels.norm_linear(x, residual, norm.weight, norm.eps, self.weight, scale=self.scale)
+        return self._finish(y), s
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
         if self.reduce is not None:
             y = all_reduce(y, self.reduce)
         return y + self.bias if self.bias is not None else y

@@ -90,17 +90,20 @@ __device__ __forceinline__ u16 to_act(float f) {
 
 __device__ __forceinline__ float act_f(const u16* p) { return lo_f((u32)*p); }
 
+// 8 consecutive activations (one 16-byte load) as floats.
+__device__ __forceinline__ void load_act8(const u16* p, float* f) {
+  u32x4 r = load_cached(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = lo_f(r.v[i]);
+    f[2 * i + 1] = hi_f(r.v[i]);
+  }
+}
+
 // WVEC consecutive activations (8: one 16-byte load; 16: two) as floats.
 __device__ __forceinline__ void load_act(const u16* p, float* f) {
 #pragma unroll
-  for (int h = 0; h < WVEC / 8; ++h) {
-    u32x4 r = load_cached(p + 8 * h);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[8 * h + 2 * i] = lo_f(r.v[i]);
-      f[8 * h + 2 * i + 1] = hi_f(r.v[i]);
-    }
-  }
+  for (int h = 0; h < WVEC / 8; ++h) load_act8(p + 8 * h, f + 8 * h);
 }
 
 // One 16-byte weight vector as WVEC floats (int8: byte b -> float(0x4B000000 | (b ^ 0x80)) - 2^23 - 128).

@@ -12,6 +12,10 @@ Without an entry, full-precision weights use cuBLAS and int8 weights SBI-GeMM (o
 with its epilogue, or two with split-K; it won 29 of the 32 int8 entries measured on the
 H100).
 Larger batches, and every CPU call, take cuBLAS / the reference.
+
+``norm_linear`` is the decode step's residual add + RMSNorm + GEMM: one launch where the
+table picked the CUDA SBI-GeMM (its prologue adds and normalises), else the norm launch
+and ``dense_linear``.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 
 from kernels import sbi_cuda
 from kernels.moe_triton import device_key, linear_triton
+from kernels.norm import rms_norm_ref, rms_norm_triton
 from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
 
 TABLE_FILE = Path(__file__).with_name("configs") / "dense.json"
@@ -86,3 +91,21 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return sbi_linear_triton(x2, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
     y = linear_triton(x, weight, scale)
     return y + bias if bias is not None else y
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual, y = rmsnorm(s) @ W.T (+ bias) -> (y [..., N], s [..., K])."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.is_cuda and 0 < rows <= SMALL_T and x.shape == residual.shape:
+        pick = choice(x.device, weight.shape[0], weight.shape[1], weight.dtype, rows)
+        if isinstance(pick, dict):
+            try:
+                y, s = sbi_cuda.sbi_norm_linear_cuda(x.reshape(rows, -1), residual.reshape(rows, -1),
+                                                     ("rmsnorm", norm_weight, None, eps), weight, scale, bias, pick)
+                return y.view(*x.shape[:-1], weight.shape[0]), s.view(x.shape)
+            except ValueError:  # operands the fused launch cannot take: the two launches
+                pass
+    h, s = (rms_norm_triton if x.is_cuda else rms_norm_ref)(x, norm_weight, eps, residual)
+    return dense_linear(h, weight, bias, scale), s

@@ -25,7 +25,8 @@ The first step's weight loads are issued before the wait for the previous kernel
 
 Compile-time parameters (macros): TP (rows, padded to 1, 2, 4, 8, 16), BN, WARPS, U,
 INT8, DT (0 bf16, 1 fp16), NORM (0 none, 1 RMSNorm, 2 LayerNorm), PARTIAL (write float32
-split-K partials). Each combination compiles once per process (CuPy caches the binary).
+split-K partials), NORM_RES (``sbi_norm_linear_cuda``: a residual stream is added to x
+before the norm, rounded as the unfused add stores it, and block (0, 0) writes the sum). Each combination compiles once per process (CuPy caches the binary).
 """
 from __future__ import annotations
 
@@ -38,11 +39,31 @@ from kernels.cuda_common import COMMON, DTYPES, compile_check, launch, ptr
 from kernels.sbi_gemm import NORMS
 
 SOURCE = COMMON + r"""
+#if NORM_RES
+// a[0..8) += 8 residual values at r, each sum rounded to the activations' dtype (the
+// unfused add stores it so); the 8 sums also go to out where it is given.
+__device__ __forceinline__ void add_rounded(float* a, const u16* r, u16* out) {
+  float b[8];
+  u32x4 packed;
+  load_act8(r, b);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u16 lo = to_act(a[2 * i] + b[2 * i]), hi = to_act(a[2 * i + 1] + b[2 * i + 1]);
+    packed.v[i] = (u32)lo | ((u32)hi << 16);
+    a[2 * i] = lo_f(packed.v[i]);
+    a[2 * i + 1] = hi_f(packed.v[i]);
+  }
+  if (out) *(u32x4*)out = packed;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale,
          const u16* __restrict__ norm_w, const u16* __restrict__ norm_b, const u16* __restrict__ bias,
          const u16* __restrict__ res, void* __restrict__ out, int T, int N, int K, float eps,
-         long long stride_x, long long stride_w, long long stride_res, long long stride_o, int k_span) {
+         long long stride_x, long long stride_w, long long stride_res, long long stride_o, int k_span,
+         const u16* __restrict__ x_res,  // NORM_RES: [T, K] residual stream added to x before the norm
+         u16* __restrict__ x_sum) {      // NORM_RES: [T, K] out, x + x_res (written by block (0, 0))
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int n0 = blockIdx.x * BN;
   const int k_lo = blockIdx.y * k_span, k_hi = min(K, k_lo + k_span);
@@ -65,15 +86,21 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
 
 #if NORM
   __shared__ float stat[2][TP];  // mean, 1 / std of each row over all of K
+#if NORM_RES
+  const bool writes_sum = blockIdx.x == 0 && blockIdx.y == 0;
+#endif
   for (int t = warp; t < T; t += WARPS) {
     float s1 = 0.f, s2 = 0.f;
     for (int k = lane * 8; k < K; k += 256) {
-      u32x4 r = load_cached(x + t * stride_x + k);
+      float a[8];
+      load_act8(x + t * stride_x + k, a);
+#if NORM_RES
+      add_rounded(a, x_res + t * K + k, writes_sum ? x_sum + t * K + k : nullptr);
+#endif
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float a = lo_f(r.v[i]), b = hi_f(r.v[i]);
-        s1 += a + b;
-        s2 += a * a + b * b;
+      for (int i = 0; i < 8; ++i) {
+        s1 += a[i];
+        s2 += a[i] * a[i];
       }
     }
     s1 = warp_sum(s1);
@@ -111,6 +138,10 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
         if (t < T) {
           float a[WVEC];
           load_act(x + t * stride_x + k, a);
+#if NORM_RES
+          add_rounded(a, x_res + t * K + k, nullptr);
+          if (WVEC == 16) add_rounded(a + 8, x_res + t * K + k + 8, nullptr);
+#endif
 #if NORM
 #pragma unroll
           for (int i = 0; i < WVEC; ++i) {
@@ -157,9 +188,10 @@ def _tp(t: int) -> int:
     return 1 << max(0, t - 1).bit_length()
 
 
-def options(tp: int, bn: int, warps: int, unroll: int, int8: bool, dt: int, norm: int, partial: bool) -> tuple:
+def options(tp: int, bn: int, warps: int, unroll: int, int8: bool, dt: int, norm: int, partial: bool,
+            norm_res: bool = False) -> tuple:
     return ("-std=c++17", f"-DTP={tp}", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
-            f"-DDT={dt}", f"-DNORM={norm}", f"-DPARTIAL={int(partial)}")
+            f"-DDT={dt}", f"-DNORM={norm}", f"-DPARTIAL={int(partial)}", f"-DNORM_RES={int(norm_res)}")
 
 
 def sbi_cuda_config(t: int, n: int, k: int, sms: int, int8: bool) -> dict:
@@ -220,6 +252,29 @@ def sbi_linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None
     why = check(x, w, scale, bias, residual, norm)
     if why is not None:
         raise ValueError(f"sbi_linear_cuda: {why}")
+    return _run(x, w, scale, bias, residual, norm, config)[0]
+
+
+def sbi_norm_linear_cuda(x: torch.Tensor, x_residual: torch.Tensor, norm: tuple, w: torch.Tensor,
+                         scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                         config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode step's add, RMSNorm and GEMM in one launch: s = x + x_residual (rounded
+    to x's dtype, as the unfused add stores it), y = rmsnorm(s) @ dequant(w).T (+ bias)
+    -> (y [T, N], s [T, K]). ``norm`` is ("rmsnorm", weight [K], None, eps). Raises
+    ValueError naming the operand where the kernel cannot take it."""
+    why = check(x, w, scale, bias, None, norm)
+    if why is None and norm[0] != "rmsnorm":
+        why = f"norm {norm[0]!r}: the residual add is fused before an RMSNorm only"
+    if why is None and (x_residual.dtype != x.dtype or tuple(x_residual.shape) != tuple(x.shape)
+                        or not x_residual.is_contiguous() or x_residual.data_ptr() % 16):
+        why = f"x_residual {list(x_residual.shape)}: expected contiguous, aligned {x.dtype} {list(x.shape)}"
+    if why is not None:
+        raise ValueError(f"sbi_norm_linear_cuda: {why}")
+    return _run(x, w, scale, bias, None, norm, config, x_residual)
+
+
+def _run(x, w, scale, bias, residual, norm, config, x_residual=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The launch(es) of sbi_linear_cuda / sbi_norm_linear_cuda: -> (y, x + x_residual or None)."""
     t, k = x.shape
     n = w.shape[0]
     int8 = w.dtype == torch.int8
@@ -232,18 +287,19 @@ def sbi_linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None
     kind, g, gb, eps = norm if norm is not None else (None, None, None, 0.0)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     target = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=x.device)
-    opts = options(_tp(t), bn, warps, unroll, int8, DTYPES[x.dtype], NORMS[kind], split > 1)
+    opts = options(_tp(t), bn, warps, unroll, int8, DTYPES[x.dtype], NORMS[kind], split > 1, x_residual is not None)
     stride_res = residual.stride(0) if residual is not None else 0
+    x_sum = torch.empty_like(x_residual) if x_residual is not None else None
     launch(x.device, SOURCE, "sbi_gemm", opts, (-(-n // bn), split), warps * 32,
            (ptr(x), ptr(w), ptr(scale), ptr(g), ptr(gb), ptr(bias if split == 1 else None),
             ptr(residual if split == 1 else None), ptr(target), np.int32(t), np.int32(n), np.int32(k),
             np.float32(eps), np.int64(x.stride(0)), np.int64(w.stride(0)), np.int64(stride_res),
-            np.int64(out.stride(0)), np.int32(k_span)))
+            np.int64(out.stride(0)), np.int32(k_span), ptr(x_residual), ptr(x_sum)))
     if split > 1:
         launch(x.device, SOURCE, "splitk_reduce", opts, (-(-n // 256), t), 256,
                (ptr(target), ptr(bias), ptr(residual), ptr(out), np.int32(split), np.int32(t), np.int32(n),
                 np.int64(stride_res), np.int64(out.stride(0))))
-    return out
+    return out, x_sum
 
 
 def compile_all(arch: str = "sm_90") -> int:
@@ -254,6 +310,8 @@ def compile_all(arch: str = "sm_90") -> int:
     count = 0
     for i, (tp, int8, dt) in enumerate(itertools.product((1, 2, 4, 8, 16), (False, True), DTYPES.values())):
         bn, warps, unroll = tiles[i % len(tiles)]
-        compile_check(SOURCE, options(tp, bn, warps, unroll, int8, dt, i % len(NORMS), i % 2 == 1), arch, "sbi_cuda.cu")
+        norm = i % len(NORMS)
+        compile_check(SOURCE, options(tp, bn, warps, unroll, int8, dt, norm, i % 2 == 1, norm == 1 and i % 4 < 2),
+                      arch, "sbi_cuda.cu")
         count += 1
     return count

@@ -31,6 +31,8 @@ class Block(nn.Module):
             self.ffn = MLP(m.hidden_size, m.ffn_hidden, m.activation, bias=m.mlp_bias, tp=groups.tp)
         self.index = index
         self.fused_router = isinstance(self.ffn, MoELayer) and isinstance(self.ffn_norm, RMSNorm)
+        # A parallel block also feeds the normed input to its FFN, so it keeps the norm's output.
+        self.norm_in_qkv = isinstance(self.attn_norm, RMSNorm) and not self.parallel
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None,
                 pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,9 +41,12 @@ class Block(nn.Module):
         (one launch for add + RMSNorm on a GPU)."""
         if pending is None:
             h = self.attn_norm(x)
+            a = self.attn(h, ctx, cache, self.index)
+        elif self.norm_in_qkv:  # the add and the norm inside the QKV GEMM's launch (decode sizes)
+            a, x = self.attn.forward_normed(pending, x, self.attn_norm, ctx, cache, self.index)
         else:
             h, x = self.attn_norm(pending, residual=x)
-        a = self.attn(h, ctx, cache, self.index)
+            a = self.attn(h, ctx, cache, self.index)
         if self.parallel:
             return x, a + self.ffn(h)
         if self.fused_router and a.is_cuda and a.numel() <= kernels.ROUTER_MAX_ROWS * a.shape[-1]:

@@ -10,6 +10,7 @@ the same run and on the same device:
               the routing launch and the combine run as before those kernels
   route-in    the MoE layer routes with its own launch before the CUDA experts
   cuda-pdl    the CUDA C++ kernels (SBI-GeMM, MoE) launch without PDL
+  norm-in-qkv the attention norm (and its residual add) runs as its own launch again
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from kernels import cuda_common, moe_triton  # noqa: E402
-from moe_infer import moe_layer  # noqa: E402
+from moe_infer import model, moe_layer  # noqa: E402
 
-SWITCHES = ("moe-cuda", "route-in", "cuda-pdl")
+SWITCHES = ("moe-cuda", "route-in", "cuda-pdl", "norm-in-qkv")
 
 
 def switch_off(part: str) -> None:
@@ -35,14 +36,21 @@ def switch_off(part: str) -> None:
                     del buckets[t]
         moe_triton.launch_config.cache_clear()
     elif part == "route-in":
-        init = moe_layer.MoELayer.__init__
-
-        def no_route_in(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            self.route_in_experts = False
-        moe_layer.MoELayer.__init__ = no_route_in
+        _after_init(moe_layer.MoELayer, "route_in_experts")
+    elif part == "norm-in-qkv":
+        _after_init(model.Block, "norm_in_qkv")
     elif part == "cuda-pdl":
         cuda_common.pdl_on = lambda device: False
+
+
+def _after_init(cls, flag: str) -> None:
+    """Every instance of ``cls`` built from now on has ``flag`` set to False."""
+    init = cls.__init__
+
+    def init_then_off(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        setattr(self, flag, False)
+    cls.__init__ = init_then_off
 
 
 def main():

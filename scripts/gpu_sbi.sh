@@ -14,6 +14,9 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moedec [OUT]
 #       the CUDA MoE decode kernels' tests first, OLMoE decode at batch 1 with parts
 #       switched off (diag_decode_ab.py), decode with the profile (OLMoE, Qwen3; bf16, int8)
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh normqkv [OUT]
+#       the fused add + RMSNorm + QKV GEMM's tests, OLMoE decode A/B (that fusion, the
+#       gating inside the MoE kernels), then the decode-path GPU tests
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moetests [OUT]
 #       the GPU tests these changes touch, bench_moe at T = 1 and 8 with baselines
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
@@ -54,6 +57,17 @@ elif [ "$part" = moedec ]; then
         TAIL=45 step olmoe 100 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 128 \
             --reps 5 --profile
         decode_more 128 5 120
+    fi
+elif [ "$part" = normqkv ]; then
+    TAIL=6 step norm_smoke 120 $pytest_gpu -x tests/test_sbi_cuda.py -k "norm_linear" || true
+    if grep -q " passed" "$out/norm_smoke.log" && ! grep -q "failed\|error" "$out/norm_smoke.log"; then
+        ab="python scripts/diag_decode_ab.py --model olmoe-1b-7b --batches 1 --new-tokens 128 --reps 5"
+        for v in none norm-in-qkv none norm-in-qkv route-in none route-in; do
+            TAIL=3 step "ab_$v" 60 $ab $([ $v = none ] || echo --off $v)
+            cat "$out/ab_$v.log" >> "$out/ab.log"
+        done
+        TAIL=8 step gpu_tests 200 $pytest_gpu tests/test_sbi_cuda.py tests/test_fused_decode.py tests/test_engine.py \
+            tests/test_default_model.py tests/test_quant.py -k "not test_sbi_cuda or graph or norm or 1-200-24"
     fi
 elif [ "$part" = moetests ]; then
     TAIL=8 step gpu_tests 400 $pytest_gpu tests/test_moe_cuda.py tests/test_fused_decode.py tests/test_engine.py \

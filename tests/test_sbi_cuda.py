@@ -106,3 +106,71 @@ def test_graph_replay_and_dense_linear(int8, monkeypatch):
     finally:
         dl._choice.cache_clear()
     torch.testing.assert_close(routed, sbi_cuda.sbi_linear_cuda(x, w, scale, config=cfg), rtol=0, atol=0)
+
+
+def test_norm_linear_on_cpu_is_the_norm_then_the_layer():
+    gen = torch.Generator().manual_seed(4)
+    x, r = torch.randn(3, 2, 64, generator=gen), torch.randn(3, 2, 64, generator=gen)
+    g, w, b = torch.rand(64, generator=gen) + 0.5, torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    y, s = kernels.norm_linear(x, r, g, 1e-6, w, b)
+    h, s_ref = kernels.rms_norm(x, g, 1e-6, r)
+    torch.testing.assert_close(s, s_ref)
+    torch.testing.assert_close(y, kernels.dense_linear(h, w, b))
+
+
+def test_norm_linear_cuda_names_what_it_cannot_take():
+    x, w = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(30, 64, dtype=torch.bfloat16)
+    g = torch.ones(64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA device"):
+        sbi_cuda.sbi_norm_linear_cuda(x, x, ("rmsnorm", g, None, 1e-6), w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,k,n", [(1, 2048, 6144), (3, 1040, 70), (16, 4096, 33)])
+@pytest.mark.parametrize("int8", [False, True])
+def test_norm_linear_cuda_matches_add_norm_gemm(dtype, t, k, n, int8):
+    # The add is rounded as the unfused add stores it, and comes back bit for bit; the
+    # GEMM on its RMSNorm matches the float64 reference. Every block reads the sum, block
+    # (0, 0) writes it: split-K and several column tiles included.
+    gen = torch.Generator().manual_seed(t + k + n)
+    x = torch.randn(t, k, generator=gen).to("cuda", dtype)
+    r = (torch.randn(t, k, generator=gen) * 3).to("cuda", dtype)
+    g = (torch.rand(k, generator=gen) + 0.5).to("cuda", dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to("cuda", dtype)
+    scale = None
+    if int8:
+        q, sc = kernels.quantize_int8(w[None])
+        w, scale = q[0], sc[0]
+    bias = torch.randn(n, generator=gen).to("cuda", dtype)
+    for cfg in (None, dict(bn=2, warps=4, unroll=2, split_k=3)):
+        y, s = sbi_cuda.sbi_norm_linear_cuda(x, r, ("rmsnorm", g, None, 1e-6), w, scale, bias, cfg)
+        torch.testing.assert_close(s, x + r, rtol=0, atol=0)
+        ref = sbi_linear_ref(s.double(), w if int8 else w.double(), None if scale is None else scale.double(),
+                             bias.double(), None, ("rmsnorm", g.double(), None, 1e-6))
+        assert y.shape == (t, n) and rel(y, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+def test_norm_linear_follows_the_table(monkeypatch):
+    # A CUDA entry: one launch, equal to the direct call; without one, the norm launch and
+    # dense_linear, equal to the fused result within bf16 rounding of the normed input.
+    from kernels import linear_select as dl
+
+    gen = torch.Generator().manual_seed(6)
+    x, r = (torch.randn(1, 1, 2048, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    g = (torch.rand(2048, generator=gen) + 0.5).to("cuda", torch.bfloat16)
+    w = (torch.randn(3072, 2048, generator=gen) / 45).to("cuda", torch.bfloat16)
+    cfg = dict(bn=4, warps=4, unroll=2, split_k=1)
+    unfused, s_unfused = kernels.norm_linear(x, r, g, 1e-6, w)
+    monkeypatch.setattr(dl, "_table", lambda: {dl.device_key(x.device): {
+        dl.table_key(3072, 2048, w.dtype): {"1": dict(cfg, backend="cuda")}}})
+    dl._choice.cache_clear()
+    try:
+        fused, s = kernels.norm_linear(x, r, g, 1e-6, w)
+    finally:
+        dl._choice.cache_clear()
+    direct, _ = sbi_cuda.sbi_norm_linear_cuda(x[0], r[0], ("rmsnorm", g, None, 1e-6), w, config=cfg)
+    torch.testing.assert_close(fused[0], direct, rtol=0, atol=0)
+    torch.testing.assert_close(s, s_unfused, rtol=0, atol=0)
+    assert rel(fused, unfused) < 1e-2
