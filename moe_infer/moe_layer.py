@@ -25,9 +25,13 @@ class MoELayer(nn.Module):
         # with expert parallelism the maps are built per destination rank instead.
         self.router = Router(h, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.score, moe_cfg.renormalize,
                              with_maps=moe_cfg.capacity_factor is None and ep * es == 1)
-        # Local and dropless: given router logits (the decode step's fused norm + router
-        # launch), the experts' kernels do the gating too.
-        self.route_in_experts = moe_cfg.capacity_factor is None and ep * es == 1
+        # Given router logits (the decode step's norm + router launch), a local dropless
+        # layer could gate inside the experts' kernels (kernels.fused_moe_logits). Off: it
+        # measured slower in the decode step (OLMoE, H100: 1.377 against 1.305 ms/token),
+        # as every up block pays the top-k before its first load while the routing
+        # launch's latency hides under PDL. scripts/diag_decode_ab.py --on route-in.
+        self.route_in_experts = False
+        self.local_dropless = moe_cfg.capacity_factor is None and ep * es == 1
         ep_index = groups.ep.rank // es
         self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation,
                                ep_index, ep, groups.ep.rank % es, es)
@@ -48,7 +52,7 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
-        if router_logits is not None and self.route_in_experts:
+        if router_logits is not None and self.route_in_experts and self.local_dropless:
             r = self.router
             out = self.experts.fused_logits(x, router_logits, r.top_k, r.score, r.renormalize)  # [T, H]
         else:

@@ -1,16 +1,17 @@
 #!/usr/bin/env python
-"""A/B runs of the decode benchmark with parts of the decode path switched off inside this
-process (the library itself reads no such switch), to show what each part is worth in
-the same run and on the same device:
+"""A/B runs of the decode benchmark with parts of the decode path switched off or on
+inside this process (the library itself reads no such switch), to show what each part
+is worth in the same run and on the same device:
 
     PYTHONPATH=. python scripts/diag_decode_ab.py --off moe-cuda [bench_decode.py arguments]
 
 --off (repeatable):
   moe-cuda    the tuning table's CUDA MoE entries are dropped: the Triton grouped GEMM,
               the routing launch and the combine run as before those kernels
-  route-in    the MoE layer routes with its own launch before the CUDA experts
   cuda-pdl    the CUDA C++ kernels (SBI-GeMM, MoE) launch without PDL
-  norm-in-qkv the attention norm (and its residual add) runs as its own launch again
+--on (repeatable; both measured slower, so off by default):
+  route-in    the gating inside the CUDA MoE kernels, no routing launch
+  norm-in-qkv the attention's residual add and RMSNorm inside the QKV GEMM's launch
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 from kernels import cuda_common, moe_triton  # noqa: E402
 from moe_infer import model, moe_layer  # noqa: E402
 
-SWITCHES = ("moe-cuda", "route-in", "cuda-pdl", "norm-in-qkv")
+OFF = ("moe-cuda", "cuda-pdl")
+ON = ("route-in", "norm-in-qkv")
 
 
 def switch_off(part: str) -> None:
@@ -35,31 +37,37 @@ def switch_off(part: str) -> None:
                 for t in [t for t, cfg in buckets.items() if cfg.get("backend") == "cuda"]:
                     del buckets[t]
         moe_triton.launch_config.cache_clear()
-    elif part == "route-in":
-        _after_init(moe_layer.MoELayer, "route_in_experts")
-    elif part == "norm-in-qkv":
-        _after_init(model.Block, "norm_in_qkv")
     elif part == "cuda-pdl":
         cuda_common.pdl_on = lambda device: False
 
 
+def switch_on(part: str) -> None:
+    if part == "route-in":
+        _after_init(moe_layer.MoELayer, "route_in_experts")
+    elif part == "norm-in-qkv":
+        _after_init(model.Block, "norm_in_qkv")
+
+
 def _after_init(cls, flag: str) -> None:
-    """Every instance of ``cls`` built from now on has ``flag`` set to False."""
+    """Every instance of ``cls`` built from now on has ``flag`` set to True."""
     init = cls.__init__
 
-    def init_then_off(self, *args, **kwargs):
+    def init_then_on(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        setattr(self, flag, False)
-    cls.__init__ = init_then_off
+        setattr(self, flag, True)
+    cls.__init__ = init_then_on
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--off", action="append", choices=SWITCHES, default=[])
+    ap.add_argument("--off", action="append", choices=OFF, default=[])
+    ap.add_argument("--on", action="append", choices=ON, default=[])
     args, rest = ap.parse_known_args()
     for part in args.off:
         switch_off(part)
-    print(f"switched off: {', '.join(args.off) or 'nothing'}", flush=True)
+    for part in args.on:
+        switch_on(part)
+    print(f"switched off: {', '.join(args.off) or 'nothing'}; on: {', '.join(args.on) or 'nothing'}", flush=True)
     sys.argv = [str(ROOT / "scripts" / "bench_decode.py"), *rest]
     runpy.run_path(sys.argv[0], run_name="__main__")
 

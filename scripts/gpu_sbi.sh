@@ -15,8 +15,8 @@
 #       the CUDA MoE decode kernels' tests first, OLMoE decode at batch 1 with parts
 #       switched off (diag_decode_ab.py), decode with the profile (OLMoE, Qwen3; bf16, int8)
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh normqkv [OUT]
-#       the fused add + RMSNorm + QKV GEMM's tests, OLMoE decode A/B (that fusion, the
-#       gating inside the MoE kernels), then the decode-path GPU tests
+#       the fused add + RMSNorm + QKV GEMM's tests, OLMoE decode A/B (that fusion and the
+#       gating inside the MoE kernels switched on), Qwen3 decode, then decode-path tests
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moetests [OUT]
 #       the GPU tests these changes touch, bench_moe at T = 1 and 8 with baselines
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
@@ -62,12 +62,13 @@ elif [ "$part" = normqkv ]; then
     TAIL=6 step norm_smoke 120 $pytest_gpu -x tests/test_sbi_cuda.py -k "norm_linear" || true
     if grep -q " passed" "$out/norm_smoke.log" && ! grep -q "failed\|error" "$out/norm_smoke.log"; then
         ab="python scripts/diag_decode_ab.py --model olmoe-1b-7b --batches 1 --new-tokens 128 --reps 5"
-        for v in none norm-in-qkv none norm-in-qkv route-in none route-in; do
-            TAIL=3 step "ab_$v" 60 $ab $([ $v = none ] || echo --off $v)
+        for v in none norm-in-qkv none route-in none; do
+            TAIL=3 step "ab_$v" 60 $ab $([ $v = none ] || echo --on $v)
             cat "$out/ab_$v.log" >> "$out/ab.log"
         done
-        TAIL=8 step gpu_tests 200 $pytest_gpu tests/test_sbi_cuda.py tests/test_fused_decode.py tests/test_engine.py \
-            tests/test_default_model.py tests/test_quant.py -k "not test_sbi_cuda or graph or norm or 1-200-24"
+        TAIL=6 step qwen3_bf16 100 python scripts/bench_decode.py --model qwen3-30b-a3b --batches 1 \
+            --new-tokens 128 --reps 5
+        TAIL=8 step gpu_tests 120 $pytest_gpu tests/test_fused_decode.py tests/test_engine.py -k "measured_off or graph"
     fi
 elif [ "$part" = moetests ]; then
     TAIL=8 step gpu_tests 400 $pytest_gpu tests/test_moe_cuda.py tests/test_fused_decode.py tests/test_engine.py \

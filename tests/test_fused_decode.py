@@ -261,3 +261,30 @@ def test_argmax_matches_torch(device, dtype, b, v):
 def test_argmax_rejects_empty_rows():
     with pytest.raises(ValueError, match=r"x \[2, 0\]: expected \[B, V\] logits with V >= 1"):
         kernels.argmax_triton(torch.empty(2, 0))
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fusions_measured_off_still_compute_the_same_step(device):
+    """The attention norm inside the QKV GEMM (Block.norm_in_qkv) and the gating inside the
+    MoE kernels (MoELayer.route_in_experts) are off by default (measured slower); switched
+    on, the embedded model's decode gives the same greedy tokens and close logits."""
+    import moe_infer
+    from moe_infer.model import Block
+    from moe_infer.moe_layer import MoELayer
+
+    engine = moe_infer.load(device=device, progress=False)
+    prompts = ["Shall I compare thee to a summer's day?", "That time of year thou mayst in me behold"]
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    base = [o.token_ids for o in engine.generate(prompts, max_new_tokens=12)]
+    base_logits = engine.logits(ids)
+    switched = [m for m in engine.model.modules() if isinstance(m, (Block, MoELayer))]
+    assert any(isinstance(m, MoELayer) for m in switched)
+    for m in switched:
+        if isinstance(m, Block):
+            m.norm_in_qkv = True
+        else:
+            m.route_in_experts = True
+    engine._decoders.clear()  # captured graphs hold the old path
+    assert [o.token_ids for o in engine.generate(prompts, max_new_tokens=12)] == base
+    logits = engine.logits(ids)
+    assert ((logits - base_logits).norm() / base_logits.norm()).item() < (1e-6 if device == "cpu" else 2e-2)
