@@ -33,9 +33,9 @@ class Block(nn.Module):
         self.fused_router = isinstance(self.ffn, MoELayer) and isinstance(self.ffn_norm, RMSNorm)
         # The attention norm (and its residual add) could run inside the QKV GEMM's launch
         # (Attention.forward_normed). Off: it measured slower in the decode step (OLMoE,
-        # H100: 1.377 against 1.302 ms/token), as every GEMM block recomputes the norm
-        # before its main loop while the norm launch hides under PDL behind the GEMM's
-        # weight prefetch. scripts/diag_decode_ab.py --on norm-in-qkv.
+        # H100, alternating runs: 1.305 against 1.268 ms/token), as every GEMM block
+        # recomputes the norm before its main loop while the norm launch hides under PDL
+        # behind the GEMM's weight prefetch. scripts/diag_decode_ab.py --on norm-in-qkv.
         self.norm_in_qkv = False
         # A parallel block also feeds the normed input to its FFN, so it keeps the norm's output.
         self.norm_fusable = isinstance(self.attn_norm, RMSNorm) and not self.parallel

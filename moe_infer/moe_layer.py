@@ -27,7 +27,7 @@ class MoELayer(nn.Module):
                              with_maps=moe_cfg.capacity_factor is None and ep * es == 1)
         # Given router logits (the decode step's norm + router launch), a local dropless
         # layer could gate inside the experts' kernels (kernels.fused_moe_logits). Off: it
-        # measured slower in the decode step (OLMoE, H100: 1.377 against 1.305 ms/token),
+        # measured slower in the decode step (OLMoE, H100: 1.316 against 1.265 ms/token),
         # as every up block pays the top-k before its first load while the routing
         # launch's latency hides under PDL. scripts/diag_decode_ab.py --on route-in.
         self.route_in_experts = False
