@@ -307,7 +307,7 @@ def default_configs(t: int, h: int, f: int, topk: int, sms: int) -> tuple[dict, 
     return up, down
 
 
-def check(x, w13, w2, topk, activation, w13_scale=None, w2_scale=None) -> str | None:
+def check(x, w13, w2, topk, w13_scale=None, w2_scale=None) -> str | None:
     """Why these kernels cannot take the operands (None: they can). The shapes themselves
     were checked by ``kernels.fused_moe``."""
     t, h = x.shape
@@ -362,7 +362,7 @@ def fused_moe_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     """``kernels.fused_moe`` for T <= MAX_T tokens (dropless); ``configs`` are the (up, down)
     launch configurations (None: ``default_configs``). Raises ValueError naming the
     operand where the kernels cannot take it (``check``)."""
-    why = check(x, w13, w2, topk_ids.shape[1], activation, w13_scale, w2_scale)
+    why = check(x, w13, w2, topk_ids.shape[1], w13_scale, w2_scale)
     if why is not None:
         raise ValueError(f"fused_moe_cuda: {why}")
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
@@ -378,7 +378,7 @@ def fused_moe_logits_cuda(x: torch.Tensor, logits: torch.Tensor, topk: int, w13:
     """Top-k gating of ``logits`` [T, E] (as ``kernels.route``) and the experts, in the same
     two launches. Raises ValueError naming the operand where the kernels cannot take it."""
     e = w2.shape[0]
-    why = check(x, w13, w2, topk, activation, w13_scale, w2_scale) or check_logits(logits, x, e, score)
+    why = check(x, w13, w2, topk, w13_scale, w2_scale) or check_logits(logits, x, e, score)
     if why is not None:
         raise ValueError(f"fused_moe_logits_cuda: {why}")
     route = dict(route=ROUTE_SCORES[score], renorm=renormalize, e_lanes=-(-e // 32),

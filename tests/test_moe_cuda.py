@@ -35,10 +35,14 @@ def test_source_compiles_for_hopper():
 
 def test_check_names_what_the_kernels_cannot_take():
     x, w13, w2, ids, w = problem("cpu", torch.bfloat16, 1, 64, 32, 4, 2, "silu", 0)
-    args = (w13, w2, w, ids, "silu")
-    assert "CUDA device" in moe_cuda.check(x, *args)
+    assert "CUDA device" in moe_cuda.check(x, w13, w2, 2)
     with pytest.raises(ValueError, match=r"fused_moe_cuda: .*CUDA device"):
-        moe_cuda.fused_moe_cuda(x, *args)
+        moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, "silu")
+    logits = torch.randn(1, 4)
+    assert "score='top1'" in moe_cuda.check_logits(logits, x, 4, "top1")
+    assert "float32 or torch.bfloat16 [1, 4]" in moe_cuda.check_logits(logits.half(), x, 4, "softmax")
+    assert "at most 256 experts" in moe_cuda.check_logits(torch.randn(1, 300), x, 300, "softmax")
+    assert moe_cuda.check_logits(logits, x, 4, "sigmoid") is None
 
 
 @pytest.mark.interp
@@ -96,7 +100,7 @@ def test_split_k_and_odd_widths():
 def test_unsupported_operands_fall_back_in_fused_moe():
     # fp32 activations: the table's CUDA entry falls back to the Triton kernels.
     x, w13, w2, ids, w = problem("cuda", torch.float32, 1, 256, 96, 8, 2, "silu", 6)
-    assert "bf16 or fp16" in moe_cuda.check(x, w13, w2, w, ids, "silu")
+    assert "bf16 or fp16" in moe_cuda.check(x, w13, w2, 2)
     configs = (moe_cuda.UP_CANDIDATES[1], moe_cuda.DOWN_CANDIDATES[1])
     out = fused_moe_triton(x, w13, w2, w, ids, "silu", configs=configs)
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
