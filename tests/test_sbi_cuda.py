@@ -15,6 +15,14 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def maybe_int8(w, int8):
+    """(w, None), or w [N, K] quantized: (int8 weight, per-row scale [N])."""
+    if not int8:
+        return w, None
+    q, s = kernels.quantize_int8(w[None])
+    return q[0], s[0]
+
+
 def test_source_compiles_for_hopper():
     # NVRTC runs ptxas too, so inline PTX and register allocation are checked here.
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the test extras install cupy and NVRTC")
@@ -50,10 +58,7 @@ def test_matches_reference(dtype, t, k, n, norm, int8, cfg):
     gen = torch.Generator().manual_seed(t * 31 + k + n)
     x = (torch.randn(t, k, generator=gen) * 2 + 0.5).to("cuda", dtype)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to("cuda", dtype)
-    scale = None
-    if int8:
-        q, s = kernels.quantize_int8(w[None])
-        w, scale = q[0], s[0]
+    w, scale = maybe_int8(w, int8)
     bias = torch.randn(n, generator=gen).to("cuda", dtype)
     residual = torch.randn(t, n, generator=gen).to("cuda", dtype)
     nrm, g, gb = None, None, None
@@ -80,10 +85,7 @@ def test_graph_replay_and_dense_linear(int8, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(4, 2048, generator=gen).to("cuda", torch.bfloat16)
     w = (torch.randn(3000, 2048, generator=gen) / 45).to("cuda", torch.bfloat16)
-    scale = None
-    if int8:
-        q, s = kernels.quantize_int8(w[None])
-        w, scale = q[0], s[0]
+    w, scale = maybe_int8(w, int8)
     cfg = dict(bn=4, warps=4, unroll=2, split_k=2)
     eager = sbi_cuda.sbi_linear_cuda(x, w, scale, config=cfg)
     side = torch.cuda.Stream()
@@ -138,10 +140,7 @@ def test_norm_linear_cuda_matches_add_norm_gemm(dtype, t, k, n, int8):
     r = (torch.randn(t, k, generator=gen) * 3).to("cuda", dtype)
     g = (torch.rand(k, generator=gen) + 0.5).to("cuda", dtype)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to("cuda", dtype)
-    scale = None
-    if int8:
-        q, sc = kernels.quantize_int8(w[None])
-        w, scale = q[0], sc[0]
+    w, scale = maybe_int8(w, int8)
     bias = torch.randn(n, generator=gen).to("cuda", dtype)
     for cfg in (None, dict(bn=2, warps=4, unroll=2, split_k=3)):
         y, s = sbi_cuda.sbi_norm_linear_cuda(x, r, ("rmsnorm", g, None, 1e-6), w, scale, bias, cfg)
