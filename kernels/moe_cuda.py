@@ -298,7 +298,7 @@ DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
                                                           (1, 2))]
 
 
-def default_configs(t: int, h: int, f: int, topk: int, sms: int) -> tuple[dict, dict]:
+def default_configs(t: int, h: int, sms: int) -> tuple[dict, dict]:
     """(up, down) launch configurations when the table has none for this shape."""
     up = dict(backend="cuda", bn=4, warps=4, unroll=2)
     down = dict(backend="cuda", bn=4, warps=4, unroll=4, split_k=1)
@@ -394,7 +394,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     up, down = configs if configs is not None else (None, None)
     if up is None or down is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        default_up, default_down = default_configs(t, h, f, topk, sms)
+        default_up, default_down = default_configs(t, h, sms)
         up, down = up or default_up, down or default_down
     int8, gated, dt = w13.dtype == torch.int8, activation == "silu", DTYPES[x.dtype]
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]

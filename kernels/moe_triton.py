@@ -91,6 +91,19 @@ def grouped_mm_ok(cfg: dict, a: torch.Tensor, w: torch.Tensor) -> bool:
         and a.stride(1) == 1 and w.is_contiguous()
 
 
+def _table_configs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int) -> tuple[dict, dict]:
+    """The (up, down) launch configurations of the table (or the heuristic) for x [T, H]."""
+    (t, h), (e, _, f) = x.shape, w2.shape
+    return (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, x.element_size()),
+            launch_config("down", x.device, t, e, h, f, w2.dtype, topk, x.element_size()))
+
+
+def _cuda_pair(up_cfg: dict, down_cfg: dict) -> tuple[dict, dict | None]:
+    """The CUDA kernels' configurations: the down entry only if the table chose CUDA there
+    too (else the CUDA default, as the two kernels come as a pair)."""
+    return up_cfg, down_cfg if down_cfg.get("backend") == "cuda" else None
+
+
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
                      w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
@@ -104,17 +117,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     f = w2.shape[2]
     n = t * topk
     size = x.element_size()
-    if configs is None:
-        configs = (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, size),
-                   launch_config("down", x.device, t, e, h, f, w2.dtype, topk, size))
-    up_cfg, down_cfg = configs
+    up_cfg, down_cfg = configs if configs is not None else _table_configs(x, w13, w2, topk)
     if up_cfg.get("backend") == "cuda":
         # Where the table chose the CUDA decode kernels (small T, measured faster). No pair
         # is dropped when each expert can keep T pairs: an expert appears once per token.
         if capacity is None or capacity >= t:
             try:
                 return fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
-                                      (up_cfg, down_cfg if down_cfg.get("backend") == "cuda" else None))
+                                      _cuda_pair(up_cfg, down_cfg))
             except ValueError:  # operands those kernels cannot take (fp32, odd widths): Triton
                 pass
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else NUM_SMS_DEFAULT
@@ -157,14 +167,11 @@ def fused_moe_logits_triton(x: torch.Tensor, logits: torch.Tensor, topk: int, w1
                             w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``kernels.fused_moe_logits``: the CUDA decode kernels with the gating
     inside where the table chose them for this T, else the routing launch and the experts."""
-    t, h = x.shape
-    e, f = w2.shape[0], w2.shape[2]
-    up_cfg = launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, x.element_size())
+    up_cfg, down_cfg = _table_configs(x, w13, w2, topk)
     if up_cfg.get("backend") == "cuda":
-        down_cfg = launch_config("down", x.device, t, e, h, f, w2.dtype, topk, x.element_size())
         try:
             return fused_moe_logits_cuda(x, logits, topk, w13, w2, activation, score, renormalize, w13_scale,
-                                         w2_scale, (up_cfg, down_cfg if down_cfg.get("backend") == "cuda" else None))
+                                         w2_scale, _cuda_pair(up_cfg, down_cfg))
         except ValueError:  # operands the CUDA kernels cannot take: the routing launch first
             pass
     ids, weights, maps = route_triton(logits, topk, score, renormalize)
