@@ -210,6 +210,16 @@ class Attention(nn.Module):
         # The fused decode kernel covers power-of-two head dims, and an all-heads q/k norm
         # only when this rank holds all heads (otherwise the norm needs an all-reduce).
         self.fusable = kernels.qkv_decode_supported(d) and not (cfg.qk_norm == "full" and tp.size > 1)
+        # A static-shape decode step (the graph path) runs the epilogue and the attention in
+        # one launch (kernels.qkv_attention). scripts/diag_decode_ab.py --off fused-attention.
+        self.fused_attention = True
+
+    def _epilogue(self) -> tuple:
+        """The fused kernels' q / k norm, its weights and eps, and the clip."""
+        norm = getattr(self, "q_norm", None)
+        if norm is None:
+            return None, None, None, 1e-6, self.clip_qkv
+        return self.qk_norm, norm.weight, self.k_norm.weight, norm.eps, self.clip_qkv
 
     def _fused_decode(self, qkv: torch.Tensor, ctx: StepContext, cache, layer: int):
         """q [B, Hq, T, D], k, v [B, Hkv, S, D] through one fused kernel (norms, clip,
@@ -219,11 +229,8 @@ class Attention(nn.Module):
         b, t, _ = qkv.shape
         if not (self.fusable and qkv.is_cuda and type(cache) is KVCache):
             return None
-        norm = getattr(self, "q_norm", None)
-        q = kernels.qkv_decode(
-            qkv, self.num_heads, self.num_kv_heads, self.head_dim, cache.k[layer], cache.v[layer],
-            ctx.start, ctx.cos, ctx.sin, self.qk_norm if norm else None, norm.weight if norm else None,
-            self.k_norm.weight if norm else None, norm.eps if norm else 1e-6, self.clip_qkv)
+        q = kernels.qkv_decode(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cache.k[layer],
+                               cache.v[layer], ctx.start, ctx.cos, ctx.sin, *self._epilogue())
         if ctx.causal:
             return q, cache.k[layer, :, :, :t], cache.v[layer, :, :, :t]
         return (q, *cache.visible(layer, ctx.start, t))
@@ -241,6 +248,12 @@ class Attention(nn.Module):
 
     def _attend(self, qkv: torch.Tensor, ctx: StepContext, cache: KVCache | None, layer: int) -> torch.Tensor:
         b, t, _ = qkv.shape
+        if (self.fused_attention and self.fusable and qkv.is_cuda and t == 1 and type(cache) is KVCache
+                and torch.is_tensor(ctx.start) and ctx.attn_mask.is_floating_point()):
+            out = kernels.qkv_attention(qkv.reshape(b, -1), self.num_heads, self.num_kv_heads, self.head_dim,
+                                        cache.k[layer], cache.v[layer], ctx.start, ctx.attn_mask, ctx.cos, ctx.sin,
+                                        *self._epilogue())  # [B, Hq, D]
+            return self.o_proj(out.view(b, 1, -1))
         fused = self._fused_decode(qkv, ctx, cache, layer)
         if fused is not None:
             q, k, v = fused

@@ -8,6 +8,7 @@ import torch
 
 from kernels.argmax import argmax_ref, argmax_triton
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from kernels.qkv_attention import qkv_attention_ref, qkv_attention_triton
 from kernels.linear_select import dense_linear, norm_linear
 from kernels.norm import (ROUTER_MAX_ROWS, rms_norm_ref, rms_norm_router_ref, rms_norm_router_triton,
                           rms_norm_triton)
@@ -192,6 +193,17 @@ def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, c
               k_norm_w, eps, clip)
 
 
+def qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
+                  qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
+    """A static-shape decode step's attention from the QKV GEMM's output qkv [B, W] (one
+    token per row, cache slot ``slot`` a 0-d tensor, additive mask ``bias`` of B x S): the
+    QKV epilogue, the cache append and the attention in one launch on a GPU -> [B, Hq, D]
+    (see ``qkv_attention_ref``)."""
+    fn = qkv_attention_triton if qkv.is_cuda else qkv_attention_ref
+    return fn(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin, qk_norm, q_norm_w,
+              k_norm_w, eps, clip)
+
+
 def sbi_linear(x, w, scale=None, bias=None, residual=None, norm=None):
     """The small-batch GEMM with deep fusion: y = norm(x) @ W.T (+ bias) (+ residual), x [T, K]
     with T <= 64, W [N, K] (int8 with per-row ``scale``); ``norm`` = (kind, weight, bias, eps)."""
@@ -206,6 +218,7 @@ __all__ = [
     "rms_norm", "rms_norm_ref", "rms_norm_triton", "ROUTER_MAX_ROWS",
     "rms_norm_router", "rms_norm_router_ref", "rms_norm_router_triton",
     "qkv_decode", "qkv_decode_ref", "qkv_decode_supported", "qkv_decode_triton",
+    "qkv_attention", "qkv_attention_ref", "qkv_attention_triton",
     "dense_linear", "norm_linear", "linear_triton", "sbi_linear", "sbi_linear_cuda", "sbi_linear_ref", "sbi_linear_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "fused_moe_logits", "fused_moe_logits_triton", "quantize_int8", "dequantize_ref",
     "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref",

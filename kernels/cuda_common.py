@@ -4,10 +4,18 @@ split-K reduction kernel; compilation through CuPy (NVRTC); and a launcher that 
 a kernel with programmatic dependent launch (PDL), which CuPy's own launch cannot.
 
 PDL (see ``kernels/pdl.py``): a kernel launched with it may start while the kernel
-before it is finishing. Every kernel here calls ``grid_dep_wait()`` in every block before
+before it is finishing. Every kernel here calls ``grid_dep_enter()`` (the wait) in every block before
 it reads anything an earlier kernel wrote (a no-op without PDL), and may load weights,
 which no kernel writes, before that: the first weight loads of a step then overlap the
 previous kernel's tail.
+
+Two launch-time switches (module attributes, read at each launch and compiled in as
+macros, so an A/B run can flip them inside one process): ``pdl.EARLY_TRIGGER`` (each
+kernel lets the next launch before its own wait; see ``kernels/pdl.py``) and
+``L2_PREFETCH``: before its wait, a GEMM block asks L2 for every weight line it will
+read (``prefetch_l2``). With the early trigger the next GEMM's blocks are resident while
+the small kernels before it run, so its weights stream into L2 while the memory system
+would otherwise idle, and its main loop then reads them from L2.
 """
 from __future__ import annotations
 
@@ -17,9 +25,18 @@ import functools
 import numpy as np
 import torch
 
+from kernels import pdl
 from kernels.pdl import pdl_on
 
+L2_PREFETCH = True
+
 COMMON = r"""
+#ifndef PDL_EARLY
+#define PDL_EARLY 0
+#endif
+#ifndef L2PF
+#define L2PF 0
+#endif
 typedef unsigned short u16;
 typedef unsigned int u32;
 #define THREADS (WARPS * 32)
@@ -38,6 +55,30 @@ __device__ __forceinline__ void grid_dep_wait() {  // PDL: the previous kernel h
 __device__ __forceinline__ void grid_dep_launch() {  // PDL: the next kernel may start
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ void grid_dep_enter() {  // both, in the order PDL_EARLY picks
+#if PDL_EARLY
+  grid_dep_launch();
+  grid_dep_wait();
+#else
+  grid_dep_wait();
+  grid_dep_launch();
+#endif
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {  // one line into L2, no register
+  asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(p));
+}
+
+// Lines [0, bytes) of `rows` rows `pitch` bytes apart from `base`, spread over the block's
+// threads (L2PF only): called before the wait, for the weights a block will stream.
+__device__ __forceinline__ void prefetch_rows(const char* base, int rows, size_t pitch, size_t bytes) {
+#if L2PF
+  const int lines = (int)((bytes + 127) / 128);
+  for (int i = threadIdx.x; i < rows * lines; i += blockDim.x)
+    prefetch_l2(base + (size_t)(i / lines) * pitch + (size_t)(i % lines) * 128);
 #endif
 }
 
@@ -157,8 +198,7 @@ __device__ __forceinline__ float warps_total(float (*part)[NV], int j) {
 extern "C" __global__ void splitk_reduce(const float* __restrict__ part, const u16* __restrict__ bias,
                                          const u16* __restrict__ res, u16* __restrict__ out, int S, int T, int N,
                                          long long stride_res, long long stride_o) {
-  grid_dep_wait();
-  grid_dep_launch();
+  grid_dep_enter();
   const int t = blockIdx.y, n = blockIdx.x * blockDim.x + threadIdx.x;
   if (n >= N) return;
   float v = 0.f;
@@ -208,6 +248,9 @@ def _driver():
 def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tuple, block: int, args: tuple):
     """Launches kernel ``name`` on the current stream of ``device``; with PDL where
     ``kernels.pdl`` turns it on. ``args`` are numpy scalars (pointers as np.uint64)."""
+    opts = tuple(opts) + (f"-DL2PF={int(L2_PREFETCH)}",)
+    if not any(o.startswith("-DPDL_EARLY=") for o in opts):  # a kernel may pin the late trigger
+        opts += (f"-DPDL_EARLY={int(pdl.EARLY_TRIGGER)}",)
     _, handle = function(device.index, source, name, opts)
     grid = tuple(grid) + (1,) * (3 - len(grid))
     attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)

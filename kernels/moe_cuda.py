@@ -25,7 +25,9 @@ top-k gating themselves, each block for its token (k rounds of a warp argmax ove
 The down kernel loads the ids (or computes them) and its first weights before waiting
 for the up kernel (PDL): the ids or logits come from a kernel before the up GEMM, which
 has completed once every up block has passed its own wait, the condition for the down
-grid to start.
+grid to start (the up kernel never takes ``pdl.EARLY_TRIGGER``'s early trigger). With
+``cuda_common.L2_PREFETCH`` the down blocks then also send the rest of their weights to
+L2 before the wait.
 
 Compile-time parameters: BN, WARPS, U, INT8, DT (0 bf16, 1 fp16), GATED (SiLU gate * up,
 else GeLU), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials),
@@ -133,8 +135,7 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
        u16* __restrict__ h,              // [P, F] out
        int H, int F, int topk, long long stride_x, int E) {
   const int tid = threadIdx.x, p = blockIdx.y, n0 = blockIdx.x * BN;
-  grid_dep_wait();  // x and the ids (or logits) are earlier kernels' outputs
-  grid_dep_launch();
+  grid_dep_enter();  // x and the ids (or logits) are earlier kernels' outputs
 #if ROUTE
   int top[MAX_K];
   float top_w[MAX_K];
@@ -244,8 +245,12 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   };
   int kb = k_lo + tid * WVEC;
   load_step(kb);
-  grid_dep_wait();  // h is the up kernel's output
-  grid_dep_launch();
+  for (int s = k_lo / F; s * F < k_hi; ++s) {  // the rest of the block's weights on the way to L2
+    const int lo = max(k_lo, s * F) - s * F, hi = min(k_hi, (s + 1) * F) - s * F;
+    prefetch_rows((const char*)w2 + (((size_t)expert[s] * H + n0) * F + lo) * W_BYTES, min(BN, H - n0),
+                  (size_t)F * W_BYTES, (size_t)(hi - lo) * W_BYTES);
+  }
+  grid_dep_enter();  // h is the up kernel's output
 
   float acc[BN];
 #pragma unroll
@@ -398,7 +403,10 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
         up, down = up or default_up, down or default_down
     int8, gated, dt = w13.dtype == torch.int8, activation == "silu", DTYPES[x.dtype]
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]
-    launch(x.device, SOURCE, "moe_up", options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, **route),
+    # The up kernel lets the down kernel launch only after its own wait (never early): the
+    # down kernel reads the ids before its wait, and they are from the kernel before this one.
+    up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, **route) + ("-DPDL_EARLY=0",)
+    launch(x.device, SOURCE, "moe_up", up_opts,
            (-(-f // up["bn"]), t * topk), up["warps"] * 32,
            (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h), np.int32(f),
             np.int32(topk), np.int64(x.stride(0)), np.int32(e)))
@@ -426,9 +434,10 @@ def compile_all(arch: str = "sm_90") -> int:
     for i, (int8, dt, gated) in enumerate(itertools.product((False, True), DTYPES.values(), (False, True))):
         up, down = UP_CANDIDATES[i % len(UP_CANDIDATES)], DOWN_CANDIDATES[i % len(DOWN_CANDIDATES)]
         route = dict(route=i % 3, renorm=i % 2 == 0, e_lanes=1 + i % 8, logits_f32=i % 4 < 2)
+        launch_flags = (f"-DL2PF={i % 2}", f"-DPDL_EARLY={i // 2 % 2}")  # what ``launch`` adds
         compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, ids64=i % 2 == 0,
-                                      **route), arch, "moe_cuda.cu")
+                                      **route) + launch_flags, arch, "moe_cuda.cu")
         compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
-                                      ids64=i % 2 == 1, **route), arch, "moe_cuda.cu")
+                                      ids64=i % 2 == 1, **route) + launch_flags, arch, "moe_cuda.cu")
         count += 2
     return count

@@ -10,6 +10,17 @@ Contract for every kernel launched here with PDL (``PDL=True``): call ``pdl_ente
 in every program, before reading anything an earlier kernel wrote, and before any early
 return. (A kernel that could finish without waiting would let the next one see its own
 predecessor unfinished.) ``MOE_INFER_PDL=0`` turns it off, for A/B runs.
+
+Early trigger (``EARLY_TRIGGER``, on by default): each kernel lets the next one launch
+before its own wait, not after it. That is still safe: kernel n + 1 waits for kernel n to
+complete, and kernel n cannot complete before its own wait for kernel n - 1 has returned,
+so every earlier kernel's writes are visible to n + 1 after its wait, transitively. What
+it gains: the next kernel's blocks become resident (as far as the SMs have room) while
+the one before is still running, and stream their weights into L2 before they wait
+(``cuda_common``'s prefetch). What it gives up: a kernel may not read, before its wait,
+what the kernel two back wrote, unless the kernel between keeps the late trigger. Only
+``moe_cuda``'s down kernel does so (the routing ids), and the up kernel before it always
+triggers after its wait.
 """
 from __future__ import annotations
 
@@ -21,8 +32,8 @@ import triton
 import triton.language as tl
 
 
-OFF = {"PDL": False}
-ON = {"PDL": True, "launch_pdl": True}
+OFF = {"PDL": 0}
+EARLY_TRIGGER = True  # read at each launch, so an A/B run can switch it inside one process
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,25 +41,31 @@ def _launch(device_type: str, index: int | None) -> dict:
     if device_type != "cuda" or os.environ.get("MOE_INFER_PDL", "1") == "0":
         return OFF
     index = index if index is not None else torch.cuda.current_device()
-    return ON if torch.cuda.get_device_capability(index)[0] >= 9 else OFF
+    return {"PDL": 1, "launch_pdl": True} if torch.cuda.get_device_capability(index)[0] >= 9 else OFF
 
 
 def pdl_on(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL (as ``pdl_launch`` decides)."""
-    return _launch(device.type, device.index)["PDL"]
+    return _launch(device.type, device.index)["PDL"] > 0
 
 
 def pdl_launch(device: torch.device) -> dict:
     """Keyword arguments for a Triton launch on ``device``: the kernel's ``PDL`` constexpr,
     and the launch option where PDL is on: a CUDA GPU of compute capability 9.0 or later,
     unless ``MOE_INFER_PDL=0`` (read once per process and device). The CPU interpreter
-    takes no launch options."""
-    return _launch(device.type, device.index)
+    takes no launch options. ``PDL`` is 0 (off), 1 (wait, then let the next kernel launch)
+    or 2 (the other order: ``EARLY_TRIGGER``)."""
+    kw = _launch(device.type, device.index)
+    return {**kw, "PDL": 2} if kw["PDL"] and EARLY_TRIGGER else kw
 
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """Wait for the previous kernel in the stream, then let the next one be launched."""
-    if PDL:
+    """Wait for the previous kernel in the stream and let the next one be launched (in the
+    order ``PDL`` gives, see ``pdl_launch``)."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif PDL == 1:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -32,16 +32,25 @@ def _rnd(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _normed_rotated(base, w_ptr, cos, sin, heads, d, partner, sign, eps, clip,
+def _full_rstd(base, eps, H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr):
+    """1 / RMS over all H * D values of one row's q or k (the all-heads norm, before the clip)."""
+    heads = tl.arange(0, H_P)
+    x = tl.load(base + heads[:, None] * D + tl.arange(0, D)[None, :], mask=(heads < H)[:, None],
+                other=0.0).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (H * D) + eps)
+
+
+@triton.jit
+def _normed_rotated(base, w_ptr, cos, sin, heads, d, partner, sign, eps, clip, rstd,
                     H: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
                     ROPE: tl.constexpr, DT: tl.constexpr):
-    """[H_P, D] block of one row's q or k: clipped, normalised, rotated (float32 values
-    rounded to DT at each step the torch modules round)."""
+    """[H_P, D] block of some heads of one row's q or k: clipped, normalised, rotated (float32
+    values rounded to DT at each step the torch modules round). ``rstd``: the row's
+    ``_full_rstd`` where QK_NORM is 2 (over all heads), unused otherwise."""
     ok = (heads < H)[:, None] & (d < D)[None, :]
     x = tl.load(base + heads[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
     xp = tl.load(base + heads[:, None] * D + partner[None, :], mask=ok, other=0.0).to(tl.float32)
-    if QK_NORM == 2:  # over all H * D values of the row (before the clip, as the module does)
-        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (H * D) + eps)
+    if QK_NORM == 2:
         wx = tl.load(w_ptr + heads[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + heads[:, None] * D + partner[None, :], mask=ok, other=0.0).to(tl.float32)
         x = _rnd(_rnd(x * rstd, DT) * wx, DT)
@@ -83,13 +92,19 @@ def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr, kc_
         slot = tl.load(slot_ptr)
     slot += t
     row = qkv_ptr + r * stride_qkv
+    rstd_q = 1.0
+    rstd_k = 1.0
+    if QK_NORM == 2:
+        rstd_q = _full_rstd(row, eps, HQ, HQ_P, D)
+        rstd_k = _full_rstd(row + HQ * D, eps, HKV, HKV_P, D)
     hq = tl.arange(0, HQ_P)
-    q = _normed_rotated(row, qn_w_ptr, cos, sin, hq, d, partner, sign, eps, clip, HQ, D, QK_NORM, CLIP, ROPE, DT)
+    q = _normed_rotated(row, qn_w_ptr, cos, sin, hq, d, partner, sign, eps, clip, rstd_q, HQ, D, QK_NORM, CLIP,
+                        ROPE, DT)
     q_ok = (hq < HQ)[:, None]
     tl.store(q_ptr + (r * HQ + hq[:, None]) * D + d[None, :], q.to(DT), mask=q_ok)  # q [B, T, HQ, D]
     hk = tl.arange(0, HKV_P)
-    k = _normed_rotated(row + HQ * D, kn_w_ptr, cos, sin, hk, d, partner, sign, eps, clip, HKV, D, QK_NORM, CLIP,
-                        ROPE, DT)
+    k = _normed_rotated(row + HQ * D, kn_w_ptr, cos, sin, hk, d, partner, sign, eps, clip, rstd_k, HKV, D, QK_NORM,
+                        CLIP, ROPE, DT)
     kv_ok = (hk < HKV)[:, None]
     tl.store(kc_ptr + b * stride_kb + hk[:, None] * stride_kh + slot * stride_ks + d[None, :], k.to(DT), mask=kv_ok)
     v = tl.load(row + (HQ + HKV) * D + hk[:, None] * D + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)

@@ -81,8 +81,9 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
   };
   int kb = k_lo + tid * WVEC;
   load_step(kb);  // weights are no kernel's output: in flight before the wait
-  grid_dep_wait();
-  grid_dep_launch();
+  prefetch_rows(w_rows + (size_t)k_lo * W_BYTES, min(BN, N - n0), (size_t)stride_w * W_BYTES,
+                (size_t)(k_hi - k_lo) * W_BYTES);  // and the rest of them on the way to L2
+  grid_dep_enter();
 
 #if NORM
   __shared__ float stat[2][TP];  // mean, 1 / std of each row over all of K
@@ -311,7 +312,8 @@ def compile_all(arch: str = "sm_90") -> int:
     for i, (tp, int8, dt) in enumerate(itertools.product((1, 2, 4, 8, 16), (False, True), DTYPES.values())):
         bn, warps, unroll = tiles[i % len(tiles)]
         norm = i % len(NORMS)
-        compile_check(SOURCE, options(tp, bn, warps, unroll, int8, dt, norm, i % 2 == 1, norm == 1 and i % 4 < 2),
-                      arch, "sbi_cuda.cu")
+        launch_flags = (f"-DL2PF={i // 2 % 2}", f"-DPDL_EARLY={i // 4 % 2}")  # what ``launch`` adds
+        compile_check(SOURCE, options(tp, bn, warps, unroll, int8, dt, norm, i % 2 == 1, norm == 1 and i % 4 < 2)
+                      + launch_flags, arch, "sbi_cuda.cu")
         count += 1
     return count

@@ -9,6 +9,9 @@ is worth in the same run and on the same device:
   moe-cuda    the tuning table's CUDA MoE entries are dropped: the Triton grouped GEMM,
               the routing launch and the combine run as before those kernels
   cuda-pdl    the CUDA C++ kernels (SBI-GeMM, MoE) launch without PDL
+  fused-attention  the QKV epilogue launch and SDPA, not kernels.qkv_attention
+  pdl-early   every kernel lets the next launch only after its own wait
+  l2-prefetch the CUDA GEMMs do not send their weights to L2 before their wait
 --on (repeatable; both measured slower, so off by default):
   route-in    the gating inside the CUDA MoE kernels, no routing launch
   norm-in-qkv the attention's residual add and RMSNorm inside the QKV GEMM's launch
@@ -22,10 +25,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from kernels import cuda_common, moe_triton  # noqa: E402
+from dense import attention  # noqa: E402
+from kernels import cuda_common, moe_triton, pdl  # noqa: E402
 from moe_infer import model, moe_layer  # noqa: E402
 
-OFF = ("moe-cuda", "cuda-pdl")
+OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "l2-prefetch")
 ON = ("route-in", "norm-in-qkv")
 
 
@@ -39,6 +43,12 @@ def switch_off(part: str) -> None:
         moe_triton.launch_config.cache_clear()
     elif part == "cuda-pdl":
         cuda_common.pdl_on = lambda device: False
+    elif part == "fused-attention":
+        _after_init(attention.Attention, "fused_attention", False)
+    elif part == "pdl-early":
+        pdl.EARLY_TRIGGER = False
+    elif part == "l2-prefetch":
+        cuda_common.L2_PREFETCH = False
 
 
 def switch_on(part: str) -> None:
@@ -48,14 +58,14 @@ def switch_on(part: str) -> None:
         _after_init(model.Block, "norm_in_qkv")
 
 
-def _after_init(cls, flag: str) -> None:
-    """Every instance of ``cls`` built from now on has ``flag`` set to True."""
+def _after_init(cls, flag: str, value: bool = True) -> None:
+    """Every instance of ``cls`` built from now on has ``flag`` set to ``value``."""
     init = cls.__init__
 
-    def init_then_on(self, *args, **kwargs):
+    def init_then_set(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        setattr(self, flag, True)
-    cls.__init__ = init_then_on
+        setattr(self, flag, value)
+    cls.__init__ = init_then_set
 
 
 def main():

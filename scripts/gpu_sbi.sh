@@ -17,6 +17,9 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh normqkv [OUT]
 #       the fused add + RMSNorm + QKV GEMM's tests, OLMoE decode A/B (that fusion and the
 #       gating inside the MoE kernels switched on), Qwen3 decode, then decode-path tests
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh attn [OUT]
+#       the one-launch decode attention's tests first, OLMoE decode A/B (it, the early PDL
+#       trigger and the L2 weight prefetch each switched off), Qwen3 decode
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moetests [OUT]
 #       the GPU tests these changes touch, bench_moe at T = 1 and 8 with baselines
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
@@ -69,6 +72,18 @@ elif [ "$part" = normqkv ]; then
         TAIL=6 step qwen3_bf16 100 python scripts/bench_decode.py --model qwen3-30b-a3b --batches 1 \
             --new-tokens 128 --reps 5
         TAIL=8 step gpu_tests 120 $pytest_gpu tests/test_fused_decode.py tests/test_engine.py -k "measured_off or graph"
+    fi
+elif [ "$part" = attn ]; then
+    TAIL=6 step attn_smoke 150 $pytest_gpu -x tests/test_qkv_attention.py tests/test_fused_decode.py \
+        -k "qkv_attention or one_launch" || true
+    if grep -q " passed" "$out/attn_smoke.log" && ! grep -q "failed\|error" "$out/attn_smoke.log"; then
+        ab="python scripts/diag_decode_ab.py --model olmoe-1b-7b --batches 1 --new-tokens 128 --reps 5"
+        for v in none fused-attention pdl-early l2-prefetch none; do
+            TAIL=3 step "ab_$v" 70 $ab $([ $v = none ] || echo --off $v)
+            cat "$out/ab_$v.log" >> "$out/ab.log"
+        done
+        TAIL=6 step qwen3_bf16 100 python scripts/bench_decode.py --model qwen3-30b-a3b --batches 1 \
+            --new-tokens 128 --reps 5
     fi
 elif [ "$part" = moetests ]; then
     TAIL=8 step gpu_tests 400 $pytest_gpu tests/test_moe_cuda.py tests/test_fused_decode.py tests/test_engine.py \

@@ -189,6 +189,34 @@ def test_attention_fused_decode_equals_unfused(qk_norm):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qk_norm", ["none", "head", "full"])
+def test_attention_one_launch_equals_epilogue_then_sdpa(qk_norm):
+    """A static decode step through the module: kernels.qkv_attention (one launch) against
+    the QKV epilogue launch then SDPA (fused_attention off), as the graph decode runs them;
+    same output, same cache, with left padding in the mask."""
+    from dense.attention import KVCache, StepContext
+    from dense.rotary import Rotary
+
+    attn = _gpu_attention(qk_norm, seed=2)
+    b, s = 3, 128
+    x = torch.randn(b, 1, 256, device="cuda", dtype=torch.bfloat16)
+    key_valid = torch.arange(s, device="cuda")[None, :] >= torch.tensor([0, 4, 30], device="cuda")[:, None]
+    positions = torch.arange(s, device="cuda").expand(b, s).contiguous()
+    slot = torch.tensor(77, device="cuda")
+    ctx = StepContext.decode_static(slot, key_valid, positions, Rotary(64, 10000.0), torch.bfloat16)
+    caches = [KVCache(1, b, 2, s, 64, torch.bfloat16, "cuda") for _ in range(2)]
+    caches[1].k.copy_(caches[0].k.normal_()), caches[1].v.copy_(caches[0].v.normal_())
+    outs = []
+    with torch.no_grad():
+        for fused, cache in zip((True, False), caches):
+            attn.fused_attention = fused
+            outs.append(attn(x, ctx, cache, 0))
+    assert outs[0].shape == outs[1].shape == (b, 1, 256)
+    assert rel(outs[0], outs[1]) < 1e-2
+    assert rel(caches[0].k, caches[1].k) < 1e-3 and rel(caches[0].v, caches[1].v) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk_norm", ["none", "head", "full"])
 @pytest.mark.parametrize("no_padding", [True, False])
 def test_attention_fused_prefill_equals_unfused(qk_norm, no_padding):
     """A prefill through the fused epilogue (one program per token) and through the torch

@@ -1,0 +1,248 @@
+"""A decode step's attention in one launch: the QKV epilogue (q / k norms, clip, rotary,
+the KV-cache append) and the attention over the cache, with its split combine
+(DeepSpeed-Inference III-A's deep fusion, on the decode path).
+
+Shape letters: B rows, Hq / Hkv query / KV heads, G = Hq / Hkv query heads per KV head,
+D head dim, S cache slots, P key splits.
+
+One token per row, at cache slot ``slot`` (a 0-d device tensor: the step is captured in
+a CUDA graph and replayed for every slot). Program (b, KV head h, split p):
+- computes its G query heads' q and KV head h's new k and v from the QKV GEMM's output
+  row (each program recomputes the all-heads norm where the model has one: a row is a few
+  KB); program p = 0 writes k and v into the cache;
+- attends over its share of slots 0 .. slot - 1, the visible keys split evenly over the
+  P programs by the current slot, not by S (a short context in a long cache still spreads
+  over every program); blocks with no visible key cost no K / V reads. Program 0 adds the
+  fresh key from its registers: the query always sees its own key, as
+  ``StepContext.decode_static`` makes the mask;
+- keeps the running max, sum and weighted value sum in float32 (flash-decoding). With
+  P > 1 each program writes its partials and takes a ticket from a per-(b, h) counter; the
+  last of the P programs merges them and resets the counter, so there is no second launch.
+
+Replaces three launches (``qkv_decode``, SDPA, and the mask SDPA reads), and unlike SDPA
+it takes part in programmatic dependent launch: the output projection's weights are in
+flight while the attention runs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.pdl import pdl_enter, pdl_launch
+from kernels.qkv_decode import QK_NORMS, _check, _full_rstd, _normed_rotated, qkv_decode_ref, qkv_decode_supported
+
+NEG_INF = float("-inf")
+
+
+@triton.jit
+def _qkv_attention_kernel(
+    qkv_ptr,  # [B, (Hq + 2 Hkv) * D] the QKV GEMM's output
+    qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr,  # q / k norm weights, rotary tables [B, D]
+    kc_ptr, vc_ptr,  # [B, Hkv, S, D] this layer's cache
+    slot_ptr,  # 0-d int64: the step's cache slot
+    bias_ptr,  # [B, S] additive mask (0 / -inf) in any float dtype
+    out_ptr,  # [B, Hq, D]
+    m_ptr, l_ptr, acc_ptr,  # float32 partials [B, Hkv, G_P, P] (and [.., D]) when P > 1
+    count_ptr,  # int32 [B * Hkv] counters, zero between calls
+    eps, clip, scale, stride_qkv, stride_cos,
+    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_bias,
+    HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, G: tl.constexpr,
+    G_P: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_S: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    h, p = tl.program_id(1), tl.program_id(2)
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    cos = tl.zeros([D], tl.float32)
+    sin = tl.zeros([D], tl.float32)
+    if ROPE:
+        cos = tl.load(cos_ptr + b * stride_cos + d).to(tl.float32)
+        sin = tl.load(sin_ptr + b * stride_cos + d).to(tl.float32)
+    slot = tl.load(slot_ptr)
+    row = qkv_ptr + b * stride_qkv
+    rstd_q = 1.0
+    rstd_k = 1.0
+    if QK_NORM == 2:
+        rstd_q = _full_rstd(row, eps, HQ, HQ_P, D)
+        rstd_k = _full_rstd(row + HQ * D, eps, HKV, HKV_P, D)
+
+    g = tl.arange(0, G_P)
+    g_ok = g < G
+    heads = tl.where(g_ok, h * G + g, HQ)  # this KV head's query heads (HQ: padding, masked)
+    q = _normed_rotated(row, qn_w_ptr, cos, sin, heads, d, partner, sign, eps, clip, rstd_q, HQ, D, QK_NORM, CLIP,
+                        ROPE, DT) * scale  # [G_P, D]
+    first = tl.arange(0, 2) == 0  # k of head h as row 0 of a 2-row block (row 1 masked)
+    k2 = _normed_rotated(row + HQ * D, kn_w_ptr, cos, sin, tl.where(first, h, HKV), d, partner, sign, eps, clip,
+                         rstd_k, HKV, D, QK_NORM, CLIP, ROPE, DT)
+    k_new = tl.sum(tl.where(first[:, None], k2, 0.0), axis=0)  # [D]
+    v_new = tl.load(row + (HQ + HKV) * D + h * D + d).to(tl.float32)
+    if CLIP:
+        v_new = tl.minimum(tl.maximum(v_new, -clip), clip)
+    if p == 0:
+        tl.store(kc_ptr + b * stride_kb + h * stride_kh + slot * stride_ks + d, k_new.to(DT))
+        tl.store(vc_ptr + b * stride_vb + h * stride_vh + slot * stride_vs + d, v_new.to(DT))
+
+    m = tl.full([G_P], NEG_INF, tl.float32)
+    l = tl.zeros([G_P], tl.float32)
+    acc = tl.zeros([G_P, D], tl.float32)
+    span = tl.cdiv(tl.cdiv(slot + 1, P), BLOCK_S) * BLOCK_S  # slots 0 .. slot over the P programs
+    lo = p * span
+    hi = tl.minimum(lo + span, slot + 1)
+    for s0 in range(lo, hi, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        mine = (s < hi) & (s != slot)  # the slot's key is the fresh one, added below
+        bias = tl.load(bias_ptr + b * stride_bias + s, mask=mine, other=NEG_INF).to(tl.float32)
+        visible = mine & (bias > NEG_INF)
+        if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no K / V reads
+            k = tl.load(kc_ptr + b * stride_kb + h * stride_kh + s[:, None] * stride_ks + d[None, :],
+                        mask=visible[:, None], other=0.0).to(tl.float32)  # [BLOCK_S, D]
+            v = tl.load(vc_ptr + b * stride_vb + h * stride_vh + s[:, None] * stride_vs + d[None, :],
+                        mask=visible[:, None], other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) + bias[None, :]  # [G_P, BLOCK_S]
+            scores = tl.where(visible[None, :], scores, NEG_INF)
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(scores - m_new[:, None])
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v[None, :, :], axis=1)
+            l = l * alpha + tl.sum(w, axis=1)
+            m = m_new
+    if p == 0:  # the fresh key and value
+        score = tl.sum(q * k_new[None, :], axis=1)  # [G_P]
+        m_new = tl.maximum(m, score)
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(score - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * v_new[None, :]
+        l = l * alpha + w
+        m = m_new
+
+    out_rows = out_ptr + (b * HQ + heads)[:, None] * D + d[None, :]
+    if P == 1:
+        tl.store(out_rows, (acc / l[:, None]).to(DT), mask=g_ok[:, None])
+    else:
+        part = ((b * HKV + h) * G_P + g) * P + p  # [G_P] index into [B, Hkv, G_P, P]
+        tl.store(m_ptr + part, m)
+        tl.store(l_ptr + part, l)
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
+        tl.debug_barrier()  # every thread's partials are written before the ticket is taken
+        ticket = tl.atomic_add(count_ptr + b * HKV + h, 1, sem="acq_rel")
+        if ticket == P - 1:  # the last of the P programs: merge them
+            ps = tl.arange(0, P)
+            parts = ((b * HKV + h) * G_P + g[:, None]) * P + ps[None, :]  # [G_P, P]
+            mm = tl.load(m_ptr + parts, cache_modifier=".cg")
+            ll = tl.load(l_ptr + parts, cache_modifier=".cg")
+            aa = tl.load(acc_ptr + parts[:, :, None] * D + d[None, None, :], cache_modifier=".cg")  # [G_P, P, D]
+            m_all = tl.max(mm, axis=1)
+            wp = tl.where(mm > NEG_INF, tl.exp(mm - m_all[:, None]), 0.0)  # splits with no key weigh 0
+            o = tl.sum(wp[:, :, None] * aa, axis=1) / tl.sum(wp * ll, axis=1)[:, None]
+            tl.store(out_rows, o.to(DT), mask=g_ok[:, None])
+            tl.atomic_xchg(count_ptr + b * HKV + h, 0)  # ready for the next call (or graph replay)
+
+
+_COUNTS: dict = {}
+
+
+def _counts(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros, at least ``n``, kept per device: the kernel leaves them zero after each
+    call, so one buffer serves every layer and every captured graph (launches on one stream
+    never overlap)."""
+    buf = _COUNTS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
+def default_splits(b: int, hkv: int, s: int, block_s: int, sms: int) -> int:
+    """P: a power of two giving about two programs per SM, at most one per key block, at
+    most 64."""
+    p = 1
+    while b * hkv * p * 2 <= 2 * sms and p * 2 * block_s <= s and p < 64:
+        p *= 2
+    return p
+
+
+def _block_s(g_p: int, d: int) -> int:
+    """Keys per step: the [G, BLOCK_S, D] products stay about 8K floats a program."""
+    return max(8, min(64, 8192 // (g_p * d)))
+
+
+def check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias) -> int:
+    """-> B. Raises ValueError naming the operand where the fused step cannot take it."""
+    b, t = _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, None)
+    if t != 1:
+        raise ValueError(f"qkv {list(qkv.shape)}: one token per row, [B, W]")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads}: expected a multiple of num_kv_heads {num_kv_heads}")
+    if not qkv_decode_supported(head_dim):
+        raise ValueError(f"head_dim {head_dim}: expected a power of two")
+    if not torch.is_tensor(slot) or slot.numel() != 1:
+        raise ValueError(f"slot: expected a one-element device tensor, got {slot!r}")
+    s = k_cache.shape[2]
+    if bias.shape[0] != b or bias.shape[-1] != s or bias.numel() != b * s or not bias.is_floating_point():
+        raise ValueError(f"bias {list(bias.shape)} {bias.dtype}: expected an additive float mask of B x S = {b} x {s}")
+    return b
+
+
+def qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
+                      qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None):
+    """qkv [B, (Hq + 2 Hkv) * D] of one token per row -> attention output [B, Hq, D]. Writes
+    k and v at cache slot ``slot`` (0-d tensor) of k_cache / v_cache [B, Hkv, S, D] (as
+    ``qkv_decode_ref``), then attends over the cache under the additive mask ``bias``
+    ([B, S], or any shape of B x S values, e.g. [B, 1, 1, S]), softmax in float32 or wider."""
+    b = check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias)
+    q = qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
+                       q_norm_w, k_norm_w, eps, clip)[:, :, 0]  # [B, Hq, D]
+    ct = torch.promote_types(q.dtype, torch.float32)
+    g = num_heads // num_kv_heads
+    kk = k_cache.to(ct).repeat_interleave(g, dim=1)  # [B, Hq, S, D]
+    vv = v_cache.to(ct).repeat_interleave(g, dim=1)
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    scores = torch.einsum("bhd,bhsd->bhs", q.to(ct), kk) * scale + bias.reshape(b, 1, -1).to(ct)
+    return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv).to(q.dtype)
+
+
+def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
+                         qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None,
+                         splits: int | None = None):
+    """Same contract as ``qkv_attention_ref``, in one launch. The mask must leave each row's
+    own slot visible (``StepContext.decode_static`` does) and hide every slot after it.
+    ``splits``: P, a power of two (default ``default_splits``)."""
+    b = check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias)
+    if qk_norm not in QK_NORMS:
+        raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
+    hq, hkv, d, s = num_heads, num_kv_heads, head_dim, k_cache.shape[2]
+    g = hq // hkv
+    g_p = max(2, triton.next_power_of_2(g))
+    block_s = _block_s(g_p, d)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count if qkv.is_cuda else 4
+        splits = default_splits(b, hkv, s, block_s, sms)
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits={splits}: expected a power of two")
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    bias = bias.reshape(b, s)
+    rope = cos is not None
+    if rope:
+        cos, sin = cos.reshape(b, d), sin.reshape(b, d)
+    out = torch.empty(b, hq, d, dtype=qkv.dtype, device=qkv.device)
+    n_part = b * hkv * g_p * splits if splits > 1 else 1
+    m = torch.empty(n_part, dtype=torch.float32, device=qkv.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(n_part, d, dtype=torch.float32, device=qkv.device)
+    _qkv_attention_kernel[(b, hkv, splits)](
+        qkv, q_norm_w if q_norm_w is not None else qkv, k_norm_w if k_norm_w is not None else qkv,
+        cos if rope else qkv, sin if rope else qkv, k_cache, v_cache, slot, bias, out, m, l, acc,
+        _counts(qkv.device, b * hkv), float(eps), float(clip or 0.0),
+        scale if scale is not None else 1.0 / math.sqrt(d), qkv.stride(0), cos.stride(0) if rope else 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), bias.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
+        HKV_P=triton.next_power_of_2(hkv), G=g, G_P=g_p, D=d, QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None,
+        ROPE=rope, BLOCK_S=block_s, P=splits, num_warps=4, **pdl_launch(qkv.device))
+    return out
