@@ -30,11 +30,12 @@ def _run(device, dtype, b, hq, hkv, d, s, slot, qk_norm, rope, clip, splits, see
     bias = _mask(b, s, slot, dtype, device, torch.Generator().manual_seed(seed + 1), window)
     up = lambda z: None if z is None else z.double()  # noqa: E731
     kr, vr = kc.double(), vc.double()
-    ref = qkv_attention_ref(qkv.double(), hq, hkv, d, kr, vr, torch.tensor(slot), bias.double(), up(cos), up(sin),
-                            qk_norm, up(qw), up(kw), 1e-6, clip)
+    slot_t = torch.tensor(slot, device=device)
+    ref = qkv_attention_ref(qkv.double(), hq, hkv, d, kr, vr, slot_t, bias.double(), up(cos), up(sin), qk_norm, up(qw),
+                            up(kw), 1e-6, clip)
     kc0, vc0 = kc.clone(), vc.clone()
-    out = qkv_attention_triton(qkv, hq, hkv, d, kc, vc, torch.tensor(slot, device=device), bias, cos, sin, qk_norm,
-                               qw, kw, 1e-6, clip, splits=splits)
+    out = qkv_attention_triton(qkv, hq, hkv, d, kc, vc, slot_t, bias, cos, sin, qk_norm, qw, kw, 1e-6, clip,
+                               splits=splits)
     return out, ref, (kc, vc, kc0, vc0, kr, vr)
 
 
@@ -78,7 +79,7 @@ def test_qkv_attention_repeated_calls_and_steps(device, dtype):
     for slot in (10, 11, 12):
         qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen).to(device, dtype)
         bias = _mask(b, s, slot, dtype, device, gen)
-        ref = qkv_attention_ref(qkv.double(), hq, hkv, d, kr, vr, torch.tensor(slot), bias.double())
+        ref = qkv_attention_ref(qkv.double(), hq, hkv, d, kr, vr, torch.tensor(slot, device=device), bias.double())
         out = qkv_attention_triton(qkv, hq, hkv, d, kc, vc, torch.tensor(slot, device=device), bias, splits=4)
         assert rel(out, ref) < (2 * TOL[dtype] if dtype != torch.float32 else 1e-5)
 
