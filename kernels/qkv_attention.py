@@ -34,7 +34,7 @@ import triton.language as tl
 from kernels.pdl import pdl_enter, pdl_launch
 from kernels.qkv_decode import QK_NORMS, _check, _full_rstd, _normed_rotated, qkv_decode_ref, qkv_decode_supported
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
