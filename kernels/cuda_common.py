@@ -255,10 +255,10 @@ def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tupl
     grid = tuple(grid) + (1,) * (3 - len(grid))
     attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1
-    pdl = pdl_on(device)
+    use_pdl = pdl_on(device)
     config = _Config(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), shared_bytes=0,
                      stream=torch.cuda.current_stream(device).cuda_stream,
-                     attrs=ctypes.pointer(attr) if pdl else None, num_attrs=int(pdl))
+                     attrs=ctypes.pointer(attr) if use_pdl else None, num_attrs=int(use_pdl))
     values = [_C_TYPES[type(a)](a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
     err = _driver().cuLaunchKernelEx(ctypes.byref(config), handle, params, None)

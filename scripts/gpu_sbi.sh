@@ -74,8 +74,8 @@ elif [ "$part" = normqkv ]; then
         TAIL=8 step gpu_tests 120 $pytest_gpu tests/test_fused_decode.py tests/test_engine.py -k "measured_off or graph"
     fi
 elif [ "$part" = attn ]; then
-    TAIL=6 step attn_smoke 150 $pytest_gpu -x tests/test_qkv_attention.py tests/test_fused_decode.py \
-        -k "qkv_attention or one_launch" || true
+    TAIL=6 step attn_smoke 200 $pytest_gpu -x tests/test_qkv_attention.py tests/test_fused_decode.py \
+        tests/test_sbi_cuda.py tests/test_moe_cuda.py -k "qkv_attention and bf16 or one_launch or graph or table" || true
     if grep -q " passed" "$out/attn_smoke.log" && ! grep -q "failed\|error" "$out/attn_smoke.log"; then
         ab="python scripts/diag_decode_ab.py --model olmoe-1b-7b --batches 1 --new-tokens 128 --reps 5"
         for v in none fused-attention pdl-early l2-prefetch none; do
