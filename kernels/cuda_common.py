@@ -28,7 +28,7 @@ import torch
 from kernels import pdl
 from kernels.pdl import pdl_on
 
-L2_PREFETCH = True
+L2_PREFETCH = False  # measured slower (see docs/performance.md); diag_decode_ab.py --on l2-prefetch
 
 COMMON = r"""
 #ifndef PDL_EARLY
@@ -69,7 +69,7 @@ __device__ __forceinline__ void grid_dep_enter() {  // both, in the order PDL_EA
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {  // one line into L2, no register
-  asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(p));
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
 
 // Lines [0, bytes) of `rows` rows `pitch` bytes apart from `base`, spread over the block's

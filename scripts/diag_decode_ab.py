@@ -11,10 +11,10 @@ is worth in the same run and on the same device:
   cuda-pdl    the CUDA C++ kernels (SBI-GeMM, MoE) launch without PDL
   fused-attention  the QKV epilogue launch and SDPA, not kernels.qkv_attention
   pdl-early   every kernel lets the next launch only after its own wait
-  l2-prefetch the CUDA GEMMs do not send their weights to L2 before their wait
 --on (repeatable; both measured slower, so off by default):
   route-in    the gating inside the CUDA MoE kernels, no routing launch
   norm-in-qkv the attention's residual add and RMSNorm inside the QKV GEMM's launch
+  l2-prefetch the CUDA GEMMs send all their weights to L2 before their wait
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from dense import attention  # noqa: E402
 from kernels import cuda_common, moe_triton, pdl  # noqa: E402
 from moe_infer import model, moe_layer  # noqa: E402
 
-OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "l2-prefetch")
-ON = ("route-in", "norm-in-qkv")
+OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early")
+ON = ("route-in", "norm-in-qkv", "l2-prefetch")
 
 
 def switch_off(part: str) -> None:
@@ -47,8 +47,6 @@ def switch_off(part: str) -> None:
         _after_init(attention.Attention, "fused_attention", False)
     elif part == "pdl-early":
         pdl.EARLY_TRIGGER = False
-    elif part == "l2-prefetch":
-        cuda_common.L2_PREFETCH = False
 
 
 def switch_on(part: str) -> None:
@@ -56,6 +54,8 @@ def switch_on(part: str) -> None:
         _after_init(moe_layer.MoELayer, "route_in_experts")
     elif part == "norm-in-qkv":
         _after_init(model.Block, "norm_in_qkv")
+    elif part == "l2-prefetch":
+        cuda_common.L2_PREFETCH = True
 
 
 def _after_init(cls, flag: str, value: bool = True) -> None:
