@@ -13,6 +13,8 @@ Per-token time = (time of generate() with N + 1 new tokens - time with 1 new tok
 the prefill and the first token cancel out, what is left is N decode steps including
 sampling and the one host sync per token. Medians of ``--reps`` runs after a warm-up
 (which also captures the graphs). The greedy tokens of both modes are compared.
+"replay ms": the captured step replayed back to back, timed on the device: the step's
+own time, without the host loop and the gaps between replays.
 
 Floor per step: every weight but the experts and the embedding table; the experts a batch
 of B is expected to hit (E * (1 - (1 - k/E)^B) per MoE layer, routing taken as uniform);
@@ -53,6 +55,17 @@ def per_token_ms(engine, prompts, n, reps):
     t_one, _ = timed_generate(engine, prompts, 1, reps)
     t_all, out = timed_generate(engine, prompts, n + 1, reps)
     return 1e3 * (t_all - t_one) / n, [o.token_ids for o in out]
+
+
+def replay_ms(engine, batch: int) -> float | None:
+    """Device time of one captured decode step for ``batch`` rows: its graph replayed back
+    to back at the last slot generate() used, with no host loop in between (the per-token
+    figure also holds the host's share and the gap between replays). None without a graph."""
+    decoders = [d for d in engine._decoders.values() if d.graph is not None and d.batch >= batch]
+    if not decoders:
+        return None
+    step = min(decoders, key=lambda d: d.batch).graph.replay
+    return bc.time_fn(step, warmup=3, reps=50, device=engine.device) / 1e3
 
 
 def floor_bytes(engine, batch: int, context: int) -> int:
@@ -307,9 +320,11 @@ def main():
         eager_ms, eager_tokens = per_token_ms(engine, prompts, args.new_tokens, args.reps)
         engine.decode_mode = fast
         fast_ms, fast_tokens = per_token_ms(engine, prompts, args.new_tokens, args.reps)
+        replay = replay_ms(engine, b)
         same = sum(a == c for a, c in zip(eager_tokens, fast_tokens))
         nbytes = floor_bytes(engine, b, args.prompt_len + args.new_tokens // 2)
         rows.append({"batch": b, "eager_ms_per_token": eager_ms, f"{fast}_ms_per_token": fast_ms,
+                     "replay_ms_per_step": replay,
                      "speedup": eager_ms / fast_ms, "rows_with_equal_tokens": same, "floor_bytes": nbytes,
                      "floor_ms": nbytes / copy_gbs / 1e6 if copy_gbs else None})
     profile = None
@@ -344,10 +359,12 @@ def main():
 
     print(bc.format_table(
         ["batch", "eager ms/token", f"{fast} ms/token", "speedup", "same tokens", "floor MB", "floor ms",
-         f"{fast} / floor", "peer ms/token", "peer / ours"],
+         f"{fast} / floor", "replay ms", "replay / floor", "peer ms/token", "peer / ours"],
         [[r["batch"], f"{r['eager_ms_per_token']:.3f}", f"{r[f'{fast}_ms_per_token']:.3f}", f"{r['speedup']:.2f}x",
           f"{r['rows_with_equal_tokens']}/{r['batch']}", f"{r['floor_bytes'] / 1e6:.1f}", opt(r["floor_ms"], ".3f"),
           opt(r["floor_ms"] and r[f"{fast}_ms_per_token"] / r["floor_ms"], ".2f"),
+          opt(r["replay_ms_per_step"], ".3f"),
+          opt(r["floor_ms"] and r["replay_ms_per_step"] and r["replay_ms_per_step"] / r["floor_ms"], ".2f"),
           opt(r.get("peer_ms_per_token"), ".3f"),
           opt(r.get("peer_ms_per_token") and r["peer_ms_per_token"] / r[f"{fast}_ms_per_token"], ".2f")]
          for r in rows]))

@@ -18,9 +18,9 @@
 #       the fused add + RMSNorm + QKV GEMM's tests, OLMoE decode A/B (that fusion and the
 #       gating inside the MoE kernels switched on), Qwen3 decode, then decode-path tests
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh attn [OUT]
-#       the one-launch decode attention's tests first, OLMoE decode A/B (the L2 weight
-#       prefetch, the gating in the MoE kernels, the norm in the QKV GEMM each switched on;
-#       the one-launch attention off), Qwen3 decode, the engine tests
+#       the one-launch decode attention's tests first, OLMoE decode A/B (the parts in $AB,
+#       default: the early PDL trigger and the one-launch attention each switched off), then
+#       decode_more (OLMoE int8, Qwen3 bf16 and int8)
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moetests [OUT]
 #       the GPU tests these changes touch, bench_moe at T = 1 and 8 with baselines
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
@@ -76,16 +76,15 @@ elif [ "$part" = normqkv ]; then
     fi
 elif [ "$part" = attn ]; then
     TAIL=6 step attn_smoke 200 $pytest_gpu -x tests/test_qkv_attention.py tests/test_fused_decode.py \
-        tests/test_sbi_cuda.py tests/test_moe_cuda.py -k "qkv_attention and bf16 or one_launch or graph or table" || true
+        tests/test_sbi_cuda.py tests/test_moe_cuda.py -k "${SMOKE:-qkv_attention and bf16 or one_launch or graph or table}" \
+        || true
     if grep -q " passed" "$out/attn_smoke.log" && ! grep -q "failed\|error" "$out/attn_smoke.log"; then
         ab="python scripts/diag_decode_ab.py --model olmoe-1b-7b --batches 1 --new-tokens 128 --reps 5"
-        for v in none on-l2-prefetch off-fused-attention on-route-in on-norm-in-qkv none; do
+        for v in ${AB:-none off-pdl-early off-fused-attention none}; do
             TAIL=3 step "ab_$v" 70 $ab $([ $v = none ] || echo "--${v%%-*} ${v#*-}")
             cat "$out/ab_$v.log" >> "$out/ab.log"
         done
-        TAIL=6 step qwen3_bf16 100 python scripts/bench_decode.py --model qwen3-30b-a3b --batches 1 \
-            --new-tokens 128 --reps 5
-        TAIL=4 step engine_tests 120 $pytest_gpu tests/test_engine.py tests/test_default_model.py
+        decode_more 128 5 90
     fi
 elif [ "$part" = moetests ]; then
     TAIL=8 step gpu_tests 400 $pytest_gpu tests/test_moe_cuda.py tests/test_fused_decode.py tests/test_engine.py \
