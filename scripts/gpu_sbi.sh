@@ -21,6 +21,9 @@
 #       the one-launch decode attention's tests first, OLMoE decode A/B (the parts in $AB,
 #       default: the early PDL trigger and the one-launch attention each switched off), then
 #       decode_more (OLMoE int8, Qwen3 bf16 and int8)
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh attntests [OUT]
+#       the GPU tests of the decode path (attention, GEMMs, MoE, engine), then the OLMoE
+#       decode profile at batch 1
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moetests [OUT]
 #       the GPU tests these changes touch, bench_moe at T = 1 and 8 with baselines
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
@@ -86,6 +89,13 @@ elif [ "$part" = attn ]; then
         done
         decode_more 128 5 90
     fi
+elif [ "$part" = attntests ]; then
+    TAIL=10 step gpu_tests 400 $pytest_gpu tests/test_qkv_attention.py tests/test_fused_decode.py tests/test_engine.py \
+        tests/test_default_model.py tests/test_quant.py tests/test_moe_cuda.py \
+        tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager tests/test_sbi_cuda.py \
+        -k "not test_sbi_cuda or graph or 1-200-24"
+    TAIL=45 step olmoe_profile 150 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 128 \
+        --reps 3 --profile
 elif [ "$part" = moetests ]; then
     TAIL=8 step gpu_tests 400 $pytest_gpu tests/test_moe_cuda.py tests/test_fused_decode.py tests/test_engine.py \
         tests/test_quant.py tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
