@@ -4,12 +4,18 @@ rotary or none, one split or several (the in-kernel combine), a short context in
 cache and one that fills it, padding and a sliding window in the mask; repeated calls
 (the split counters reset); on CPU under the interpreter and on a GPU."""
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.qkv_attention import default_splits, qkv_attention_ref, qkv_attention_triton
 from tests.test_fused_decode import BACKENDS, TOL, _qkv_case, rel
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _mask(b, s, slot, dtype, device, gen, window=None):
@@ -105,3 +111,36 @@ def test_default_splits_fill_the_gpu_and_stay_within_the_cache():
     assert default_splits(1, 4, 40, 8, 132) == 4  # no more splits than key blocks
     assert default_splits(64, 16, 4096, 32, 132) == 1
     assert math.log2(default_splits(3, 5, 1000, 16, 132)).is_integer()
+
+
+_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.qkv_attention import _qkv_attention_kernel as kernel
+
+g, splits, qk_norm, pdl = (int(v) for v in sys.argv[1:])
+hkv, d = 4, 128
+const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_P=max(2, g), D=d, QK_NORM=qk_norm, CLIP=False,
+             ROPE=True, BLOCK_S=32, P=splits, PDL=pdl)
+types = {"slot_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32",
+         "eps": "fp32", "clip": "fp32", "scale": "fp32"}
+sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
+       for n in kernel.arg_names}
+compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print("cubin bytes", len(compiled.asm["cubin"]))
+"""
+
+
+@pytest.mark.parametrize("g,splits,qk_norm,pdl", [(1, 16, 2, 2), (8, 1, 1, 1), (4, 4, 0, 0)])
+def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl):
+    """The whole Triton compile for sm_90 (front end, ptxas), which needs no GPU: it checks
+    what the interpreter lets through (globals, constexpr and type rules, the PDL calls).
+    In a process of its own, without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", _COMPILE, str(g), str(splits), str(qk_norm), str(pdl)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert int(run.stdout.split()[-1]) > 0
