@@ -211,7 +211,8 @@ class Attention(nn.Module):
         # only when this rank holds all heads (otherwise the norm needs an all-reduce).
         self.fusable = kernels.qkv_decode_supported(d) and not (cfg.qk_norm == "full" and tp.size > 1)
         # A static-shape decode step (the graph path) runs the epilogue and the attention in
-        # one launch (kernels.qkv_attention). scripts/diag_decode_ab.py --off fused-attention.
+        # one launch (kernels.qkv_attention) where the cache is short enough for it
+        # (kernels.qkv_attention_fits). scripts/diag_decode_ab.py --off fused-attention.
         self.fused_attention = True
 
     def _epilogue(self) -> tuple:
@@ -249,7 +250,9 @@ class Attention(nn.Module):
     def _attend(self, qkv: torch.Tensor, ctx: StepContext, cache: KVCache | None, layer: int) -> torch.Tensor:
         b, t, _ = qkv.shape
         if (self.fused_attention and self.fusable and qkv.is_cuda and t == 1 and type(cache) is KVCache
-                and torch.is_tensor(ctx.start) and ctx.attn_mask.is_floating_point()):
+                and torch.is_tensor(ctx.start) and ctx.attn_mask.is_floating_point()
+                and kernels.qkv_attention_fits(b, self.num_heads, self.num_kv_heads, self.head_dim, cache.max_len,
+                                               torch.cuda.get_device_properties(qkv.device).multi_processor_count)):
             out = kernels.qkv_attention(qkv.reshape(b, -1), self.num_heads, self.num_kv_heads, self.head_dim,
                                         cache.k[layer], cache.v[layer], ctx.start, ctx.attn_mask, ctx.cos, ctx.sin,
                                         *self._epilogue())  # [B, Hq, D]

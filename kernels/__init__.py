@@ -8,7 +8,7 @@ import torch
 
 from kernels.argmax import argmax_ref, argmax_triton
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from kernels.qkv_attention import qkv_attention_ref, qkv_attention_triton
+from kernels.qkv_attention import fits as qkv_attention_fits, qkv_attention_ref, qkv_attention_triton
 from kernels.linear_select import dense_linear, norm_linear
 from kernels.norm import (ROUTER_MAX_ROWS, rms_norm_ref, rms_norm_router_ref, rms_norm_router_triton,
                           rms_norm_triton)
@@ -218,7 +218,7 @@ __all__ = [
     "rms_norm", "rms_norm_ref", "rms_norm_triton", "ROUTER_MAX_ROWS",
     "rms_norm_router", "rms_norm_router_ref", "rms_norm_router_triton",
     "qkv_decode", "qkv_decode_ref", "qkv_decode_supported", "qkv_decode_triton",
-    "qkv_attention", "qkv_attention_ref", "qkv_attention_triton",
+    "qkv_attention", "qkv_attention_fits", "qkv_attention_ref", "qkv_attention_triton",
     "dense_linear", "norm_linear", "linear_triton", "sbi_linear", "sbi_linear_cuda", "sbi_linear_ref", "sbi_linear_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "fused_moe_logits", "fused_moe_logits_triton", "quantize_int8", "dequantize_ref",
     "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.qkv_attention import default_splits, qkv_attention_ref, qkv_attention_triton
+from kernels.qkv_attention import default_splits, fits, qkv_attention_ref, qkv_attention_triton
 from tests.test_fused_decode import BACKENDS, TOL, _qkv_case, rel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,12 +105,16 @@ def test_qkv_attention_rejects_bad_input():
         qkv_attention_triton(qkv, 4, 2, 16, kc, kc.clone(), slot, bias, qk_norm="layer")
 
 
-def test_default_splits_fill_the_gpu_and_stay_within_the_cache():
-    assert default_splits(1, 16, 4096, 32, 132) == 16  # OLMoE batch 1: 256 programs
-    assert default_splits(1, 4, 4096, 8, 132) == 64  # Qwen3 batch 1
-    assert default_splits(1, 4, 40, 8, 132) == 4  # no more splits than key blocks
-    assert default_splits(64, 16, 4096, 32, 132) == 1
+def test_default_splits_fill_the_gpu_and_bound_each_split():
+    assert default_splits(1, 16, 192, 32, 132) == 8  # OLMoE batch 1, short cache: 128 programs, 24 keys each
+    assert default_splits(1, 4, 192, 8, 132) == 32  # Qwen3 batch 1
+    assert default_splits(1, 4, 40, 8, 132) == 8  # splitting stops once the splits cover the key blocks
+    assert default_splits(1, 16, 2176, 32, 132) == 64  # a long cache: at most MAX_KEYS slots per split
+    assert default_splits(64, 16, 128, 32, 132) == 2
     assert math.log2(default_splits(3, 5, 1000, 16, 132)).is_integer()
+    assert fits(1, 16, 16, 128, 192, 132) and fits(1, 16, 16, 128, 2176, 132)
+    assert not fits(8, 16, 16, 128, 2176, 132)  # 8192 programs: epilogue launch and SDPA instead
+    assert not fits(1, 16, 16, 128, 8192, 132)  # 128 slots per split even at P = 64
 
 
 _COMPILE = """
