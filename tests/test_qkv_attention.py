@@ -112,9 +112,10 @@ def test_default_splits_fill_the_gpu_and_bound_each_split():
     assert default_splits(1, 16, 2176, 32, 132) == 64  # a long cache: at most MAX_KEYS slots per split
     assert default_splits(64, 16, 128, 32, 132) == 2
     assert math.log2(default_splits(3, 5, 1000, 16, 132)).is_integer()
-    assert fits(1, 16, 16, 128, 192, 132) and fits(1, 16, 16, 128, 2176, 132)
-    assert not fits(8, 16, 16, 128, 2176, 132)  # 8192 programs: epilogue launch and SDPA instead
-    assert not fits(1, 16, 16, 128, 8192, 132)  # 128 slots per split even at P = 64
+    assert fits(1, 16, 16, 128, 192, 132) and fits(1, 32, 4, 128, 192, 132)  # OLMoE, Qwen3 at batch 1
+    assert not fits(8, 16, 16, 128, 192, 132)  # 512 programs: the epilogue launch and SDPA instead
+    assert not fits(1, 16, 16, 128, 2176, 132)  # 1024 programs
+    assert not fits(1, 4, 4, 128, 8192, 132)  # 128 slots per split even at P = 64
 
 
 _COMPILE = """
