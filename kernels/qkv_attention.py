@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_enter, pdl_launch
-from kernels.qkv_decode import QK_NORMS, _check, _full_rstd, _normed_rotated, qkv_decode_ref, qkv_decode_supported
+from kernels.qkv_decode import QK_NORMS, _check, _normed_rotated, _row_setup, qkv_decode_ref, qkv_decode_supported
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -58,21 +58,9 @@ def _qkv_attention_kernel(
     b = tl.program_id(0).to(tl.int64)
     h, p = tl.program_id(1), tl.program_id(2)
     DT: tl.constexpr = out_ptr.dtype.element_ty
-    d = tl.arange(0, D)
-    partner = (d + D // 2) % D
-    sign = tl.where(d < D // 2, -1.0, 1.0)
-    cos = tl.zeros([D], tl.float32)
-    sin = tl.zeros([D], tl.float32)
-    if ROPE:
-        cos = tl.load(cos_ptr + b * stride_cos + d).to(tl.float32)
-        sin = tl.load(sin_ptr + b * stride_cos + d).to(tl.float32)
+    row, d, partner, sign, cos, sin, rstd_q, rstd_k = _row_setup(qkv_ptr, cos_ptr, sin_ptr, b, stride_qkv, stride_cos,
+                                                                 eps, HQ, HKV, HQ_P, HKV_P, D, QK_NORM, ROPE)
     slot = tl.load(slot_ptr)
-    row = qkv_ptr + b * stride_qkv
-    rstd_q = 1.0
-    rstd_k = 1.0
-    if QK_NORM == 2:
-        rstd_q = _full_rstd(row, eps, HQ, HQ_P, D)
-        rstd_k = _full_rstd(row + HQ * D, eps, HKV, HKV_P, D)
 
     g = tl.arange(0, G_P)
     g_ok = g < G

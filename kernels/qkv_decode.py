@@ -41,6 +41,30 @@ def _full_rstd(base, eps, H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _row_setup(qkv_ptr, cos_ptr, sin_ptr, r, stride_qkv, stride_cos, eps, HQ: tl.constexpr, HKV: tl.constexpr,
+               HQ_P: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+               ROPE: tl.constexpr):
+    """What every program of token r needs first: its QKV row, the head-dim offsets d, their
+    rotate-half partners and signs, the row's cos / sin (zeros without rotary), and the
+    all-heads 1 / RMS of q and k (1.0 unless QK_NORM is 2)."""
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    cos = tl.zeros([D], tl.float32)
+    sin = tl.zeros([D], tl.float32)
+    if ROPE:
+        cos = tl.load(cos_ptr + r * stride_cos + d).to(tl.float32)
+        sin = tl.load(sin_ptr + r * stride_cos + d).to(tl.float32)
+    row = qkv_ptr + r * stride_qkv
+    rstd_q = 1.0
+    rstd_k = 1.0
+    if QK_NORM == 2:
+        rstd_q = _full_rstd(row, eps, HQ, HQ_P, D)
+        rstd_k = _full_rstd(row + HQ * D, eps, HKV, HKV_P, D)
+    return row, d, partner, sign, cos, sin, rstd_q, rstd_k
+
+
+@triton.jit
 def _normed_rotated(base, w_ptr, cos, sin, heads, d, partner, sign, eps, clip, rstd,
                     H: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
                     ROPE: tl.constexpr, DT: tl.constexpr):
@@ -80,23 +104,11 @@ def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr, kc_
     r = tl.program_id(0).to(tl.int64)  # token r = b * T + t: row b, cache slot slot + t
     b, t = r // T, r % T
     DT: tl.constexpr = q_ptr.dtype.element_ty
-    d = tl.arange(0, D)
-    partner = (d + D // 2) % D
-    sign = tl.where(d < D // 2, -1.0, 1.0)
-    cos = tl.zeros([D], tl.float32)
-    sin = tl.zeros([D], tl.float32)
-    if ROPE:
-        cos = tl.load(cos_ptr + r * stride_cos + d).to(tl.float32)
-        sin = tl.load(sin_ptr + r * stride_cos + d).to(tl.float32)
+    row, d, partner, sign, cos, sin, rstd_q, rstd_k = _row_setup(qkv_ptr, cos_ptr, sin_ptr, r, stride_qkv, stride_cos,
+                                                                 eps, HQ, HKV, HQ_P, HKV_P, D, QK_NORM, ROPE)
     if SLOT_PTR:
         slot = tl.load(slot_ptr)
     slot += t
-    row = qkv_ptr + r * stride_qkv
-    rstd_q = 1.0
-    rstd_k = 1.0
-    if QK_NORM == 2:
-        rstd_q = _full_rstd(row, eps, HQ, HQ_P, D)
-        rstd_k = _full_rstd(row + HQ * D, eps, HKV, HKV_P, D)
     hq = tl.arange(0, HQ_P)
     q = _normed_rotated(row, qn_w_ptr, cos, sin, hq, d, partner, sign, eps, clip, rstd_q, HQ, D, QK_NORM, CLIP,
                         ROPE, DT)
