@@ -15,8 +15,11 @@ Shape letters: T tokens, H hidden, E experts, k slots, F expert width, P = T * k
 Both stream weights as SBI-GeMM does (``kernels.sbi_cuda``: 16-byte loads along the
 reduction, U loads per row in flight, warp-shuffle then one shared-memory reduction).
 Weights are read once per pair, not once per expert: at T = 1 the k experts are
-distinct, so that is each active byte once; past T = 1 the Triton grouped GEMM, which
-groups pairs by expert, is used unless the tuning table chose this for that T.
+distinct, so that is each active byte once. Past T = 1 pairs share experts; the
+pair-major grid (``pair_major``: the blocks of all pairs for one column tile launch next
+to each other) has the pairs that share an expert read the same rows at about the same
+time, so the second read tends to come from L2. The Triton grouped GEMM, which groups
+pairs by expert, is used unless the tuning table chose this for that T.
 
 With router logits instead of ids (``fused_moe_logits_cuda``) both kernels compute the
 top-k gating themselves, each block for its token (k rounds of a warp argmax over at most
@@ -32,7 +35,8 @@ L2 before the wait.
 Compile-time parameters: BN, WARPS, U, INT8, DT (0 bf16, 1 fp16), GATED (SiLU gate * up,
 else GeLU), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials),
 ROUTE (0 ids given, 1 softmax, 2 sigmoid of the logits), RENORM, E_LANES (ceil(E / 32)),
-LOGITS_F32 (float32 logits, else the activations' dtype).
+LOGITS_F32 (float32 logits, else the activations' dtype), PAIR_MAJOR (grid: pairs / tokens
+fastest, else column tiles fastest).
 """
 from __future__ import annotations
 
@@ -134,7 +138,12 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
        const float* __restrict__ pair_w, // [P] combine weight of each pair (ROUTE: unused)
        u16* __restrict__ h,              // [P, F] out
        int H, int F, int topk, long long stride_x, int E) {
-  const int tid = threadIdx.x, p = blockIdx.y, n0 = blockIdx.x * BN;
+  const int tid = threadIdx.x;
+#if PAIR_MAJOR
+  const int p = blockIdx.x, n0 = blockIdx.y * BN;
+#else
+  const int p = blockIdx.y, n0 = blockIdx.x * BN;
+#endif
   grid_dep_enter();  // x and the ids (or logits) are earlier kernels' outputs
 #if ROUTE
   int top[MAX_K];
@@ -206,7 +215,12 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
          const void* __restrict__ ids,     // [P] expert of each pair (ROUTE: [T, E] router logits)
          void* __restrict__ out,           // [T, H] (PARTIAL: float32 [S, T, H])
          int H, int F, int topk, int k_span, long long stride_o, int E) {
-  const int tid = threadIdx.x, t = blockIdx.z, n0 = blockIdx.x * BN;
+  const int tid = threadIdx.x;
+#if PAIR_MAJOR
+  const int t = blockIdx.x, n0 = blockIdx.z * BN, tokens = gridDim.x;
+#else
+  const int t = blockIdx.z, n0 = blockIdx.x * BN, tokens = gridDim.z;
+#endif
   const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
   const int k_lo = blockIdx.y * k_span, k_hi = min(len, k_lo + k_span);
   __shared__ long long expert[MAX_K];
@@ -286,7 +300,7 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
     if (n >= H) continue;
     const float v = warps_total<BN>(part, o);
 #if PARTIAL
-    ((float*)out)[((size_t)blockIdx.y * gridDim.z + t) * H + n] = v;
+    ((float*)out)[((size_t)blockIdx.y * tokens + t) * H + n] = v;
 #else
     ((u16*)out)[t * stride_o + n] = to_act(v);
 #endif
@@ -295,12 +309,20 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
 """
 
 # Launch configurations tried by the tuning script (the table stores the winner per shape
-# and T): bn outputs per block, warps, unroll (loads per row in flight), split_k (down).
+# and T): bn outputs per block, warps, unroll (loads per row in flight), split_k (down),
+# pair_major (the grid order; absent: column tiles fastest). The pair-major ones are tried
+# only past T = 1 (``candidates``), where pairs can share an expert.
 UP_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u)
                  for bn, w, u in ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 2), (4, 8, 1))]
 DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
                    for (bn, w, u), s in itertools.product(((2, 4, 4), (4, 4, 2), (4, 4, 4), (8, 4, 2), (4, 8, 2)),
                                                           (1, 2))]
+
+
+def candidates(phase: str, t: int) -> list[dict]:
+    """The CUDA launch configurations the tuning script times for ``phase`` at T = t."""
+    base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES
+    return base + ([dict(c, pair_major=True) for c in base] if t > 1 else [])
 
 
 def default_configs(t: int, h: int, sms: int) -> tuple[dict, dict]:
@@ -353,11 +375,11 @@ def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> s
 
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
-            logits_f32: bool = False) -> tuple:
+            logits_f32: bool = False, pair_major: bool = False) -> tuple:
     return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}", f"-DPARTIAL={int(partial)}",
             f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
-            f"-DLOGITS_F32={int(logits_f32)}")
+            f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}")
 
 
 def fused_moe_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -405,9 +427,11 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
-    up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, **route) + ("-DPDL_EARLY=0",)
-    launch(x.device, SOURCE, "moe_up", up_opts,
-           (-(-f // up["bn"]), t * topk), up["warps"] * 32,
+    up_major = up.get("pair_major", False)
+    up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up_major,
+                      **route) + ("-DPDL_EARLY=0",)
+    up_grid = (-(-f // up["bn"]), t * topk)
+    launch(x.device, SOURCE, "moe_up", up_opts, up_grid[::-1] if up_major else up_grid, up["warps"] * 32,
            (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h), np.int32(f),
             np.int32(topk), np.int64(x.stride(0)), np.int32(e)))
     step = down["warps"] * 32 * (16 if int8 else 8)
@@ -416,8 +440,11 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     split = -(-length // k_span)  # no empty splits
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     target = out if split == 1 else torch.empty(split, t, h, dtype=torch.float32, device=x.device)
-    opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, **route)
-    launch(x.device, SOURCE, "moe_down", opts, (-(-h // down["bn"]), split, t), down["warps"] * 32,
+    down_major = down.get("pair_major", False)
+    opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, pair_major=down_major,
+                   **route)
+    down_grid = (-(-h // down["bn"]), split, t)
+    launch(x.device, SOURCE, "moe_down", opts, down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
            (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(ids), ptr(target), np.int32(h), np.int32(f), np.int32(topk),
             np.int32(k_span), np.int64(out.stride(0)), np.int32(e)))
     if split > 1:
@@ -436,8 +463,9 @@ def compile_all(arch: str = "sm_90") -> int:
         route = dict(route=i % 3, renorm=i % 2 == 0, e_lanes=1 + i % 8, logits_f32=i % 4 < 2)
         launch_flags = (f"-DL2PF={i % 2}", f"-DPDL_EARLY={i // 2 % 2}")  # what ``launch`` adds
         compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, ids64=i % 2 == 0,
-                                      **route) + launch_flags, arch, "moe_cuda.cu")
+                                      pair_major=i % 2 == 1, **route) + launch_flags, arch, "moe_cuda.cu")
         compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
-                                      ids64=i % 2 == 1, **route) + launch_flags, arch, "moe_cuda.cu")
+                                      ids64=i % 2 == 1, pair_major=i % 4 >= 2, **route) + launch_flags, arch,
+                      "moe_cuda.cu")
         count += 2
     return count

@@ -26,6 +26,9 @@
 #       decode profile at batch 1
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moetests [OUT]
 #       the GPU tests these changes touch, bench_moe at T = 1 and 8 with baselines
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moesmall [OUT]
+#       the CUDA MoE decode kernels' tests first, tune_moe --cuda-only at T = 2..16 (the
+#       pair-major grid among the candidates), bench_moe at T = 1..16 on the new table
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
@@ -101,6 +104,13 @@ elif [ "$part" = moetests ]; then
         tests/test_quant.py tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
         tests/test_sbi_cuda.py -k "not test_sbi_cuda or graph or 1-200-24"
     TAIL=30 step moe 150 python scripts/bench_moe.py --tokens 1,8 --no-json
+elif [ "$part" = moesmall ]; then
+    TAIL=6 step moe_smoke 200 $pytest_gpu -x tests/test_moe_cuda.py || true
+    if grep -q " passed" "$out/moe_smoke.log" && ! grep -q "failed\|error" "$out/moe_smoke.log"; then
+        TAIL=30 step tune 240 python scripts/tune_moe.py --cuda-only --tokens 2,4,8,16 --int8-tokens 2,4,8,16
+        cp kernels/configs/moe.json "$out/"
+        TAIL=30 step moe 130 python scripts/bench_moe.py --tokens 1,2,4,8,16 --no-baselines --no-json
+    fi
 elif [ "$part" = tests ]; then
     TAIL=6 step tests 560 $pytest_gpu tests/test_parity.py tests/test_sbi_cuda.py tests/test_quant.py \
         tests/test_engine.py tests/test_moe_kernels.py -k "not test_moe_kernels or weight_tiles or tile_order or large \

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
-from kernels.moe_cuda import DOWN_CANDIDATES, UP_CANDIDATES  # noqa: E402
+from kernels import moe_cuda  # noqa: E402
 from kernels.moe_triton import (CONFIG_FILE, default_config, device_key, fused_moe_triton, launch_config,  # noqa: E402
                                 shape_key)
 
@@ -30,8 +30,8 @@ SHAPES = {  # name: H, F, E, k, activation
     "olmoe": (2048, 1024, 64, 8, "silu"),
     "dsmoe": (2048, 8192, 128, 1, "gelu"),
 }
-TOKENS = [1, 2, 4, 16, 64, 256, 1024, 4096, 16384]
-CUDA_TOKENS = 4  # up to this T the CUDA decode kernels (moe_cuda) compete too
+TOKENS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384]
+CUDA_TOKENS = moe_cuda.MAX_T  # up to this T the CUDA decode kernels (moe_cuda) compete too
 
 
 def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, up_backend: str | None = None,
@@ -40,8 +40,8 @@ def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, up_backend: s
     searched within the chosen up GEMM's backend (``up_backend``): the two come as a pair.
     With ``stored`` (``--cuda-only``), the table's entry stands for the Triton space."""
     if phase == "down" and up_backend == "cuda":
-        return DOWN_CANDIDATES
-    extra = UP_CANDIDATES if phase == "up" and t <= CUDA_TOKENS else []
+        return moe_cuda.candidates("down", t)
+    extra = moe_cuda.candidates("up", t) if phase == "up" and t <= CUDA_TOKENS else []
     if stored is not None:
         return [stored] + extra
     return triton_candidates(phase, t, topk, e, wdtype) + extra

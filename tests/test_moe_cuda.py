@@ -75,8 +75,10 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
         w2, s2 = quantize_int8(w2)
     ref = fused_moe_ref(x.double(), w13 if int8 else w13.double(), w2 if int8 else w2.double(), w.double(), ids,
                         activation, s13, s2)
-    # Every tuning candidate pair that the problem's size keeps apart (up i with down i).
-    for up, down in zip(moe_cuda.UP_CANDIDATES, moe_cuda.DOWN_CANDIDATES):
+    # Every tuning candidate, paired up i with down i from the front and from the back (so
+    # past T = 1 a pair-major up kernel meets a down kernel of either grid order).
+    ups, downs = moe_cuda.candidates("up", t), moe_cuda.candidates("down", t)
+    for up, down in list(zip(ups, downs)) + list(zip(ups[::-1], downs[::-1])):
         out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, (up, down))
         assert out.shape == (t, h) and out.dtype == dtype
         assert rel(out, ref) < TOL[dtype], (up, down)
