@@ -75,10 +75,13 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
         w2, s2 = quantize_int8(w2)
     ref = fused_moe_ref(x.double(), w13 if int8 else w13.double(), w2 if int8 else w2.double(), w.double(), ids,
                         activation, s13, s2)
-    # Every tuning candidate, paired up i with down i from the front and from the back (so
-    # past T = 1 a pair-major up kernel meets a down kernel of either grid order).
-    ups, downs = moe_cuda.candidates("up", t), moe_cuda.candidates("down", t)
-    for up, down in list(zip(ups, downs)) + list(zip(ups[::-1], downs[::-1])):
+    # Every tuning candidate that the problem's size keeps apart (up i with down i); past
+    # T = 1 also the pair-major grid, in both kernels and in each one alone.
+    pairs = list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.DOWN_CANDIDATES))
+    if t > 1:
+        major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
+        pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
+    for up, down in pairs:
         out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, (up, down))
         assert out.shape == (t, h) and out.dtype == dtype
         assert rel(out, ref) < TOL[dtype], (up, down)
