@@ -17,7 +17,7 @@ import triton
 from kernels.grouped_gemm import grouped_gemm
 from kernels.layout import combine_rows_triton
 from kernels.maps import token_maps_triton
-from kernels.moe_cuda import fused_moe_cuda, fused_moe_logits_cuda
+from kernels.moe_cuda import check as cuda_check, fused_moe_cuda, fused_moe_logits_cuda
 from kernels.route import route_triton
 
 CONFIG_FILE = Path(__file__).with_name("configs") / "moe.json"
@@ -102,6 +102,20 @@ def _cuda_pair(up_cfg: dict, down_cfg: dict) -> tuple[dict, dict | None]:
     """The CUDA kernels' configurations: the down entry only if the table chose CUDA there
     too (else the CUDA default, as the two kernels come as a pair)."""
     return up_cfg, down_cfg if down_cfg.get("backend") == "cuda" else None
+
+
+def pairs_from_ids(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int,
+                   w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> bool:
+    """Whether ``fused_moe_triton`` (dropless, no maps given) runs the experts from the
+    routing ids alone: the CUDA decode kernels where the table chose them and they take the
+    operands, or the Triton GEMMs at n <= FROM_IDS_PAIRS pairs. The layer then needs no
+    maps, no scatter and no gather: x is read by pair inside the up GEMM and the slots are
+    summed inside the down GEMM (the benchmark times routing accordingly)."""
+    up_cfg = _table_configs(x, w13, w2, topk)[0]
+    if up_cfg.get("backend") == "cuda" and x.is_cuda:
+        if cuda_check(x, w13, w2, topk, w13_scale, w2_scale) is None:
+            return True
+    return x.shape[0] * topk <= FROM_IDS_PAIRS
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

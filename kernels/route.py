@@ -16,7 +16,8 @@ import triton.language as tl
 
 from kernels.pdl import pdl_enter, pdl_launch
 
-from kernels.gating import _check_logits, _outputs, _topk_table, topk_gating_triton
+from kernels.gating import _check_logits, _topk_table, topk_gating_triton
+from kernels.launcher import CachedLaunch
 from kernels.layout import scatter_rows_triton
 from kernels.maps import SMALL_PAIRS, _maps_block, token_maps_triton
 
@@ -83,26 +84,37 @@ def route_scatter_triton(x: torch.Tensor, logits: torch.Tensor, k: int, score: s
     return _launch(logits, k, score, renormalize, x.contiguous())
 
 
+_route_scatter = CachedLaunch(_route_scatter_kernel)
+
+
 def _launch(logits, k, score, renormalize, x=None):
-    """The one-launch path; scatters x when given."""
+    """The one-launch path; scatters x when given. At decode sizes this is the whole
+    routing of an eager step, so its host time counts: the five int32 outputs are views of
+    one allocation, and the kernel launches through its compiled launcher (``CachedLaunch``)
+    under a key that fixes every argument's specialization."""
     t, e = logits.shape
     block_t, block_e, block_k = _small(t, e, k)
     dev = logits.device
+    n = t * k
+    # ids, weights (float32 bits), offsets, rows, row_pair: every offset is fixed by (T, E, k).
+    ids, weights, offsets, rows, row_pair = torch.empty(4 * n + e + 1, dtype=torch.int32, device=dev).split(
+        (n, n, e + 1, n, n))
+    ids, weights, rows = ids.view(t, k), weights.view(torch.float32).view(t, k), rows.view(t, k)
     h = x.shape[1] if x is not None else 0
-    ids, weights = _outputs(logits, k)
-    offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
-    rows = torch.empty(t, k, dtype=torch.int32, device=dev)
-    row_pair = torch.empty(t * k, dtype=torch.int32, device=dev)
-    xs = x.new_empty(t * k, h) if x is not None else None
+    xs = x.new_empty(n, h) if x is not None else None
     n_pairs = block_t * block_k
     block_h = max(16, min(1024, 8192 // n_pairs, triton.next_power_of_2(max(h, 1))))
-    _route_scatter_kernel[(max(1, triton.cdiv(h, block_h)),)](
-        logits, x if x is not None else logits, ids, weights, offsets, rows, row_pair,
-        xs if xs is not None else logits, t, e, h, logits.stride(0), logits.stride(1),
-        x.stride(0) if x is not None else 0, xs.stride(0) if xs is not None else 0,
-        K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), BLOCK_T=block_t,
-        BLOCK_E=block_e, BLOCK_K=block_k, E_PAD=triton.next_power_of_2(e + 1), N_PAIRS=n_pairs,
-        BLOCK_H=block_h, SCATTER=x is not None, num_warps=4, **pdl_launch(logits.device))
+    pdl = pdl_launch(dev)
+    key = (dev.index, t, e, k, score, renormalize, logits.dtype, logits.stride(), logits.data_ptr() % 16, pdl["PDL"],
+           None if x is None else (h, x.dtype, x.stride(0), x.data_ptr() % 16))
+    _route_scatter(key, (max(1, triton.cdiv(h, block_h)),),
+                   (logits, x if x is not None else logits, ids, weights, offsets, rows, row_pair,
+                    xs if xs is not None else logits, t, e, h, logits.stride(0), logits.stride(1),
+                    x.stride(0) if x is not None else 0, xs.stride(0) if xs is not None else 0),
+                   dict(K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), BLOCK_T=block_t,
+                        BLOCK_E=block_e, BLOCK_K=block_k, E_PAD=triton.next_power_of_2(e + 1), N_PAIRS=n_pairs,
+                        BLOCK_H=block_h, SCATTER=x is not None, PDL=pdl["PDL"]),
+                   dict(num_warps=4, **{o: v for o, v in pdl.items() if o != "PDL"}), dev)
     return ids, weights, (offsets, rows, row_pair), xs
 
 

@@ -5,8 +5,9 @@ ops) against three torch baselines measured in the same run.
 For every model shape and token count T it times our fused MoE (bf16, and int8 weights
 from ``kernels.quantize_int8``), a Hugging Face style per-expert loop,
 ``torch._grouped_mm`` after a sort, and the GShard / DeepSpeed-v1 one-hot einsum; the
-routing part (gating, maps and scatter in one launch at decode sizes, then gather)
-eagerly and as a CUDA graph. Graph times are per call, from one graph that replays every
+routing part as the layer runs it at that T (at decode sizes gating and maps in one launch,
+the experts reading the pairs from the ids; past them gating, maps and scatter, then
+gather) eagerly and as a CUDA graph. Graph times are per call, from one graph that replays every
 input set (as a decode-step graph would hold the layer). Weight bytes read and FLOPs are
 set against the copy bandwidth and bf16 matmul rate measured at the start. One table is printed last; the same data goes to
 bench/results/moe-<device>-<date>.json.
@@ -39,6 +40,7 @@ if not torch.cuda.is_available():  # before triton is imported: CPU Triton runs 
 
 import bench_common as bc  # noqa: E402
 import kernels  # noqa: E402
+from kernels.moe_triton import pairs_from_ids  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,14 +288,22 @@ class Notes:
         return out
 
 
-def routing_fn(shape: MoeShape) -> Callable[[MoeInputs], torch.Tensor]:
-    """Routing on its own, router logits given: gating, maps and scatter (one launch at
-    decode sizes), gather (the identity stands in for the experts)."""
-    def run(inp: MoeInputs) -> torch.Tensor:
-        ids, weights, (_, rows, _), xs = kernels.route_scatter(inp.x, inp.logits, shape.topk, score="softmax",
-                                                              renormalize=shape.renormalize)
-        return kernels.gather_rows(xs, rows, weights)
-    return run
+def routing_fn(shape: MoeShape, inp: MoeInputs, weights: dict) -> tuple[Callable[[MoeInputs], object], str]:
+    """Routing on its own, router logits given, as the layer runs it at this T, and what
+    that is. Where the experts take the pairs from the ids (``pairs_from_ids``: T <= 16
+    with the CUDA decode kernels, or few pairs) it is gating and maps in one launch
+    (``kernels.route``, what the model's router calls): there is no scatter and no gather
+    to time. Otherwise gating, maps and scatter (one launch at decode sizes), then gather
+    (the identity stands in for the experts)."""
+    if pairs_from_ids(inp.x, weights["w13"], weights["w2"], shape.topk):
+        return (lambda i: kernels.route(i.logits, shape.topk, score="softmax", renormalize=shape.renormalize),
+                "route")
+
+    def run(i: MoeInputs) -> torch.Tensor:
+        ids, w, (_, rows, _), xs = kernels.route_scatter(i.x, i.logits, shape.topk, score="softmax",
+                                                         renormalize=shape.renormalize)
+        return kernels.gather_rows(xs, rows, w)
+    return run, "route_scatter+gather"
 
 
 def ours_fn(shape: MoeShape, w13, w2, s13=None, s2=None) -> Callable[[MoeInputs], torch.Tensor]:
@@ -356,8 +366,9 @@ def bench_tokens(shape: MoeShape, t: int, weights: dict, dtypes: list[str], base
                              capped=True)
         notes.add(f"{where} {name}", base[name])
         bc.empty_cache(sweep.device)
-    route_fn = routing_fn(shape)
+    route_fn, route_what = routing_fn(shape, inputs[0], weights)
     routing = measure(sweep, route_fn, inputs)
+    routing.note = routing.note or route_what
     # As for ours-graph: every input set in one graph, time per set (inside a decode-step
     # graph routing does not pay a graph launch of its own).
     routing_graph = measure_graph(sweep, lambda: [route_fn(inp) for inp in inputs])
@@ -448,7 +459,7 @@ def bench_shape(shape: MoeShape, tokens, dtypes, baselines, sweep, ceilings, not
             parts = [f"  T={t:<6} {r['dtype']:<5} ours {cells['ours']:>10} µs"]
             parts += [f"{n} {cells[n]}" for n in baselines if cells[n]]
             if cells["routing"]:
-                parts.append(f"routing {cells['routing']} / graph {cells['graph']}")
+                parts.append(f"routing {cells['routing']} / graph {cells['graph']} ({r['routing_note']})")
             print("  ".join(parts), flush=True)
         rows += new
     del weights

@@ -63,6 +63,7 @@ def main():
         "torch.empty": lambda: torch.empty(16, 4096, device="cuda"),
         "torch.zeros": lambda: torch.zeros(16, 4096, device="cuda"),
         "kernels.topk_gating": lambda: kernels.topk_gating(logits, k),
+        "kernels.route (the layer's routing at T = 1)": lambda: kernels.route(logits, k),
         "kernels.route_scatter": lambda: kernels.route_scatter(xx, logits, k),
         "kernels.token_maps": lambda: kernels.token_maps(ids, e),
         "kernels.scatter_rows": lambda: kernels.scatter_rows(xx, rows),

@@ -29,6 +29,9 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moesmall [OUT]
 #       the CUDA MoE decode kernels' tests first, tune_moe --cuda-only at T = 2..16 (the
 #       pair-major grid among the candidates), bench_moe at T = 1..16 on the new table
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh route [OUT]
+#       the routing and CUDA MoE tests first, the host cost of each launch (diag_launch),
+#       tune_moe for int8 at T = 8 (Qwen3, OLMoE; deeper int8 tiles), bench_moe at T = 1, 8
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
@@ -110,6 +113,16 @@ elif [ "$part" = moesmall ]; then
         TAIL=30 step tune 240 python scripts/tune_moe.py --cuda-only --tokens 2,4,8,16 --int8-tokens 2,4,8,16
         cp kernels/configs/moe.json "$out/"
         TAIL=30 step moe 130 python scripts/bench_moe.py --tokens 1,2,4,8,16 --no-baselines --no-json
+    fi
+elif [ "$part" = route ]; then
+    TAIL=6 step route_smoke 200 $pytest_gpu -x tests/test_moe_kernels.py tests/test_moe_cuda.py \
+        -k "${SMOKE:-route or gating or graph or table or pair}" || true
+    if grep -q " passed" "$out/route_smoke.log" && ! grep -q "failed\|error" "$out/route_smoke.log"; then
+        TAIL=20 step launch 60 python scripts/diag_launch.py
+        TAIL=12 step tune 300 python scripts/tune_moe.py --shapes ${TUNE_SHAPES:-qwen3,olmoe} --tokens "" \
+            --int8-tokens 8
+        cp kernels/configs/moe.json "$out/"
+        TAIL=24 step moe 130 python scripts/bench_moe.py --tokens 1,8 --no-baselines --no-json
     fi
 elif [ "$part" = tests ]; then
     TAIL=6 step tests 560 $pytest_gpu tests/test_parity.py tests/test_sbi_cuda.py tests/test_quant.py \

@@ -51,8 +51,11 @@ def triton_candidates(phase: str, t: int, topk: int, e: int, wdtype: str) -> lis
     """A small search space per regime (each new configuration costs a compile)."""
     rows = max(1, t * topk // e)
     if t <= 16 or rows <= 16:  # bandwidth-bound: one 16-row tile per expert
-        # Narrow column tiles keep all SMs busy when few, small experts are active.
-        grid = itertools.product([16], [32, 64, 128], [128, 256] if phase == "up" else [128], [4], [3, 4])
+        # Narrow column tiles keep all SMs busy when few, small experts are active. int8
+        # tiles also go twice as deep: the same bytes per stage as bf16's.
+        depths = [128, 256] if phase == "up" else [128]
+        grid = itertools.product([16], [32, 64, 128], [2 * d for d in depths] + depths[:1] if wdtype == "int8"
+                                 else depths, [4], [3, 4])
         splits = [1, 2, 4] if phase == "down" else [1]
     elif rows <= 64:
         grid = itertools.product([32, 64], [64, 128], [64], [4, 8], [3])

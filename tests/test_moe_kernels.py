@@ -283,6 +283,30 @@ def test_route_matches_gating_then_maps(device, t, e, k, score):
     assert torch.equal(row_pair.cpu(), kernels.row_pair_ref(ref_rows))
 
 
+@pytest.mark.gpu
+def test_route_through_the_cached_launcher():
+    """After the first call the one-launch routing skips the JIT (kernels.launcher): new
+    logits, then logits that are a strided, unaligned view (a new key: another compile),
+    each equal the references, and repeated keys add no cache entries."""
+    from kernels import route as route_mod
+
+    e, k = 64, 8
+    gen = torch.Generator().manual_seed(11)
+    wide = torch.randn(4, 3 * e + 1, generator=gen).cuda()
+    cases = [torch.randn(2, e, generator=gen).cuda(), torch.randn(2, e, generator=gen).cuda(), wide[1:3, 1:1 + e],
+             wide[0:2, 2:2 + e], torch.randn(2, e, generator=gen).bfloat16().cuda()]  # [3]: [2]'s offset mod 16
+    sizes = []
+    for logits in cases:
+        ids, w, (offsets, rows, row_pair) = kernels.route_triton(logits, k)
+        ref_ids, ref_w = kernels.topk_gating_ref(logits.cpu().float(), k)
+        ref_offsets, ref_rows = token_maps_ref(ref_ids, e)
+        assert torch.equal(ids.cpu(), ref_ids) and torch.equal(offsets.cpu(), ref_offsets)
+        assert torch.equal(rows.cpu(), ref_rows) and torch.equal(row_pair.cpu(), kernels.row_pair_ref(ref_rows))
+        torch.testing.assert_close(w.cpu(), ref_w)
+        sizes.append(len(route_mod._route_scatter.cache))
+    assert sizes[1] == sizes[0] and sizes[3] == sizes[2] and sizes[4] == sizes[3] + 1, sizes
+
+
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,e,k,h", [(1, 8, 2, 37), (3, 60, 4, 130), (16, 128, 8, 64), (40, 64, 8, 33)])
