@@ -17,32 +17,46 @@ the JIT's launch metadata), every call goes through the JIT.
 """
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 from triton import knobs
 
 
 class CachedLaunch:
-    """``launch(key, grid, args, consts, options)`` runs ``fn[grid](*args, **consts,
-    **options)``: the first time for ``key`` through the JIT, afterwards through the kernel
-    it compiled. ``args`` are the kernel's leading parameters in order, ``consts`` the
-    remaining ones by name (constexprs), ``options`` the launch options (num_warps, ...)."""
+    """``launch(key, args, plan, device)`` runs ``fn[grid](*args, **consts, **options)`` with
+    ``(grid, consts, options) = plan()``: the first time for ``key`` through the JIT,
+    afterwards through the kernel it compiled, without calling ``plan`` again. ``args`` are
+    the kernel's leading parameters in order, ``consts`` the remaining ones by name
+    (constexprs), ``options`` the launch options (num_warps, ...)."""
 
     def __init__(self, fn):
         self.fn = fn
         self.names = fn.arg_names
-        self.cache: dict[Hashable, tuple[Any, tuple]] = {}
+        self.cache: dict[Hashable, tuple[Any, tuple, tuple]] = {}
 
-    def __call__(self, key: Hashable, grid: tuple, args: tuple, consts: dict, options: dict,
+    def __call__(self, key: Hashable, args: tuple, plan: Callable[[], tuple[tuple, dict, dict]],
                  device: torch.device) -> None:
         hit = self.cache.get(key)
         if hit is None or knobs.runtime.launch_enter_hook is not None:
+            grid, consts, options = plan()
             compiled = self.fn[grid](*args, **consts, **options)
             if device.type == "cuda" and hasattr(compiled, "packed_metadata"):
-                self.cache[key] = (compiled, tuple(consts[n] for n in self.names[len(args):]))
+                self.cache[key] = (_entry_point(compiled), tuple(grid) + (1,) * (3 - len(grid)),
+                                   tuple(consts[n] for n in self.names[len(args):]))
             return
-        compiled, tail = hit
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device.index),
-                     compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+        launch, (gx, gy, gz), tail = hit
+        launch(gx, gy, gz, torch._C._cuda_getCurrentRawStream(device.index), *args, *tail)
+
+
+def _entry_point(compiled) -> Callable:
+    """``f(gx, gy, gz, stream, *params)`` launching ``compiled``: its C launcher itself where
+    the kernel needs no scratch memory (Triton 3.6's ``CudaLauncher`` is a Python wrapper
+    that would allocate it), else the wrapper."""
+    run, function, meta = compiled.run, compiled.function, compiled.packed_metadata
+    direct = getattr(run, "launch", None)
+    if direct is not None and not getattr(run, "global_scratch_size", 1) and not getattr(run, "profile_scratch_size", 1):
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+        return lambda gx, gy, gz, stream, *params: direct(gx, gy, gz, stream, function, coop, pdl, None, None, meta,
+                                                          None, None, None, *params)
+    return lambda gx, gy, gz, stream, *params: run(gx, gy, gz, stream, function, meta, None, None, None, *params)

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl as pdl_mod
 from kernels.pdl import pdl_enter, pdl_launch
 
 from kernels.gating import _check_logits, _topk_table, topk_gating_triton
@@ -63,8 +64,9 @@ def _route_scatter_kernel(
 
 def _small(t: int, e: int, k: int) -> tuple[int, int, int] | None:
     """Tile sizes when routing fits one register tile, else None."""
-    block_t, block_k = triton.next_power_of_2(max(t, 1)), triton.next_power_of_2(k)
-    block_e = triton.next_power_of_2(e)
+    # Plain int arithmetic: triton.next_power_of_2 costs ~1.5 µs a call on the host, and
+    # this runs on every routing call.
+    block_t, block_k, block_e = (1 << (max(v, 1) - 1).bit_length() for v in (t, k, e))
     if t == 0 or block_t * block_k > SMALL_PAIRS or block_t * block_e > 8192:
         return None
     return block_t, block_e, block_k
@@ -91,30 +93,34 @@ def _launch(logits, k, score, renormalize, x=None):
     """The one-launch path; scatters x when given. At decode sizes this is the whole
     routing of an eager step, so its host time counts: the five int32 outputs are views of
     one allocation, and the kernel launches through its compiled launcher (``CachedLaunch``)
-    under a key that fixes every argument's specialization."""
+    under a key that fixes every argument's specialization; tile sizes and constexprs are
+    worked out once per key."""
     t, e = logits.shape
-    block_t, block_e, block_k = _small(t, e, k)
     dev = logits.device
     n = t * k
-    # ids, weights (float32 bits), offsets, rows, row_pair: every offset is fixed by (T, E, k).
-    ids, weights, offsets, rows, row_pair = torch.empty(4 * n + e + 1, dtype=torch.int32, device=dev).split(
-        (n, n, e + 1, n, n))
-    ids, weights, rows = ids.view(t, k), weights.view(torch.float32).view(t, k), rows.view(t, k)
     h = x.shape[1] if x is not None else 0
+    key = (dev.type, dev.index, t, e, k, score, renormalize, logits.dtype, logits.stride(), logits.data_ptr() % 16,
+           pdl_mod.EARLY_TRIGGER, None if x is None else (h, x.dtype, x.stride(0), x.data_ptr() % 16))
+
+    def plan():
+        block_t, block_e, block_k = _small(t, e, k)
+        n_pairs = block_t * block_k
+        block_h = max(16, min(1024, 8192 // n_pairs, triton.next_power_of_2(max(h, 1))))
+        pdl = pdl_launch(dev)
+        consts = dict(K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), BLOCK_T=block_t,
+                      BLOCK_E=block_e, BLOCK_K=block_k, E_PAD=triton.next_power_of_2(e + 1), N_PAIRS=n_pairs,
+                      BLOCK_H=block_h, SCATTER=x is not None, PDL=pdl["PDL"])
+        options = {o: v for o, v in pdl.items() if o != "PDL"}  # launch_pdl where PDL is on
+        return (max(1, triton.cdiv(h, block_h)),), consts, dict(options, num_warps=4)
+
+    # ids, weights (float32 bits), offsets, rows, row_pair: every offset is fixed by (T, E, k).
+    ids, weights, offsets, rows, row_pair = torch.split_with_sizes(
+        torch.empty(4 * n + e + 1, dtype=torch.int32, device=dev), (n, n, e + 1, n, n))
+    ids, weights, rows = ids.view(t, k), weights.view(torch.float32).view(t, k), rows.view(t, k)
     xs = x.new_empty(n, h) if x is not None else None
-    n_pairs = block_t * block_k
-    block_h = max(16, min(1024, 8192 // n_pairs, triton.next_power_of_2(max(h, 1))))
-    pdl = pdl_launch(dev)
-    key = (dev.index, t, e, k, score, renormalize, logits.dtype, logits.stride(), logits.data_ptr() % 16, pdl["PDL"],
-           None if x is None else (h, x.dtype, x.stride(0), x.data_ptr() % 16))
-    _route_scatter(key, (max(1, triton.cdiv(h, block_h)),),
-                   (logits, x if x is not None else logits, ids, weights, offsets, rows, row_pair,
-                    xs if xs is not None else logits, t, e, h, logits.stride(0), logits.stride(1),
-                    x.stride(0) if x is not None else 0, xs.stride(0) if xs is not None else 0),
-                   dict(K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), BLOCK_T=block_t,
-                        BLOCK_E=block_e, BLOCK_K=block_k, E_PAD=triton.next_power_of_2(e + 1), N_PAIRS=n_pairs,
-                        BLOCK_H=block_h, SCATTER=x is not None, PDL=pdl["PDL"]),
-                   dict(num_warps=4, **{o: v for o, v in pdl.items() if o != "PDL"}), dev)
+    _route_scatter(key, (logits, x if x is not None else logits, ids, weights, offsets, rows, row_pair,
+                         xs if xs is not None else logits, t, e, h, logits.stride(0), logits.stride(1),
+                         x.stride(0) if x is not None else 0, xs.stride(0) if xs is not None else 0), plan, dev)
     return ids, weights, (offsets, rows, row_pair), xs
 
 
