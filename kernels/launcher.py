@@ -38,7 +38,7 @@ class CachedLaunch:
     def __call__(self, key: Hashable, args: tuple, plan: Callable[[], tuple[tuple, dict, dict]],
                  device: torch.device) -> None:
         hit = self.cache.get(key)
-        if hit is None or knobs.runtime.launch_enter_hook is not None:
+        if hit is None or _hooked():
             grid, consts, options = plan()
             compiled = self.fn[grid](*args, **consts, **options)
             if device.type == "cuda" and hasattr(compiled, "packed_metadata"):
@@ -46,7 +46,19 @@ class CachedLaunch:
                                    tuple(consts[n] for n in self.names[len(args):]))
             return
         launch, (gx, gy, gz), tail = hit
-        launch(gx, gy, gz, torch._C._cuda_getCurrentRawStream(device.index), *args, *tail)
+        launch(gx, gy, gz, self.stream(device.index), *args, *tail)
+
+    @staticmethod
+    def stream(index: int) -> int:
+        """The current CUDA stream's handle on device ``index`` (what Triton's JIT passes)."""
+        return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (Triton 3.6 keeps them in a chain, earlier versions in
+    a plain attribute that is None when unset)."""
+    hook = knobs.runtime.launch_enter_hook
+    return bool(hook.calls) if hasattr(hook, "calls") else hook is not None
 
 
 def _entry_point(compiled) -> Callable:
