@@ -124,11 +124,18 @@ def _launch(logits, k, score, renormalize, x=None):
     return ids, weights, (offsets, rows, row_pair), xs
 
 
+_ONE_LAUNCH: set = set()  # (shape, dtype, k, type of k, score) checked and routed in one launch before
+
+
 def route_triton(logits: torch.Tensor, k: int, score: str = "softmax", renormalize: bool = True):
     """Top-k gating and dropless maps: -> ids, weights, (offsets, rows, row_pair)."""
+    seen = (logits.shape, logits.dtype, k, type(k), score)  # type: k = True or 8.0 match 1 and 8
+    if seen in _ONE_LAUNCH:  # what the checks read is all in the key: they would pass again
+        return _launch(logits, k, score, renormalize)[:3]
     _check_logits(logits, k, score)
     t, e = logits.shape
     if _small(t, e, k) is None:
         ids, weights = topk_gating_triton(logits, k, score, renormalize)
         return ids, weights, token_maps_triton(ids, e)
+    _ONE_LAUNCH.add(seen)
     return _launch(logits, k, score, renormalize)[:3]

@@ -285,6 +285,19 @@ def test_route_matches_gating_then_maps(device, t, e, k, score):
     assert torch.equal(row_pair.cpu(), kernels.row_pair_ref(ref_rows))
 
 
+@pytest.mark.interp
+def test_route_checks_still_refuse_after_a_good_call():
+    """The one-launch path skips its checks for a (shape, dtype, k, score) seen before; a
+    bool or float k equal to a seen k must still be refused."""
+    logits = torch.randn(2, 8)
+    kernels.route_triton(logits, 1)
+    for bad in (True, 1.0):
+        with pytest.raises(ValueError, match="expected an int"):
+            kernels.route_triton(logits, bad)
+    with pytest.raises(ValueError, match="score="):
+        kernels.route_triton(logits, 1, "top1")
+
+
 @pytest.mark.gpu
 def test_route_through_the_cached_launcher():
     """After the first call the one-launch routing skips the JIT (kernels.launcher): new
