@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl as pdl_mod
+from kernels.launcher import CachedLaunch
 from kernels.pdl import pdl_enter, pdl_launch
 
 LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -206,21 +208,42 @@ def _outputs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, weights
 
 
+_gating = CachedLaunch(_topk_gating_kernel)
+_CHECKED: set = set()  # (shape, dtype, k, type of k, score) whose checks passed before
+
+
 def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
                        renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the router scores: ids [T, k] int32 (descending score) and weights [T, k]
-    float32; the same contract as ``topk_gating_ref``."""
-    _check_logits(logits, k, score)
+    float32; the same contract as ``topk_gating_ref``.
+
+    At decode sizes this launch is the layer's whole routing, and in an eager step its host
+    time is the cost: a (shape, dtype, k, score) checked before is not checked again (the
+    type of k is in the key: True and 8.0 equal 1 and 8), both outputs are one allocation,
+    and the kernel launches through its compiled launcher (``kernels.launcher``)."""
+    seen = (logits.shape, logits.dtype, k, type(k), score)
+    if seen not in _CHECKED:
+        _check_logits(logits, k, score)
+        _CHECKED.add(seen)
     t, e = logits.shape
-    ids, weights = _outputs(logits, k)
+    dev = logits.device
+    ids, weights = torch.empty(2, t, k, dtype=torch.int32, device=dev).unbind(0)
+    weights = weights.view(torch.float32)
     if t == 0:
         return ids, weights
-    block_e = triton.next_power_of_2(e)
-    block_t = _block_t(t, block_e)
-    _topk_gating_kernel[(triton.cdiv(t, block_t),)](
-        logits, ids, weights, t, e, logits.stride(0), logits.stride(1),
-        K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), num_warps=4, **pdl_launch(logits.device))
+    key = (dev.type, dev.index, t, e, k, score, renormalize, logits.dtype, logits.stride(), logits.data_ptr() % 16,
+           pdl_mod.EARLY_TRIGGER)
+
+    def plan():
+        block_e = triton.next_power_of_2(e)
+        block_t = _block_t(t, block_e)
+        pdl = pdl_launch(dev)
+        consts = dict(K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), BLOCK_T=block_t,
+                      BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), PDL=pdl["PDL"])
+        options = {o: v for o, v in pdl.items() if o != "PDL"}  # launch_pdl where PDL is on
+        return (triton.cdiv(t, block_t),), consts, dict(options, num_warps=4)
+
+    _gating(key, (logits, ids, weights, t, e, logits.stride(0), logits.stride(1)), plan, dev)
     return ids, weights
 
 

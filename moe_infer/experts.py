@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.moe_triton import pairs_from_ids
 
 _KERNEL_ACTIVATION = {"swiglu": "silu", "gelu": "gelu"}
 
@@ -55,6 +56,11 @@ class Experts(nn.Module):
         """Tokens x [T, H] -> weighted sum of their experts' outputs [T, H], in one pass."""
         return kernels.fused_moe(x, self.w13, self.w2, weights, expert_ids, self.activation,
                                  capacity=capacity, maps=maps, **self.scales())
+
+    def pairs_from_ids(self, x: torch.Tensor, top_k: int) -> bool:
+        """Whether ``fused`` (dropless, no maps) runs on x from the routing ids alone, so the
+        router need not build the maps (``kernels.moe_triton.pairs_from_ids``; GPU only)."""
+        return x.is_cuda and pairs_from_ids(x, self.w13, self.w2, top_k, **self.scales())
 
     def fused_logits(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, score: str,
                      renormalize: bool) -> torch.Tensor:

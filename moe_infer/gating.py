@@ -31,10 +31,11 @@ class Router(nn.Module):
         self.top_k, self.score, self.renormalize = top_k, score, renormalize
         self.with_maps = with_maps  # dropless maps built in the gating launch
 
-    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> Routing:
-        """``logits`` [T, E]: already computed (by the fused norm + router launch)."""
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None, maps: bool = True) -> Routing:
+        """``logits`` [T, E]: already computed (by the fused norm + router launch). ``maps``
+        False: the caller's experts need none (ids and weights only, the gating launch)."""
         if logits is None:
             logits = x @ self.weight.t()  # [T, E]
-        if self.with_maps:
+        if self.with_maps and maps:
             return Routing(*kernels.route(logits, self.top_k, self.score, self.renormalize))
         return Routing(*kernels.topk_gating(logits, self.top_k, self.score, self.renormalize))

@@ -32,6 +32,7 @@ class MoELayer(nn.Module):
         # launch's latency hides under PDL. scripts/diag_decode_ab.py --on route-in.
         self.route_in_experts = False
         self.local_dropless = moe_cfg.capacity_factor is None and ep * es == 1
+        self._maps_at: dict = {}  # _maps_needed's answers
         ep_index = groups.ep.rank // es
         self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation,
                                ep_index, ep, groups.ep.rank % es, es)
@@ -49,6 +50,18 @@ class MoELayer(nn.Module):
             if moe_cfg.shared_expert_gate:
                 self.shared_gate = nn.Linear(h, 1, bias=False)
 
+    def _maps_needed(self, x: torch.Tensor) -> bool:
+        """Whether the router should build the maps: not where the local experts run from
+        the routing ids alone (decode sizes on a GPU), where routing is then the gating
+        launch by itself. Decided once per (T, dtype, device, expert weights' dtype)."""
+        if not self.local_dropless:
+            return True
+        key = (x.shape[0], x.dtype, x.device, self.experts.w13.dtype)
+        needed = self._maps_at.get(key)
+        if needed is None:
+            needed = self._maps_at[key] = not self.experts.pairs_from_ids(x, self.router.top_k)
+        return needed
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
@@ -56,7 +69,7 @@ class MoELayer(nn.Module):
             r = self.router
             out = self.experts.fused_logits(x, router_logits, r.top_k, r.score, r.renormalize)  # [T, H]
         else:
-            routing = self.router(x, router_logits)
+            routing = self.router(x, router_logits, maps=self._maps_needed(x))
             out = self.dispatcher.run(x, routing, self.experts)  # [T, H]
         if self.shared is not None:
             shared = self.shared(x)

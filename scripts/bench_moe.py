@@ -5,9 +5,9 @@ ops) against three torch baselines measured in the same run.
 For every model shape and token count T it times our fused MoE (bf16, and int8 weights
 from ``kernels.quantize_int8``), a Hugging Face style per-expert loop,
 ``torch._grouped_mm`` after a sort, and the GShard / DeepSpeed-v1 one-hot einsum; the
-routing part as the layer runs it at that T (at decode sizes gating and maps in one launch,
-the experts reading the pairs from the ids; past them gating, maps and scatter, then
-gather) eagerly and as a CUDA graph. Graph times are per call, from one graph that replays every
+routing part as the layer runs it at that T (at decode sizes the gating launch alone, the
+experts reading the pairs from the ids; past them gating, maps and scatter, then gather)
+eagerly and as a CUDA graph. Graph times are per call, from one graph that replays every
 input set (as a decode-step graph would hold the layer). Weight bytes read and FLOPs are
 set against the copy bandwidth and bf16 matmul rate measured at the start. One table is printed last; the same data goes to
 bench/results/moe-<device>-<date>.json.
@@ -291,13 +291,14 @@ class Notes:
 def routing_fn(shape: MoeShape, inp: MoeInputs, weights: dict) -> tuple[Callable[[MoeInputs], object], str]:
     """Routing on its own, router logits given, as the layer runs it at this T, and what
     that is. Where the experts take the pairs from the ids (``pairs_from_ids``: T <= 16
-    with the CUDA decode kernels, or few pairs) it is gating and maps in one launch
-    (``kernels.route``, what the model's router calls): there is no scatter and no gather
-    to time. Otherwise gating, maps and scatter (one launch at decode sizes), then gather
-    (the identity stands in for the experts)."""
+    with the CUDA decode kernels, or few pairs) it is the gating launch alone
+    (``kernels.topk_gating``, what the model's router then calls): no maps, and no scatter
+    or gather to time, as the up GEMM reads x by pair and the down GEMM sums the slots.
+    Otherwise gating, maps and scatter (one launch at decode sizes), then gather (the
+    identity stands in for the experts)."""
     if pairs_from_ids(inp.x, weights["w13"], weights["w2"], shape.topk):
-        return (lambda i: kernels.route(i.logits, shape.topk, score="softmax", renormalize=shape.renormalize),
-                "route")
+        return (lambda i: kernels.topk_gating(i.logits, shape.topk, score="softmax", renormalize=shape.renormalize),
+                "gating")
 
     def run(i: MoeInputs) -> torch.Tensor:
         ids, w, (_, rows, _), xs = kernels.route_scatter(i.x, i.logits, shape.topk, score="softmax",

@@ -199,3 +199,39 @@ def test_grouped_topk_triton_rejects_bad_arguments(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         grouped_topk_triton(**args)
+
+
+@pytest.mark.interp
+def test_checks_still_refuse_after_a_good_call():
+    """A (shape, dtype, k, score) checked once is not checked again; a bool or float k equal
+    to a seen k, or another score, must still be refused."""
+    logits = torch.randn(3, 8)
+    topk_gating_triton(logits, 1)
+    for bad in (True, 1.0):
+        with pytest.raises(ValueError, match="expected an int"):
+            topk_gating_triton(logits, bad)
+    with pytest.raises(ValueError, match="score="):
+        topk_gating_triton(logits, 1, "top1")
+
+
+@pytest.mark.gpu
+def test_gating_through_the_cached_launcher():
+    """After the first call the gating launch skips the JIT (kernels.launcher): new logits,
+    a strided unaligned view (a new key), bf16 logits, each equal the reference; repeated
+    keys add no cache entries."""
+    from kernels import gating
+
+    e, k = 64, 6
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(5, 2 * e + 3, generator=gen).cuda()
+    cases = [torch.randn(3, e, generator=gen).cuda(), torch.randn(3, e, generator=gen).cuda(), wide[1:4, 1:1 + e],
+             wide[0:3, 4:4 + e], torch.randn(3, e, generator=gen).bfloat16().cuda()]  # [2], [3]: 16-byte aligned
+    sizes = []
+    for logits in cases:
+        ids, w = topk_gating_triton(logits, k)
+        ref_ids, ref_w = topk_gating_ref(logits.cpu().float(), k)
+        assert ids.is_contiguous() and w.is_contiguous() and w.dtype == F32 and ids.shape == (3, k)
+        assert torch.equal(ids.cpu(), ref_ids.to(ids.dtype))
+        torch.testing.assert_close(w.cpu(), ref_w)
+        sizes.append(len(gating._gating.cache))
+    assert sizes[1] == sizes[0] and sizes[3] == sizes[2] and sizes[4] == sizes[3] + 1, sizes

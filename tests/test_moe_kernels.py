@@ -241,6 +241,35 @@ def test_capacity_and_grouped_ffn(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 3, 16, 40])
+def test_moe_layer_routes_without_maps_where_experts_take_ids(t):
+    """Where the experts run from the routing ids (kernels.moe_triton.pairs_from_ids) the
+    layer's router launches the gating alone; the output equals the layer routed with maps
+    (the router forced to build them), and both equal the float64 reference."""
+    from moe_infer.config import MoEConfig, ModelConfig
+    from moe_infer.moe_layer import MoELayer
+
+    m = ModelConfig(vocab_size=32, hidden_size=2048, num_layers=1, num_heads=16, ffn_hidden=64)
+    layer = MoELayer(m, MoEConfig(num_experts=64, top_k=8, expert_hidden=1024)).cuda().bfloat16()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.03)
+        x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
+        out = layer(x)
+        no_maps = not layer._maps_needed(x)
+        assert no_maps == layer.experts.pairs_from_ids(x, 8)
+        if t == 1:
+            assert no_maps  # 8 pairs: at most FROM_IDS_PAIRS, whatever the table holds
+        layer._maps_at = {key: True for key in layer._maps_at}
+        with_maps = layer(x)
+        assert torch.equal(out, with_maps), t
+        ids, w = kernels.topk_gating_ref((x @ layer.router.weight.t()).float(), 8)  # the router's logits
+        ref = fused_moe_ref(x.double(), layer.experts.w13.double(), layer.experts.w2.double(), w.double(), ids,
+                            "silu")
+        assert rel(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
 def test_moe_layer_in_cuda_graph_matches_eager():
     """The whole MoE layer (router, gating, maps, expert GEMMs, combine) captured once per
     T = 1..16 and replayed on fresh inputs gives eager's result."""
