@@ -32,6 +32,9 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh route [OUT]
 #       the routing and CUDA MoE tests first, the host cost of each launch (diag_launch),
 #       tune_moe for int8 at T = 8 (Qwen3, OLMoE; deeper int8 tiles), bench_moe at T = 1, 8
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh decodesizes [OUT]
+#       the GPU tests of routing, the launcher, the MoE layer and graph decode, the host
+#       cost of each launch, bench_moe at T = 1..16, OLMoE decode at batch 1 and 8
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
@@ -124,6 +127,13 @@ elif [ "$part" = route ]; then
         cp kernels/configs/moe.json "$out/"
         TAIL=24 step moe 130 python scripts/bench_moe.py --tokens 1,8 --no-baselines --no-json
     fi
+elif [ "$part" = decodesizes ]; then
+    TAIL=8 step gpu_tests 260 $pytest_gpu tests/test_moe_kernels.py tests/test_gating_kernels.py tests/test_launcher.py \
+        tests/test_moe_cuda.py tests/test_engine.py tests/test_default_model.py \
+        -k "route or gating or launcher or moe_layer or graph or table or pair or bfloat16 or engine or default"
+    TAIL=20 step launch 60 python scripts/diag_launch.py
+    TAIL=24 step moe 150 python scripts/bench_moe.py --tokens 1,2,4,8,16 --no-baselines --no-json
+    TAIL=8 step olmoe 90 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 128 --reps 5
 elif [ "$part" = tests ]; then
     TAIL=6 step tests 560 $pytest_gpu tests/test_parity.py tests/test_sbi_cuda.py tests/test_quant.py \
         tests/test_engine.py tests/test_moe_kernels.py -k "not test_moe_kernels or weight_tiles or tile_order or large \
