@@ -101,7 +101,8 @@ def time_graph(fns, reps: int) -> float:
     return times[len(times) // 2]
 
 
-def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: bool = False) -> dict:
+def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: bool = False,
+               verbose: bool = False) -> dict:
     """The best (up, down) configurations per T. ``cuda_only``: the table's current entries
     stand in for the Triton search."""
     h, f, e, topk, act = SHAPES[name]
@@ -144,6 +145,8 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
                     print(f"  {name} T={t} {phase} {cfg}: skipped ({type(exc).__name__})")
                     continue
                 results.append((us, cfg))
+                if verbose:
+                    print(f"  {name} {wdtype} T={t} {phase} {us:9.1f} us  {cfg}", flush=True)
             us, cfg = min(results, key=lambda p: p[0])
             if phase == "up":
                 best_up = cfg
@@ -166,6 +169,7 @@ def main():
     ap.add_argument("--cuda-only", action="store_true",
                     help="time the CUDA decode kernels against the table's current entries only")
     ap.add_argument("--out", type=Path, default=CONFIG_FILE)
+    ap.add_argument("--verbose", action="store_true", help="print every candidate's time")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_moe.py needs a CUDA GPU")
@@ -176,7 +180,7 @@ def main():
         for wdtype, toks in (("bf16", args.tokens), ("int8", args.int8_tokens)):
             if toks:
                 for key, entries in tune_shape(name, [int(t) for t in toks.split(",")], wdtype, args.reps,
-                                                     args.cuda_only).items():
+                                                     args.cuda_only, args.verbose).items():
                     mine.setdefault(key, {}).update(entries)  # keep the T buckets not re-tuned
         torch.cuda.empty_cache()
         args.out.parent.mkdir(parents=True, exist_ok=True)
