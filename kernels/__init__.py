@@ -176,11 +176,15 @@ def rms_norm(x, weight, eps, residual=None):
     return fn(x, weight, eps, residual)
 
 
-def rms_norm_router(x, residual, norm_w, eps, router_w):
+def rms_norm_router(x, residual, norm_w, eps, router_w, gating=None):
     """The MoE layer's entry in one launch on a GPU (T <= 16 rows): h = RMSNorm(x + residual),
-    the new residual stream x + residual, and the router logits h @ router_w.T."""
-    fn = rms_norm_router_triton if x.is_cuda else rms_norm_router_ref
-    return fn(x, residual, norm_w, eps, router_w)
+    the new residual stream x + residual, and the router logits h @ router_w.T. ``gating``
+    (k, score, renormalize): also the top-k table of those logits (as ``topk_gating``),
+    ids [T, k] and weights [T, k], from the same launch."""
+    if x.is_cuda:
+        return rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating)
+    out = rms_norm_router_ref(x, residual, norm_w, eps, router_w)
+    return out if gating is None else (*out, *topk_gating_ref(out[2], *gating))
 
 
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,

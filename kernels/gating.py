@@ -34,15 +34,19 @@ TILE = 4096  # float32 scores a program holds: 16 rows of 256 experts, 64 rows o
 def _topk_table(
     logits_ptr, rows, row_ok, E, stride_lt, stride_le,
     K: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, FROM_L2: tl.constexpr,
 ):
     """Scores and the top-k table of the logits rows ``rows``, in registers:
-    -> ids [BLOCK_T, BLOCK_K] int32, weights [BLOCK_T, BLOCK_K] float32."""
+    -> ids [BLOCK_T, BLOCK_K] int32, weights [BLOCK_T, BLOCK_K] float32. ``FROM_L2``: load
+    past L1 (logits other programs of the same launch wrote)."""
     cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     col_ok = cols < E
     rows64 = rows.to(tl.int64)  # T * stride can pass 2**31
     ptrs = logits_ptr + rows64[:, None] * stride_lt + cols[None, :] * stride_le
-    x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if FROM_L2:
+        x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     # Padding experts get -inf so softmax gives them 0; padding rows stay 0 (no NaN) and
     # are never stored.
     x = tl.where(col_ok[None, :], x, float("-inf"))  # [BLOCK_T, BLOCK_E]
@@ -88,7 +92,7 @@ def _topk_gating_kernel(
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     row_ok = rows < T
     top_ids, top_w = _topk_table(logits_ptr, rows, row_ok, E, stride_lt, stride_le, K, SOFTMAX,
-                                 RENORMALIZE, BLOCK_E, BLOCK_K)
+                                 RENORMALIZE, BLOCK_E, BLOCK_K, False)
     slots = tl.arange(0, BLOCK_K)
     out = rows.to(tl.int64)[:, None] * K + slots[None, :]
     out_ok = row_ok[:, None] & (slots[None, :] < K)

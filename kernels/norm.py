@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_enter, pdl_launch
+from kernels.gating import _check_logits, _topk_table
+from kernels.moe_ref import topk_gating_ref
+from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
 
 MAX_FEATURES = 32768  # one program holds a whole row in registers up to this width
 
@@ -83,10 +85,16 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 @triton.jit
 def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logits_ptr, T, H, E, eps,
                             stride_x, stride_res, stride_rw,
-                            BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                            ids_ptr, weights_ptr, count_ptr,  # top-k outputs [T, K] and the ticket (K > 0)
+                            BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                            K: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
+                            E_ALL: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program p: logits of experts p*BE .. for every row; program 0 also writes h and the sum.
     Products are summed in float32 on the CUDA cores ([BT, BE, BK] per step): a decode step
-    has too few rows for the tensor cores to pay, and each program's weights are a few KB."""
+    has too few rows for the tensor cores to pay, and each program's weights are a few KB.
+    With K > 0 each program then takes a ticket, and the last one computes the top-k table
+    from every program's (rounded) logits, as ``kernels.topk_gating`` would, and resets the
+    counter: the MoE layer's gating without a launch of its own."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     rows = tl.arange(0, BT)
@@ -119,6 +127,18 @@ def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logi
                     other=0.0).to(tl.float32)  # [BE, BK]
         acc += tl.sum(h.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     tl.store(logits_ptr + rows[:, None] * E + experts[None, :], acc.to(DT), mask=row_ok[:, None] & e_ok[None, :])
+    if K > 0:
+        tl.debug_barrier()  # every thread's logits are written before the ticket is taken
+        ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:  # the last program: the top-k of all the logits
+            top_ids, top_w = _topk_table(logits_ptr, rows, row_ok, E, E, 1, K, SOFTMAX, RENORMALIZE, E_ALL,
+                                         BLOCK_K, True)
+            slots = tl.arange(0, BLOCK_K)
+            out = rows[:, None] * K + slots[None, :]
+            out_ok = row_ok[:, None] & (slots[None, :] < K)
+            tl.store(ids_ptr + out, top_ids, mask=out_ok)
+            tl.store(weights_ptr + out, top_w, mask=out_ok)
+            tl.atomic_xchg(count_ptr, 0)  # ready for the next call (or graph replay)
 
 
 def _router_blocks(t: int, h: int, e: int) -> tuple[int, int, int]:
@@ -140,23 +160,35 @@ def rms_norm_router_ref(x, residual, norm_w, eps, router_w):
     return h, summed, h @ router_w.t()
 
 
-def rms_norm_router_triton(x, residual, norm_w, eps, router_w):
+def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | None = None):
     """Same contract as ``rms_norm_router_ref`` for T <= 16 rows in one launch: the MoE
     layer's norm (with the residual add) and its router GEMM, which for a decode step is a
-    few hundred KB of weights, too little for cuBLAS to spread over the SMs."""
+    few hundred KB of weights, too little for cuBLAS to spread over the SMs. ``gating``
+    (k, score, renormalize): the top-k table of the logits too, from the same launch
+    (-> h, sum, logits, ids [T, k] int32, weights [T, k] float32)."""
     t, h = x.shape
     e = router_w.shape[0]
     if residual.shape != x.shape or tuple(norm_w.shape) != (h,) or router_w.shape[1] != h:
         raise ValueError(f"x {list(x.shape)}, residual {list(residual.shape)}, norm weight {list(norm_w.shape)}, "
                          f"router weight {list(router_w.shape)}: expected [T, H], [T, H], [H], [E, H]")
+    if gating is not None:
+        k, score, renormalize = gating
+        _check_logits(router_w[:, :1].t(), k, score)  # a [1, E] view: E, k and score as the gating checks them
     if t > ROUTER_MAX_ROWS or t == 0:
-        return rms_norm_router_ref(x, residual, norm_w, eps, router_w)
+        out = rms_norm_router_ref(x, residual, norm_w, eps, router_w)
+        return out if gating is None else (*out, *topk_gating_ref(out[2], k, score, renormalize))
     x, residual = x.contiguous(), residual.contiguous()
     out_h = torch.empty_like(x)
     summed = torch.empty_like(x)
     logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
+    k, score, renormalize = gating if gating is not None else (0, "softmax", False)
+    ids, weights = torch.empty(2, t, max(k, 1), dtype=torch.int32, device=x.device).unbind(0)
+    weights = weights.view(torch.float32)
     bt, be, bk = _router_blocks(t, h, e)
     _rms_norm_router_kernel[(triton.cdiv(e, be),)](
         x, residual, norm_w, router_w, out_h, summed, logits, t, h, e, eps, x.stride(0), residual.stride(0),
-        router_w.stride(0), BT=bt, BE=be, BK=bk, num_warps=4, **pdl_launch(x.device))
-    return out_h, summed, logits
+        router_w.stride(0), ids, weights, ticket_counters(x.device, 1, "rms_norm_router"),
+        BT=bt, BE=be, BK=bk, K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
+        E_ALL=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=4,
+        **pdl_launch(x.device))
+    return (out_h, summed, logits) if gating is None else (out_h, summed, logits, ids, weights)

@@ -69,3 +69,18 @@ def pdl_enter(PDL: tl.constexpr):
     elif PDL == 1:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+_COUNTERS: dict = {}
+
+
+def ticket_counters(device: torch.device, n: int, owner: str) -> torch.Tensor:
+    """int32 zeros, at least ``n``, kept per device and per kernel (``owner``), for kernels
+    whose last program (by an atomic ticket) finishes the work and sets its counter back to
+    zero: one buffer then serves every layer and every captured graph. Two launches of a
+    kernel never use it at once: each program takes its ticket after its PDL wait, when the
+    launch before has completed."""
+    buf = _COUNTERS.get((device, owner))
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[(device, owner)] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf

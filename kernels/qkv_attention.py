@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_enter, pdl_launch
+from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
 from kernels.qkv_decode import QK_NORMS, _check, _normed_rotated, _row_setup, qkv_decode_ref, qkv_decode_supported
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -134,19 +134,6 @@ def _qkv_attention_kernel(
             tl.atomic_xchg(count_ptr + b * HKV + h, 0)  # ready for the next call (or graph replay)
 
 
-_COUNTS: dict = {}
-
-
-def _counts(device: torch.device, n: int) -> torch.Tensor:
-    """int32 zeros, at least ``n``, kept per device: the kernel leaves them zero after each
-    call, so one buffer serves every layer and every captured graph (launches on one stream
-    never overlap)."""
-    buf = _COUNTS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
-
-
 MAX_KEYS = 64  # cache slots one program may have to walk (its share of S)
 
 
@@ -246,7 +233,7 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
     _qkv_attention_kernel[(b, hkv, splits)](
         qkv, q_norm_w if q_norm_w is not None else qkv, k_norm_w if k_norm_w is not None else qkv,
         cos if rope else qkv, sin if rope else qkv, k_cache, v_cache, slot, bias, out, m, l, acc,
-        _counts(qkv.device, b * hkv), float(eps), float(clip or 0.0),
+        ticket_counters(qkv.device, b * hkv, "qkv_attention"), float(eps), float(clip or 0.0),
         scale if scale is not None else 1.0 / math.sqrt(d), qkv.stride(0), cos.stride(0) if rope else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), bias.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),

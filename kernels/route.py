@@ -45,7 +45,7 @@ def _route_scatter_kernel(
     rows = tl.arange(0, BLOCK_T)
     row_ok = rows < T
     top_ids, top_w = _topk_table(logits_ptr, rows, row_ok, E, stride_lt, stride_le, K, SOFTMAX,
-                                 RENORMALIZE, BLOCK_E, BLOCK_K)
+                                 RENORMALIZE, BLOCK_E, BLOCK_K, False)
     slots = tl.arange(0, BLOCK_K)
     pair = rows[:, None] * K + slots[None, :]  # [BLOCK_T, BLOCK_K]
     ok = row_ok[:, None] & (slots[None, :] < K)

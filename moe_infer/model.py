@@ -13,6 +13,7 @@ from dense import MLP, Attention, KVCache, PagedKVCache, Rotary, StepContext, ma
 from dense.norm import RMSNorm
 from dense.parallel_linear import Linear
 from moe_infer.config import Config
+from moe_infer.gating import Routing
 from moe_infer.moe_layer import MoELayer
 
 
@@ -58,9 +59,13 @@ class Block(nn.Module):
         if self.fused_router and a.is_cuda and a.numel() <= kernels.ROUTER_MAX_ROWS * a.shape[-1]:
             # Decode: the add, the norm and the router GEMM in one launch.
             shape = a.shape
-            h, x, logits = kernels.rms_norm_router(a.view(-1, shape[-1]), x.view(-1, shape[-1]),
-                                                   self.ffn_norm.weight, self.ffn_norm.eps, self.ffn.router.weight)
-            return x.view(shape), self.ffn(h.view(shape), router_logits=logits)
+            rows = a.view(-1, shape[-1])
+            gating = self.ffn.gating_in_router(rows)  # the top-k table from the same launch
+            out = kernels.rms_norm_router(rows, x.view(-1, shape[-1]), self.ffn_norm.weight, self.ffn_norm.eps,
+                                          self.ffn.router.weight, gating)
+            h, x, logits = out[:3]
+            routing = Routing(*out[3:]) if gating is not None else None
+            return x.view(shape), self.ffn(h.view(shape), router_logits=logits, routing=routing)
         h, x = self.ffn_norm(a, residual=x)
         return x, self.ffn(h)
 

@@ -12,7 +12,7 @@ from comm import ParallelGroups
 from dense.mlp import MLP
 from moe_infer.dispatch import ExpertParallelDispatcher, LocalDispatcher
 from moe_infer.experts import Experts
-from moe_infer.gating import Router
+from moe_infer.gating import Router, Routing
 
 
 class MoELayer(nn.Module):
@@ -31,6 +31,9 @@ class MoELayer(nn.Module):
         # as every up block pays the top-k before its first load while the routing
         # launch's latency hides under PDL. scripts/diag_decode_ab.py --on route-in.
         self.route_in_experts = False
+        # The top-k table from the norm + router launch's last program (one launch fewer a
+        # layer) where the experts need no maps. scripts/diag_decode_ab.py --off topk-in-router.
+        self.topk_in_router = True
         self.local_dropless = moe_cfg.capacity_factor is None and ep * es == 1
         self._maps_at: dict = {}  # _maps_needed's answers
         ep_index = groups.ep.rank // es
@@ -62,10 +65,24 @@ class MoELayer(nn.Module):
             needed = self._maps_at[key] = not self.experts.pairs_from_ids(x, self.router.top_k)
         return needed
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+    def gating_in_router(self, x: torch.Tensor) -> tuple | None:
+        """(k, score, renormalize) where the decode step's norm + router launch should also
+        compute the top-k table for this layer (``kernels.rms_norm_router``'s ``gating``):
+        the experts run from the ids alone and ``topk_in_router`` is on. Else None."""
+        if not self.topk_in_router or self.route_in_experts or self._maps_needed(x):
+            return None
+        r = self.router
+        return r.top_k, r.score, r.renormalize
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None,
+                routing: Routing | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]. ``router_logits``: already computed; ``routing``: the top-k
+        table already computed too (``gating_in_router``)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
-        if router_logits is not None and self.route_in_experts and self.local_dropless:
+        if routing is not None:
+            out = self.dispatcher.run(x, routing, self.experts)  # [T, H]
+        elif router_logits is not None and self.route_in_experts and self.local_dropless:
             r = self.router
             out = self.experts.fused_logits(x, router_logits, r.top_k, r.score, r.renormalize)  # [T, H]
         else:

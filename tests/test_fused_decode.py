@@ -268,6 +268,33 @@ def test_rms_norm_router_matches_reference(device, dtype, t, h, e):
     assert rel(logits, ref_logits) < 2 * TOL[dtype]
 
 
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("t,h,e,k,score,renorm", [(1, 64, 8, 2, "softmax", True), (3, 200, 20, 4, "sigmoid", False),
+                                                 (16, 256, 64, 8, "softmax", False), (2, 128, 128, 8, "softmax", True)])
+def test_rms_norm_router_with_gating(device, dtype, t, h, e, k, score, renorm):
+    """The top-k table from the norm + router launch (its last program, by ticket) equals
+    the gating kernel run on the logits the same launch wrote; twice in a row, so the
+    ticket counter is seen to reset. A k over E is refused like the gating refuses it."""
+    gen = torch.Generator().manual_seed(t * h + e)
+    for _ in range(2):
+        x = (torch.randn(t, h, generator=gen) * 2).to(device, dtype)
+        r = torch.randn(t, h, generator=gen).to(device, dtype)
+        nw = (torch.rand(h, generator=gen) + 0.5).to(device, dtype)
+        rw = (torch.randn(e, h, generator=gen) / h ** 0.5).to(device, dtype)
+        out_h, summed, logits, ids, w = kernels.norm.rms_norm_router_triton(x, r, nw, 1e-5, rw, (k, score, renorm))
+        plain = kernels.norm.rms_norm_router_triton(x, r, nw, 1e-5, rw)
+        for a, b in zip((out_h, summed, logits), plain):
+            assert torch.equal(a, b)
+        # The gating kernel on the same logits: the same table, ties included (bf16 logits
+        # tie often; torch.topk on CPU need not break ties by index).
+        ref_ids, ref_w = kernels.topk_gating_triton(logits, k, score, renorm)
+        assert ids.shape == (t, k) and ids.dtype == torch.int32 and w.dtype == torch.float32
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(w, ref_w)
+    with pytest.raises(ValueError, match="expected an int with 1 <= k"):
+        kernels.norm.rms_norm_router_triton(x, r, nw, 1e-5, rw, (e + 1, score, renorm))
+
+
 def test_rms_norm_router_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match=r"router weight \[4, 7\]: expected \[T, H\], \[T, H\], \[H\], \[E, H\]"):
         kernels.norm.rms_norm_router_triton(torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), 1e-6,
@@ -289,6 +316,29 @@ def test_argmax_matches_torch(device, dtype, b, v):
 def test_argmax_rejects_empty_rows():
     with pytest.raises(ValueError, match=r"x \[2, 0\]: expected \[B, V\] logits with V >= 1"):
         kernels.argmax_triton(torch.empty(2, 0))
+
+
+@pytest.mark.gpu
+def test_topk_in_router_launch_gives_the_separate_gating_launch_step():
+    """The top-k table from the norm + router launch (MoELayer.topk_in_router, on by
+    default) and from a gating launch of its own give the embedded model the same greedy
+    tokens, graph and eager: the table is computed from the same rounded logits either way."""
+    import moe_infer
+    from moe_infer.moe_layer import MoELayer
+
+    engine = moe_infer.load(device="cuda", progress=False)
+    prompts = ["Shall I compare thee to a summer's day?", "That time of year thou mayst in me behold"]
+    layers = [m for m in engine.model.modules() if isinstance(m, MoELayer)]
+    assert layers and all(m.topk_in_router for m in layers)
+    runs = {}
+    for on in (True, False):
+        for m in layers:
+            m.topk_in_router = on
+        engine._decoders.clear()  # captured graphs hold the old path
+        for mode in ("graph", "eager"):
+            engine.decode_mode = mode
+            runs[on, mode] = [o.token_ids for o in engine.generate(prompts, max_new_tokens=12)]
+    assert len({tuple(map(tuple, r)) for r in runs.values()}) == 1, runs
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
