@@ -32,8 +32,11 @@ class MoELayer(nn.Module):
         # launch's latency hides under PDL. scripts/diag_decode_ab.py --on route-in.
         self.route_in_experts = False
         # The top-k table from the norm + router launch's last program (one launch fewer a
-        # layer) where the experts need no maps. scripts/diag_decode_ab.py --off topk-in-router.
-        self.topk_in_router = True
+        # layer) where the experts need no maps. Off: measured no faster in the decode step
+        # (OLMoE, H100, graph replay 1.190 against 1.176-1.177 ms without), as the last
+        # program's top-k runs after every other program, where the gating launch's own
+        # latency hid under PDL. scripts/diag_decode_ab.py --on topk-in-router.
+        self.topk_in_router = False
         self.local_dropless = moe_cfg.capacity_factor is None and ep * es == 1
         self._maps_at: dict = {}  # _maps_needed's answers
         ep_index = groups.ep.rank // es

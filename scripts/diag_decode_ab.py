@@ -11,11 +11,11 @@ is worth in the same run and on the same device:
   cuda-pdl    the CUDA C++ kernels (SBI-GeMM, MoE) launch without PDL
   fused-attention  the QKV epilogue launch and SDPA, not kernels.qkv_attention
   pdl-early   every kernel lets the next launch only after its own wait
-  topk-in-router  the gating in a launch of its own, not in the norm + router launch
---on (repeatable; both measured slower, so off by default):
+--on (repeatable; each measured slower or no faster, so off by default):
   route-in    the gating inside the CUDA MoE kernels, no routing launch
   norm-in-qkv the attention's residual add and RMSNorm inside the QKV GEMM's launch
   l2-prefetch the CUDA GEMMs send all their weights to L2 before their wait
+  topk-in-router  the top-k table in the norm + router launch's last program, no gating launch
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from dense import attention  # noqa: E402
 from kernels import cuda_common, moe_triton, pdl  # noqa: E402
 from moe_infer import model, moe_layer  # noqa: E402
 
-OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "topk-in-router")
-ON = ("route-in", "norm-in-qkv", "l2-prefetch")
+OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early")
+ON = ("route-in", "norm-in-qkv", "l2-prefetch", "topk-in-router")
 
 
 def switch_off(part: str) -> None:
@@ -46,8 +46,6 @@ def switch_off(part: str) -> None:
         cuda_common.pdl_on = lambda device: False
     elif part == "fused-attention":
         _after_init(attention.Attention, "fused_attention", False)
-    elif part == "topk-in-router":
-        _after_init(moe_layer.MoELayer, "topk_in_router", False)
     elif part == "pdl-early":
         pdl.EARLY_TRIGGER = False
 
@@ -57,6 +55,8 @@ def switch_on(part: str) -> None:
         _after_init(moe_layer.MoELayer, "route_in_experts")
     elif part == "norm-in-qkv":
         _after_init(model.Block, "norm_in_qkv")
+    elif part == "topk-in-router":
+        _after_init(moe_layer.MoELayer, "topk_in_router")
     elif part == "l2-prefetch":
         cuda_common.L2_PREFETCH = True
 

@@ -320,16 +320,17 @@ def test_argmax_rejects_empty_rows():
 
 @pytest.mark.gpu
 def test_topk_in_router_launch_gives_the_separate_gating_launch_step():
-    """The top-k table from the norm + router launch (MoELayer.topk_in_router, on by
-    default) and from a gating launch of its own give the embedded model the same greedy
-    tokens, graph and eager: the table is computed from the same rounded logits either way."""
+    """The top-k table from the norm + router launch (MoELayer.topk_in_router, off by
+    default: measured no faster) and from a gating launch of its own give the embedded
+    model the same greedy tokens, graph and eager: the table is computed from the same
+    rounded logits either way."""
     import moe_infer
     from moe_infer.moe_layer import MoELayer
 
     engine = moe_infer.load(device="cuda", progress=False)
     prompts = ["Shall I compare thee to a summer's day?", "That time of year thou mayst in me behold"]
     layers = [m for m in engine.model.modules() if isinstance(m, MoELayer)]
-    assert layers and all(m.topk_in_router for m in layers)
+    assert layers and not any(m.topk_in_router for m in layers)
     runs = {}
     for on in (True, False):
         for m in layers:
