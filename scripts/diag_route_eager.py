@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,21 +17,10 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import bench_common as bc  # noqa: E402
 import kernels  # noqa: E402
+from diag_launch import host_us  # noqa: E402
 
 SHAPES = {"mixtral": (8, 2, True), "qwen3-30b-a3b": (128, 8, True), "olmoe": (64, 8, False),
           "ds-moe-1.3b-e128": (128, 1, False)}  # E, k, renormalize
-
-
-def host_us(fn, n: int = 500) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    per_call = (time.perf_counter() - start) / n * 1e6
-    torch.cuda.synchronize()
-    return per_call
 
 
 def main():
