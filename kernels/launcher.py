@@ -67,7 +67,8 @@ def _entry_point(compiled) -> Callable:
     that would allocate it), else the wrapper."""
     run, function, meta = compiled.run, compiled.function, compiled.packed_metadata
     direct = getattr(run, "launch", None)
-    if direct is not None and not getattr(run, "global_scratch_size", 1) and not getattr(run, "profile_scratch_size", 1):
+    scratch = getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+    if direct is not None and not scratch:
         coop, pdl = run.launch_cooperative_grid, run.launch_pdl
         return lambda gx, gy, gz, stream, *params: direct(gx, gy, gz, stream, function, coop, pdl, None, None, meta,
                                                           None, None, None, *params)
