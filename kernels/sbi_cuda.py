@@ -65,7 +65,12 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
          const u16* __restrict__ x_res,  // NORM_RES: [T, K] residual stream added to x before the norm
          u16* __restrict__ x_sum) {      // NORM_RES: [T, K] out, x + x_res (written by block (0, 0))
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int n0 = blockIdx.x * BN;
+  // PERSIST: the grid holds fewer blocks than column tiles, and each block walks tiles
+  // blockIdx.x, + gridDim.x, ... with the next tile's first weights in flight during this
+  // one's reduction and store (no wave of blocks ends with idle SMs). Else one tile a block.
+  const int n_tiles = (N + BN - 1) / BN;
+  int tile = blockIdx.x;
+  int n0 = tile * BN;
   const int k_lo = blockIdx.y * k_span, k_hi = min(K, k_lo + k_span);
   const char* w_rows = (const char*)w + (size_t)n0 * stride_w * W_BYTES;
 
@@ -115,6 +120,8 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
   __syncthreads();
 #endif
 
+  __shared__ float part[WARPS][TP * BN];
+  for (;;) {
   float acc[TP * BN];  // acc[t * BN + j]
 #pragma unroll
   for (int o = 0; o < TP * BN; ++o) acc[o] = 0.f;
@@ -159,13 +166,22 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
         }
       }
     }
-    load_step(kb + U * STEP);
+    if (kb + U * STEP < k_hi) load_step(kb + U * STEP);
   }
 
-  __shared__ float part[WARPS][TP * BN];
+  const int this_n0 = n0;
+#if PERSIST
+  tile += gridDim.x;
+  if (tile < n_tiles) {  // the next tile's first weights, in flight during this reduction
+    n0 = tile * BN;
+    w_rows = (const char*)w + (size_t)n0 * stride_w * W_BYTES;
+    kb = k_lo + tid * WVEC;
+    load_step(kb);
+  }
+#endif
   warps_to_shared<TP * BN>(acc, part);
   for (int o = tid; o < TP * BN; o += THREADS) {
-    const int t = o / BN, n = n0 + o % BN;
+    const int t = o / BN, n = this_n0 + o % BN;
     if (t >= T || n >= N) continue;
     float v = warps_total<TP * BN>(part, o);
 #if INT8
@@ -179,6 +195,13 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
     ((u16*)out)[t * stride_o + n] = to_act(v);
 #endif
   }
+#if PERSIST
+  if (tile >= n_tiles) break;
+  __syncthreads();  // every thread has read part before the next tile writes it
+#else
+  break;
+#endif
+  }
 }
 """
 
@@ -190,9 +213,10 @@ def _tp(t: int) -> int:
 
 
 def options(tp: int, bn: int, warps: int, unroll: int, int8: bool, dt: int, norm: int, partial: bool,
-            norm_res: bool = False) -> tuple:
+            norm_res: bool = False, persist: bool = False) -> tuple:
     return ("-std=c++17", f"-DTP={tp}", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
-            f"-DDT={dt}", f"-DNORM={norm}", f"-DPARTIAL={int(partial)}", f"-DNORM_RES={int(norm_res)}")
+            f"-DDT={dt}", f"-DNORM={norm}", f"-DPARTIAL={int(partial)}", f"-DNORM_RES={int(norm_res)}",
+            f"-DPERSIST={int(persist)}")
 
 
 def sbi_cuda_config(t: int, n: int, k: int, sms: int, int8: bool) -> dict:
@@ -288,12 +312,15 @@ def _run(x, w, scale, bias, residual, norm, config, x_residual=None) -> tuple[to
     kind, g, gb, eps = norm if norm is not None else (None, None, None, 0.0)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     target = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=x.device)
-    opts = options(_tp(t), bn, warps, unroll, int8, DTYPES[x.dtype], NORMS[kind], split > 1, x_residual is not None)
+    tiles = -(-n // bn)
+    blocks = min(tiles, cfg["persist"] * sms) if cfg.get("persist") else tiles  # persist: blocks per SM
+    opts = options(_tp(t), bn, warps, unroll, int8, DTYPES[x.dtype], NORMS[kind], split > 1, x_residual is not None,
+                   blocks < tiles)
     if cfg.get("l2_prefetch"):  # this call's weights to L2 before the wait (``dense_linear``'s l2_prefetch)
         opts += ("-DL2PF=1",)
     stride_res = residual.stride(0) if residual is not None else 0
     x_sum = torch.empty_like(x_residual) if x_residual is not None else None
-    launch(x.device, SOURCE, "sbi_gemm", opts, (-(-n // bn), split), warps * 32,
+    launch(x.device, SOURCE, "sbi_gemm", opts, (blocks, split), warps * 32,
            (ptr(x), ptr(w), ptr(scale), ptr(g), ptr(gb), ptr(bias if split == 1 else None),
             ptr(residual if split == 1 else None), ptr(target), np.int32(t), np.int32(n), np.int32(k),
             np.float32(eps), np.int64(x.stride(0)), np.int64(w.stride(0)), np.int64(stride_res),
@@ -315,7 +342,7 @@ def compile_all(arch: str = "sm_90") -> int:
         bn, warps, unroll = tiles[i % len(tiles)]
         norm = i % len(NORMS)
         launch_flags = (f"-DL2PF={i // 2 % 2}", f"-DPDL_EARLY={i // 4 % 2}")  # what ``launch`` adds
-        compile_check(SOURCE, options(tp, bn, warps, unroll, int8, dt, norm, i % 2 == 1, norm == 1 and i % 4 < 2)
-                      + launch_flags, arch, "sbi_cuda.cu")
+        compile_check(SOURCE, options(tp, bn, warps, unroll, int8, dt, norm, i % 2 == 1, norm == 1 and i % 4 < 2,
+                                      i % 3 == 0) + launch_flags, arch, "sbi_cuda.cu")
         count += 1
     return count

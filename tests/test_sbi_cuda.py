@@ -195,3 +195,29 @@ def test_l2_prefetch_launch_gives_the_same_result(int8):
     assert torch.equal(plain, fetched)
     both = [kernels.dense_linear(x, w, scale=scale, l2_prefetch=on) for on in (True, False)]
     assert torch.equal(*both)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,n", [(1, 4096, 4096 + 6), (3, 1040, 1000), (16, 2048, 1536)])
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("norm,split", [(None, 1), ("rmsnorm", 1), (None, 2)])
+def test_persistent_grid_gives_the_one_tile_a_block_result(t, k, n, int8, norm, split):
+    """Fewer blocks than column tiles (``persist`` blocks per SM, each walking tiles with
+    the next one's weights loaded during this one's reduction): the same outputs, bit for
+    bit, as one tile a block (each tile's sums are formed in the same order), with the
+    norm, split-K, int8, a bias and a residual; and close to the float64 reference."""
+    gen = torch.Generator().manual_seed(t + k + n)
+    x = (torch.randn(t, k, generator=gen) * 2).to("cuda", torch.bfloat16)
+    w, scale = maybe_int8((torch.randn(n, k, generator=gen) / k ** 0.5).to("cuda", torch.bfloat16), int8)
+    bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
+    residual = torch.randn(t, n, generator=gen).to("cuda", torch.bfloat16)
+    g = (torch.rand(k, generator=gen) + 0.5).to("cuda", torch.bfloat16)
+    nrm = ("rmsnorm", g, None, 1e-5) if norm else None
+    cfg = dict(bn=2, warps=4, unroll=2, split_k=split)
+    plain = sbi_cuda.sbi_linear_cuda(x, w, scale, bias, residual, nrm, config=cfg)
+    for blocks_per_sm in (1, 2):
+        out = sbi_cuda.sbi_linear_cuda(x, w, scale, bias, residual, nrm, config=dict(cfg, persist=blocks_per_sm))
+        assert torch.equal(out, plain), blocks_per_sm
+    ref = sbi_linear_ref(x.double(), w if int8 else w.double(), None if scale is None else scale.double(),
+                         bias.double(), residual.double(), None if nrm is None else ("rmsnorm", g.double(), None, 1e-5))
+    assert rel(plain, ref) < TOL[torch.bfloat16]
