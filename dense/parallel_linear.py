@@ -67,7 +67,9 @@ class RowParallelLinear(nn.Module):
         # The columns of a full [O, I] weight kept here (the bias stays whole); a closure, as
         # in ColumnParallelLinear.
         self.shard_fns = {"weight": lambda full: full[:, first:first + local]}
-        self.l2_prefetch = False  # kernels.dense_linear's weight prefetch (set by the attention)
+        # kernels.dense_linear's weight prefetch. Off: on the attention's output projection it
+        # measured no faster (scripts/diag_decode_ab.py --on o-prefetch).
+        self.l2_prefetch = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(dense_linear(x, self.weight, l2_prefetch=self.l2_prefetch), self.group)
