@@ -216,19 +216,26 @@ _gating = CachedLaunch(_topk_gating_kernel)
 _CHECKED: set = set()  # (shape, dtype, k, type of k, score) whose checks passed before
 
 
+def _check_logits_once(logits: torch.Tensor, k: int, score: str) -> None:
+    """``_check_logits``, skipped for a (shape, dtype, k, score) that passed before: what it
+    reads is all in that key. The type of k is in it too (True and 8.0 equal 1 and 8). The
+    routing launches at decode sizes call this on every step, where the host time counts."""
+    seen = (logits.shape, logits.dtype, k, type(k), score)
+    if seen not in _CHECKED:
+        _check_logits(logits, k, score)
+        _CHECKED.add(seen)
+
+
 def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
                        renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the router scores: ids [T, k] int32 (descending score) and weights [T, k]
     float32; the same contract as ``topk_gating_ref``.
 
     At decode sizes this launch is the layer's whole routing, and in an eager step its host
-    time is the cost: a (shape, dtype, k, score) checked before is not checked again (the
-    type of k is in the key: True and 8.0 equal 1 and 8), both outputs are one allocation,
-    and the kernel launches through its compiled launcher (``kernels.launcher``)."""
-    seen = (logits.shape, logits.dtype, k, type(k), score)
-    if seen not in _CHECKED:
-        _check_logits(logits, k, score)
-        _CHECKED.add(seen)
+    time is the cost: the checks run once per key (``_check_logits_once``), both outputs are
+    one allocation, and the kernel launches through its compiled launcher
+    (``kernels.launcher``)."""
+    _check_logits_once(logits, k, score)
     t, e = logits.shape
     dev = logits.device
     ids, weights = torch.empty(2, t, k, dtype=torch.int32, device=dev).unbind(0)

@@ -17,7 +17,7 @@ import triton.language as tl
 from kernels import pdl as pdl_mod
 from kernels.pdl import pdl_enter, pdl_launch
 
-from kernels.gating import _check_logits, _topk_table, topk_gating_triton
+from kernels.gating import _check_logits_once, _topk_table, topk_gating_triton
 from kernels.launcher import CachedLaunch
 from kernels.layout import scatter_rows_triton
 from kernels.maps import SMALL_PAIRS, _maps_block, token_maps_triton
@@ -76,7 +76,7 @@ def route_scatter_triton(x: torch.Tensor, logits: torch.Tensor, k: int, score: s
                          renormalize: bool = True):
     """Gating, dropless maps and the scatter of x [T, H] into the expert-major buffer:
     -> ids, weights, (offsets, rows, row_pair), xs [T * k, H]. One launch at decode sizes."""
-    _check_logits(logits, k, score)
+    _check_logits_once(logits, k, score)
     t, e = logits.shape
     if x.dim() != 2 or x.shape[0] != t:
         raise ValueError(f"x {list(x.shape)}: expected [T={t}, H] to match logits {list(logits.shape)}")
@@ -124,18 +124,11 @@ def _launch(logits, k, score, renormalize, x=None):
     return ids, weights, (offsets, rows, row_pair), xs
 
 
-_ONE_LAUNCH: set = set()  # (shape, dtype, k, type of k, score) checked and routed in one launch before
-
-
 def route_triton(logits: torch.Tensor, k: int, score: str = "softmax", renormalize: bool = True):
     """Top-k gating and dropless maps: -> ids, weights, (offsets, rows, row_pair)."""
-    seen = (logits.shape, logits.dtype, k, type(k), score)  # type: k = True or 8.0 match 1 and 8
-    if seen in _ONE_LAUNCH:  # what the checks read is all in the key: they would pass again
-        return _launch(logits, k, score, renormalize)[:3]
-    _check_logits(logits, k, score)
+    _check_logits_once(logits, k, score)
     t, e = logits.shape
     if _small(t, e, k) is None:
         ids, weights = topk_gating_triton(logits, k, score, renormalize)
         return ids, weights, token_maps_triton(ids, e)
-    _ONE_LAUNCH.add(seen)
     return _launch(logits, k, score, renormalize)[:3]
