@@ -67,10 +67,7 @@ class RowParallelLinear(nn.Module):
         # The columns of a full [O, I] weight kept here (the bias stays whole); a closure, as
         # in ColumnParallelLinear.
         self.shard_fns = {"weight": lambda full: full[:, first:first + local]}
-        # kernels.dense_linear's weight prefetch. Off: on the attention's output projection it
-        # measured no faster (scripts/diag_decode_ab.py --on o-prefetch).
-        self.l2_prefetch = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(dense_linear(x, self.weight, l2_prefetch=self.l2_prefetch), self.group)
+        y = all_reduce(dense_linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y

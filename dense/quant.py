@@ -29,14 +29,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale[0])  # [O] float32
         self.bias = linear.bias
         self.reduce: Group | None = linear.group if isinstance(linear, RowParallelLinear) else None
-        self.l2_prefetch = getattr(linear, "l2_prefetch", False)
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._finish(kernels.dense_linear(x, self.weight, scale=self.scale, l2_prefetch=self.l2_prefetch))
+        return self._finish(kernels.dense_linear(x, self.weight, scale=self.scale))
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``Linear.normed``: s = x + residual, this layer on rmsnorm(s) -> (y, s)."""

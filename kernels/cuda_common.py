@@ -248,9 +248,7 @@ def _driver():
 def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tuple, block: int, args: tuple):
     """Launches kernel ``name`` on the current stream of ``device``; with PDL where
     ``kernels.pdl`` turns it on. ``args`` are numpy scalars (pointers as np.uint64)."""
-    opts = tuple(opts)
-    if not any(o.startswith("-DL2PF=") for o in opts):  # a launch may ask for the prefetch itself
-        opts += (f"-DL2PF={int(L2_PREFETCH)}",)
+    opts = tuple(opts) + (f"-DL2PF={int(L2_PREFETCH)}",)
     if not any(o.startswith("-DPDL_EARLY=") for o in opts):  # a kernel may pin the late trigger
         opts += (f"-DPDL_EARLY={int(pdl.EARLY_TRIGGER)}",)
     _, handle = function(device.index, source, name, opts)

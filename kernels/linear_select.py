@@ -65,11 +65,9 @@ def choice(device: torch.device, n: int, k: int, wdtype: torch.dtype, t: int) ->
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 scale: torch.Tensor | None = None, l2_prefetch: bool = False) -> torch.Tensor:
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) -> [..., N]; W [N, K] full precision, or int8 with per-row
-    ``scale`` [N]. ``l2_prefetch``: where the CUDA SBI-GeMM runs, its blocks ask L2 for all
-    their weights before waiting for the previous kernel (for a GEMM that follows a
-    latency-bound kernel, whose time the weight reads can fill)."""
+    ``scale`` [N]."""
     int8 = weight.dtype == torch.int8
     if int8 and scale is None:
         raise ValueError("weight: int8 needs its per-output-channel scale")
@@ -82,8 +80,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     pick = choice(x.device, weight.shape[0], weight.shape[1], weight.dtype, rows)
     if isinstance(pick, dict):
         try:
-            config = dict(pick, l2_prefetch=True) if l2_prefetch else pick
-            y = sbi_cuda.sbi_linear_cuda(x.reshape(rows, x.shape[-1]), weight, scale, bias, config=config)
+            y = sbi_cuda.sbi_linear_cuda(x.reshape(rows, x.shape[-1]), weight, scale, bias, config=pick)
             return y.view(*x.shape[:-1], weight.shape[0])
         except ValueError:  # operands the CUDA kernel cannot take (alignment, dtype): the Triton version
             pick = "sbi"

@@ -316,8 +316,6 @@ def _run(x, w, scale, bias, residual, norm, config, x_residual=None) -> tuple[to
     blocks = min(tiles, cfg["persist"] * sms) if cfg.get("persist") else tiles  # persist: blocks per SM
     opts = options(_tp(t), bn, warps, unroll, int8, DTYPES[x.dtype], NORMS[kind], split > 1, x_residual is not None,
                    blocks < tiles)
-    if cfg.get("l2_prefetch"):  # this call's weights to L2 before the wait (``dense_linear``'s l2_prefetch)
-        opts += ("-DL2PF=1",)
     stride_res = residual.stride(0) if residual is not None else 0
     x_sum = torch.empty_like(x_residual) if x_residual is not None else None
     launch(x.device, SOURCE, "sbi_gemm", opts, (blocks, split), warps * 32,

@@ -16,7 +16,6 @@ is worth in the same run and on the same device:
   norm-in-qkv the attention's residual add and RMSNorm inside the QKV GEMM's launch
   l2-prefetch the CUDA GEMMs send all their weights to L2 before their wait
   topk-in-router  the top-k table in the norm + router launch's last program, no gating launch
-  o-prefetch  the attention's output projection alone sends its weights to L2 before its wait
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from kernels import cuda_common, moe_triton, pdl  # noqa: E402
 from moe_infer import model, moe_layer  # noqa: E402
 
 OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early")
-ON = ("route-in", "norm-in-qkv", "l2-prefetch", "topk-in-router", "o-prefetch")
+ON = ("route-in", "norm-in-qkv", "l2-prefetch", "topk-in-router")
 
 
 def switch_off(part: str) -> None:
@@ -58,24 +57,17 @@ def switch_on(part: str) -> None:
         _after_init(model.Block, "norm_in_qkv")
     elif part == "topk-in-router":
         _after_init(moe_layer.MoELayer, "topk_in_router")
-    elif part == "o-prefetch":
-        _after_init(attention.Attention, "o_proj.l2_prefetch")
     elif part == "l2-prefetch":
         cuda_common.L2_PREFETCH = True
 
 
 def _after_init(cls, flag: str, value: bool = True) -> None:
-    """Every instance of ``cls`` built from now on has ``flag`` (a dotted path: an attribute
-    of one of its members) set to ``value``."""
+    """Every instance of ``cls`` built from now on has ``flag`` set to ``value``."""
     init = cls.__init__
-    *members, name = flag.split(".")
 
     def init_then_set(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        owner = self
-        for m in members:
-            owner = getattr(owner, m)
-        setattr(owner, name, value)
+        setattr(self, flag, value)
     cls.__init__ = init_then_set
 
 

@@ -176,28 +176,6 @@ def test_norm_linear_follows_the_table(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("int8", [False, True])
-def test_l2_prefetch_launch_gives_the_same_result(int8):
-    """A launch with its weights sent to L2 before the wait (``l2_prefetch`` in the config,
-    ``kernels.dense_linear(..., l2_prefetch=True)``) computes what the plain launch does,
-    bit for bit, and after a kernel that writes its input."""
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 2048, generator=gen).cuda().bfloat16()
-    w = (torch.randn(1536, 2048, generator=gen) / 45).cuda().bfloat16()
-    scale = None
-    if int8:
-        q, s = kernels.quantize_int8(w[None])
-        w, scale = q[0], s[0]
-    cfg = dict(bn=4, warps=4, unroll=2, split_k=1)
-    plain = sbi_cuda.sbi_linear_cuda(x, w, scale, config=cfg)
-    y = x * 1  # written by the kernel just before: the prefetching launch waits for it
-    fetched = sbi_cuda.sbi_linear_cuda(y, w, scale, config=dict(cfg, l2_prefetch=True))
-    assert torch.equal(plain, fetched)
-    both = [kernels.dense_linear(x, w, scale=scale, l2_prefetch=on) for on in (True, False)]
-    assert torch.equal(*both)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("t,k,n", [(1, 4096, 4096 + 6), (3, 1040, 1000), (16, 2048, 1536)])
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("norm,split", [(None, 1), ("rmsnorm", 1), (None, 2)])
