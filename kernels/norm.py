@@ -182,8 +182,10 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | N
     summed = torch.empty_like(x)
     logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
     k, score, renormalize = gating if gating is not None else (0, "softmax", False)
-    ids, weights = torch.empty(2, t, max(k, 1), dtype=torch.int32, device=x.device).unbind(0)
-    weights = weights.view(torch.float32)
+    ids = weights = logits  # K = 0: the top-k outputs are never written
+    if gating is not None:
+        ids, weights = torch.empty(2, t, k, dtype=torch.int32, device=x.device).unbind(0)
+        weights = weights.view(torch.float32)
     bt, be, bk = _router_blocks(t, h, e)
     _rms_norm_router_kernel[(triton.cdiv(e, be),)](
         x, residual, norm_w, router_w, out_h, summed, logits, t, h, e, eps, x.stride(0), residual.stride(0),
