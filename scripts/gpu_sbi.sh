@@ -35,6 +35,10 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh decodesizes [OUT]
 #       the GPU tests of routing, the launcher, the MoE layer and graph decode, the host
 #       cost of each launch, bench_moe at T = 1..16, OLMoE decode at batch 1 and 8
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh group [OUT]
+#       the CUDA MoE decode kernels' tests first (one block per expert among them), the
+#       read ceiling under PDL (diag_read.py, Qwen3 and OLMoE), tune_moe --cuda-only at
+#       T = 2..16 for $TUNE_SHAPES (default qwen3,olmoe,dsmoe)
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
@@ -116,6 +120,14 @@ elif [ "$part" = moesmall ]; then
         TAIL=30 step tune 240 python scripts/tune_moe.py --cuda-only --tokens 2,4,8,16 --int8-tokens 2,4,8,16
         cp kernels/configs/moe.json "$out/"
         TAIL=30 step moe 130 python scripts/bench_moe.py --tokens 1,2,4,8,16 --no-baselines --no-json
+    fi
+elif [ "$part" = group ]; then
+    TAIL=6 step moe_tests 150 $pytest_gpu -x tests/test_moe_cuda.py || true
+    if grep -q " passed" "$out/moe_tests.log" && ! grep -q "failed\|error" "$out/moe_tests.log"; then
+        TAIL=8 step read 100 python scripts/diag_read.py --models qwen3-30b-a3b,olmoe-1b-7b
+        TAIL=40 step tune 300 python scripts/tune_moe.py --cuda-only --verbose --shapes ${TUNE_SHAPES:-qwen3,olmoe,dsmoe} \
+            --tokens 2,4,8,16 --int8-tokens 2,4,8,16
+        cp kernels/configs/moe.json "$out/"
     fi
 elif [ "$part" = route ]; then
     TAIL=6 step route_smoke 200 $pytest_gpu -x tests/test_moe_kernels.py tests/test_moe_cuda.py \
