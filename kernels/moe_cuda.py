@@ -18,12 +18,8 @@ Weights are read once per pair, not once per expert: at T = 1 the k experts are
 distinct, so that is each active byte once. Past T = 1 pairs share experts; the
 pair-major grid (``pair_major``: the blocks of all pairs for one column tile launch next
 to each other) has the pairs that share an expert read the same rows at about the same
-time, so the second read tends to come from L2. With ``group`` (ids given, not logits)
-the up kernel instead has the block of each expert's first pair compute all of that
-expert's pairs, ``group`` of them per pass over the rows: each active byte is read once
-and widened once (int8) for all of them, and the other pairs' blocks return at once. The
-Triton grouped GEMM, which groups pairs by expert, is used unless the tuning table chose
-this for that T.
+time, so the second read tends to come from L2. The Triton grouped GEMM, which groups
+pairs by expert, is used unless the tuning table chose this for that T.
 
 With router logits instead of ids (``fused_moe_logits_cuda``) both kernels compute the
 top-k gating themselves, each block for its token (k rounds of a warp argmax over at most
@@ -40,8 +36,7 @@ Compile-time parameters: BN, WARPS, U, INT8, DT (0 bf16, 1 fp16), GATED (SiLU ga
 else GeLU), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials),
 ROUTE (0 ids given, 1 softmax, 2 sigmoid of the logits), RENORM, E_LANES (ceil(E / 32)),
 LOGITS_F32 (float32 logits, else the activations' dtype), PAIR_MAJOR (grid: pairs / tokens
-fastest, else column tiles fastest), GROUP (up: 0 one block a pair, else one block per
-expert with GROUP pairs a pass).
+fastest, else column tiles fastest).
 """
 from __future__ import annotations
 
@@ -61,14 +56,6 @@ SOURCE = COMMON + r"""
 #define ROWS_PER_F (GATED ? 2 : 1)  // rows of w13 per column of h
 #define ROWS (ROWS_PER_F * BN)
 #define MAX_K 16
-#define MAX_T 16
-#ifndef GROUP
-#define GROUP 0
-#endif
-#define MP (GROUP ? GROUP : 1)  // moe_up: pairs of one expert computed per pass over its rows
-#if GROUP && ROUTE
-#error "GROUP needs the pairs' expert ids (ROUTE 0)"
-#endif
 
 #define NEG_INF __int_as_float(0xff800000u)
 #define LOGIT_BYTES (LOGITS_F32 ? 4 : 2)
@@ -153,9 +140,9 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
        int H, int F, int topk, long long stride_x, int E) {
   const int tid = threadIdx.x;
 #if PAIR_MAJOR
-  const int p = blockIdx.x, n0 = blockIdx.y * BN, pairs = gridDim.x;
+  const int p = blockIdx.x, n0 = blockIdx.y * BN;
 #else
-  const int p = blockIdx.y, n0 = blockIdx.x * BN, pairs = gridDim.y;
+  const int p = blockIdx.y, n0 = blockIdx.x * BN;
 #endif
   grid_dep_enter();  // x and the ids (or logits) are earlier kernels' outputs
 #if ROUTE
@@ -163,100 +150,62 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   float top_w[MAX_K];
   route_token((const char*)ids + (size_t)(p / topk) * E * LOGIT_BYTES, E, topk, top, top_w);
   const long long e = top[p % topk];
+  const float weight = top_w[p % topk];
 #else
   const long long e = id_at(ids, p);
-#endif
-#if GROUP
-  // The block of the first pair of expert e computes every pair routed to e (at most one
-  // a token), reading e's rows once for all of them; the other pairs' blocks return.
-  __shared__ int members[MAX_T * MAX_K];
-  __shared__ int n_members;
-  if (tid == 0) n_members = 0;
-  __syncthreads();
-  int earlier = 0;
-  for (int q = tid; q < pairs; q += THREADS)
-    if (id_at(ids, q) == e) {
-      if (q < p) earlier = 1;
-      else members[atomicAdd(&n_members, 1)] = q;
-    }
-  if (__syncthreads_or(earlier)) return;
-  const int count = n_members;
-#define MEMBER(i) members[i]
-#else
-  const int count = 1;
-#define MEMBER(i) p
+  const float weight = pair_w[p];
 #endif
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
-  __shared__ float part[WARPS][MP * ROWS];
+  const u16* xr = x + (size_t)(p / topk) * stride_x;
 
-  for (int c0 = 0; c0 < count; c0 += MP) {  // MP pairs per pass over the weights
-    const int mc = min(MP, count - c0);
-    const u16* xr[MP];
+  float acc[ROWS];  // j < BN: gate (or GeLU) column n0 + j; j >= BN: up column n0 + j - BN
 #pragma unroll
-    for (int i = 0; i < MP; ++i) xr[i] = x + (size_t)(MEMBER(c0 + min(i, mc - 1)) / topk) * stride_x;
-    // acc[i][j], j < BN: gate (or GeLU) column n0 + j of pair i; j >= BN: up column n0 + j - BN
-    float acc[MP][ROWS];
+  for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
+  for (int kb = tid * WVEC; kb < H; kb += U * STEP) {
+    u32x4 wv[U][ROWS];
 #pragma unroll
-    for (int i = 0; i < MP; ++i)
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) acc[i][j] = 0.f;
-    for (int kb = tid * WVEC; kb < H; kb += U * STEP) {
-      u32x4 wv[U][ROWS];
+      for (int j = 0; j < ROWS; ++j) {
+        const int k = kb + u * STEP, n = n0 + j % BN, row = (j < BN ? 0 : F) + n;
+        wv[u][j] = k < H && n < F ? load_stream(w_e + ((size_t)row * H + k) * W_BYTES) : zero4();
+      }
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * STEP;
+      if (k >= H) break;
+      float a[WVEC];
+      load_act(xr + k, a);
 #pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-          const int k = kb + u * STEP, n = n0 + j % BN, row = (j < BN ? 0 : F) + n;
-          wv[u][j] = k < H && n < F ? load_stream(w_e + ((size_t)row * H + k) * W_BYTES) : zero4();
-        }
+      for (int j = 0; j < ROWS; ++j) {
+        float wf[WVEC];
+        widen_w(wv[u][j], wf);
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int k = kb + u * STEP;
-        if (k >= H) break;
-        float a[MP][WVEC];
-#pragma unroll
-        for (int i = 0; i < MP; ++i)
-          if (i < mc) load_act(xr[i] + k, a[i]);
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-          float wf[WVEC];
-          widen_w(wv[u][j], wf);  // once for all MP pairs
-#pragma unroll
-          for (int i = 0; i < MP; ++i)
-            if (i < mc)
-#pragma unroll
-              for (int v = 0; v < WVEC; ++v) acc[i][j] = fmaf(a[i][v], wf[v], acc[i][j]);
-        }
+        for (int i = 0; i < WVEC; ++i) acc[j] = fmaf(a[i], wf[i], acc[j]);
       }
     }
+  }
 
-    warps_to_shared<MP * ROWS>(&acc[0][0], part);
-    for (int o = tid; o < mc * BN; o += THREADS) {
-      const int i = o / BN, n = n0 + o % BN, q = MEMBER(c0 + i);
-      if (n >= F) continue;
-      float g = warps_total<MP * ROWS>(part, i * ROWS + o % BN);
+  __shared__ float part[WARPS][ROWS];
+  warps_to_shared<ROWS>(acc, part);
+  for (int o = tid; o < BN; o += THREADS) {
+    const int n = n0 + o;
+    if (n >= F) continue;
+    float g = warps_total<ROWS>(part, o);
 #if INT8
-      g *= scale[e * ROWS_PER_F * F + n];
+    g *= scale[e * ROWS_PER_F * F + n];
 #endif
 #if GATED
-      float up = warps_total<MP * ROWS>(part, i * ROWS + BN + o % BN);
+    float up = warps_total<ROWS>(part, BN + o);
 #if INT8
-      up *= scale[e * 2 * F + F + n];
+    up *= scale[e * 2 * F + F + n];
 #endif
-      const float v = g / (1.f + __expf(-g)) * up;
+    const float v = g / (1.f + __expf(-g)) * up;
 #else
-      const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
+    const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
 #endif
-#if ROUTE
-      const float weight = top_w[q % topk];
-#else
-      const float weight = pair_w[q];
-#endif
-      h[(size_t)q * F + n] = to_act(v * weight);
-    }
-    __syncthreads();  // part is written again by the next pass
+    h[(size_t)p * F + n] = to_act(v * weight);
   }
-#undef MEMBER
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -370,18 +319,10 @@ DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
                                                           (1, 2))]
 
 
-GROUPS = (1, 2, 4)  # up kernel: pairs of one expert computed per pass over its rows (``group``)
-
-
 def candidates(phase: str, t: int) -> list[dict]:
-    """The CUDA launch configurations the tuning script times for ``phase`` at T = t. Past
-    T = 1 pairs can share an expert: the pair-major grid, and for the up kernel one block
-    per expert (``group``) on three of the base configurations, are tried too."""
+    """The CUDA launch configurations the tuning script times for ``phase`` at T = t."""
     base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES
-    if t == 1:
-        return list(base)
-    grouped = [dict(c, group=g) for c in (base[0], base[2], base[5]) for g in GROUPS] if phase == "up" else []
-    return base + [dict(c, pair_major=True) for c in base] + grouped
+    return base + ([dict(c, pair_major=True) for c in base] if t > 1 else [])
 
 
 def default_configs(t: int, h: int, sms: int) -> tuple[dict, dict]:
@@ -434,11 +375,11 @@ def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> s
 
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
-            logits_f32: bool = False, pair_major: bool = False, group: int = 0) -> tuple:
+            logits_f32: bool = False, pair_major: bool = False) -> tuple:
     return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}", f"-DPARTIAL={int(partial)}",
             f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
-            f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DGROUP={group}")
+            f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}")
 
 
 def fused_moe_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -487,9 +428,8 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
     up_major = up.get("pair_major", False)
-    group = 0 if route.get("route") else up.get("group", 0)  # grouping needs the ids, not logits
     up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up_major,
-                      group=group, **route) + ("-DPDL_EARLY=0",)
+                      **route) + ("-DPDL_EARLY=0",)
     up_grid = (-(-f // up["bn"]), t * topk)
     launch(x.device, SOURCE, "moe_up", up_opts, up_grid[::-1] if up_major else up_grid, up["warps"] * 32,
            (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h), np.int32(f),
@@ -522,10 +462,8 @@ def compile_all(arch: str = "sm_90") -> int:
         up, down = UP_CANDIDATES[i % len(UP_CANDIDATES)], DOWN_CANDIDATES[i % len(DOWN_CANDIDATES)]
         route = dict(route=i % 3, renorm=i % 2 == 0, e_lanes=1 + i % 8, logits_f32=i % 4 < 2)
         launch_flags = (f"-DL2PF={i % 2}", f"-DPDL_EARLY={i // 2 % 2}")  # what ``launch`` adds
-        group = GROUPS[i // 3 % len(GROUPS)] if route["route"] == 0 else 0
         compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, ids64=i % 2 == 0,
-                                      pair_major=i % 2 == 1, group=group, **route) + launch_flags, arch,
-                      "moe_cuda.cu")
+                                      pair_major=i % 2 == 1, **route) + launch_flags, arch, "moe_cuda.cu")
         compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
                                       ids64=i % 2 == 1, pair_major=i % 4 >= 2, **route) + launch_flags, arch,
                       "moe_cuda.cu")

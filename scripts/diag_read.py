@@ -166,11 +166,12 @@ def main():
     print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | bf16 | copy {copy_gbs:.0f} GB/s")
     print(bc.format_table(
         ["model", "layer", "K", "N", "MB", "copy µs", "read µs", "read PDL µs", "SBI cuda µs", "cuBLAS µs",
-         "%copy: copy", "read", "read PDL", "SBI", "cuBLAS", "SBI / read PDL"],
+         "%copy: copy", "read", "read PDL", "SBI", "cuBLAS", "SBI / read PDL", "read PDL grid"],
         [[r["model"], r["layer"], r["K"], r["N"], f"{r['mb']:.1f}", f"{r['copy_us']:.1f}", f"{r['read_us']:.1f}",
           f"{r['read_pdl_us']:.1f}", f"{r['sbi_cuda_us']:.1f}", f"{r['cublas_us']:.1f}", f"{r['copy_pct']:.0f}",
           f"{r['read_pct']:.0f}", f"{r['read_pdl_pct']:.0f}", f"{r['sbi_pct']:.0f}", f"{r['cublas_pct']:.0f}",
-          f"{r['sbi_cuda_us'] / r['read_pdl_us']:.2f}"] for r in rows]))
+          f"{r['sbi_cuda_us'] / r['read_pdl_us']:.2f}",
+          "{} x {}, {} before the wait".format(*r["read_pdl_grid"])] for r in rows]))
     bc.write_results("read-ceiling", device, {"run": run, "copy_gbs": copy_gbs, "rows": rows})
 
 

@@ -35,10 +35,9 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh decodesizes [OUT]
 #       the GPU tests of routing, the launcher, the MoE layer and graph decode, the host
 #       cost of each launch, bench_moe at T = 1..16, OLMoE decode at batch 1 and 8
-#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh group [OUT]
-#       the CUDA MoE decode kernels' tests first (one block per expert among them), the
-#       read ceiling under PDL (diag_read.py, Qwen3 and OLMoE), tune_moe --cuda-only at
-#       T = 2..16 for $TUNE_SHAPES (default qwen3,olmoe,dsmoe)
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh mixtral [OUT]
+#       on an H200: tune_moe --cuda-only for Mixtral at T = 1 (bf16, int8), the Mixtral dense
+#       table at T = 1, then Mixtral decode at batch 1, int8 (with the profile) and bf16
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
@@ -121,14 +120,14 @@ elif [ "$part" = moesmall ]; then
         cp kernels/configs/moe.json "$out/"
         TAIL=30 step moe 130 python scripts/bench_moe.py --tokens 1,2,4,8,16 --no-baselines --no-json
     fi
-elif [ "$part" = group ]; then
-    TAIL=6 step moe_tests 200 $pytest_gpu -x tests/test_moe_cuda.py -k "${SMOKE:-bit_exact or (matches and bfloat16)}" || true
-    if grep -q " passed" "$out/moe_tests.log" && ! grep -q "failed\|error" "$out/moe_tests.log"; then
-        TAIL=8 step read 100 python scripts/diag_read.py --models qwen3-30b-a3b,olmoe-1b-7b
-        TAIL=40 step tune 300 python scripts/tune_moe.py --cuda-only --verbose --shapes ${TUNE_SHAPES:-qwen3,olmoe,dsmoe} \
-            --tokens 2,4,8,16 --int8-tokens 2,4,8,16
-        cp kernels/configs/moe.json "$out/"
-    fi
+elif [ "$part" = mixtral ]; then
+    TAIL=10 step tune 150 python scripts/tune_moe.py --cuda-only --shapes mixtral --tokens 1 --int8-tokens 1
+    cp kernels/configs/moe.json "$out/"
+    TAIL=14 step dense 150 python scripts/bench_dense.py --models mixtral-8x7b --tokens 1 --no-attention --write-table
+    cp kernels/configs/dense.json "$out/"
+    TAIL=50 step mixtral_int8 150 python scripts/bench_decode.py --model mixtral-8x7b --quantize int8 --batches 1 \
+        --new-tokens 32 --reps 3 --profile
+    TAIL=8 step mixtral_bf16 120 python scripts/bench_decode.py --model mixtral-8x7b --batches 1 --new-tokens 32 --reps 3
 elif [ "$part" = route ]; then
     TAIL=6 step route_smoke 200 $pytest_gpu -x tests/test_moe_kernels.py tests/test_moe_cuda.py \
         -k "${SMOKE:-route or gating or graph or table or pair}" || true

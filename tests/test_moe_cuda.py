@@ -76,43 +76,17 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
     ref = fused_moe_ref(x.double(), w13 if int8 else w13.double(), w2 if int8 else w2.double(), w.double(), ids,
                         activation, s13, s2)
     # Every tuning candidate that the problem's size keeps apart (up i with down i); past
-    # T = 1 also the pair-major grid, in both kernels and in each one alone, and the up
-    # kernel's one block per expert (each group size).
+    # T = 1 also the pair-major grid, in both kernels and in each one alone.
     pairs = list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.DOWN_CANDIDATES))
     if t > 1:
         major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
-        grouped = [(dict(up, group=g), down) for g, (up, down) in zip(moe_cuda.GROUPS, pairs)]
-        pairs += major + grouped + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1]),
-                                    (dict(major[2][0], group=2), major[2][1])]
+        pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
     for up, down in pairs:
         out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, (up, down))
         assert out.shape == (t, h) and out.dtype == dtype
         assert rel(out, ref) < TOL[dtype], (up, down)
     out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2)  # default configurations
     assert rel(out, ref) < TOL[dtype]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("int8", [False, True])
-def test_one_block_per_expert_is_bit_exact(int8):
-    # The up kernel's grouping changes which block computes a pair, not the pair's sums:
-    # the output is bit for bit the one-block-a-pair kernel's. 16 tokens, k = 3 of 5
-    # experts: every expert has several pairs (more than a pass of 4 takes), and pairs
-    # of one expert sit in both orders of the grid.
-    x, w13, w2, ids, w = problem("cuda", torch.bfloat16, 16, 1040, 208, 5, 3, "silu", 11)
-    scales = {}
-    if int8:
-        w13, s13 = quantize_int8(w13)
-        w2, s2 = quantize_int8(w2)
-        scales = dict(w13_scale=s13, w2_scale=s2)
-    down = moe_cuda.DOWN_CANDIDATES[0]
-    for up in moe_cuda.UP_CANDIDATES[:3]:
-        plain = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, "silu", configs=(up, down), **scales)
-        for g in moe_cuda.GROUPS:
-            for major in (False, True):
-                out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, "silu", configs=(
-                    dict(up, group=g, pair_major=major), down), **scales)
-                torch.testing.assert_close(out, plain, rtol=0, atol=0, msg=f"{up} group {g} major {major}")
 
 
 @pytest.mark.gpu
@@ -223,12 +197,6 @@ def test_gating_inside_the_kernels(t, e, k, score, renormalize, logits_dtype):
                                           (moe_cuda.UP_CANDIDATES[3], moe_cuda.DOWN_CANDIDATES[5]))
     ref8 = fused_moe_ref(x.double(), q13, q2, w.double(), ids, "silu", s13, s2)
     assert rel(out8, ref8) < TOL[torch.bfloat16]
-    # A grouped up configuration needs the ids: with the gating inside, it runs ungrouped.
-    grouped = moe_cuda.fused_moe_logits_cuda(x, logits, k, w13, w2, "silu", score, renormalize,
-                                             configs=(dict(moe_cuda.UP_CANDIDATES[0], group=2), None))
-    plain = moe_cuda.fused_moe_logits_cuda(x, logits, k, w13, w2, "silu", score, renormalize,
-                                           configs=(moe_cuda.UP_CANDIDATES[0], None))
-    torch.testing.assert_close(grouped, plain, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
