@@ -38,6 +38,8 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh mixtral [OUT]
 #       on an H200: tune_moe --cuda-only for Mixtral at T = 1 (bf16, int8), the Mixtral dense
 #       table at T = 1, then Mixtral decode at batch 1, int8 (with the profile) and bf16
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh mixtralab [OUT]
+#       on an H200: Mixtral decode at batch 1, int8 and bf16 in alternating processes, 3 each
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
@@ -128,6 +130,13 @@ elif [ "$part" = mixtral ]; then
     TAIL=50 step mixtral_int8 150 python scripts/bench_decode.py --model mixtral-8x7b --quantize int8 --batches 1 \
         --new-tokens 32 --reps 3 --profile
     TAIL=8 step mixtral_bf16 120 python scripts/bench_decode.py --model mixtral-8x7b --batches 1 --new-tokens 32 --reps 3
+elif [ "$part" = mixtralab ]; then
+    for i in 1 2 3; do
+        for q in int8 bf16; do
+            TAIL=2 step "mixtral_${q}_$i" 120 python scripts/bench_decode.py --model mixtral-8x7b --batches 1 \
+                --new-tokens 64 --reps 5 $([ $q = int8 ] && echo --quantize int8)
+        done
+    done
 elif [ "$part" = route ]; then
     TAIL=6 step route_smoke 200 $pytest_gpu -x tests/test_moe_kernels.py tests/test_moe_cuda.py \
         -k "${SMOKE:-route or gating or graph or table or pair}" || true
