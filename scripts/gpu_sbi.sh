@@ -40,6 +40,9 @@
 #       table at T = 1, then Mixtral decode at batch 1, int8 (with the profile) and bf16
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh mixtralab [OUT]
 #       on an H200: Mixtral decode at batch 1, int8 and bf16 in alternating processes, 3 each
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh mixtralon [OUT]
+#       on an H200: tune_moe --cuda-only --verbose for Mixtral at T = 1, then Mixtral decode
+#       at batch 1 (int8, bf16) with each routing fusion switched on in turn (diag_decode_ab)
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
@@ -135,6 +138,15 @@ elif [ "$part" = mixtralab ]; then
         for q in int8 bf16; do
             TAIL=2 step "mixtral_${q}_$i" 120 python scripts/bench_decode.py --model mixtral-8x7b --batches 1 \
                 --new-tokens 64 --reps 5 $([ $q = int8 ] && echo --quantize int8)
+        done
+    done
+elif [ "$part" = mixtralon ]; then
+    TAIL=6 step tune 150 python scripts/tune_moe.py --cuda-only --verbose --shapes mixtral --tokens 1 --int8-tokens 1
+    cp kernels/configs/moe.json "$out/"
+    for q in int8 bf16; do
+        for v in none route-in topk-in-router; do
+            TAIL=2 step "ab_${q}_$v" 120 python scripts/diag_decode_ab.py --model mixtral-8x7b --batches 1 \
+                --new-tokens 64 --reps 5 $([ $q = int8 ] && echo --quantize int8) $([ $v = none ] || echo --on $v)
         done
     done
 elif [ "$part" = route ]; then
