@@ -166,21 +166,6 @@ __device__ __forceinline__ void widen_w(const u32x4& r, float* f) {
 #endif
 }
 
-// int8 with one byte permute a weight: 16 bytes as f = 1 + (b + 128) / 2^15 (b the signed
-// byte; exact). A dot product over them starts from -INT8_BIAS * (sum of the activations)
-// and is then sum a * b / 2^15 (INT8_UNIT): the offset cancels within each 16 weights,
-// where it is small, and no subtraction per weight is left.
-#define INT8_UNIT 32768.f
-#define INT8_BIAS 1.00390625f  // 1 + 128 / 2^15
-__device__ __forceinline__ void widen_int8_unit(const u32x4& r, float* f) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32 u = r.v[i] ^ 0x80808080u;
-#pragma unroll
-    for (int b = 0; b < 4; ++b) f[4 * i + b] = __uint_as_float(__byte_perm(u, 0x3F800000u, 0x7604 | (b << 4)));
-  }
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

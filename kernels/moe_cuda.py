@@ -60,23 +60,6 @@ SOURCE = COMMON + r"""
 #define NEG_INF __int_as_float(0xff800000u)
 #define LOGIT_BYTES (LOGITS_F32 ? 4 : 2)
 
-// int8 weights (widen_int8_unit): the start of each row's sum over these 16 activations,
-// then that row's sum of a * b / INT8_UNIT (the scales carry INT8_UNIT).
-__device__ __forceinline__ float act_bias(const float* a) {
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < WVEC; ++i) s += a[i];
-  return -INT8_BIAS * s;
-}
-
-__device__ __forceinline__ float dot_int8(const float* a, const u32x4& w, float start) {
-  float wf[WVEC];
-  widen_int8_unit(w, wf);
-#pragma unroll
-  for (int i = 0; i < WVEC; ++i) start = fmaf(a[i], wf[i], start);
-  return start;
-}
-
 __device__ __forceinline__ long long id_at(const void* ids, int p) {
 #if IDS64
   return ((const long long*)ids)[p];
@@ -193,19 +176,12 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
       if (k >= H) break;
       float a[WVEC];
       load_act(xr + k, a);
-#if INT8
-      const float start = act_bias(a);
-#endif
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
-#if INT8
-        acc[j] += dot_int8(a, wv[u][j], start);
-#else
         float wf[WVEC];
         widen_w(wv[u][j], wf);
 #pragma unroll
         for (int i = 0; i < WVEC; ++i) acc[j] = fmaf(a[i], wf[i], acc[j]);
-#endif
       }
     }
   }
@@ -217,12 +193,12 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
     if (n >= F) continue;
     float g = warps_total<ROWS>(part, o);
 #if INT8
-    g *= scale[e * ROWS_PER_F * F + n] * INT8_UNIT;
+    g *= scale[e * ROWS_PER_F * F + n];
 #endif
 #if GATED
     float up = warps_total<ROWS>(part, BN + o);
 #if INT8
-    up *= scale[e * 2 * F + F + n] * INT8_UNIT;
+    up *= scale[e * 2 * F + F + n];
 #endif
     const float v = g / (1.f + __expf(-g)) * up;
 #else
@@ -262,7 +238,7 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
   for (int i = tid; i < topk * BN; i += THREADS) {
     const int n = n0 + i % BN;
-    sc[i / BN][i % BN] = n < H ? scale[expert[i / BN] * H + n] * INT8_UNIT : 0.f;
+    sc[i / BN][i % BN] = n < H ? scale[expert[i / BN] * H + n] : 0.f;
   }
   __syncthreads();
 #endif
@@ -301,18 +277,15 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
       if (k >= k_hi) break;
       float a[WVEC];
       load_act(ht + k, a);
-#if INT8
-      const float start = act_bias(a);
-#endif
 #pragma unroll
       for (int j = 0; j < BN; ++j) {
-#if INT8
-        acc[j] = fmaf(dot_int8(a, wv[u][j], start), sc[slot[u]][j], acc[j]);
-#else
         float wf[WVEC], d = 0.f;
         widen_w(wv[u][j], wf);
 #pragma unroll
         for (int i = 0; i < WVEC; ++i) d = fmaf(a[i], wf[i], d);
+#if INT8
+        acc[j] = fmaf(d, sc[slot[u]][j], acc[j]);
+#else
         acc[j] += d;
 #endif
       }
