@@ -10,7 +10,9 @@ SBI-GeMM serves at T = 1, the time of:
   programmatic dependent launch with the early trigger, so consecutive calls overlap),
   with 0 or 4 loads a thread issued before its wait (weights: no kernel writes them, so
   SBI-GeMM issues its first loads before the wait too);
-- SBI-GeMM in CUDA (best of its launch candidates) and cuBLAS, T = 1.
+- SBI-GeMM in CUDA (best of its launch candidates) and cuBLAS, T = 1. ``--sweep N`` also
+  prints every grid of the PDL read and the N fastest SBI-GeMM configurations, each
+  candidate also as a persistent grid.
 
 Each is a CUDA-graph replay over rotating copies (no L2 reuse), as in bench_dense.py, with
 the large-copy bandwidth measured at the start as the 100% mark. The pure read is the
@@ -92,12 +94,12 @@ extern "C" __global__ void read_pdl(const char* __restrict__ p, long long n16, u
 """
 
 
-def read_pdl_time(time, bufs, sms: int) -> tuple[float, int, int, int]:
-    """(µs, blocks, threads, loads before the wait) of the fastest pure read launched as
-    the decode kernels are (PDL, early trigger where on), over the same grid sweep."""
+def read_pdl_times(time, bufs, sms: int) -> list[tuple[float, int, int, int]]:
+    """(µs, blocks, threads, loads before the wait) of the pure read launched as the decode
+    kernels are (PDL, early trigger where on), for each grid of the sweep; fastest first."""
     out = torch.empty(64 * sms, dtype=torch.int32, device=bufs[0].device)
     n16 = bufs[0].numel() // 16
-    best = None
+    times = []
     for pre in (0, 4):
         opts = ("-std=c++17", "-DWARPS=8", "-DINT8=0", "-DDT=0", f"-DPRE={pre}")
         for blocks in (sms, 2 * sms, 4 * sms, 8 * sms):
@@ -105,8 +107,18 @@ def read_pdl_time(time, bufs, sms: int) -> tuple[float, int, int, int]:
                 us = time(lambda b, g=blocks, t=threads, o=opts: kernels.cuda_common.launch(
                     b.device, READ_PDL, "read_pdl", o, (g,), t,
                     (np.uint64(b.data_ptr()), np.int64(n16), np.uint64(out.data_ptr()))), [(b,) for b in bufs])
-                best = min(best or (us, blocks, threads, pre), (us, blocks, threads, pre))
-    return best
+                times.append((us, blocks, threads, pre))
+    return sorted(times)
+
+
+def sbi_times(time, inputs, n: int, k: int, sms: int) -> list[tuple[float, dict]]:
+    """(µs, configuration) of every CUDA SBI-GeMM candidate of bench_dense.py at T = 1, each
+    also as a persistent grid of 1, 2, 4 and 8 blocks per SM; fastest first."""
+    cfgs = []
+    for cfg in bench_dense.cuda_candidates(1, n, k, sms, False):
+        cfgs += [cfg] + [dict(cfg, persist=p) for p in (1, 2, 4, 8) if p * sms < -(-n // cfg["bn"])]
+    return sorted(((time(lambda x, w, c=c: kernels.sbi_linear_cuda(x, w, config=c), inputs), c) for c in cfgs),
+                  key=lambda p: p[0])
 
 
 def read_time(time, bufs, sms: int) -> tuple[float, int, int]:
@@ -133,6 +145,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b,gpt-j-6b,olmoe-1b-7b")
     ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--sweep", type=int, default=0, metavar="N",
+                    help="also print every PDL read's time and the N fastest SBI-GeMM configurations")
     args = ap.parse_args()
     device = torch.device("cuda")
     copy_gbs = bc.measure_copy_bandwidth(device)
@@ -152,10 +166,18 @@ def main():
             copy = time(lambda a, b: b.copy_(a), halves)
             flat = [w.view(torch.uint8).view(-1) for w in ws]
             read, blocks, threads = read_time(time, flat, sms)
-            read_pdl, pdl_blocks, pdl_threads, pre = read_pdl_time(time, flat, sms)
+            pdl_times = read_pdl_times(time, flat, sms)
+            read_pdl, pdl_blocks, pdl_threads, pre = pdl_times[0]
+            pct = lambda us: 100 * nbytes / us / 1e3 / copy_gbs  # noqa: E731
+            if args.sweep:
+                print(f"{model} {layer} (K {k}, N {n}): the pure read under PDL, fastest first")
+                for us, g, th, before in pdl_times:
+                    print(f"  {us:6.2f} µs {pct(us):4.0f}%  {g} x {th}, {before} loads before the wait")
+                print(f"{model} {layer}: SBI-GeMM (CUDA) candidates, fastest {args.sweep}")
+                for us, cfg in sbi_times(time, list(zip(xs, ws)), n, k, sms)[:args.sweep]:
+                    print(f"  {us:6.2f} µs {pct(us):4.0f}%  {cfg}")
             cuda, cfg = bench_dense.best_cuda(time, [(x, w, None) for x, w in zip(xs, ws)], 1, n, k, sms, False)
             cublas = time(lambda x, w: x @ w.t(), list(zip(xs, ws)))
-            pct = lambda us: 100 * nbytes / us / 1e3 / copy_gbs  # noqa: E731
             rows.append(dict(model=model, layer=layer, K=k, N=n, mb=nbytes / 1e6, copy_us=copy, read_us=read,
                              read_grid=[blocks, threads], read_pdl_us=read_pdl,
                              read_pdl_grid=[pdl_blocks, pdl_threads, pre], sbi_cuda_us=cuda, sbi_cuda_cfg=cfg,
