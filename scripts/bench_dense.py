@@ -75,13 +75,16 @@ def cuda_candidates(t: int, n: int, k: int, sms: int, int8: bool) -> list[dict]:
     bns = (2, 4, 8) if t <= 2 else (1, 2, 4)
     splits = sorted({max(1, base["split_k"] // 2), base["split_k"], base["split_k"] * 2})
     unrolls = sorted({max(1, base["unroll"] // 2), base["unroll"], base["unroll"] * 2})
-    return [dict(base, bn=bn, warps=warps, split_k=sp, unroll=u) for bn in bns for warps in (4, 8)
-            for sp in splits for u in unrolls if bn * u <= 32]
+    cands = [dict(base, bn=bn, warps=warps, split_k=sp, unroll=u) for bn in bns for warps in (4, 8)
+             for sp in splits for u in unrolls if bn * u <= 32]
+    if t <= 2:  # also with registers capped for a full SM of threads (small weights at T = 1, 2)
+        cands += [dict(c, min_blocks=2048 // (32 * c["warps"])) for c in cands if c["bn"] * c["unroll"] <= 8]
+    return cands
 
 
 def best_cuda(time, inputs, t, n, k, sms, int8):
     """(µs, configuration) of the fastest CUDA SBI-GeMM candidate; (None, None) on a CPU.
-    The three fastest are tried again as persistent grids (``persist`` blocks per SM, each
+    The six fastest are tried again as persistent grids (``persist`` blocks per SM, each
     walking several column tiles), where that leaves fewer blocks than tiles."""
     if inputs[0][0].device.type != "cuda":
         return None, None
@@ -90,7 +93,7 @@ def best_cuda(time, inputs, t, n, k, sms, int8):
         return [(time(lambda x, w, s, c=cfg: kernels.sbi_linear_cuda(x, w, s, config=c), inputs), cfg)
                 for cfg in cfgs]
     plain = sorted(timed(cuda_candidates(t, n, k, sms, int8)), key=lambda p: p[0])
-    persistent = [dict(cfg, persist=p) for _, cfg in plain[:3] for p in (1, 2, 4, 8) if p * sms < -(-n // cfg["bn"])]
+    persistent = [dict(cfg, persist=p) for _, cfg in plain[:6] for p in (1, 2, 4, 8) if p * sms < -(-n // cfg["bn"])]
     return min(plain + timed(persistent), key=lambda p: p[0])
 
 
