@@ -26,9 +26,7 @@ The first step's weight loads are issued before the wait for the previous kernel
 Compile-time parameters (macros): TP (rows, padded to 1, 2, 4, 8, 16), BN, WARPS, U,
 INT8, DT (0 bf16, 1 fp16), NORM (0 none, 1 RMSNorm, 2 LayerNorm), PARTIAL (write float32
 split-K partials), NORM_RES (``sbi_norm_linear_cuda``: a residual stream is added to x
-before the norm, rounded as the unfused add stores it, and block (0, 0) writes the sum),
-PERSIST, MINB (registers capped so MINB blocks fit on an SM: with a full SM of threads,
-twice the loads are in flight before the wait). Each combination compiles once per process (CuPy caches the binary).
+before the norm, rounded as the unfused add stores it, and block (0, 0) writes the sum). Each combination compiles once per process (CuPy caches the binary).
 """
 from __future__ import annotations
 
@@ -59,16 +57,7 @@ __device__ __forceinline__ void add_rounded(float* a, const u16* r, u16* out) {
 }
 #endif
 
-#ifndef MINB
-#define MINB 0
-#endif
-#if MINB  // registers capped so that MINB blocks fit on an SM (ptxas spills what does not fit)
-#define SBI_BOUNDS __launch_bounds__(THREADS, MINB)
-#else
-#define SBI_BOUNDS __launch_bounds__(THREADS)
-#endif
-
-extern "C" __global__ void SBI_BOUNDS
+extern "C" __global__ void __launch_bounds__(THREADS)
 sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale,
          const u16* __restrict__ norm_w, const u16* __restrict__ norm_b, const u16* __restrict__ bias,
          const u16* __restrict__ res, void* __restrict__ out, int T, int N, int K, float eps,
@@ -224,10 +213,10 @@ def _tp(t: int) -> int:
 
 
 def options(tp: int, bn: int, warps: int, unroll: int, int8: bool, dt: int, norm: int, partial: bool,
-            norm_res: bool = False, persist: bool = False, min_blocks: int = 0) -> tuple:
+            norm_res: bool = False, persist: bool = False) -> tuple:
     return ("-std=c++17", f"-DTP={tp}", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DDT={dt}", f"-DNORM={norm}", f"-DPARTIAL={int(partial)}", f"-DNORM_RES={int(norm_res)}",
-            f"-DPERSIST={int(persist)}", f"-DMINB={min_blocks}")
+            f"-DPERSIST={int(persist)}")
 
 
 def sbi_cuda_config(t: int, n: int, k: int, sms: int, int8: bool) -> dict:
@@ -326,7 +315,7 @@ def _run(x, w, scale, bias, residual, norm, config, x_residual=None) -> tuple[to
     tiles = -(-n // bn)
     blocks = min(tiles, cfg["persist"] * sms) if cfg.get("persist") else tiles  # persist: blocks per SM
     opts = options(_tp(t), bn, warps, unroll, int8, DTYPES[x.dtype], NORMS[kind], split > 1, x_residual is not None,
-                   blocks < tiles, cfg.get("min_blocks", 0))
+                   blocks < tiles)
     stride_res = residual.stride(0) if residual is not None else 0
     x_sum = torch.empty_like(x_residual) if x_residual is not None else None
     launch(x.device, SOURCE, "sbi_gemm", opts, (blocks, split), warps * 32,
@@ -351,8 +340,7 @@ def compile_all(arch: str = "sm_90") -> int:
         bn, warps, unroll = tiles[i % len(tiles)]
         norm = i % len(NORMS)
         launch_flags = (f"-DL2PF={i // 2 % 2}", f"-DPDL_EARLY={i // 4 % 2}")  # what ``launch`` adds
-        min_blocks = 2048 // (32 * warps) if i % 5 == 0 else 0  # a full SM's threads
         compile_check(SOURCE, options(tp, bn, warps, unroll, int8, dt, norm, i % 2 == 1, norm == 1 and i % 4 < 2,
-                                      i % 3 == 0, min_blocks) + launch_flags, arch, "sbi_cuda.cu")
+                                      i % 3 == 0) + launch_flags, arch, "sbi_cuda.cu")
         count += 1
     return count
