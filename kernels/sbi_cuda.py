@@ -57,20 +57,7 @@ __device__ __forceinline__ void add_rounded(float* a, const u16* r, u16* out) {
 }
 #endif
 
-// SUB column tiles a block, each taken by GT threads (a group of GWARPS warps): a block of
-// up to 1024 threads with each thread's loads as for one tile, so that two such blocks
-// fill an SM (the pure read's fastest grid on small weights: scripts/diag_read.py). STEP
-// is a group's K step.
-#ifndef SUB
-#define SUB 1
-#endif
-#define GT (THREADS / SUB)
-#define GWARPS (WARPS / SUB)
-#undef STEP
-#define STEP (GT * WVEC)
-
-// With SUB > 1 the registers are capped so that a full SM of threads (2048) is resident.
-extern "C" __global__ void __launch_bounds__(THREADS, SUB > 1 ? 2048 / THREADS : 1)
+extern "C" __global__ void __launch_bounds__(THREADS)
 sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale,
          const u16* __restrict__ norm_w, const u16* __restrict__ norm_b, const u16* __restrict__ bias,
          const u16* __restrict__ res, void* __restrict__ out, int T, int N, int K, float eps,
@@ -78,14 +65,11 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
          const u16* __restrict__ x_res,  // NORM_RES: [T, K] residual stream added to x before the norm
          u16* __restrict__ x_sum) {      // NORM_RES: [T, K] out, x + x_res (written by block (0, 0))
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int group = tid / GT, gtid = tid % GT;  // this thread's column tile in the block, its rank there
   // PERSIST: the grid holds fewer blocks than column tiles, and each block walks tiles
-  // blockIdx.x, + gridDim.x, ... (times SUB) with the next tile's first weights in flight
-  // during this one's reduction and store (no wave of blocks ends with idle SMs). Else one
-  // tile a group. A group past the last tile loads nothing and stores nothing, but takes
-  // part in the block's barriers.
+  // blockIdx.x, + gridDim.x, ... with the next tile's first weights in flight during this
+  // one's reduction and store (no wave of blocks ends with idle SMs). Else one tile a block.
   const int n_tiles = (N + BN - 1) / BN;
-  int tile = blockIdx.x * SUB + group;
+  int tile = blockIdx.x;
   int n0 = tile * BN;
   const int k_lo = blockIdx.y * k_span, k_hi = min(K, k_lo + k_span);
   const char* w_rows = (const char*)w + (size_t)n0 * stride_w * W_BYTES;
@@ -100,9 +84,9 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
         wv[u][j] = k < k_hi && n0 + j < N ? load_stream(w_rows + ((size_t)j * stride_w + k) * W_BYTES) : zero4();
       }
   };
-  int kb = k_lo + gtid * WVEC;
+  int kb = k_lo + tid * WVEC;
   load_step(kb);  // weights are no kernel's output: in flight before the wait
-  prefetch_rows(w_rows + (size_t)k_lo * W_BYTES, max(0, min(BN, N - n0)), (size_t)stride_w * W_BYTES,
+  prefetch_rows(w_rows + (size_t)k_lo * W_BYTES, min(BN, N - n0), (size_t)stride_w * W_BYTES,
                 (size_t)(k_hi - k_lo) * W_BYTES);  // and the rest of them on the way to L2
   grid_dep_enter();
 
@@ -187,21 +171,19 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
 
   const int this_n0 = n0;
 #if PERSIST
-  tile += gridDim.x * SUB;
-  if (tile - group < n_tiles) {  // the block's next tiles' first weights, in flight during this reduction
+  tile += gridDim.x;
+  if (tile < n_tiles) {  // the next tile's first weights, in flight during this reduction
     n0 = tile * BN;
     w_rows = (const char*)w + (size_t)n0 * stride_w * W_BYTES;
-    kb = k_lo + gtid * WVEC;
+    kb = k_lo + tid * WVEC;
     load_step(kb);
   }
 #endif
   warps_to_shared<TP * BN>(acc, part);
-  for (int o = gtid; o < TP * BN; o += GT) {
+  for (int o = tid; o < TP * BN; o += THREADS) {
     const int t = o / BN, n = this_n0 + o % BN;
     if (t >= T || n >= N) continue;
-    float v = 0.f;  // the sum over this group's warps
-#pragma unroll
-    for (int q = group * GWARPS; q < (group + 1) * GWARPS; ++q) v += part[q][o];
+    float v = warps_total<TP * BN>(part, o);
 #if INT8
     v *= scale[n];
 #endif
@@ -214,7 +196,7 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
 #endif
   }
 #if PERSIST
-  if (tile - group >= n_tiles) break;  // the same test in every group of the block
+  if (tile >= n_tiles) break;
   __syncthreads();  // every thread has read part before the next tile writes it
 #else
   break;
@@ -231,11 +213,10 @@ def _tp(t: int) -> int:
 
 
 def options(tp: int, bn: int, warps: int, unroll: int, int8: bool, dt: int, norm: int, partial: bool,
-            norm_res: bool = False, persist: bool = False, sub: int = 1) -> tuple:
-    """``warps`` per column tile; ``sub`` column tiles a block."""
-    return ("-std=c++17", f"-DTP={tp}", f"-DBN={bn}", f"-DWARPS={warps * sub}", f"-DU={unroll}",
-            f"-DINT8={int(int8)}", f"-DDT={dt}", f"-DNORM={norm}", f"-DPARTIAL={int(partial)}",
-            f"-DNORM_RES={int(norm_res)}", f"-DPERSIST={int(persist)}", f"-DSUB={sub}")
+            norm_res: bool = False, persist: bool = False) -> tuple:
+    return ("-std=c++17", f"-DTP={tp}", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
+            f"-DDT={dt}", f"-DNORM={norm}", f"-DPARTIAL={int(partial)}", f"-DNORM_RES={int(norm_res)}",
+            f"-DPERSIST={int(persist)}")
 
 
 def sbi_cuda_config(t: int, n: int, k: int, sms: int, int8: bool) -> dict:
@@ -331,16 +312,13 @@ def _run(x, w, scale, bias, residual, norm, config, x_residual=None) -> tuple[to
     kind, g, gb, eps = norm if norm is not None else (None, None, None, 0.0)
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     target = out if split == 1 else torch.empty(split, t, n, dtype=torch.float32, device=x.device)
-    sub = cfg.get("sub", 1)
     tiles = -(-n // bn)
-    blocks = -(-tiles // sub)
-    if cfg.get("persist"):  # persist: blocks per SM
-        blocks = min(blocks, cfg["persist"] * sms)
+    blocks = min(tiles, cfg["persist"] * sms) if cfg.get("persist") else tiles  # persist: blocks per SM
     opts = options(_tp(t), bn, warps, unroll, int8, DTYPES[x.dtype], NORMS[kind], split > 1, x_residual is not None,
-                   blocks * sub < tiles, sub)
+                   blocks < tiles)
     stride_res = residual.stride(0) if residual is not None else 0
     x_sum = torch.empty_like(x_residual) if x_residual is not None else None
-    launch(x.device, SOURCE, "sbi_gemm", opts, (blocks, split), warps * sub * 32,
+    launch(x.device, SOURCE, "sbi_gemm", opts, (blocks, split), warps * 32,
            (ptr(x), ptr(w), ptr(scale), ptr(g), ptr(gb), ptr(bias if split == 1 else None),
             ptr(residual if split == 1 else None), ptr(target), np.int32(t), np.int32(n), np.int32(k),
             np.float32(eps), np.int64(x.stride(0)), np.int64(w.stride(0)), np.int64(stride_res),
@@ -363,7 +341,6 @@ def compile_all(arch: str = "sm_90") -> int:
         norm = i % len(NORMS)
         launch_flags = (f"-DL2PF={i // 2 % 2}", f"-DPDL_EARLY={i // 4 % 2}")  # what ``launch`` adds
         compile_check(SOURCE, options(tp, bn, warps, unroll, int8, dt, norm, i % 2 == 1, norm == 1 and i % 4 < 2,
-                                      i % 3 == 0, 1 + i % 4 // 2 * (32 // warps - 1)) + launch_flags, arch,
-                      "sbi_cuda.cu")
+                                      i % 3 == 0) + launch_flags, arch, "sbi_cuda.cu")
         count += 1
     return count

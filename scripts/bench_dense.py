@@ -75,11 +75,8 @@ def cuda_candidates(t: int, n: int, k: int, sms: int, int8: bool) -> list[dict]:
     bns = (2, 4, 8) if t <= 2 else (1, 2, 4)
     splits = sorted({max(1, base["split_k"] // 2), base["split_k"], base["split_k"] * 2})
     unrolls = sorted({max(1, base["unroll"] // 2), base["unroll"], base["unroll"] * 2})
-    cands = [dict(base, bn=bn, warps=warps, split_k=sp, unroll=u) for bn in bns for warps in (4, 8)
-             for sp in splits for u in unrolls if bn * u <= 32]
-    if t <= 2:  # also 1024-thread blocks of several column tiles, two an SM (registers capped)
-        cands += [dict(c, sub=32 // c["warps"]) for c in cands if c["bn"] * c["unroll"] <= 4]
-    return cands
+    return [dict(base, bn=bn, warps=warps, split_k=sp, unroll=u) for bn in bns for warps in (4, 8)
+            for sp in splits for u in unrolls if bn * u <= 32]
 
 
 def best_cuda(time, inputs, t, n, k, sms, int8):
