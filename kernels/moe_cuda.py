@@ -312,13 +312,11 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
 # and T): bn outputs per block, warps, unroll (loads per row in flight), split_k (down),
 # pair_major (the grid order; absent: column tiles fastest). The pair-major ones are tried
 # only past T = 1 (``candidates``), where pairs can share an expert.
-# The last ones keep more bytes in flight per thread, for the H200's higher bandwidth.
 UP_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u)
-                 for bn, w, u in ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 2), (4, 8, 1), (4, 4, 4),
-                                  (8, 4, 2), (2, 8, 4))]
+                 for bn, w, u in ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 2), (4, 8, 1))]
 DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
-                   for (bn, w, u), s in itertools.product(((2, 4, 4), (4, 4, 2), (4, 4, 4), (8, 4, 2), (4, 8, 2),
-                                                           (8, 4, 4), (8, 8, 2)), (1, 2))]
+                   for (bn, w, u), s in itertools.product(((2, 4, 4), (4, 4, 2), (4, 4, 4), (8, 4, 2), (4, 8, 2)),
+                                                          (1, 2))]
 
 
 def candidates(phase: str, t: int) -> list[dict]:

@@ -40,10 +40,6 @@
 #       table at T = 1, then Mixtral decode at batch 1, int8 (with the profile) and bf16
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh mixtralab [OUT]
 #       on an H200: Mixtral decode at batch 1, int8 and bf16 in alternating processes, 3 each
-#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh int8unit [OUT]
-#       the CUDA MoE kernels' tests first, tune_moe --cuda-only --verbose for int8 at T = 1
-#       and 8 ($TUNE_SHAPES, default mixtral), then $DECODE_MODEL (default mixtral-8x7b)
-#       decode at batch 1: int8, bf16, int8 in separate processes
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh mixtralon [OUT]
 #       on an H200: tune_moe --cuda-only --verbose for Mixtral at T = 1, then Mixtral decode
 #       at batch 1 (int8, bf16) with each routing fusion switched on in turn (diag_decode_ab)
@@ -144,18 +140,6 @@ elif [ "$part" = mixtralab ]; then
                 --new-tokens 64 --reps 5 $([ $q = int8 ] && echo --quantize int8)
         done
     done
-elif [ "$part" = int8unit ]; then
-    TAIL=6 step moe_tests 200 $pytest_gpu -x tests/test_moe_cuda.py -k "${SMOKE:-True or graph or gating}" || true
-    if grep -q " passed" "$out/moe_tests.log" && ! grep -q "failed\|error" "$out/moe_tests.log"; then
-        TAIL=12 step tune 200 python scripts/tune_moe.py --cuda-only --verbose --shapes ${TUNE_SHAPES:-mixtral} \
-            --tokens "" --int8-tokens 1,8
-        cp kernels/configs/moe.json "$out/"
-        for q in int8 bf16 int8; do
-            TAIL=2 step "decode_$q" 120 python scripts/bench_decode.py --model ${DECODE_MODEL:-mixtral-8x7b} \
-                --batches 1 --new-tokens 64 --reps 5 $([ $q = int8 ] && echo --quantize int8)
-            cat "$out/decode_$q.log" >> "$out/decode.log"
-        done
-    fi
 elif [ "$part" = mixtralon ]; then
     TAIL=6 step tune 150 python scripts/tune_moe.py --cuda-only --verbose --shapes mixtral --tokens 1 --int8-tokens 1
     cp kernels/configs/moe.json "$out/"
