@@ -63,7 +63,7 @@ GPU_CASES = [  # t, h, f, e, k, activation
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("t,h,f,e,k,activation", GPU_CASES)
 @pytest.mark.parametrize("int8", [False, True])
 def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
