@@ -36,7 +36,8 @@ Compile-time parameters: BN, WARPS, U, INT8, DT (0 bf16, 1 fp16), GATED (SiLU ga
 else GeLU), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials),
 ROUTE (0 ids given, 1 softmax, 2 sigmoid of the logits), RENORM, E_LANES (ceil(E / 32)),
 LOGITS_F32 (float32 logits, else the activations' dtype), PAIR_MAJOR (grid: pairs / tokens
-fastest, else column tiles fastest).
+fastest, else column tiles fastest), MINB (the registers are capped so that MINB blocks
+fit on an SM).
 """
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ SOURCE = COMMON + r"""
 #define ROWS_PER_F (GATED ? 2 : 1)  // rows of w13 per column of h
 #define ROWS (ROWS_PER_F * BN)
 #define MAX_K 16
+#ifndef MINB
+#define MINB 1  // blocks an SM the registers must allow (ptxas caps them to fit)
+#endif
 
 #define NEG_INF __int_as_float(0xff800000u)
 #define LOGIT_BYTES (LOGITS_F32 ? 4 : 2)
@@ -130,7 +134,7 @@ __device__ void route_token(const void* __restrict__ lg, int E, int topk, int* i
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
        const void* __restrict__ w13,     // [E, 2F, H] gate rows then up rows ([E, F, H] for GeLU)
        const float* __restrict__ scale,  // [E, 2F] int8 per-row scales
@@ -208,7 +212,7 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up)
          const void* __restrict__ w2,      // [E, H, F]
          const float* __restrict__ scale,  // [E, H] int8 per-row scales
@@ -319,9 +323,16 @@ DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
                                                           (1, 2))]
 
 
+MIN_BLOCKS = (4, 5, 6)  # register caps tried (``min_blocks``): more blocks, more loads in flight an SM
+
+
 def candidates(phase: str, t: int) -> list[dict]:
-    """The CUDA launch configurations the tuning script times for ``phase`` at T = t."""
+    """The CUDA launch configurations the tuning script times for ``phase`` at T = t: the
+    base ones, each also with its registers capped for ``min_blocks`` blocks an SM (the
+    int8 kernels use 100-180 registers uncapped, so two or three blocks an SM hold all
+    the loads in flight), and past T = 1 in the pair-major grid."""
     base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES
+    base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
     return base + ([dict(c, pair_major=True) for c in base] if t > 1 else [])
 
 
@@ -375,11 +386,11 @@ def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> s
 
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
-            logits_f32: bool = False, pair_major: bool = False) -> tuple:
+            logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1) -> tuple:
     return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}", f"-DPARTIAL={int(partial)}",
             f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
-            f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}")
+            f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}")
 
 
 def fused_moe_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -429,7 +440,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
     up_major = up.get("pair_major", False)
     up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up_major,
-                      **route) + ("-DPDL_EARLY=0",)
+                      min_blocks=up.get("min_blocks", 1), **route) + ("-DPDL_EARLY=0",)
     up_grid = (-(-f // up["bn"]), t * topk)
     launch(x.device, SOURCE, "moe_up", up_opts, up_grid[::-1] if up_major else up_grid, up["warps"] * 32,
            (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h), np.int32(f),
@@ -442,7 +453,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     target = out if split == 1 else torch.empty(split, t, h, dtype=torch.float32, device=x.device)
     down_major = down.get("pair_major", False)
     opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, pair_major=down_major,
-                   **route)
+                   min_blocks=down.get("min_blocks", 1), **route)
     down_grid = (-(-h // down["bn"]), split, t)
     launch(x.device, SOURCE, "moe_down", opts, down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
            (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(ids), ptr(target), np.int32(h), np.int32(f), np.int32(topk),
@@ -462,10 +473,12 @@ def compile_all(arch: str = "sm_90") -> int:
         up, down = UP_CANDIDATES[i % len(UP_CANDIDATES)], DOWN_CANDIDATES[i % len(DOWN_CANDIDATES)]
         route = dict(route=i % 3, renorm=i % 2 == 0, e_lanes=1 + i % 8, logits_f32=i % 4 < 2)
         launch_flags = (f"-DL2PF={i % 2}", f"-DPDL_EARLY={i // 2 % 2}")  # what ``launch`` adds
+        min_blocks = MIN_BLOCKS[i % len(MIN_BLOCKS)] if i % 2 else 1
         compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, ids64=i % 2 == 0,
-                                      pair_major=i % 2 == 1, **route) + launch_flags, arch, "moe_cuda.cu")
-        compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
-                                      ids64=i % 2 == 1, pair_major=i % 4 >= 2, **route) + launch_flags, arch,
+                                      pair_major=i % 2 == 1, min_blocks=min_blocks, **route) + launch_flags, arch,
                       "moe_cuda.cu")
+        compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
+                                      ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks, **route)
+                      + launch_flags, arch, "moe_cuda.cu")
         count += 2
     return count

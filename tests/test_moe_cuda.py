@@ -75,9 +75,13 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
         w2, s2 = quantize_int8(w2)
     ref = fused_moe_ref(x.double(), w13 if int8 else w13.double(), w2 if int8 else w2.double(), w.double(), ids,
                         activation, s13, s2)
-    # Every tuning candidate that the problem's size keeps apart (up i with down i); past
-    # T = 1 also the pair-major grid, in both kernels and in each one alone.
+    # Every tuning candidate that the problem's size keeps apart (up i with down i), some
+    # with their registers capped; past T = 1 also the pair-major grid, in both kernels
+    # and in each one alone.
     pairs = list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.DOWN_CANDIDATES))
+    # With the registers capped (ptxas spills the rest where it must).
+    pairs += [(dict(up, min_blocks=m), dict(down, min_blocks=m)) for m, (up, down) in zip(moe_cuda.MIN_BLOCKS,
+                                                                                      pairs[2:])]
     if t > 1:
         major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
         pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
