@@ -79,7 +79,6 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
     # with their registers capped; past T = 1 also the pair-major grid, in both kernels
     # and in each one alone.
     pairs = list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.DOWN_CANDIDATES))
-    # With the registers capped (ptxas spills the rest where it must).
     pairs += [(dict(up, min_blocks=m), dict(down, min_blocks=m)) for m, (up, down) in zip(moe_cuda.MIN_BLOCKS,
                                                                                       pairs[2:])]
     if t > 1:
