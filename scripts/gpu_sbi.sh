@@ -28,7 +28,9 @@
 #       the GPU tests these changes touch, bench_moe at T = 1 and 8 with baselines
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moesmall [OUT]
 #       the CUDA MoE decode kernels' tests first, tune_moe --cuda-only at T = 2..16 (the
-#       pair-major grid among the candidates), bench_moe at T = 1..16 on the new table
+#       pair-major grid and the register caps among the candidates) for $TUNE_SHAPES
+#       (default qwen3,olmoe: two shapes fill one call; dsmoe,mixtral in the next),
+#       bench_moe at T = 1..16 on the new table
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh route [OUT]
 #       the routing and CUDA MoE tests first, the host cost of each launch (diag_launch),
 #       tune_moe for int8 at T = 8 (Qwen3, OLMoE; deeper int8 tiles), bench_moe at T = 1, 8
@@ -119,9 +121,10 @@ elif [ "$part" = moetests ]; then
         tests/test_sbi_cuda.py -k "not test_sbi_cuda or graph or 1-200-24"
     TAIL=30 step moe 150 python scripts/bench_moe.py --tokens 1,8 --no-json
 elif [ "$part" = moesmall ]; then
-    TAIL=6 step moe_smoke 200 $pytest_gpu -x tests/test_moe_cuda.py -k "${SMOKE:-bfloat16 or graph or table}" || true
+    TAIL=6 step moe_smoke 100 $pytest_gpu -x tests/test_moe_cuda.py -k "${SMOKE:-bfloat16 and 1-4096 or graph or table}" || true
     if grep -q " passed" "$out/moe_smoke.log" && ! grep -q "failed\|error" "$out/moe_smoke.log"; then
-        TAIL=30 step tune 240 python scripts/tune_moe.py --cuda-only --tokens 2,4,8,16 --int8-tokens 2,4,8,16
+        TAIL=30 step tune 330 python scripts/tune_moe.py --cuda-only --shapes ${TUNE_SHAPES:-qwen3,olmoe} \
+            --tokens 2,4,8,16 --int8-tokens 2,4,8,16
         cp kernels/configs/moe.json "$out/"
         TAIL=30 step moe 130 python scripts/bench_moe.py --tokens 1,2,4,8,16 --no-baselines --no-json
     fi
