@@ -205,11 +205,11 @@ def _block_t(t: int, tile_cols: int) -> int:
     return max(1, min(64, TILE // tile_cols, triton.next_power_of_2(t)))
 
 
-def _outputs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    t = logits.shape[0]
-    ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)  # [T, k]
-    weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)  # [T, k]
-    return ids, weights
+def _outputs(t: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A top-k table's outputs, ids [T, k] int32 and weights [T, k] float32, as views of one
+    allocation (one allocator call: these launches run on every decode step)."""
+    ids, weights = torch.empty(2, t, k, dtype=torch.int32, device=device).unbind(0)
+    return ids, weights.view(torch.float32)
 
 
 _gating = CachedLaunch(_topk_gating_kernel)
@@ -238,8 +238,7 @@ def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
     _check_logits_once(logits, k, score)
     t, e = logits.shape
     dev = logits.device
-    ids, weights = torch.empty(2, t, k, dtype=torch.int32, device=dev).unbind(0)
-    weights = weights.view(torch.float32)
+    ids, weights = _outputs(t, k, dev)
     if t == 0:
         return ids, weights
     key = (dev.type, dev.index, t, e, k, score, renormalize, logits.dtype, logits.stride(), logits.data_ptr() % 16,
@@ -291,7 +290,7 @@ def grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, n_grou
     _check_logits(logits, k, score)
     _check_grouped_args(logits, bias, k, n_group, topk_group, routed_scaling_factor)
     t, e = logits.shape
-    ids, weights = _outputs(logits, k)
+    ids, weights = _outputs(t, k, logits.device)
     if t == 0:
         return ids, weights
     group_size = e // n_group

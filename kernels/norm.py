@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gating import _check_logits, _topk_table
+from kernels.gating import _check_logits_once, _outputs, _topk_table
 from kernels.moe_ref import topk_gating_ref
 from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
 
@@ -173,7 +173,7 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | N
                          f"router weight {list(router_w.shape)}: expected [T, H], [T, H], [H], [E, H]")
     if gating is not None:
         k, score, renormalize = gating
-        _check_logits(router_w[:, :1].t(), k, score)  # a [1, E] view: E, k and score as the gating checks them
+        _check_logits_once(router_w[:, :1].t(), k, score)  # a [1, E] view: E, k and score as the gating checks them
     if t > ROUTER_MAX_ROWS or t == 0:
         out = rms_norm_router_ref(x, residual, norm_w, eps, router_w)
         return out if gating is None else (*out, *topk_gating_ref(out[2], k, score, renormalize))
@@ -184,8 +184,7 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | N
     k, score, renormalize = gating if gating is not None else (0, "softmax", False)
     ids = weights = logits  # K = 0: the top-k outputs are never written
     if gating is not None:
-        ids, weights = torch.empty(2, t, k, dtype=torch.int32, device=x.device).unbind(0)
-        weights = weights.view(torch.float32)
+        ids, weights = _outputs(t, k, x.device)
     bt, be, bk = _router_blocks(t, h, e)
     _rms_norm_router_kernel[(triton.cdiv(e, be),)](
         x, residual, norm_w, router_w, out_h, summed, logits, t, h, e, eps, x.stride(0), residual.stride(0),
