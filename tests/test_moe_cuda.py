@@ -30,7 +30,7 @@ def problem(device, dtype, t, h, f, e, k, activation, seed, ids_dtype=torch.int3
 def test_source_compiles_for_hopper():
     # NVRTC runs ptxas too, so inline PTX, the lambdas and register allocation are checked.
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the test extras install cupy and NVRTC")
-    assert moe_cuda.compile_all("sm_90") == 16
+    assert moe_cuda.compile_all("sm_90") == 24
 
 
 def test_check_names_what_the_kernels_cannot_take():
@@ -84,6 +84,12 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
     if t > 1:
         major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
         pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
+    # The bulk-copy kernels: every tile width and warp count, a tile width dividing neither
+    # F nor H with one or two buffers (each block walks several tiles: the buffers are
+    # refilled), and each kernel beside the other kind.
+    bulk = list(zip(moe_cuda.UP_BULK[::5], moe_cuda.DOWN_BULK[1::5]))
+    lone = dict(backend="cuda", bn=3, warps=4, unroll=1, split_k=1, stages=1, persist=1)
+    pairs += bulk + [(dict(lone, stages=2), lone), (bulk[0][0], pairs[1][1]), (pairs[2][0], bulk[1][1])]
     for up, down in pairs:
         out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, (up, down))
         assert out.shape == (t, h) and out.dtype == dtype
@@ -200,6 +206,9 @@ def test_gating_inside_the_kernels(t, e, k, score, renormalize, logits_dtype):
                                           (moe_cuda.UP_CANDIDATES[3], moe_cuda.DOWN_CANDIDATES[5]))
     ref8 = fused_moe_ref(x.double(), q13, q2, w.double(), ids, "silu", s13, s2)
     assert rel(out8, ref8) < TOL[torch.bfloat16]
+    bulk = (moe_cuda.UP_BULK[t + k], moe_cuda.DOWN_BULK[e % len(moe_cuda.DOWN_BULK)])  # the routing once a block
+    out8 = moe_cuda.fused_moe_logits_cuda(x, logits, k, q13, q2, "silu", score, renormalize, s13, s2, bulk)
+    assert rel(out8, ref8) < TOL[torch.bfloat16], bulk
 
 
 @pytest.mark.gpu
