@@ -243,20 +243,24 @@ def _driver():
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                                      ctypes.c_void_p]
     lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
-_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_STATIC_SHARED, _MAX_DYNAMIC_SHARED = 1, 8  # CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, ..._MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 @functools.lru_cache(maxsize=None)
 def _allow_shared(handle: int, device: int) -> int:
     """Lets kernel ``handle`` take as much dynamic shared memory as the device allows a
-    block (above 48 KB a kernel must ask first); returns that many bytes."""
-    most = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-    err = _driver().cuFuncSetAttribute(ctypes.c_void_p(handle), _MAX_DYNAMIC_SHARED, most)
+    block beside the kernel's static arrays (past 48 KB in all a kernel must ask first);
+    returns that many bytes."""
+    static = ctypes.c_int()
+    err = _driver().cuFuncGetAttribute(ctypes.byref(static), _STATIC_SHARED, ctypes.c_void_p(handle))
+    most = torch.cuda.get_device_properties(device).shared_memory_per_block_optin - static.value
+    err = err or _driver().cuFuncSetAttribute(ctypes.c_void_p(handle), _MAX_DYNAMIC_SHARED, most)
     if err:
-        raise RuntimeError(f"cuFuncSetAttribute({most} bytes of shared memory) failed with CUDA error {err}")
+        raise RuntimeError(f"cuFuncGet/SetAttribute (shared memory, {most} bytes) failed with CUDA error {err}")
     return most
 
 
@@ -269,7 +273,7 @@ def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tupl
     if not any(o.startswith("-DPDL_EARLY=") for o in opts):  # a kernel may pin the late trigger
         opts += (f"-DPDL_EARLY={int(pdl.EARLY_TRIGGER)}",)
     _, handle = function(device.index, source, name, opts)
-    if shared > 48 * 1024 and shared > _allow_shared(handle.value, device.index):
+    if shared and shared > _allow_shared(handle.value, device.index):
         raise ValueError(f"{name}: {shared} bytes of shared memory a block, more than the device allows")
     grid = tuple(grid) + (1,) * (3 - len(grid))
     attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
