@@ -19,7 +19,15 @@ the large-copy bandwidth measured at the start as the 100% mark. The pure read i
 ceiling for a kernel of that size on this GPU: launch, ramp-up and tail included; the
 launched-alike read ("read PDL") is that ceiling under bench_dense.py's own conditions.
 
+``--moe`` does the same for the MoE experts at T = 1 (issue 3's int8 target), in bf16 and
+int8: two pure reads under PDL, one after the other, of the bytes the up and the down
+kernel read (the k active experts' rows, int8 with their scales), each on its own fastest
+grid and with its loads before the wait where that is faster (the real up kernel cannot
+issue any: its experts are an earlier kernel's output); one pure read of both at once; and
+``kernels.fused_moe`` on the tuned table, over 8 rotating input sets (as tune_moe.py).
+
     PYTHONPATH=. python scripts/diag_read.py [--models qwen3-30b-a3b,mixtral-8x7b,...]
+    PYTHONPATH=. python scripts/diag_read.py --moe [--shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128]
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 import bench_common as bc  # noqa: E402
 import bench_dense  # noqa: E402
 import kernels  # noqa: E402
+from kernels import moe_cuda  # noqa: E402
 
 READ = r"""
 extern "C" __global__ void read_all(const char* __restrict__ p, long long n16, unsigned* __restrict__ out) {
@@ -121,6 +130,78 @@ def sbi_times(time, inputs, n: int, k: int, sms: int) -> list[tuple[float, dict]
                   key=lambda p: p[0])
 
 
+def _read_pdl(buf, grid: tuple[int, int, int], out) -> None:
+    blocks, threads, pre = grid
+    opts = ("-std=c++17", "-DWARPS=8", "-DINT8=0", "-DDT=0", f"-DPRE={pre}")
+    kernels.cuda_common.launch(buf.device, READ_PDL, "read_pdl", opts, (blocks,), threads,
+                               (np.uint64(buf.data_ptr()), np.int64(buf.numel() // 16), np.uint64(out.data_ptr())))
+
+
+BULK_PAIRS = [tuple(dict(backend="cuda", bn=bn, warps=w, unroll=1, split_k=1, stages=2, persist=pe) for _ in "ud")
+              for bn, w, pe in ((4, 8, 4), (4, 4, 4), (2, 4, 4), (4, 8, 2))]
+
+
+def moe_rows(time, device, sms: int, copies: int, shapes: list[str], pct_of) -> list[dict]:
+    """Per shape and weight dtype: the experts at T = 1 against the pure reads of their bytes."""
+    from bench_moe import SHAPES, make_inputs, make_weights
+
+    out = torch.empty(64 * sms, dtype=torch.int32, device=device)
+    rows = []
+    for name in shapes:
+        shape = SHAPES[name]
+        gen = torch.Generator(device=device).manual_seed(0)
+        w13, w2 = make_weights(shape, device, gen)
+        inputs = make_inputs(shape, 1, copies, device, gen)
+        for wdtype in ("bf16", "int8"):
+            scales, a, b = {}, w13, w2
+            if wdtype == "int8":
+                a, s13 = kernels.quantize_int8(w13)
+                b, s2 = kernels.quantize_int8(w2)
+                scales = dict(w13_scale=s13, w2_scale=s2)
+            wb, extra = (1, 4) if wdtype == "int8" else (2, 0)  # int8: a float32 scale a row
+            k, h, f, r = shape.topk, shape.hidden, shape.ffn, shape.rows13
+            up_bytes, down_bytes = k * r * (h * wb + extra), k * h * (f * wb + extra)
+            bufs = [(torch.empty(-(-up_bytes // 16) * 16, dtype=torch.uint8, device=device).random_(),
+                     torch.empty(-(-down_bytes // 16) * 16, dtype=torch.uint8, device=device).random_())
+                    for _ in range(copies)]
+            up_grid = read_pdl_times(time, [u for u, _ in bufs], sms)[0][1:]
+            down_grid = read_pdl_times(time, [d for _, d in bufs], sms)[0][1:]
+            chain = time(lambda u, d: (_read_pdl(u, up_grid, out), _read_pdl(d, down_grid, out)), bufs)
+            both = [torch.cat([u, d]) for u, d in bufs]
+            one = read_pdl_times(time, both, sms)[0][0]
+            ours = time(lambda i: kernels.fused_moe(i.x, a, b, i.weights, i.ids, shape.activation, **scales),
+                        [(i,) for i in inputs])
+            # Both kernels of the bulk-copy kind (the tuner pairs each with the table's other,
+            # register-streaming kernel, whose shared-memory carve-out differs).
+            bulk = min((time(lambda i, c=c: moe_cuda.fused_moe_cuda(i.x, a, b, i.weights, i.ids, shape.activation,
+                                                                       configs=c, **scales), [(i,) for i in inputs]),
+                        i) for i, c in enumerate(BULK_PAIRS))
+            nbytes = up_bytes + down_bytes
+            rows.append(dict(shape=name, wdtype=wdtype, mb=nbytes / 1e6, up_grid=list(up_grid),
+                             down_grid=list(down_grid), read_chain_us=chain, read_one_us=one, ours_us=ours,
+                             bulk_pair_us=bulk[0], bulk_pair=BULK_PAIRS[bulk[1]],
+                             read_chain_pct=pct_of(nbytes, chain), read_one_pct=pct_of(nbytes, one),
+                             ours_pct=pct_of(nbytes, ours)))
+            del bufs, both
+        del w13, w2
+    return rows
+
+
+def print_moe(rows: list[dict]) -> None:
+    by = {(r["shape"], r["wdtype"]): r for r in rows}
+    print(bc.format_table(
+        ["shape", "weights", "MB", "two reads µs", "one read µs", "ours µs", "bulk pair µs", "%copy: two reads",
+         "one read", "ours",
+         "ours / two reads", "int8 speedup: ours", "two reads", "at most: bf16 ours / int8 two reads"],
+        [[r["shape"], r["wdtype"], f"{r['mb']:.1f}", f"{r['read_chain_us']:.1f}", f"{r['read_one_us']:.1f}",
+          f"{r['ours_us']:.1f}", f"{r['bulk_pair_us']:.1f}", f"{r['read_chain_pct']:.0f}", f"{r['read_one_pct']:.0f}", f"{r['ours_pct']:.0f}",
+          f"{r['ours_us'] / r['read_chain_us']:.2f}"]
+         + ([f"{by[r['shape'], 'bf16']['ours_us'] / r['ours_us']:.2f}",
+             f"{by[r['shape'], 'bf16']['read_chain_us'] / r['read_chain_us']:.2f}",
+             f"{by[r['shape'], 'bf16']['ours_us'] / r['read_chain_us']:.2f}"]
+            if r["wdtype"] == "int8" else ["", "", ""]) for r in rows]))
+
+
 def read_time(time, bufs, sms: int) -> tuple[float, int, int]:
     """(µs, blocks, threads) of the fastest pure read of each buffer over a grid sweep."""
     import cupy
@@ -144,14 +225,25 @@ def read_time(time, bufs, sms: int) -> tuple[float, int, int]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b,gpt-j-6b,olmoe-1b-7b")
-    ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--copies", type=int, help="rotating weight copies (default 4; 8 with --moe, tune_moe.py's sets)")
     ap.add_argument("--sweep", type=int, default=0, metavar="N",
                     help="also print every PDL read's time and the N fastest SBI-GeMM configurations")
+    ap.add_argument("--moe", action="store_true", help="the MoE experts at T = 1 against pure reads instead")
+    ap.add_argument("--shapes", default="qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128", help="with --moe")
     args = ap.parse_args()
+    args.copies = args.copies or (8 if args.moe else 4)
     device = torch.device("cuda")
     copy_gbs = bc.measure_copy_bandwidth(device)
     time = bench_dense.timer(device, args.copies)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if args.moe:
+        rows = moe_rows(time, device, sms, args.copies, args.shapes.split(","),
+                        lambda nbytes, us: 100 * nbytes / us / 1e3 / copy_gbs)
+        run = bc.run_info(device)
+        print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | T = 1 | copy {copy_gbs:.0f} GB/s")
+        print_moe(rows)
+        bc.write_results("read-ceiling-moe", device, {"run": run, "copy_gbs": copy_gbs, "rows": rows})
+        return
     rows, seen = [], set()
     for model in args.models.split(","):
         for layer, k, n in bench_dense.linear_shapes(model):
