@@ -242,44 +242,21 @@ def _driver():
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                                      ctypes.c_void_p]
-    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
-_STATIC_SHARED, _MAX_DYNAMIC_SHARED = 1, 8  # CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, ..._MAX_DYNAMIC_SHARED_SIZE_BYTES
-
-
-@functools.lru_cache(maxsize=None)
-def _allow_shared(handle: int, device: int) -> int:
-    """Lets kernel ``handle`` take as much dynamic shared memory as the device allows a
-    block beside the kernel's static arrays (past 48 KB in all a kernel must ask first);
-    returns that many bytes."""
-    static = ctypes.c_int()
-    err = _driver().cuFuncGetAttribute(ctypes.byref(static), _STATIC_SHARED, ctypes.c_void_p(handle))
-    most = torch.cuda.get_device_properties(device).shared_memory_per_block_optin - static.value
-    err = err or _driver().cuFuncSetAttribute(ctypes.c_void_p(handle), _MAX_DYNAMIC_SHARED, most)
-    if err:
-        raise RuntimeError(f"cuFuncGet/SetAttribute (shared memory, {most} bytes) failed with CUDA error {err}")
-    return most
-
-
-def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tuple, block: int, args: tuple,
-           shared: int = 0):
+def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tuple, block: int, args: tuple):
     """Launches kernel ``name`` on the current stream of ``device``; with PDL where
-    ``kernels.pdl`` turns it on, and ``shared`` bytes of dynamic shared memory. ``args``
-    are numpy scalars (pointers as np.uint64)."""
+    ``kernels.pdl`` turns it on. ``args`` are numpy scalars (pointers as np.uint64)."""
     opts = tuple(opts) + (f"-DL2PF={int(L2_PREFETCH)}",)
     if not any(o.startswith("-DPDL_EARLY=") for o in opts):  # a kernel may pin the late trigger
         opts += (f"-DPDL_EARLY={int(pdl.EARLY_TRIGGER)}",)
     _, handle = function(device.index, source, name, opts)
-    if shared and shared > _allow_shared(handle.value, device.index):
-        raise ValueError(f"{name}: {shared} bytes of shared memory a block, more than the device allows")
     grid = tuple(grid) + (1,) * (3 - len(grid))
     attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1
     use_pdl = pdl_on(device)
-    config = _Config(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), shared_bytes=shared,
+    config = _Config(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), shared_bytes=0,
                      stream=torch.cuda.current_stream(device).cuda_stream,
                      attrs=ctypes.pointer(attr) if use_pdl else None, num_attrs=int(use_pdl))
     values = [_C_TYPES[type(a)](a) for a in args]

@@ -60,8 +60,8 @@ SOURCE = COMMON + r"""
 #ifndef MINB
 #define MINB 1  // blocks an SM the registers must allow (ptxas caps them to fit)
 #endif
-#ifndef BULK
-#define BULK 0
+#ifndef PIPE
+#define PIPE 0
 #endif
 
 #define NEG_INF __int_as_float(0xff800000u)
@@ -314,40 +314,14 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   }
 }
 
-#if BULK
-// The bulk-copy variants (moe_up_bulk, moe_down_bulk): a persistent grid in which each
-// block walks the tiles blockIdx.x, + gridDim.x, ...; one thread has the copy engine move
-// each tile's weights (contiguous rows) into a ring of `stages` shared-memory buffers, each
-// completing on its own mbarrier, so the bytes in flight an SM are stages * tile bytes
-// times the blocks on it, whatever the registers allow; the block computes from shared
-// memory. The pairs' experts (and, with ROUTE, their weights) go to shared memory once a
-// block.
-#define MAX_STAGES 8
-#define MAX_P (16 * MAX_K)
-
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void bar_init(unsigned long long* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_u32(bar)));
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-// The issuing thread's arrival, announcing `bytes` to come on this phase.
-__device__ __forceinline__ void bar_expect(unsigned long long* bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-
-__device__ __forceinline__ void bar_wait(unsigned long long* bar, u32 parity) {
-  asm volatile("{\n.reg .pred done;\nWAIT:\n"
-               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-               "@!done bra WAIT;\n}" :: "r"(smem_u32(bar)), "r"(parity) : "memory");
-}
+#if PIPE
+// The pipelined variants (moe_up_pipe, moe_down_pipe): a persistent grid in which each
+// block walks the tiles blockIdx.x, + gridDim.x, ... as one sequence of steps (a step: one
+// 16-byte vector of each of the tile's rows a thread), loading step q + 1's weights before
+// it computes step q, across tile boundaries too. In the plain kernels a block's loads
+// wait for its compute and the other way round; at int8's cost per byte (a widen per
+// weight) that leaves the memory idle between them.
+#define MAX_P (16 * MAX_K)  // MAX_T tokens
 
 // Every pair's expert (and combine weight) into shared memory: from the ids, or (ROUTE)
 // each warp routing the tokens warp, warp + WARPS, ... of the logits.
@@ -356,8 +330,7 @@ __device__ void pair_table(const void* __restrict__ ids, const float* __restrict
 #if ROUTE
   int top[MAX_K];
   float top_w[MAX_K];
-  const int warp = threadIdx.x / 32;
-  for (int t = warp; t * topk < P; t += WARPS) {
+  for (int t = threadIdx.x / 32; t * topk < P; t += WARPS) {
     route_token((const char*)ids + (size_t)t * E * LOGIT_BYTES, E, topk, top, top_w);
     if (threadIdx.x % 32 == 0)
       for (int r = 0; r < topk; ++r) {
@@ -368,144 +341,145 @@ __device__ void pair_table(const void* __restrict__ ids, const float* __restrict
 #else
   for (int p = threadIdx.x; p < P; p += THREADS) {
     ex[p] = id_at(ids, p);
-    if (pair_w) wt[p] = pair_w[p];
+    if (wt) wt[p] = pair_w[p];
   }
 #endif
   __syncthreads();
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-moe_up_bulk(const u16* __restrict__ x, const void* __restrict__ w13, const float* __restrict__ scale,
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+moe_up_pipe(const u16* __restrict__ x, const void* __restrict__ w13, const float* __restrict__ scale,
             const void* __restrict__ ids, const float* __restrict__ pair_w, u16* __restrict__ h,
-            int H, int F, int topk, long long stride_x, int E, int P, int stages) {
-  extern __shared__ __align__(128) unsigned char ring[];  // stages tiles of ROWS rows of H weights
-  __shared__ __align__(8) unsigned long long bar[MAX_STAGES];
+            int H, int F, int topk, long long stride_x, int E, int P) {
   __shared__ long long ex[MAX_P];
   __shared__ float wt[MAX_P];
   __shared__ float part[WARPS][ROWS];
-  const int tid = threadIdx.x, tiles_n = (F + BN - 1) / BN, tiles = tiles_n * P;
-  const size_t row_bytes = (size_t)H * W_BYTES, tile_bytes = ROWS * row_bytes;
-  if (tid == 0)
-    for (int s = 0; s < stages; ++s) bar_init(&bar[s]);
+  const int tid = threadIdx.x, tiles_n = (F + BN - 1) / BN, tiles = tiles_n * P, nk = (H + STEP - 1) / STEP;
+  const int steps = tiles > (int)blockIdx.x ? ((tiles - 1 - blockIdx.x) / gridDim.x + 1) * nk : 0;
   grid_dep_enter();  // x and the ids (or logits) are earlier kernels' outputs
-  pair_table(ids, pair_w, P, topk, E, ex, wt);  // ends with the barrier the mbarriers need
-  auto issue = [&](int tile, int s) {  // tile = pair * tiles_n + column tile (one expert's rows in a row)
-    const int p = tile / tiles_n, n0 = tile % tiles_n * BN, rows = min(BN, F - n0);
-    const char* w_e = (const char*)w13 + (size_t)ex[p] * ROWS_PER_F * F * row_bytes;
-    bar_expect(&bar[s], (u32)(ROWS_PER_F * rows * row_bytes));
-    bulk_load(ring + s * tile_bytes, w_e + n0 * row_bytes, (u32)(rows * row_bytes), &bar[s]);
-#if GATED
-    bulk_load(ring + s * tile_bytes + BN * row_bytes, w_e + (F + n0) * row_bytes, (u32)(rows * row_bytes), &bar[s]);
-#endif
-  };
-  if (tid == 0)
-    for (int s = 0; s < stages && blockIdx.x + s * gridDim.x < tiles; ++s) issue(blockIdx.x + s * gridDim.x, s);
-
-  int it = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++it) {
-    const int s = it % stages, p = tile / tiles_n, n0 = tile % tiles_n * BN;
-    const u16* xr = x + (size_t)(p / topk) * stride_x;
-    const unsigned char* buf = ring + s * tile_bytes;
-    bar_wait(&bar[s], (it / stages) & 1);
-    float acc[ROWS];  // row j of the tile: j < BN gate (or GeLU) column n0 + j, else up column n0 + j - BN
+  pair_table(ids, pair_w, P, topk, E, ex, wt);
+  // Step q: tile blockIdx.x + (q / nk) * gridDim.x = pair * tiles_n + column tile, columns
+  // tid * WVEC + (q % nk) * STEP of its rows (j < BN gate or GeLU row n0 + j, else up row).
+  auto load = [&](int q, u32x4* wv) {
+    const int tile = blockIdx.x + q / nk * gridDim.x, k = tid * WVEC + q % nk * STEP;
+    const int n0 = tile % tiles_n * BN;
+    const char* w_e = (const char*)w13 + (size_t)ex[tile / tiles_n] * ROWS_PER_F * F * H * W_BYTES;
 #pragma unroll
-    for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
-#pragma unroll 2
-    for (int k = tid * WVEC; k < H; k += STEP) {
+    for (int j = 0; j < ROWS; ++j) {
+      const int n = n0 + j % BN, row = (j < BN ? 0 : F) + n;
+      wv[j] = k < H && n < F ? load_stream(w_e + ((size_t)row * H + k) * W_BYTES) : zero4();
+    }
+  };
+  u32x4 cur[ROWS], nxt[ROWS];
+  if (steps) load(0, cur);
+  float acc[ROWS];
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
+  for (int q = 0; q < steps; ++q) {
+    if (q + 1 < steps) load(q + 1, nxt);  // in flight while this step computes
+    const int tile = blockIdx.x + q / nk * gridDim.x, k = tid * WVEC + q % nk * STEP, p = tile / tiles_n;
+    if (k < H) {
       float a[WVEC];
-      load_act(xr + k, a);
+      load_act(x + (size_t)(p / topk) * stride_x + k, a);
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
         float wf[WVEC];
-        widen_w(*(const u32x4*)(buf + j * row_bytes + (size_t)k * W_BYTES), wf);
+        widen_w(cur[j], wf);
 #pragma unroll
         for (int i = 0; i < WVEC; ++i) acc[j] = fmaf(a[i], wf[i], acc[j]);
       }
     }
-    warps_to_shared<ROWS>(acc, part);  // its barrier also frees buffer s
-    if (tid == 0 && tile + stages * gridDim.x < tiles) issue(tile + stages * gridDim.x, s);
-    const long long e = ex[p];
-    for (int o = tid; o < BN; o += THREADS) {
-      const int n = n0 + o;
-      if (n >= F) continue;
-      float g = warps_total<ROWS>(part, o);
+    if (q % nk == nk - 1) {  // the tile's last step: its outputs
+      warps_to_shared<ROWS>(acc, part);
+      const int n0 = tile % tiles_n * BN;
+      const long long e = ex[p];
+      for (int o = tid; o < BN; o += THREADS) {
+        const int n = n0 + o;
+        if (n >= F) continue;
+        float g = warps_total<ROWS>(part, o);
 #if INT8
-      g *= scale[e * ROWS_PER_F * F + n];
+        g *= scale[e * ROWS_PER_F * F + n];
 #endif
 #if GATED
-      float up = warps_total<ROWS>(part, BN + o);
+        float up = warps_total<ROWS>(part, BN + o);
 #if INT8
-      up *= scale[e * 2 * F + F + n];
+        up *= scale[e * 2 * F + F + n];
 #endif
-      const float v = g / (1.f + __expf(-g)) * up;
+        const float v = g / (1.f + __expf(-g)) * up;
 #else
-      const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
+        const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
 #endif
-      h[(size_t)p * F + n] = to_act(v * wt[p]);
+        h[(size_t)p * F + n] = to_act(v * wt[p]);
+      }
+      __syncthreads();  // part is rewritten by the next tile
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
     }
-    __syncthreads();  // part is rewritten by the next tile
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) cur[j] = nxt[j];
   }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-moe_down_bulk(const u16* __restrict__ h, const void* __restrict__ w2, const float* __restrict__ scale,
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+moe_down_pipe(const u16* __restrict__ h, const void* __restrict__ w2, const float* __restrict__ scale,
               const void* __restrict__ ids, u16* __restrict__ out, int H, int F, int topk, long long stride_o,
-              int E, int T, int stages) {
-  extern __shared__ __align__(128) unsigned char ring[];  // stages tiles: per slot, BN rows of F weights
-  __shared__ __align__(8) unsigned long long bar[MAX_STAGES];
+              int E, int T) {
   __shared__ long long ex[MAX_P];
   __shared__ float part[WARPS][BN];
   const int tid = threadIdx.x, tiles_n = (H + BN - 1) / BN, tiles = tiles_n * T, len = topk * F;
-  const size_t row_bytes = (size_t)F * W_BYTES, slot_bytes = BN * row_bytes, tile_bytes = topk * slot_bytes;
-  if (tid == 0)
-    for (int s = 0; s < stages; ++s) bar_init(&bar[s]);
+  const int nk = (len + STEP - 1) / STEP;
+  const int steps = tiles > (int)blockIdx.x ? ((tiles - 1 - blockIdx.x) / gridDim.x + 1) * nk : 0;
   // The ids (or logits) are from a kernel before the up kernel: complete (see the top).
   pair_table(ids, nullptr, T * topk, topk, E, ex, nullptr);
-  auto issue = [&](int tile, int s) {  // warp 0: tile = token * tiles_n + row tile
-    const int t = tile / tiles_n, n0 = tile % tiles_n * BN, rows = min(BN, H - n0);
-    if (tid == 0) bar_expect(&bar[s], (u32)(topk * rows * row_bytes));
-    __syncwarp();
-    for (int r = tid; r < topk; r += 32)
-      bulk_load(ring + s * tile_bytes + r * slot_bytes, (const char*)w2 + ((size_t)ex[t * topk + r] * H + n0) * row_bytes,
-                (u32)(rows * row_bytes), &bar[s]);
-  };
-  if (tid < 32)
-    for (int s = 0; s < stages && blockIdx.x + s * gridDim.x < tiles; ++s) issue(blockIdx.x + s * gridDim.x, s);
-  grid_dep_enter();  // h is the up kernel's output
-
-  int it = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++it) {
-    const int s = it % stages, t = tile / tiles_n, n0 = tile % tiles_n * BN;
-    const u16* ht = h + (size_t)t * len;
-    const unsigned char* buf = ring + s * tile_bytes;
-    bar_wait(&bar[s], (it / stages) & 1);
-    float acc[BN];
+  // Step q: tile blockIdx.x + (q / nk) * gridDim.x = token * tiles_n + row tile, reduction
+  // columns tid * WVEC + (q % nk) * STEP of the token's k slots' F columns back to back.
+  auto load = [&](int q, u32x4* wv) {
+    const int tile = blockIdx.x + q / nk * gridDim.x, k = tid * WVEC + q % nk * STEP;
+    const int t = tile / tiles_n, n0 = tile % tiles_n * BN, r = k < len ? k / F : 0;
+    const char* row = (const char*)w2 + ((size_t)ex[t * topk + r] * H + n0) * F * W_BYTES;
 #pragma unroll
-    for (int j = 0; j < BN; ++j) acc[j] = 0.f;
-#pragma unroll 2
-    for (int k = tid * WVEC; k < len; k += STEP) {
-      const int r = k / F;  // the slot: F is a multiple of WVEC
+    for (int j = 0; j < BN; ++j)
+      wv[j] = k < len && n0 + j < H ? load_stream(row + ((size_t)j * F + k - r * F) * W_BYTES) : zero4();
+  };
+  u32x4 cur[BN], nxt[BN];
+  if (steps) load(0, cur);
+  grid_dep_enter();  // h is the up kernel's output
+  float acc[BN];
+#pragma unroll
+  for (int j = 0; j < BN; ++j) acc[j] = 0.f;
+  for (int q = 0; q < steps; ++q) {
+    if (q + 1 < steps) load(q + 1, nxt);  // in flight while this step computes
+    const int tile = blockIdx.x + q / nk * gridDim.x, k = tid * WVEC + q % nk * STEP;
+    const int t = tile / tiles_n, n0 = tile % tiles_n * BN;
+    if (k < len) {
+#if INT8
+      const float* sc = scale + ex[t * topk + k / F] * H + n0;  // the slot's scales (F is a multiple of WVEC)
+#endif
       float a[WVEC];
-      load_act(ht + k, a);
-      const unsigned char* w = buf + r * slot_bytes + (size_t)(k - r * F) * W_BYTES;
+      load_act(h + (size_t)t * len + k, a);
 #pragma unroll
       for (int j = 0; j < BN; ++j) {
         float wf[WVEC], d = 0.f;
-        widen_w(*(const u32x4*)(w + j * row_bytes), wf);
+        widen_w(cur[j], wf);
 #pragma unroll
         for (int i = 0; i < WVEC; ++i) d = fmaf(a[i], wf[i], d);
 #if INT8
-        acc[j] = n0 + j < H ? fmaf(d, __ldg(scale + ex[t * topk + r] * H + n0 + j), acc[j]) : 0.f;
+        acc[j] = n0 + j < H ? fmaf(d, __ldg(sc + j), acc[j]) : 0.f;
 #else
         acc[j] += d;
 #endif
       }
     }
-    warps_to_shared<BN>(acc, part);  // its barrier also frees buffer s
-    if (tid < 32 && tile + stages * gridDim.x < tiles) issue(tile + stages * gridDim.x, s);
-    for (int o = tid; o < BN; o += THREADS)
-      if (n0 + o < H) out[t * stride_o + n0 + o] = to_act(warps_total<BN>(part, o));
-    __syncthreads();  // part is rewritten by the next tile
+    if (q % nk == nk - 1) {  // the tile's last step: its outputs
+      warps_to_shared<BN>(acc, part);
+      for (int o = tid; o < BN; o += THREADS)
+        if (n0 + o < H) out[t * stride_o + n0 + o] = to_act(warps_total<BN>(part, o));
+      __syncthreads();  // part is rewritten by the next tile
+#pragma unroll
+      for (int j = 0; j < BN; ++j) acc[j] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < BN; ++j) cur[j] = nxt[j];
   }
 }
 #endif
@@ -524,12 +498,12 @@ DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
 
 MIN_BLOCKS = (4, 5, 6)  # register caps tried (``min_blocks``): more blocks, more loads in flight an SM
 
-# The bulk-copy kernels (``stages`` shared-memory buffers a block, ``persist`` blocks an SM).
-# The copy engine holds the bytes in flight, not the registers, so one unroll suffices.
-UP_BULK = [dict(backend="cuda", bn=bn, warps=w, unroll=1, stages=st, persist=pe)
-           for bn, w in ((1, 4), (2, 4), (4, 4), (4, 8)) for st in (2, 4) for pe in (1, 2, 4)]
-DOWN_BULK = [dict(backend="cuda", bn=bn, warps=w, unroll=1, split_k=1, stages=st, persist=pe)
-             for bn, w in ((1, 4), (2, 4), (4, 4), (4, 8)) for st in (2, 4) for pe in (1, 2, 4)]
+# The pipelined kernels (``persist`` blocks an SM walking the tiles, the next step's loads
+# in flight during each step's compute), with and without capped registers.
+UP_PIPE = [dict(backend="cuda", bn=bn, warps=w, unroll=1, persist=pe, **cap)
+           for bn, w in ((2, 4), (4, 4), (8, 4), (4, 8)) for pe in (2, 4) for cap in ({}, {"min_blocks": 4})]
+DOWN_PIPE = [dict(backend="cuda", bn=bn, warps=w, unroll=1, split_k=1, persist=pe, **cap)
+             for bn, w in ((2, 4), (4, 4), (8, 4), (4, 8)) for pe in (2, 4) for cap in ({}, {"min_blocks": 4})]
 
 
 def candidates(phase: str, t: int) -> list[dict]:
@@ -539,7 +513,7 @@ def candidates(phase: str, t: int) -> list[dict]:
     the loads in flight), and past T = 1 in the pair-major grid."""
     base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES
     base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
-    return base + ([dict(c, pair_major=True) for c in base] if t > 1 else []) + (UP_BULK if phase == "up" else DOWN_BULK)
+    return base + ([dict(c, pair_major=True) for c in base] if t > 1 else []) + (UP_PIPE if phase == "up" else DOWN_PIPE)
 
 
 def default_configs(t: int, h: int, sms: int) -> tuple[dict, dict]:
@@ -592,8 +566,8 @@ def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> s
 
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
-            logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, bulk: bool = False) -> tuple:
-    return (f"-DBULK={int(bulk)}", "-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
+            logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, pipe: bool = False) -> tuple:
+    return (f"-DPIPE={int(pipe)}", "-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}", f"-DPARTIAL={int(partial)}",
             f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
             f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}")
@@ -636,39 +610,35 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     t, h = x.shape
     e, f = w2.shape[0], w2.shape[2]
     up, down = configs if configs is not None else (None, None)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if up is None or down is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         default_up, default_down = default_configs(t, h, sms)
         up, down = up or default_up, down or default_down
     int8, gated, dt = w13.dtype == torch.int8, activation == "silu", DTYPES[x.dtype]
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]
-    wbytes = w13.element_size()
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
-    up_stages = _stages(up, x.device, (2 if gated else 1) * up["bn"] * h * wbytes)
+    up_pipe = bool(up.get("persist"))
     up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up.get("pair_major", False),
-                      min_blocks=up.get("min_blocks", 1), bulk=up_stages > 0, **route) + ("-DPDL_EARLY=0",)
+                      min_blocks=up.get("min_blocks", 1), pipe=up_pipe, **route) + ("-DPDL_EARLY=0",)
     up_args = (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h), np.int32(f),
                np.int32(topk), np.int64(x.stride(0)), np.int32(e))
-    if up_stages:
+    if up_pipe:
         tiles = -(-f // up["bn"]) * t * topk
-        launch(x.device, SOURCE, "moe_up_bulk", up_opts, (_persistent_grid(up, x.device, tiles),), up["warps"] * 32,
-               up_args + (np.int32(t * topk), np.int32(up_stages)),
-               shared=up_stages * (2 if gated else 1) * up["bn"] * h * wbytes)
+        launch(x.device, SOURCE, "moe_up_pipe", up_opts, (min(tiles, up["persist"] * sms),), up["warps"] * 32,
+               up_args + (np.int32(t * topk),))
     else:
         up_grid = (-(-f // up["bn"]), t * topk)
         launch(x.device, SOURCE, "moe_up", up_opts, up_grid[::-1] if up.get("pair_major") else up_grid,
                up["warps"] * 32, up_args)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    down_stages = _stages(down, x.device, topk * down["bn"] * f * wbytes)
-    if down_stages:
-        opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, False, bulk=True, **route)
+    if down.get("persist"):
+        opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, False,
+                       min_blocks=down.get("min_blocks", 1), pipe=True, **route)
         tiles = -(-h // down["bn"]) * t
-        launch(x.device, SOURCE, "moe_down_bulk", opts, (_persistent_grid(down, x.device, tiles),),
-               down["warps"] * 32,
+        launch(x.device, SOURCE, "moe_down_pipe", opts, (min(tiles, down["persist"] * sms),), down["warps"] * 32,
                (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(ids), ptr(out), np.int32(h), np.int32(f), np.int32(topk),
-                np.int64(out.stride(0)), np.int32(e), np.int32(t), np.int32(down_stages)),
-               shared=down_stages * topk * down["bn"] * f * wbytes)
+                np.int64(out.stride(0)), np.int32(e), np.int32(t)))
         return out
     step = down["warps"] * 32 * (16 if int8 else 8)
     length = topk * f
@@ -689,24 +659,6 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     return out
 
 
-MAX_STAGES = 8  # the bulk kernels' ring of shared-memory buffers (MAX_STAGES in the source)
-
-
-def _stages(cfg: dict, device: torch.device, tile_bytes: int) -> int:
-    """The shared-memory buffers the bulk variant of ``cfg`` gets (0: ``cfg`` is not a bulk
-    configuration, or one tile does not fit, and the register-streaming kernel runs): its
-    ``stages``, fewer where the device's shared memory a block holds fewer tiles."""
-    if not cfg.get("stages"):
-        return 0
-    room = torch.cuda.get_device_properties(device).shared_memory_per_block_optin - 4096  # the static arrays
-    return max(0, min(cfg["stages"], MAX_STAGES, room // tile_bytes))
-
-
-def _persistent_grid(cfg: dict, device: torch.device, tiles: int) -> int:
-    """Blocks of a bulk kernel: ``persist`` an SM, at most one a tile."""
-    return min(tiles, cfg.get("persist", 1) * torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def compile_all(arch: str = "sm_90") -> int:
     """Compiles the kernels for ``arch`` through NVRTC (no GPU needed) over combinations
     that take every value of every compile-time parameter; returns how many."""
@@ -722,8 +674,9 @@ def compile_all(arch: str = "sm_90") -> int:
         compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
                                       ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks, **route)
                       + launch_flags, arch, "moe_cuda.cu")
-        bulk = (UP_BULK + DOWN_BULK)[i * 5 % (len(UP_BULK) + len(DOWN_BULK))]  # the bulk kernels, both in one
-        compile_check(SOURCE, options(bulk["bn"], bulk["warps"], 1, int8, dt, gated, False, ids64=i % 2 == 0,
-                                      bulk=True, **route) + launch_flags, arch, "moe_cuda.cu")
+        pipe = (UP_PIPE + DOWN_PIPE)[i * 5 % (len(UP_PIPE) + len(DOWN_PIPE))]  # the pipelined kernels, both in one
+        compile_check(SOURCE, options(pipe["bn"], pipe["warps"], 1, int8, dt, gated, False, ids64=i % 2 == 0,
+                                      min_blocks=pipe.get("min_blocks", 1), pipe=True, **route) + launch_flags,
+                      arch, "moe_cuda.cu")
         count += 3
     return count

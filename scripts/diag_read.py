@@ -44,7 +44,6 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 import bench_common as bc  # noqa: E402
 import bench_dense  # noqa: E402
 import kernels  # noqa: E402
-from kernels import moe_cuda  # noqa: E402
 
 READ = r"""
 extern "C" __global__ void read_all(const char* __restrict__ p, long long n16, unsigned* __restrict__ out) {
@@ -137,10 +136,6 @@ def _read_pdl(buf, grid: tuple[int, int, int], out) -> None:
                                (np.uint64(buf.data_ptr()), np.int64(buf.numel() // 16), np.uint64(out.data_ptr())))
 
 
-BULK_PAIRS = [tuple(dict(backend="cuda", bn=bn, warps=w, unroll=1, split_k=1, stages=2, persist=pe) for _ in "ud")
-              for bn, w, pe in ((4, 8, 4), (4, 4, 4), (2, 4, 4), (4, 8, 2))]
-
-
 def moe_rows(time, device, sms: int, copies: int, shapes: list[str], pct_of) -> list[dict]:
     """Per shape and weight dtype: the experts at T = 1 against the pure reads of their bytes."""
     from bench_moe import SHAPES, make_inputs, make_weights
@@ -171,15 +166,9 @@ def moe_rows(time, device, sms: int, copies: int, shapes: list[str], pct_of) -> 
             one = read_pdl_times(time, both, sms)[0][0]
             ours = time(lambda i: kernels.fused_moe(i.x, a, b, i.weights, i.ids, shape.activation, **scales),
                         [(i,) for i in inputs])
-            # Both kernels of the bulk-copy kind (the tuner pairs each with the table's other,
-            # register-streaming kernel, whose shared-memory carve-out differs).
-            bulk = min((time(lambda i, c=c: moe_cuda.fused_moe_cuda(i.x, a, b, i.weights, i.ids, shape.activation,
-                                                                       configs=c, **scales), [(i,) for i in inputs]),
-                        i) for i, c in enumerate(BULK_PAIRS))
             nbytes = up_bytes + down_bytes
             rows.append(dict(shape=name, wdtype=wdtype, mb=nbytes / 1e6, up_grid=list(up_grid),
                              down_grid=list(down_grid), read_chain_us=chain, read_one_us=one, ours_us=ours,
-                             bulk_pair_us=bulk[0], bulk_pair=BULK_PAIRS[bulk[1]],
                              read_chain_pct=pct_of(nbytes, chain), read_one_pct=pct_of(nbytes, one),
                              ours_pct=pct_of(nbytes, ours)))
             del bufs, both
@@ -190,11 +179,10 @@ def moe_rows(time, device, sms: int, copies: int, shapes: list[str], pct_of) -> 
 def print_moe(rows: list[dict]) -> None:
     by = {(r["shape"], r["wdtype"]): r for r in rows}
     print(bc.format_table(
-        ["shape", "weights", "MB", "two reads µs", "one read µs", "ours µs", "bulk pair µs", "%copy: two reads",
-         "one read", "ours",
+        ["shape", "weights", "MB", "two reads µs", "one read µs", "ours µs", "%copy: two reads", "one read", "ours",
          "ours / two reads", "int8 speedup: ours", "two reads", "at most: bf16 ours / int8 two reads"],
         [[r["shape"], r["wdtype"], f"{r['mb']:.1f}", f"{r['read_chain_us']:.1f}", f"{r['read_one_us']:.1f}",
-          f"{r['ours_us']:.1f}", f"{r['bulk_pair_us']:.1f}", f"{r['read_chain_pct']:.0f}", f"{r['read_one_pct']:.0f}", f"{r['ours_pct']:.0f}",
+          f"{r['ours_us']:.1f}", f"{r['read_chain_pct']:.0f}", f"{r['read_one_pct']:.0f}", f"{r['ours_pct']:.0f}",
           f"{r['ours_us'] / r['read_chain_us']:.2f}"]
          + ([f"{by[r['shape'], 'bf16']['ours_us'] / r['ours_us']:.2f}",
              f"{by[r['shape'], 'bf16']['read_chain_us'] / r['read_chain_us']:.2f}",

@@ -31,8 +31,8 @@
 #       pair-major grid and the register caps among the candidates) for $TUNE_SHAPES
 #       (default qwen3,olmoe: two shapes fill one call; dsmoe,mixtral in the next),
 #       bench_moe at T = 1..16 on the new table
-#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh bulk [OUT]
-#       the CUDA MoE decode kernels' tests first (the bulk-copy kernels among them), then
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh pipe [OUT]
+#       the CUDA MoE decode kernels' tests first (the pipelined kernels among them), then
 #       tune_moe --cuda-only --verbose at T = $TUNE_T (default 1), both dtypes, for $TUNE_SHAPES
 #       (default qwen3,olmoe,dsmoe), bench_moe at T = 1 and 8 on the new table
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh route [OUT]
@@ -132,7 +132,7 @@ elif [ "$part" = moesmall ]; then
         cp kernels/configs/moe.json "$out/"
         TAIL=30 step moe 130 python scripts/bench_moe.py --tokens 1,2,4,8,16 --no-baselines --no-json
     fi
-elif [ "$part" = bulk ]; then
+elif [ "$part" = pipe ]; then
     TAIL=8 step moe_smoke 150 $pytest_gpu -x tests/test_moe_cuda.py \
         -k "${SMOKE:-bfloat16 and (1-2048-768 or 2-272 or 1-528) or gating and 128 or graph}" || true
     if grep -q " passed" "$out/moe_smoke.log" && ! grep -q "failed\|error" "$out/moe_smoke.log"; then

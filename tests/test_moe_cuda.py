@@ -84,12 +84,12 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
     if t > 1:
         major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
         pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
-    # The bulk-copy kernels: every tile width and warp count, a tile width dividing neither
-    # F nor H with one or two buffers (each block walks several tiles: the buffers are
-    # refilled), and each kernel beside the other kind.
-    bulk = list(zip(moe_cuda.UP_BULK[::5], moe_cuda.DOWN_BULK[1::5]))
-    lone = dict(backend="cuda", bn=3, warps=4, unroll=1, split_k=1, stages=1, persist=1)
-    pairs += bulk + [(dict(lone, stages=2), lone), (bulk[0][0], pairs[1][1]), (pairs[2][0], bulk[1][1])]
+    # The pipelined kernels: every tile width and warp count, capped or not; a tile width
+    # dividing neither F nor H, one block an SM (each block walks many tiles); and each
+    # kernel beside the other kind.
+    pipe = list(zip(moe_cuda.UP_PIPE[::3], moe_cuda.DOWN_PIPE[1::3]))
+    lone = dict(backend="cuda", bn=3, warps=2, unroll=1, split_k=1, persist=1)
+    pairs += pipe + [(lone, lone), (pipe[0][0], pairs[1][1]), (pairs[2][0], pipe[1][1])]
     for up, down in pairs:
         out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, (up, down))
         assert out.shape == (t, h) and out.dtype == dtype
@@ -206,9 +206,9 @@ def test_gating_inside_the_kernels(t, e, k, score, renormalize, logits_dtype):
                                           (moe_cuda.UP_CANDIDATES[3], moe_cuda.DOWN_CANDIDATES[5]))
     ref8 = fused_moe_ref(x.double(), q13, q2, w.double(), ids, "silu", s13, s2)
     assert rel(out8, ref8) < TOL[torch.bfloat16]
-    bulk = (moe_cuda.UP_BULK[t + k], moe_cuda.DOWN_BULK[e % len(moe_cuda.DOWN_BULK)])  # the routing once a block
-    out8 = moe_cuda.fused_moe_logits_cuda(x, logits, k, q13, q2, "silu", score, renormalize, s13, s2, bulk)
-    assert rel(out8, ref8) < TOL[torch.bfloat16], bulk
+    pipe = (moe_cuda.UP_PIPE[t + k], moe_cuda.DOWN_PIPE[e % len(moe_cuda.DOWN_PIPE)])  # the routing once a block
+    out8 = moe_cuda.fused_moe_logits_cuda(x, logits, k, q13, q2, "silu", score, renormalize, s13, s2, pipe)
+    assert rel(out8, ref8) < TOL[torch.bfloat16], pipe
 
 
 @pytest.mark.gpu
