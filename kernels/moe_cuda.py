@@ -60,12 +60,53 @@ SOURCE = COMMON + r"""
 #ifndef MINB
 #define MINB 1  // blocks an SM the registers must allow (ptxas caps them to fit)
 #endif
-#ifndef PIPE
-#define PIPE 0
-#endif
 
 #define NEG_INF __int_as_float(0xff800000u)
 #define LOGIT_BYTES (LOGITS_F32 ? 4 : 2)
+#ifndef UNIT
+#define UNIT 0
+#endif
+
+#if INT8 && UNIT
+// int8 with one byte permute a weight (UNIT): 16 bytes as f = 1 + (b + 128) / 2^15 (b the
+// signed byte; exact). A row's sum over 16 activations starts from -UNIT_BIAS * (their
+// sum), the same for every row, and is then sum a * b / 2^15: no subtraction per weight.
+// The scales carry the 2^15.
+#define UNIT_SCALE 32768.f
+#define UNIT_BIAS 1.00390625f  // 1 + 128 / 2^15
+#else
+#define UNIT_SCALE 1.f
+#endif
+
+// dot(a, the 16-byte weight vector w) over WVEC weights, added to `start`; with UNIT,
+// `start` must hold unit_start(a).
+__device__ __forceinline__ float dot_w(const float* a, const u32x4& w, float start) {
+  float wf[WVEC];
+#if INT8 && UNIT
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u32 u = w.v[i] ^ 0x80808080u;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) wf[4 * i + b] = __uint_as_float(__byte_perm(u, 0x3F800000u, 0x7604 | (b << 4)));
+  }
+#else
+  widen_w(w, wf);
+#endif
+#pragma unroll
+  for (int i = 0; i < WVEC; ++i) start = fmaf(a[i], wf[i], start);
+  return start;
+}
+
+__device__ __forceinline__ float unit_start(const float* a) {
+#if INT8 && UNIT
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < WVEC; ++i) s += a[i];
+  return -UNIT_BIAS * s;
+#else
+  return 0.f;
+#endif
+}
 
 __device__ __forceinline__ long long id_at(const void* ids, int p) {
 #if IDS64
@@ -183,13 +224,9 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
       if (k >= H) break;
       float a[WVEC];
       load_act(xr + k, a);
+      const float start = unit_start(a);
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) {
-        float wf[WVEC];
-        widen_w(wv[u][j], wf);
-#pragma unroll
-        for (int i = 0; i < WVEC; ++i) acc[j] = fmaf(a[i], wf[i], acc[j]);
-      }
+      for (int j = 0; j < ROWS; ++j) acc[j] = UNIT ? acc[j] + dot_w(a, wv[u][j], start) : dot_w(a, wv[u][j], acc[j]);
     }
   }
 
@@ -200,12 +237,12 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
     if (n >= F) continue;
     float g = warps_total<ROWS>(part, o);
 #if INT8
-    g *= scale[e * ROWS_PER_F * F + n];
+    g *= scale[e * ROWS_PER_F * F + n] * UNIT_SCALE;
 #endif
 #if GATED
     float up = warps_total<ROWS>(part, BN + o);
 #if INT8
-    up *= scale[e * 2 * F + F + n];
+    up *= scale[e * 2 * F + F + n] * UNIT_SCALE;
 #endif
     const float v = g / (1.f + __expf(-g)) * up;
 #else
@@ -245,7 +282,7 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
   for (int i = tid; i < topk * BN; i += THREADS) {
     const int n = n0 + i % BN;
-    sc[i / BN][i % BN] = n < H ? scale[expert[i / BN] * H + n] : 0.f;
+    sc[i / BN][i % BN] = n < H ? scale[expert[i / BN] * H + n] * UNIT_SCALE : 0.f;
   }
   __syncthreads();
 #endif
@@ -284,12 +321,10 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
       if (k >= k_hi) break;
       float a[WVEC];
       load_act(ht + k, a);
+      const float start = unit_start(a);
 #pragma unroll
       for (int j = 0; j < BN; ++j) {
-        float wf[WVEC], d = 0.f;
-        widen_w(wv[u][j], wf);
-#pragma unroll
-        for (int i = 0; i < WVEC; ++i) d = fmaf(a[i], wf[i], d);
+        const float d = dot_w(a, wv[u][j], start);
 #if INT8
         acc[j] = fmaf(d, sc[slot[u]][j], acc[j]);
 #else
@@ -313,176 +348,6 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
 #endif
   }
 }
-
-#if PIPE
-// The pipelined variants (moe_up_pipe, moe_down_pipe): a persistent grid in which each
-// block walks the tiles blockIdx.x, + gridDim.x, ... as one sequence of steps (a step: one
-// 16-byte vector of each of the tile's rows a thread), loading step q + 1's weights before
-// it computes step q, across tile boundaries too. In the plain kernels a block's loads
-// wait for its compute and the other way round; at int8's cost per byte (a widen per
-// weight) that leaves the memory idle between them.
-#define MAX_P (16 * MAX_K)  // MAX_T tokens
-
-// Every pair's expert (and combine weight) into shared memory: from the ids, or (ROUTE)
-// each warp routing the tokens warp, warp + WARPS, ... of the logits.
-__device__ void pair_table(const void* __restrict__ ids, const float* __restrict__ pair_w, int P, int topk, int E,
-                           long long* ex, float* wt) {
-#if ROUTE
-  int top[MAX_K];
-  float top_w[MAX_K];
-  for (int t = threadIdx.x / 32; t * topk < P; t += WARPS) {
-    route_token((const char*)ids + (size_t)t * E * LOGIT_BYTES, E, topk, top, top_w);
-    if (threadIdx.x % 32 == 0)
-      for (int r = 0; r < topk; ++r) {
-        ex[t * topk + r] = top[r];
-        if (wt) wt[t * topk + r] = top_w[r];
-      }
-  }
-#else
-  for (int p = threadIdx.x; p < P; p += THREADS) {
-    ex[p] = id_at(ids, p);
-    if (wt) wt[p] = pair_w[p];
-  }
-#endif
-  __syncthreads();
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, MINB)
-moe_up_pipe(const u16* __restrict__ x, const void* __restrict__ w13, const float* __restrict__ scale,
-            const void* __restrict__ ids, const float* __restrict__ pair_w, u16* __restrict__ h,
-            int H, int F, int topk, long long stride_x, int E, int P) {
-  __shared__ long long ex[MAX_P];
-  __shared__ float wt[MAX_P];
-  __shared__ float part[WARPS][ROWS];
-  const int tid = threadIdx.x, tiles_n = (F + BN - 1) / BN, tiles = tiles_n * P, nk = (H + STEP - 1) / STEP;
-  const int steps = tiles > (int)blockIdx.x ? ((tiles - 1 - blockIdx.x) / gridDim.x + 1) * nk : 0;
-  grid_dep_enter();  // x and the ids (or logits) are earlier kernels' outputs
-  pair_table(ids, pair_w, P, topk, E, ex, wt);
-  // Step q: tile blockIdx.x + (q / nk) * gridDim.x = pair * tiles_n + column tile, columns
-  // tid * WVEC + (q % nk) * STEP of its rows (j < BN gate or GeLU row n0 + j, else up row).
-  auto load = [&](int q, u32x4* wv) {
-    const int tile = blockIdx.x + q / nk * gridDim.x, k = tid * WVEC + q % nk * STEP;
-    const int n0 = tile % tiles_n * BN;
-    const char* w_e = (const char*)w13 + (size_t)ex[tile / tiles_n] * ROWS_PER_F * F * H * W_BYTES;
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
-      const int n = n0 + j % BN, row = (j < BN ? 0 : F) + n;
-      wv[j] = k < H && n < F ? load_stream(w_e + ((size_t)row * H + k) * W_BYTES) : zero4();
-    }
-  };
-  u32x4 cur[ROWS], nxt[ROWS];
-  if (steps) load(0, cur);
-  float acc[ROWS];
-#pragma unroll
-  for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
-  for (int q = 0; q < steps; ++q) {
-    if (q + 1 < steps) load(q + 1, nxt);  // in flight while this step computes
-    const int tile = blockIdx.x + q / nk * gridDim.x, k = tid * WVEC + q % nk * STEP, p = tile / tiles_n;
-    if (k < H) {
-      float a[WVEC];
-      load_act(x + (size_t)(p / topk) * stride_x + k, a);
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) {
-        float wf[WVEC];
-        widen_w(cur[j], wf);
-#pragma unroll
-        for (int i = 0; i < WVEC; ++i) acc[j] = fmaf(a[i], wf[i], acc[j]);
-      }
-    }
-    if (q % nk == nk - 1) {  // the tile's last step: its outputs
-      warps_to_shared<ROWS>(acc, part);
-      const int n0 = tile % tiles_n * BN;
-      const long long e = ex[p];
-      for (int o = tid; o < BN; o += THREADS) {
-        const int n = n0 + o;
-        if (n >= F) continue;
-        float g = warps_total<ROWS>(part, o);
-#if INT8
-        g *= scale[e * ROWS_PER_F * F + n];
-#endif
-#if GATED
-        float up = warps_total<ROWS>(part, BN + o);
-#if INT8
-        up *= scale[e * 2 * F + F + n];
-#endif
-        const float v = g / (1.f + __expf(-g)) * up;
-#else
-        const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
-#endif
-        h[(size_t)p * F + n] = to_act(v * wt[p]);
-      }
-      __syncthreads();  // part is rewritten by the next tile
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) cur[j] = nxt[j];
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, MINB)
-moe_down_pipe(const u16* __restrict__ h, const void* __restrict__ w2, const float* __restrict__ scale,
-              const void* __restrict__ ids, u16* __restrict__ out, int H, int F, int topk, long long stride_o,
-              int E, int T) {
-  __shared__ long long ex[MAX_P];
-  __shared__ float part[WARPS][BN];
-  const int tid = threadIdx.x, tiles_n = (H + BN - 1) / BN, tiles = tiles_n * T, len = topk * F;
-  const int nk = (len + STEP - 1) / STEP;
-  const int steps = tiles > (int)blockIdx.x ? ((tiles - 1 - blockIdx.x) / gridDim.x + 1) * nk : 0;
-  // The ids (or logits) are from a kernel before the up kernel: complete (see the top).
-  pair_table(ids, nullptr, T * topk, topk, E, ex, nullptr);
-  // Step q: tile blockIdx.x + (q / nk) * gridDim.x = token * tiles_n + row tile, reduction
-  // columns tid * WVEC + (q % nk) * STEP of the token's k slots' F columns back to back.
-  auto load = [&](int q, u32x4* wv) {
-    const int tile = blockIdx.x + q / nk * gridDim.x, k = tid * WVEC + q % nk * STEP;
-    const int t = tile / tiles_n, n0 = tile % tiles_n * BN, r = k < len ? k / F : 0;
-    const char* row = (const char*)w2 + ((size_t)ex[t * topk + r] * H + n0) * F * W_BYTES;
-#pragma unroll
-    for (int j = 0; j < BN; ++j)
-      wv[j] = k < len && n0 + j < H ? load_stream(row + ((size_t)j * F + k - r * F) * W_BYTES) : zero4();
-  };
-  u32x4 cur[BN], nxt[BN];
-  if (steps) load(0, cur);
-  grid_dep_enter();  // h is the up kernel's output
-  float acc[BN];
-#pragma unroll
-  for (int j = 0; j < BN; ++j) acc[j] = 0.f;
-  for (int q = 0; q < steps; ++q) {
-    if (q + 1 < steps) load(q + 1, nxt);  // in flight while this step computes
-    const int tile = blockIdx.x + q / nk * gridDim.x, k = tid * WVEC + q % nk * STEP;
-    const int t = tile / tiles_n, n0 = tile % tiles_n * BN;
-    if (k < len) {
-#if INT8
-      const float* sc = scale + ex[t * topk + k / F] * H + n0;  // the slot's scales (F is a multiple of WVEC)
-#endif
-      float a[WVEC];
-      load_act(h + (size_t)t * len + k, a);
-#pragma unroll
-      for (int j = 0; j < BN; ++j) {
-        float wf[WVEC], d = 0.f;
-        widen_w(cur[j], wf);
-#pragma unroll
-        for (int i = 0; i < WVEC; ++i) d = fmaf(a[i], wf[i], d);
-#if INT8
-        acc[j] = n0 + j < H ? fmaf(d, __ldg(sc + j), acc[j]) : 0.f;
-#else
-        acc[j] += d;
-#endif
-      }
-    }
-    if (q % nk == nk - 1) {  // the tile's last step: its outputs
-      warps_to_shared<BN>(acc, part);
-      for (int o = tid; o < BN; o += THREADS)
-        if (n0 + o < H) out[t * stride_o + n0 + o] = to_act(warps_total<BN>(part, o));
-      __syncthreads();  // part is rewritten by the next tile
-#pragma unroll
-      for (int j = 0; j < BN; ++j) acc[j] = 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < BN; ++j) cur[j] = nxt[j];
-  }
-}
-#endif
 """
 
 # Launch configurations tried by the tuning script (the table stores the winner per shape
@@ -498,22 +363,17 @@ DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
 
 MIN_BLOCKS = (4, 5, 6)  # register caps tried (``min_blocks``): more blocks, more loads in flight an SM
 
-# The pipelined kernels (``persist`` blocks an SM walking the tiles, the next step's loads
-# in flight during each step's compute), with and without capped registers.
-UP_PIPE = [dict(backend="cuda", bn=bn, warps=w, unroll=1, persist=pe, **cap)
-           for bn, w in ((2, 4), (4, 4), (8, 4), (4, 8)) for pe in (2, 4) for cap in ({}, {"min_blocks": 4})]
-DOWN_PIPE = [dict(backend="cuda", bn=bn, warps=w, unroll=1, split_k=1, persist=pe, **cap)
-             for bn, w in ((2, 4), (4, 4), (8, 4), (4, 8)) for pe in (2, 4) for cap in ({}, {"min_blocks": 4})]
 
-
-def candidates(phase: str, t: int) -> list[dict]:
+def candidates(phase: str, t: int, int8: bool = False) -> list[dict]:
     """The CUDA launch configurations the tuning script times for ``phase`` at T = t: the
     base ones, each also with its registers capped for ``min_blocks`` blocks an SM (the
     int8 kernels use 100-180 registers uncapped, so two or three blocks an SM hold all
-    the loads in flight), and past T = 1 in the pair-major grid."""
+    the loads in flight), for int8 each also widening with one byte permute a weight
+    (``unit``), and past T = 1 in the pair-major grid."""
     base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES
     base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
-    return base + ([dict(c, pair_major=True) for c in base] if t > 1 else []) + (UP_PIPE if phase == "up" else DOWN_PIPE)
+    base = base + ([dict(c, unit=True) for c in base] if int8 else [])
+    return base + ([dict(c, pair_major=True) for c in base] if t > 1 else [])
 
 
 def default_configs(t: int, h: int, sms: int) -> tuple[dict, dict]:
@@ -566,8 +426,8 @@ def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> s
 
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
-            logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, pipe: bool = False) -> tuple:
-    return (f"-DPIPE={int(pipe)}", "-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
+            logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False) -> tuple:
+    return (f"-DUNIT={int(unit)}", "-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}", f"-DPARTIAL={int(partial)}",
             f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
             f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}")
@@ -610,44 +470,30 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     t, h = x.shape
     e, f = w2.shape[0], w2.shape[2]
     up, down = configs if configs is not None else (None, None)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if up is None or down is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         default_up, default_down = default_configs(t, h, sms)
         up, down = up or default_up, down or default_down
     int8, gated, dt = w13.dtype == torch.int8, activation == "silu", DTYPES[x.dtype]
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
-    up_pipe = bool(up.get("persist"))
-    up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up.get("pair_major", False),
-                      min_blocks=up.get("min_blocks", 1), pipe=up_pipe, **route) + ("-DPDL_EARLY=0",)
-    up_args = (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h), np.int32(f),
-               np.int32(topk), np.int64(x.stride(0)), np.int32(e))
-    if up_pipe:
-        tiles = -(-f // up["bn"]) * t * topk
-        launch(x.device, SOURCE, "moe_up_pipe", up_opts, (min(tiles, up["persist"] * sms),), up["warps"] * 32,
-               up_args + (np.int32(t * topk),))
-    else:
-        up_grid = (-(-f // up["bn"]), t * topk)
-        launch(x.device, SOURCE, "moe_up", up_opts, up_grid[::-1] if up.get("pair_major") else up_grid,
-               up["warps"] * 32, up_args)
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    if down.get("persist"):
-        opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, False,
-                       min_blocks=down.get("min_blocks", 1), pipe=True, **route)
-        tiles = -(-h // down["bn"]) * t
-        launch(x.device, SOURCE, "moe_down_pipe", opts, (min(tiles, down["persist"] * sms),), down["warps"] * 32,
-               (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(ids), ptr(out), np.int32(h), np.int32(f), np.int32(topk),
-                np.int64(out.stride(0)), np.int32(e), np.int32(t)))
-        return out
+    up_major = up.get("pair_major", False)
+    up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up_major,
+                      min_blocks=up.get("min_blocks", 1), unit=up.get("unit", False), **route) + ("-DPDL_EARLY=0",)
+    up_grid = (-(-f // up["bn"]), t * topk)
+    launch(x.device, SOURCE, "moe_up", up_opts, up_grid[::-1] if up_major else up_grid, up["warps"] * 32,
+           (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h), np.int32(f),
+            np.int32(topk), np.int64(x.stride(0)), np.int32(e)))
     step = down["warps"] * 32 * (16 if int8 else 8)
     length = topk * f
     k_span = -(-length // (down["split_k"] * step)) * step
     split = -(-length // k_span)  # no empty splits
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     target = out if split == 1 else torch.empty(split, t, h, dtype=torch.float32, device=x.device)
     down_major = down.get("pair_major", False)
     opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, pair_major=down_major,
-                   min_blocks=down.get("min_blocks", 1), **route)
+                   min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), **route)
     down_grid = (-(-h // down["bn"]), split, t)
     launch(x.device, SOURCE, "moe_down", opts, down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
            (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(ids), ptr(target), np.int32(h), np.int32(f), np.int32(topk),
@@ -669,14 +515,11 @@ def compile_all(arch: str = "sm_90") -> int:
         launch_flags = (f"-DL2PF={i % 2}", f"-DPDL_EARLY={i // 2 % 2}")  # what ``launch`` adds
         min_blocks = MIN_BLOCKS[i % len(MIN_BLOCKS)] if i % 2 else 1
         compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, ids64=i % 2 == 0,
-                                      pair_major=i % 2 == 1, min_blocks=min_blocks, **route) + launch_flags, arch,
-                      "moe_cuda.cu")
-        compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
-                                      ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks, **route)
+                                      pair_major=i % 2 == 1, min_blocks=min_blocks, unit=i % 4 == 1, **route)
                       + launch_flags, arch, "moe_cuda.cu")
-        pipe = (UP_PIPE + DOWN_PIPE)[i * 5 % (len(UP_PIPE) + len(DOWN_PIPE))]  # the pipelined kernels, both in one
-        compile_check(SOURCE, options(pipe["bn"], pipe["warps"], 1, int8, dt, gated, False, ids64=i % 2 == 0,
-                                      min_blocks=pipe.get("min_blocks", 1), pipe=True, **route) + launch_flags,
-                      arch, "moe_cuda.cu")
-        count += 3
+        compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
+                                      ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks,
+                                      unit=i % 4 == 3, **route)
+                      + launch_flags, arch, "moe_cuda.cu")
+        count += 2
     return count

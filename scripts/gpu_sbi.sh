@@ -31,10 +31,10 @@
 #       pair-major grid and the register caps among the candidates) for $TUNE_SHAPES
 #       (default qwen3,olmoe: two shapes fill one call; dsmoe,mixtral in the next),
 #       bench_moe at T = 1..16 on the new table
-#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh pipe [OUT]
-#       the CUDA MoE decode kernels' tests first (the pipelined kernels among them), then
-#       tune_moe --cuda-only --verbose at T = $TUNE_T (default 1), both dtypes, for $TUNE_SHAPES
-#       (default qwen3,olmoe,dsmoe), bench_moe at T = 1 and 8 on the new table
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh unit [OUT]
+#       the CUDA MoE decode kernels' tests first (int8 widened by one permute among them),
+#       tune_moe --cuda-only --verbose for int8 at T = 1 on Qwen3, OLMoE and DS-MoE (the
+#       ``unit`` variants among the candidates), bench_moe at T = 1 on the new table
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh route [OUT]
 #       the routing and CUDA MoE tests first, the host cost of each launch (diag_launch),
 #       tune_moe for int8 at T = 8 (Qwen3, OLMoE; deeper int8 tiles), bench_moe at T = 1, 8
@@ -132,14 +132,13 @@ elif [ "$part" = moesmall ]; then
         cp kernels/configs/moe.json "$out/"
         TAIL=30 step moe 130 python scripts/bench_moe.py --tokens 1,2,4,8,16 --no-baselines --no-json
     fi
-elif [ "$part" = pipe ]; then
-    TAIL=8 step moe_smoke 150 $pytest_gpu -x tests/test_moe_cuda.py \
-        -k "${SMOKE:-bfloat16 and (1-2048-768 or 2-272 or 1-528) or gating and 128 or graph}" || true
+elif [ "$part" = unit ]; then
+    TAIL=6 step moe_smoke 200 $pytest_gpu -x tests/test_moe_cuda.py -k "${SMOKE:-1-2048-768 and True and bfloat16 or graph}" || true
     if grep -q " passed" "$out/moe_smoke.log" && ! grep -q "failed\|error" "$out/moe_smoke.log"; then
-        TAIL=20 step tune 330 python scripts/tune_moe.py --cuda-only --verbose --shapes ${TUNE_SHAPES:-qwen3,olmoe,dsmoe} \
-            --tokens ${TUNE_T:-1} --int8-tokens ${TUNE_T:-1}
+        TAIL=12 step tune 250 python scripts/tune_moe.py --cuda-only --verbose --shapes qwen3,olmoe,dsmoe --tokens "" \
+            --int8-tokens 1
         cp kernels/configs/moe.json "$out/"
-        TAIL=20 step moe 80 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1,8 \
+        TAIL=12 step moe 80 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
             --no-baselines --no-json
     fi
 elif [ "$part" = mixtral ]; then

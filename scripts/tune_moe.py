@@ -40,8 +40,8 @@ def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, up_backend: s
     searched within the chosen up GEMM's backend (``up_backend``): the two come as a pair.
     With ``stored`` (``--cuda-only``), the table's entry stands for the Triton space."""
     if phase == "down" and up_backend == "cuda":
-        return moe_cuda.candidates("down", t)
-    extra = moe_cuda.candidates("up", t) if phase == "up" and t <= CUDA_TOKENS else []
+        return moe_cuda.candidates("down", t, wdtype == "int8")
+    extra = moe_cuda.candidates("up", t, wdtype == "int8") if phase == "up" and t <= CUDA_TOKENS else []
     if stored is not None:
         return [stored] + extra
     return triton_candidates(phase, t, topk, e, wdtype) + extra
