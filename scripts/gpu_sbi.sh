@@ -35,6 +35,10 @@
 #       the CUDA MoE decode kernels' tests first (int8 widened by one permute among them),
 #       tune_moe --cuda-only --verbose for int8 at T = 1 on Qwen3, OLMoE and DS-MoE (the
 #       ``unit`` variants among the candidates), bench_moe at T = 1 on the new table
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh unit8 [OUT]
+#       the int8 reference cases of the CUDA MoE decode kernels' tests, tune_moe --cuda-only
+#       for int8 at T = 1 (Qwen3, a second pass) and 8 (Qwen3, OLMoE), bench_moe at T = 1
+#       and 8 twice
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh route [OUT]
 #       the routing and CUDA MoE tests first, the host cost of each launch (diag_launch),
 #       tune_moe for int8 at T = 8 (Qwen3, OLMoE; deeper int8 tiles), bench_moe at T = 1, 8
@@ -141,6 +145,15 @@ elif [ "$part" = unit ]; then
         TAIL=12 step moe 80 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
             --no-baselines --no-json
     fi
+elif [ "$part" = unit8 ]; then
+    TAIL=6 step moe_tests 150 $pytest_gpu tests/test_moe_cuda.py -k "True and bfloat16 or graph" || true
+    TAIL=8 step tune 250 python scripts/tune_moe.py --cuda-only --shapes qwen3 --tokens "" --int8-tokens 1,8
+    TAIL=8 step tune_olmoe 120 python scripts/tune_moe.py --cuda-only --shapes olmoe --tokens "" --int8-tokens 8
+    cp kernels/configs/moe.json "$out/"
+    for run in 1 2; do
+        TAIL=16 step moe_$run 70 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1,8 \
+            --no-baselines --no-json
+    done
 elif [ "$part" = mixtral ]; then
     TAIL=10 step tune 150 python scripts/tune_moe.py --cuda-only --shapes mixtral --tokens 1 --int8-tokens 1
     cp kernels/configs/moe.json "$out/"
