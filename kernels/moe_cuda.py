@@ -363,7 +363,7 @@ DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
                                                           (1, 2))]
 
 
-MIN_BLOCKS = (4, 5, 6)  # register caps tried (``min_blocks``): more blocks, more loads in flight an SM
+MIN_BLOCKS = (4, 5, 6, 8)  # register caps tried (``min_blocks``): more blocks, more loads in flight an SM
 
 
 def candidates(phase: str, t: int, int8: bool = False) -> list[dict]:

@@ -39,6 +39,9 @@
 #       the int8 reference cases of the CUDA MoE decode kernels' tests, tune_moe --cuda-only
 #       for int8 at T = 1 (Qwen3, a second pass) and 8 (Qwen3, OLMoE), bench_moe at T = 1
 #       and 8 twice
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh caps8 [OUT]
+#       the Qwen3 int8 case and graph tests, tune_moe --cuda-only for int8 at T = 1 (Qwen3,
+#       DS-MoE) with a cap of 8 blocks an SM among the candidates, bench_moe at T = 1 twice
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh route [OUT]
 #       the routing and CUDA MoE tests first, the host cost of each launch (diag_launch),
 #       tune_moe for int8 at T = 8 (Qwen3, OLMoE; deeper int8 tiles), bench_moe at T = 1, 8
@@ -145,6 +148,14 @@ elif [ "$part" = unit ]; then
         TAIL=12 step moe 80 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
             --no-baselines --no-json
     fi
+elif [ "$part" = caps8 ]; then
+    TAIL=6 step moe_tests 100 $pytest_gpu tests/test_moe_cuda.py -k "1-2048-768 and True and bfloat16 or graph" || true
+    TAIL=8 step tune 200 python scripts/tune_moe.py --cuda-only --shapes qwen3,dsmoe --tokens "" --int8-tokens 1
+    cp kernels/configs/moe.json "$out/"
+    for run in 1 2; do
+        TAIL=10 step moe_$run 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,ds-moe-1.3b-e128 --tokens 1 \
+            --no-baselines --no-json
+    done
 elif [ "$part" = unit8 ]; then
     TAIL=6 step moe_tests 150 $pytest_gpu tests/test_moe_cuda.py -k "True and bfloat16 or graph" || true
     TAIL=8 step tune 250 python scripts/tune_moe.py --cuda-only --shapes qwen3 --tokens "" --int8-tokens 1,8
