@@ -228,7 +228,8 @@ def main():
         rows = moe_rows(time, device, sms, args.copies, args.shapes.split(","),
                         lambda nbytes, us: 100 * nbytes / us / 1e3 / copy_gbs)
         run = bc.run_info(device)
-        print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | T = 1 | copy {copy_gbs:.0f} GB/s")
+        print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | T = 1 "
+              f"| copy {copy_gbs:.0f} GB/s")
         print_moe(rows)
         bc.write_results("read-ceiling-moe", device, {"run": run, "copy_gbs": copy_gbs, "rows": rows})
         return
