@@ -247,11 +247,9 @@ def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
     def plan():
         block_e = triton.next_power_of_2(e)
         block_t = _block_t(t, block_e)
-        pdl = pdl_launch(dev)
-        consts = dict(K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), BLOCK_T=block_t,
-                      BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), PDL=pdl["PDL"])
-        options = {o: v for o, v in pdl.items() if o != "PDL"}  # launch_pdl where PDL is on
-        return (triton.cdiv(t, block_t),), consts, dict(options, num_warps=4)
+        return (triton.cdiv(t, block_t),), dict(K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
+                                                BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
+                                                num_warps=4, **pdl_launch(dev))
 
     _gating(key, (logits, ids, weights, t, e, logits.stride(0), logits.stride(1)), plan, dev)
     return ids, weights

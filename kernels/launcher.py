@@ -24,26 +24,26 @@ from triton import knobs
 
 
 class CachedLaunch:
-    """``launch(key, args, plan, device)`` runs ``fn[grid](*args, **consts, **options)`` with
-    ``(grid, consts, options) = plan()``: the first time for ``key`` through the JIT,
-    afterwards through the kernel it compiled, without calling ``plan`` again. ``args`` are
-    the kernel's leading parameters in order, ``consts`` the remaining ones by name
-    (constexprs), ``options`` the launch options (num_warps, ...)."""
+    """``launch(key, args, plan, device)`` runs ``fn[grid](*args, **kwargs)`` with
+    ``(grid, kwargs) = plan()``: the first time for ``key`` through the JIT, afterwards
+    through the kernel it compiled, without calling ``plan`` again. ``args`` are the
+    kernel's leading parameters in order; ``kwargs`` name the remaining ones (constexprs)
+    and the launch options (num_warps, launch_pdl, ...), as a JIT call would."""
 
     def __init__(self, fn):
         self.fn = fn
         self.names = fn.arg_names
         self.cache: dict[Hashable, tuple[Any, tuple, tuple]] = {}
 
-    def __call__(self, key: Hashable, args: tuple, plan: Callable[[], tuple[tuple, dict, dict]],
+    def __call__(self, key: Hashable, args: tuple, plan: Callable[[], tuple[tuple, dict]],
                  device: torch.device) -> None:
         hit = self.cache.get(key)
         if hit is None or _hooked():
-            grid, consts, options = plan()
-            compiled = self.fn[grid](*args, **consts, **options)
+            grid, kwargs = plan()
+            compiled = self.fn[grid](*args, **kwargs)
             if device.type == "cuda" and hasattr(compiled, "packed_metadata"):
                 self.cache[key] = (_entry_point(compiled), tuple(grid) + (1,) * (3 - len(grid)),
-                                   tuple(consts[n] for n in self.names[len(args):]))
+                                   tuple(kwargs[n] for n in self.names[len(args):]))
             return
         launch, (gx, gy, gz), tail = hit
         launch(gx, gy, gz, self.stream(device.index), *args, *tail)

@@ -106,12 +106,10 @@ def _launch(logits, k, score, renormalize, x=None):
         block_t, block_e, block_k = _small(t, e, k)
         n_pairs = block_t * block_k
         block_h = max(16, min(1024, 8192 // n_pairs, triton.next_power_of_2(max(h, 1))))
-        pdl = pdl_launch(dev)
-        consts = dict(K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), BLOCK_T=block_t,
-                      BLOCK_E=block_e, BLOCK_K=block_k, E_PAD=triton.next_power_of_2(e + 1), N_PAIRS=n_pairs,
-                      BLOCK_H=block_h, SCATTER=x is not None, PDL=pdl["PDL"])
-        options = {o: v for o, v in pdl.items() if o != "PDL"}  # launch_pdl where PDL is on
-        return (max(1, triton.cdiv(h, block_h)),), consts, dict(options, num_warps=4)
+        return (max(1, triton.cdiv(h, block_h)),), dict(
+            K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), BLOCK_T=block_t, BLOCK_E=block_e,
+            BLOCK_K=block_k, E_PAD=triton.next_power_of_2(e + 1), N_PAIRS=n_pairs, BLOCK_H=block_h,
+            SCATTER=x is not None, num_warps=4, **pdl_launch(dev))
 
     # ids, weights (float32 bits), offsets, rows, row_pair: every offset is fixed by (T, E, k).
     ids, weights, offsets, rows, row_pair = torch.split_with_sizes(

@@ -44,7 +44,7 @@ class FakeJit:
 def _launch(kernel, key, args, plans, device=torch.device("cuda", 0)):
     def plan():
         plans.append(key)
-        return (3, 2), {"B": 7, "A": 5}, {"num_warps": 4}
+        return (3, 2), {"B": 7, "A": 5, "num_warps": 4}
     kernel(key, args, plan, device)
 
 
