@@ -181,10 +181,8 @@ def rms_norm_router(x, residual, norm_w, eps, router_w, gating=None):
     the new residual stream x + residual, and the router logits h @ router_w.T. ``gating``
     (k, score, renormalize): also the top-k table of those logits (as ``topk_gating``),
     ids [T, k] and weights [T, k], from the same launch."""
-    if x.is_cuda:
-        return rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating)
-    out = rms_norm_router_ref(x, residual, norm_w, eps, router_w)
-    return out if gating is None else (*out, *topk_gating_ref(out[2], *gating))
+    fn = rms_norm_router_triton if x.is_cuda else rms_norm_router_ref
+    return fn(x, residual, norm_w, eps, router_w, gating)
 
 
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,

@@ -153,11 +153,13 @@ def _router_blocks(t: int, h: int, e: int) -> tuple[int, int, int]:
 ROUTER_MAX_ROWS = 16  # the fused norm + router launch is for decode steps
 
 
-def rms_norm_router_ref(x, residual, norm_w, eps, router_w):
+def rms_norm_router_ref(x, residual, norm_w, eps, router_w, gating: tuple | None = None):
     """x, residual [T, H]; router_w [E, H] -> (h = norm(x + residual) [T, H], x + residual,
-    router logits h @ router_w.T [T, E] in the input dtype)."""
+    router logits h @ router_w.T [T, E] in the input dtype); with ``gating`` (k, score,
+    renormalize) also the top-k table of those logits (``topk_gating_ref``)."""
     h, summed = rms_norm_ref(x, norm_w, eps, residual)
-    return h, summed, h @ router_w.t()
+    logits = h @ router_w.t()
+    return (h, summed, logits) if gating is None else (h, summed, logits, *topk_gating_ref(logits, *gating))
 
 
 def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | None = None):
@@ -171,17 +173,15 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | N
     if residual.shape != x.shape or tuple(norm_w.shape) != (h,) or router_w.shape[1] != h:
         raise ValueError(f"x {list(x.shape)}, residual {list(residual.shape)}, norm weight {list(norm_w.shape)}, "
                          f"router weight {list(router_w.shape)}: expected [T, H], [T, H], [H], [E, H]")
+    k, score, renormalize = gating if gating is not None else (0, "softmax", False)
     if gating is not None:
-        k, score, renormalize = gating
         _check_logits_once(router_w[:, :1].t(), k, score)  # a [1, E] view: E, k and score as the gating checks them
     if t > ROUTER_MAX_ROWS or t == 0:
-        out = rms_norm_router_ref(x, residual, norm_w, eps, router_w)
-        return out if gating is None else (*out, *topk_gating_ref(out[2], k, score, renormalize))
+        return rms_norm_router_ref(x, residual, norm_w, eps, router_w, gating)
     x, residual = x.contiguous(), residual.contiguous()
     out_h = torch.empty_like(x)
     summed = torch.empty_like(x)
     logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
-    k, score, renormalize = gating if gating is not None else (0, "softmax", False)
     ids = weights = logits  # K = 0: the top-k outputs are never written
     if gating is not None:
         ids, weights = _outputs(t, k, x.device)
