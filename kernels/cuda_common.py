@@ -166,6 +166,55 @@ __device__ __forceinline__ void widen_w(const u32x4& r, float* f) {
 #endif
 }
 
+// int8 weights on the tensor cores (the MMA kernels): mma m16n8k16, f16 operands, f32
+// sums. A warp takes a tile of 16 weight rows by a chunk of 64 along K: lane (g, q) =
+// (lane / 4, lane % 4) holds 16 bytes of rows g and g + 8 at k + 16 q, and the activations
+// k + 16 q .. + 15 of column g (8 f16 pairs, in order: the A and B fragments then pair the
+// same k). One byte permute makes two bytes b the f16s 1152 + b (b ^ 0x80 under an exponent
+// byte 0x64: exact), and one more mma per 16 k with every weight -1152 takes the offset
+// back off (mma_offset), for every row of every tile at once. Activations enter as f16
+// times ACT_F16 (2^-8: finite up to 1.6e7, exact from 2^-6 up, within 8e-6 below), which
+// the scales take back (MMA_SCALE).
+#define ACT_F16 0.00390625f
+#define MMA_SCALE 256.f
+#define MMA_CHUNK 64
+
+__device__ __forceinline__ void mma_16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// d += (1152 + the int8 tile: rows g = lo, g + 8 = hi) times the chunk's activations b.
+__device__ __forceinline__ void mma_chunk(float* d, const u32x4& lo, const u32x4& hi, const u32* b) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u32 l = lo.v[i] ^ 0x80808080u, h = hi.v[i] ^ 0x80808080u;
+    mma_16816(d, __byte_perm(l, 0x64646464u, 0x4140), __byte_perm(h, 0x64646464u, 0x4140),
+              __byte_perm(l, 0x64646464u, 0x4342), __byte_perm(h, 0x64646464u, 0x4342), b[2 * i], b[2 * i + 1]);
+  }
+}
+
+// d += -1152 times the sum of the chunk's activations, in every row: mma_chunk's offset.
+__device__ __forceinline__ void mma_offset(float* d, const u32* b) {
+  const u32 neg = 0xE480E480u;  // f16x2 (-1152, -1152)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) mma_16816(d, neg, neg, neg, neg, b[2 * i], b[2 * i + 1]);
+}
+
+__device__ __forceinline__ u32 f16x2(float lo, float hi) {  // two floats times ACT_F16, as f16x2
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi * ACT_F16), "f"(lo * ACT_F16));
+  return r;
+}
+
+__device__ __forceinline__ u16 f16_bits(float v) {  // v times ACT_F16, as f16
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v * ACT_F16));
+  return h;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -245,9 +294,11 @@ def _driver():
     return lib
 
 
-def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tuple, block: int, args: tuple):
+def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tuple, block: int, args: tuple,
+           shared: int = 0):
     """Launches kernel ``name`` on the current stream of ``device``; with PDL where
-    ``kernels.pdl`` turns it on. ``args`` are numpy scalars (pointers as np.uint64)."""
+    ``kernels.pdl`` turns it on. ``args`` are numpy scalars (pointers as np.uint64);
+    ``shared``: bytes of dynamic shared memory (at most 48 KiB)."""
     opts = tuple(opts) + (f"-DL2PF={int(L2_PREFETCH)}",)
     if not any(o.startswith("-DPDL_EARLY=") for o in opts):  # a kernel may pin the late trigger
         opts += (f"-DPDL_EARLY={int(pdl.EARLY_TRIGGER)}",)
@@ -256,7 +307,7 @@ def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tupl
     attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1
     use_pdl = pdl_on(device)
-    config = _Config(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), shared_bytes=0,
+    config = _Config(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), shared_bytes=shared,
                      stream=torch.cuda.current_stream(device).cuda_stream,
                      attrs=ctypes.pointer(attr) if use_pdl else None, num_attrs=int(use_pdl))
     values = [_C_TYPES[type(a)](a) for a in args]

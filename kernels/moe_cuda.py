@@ -110,6 +110,23 @@ __device__ __forceinline__ float unit_start(const float* a) {
 #endif
 }
 
+#ifndef H16
+#define H16 0
+#endif
+#ifndef MMA
+#define MMA 0
+#endif
+
+// An up kernel's output: in the activations' dtype, or (H16: for an MMA down kernel) as f16
+// times ACT_F16, the operand that kernel's tensor cores take.
+__device__ __forceinline__ u16 out_h(float v) {
+#if H16
+  return f16_bits(v);
+#else
+  return to_act(v);
+#endif
+}
+
 __device__ __forceinline__ long long id_at(const void* ids, int p) {
 #if IDS64
   return ((const long long*)ids)[p];
@@ -250,7 +267,7 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
 #else
     const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
 #endif
-    h[(size_t)p * F + n] = to_act(v * weight);
+    h[(size_t)p * F + n] = out_h(v * weight);
   }
 }
 
@@ -350,6 +367,242 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
 #endif
   }
 }
+
+#if INT8 && MMA
+// The int8 kernels on the tensor cores (cuda_common's mma helpers; H and F multiples of 64).
+// A block's warps split the reduction into 64-long chunks (warp w takes chunks w, w + WARPS,
+// ...; U of them loaded before the first is used); each warp multiplies its chunks by
+// every 16-row tile of the block. Only column 0 of the mma is a real operand (the pair's
+// token or h row): lanes g > 0 give zeros. The products of the offset (mma_offset) are
+// exact, so the offset cancels to float32 rounding.
+#define MMA_STEP (WARPS * MMA_CHUNK)
+#define UP_TILES (ROWS / 16)  // moe_up_mma: gated, BN a multiple of 8; GeLU, of 16
+
+#if ROWS % 16 == 0
+// moe_up's contract. BN columns as UP_TILES tiles: gated, tile m has gate rows n0 + 8 m + g and
+// up rows F + n0 + 8 m + g (the same column in rows g and g + 8); GeLU, rows n0 + 16 m + ...
+// The pair's token row moves to shared memory once, as f16, for every warp's B operands.
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float* __restrict__ scale,
+           const void* __restrict__ ids, const float* __restrict__ pair_w, u16* __restrict__ h,
+           int H, int F, int topk, long long stride_x, int E) {
+  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
+#if PAIR_MAJOR
+  const int p = blockIdx.x, n0 = blockIdx.y * BN;
+#else
+  const int p = blockIdx.y, n0 = blockIdx.x * BN;
+#endif
+  grid_dep_enter();  // x and the ids (or logits) are earlier kernels' outputs
+#if ROUTE
+  int top[MAX_K];
+  float top_w[MAX_K];
+  route_token((const char*)ids + (size_t)(p / topk) * E * LOGIT_BYTES, E, topk, top, top_w);
+  const long long e = top[p % topk];
+  const float weight = top_w[p % topk];
+#else
+  const long long e = id_at(ids, p);
+  const float weight = pair_w[p];
+#endif
+  const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H;
+  const char* rows[UP_TILES][2];  // this lane's rows g and g + 8 of each tile (null: past F)
+#pragma unroll
+  for (int m = 0; m < UP_TILES; ++m)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int n = GATED ? n0 + 8 * m + g : n0 + 16 * m + 8 * r + g;
+      rows[m][r] = n < F ? w_e + ((size_t)(GATED && r ? F + n : n) * H + 16 * q) : nullptr;
+    }
+  u32x4 wv[U][UP_TILES][2];
+  auto load_step = [&](int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int m = 0; m < UP_TILES; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int k = kb + u * MMA_STEP;
+          wv[u][m][r] = k < H && rows[m][r] ? load_stream(rows[m][r] + k) : zero4();
+        }
+  };
+  int kb = warp * MMA_CHUNK;
+  load_step(kb);
+
+  extern __shared__ __align__(16) u32 xs[];  // [H / 2] the token's row, f16 pairs times ACT_F16
+  const u16* xr = x + (size_t)(p / topk) * stride_x;
+  for (int i = tid * 8; i < H; i += THREADS * 8) {
+    float a[8];
+    load_act8(xr + i, a);
+    u32x4 v;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v.v[j] = f16x2(a[2 * j], a[2 * j + 1]);
+    *(u32x4*)(xs + i / 2) = v;
+  }
+  __syncthreads();
+
+  float d[UP_TILES][4], off[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int m = 0; m < UP_TILES; ++m)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[m][i] = 0.f;
+  for (; kb < H; kb += U * MMA_STEP) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * MMA_STEP;
+      if (k >= H) break;
+      u32 b[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+      if (g == 0) {
+        const u32x4 b0 = *(const u32x4*)(xs + (k + 16 * q) / 2), b1 = *(const u32x4*)(xs + (k + 16 * q) / 2 + 4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          b[i] = b0.v[i];
+          b[4 + i] = b1.v[i];
+        }
+      }
+      mma_offset(off, b);
+#pragma unroll
+      for (int m = 0; m < UP_TILES; ++m) mma_chunk(d[m], wv[u][m][0], wv[u][m][1], b);
+    }
+    if (kb + U * MMA_STEP < H) load_step(kb + U * MMA_STEP);
+  }
+
+  __shared__ float part[WARPS][ROWS];  // [warp][16 m + row of the tile]
+  if (q == 0)
+#pragma unroll
+    for (int m = 0; m < UP_TILES; ++m) {
+      part[warp][16 * m + g] = d[m][0] + off[0];
+      part[warp][16 * m + 8 + g] = d[m][2] + off[2];
+    }
+  __syncthreads();
+  for (int o = tid; o < BN; o += THREADS) {
+    const int n = n0 + o;
+    if (n >= F) continue;
+#if GATED
+    const int row = 16 * (o / 8) + o % 8;
+    const float gate = warps_total<ROWS>(part, row) * scale[e * 2 * F + n] * MMA_SCALE;
+    const float up = warps_total<ROWS>(part, row + 8) * scale[e * 2 * F + F + n] * MMA_SCALE;
+    const float v = gate / (1.f + __expf(-gate)) * up;
+#else
+    const float z = warps_total<ROWS>(part, o) * scale[e * F + n] * MMA_SCALE;
+    const float v = 0.5f * z * (1.f + erff(z * 0.70710678118654752f));
+#endif
+    h[(size_t)p * F + n] = out_h(v * weight);
+  }
+}
+
+#endif
+
+#if BN % 16 == 0
+// moe_down's contract, with h from an up kernel compiled H16 (f16 times ACT_F16). Tile m
+// has rows n0 + 16 m + g and + 8; each chunk lies in one slot (F a multiple of 64), whose
+// expert's scales weigh the chunk's sums before they join the float32 accumulators.
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+moe_down_mma(const u16* __restrict__ h, const void* __restrict__ w2, const float* __restrict__ scale,
+             const void* __restrict__ ids, void* __restrict__ out, int H, int F, int topk, int k_span,
+             long long stride_o, int E) {
+  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
+#if PAIR_MAJOR
+  const int t = blockIdx.x, n0 = blockIdx.z * BN, tokens = gridDim.x;
+#else
+  const int t = blockIdx.z, n0 = blockIdx.x * BN, tokens = gridDim.z;
+#endif
+  const int len = topk * F;
+  const int k_lo = blockIdx.y * k_span, k_hi = min(len, k_lo + k_span);
+  __shared__ long long expert[MAX_K];
+#if ROUTE
+  int top[MAX_K];
+  float top_w[MAX_K];
+  route_token((const char*)ids + (size_t)t * E * LOGIT_BYTES, E, topk, top, top_w);
+  if (tid == 0)
+    for (int i = 0; i < topk; ++i) expert[i] = top[i];
+#else
+  for (int i = tid; i < topk; i += THREADS) expert[i] = id_at(ids, t * topk + i);
+#endif
+  __syncthreads();
+  __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
+  for (int i = tid; i < topk * BN; i += THREADS) {
+    const int n = n0 + i % BN;
+    sc[i / BN][i % BN] = n < H ? scale[expert[i / BN] * H + n] * MMA_SCALE : 0.f;
+  }
+  __syncthreads();
+
+  u32x4 wv[U][BN / 16][2];
+  int slot[U];
+  auto load_step = [&](int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * MMA_STEP;
+      slot[u] = k < k_hi ? k / F : 0;
+      const char* base = (const char*)w2 + (size_t)expert[slot[u]] * H * F + (k - slot[u] * F) + 16 * q;
+#pragma unroll
+      for (int m = 0; m < BN / 16; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int n = n0 + 16 * m + 8 * r + g;
+          wv[u][m][r] = k < k_hi && n < H ? load_stream(base + (size_t)n * F) : zero4();
+        }
+    }
+  };
+  int kb = k_lo + warp * MMA_CHUNK;
+  load_step(kb);
+  for (int s = k_lo / F; s * F < k_hi; ++s) {  // the rest of the block's weights on the way to L2
+    const int lo = max(k_lo, s * F) - s * F, hi = min(k_hi, (s + 1) * F) - s * F;
+    prefetch_rows((const char*)w2 + (((size_t)expert[s] * H + n0) * F + lo), min(BN, H - n0), (size_t)F,
+                  (size_t)(hi - lo));
+  }
+  grid_dep_enter();  // h is the up kernel's output
+
+  float acc[BN / 16][2];
+#pragma unroll
+  for (int m = 0; m < BN / 16; ++m) acc[m][0] = acc[m][1] = 0.f;
+  const u16* ht = h + (size_t)t * len + 16 * q;
+  for (; kb < k_hi; kb += U * MMA_STEP) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * MMA_STEP;
+      if (k >= k_hi) break;
+      u32 b[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+      if (g == 0) {
+        const u32x4 b0 = load_cached(ht + k), b1 = load_cached(ht + k + 8);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          b[i] = b0.v[i];
+          b[4 + i] = b1.v[i];
+        }
+      }
+      float off[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_offset(off, b);
+#pragma unroll
+      for (int m = 0; m < BN / 16; ++m) {
+        float d[4] = {off[0], off[1], off[2], off[3]};
+        mma_chunk(d, wv[u][m][0], wv[u][m][1], b);
+        acc[m][0] = fmaf(d[0], sc[slot[u]][16 * m + g], acc[m][0]);
+        acc[m][1] = fmaf(d[2], sc[slot[u]][16 * m + 8 + g], acc[m][1]);
+      }
+    }
+    load_step(kb + U * MMA_STEP);
+  }
+
+  __shared__ float part[WARPS][BN];
+  if (q == 0)
+#pragma unroll
+    for (int m = 0; m < BN / 16; ++m) {
+      part[warp][16 * m + g] = acc[m][0];
+      part[warp][16 * m + 8 + g] = acc[m][1];
+    }
+  __syncthreads();
+  for (int o = tid; o < BN; o += THREADS) {
+    const int n = n0 + o;
+    if (n >= H) continue;
+    const float v = warps_total<BN>(part, o);
+#if PARTIAL
+    ((float*)out)[((size_t)blockIdx.y * tokens + t) * H + n] = v;
+#else
+    ((u16*)out)[t * stride_o + n] = to_act(v);
+#endif
+  }
+}
+#endif
+#endif
 """
 
 # Launch configurations tried by the tuning script (the table stores the winner per shape
@@ -363,18 +616,31 @@ DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
                                                           (1, 2))]
 
 
+# The int8 kernels on the tensor cores (``mma``): bn a multiple of 8 (gated up) or 16.
+MMA_UP_CANDIDATES = [dict(backend="cuda", mma=True, bn=bn, warps=w, unroll=u)
+                     for bn, w, u in ((8, 4, 2), (8, 4, 4), (8, 4, 8), (16, 4, 1), (16, 4, 2), (16, 4, 4), (8, 8, 2),
+                                      (32, 4, 1))]
+MMA_DOWN_CANDIDATES = [dict(backend="cuda", mma=True, bn=bn, warps=w, unroll=u, split_k=s)
+                       for (bn, w, u), s in itertools.product(((16, 4, 2), (16, 4, 4), (16, 4, 8), (32, 4, 2),
+                                                               (32, 4, 4), (16, 8, 2), (32, 4, 1)), (1, 2))]
+
 MIN_BLOCKS = (4, 5, 6, 8)  # register caps tried (``min_blocks``): more blocks, more loads in flight an SM
 
 
-def candidates(phase: str, t: int, int8: bool = False) -> list[dict]:
+def candidates(phase: str, t: int, int8: bool = False, h: int | None = None, f: int | None = None,
+               gated: bool = True) -> list[dict]:
     """The CUDA launch configurations the tuning script times for ``phase`` at T = t: the
     base ones, each also with its registers capped for ``min_blocks`` blocks an SM (the
     int8 kernels use 100-180 registers uncapped, so two or three blocks an SM hold all
     the loads in flight), for int8 each also widening with one byte permute a weight
-    (``unit``), and past T = 1 in the pair-major grid."""
+    (``unit``) and the tensor-core kernels (``mma``, where H = h and F = f allow them),
+    and past T = 1 in the pair-major grid."""
     base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES
-    base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
     base = base + ([dict(c, unit=True) for c in base] if int8 else [])
+    if int8 and h is not None:
+        mma = MMA_UP_CANDIDATES if phase == "up" else MMA_DOWN_CANDIDATES
+        base = base + [c for c in mma if mma_check(phase, c, h, f, gated) is None]
+    base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
     return base + ([dict(c, pair_major=True) for c in base] if t > 1 else [])
 
 
@@ -428,11 +694,24 @@ def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> s
 
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
-            logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False) -> tuple:
+            logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
+            mma: bool = False, h16: bool = False) -> tuple:
     return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
             f"-DPARTIAL={int(partial)}", f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
-            f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}")
+            f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
+            f"-DMMA={int(mma)}", f"-DH16={int(h16)}")
+
+
+def mma_check(phase: str, cfg: dict, h: int, f: int, gated: bool = True) -> str | None:
+    """Why the tensor-core kernels (``mma``) cannot run configuration ``cfg`` of ``phase`` on
+    H, F (None: they can); int8 weights only (``check``)."""
+    tile = 8 if phase == "up" and gated else 16
+    if h % 64 or f % 64 or h > 24576:
+        return f"H = {h}, F = {f}: the mma kernels need multiples of 64 and H <= 24576"
+    if cfg["bn"] % tile:
+        return f"{phase} bn = {cfg['bn']}: the mma kernels need a multiple of {tile}"
+    return None
 
 
 def fused_moe_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -477,17 +756,24 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
         default_up, default_down = default_configs(t, h, sms)
         up, down = up or default_up, down or default_down
     int8, gated, dt = w13.dtype == torch.int8, activation == "silu", DTYPES[x.dtype]
-    hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]
+    up_mma, down_mma = up.get("mma", False), down.get("mma", False)
+    for phase, cfg, on in (("up", up, up_mma), ("down", down, down_mma)):
+        why = (None if not int8 else mma_check(phase, cfg, h, f, gated)) if on else None
+        if on and (not int8 or why):
+            raise ValueError(f"fused_moe_cuda: {why or f'{phase} mma: int8 weights only'}")
+    hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F] (f16 bits for an mma down)
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
     up_major = up.get("pair_major", False)
     up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up_major,
-                      min_blocks=up.get("min_blocks", 1), unit=up.get("unit", False), **route) + ("-DPDL_EARLY=0",)
+                      min_blocks=up.get("min_blocks", 1), unit=up.get("unit", False), mma=up_mma, h16=down_mma,
+                      **route) + ("-DPDL_EARLY=0",)
     up_grid = (-(-f // up["bn"]), t * topk)
-    launch(x.device, SOURCE, "moe_up", up_opts, up_grid[::-1] if up_major else up_grid, up["warps"] * 32,
-           (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h), np.int32(f),
-            np.int32(topk), np.int64(x.stride(0)), np.int32(e)))
-    step = down["warps"] * 32 * (16 if int8 else 8)
+    launch(x.device, SOURCE, "moe_up_mma" if up_mma else "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
+           up["warps"] * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
+                              np.int32(f), np.int32(topk), np.int64(x.stride(0)), np.int32(e)),
+           shared=2 * h if up_mma else 0)
+    step = down["warps"] * (64 if down_mma else 32 * (16 if int8 else 8))
     length = topk * f
     k_span = -(-length // (down["split_k"] * step)) * step
     split = -(-length // k_span)  # no empty splits
@@ -495,9 +781,9 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     target = out if split == 1 else torch.empty(split, t, h, dtype=torch.float32, device=x.device)
     down_major = down.get("pair_major", False)
     opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, pair_major=down_major,
-                   min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), **route)
+                   min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), mma=down_mma, **route)
     down_grid = (-(-h // down["bn"]), split, t)
-    launch(x.device, SOURCE, "moe_down", opts, down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
+    launch(x.device, SOURCE, "moe_down_mma" if down_mma else "moe_down", opts, down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
            (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(ids), ptr(target), np.int32(h), np.int32(f), np.int32(topk),
             np.int32(k_span), np.int64(out.stride(0)), np.int32(e)))
     if split > 1:
@@ -524,4 +810,13 @@ def compile_all(arch: str = "sm_90") -> int:
                                       unit=i % 4 == 3, **route)
                       + launch_flags, arch, "moe_cuda.cu")
         count += 2
+        if int8:  # the tensor-core kernels, the up one writing f16 for them or not
+            up, down = MMA_UP_CANDIDATES[i % len(MMA_UP_CANDIDATES)], MMA_DOWN_CANDIDATES[i % len(MMA_DOWN_CANDIDATES)]
+            compile_check(SOURCE, options(16 if not gated else up["bn"], up["warps"], up["unroll"], int8, dt, gated,
+                                          False, ids64=i % 2 == 0, pair_major=i % 2 == 1, min_blocks=min_blocks,
+                                          mma=True, h16=i % 4 < 2, **route) + launch_flags, arch, "moe_cuda.cu")
+            compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
+                                          ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks, mma=True,
+                                          **route) + launch_flags, arch, "moe_cuda.cu")
+            count += 2
     return count

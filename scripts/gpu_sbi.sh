@@ -35,6 +35,10 @@
 #       the CUDA MoE decode kernels' tests first (int8 widened by one permute among them),
 #       tune_moe --cuda-only --verbose for int8 at T = 1 on Qwen3, OLMoE and DS-MoE (the
 #       ``unit`` variants among the candidates), bench_moe at T = 1 on the new table
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh mma [OUT]
+#       the int8 CUDA MoE kernels' tests on the tensor-core kernels first, tune_moe
+#       --cuda-only --only mma for int8 at $TUNE_TOKENS (default 1) on $TUNE_SHAPES (default
+#       Qwen3, OLMoE, DS-MoE), bench_moe at T = 1 on the new table
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh unit8 [OUT]
 #       the int8 reference cases of the CUDA MoE decode kernels' tests, tune_moe --cuda-only
 #       for int8 at T = 1 (Qwen3, a second pass) and 8 (Qwen3, OLMoE), bench_moe at T = 1
@@ -156,6 +160,16 @@ elif [ "$part" = caps8 ]; then
         TAIL=10 step moe_$run 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,ds-moe-1.3b-e128 --tokens 1 \
             --no-baselines --no-json
     done
+elif [ "$part" = mma ]; then
+    TAIL=6 step moe_smoke 240 $pytest_gpu -x tests/test_moe_cuda.py \
+        -k "${SMOKE:-1-2048-768 and True or 3-2048-1024 and True and bfloat16 or 1-528 and True and bfloat16}" || true
+    if grep -q " passed" "$out/moe_smoke.log" && ! grep -q "failed\|error" "$out/moe_smoke.log"; then
+        TAIL=12 step tune 220 python scripts/tune_moe.py --cuda-only --verbose --only mma --shapes ${TUNE_SHAPES:-qwen3,olmoe,dsmoe} \
+            --tokens "" --int8-tokens ${TUNE_TOKENS:-1}
+        cp kernels/configs/moe.json "$out/"
+        TAIL=12 step moe 80 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
+            --no-baselines --no-json
+    fi
 elif [ "$part" = unit8 ]; then
     TAIL=6 step moe_tests 150 $pytest_gpu tests/test_moe_cuda.py -k "True and bfloat16 or graph" || true
     TAIL=8 step tune 250 python scripts/tune_moe.py --cuda-only --shapes qwen3 --tokens "" --int8-tokens 1,8

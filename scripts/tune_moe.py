@@ -34,14 +34,16 @@ TOKENS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384]
 CUDA_TOKENS = moe_cuda.MAX_T  # up to this T the CUDA decode kernels (moe_cuda) compete too
 
 
-def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, up_backend: str | None = None,
+def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, shape: tuple, up_backend: str | None = None,
                stored: dict | None = None) -> list[dict]:
     """The Triton search space, plus the CUDA up kernel at small T. The down GEMM is
     searched within the chosen up GEMM's backend (``up_backend``): the two come as a pair.
     With ``stored`` (``--cuda-only``), the table's entry stands for the Triton space."""
+    h, f, _, _, act = shape
     if phase == "down" and up_backend == "cuda":
-        return moe_cuda.candidates("down", t, wdtype == "int8")
-    extra = moe_cuda.candidates("up", t, wdtype == "int8") if phase == "up" and t <= CUDA_TOKENS else []
+        return moe_cuda.candidates("down", t, wdtype == "int8", h, f, act == "silu")
+    extra = (moe_cuda.candidates("up", t, wdtype == "int8", h, f, act == "silu")
+             if phase == "up" and t <= CUDA_TOKENS else [])
     if stored is not None:
         return [stored] + extra
     return triton_candidates(phase, t, topk, e, wdtype) + extra
@@ -102,9 +104,10 @@ def time_graph(fns, reps: int) -> float:
 
 
 def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: bool = False,
-               verbose: bool = False) -> dict:
+               verbose: bool = False, only: str | None = None) -> dict:
     """The best (up, down) configurations per T. ``cuda_only``: the table's current entries
-    stand in for the Triton search."""
+    stand in for the Triton search; ``only``: of the candidates, time those with this
+    option set (and the table's entry)."""
     h, f, e, topk, act = SHAPES[name]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -135,7 +138,8 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
         r = max(3, min(reps, int(2e5 / max(1, t * topk * h * f / 1e6))))
         for phase in ("up", "down"):
             results = []
-            for cfg in candidates(phase, t, topk, e, wdtype, best_up.get("backend"), stored.get(phase)):
+            found = candidates(phase, t, topk, e, wdtype, SHAPES[name], best_up.get("backend"), stored.get(phase))
+            for cfg in [c for c in found if only is None or c.get(only) or c is stored.get(phase)]:
                 pair = (cfg, best_down) if phase == "up" else (best_up, cfg)
                 fns = [lambda x=x, w=w, ids=ids: fused_moe_triton(x, w13, w2, w, ids, act, configs=pair, **scales)
                        for x, w, ids in inputs]
@@ -168,6 +172,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cuda-only", action="store_true",
                     help="time the CUDA decode kernels against the table's current entries only")
+    ap.add_argument("--only", help="time only the candidates with this option set (e.g. mma), and the table's entry")
     ap.add_argument("--out", type=Path, default=CONFIG_FILE)
     ap.add_argument("--verbose", action="store_true", help="print every candidate's time")
     args = ap.parse_args()
@@ -180,7 +185,7 @@ def main():
         for wdtype, toks in (("bf16", args.tokens), ("int8", args.int8_tokens)):
             if toks:
                 for key, entries in tune_shape(name, [int(t) for t in toks.split(",")], wdtype, args.reps,
-                                                     args.cuda_only, args.verbose).items():
+                                                     args.cuda_only, args.verbose, args.only).items():
                     mine.setdefault(key, {}).update(entries)  # keep the T buckets not re-tuned
         torch.cuda.empty_cache()
         args.out.parent.mkdir(parents=True, exist_ok=True)

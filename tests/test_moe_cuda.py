@@ -30,7 +30,7 @@ def problem(device, dtype, t, h, f, e, k, activation, seed, ids_dtype=torch.int3
 def test_source_compiles_for_hopper():
     # NVRTC runs ptxas too, so inline PTX, the lambdas and register allocation are checked.
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the test extras install cupy and NVRTC")
-    assert moe_cuda.compile_all("sm_90") == 16
+    assert moe_cuda.compile_all("sm_90") == 24
 
 
 def test_check_names_what_the_kernels_cannot_take():
@@ -43,6 +43,15 @@ def test_check_names_what_the_kernels_cannot_take():
     assert "float32 or torch.bfloat16 [1, 4]" in moe_cuda.check_logits(logits.half(), x, 4, "softmax")
     assert "at most 256 experts" in moe_cuda.check_logits(torch.randn(1, 300), x, 300, "softmax")
     assert moe_cuda.check_logits(logits, x, 4, "sigmoid") is None
+    # The tensor-core kernels: H and F multiples of 64, tiles of 8 (gated up) or 16 columns.
+    assert "multiples of 64" in moe_cuda.mma_check("up", dict(bn=8), 528, 1024)
+    assert "multiple of 16" in moe_cuda.mma_check("up", dict(bn=8), 2048, 768, gated=False)
+    assert "down bn = 8" in moe_cuda.mma_check("down", dict(bn=8), 2048, 768)
+    assert moe_cuda.mma_check("up", dict(bn=8), 2048, 768) is None
+    mma = [c for c in moe_cuda.candidates("up", 1, True, 2048, 768, False) if c.get("mma")]
+    assert mma and all(c["bn"] % 16 == 0 for c in mma)
+    assert not any(c.get("mma") for c in moe_cuda.candidates("down", 1, False, 2048, 768)
+                   + moe_cuda.candidates("down", 1, True, 2048, 96))
 
 
 @pytest.mark.interp
@@ -85,6 +94,16 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
     if t > 1:
         major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
         pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
+    if int8:  # the tensor-core kernels, both, and each beside the other kind (its h in f16 or not)
+        mma = list(zip(moe_cuda.MMA_UP_CANDIDATES[::2], moe_cuda.MMA_DOWN_CANDIDATES[::3]))
+        mma = [(dict(up, bn=16) if activation == "gelu" else up, down) for up, down in mma]
+        mma += [(mma[0][0], pairs[0][1]), (pairs[1][0], mma[1][1]), (dict(mma[2][0], min_blocks=8), mma[2][1])]
+        if moe_cuda.mma_check("up", mma[0][0], h, f) or moe_cuda.mma_check("down", mma[0][1], h, f):
+            with pytest.raises(ValueError, match="multiples of 64"):
+                moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, mma[0])
+        else:
+            pairs += mma + ([(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in mma[:2]]
+                            if t > 1 else [])
     for up, down in pairs:
         out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, (up, down))
         assert out.shape == (t, h) and out.dtype == dtype
