@@ -203,6 +203,25 @@ __device__ __forceinline__ void mma_offset(float* d, const u32* b) {
   for (int i = 0; i < 4; ++i) mma_16816(d, neg, neg, neg, neg, b[2 * i], b[2 * i + 1]);
 }
 
+// acc[0] += s_lo times row g's sum over the chunk (column 0), acc[1] += s_hi times row
+// g + 8's; off holds the chunk's mma_offset. Each call is its own chain of mma (no
+// dependence between chunks or tiles).
+__device__ __forceinline__ void mma_add(float* acc, const float* off, const u32x4& lo, const u32x4& hi,
+                                        const u32* b, float s_lo, float s_hi) {
+  float d[4] = {off[0], off[1], off[2], off[3]};
+  mma_chunk(d, lo, hi, b);
+  acc[0] = fmaf(d[0], s_lo, acc[0]);
+  acc[1] = fmaf(d[2], s_hi, acc[1]);
+}
+
+__device__ __forceinline__ void words8(u32* b, const u32x4& lo, const u32x4& hi) {  // b = lo, hi
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    b[i] = lo.v[i];
+    b[4 + i] = hi.v[i];
+  }
+}
+
 __device__ __forceinline__ u32 f16x2(float lo, float hi) {  // two floats times ACT_F16, as f16x2
   u32 r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi * ACT_F16), "f"(lo * ACT_F16));

@@ -439,28 +439,25 @@ moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float*
   }
   __syncthreads();
 
-  float d[UP_TILES][4], off[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc[UP_TILES][2];  // rows g and g + 8 of each tile, column 0
 #pragma unroll
-  for (int m = 0; m < UP_TILES; ++m)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) d[m][i] = 0.f;
+  for (int m = 0; m < UP_TILES; ++m) acc[m][0] = acc[m][1] = 0.f;
   for (; kb < H; kb += U * MMA_STEP) {
+    u32 b[U][8];  // every chunk's activations first: no chunk waits on another's
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int k = kb + u * MMA_STEP;
-      if (k >= H) break;
-      u32 b[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-      if (g == 0) {
-        const u32x4 b0 = *(const u32x4*)(xs + (k + 16 * q) / 2), b1 = *(const u32x4*)(xs + (k + 16 * q) / 2 + 4);
+      const int k = kb + u * MMA_STEP + 16 * q;
+      if (g == 0 && k < H)
+        words8(b[u], *(const u32x4*)(xs + k / 2), *(const u32x4*)(xs + k / 2 + 4));
+      else
+        words8(b[u], zero4(), zero4());  // past H the weights are zeros too
+    }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          b[i] = b0.v[i];
-          b[4 + i] = b1.v[i];
-        }
-      }
-      mma_offset(off, b);
+    for (int u = 0; u < U; ++u) {
+      float off[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_offset(off, b[u]);
 #pragma unroll
-      for (int m = 0; m < UP_TILES; ++m) mma_chunk(d[m], wv[u][m][0], wv[u][m][1], b);
+      for (int m = 0; m < UP_TILES; ++m) mma_add(acc[m], off, wv[u][m][0], wv[u][m][1], b[u], 1.f, 1.f);
     }
     if (kb + U * MMA_STEP < H) load_step(kb + U * MMA_STEP);
   }
@@ -469,8 +466,8 @@ moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float*
   if (q == 0)
 #pragma unroll
     for (int m = 0; m < UP_TILES; ++m) {
-      part[warp][16 * m + g] = d[m][0] + off[0];
-      part[warp][16 * m + 8 + g] = d[m][2] + off[2];
+      part[warp][16 * m + g] = acc[m][0];
+      part[warp][16 * m + 8 + g] = acc[m][1];
     }
   __syncthreads();
   for (int o = tid; o < BN; o += THREADS) {
@@ -551,35 +548,33 @@ moe_down_mma(const u16* __restrict__ h, const void* __restrict__ w2, const float
   }
   grid_dep_enter();  // h is the up kernel's output
 
-  float acc[BN / 16][2];
-#pragma unroll
-  for (int m = 0; m < BN / 16; ++m) acc[m][0] = acc[m][1] = 0.f;
+  u32 bv[U][8];  // the chunks' activations, loaded with the weights of the same step
   const u16* ht = h + (size_t)t * len + 16 * q;
-  for (; kb < k_hi; kb += U * MMA_STEP) {
+  auto load_b = [&](int kb) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u * MMA_STEP;
-      if (k >= k_hi) break;
-      u32 b[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-      if (g == 0) {
-        const u32x4 b0 = load_cached(ht + k), b1 = load_cached(ht + k + 8);
+      if (g == 0 && k < k_hi)
+        words8(bv[u], load_cached(ht + k), load_cached(ht + k + 8));
+      else
+        words8(bv[u], zero4(), zero4());  // past k_hi the weights are zeros too
+    }
+  };
+  load_b(kb);
+  float acc[BN / 16][2];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          b[i] = b0.v[i];
-          b[4 + i] = b1.v[i];
-        }
-      }
+  for (int m = 0; m < BN / 16; ++m) acc[m][0] = acc[m][1] = 0.f;
+  for (; kb < k_hi; kb += U * MMA_STEP) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
       float off[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_offset(off, b);
+      mma_offset(off, bv[u]);
 #pragma unroll
-      for (int m = 0; m < BN / 16; ++m) {
-        float d[4] = {off[0], off[1], off[2], off[3]};
-        mma_chunk(d, wv[u][m][0], wv[u][m][1], b);
-        acc[m][0] = fmaf(d[0], sc[slot[u]][16 * m + g], acc[m][0]);
-        acc[m][1] = fmaf(d[2], sc[slot[u]][16 * m + 8 + g], acc[m][1]);
-      }
+      for (int m = 0; m < BN / 16; ++m)
+        mma_add(acc[m], off, wv[u][m][0], wv[u][m][1], bv[u], sc[slot[u]][16 * m + g], sc[slot[u]][16 * m + 8 + g]);
     }
     load_step(kb + U * MMA_STEP);
+    load_b(kb + U * MMA_STEP);
   }
 
   __shared__ float part[WARPS][BN];
@@ -633,14 +628,14 @@ def candidates(phase: str, t: int, int8: bool = False, h: int | None = None, f: 
     base ones, each also with its registers capped for ``min_blocks`` blocks an SM (the
     int8 kernels use 100-180 registers uncapped, so two or three blocks an SM hold all
     the loads in flight), for int8 each also widening with one byte permute a weight
-    (``unit``) and the tensor-core kernels (``mma``, where H = h and F = f allow them),
-    and past T = 1 in the pair-major grid."""
+    (``unit``), then the tensor-core kernels (``mma``, where H = h and F = f allow them;
+    they need no cap), and past T = 1 each in the pair-major grid."""
     base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES
     base = base + ([dict(c, unit=True) for c in base] if int8 else [])
-    if int8 and h is not None:
+    base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
+    if int8 and h is not None:  # 50-110 registers: uncapped
         mma = MMA_UP_CANDIDATES if phase == "up" else MMA_DOWN_CANDIDATES
         base = base + [c for c in mma if mma_check(phase, c, h, f, gated) is None]
-    base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
     return base + ([dict(c, pair_major=True) for c in base] if t > 1 else [])
 
 
