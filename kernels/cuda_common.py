@@ -234,6 +234,60 @@ __device__ __forceinline__ u16 f16_bits(float v) {  // v times ACT_F16, as f16
   return h;
 }
 
+#ifndef UNIT
+#define UNIT 0
+#endif
+
+#if INT8 && UNIT
+// int8 with one byte permute a weight (UNIT): 16 bytes as f = 1 + (b + 128) / 2^15 (b the
+// signed byte; exact). A row's sum over 16 activations starts from -UNIT_BIAS * (their
+// sum), the same for every row, and is then sum a * b / 2^15: no subtraction per weight.
+// The scales carry the 2^15.
+#define UNIT_SCALE 32768.f
+#define UNIT_BIAS 1.00390625f  // 1 + 128 / 2^15
+#else
+#define UNIT_SCALE 1.f
+#endif
+
+// One 16-byte weight vector as WVEC floats: widen_w's, or with UNIT the f above.
+__device__ __forceinline__ void widen_unit(const u32x4& w, float* wf) {
+#if INT8 && UNIT
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u32 u = w.v[i] ^ 0x80808080u;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) wf[4 * i + b] = __uint_as_float(__byte_perm(u, 0x3F800000u, 0x7604 | (b << 4)));
+  }
+#else
+  widen_w(w, wf);
+#endif
+}
+
+// dot(a, wf) over WVEC widened weights, added to `start`; with UNIT, `start` must hold
+// unit_start(a).
+__device__ __forceinline__ float dot_f(const float* a, const float* wf, float start) {
+#pragma unroll
+  for (int i = 0; i < WVEC; ++i) start = fmaf(a[i], wf[i], start);
+  return start;
+}
+
+__device__ __forceinline__ float dot_w(const float* a, const u32x4& w, float start) {  // dot_f of widen_unit(w)
+  float wf[WVEC];
+  widen_unit(w, wf);
+  return dot_f(a, wf, start);
+}
+
+__device__ __forceinline__ float unit_start(const float* a) {
+#if INT8 && UNIT
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < WVEC; ++i) s += a[i];
+  return -UNIT_BIAS * s;
+#else
+  return 0.f;
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

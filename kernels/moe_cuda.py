@@ -65,51 +65,6 @@ SOURCE = COMMON + r"""
 
 #define NEG_INF __int_as_float(0xff800000u)
 #define LOGIT_BYTES (LOGITS_F32 ? 4 : 2)
-#ifndef UNIT
-#define UNIT 0
-#endif
-
-#if INT8 && UNIT
-// int8 with one byte permute a weight (UNIT): 16 bytes as f = 1 + (b + 128) / 2^15 (b the
-// signed byte; exact). A row's sum over 16 activations starts from -UNIT_BIAS * (their
-// sum), the same for every row, and is then sum a * b / 2^15: no subtraction per weight.
-// The scales carry the 2^15.
-#define UNIT_SCALE 32768.f
-#define UNIT_BIAS 1.00390625f  // 1 + 128 / 2^15
-#else
-#define UNIT_SCALE 1.f
-#endif
-
-// dot(a, the 16-byte weight vector w) over WVEC weights, added to `start`; with UNIT,
-// `start` must hold unit_start(a).
-__device__ __forceinline__ float dot_w(const float* a, const u32x4& w, float start) {
-  float wf[WVEC];
-#if INT8 && UNIT
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32 u = w.v[i] ^ 0x80808080u;
-#pragma unroll
-    for (int b = 0; b < 4; ++b) wf[4 * i + b] = __uint_as_float(__byte_perm(u, 0x3F800000u, 0x7604 | (b << 4)));
-  }
-#else
-  widen_w(w, wf);
-#endif
-#pragma unroll
-  for (int i = 0; i < WVEC; ++i) start = fmaf(a[i], wf[i], start);
-  return start;
-}
-
-__device__ __forceinline__ float unit_start(const float* a) {
-#if INT8 && UNIT
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < WVEC; ++i) s += a[i];
-  return -UNIT_BIAS * s;
-#else
-  return 0.f;
-#endif
-}
-
 #ifndef H16
 #define H16 0
 #endif

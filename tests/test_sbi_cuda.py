@@ -51,7 +51,8 @@ def test_check_names_what_the_kernel_cannot_take():
 @pytest.mark.parametrize("t,k,n", [(1, 200, 24), (3, 4104, 70), (8, 64, 130), (16, 1040, 33)])
 @pytest.mark.parametrize("norm", [None, "rmsnorm", "layernorm"])
 @pytest.mark.parametrize("int8,cfg", [(False, None), (True, None), (False, dict(bn=1, warps=8, unroll=1, split_k=3)),
-                                      (True, dict(bn=8, warps=4, unroll=2, split_k=2))])
+                                      (True, dict(bn=8, warps=4, unroll=2, split_k=2)),
+                                      (True, dict(bn=4, warps=4, unroll=2, split_k=1, unit=True))])
 def test_matches_reference(dtype, t, k, n, norm, int8, cfg):
     if int8 and k % 16:
         k += 8
