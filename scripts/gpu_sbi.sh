@@ -39,6 +39,10 @@
 #       the int8 CUDA MoE kernels' tests on the tensor-core kernels first, tune_moe
 #       --cuda-only --only mma for int8 at $TUNE_TOKENS (default 1) on $TUNE_SHAPES (default
 #       Qwen3, OLMoE, DS-MoE), bench_moe at T = 1 on the new table
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh mixunit [OUT]
+#       on an H200: the int8 SBI-GeMM widened by one permute and the Mixtral-sized int8 MoE
+#       cases first, the Mixtral dense table at T = 1 (bench_dense --write-table), then
+#       tune_moe --cuda-only --only mma for Mixtral int8 at T = 1
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh unit8 [OUT]
 #       the int8 reference cases of the CUDA MoE decode kernels' tests, tune_moe --cuda-only
 #       for int8 at T = 1 (Qwen3, a second pass) and 8 (Qwen3, OLMoE), bench_moe at T = 1
@@ -169,6 +173,16 @@ elif [ "$part" = mma ]; then
         cp kernels/configs/moe.json "$out/"
         TAIL=12 step moe 80 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
             --no-baselines --no-json
+    fi
+elif [ "$part" = mixunit ]; then
+    TAIL=6 step smoke 200 $pytest_gpu -x tests/test_sbi_cuda.py tests/test_moe_cuda.py \
+        -k "${SMOKE:-cfg4 and dtype0 and not 4104 or 1-4096-1408 and True and bfloat16}" || true
+    if grep -q " passed" "$out/smoke.log" && ! grep -q "failed\|error" "$out/smoke.log"; then
+        TAIL=14 step dense 220 python scripts/bench_dense.py --models mixtral-8x7b --tokens 1 --no-attention --write-table
+        cp kernels/configs/dense.json "$out/"
+        TAIL=10 step tune 120 python scripts/tune_moe.py --cuda-only --verbose --only mma --shapes mixtral --tokens "" \
+            --int8-tokens 1
+        cp kernels/configs/moe.json "$out/"
     fi
 elif [ "$part" = unit8 ]; then
     TAIL=6 step moe_tests 150 $pytest_gpu tests/test_moe_cuda.py -k "True and bfloat16 or graph" || true

@@ -41,7 +41,8 @@ def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, shape: tuple,
     With ``stored`` (``--cuda-only``), the table's entry stands for the Triton space."""
     h, f, _, _, act = shape
     if phase == "down" and up_backend == "cuda":
-        return moe_cuda.candidates("down", t, wdtype == "int8", h, f, act == "silu")
+        found = moe_cuda.candidates("down", t, wdtype == "int8", h, f, act == "silu")
+        return ([stored] if stored and stored.get("backend") == "cuda" else []) + found
     extra = (moe_cuda.candidates("up", t, wdtype == "int8", h, f, act == "silu")
              if phase == "up" and t <= CUDA_TOKENS else [])
     if stored is not None:
