@@ -569,10 +569,11 @@ DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
 # The int8 kernels on the tensor cores (``mma``): bn a multiple of 8 (gated up) or 16.
 MMA_UP_CANDIDATES = [dict(backend="cuda", mma=True, bn=bn, warps=w, unroll=u)
                      for bn, w, u in ((8, 4, 2), (8, 4, 4), (8, 4, 8), (16, 4, 1), (16, 4, 2), (16, 4, 4), (8, 8, 2),
-                                      (32, 4, 1))]
+                                      (32, 4, 1), (8, 2, 4), (16, 2, 2))]
 MMA_DOWN_CANDIDATES = [dict(backend="cuda", mma=True, bn=bn, warps=w, unroll=u, split_k=s)
                        for (bn, w, u), s in itertools.product(((16, 4, 2), (16, 4, 4), (16, 4, 8), (32, 4, 2),
-                                                               (32, 4, 4), (16, 8, 2), (32, 4, 1)), (1, 2))]
+                                                               (32, 4, 4), (16, 8, 2), (32, 4, 1), (16, 2, 4)),
+                                                              (1, 2))]
 
 MIN_BLOCKS = (4, 5, 6, 8)  # register caps tried (``min_blocks``): more blocks, more loads in flight an SM
 

@@ -43,6 +43,10 @@
 #       on an H200: the int8 SBI-GeMM widened by one permute and the Mixtral-sized int8 MoE
 #       cases first, the Mixtral dense table at T = 1 (bench_dense --write-table), then
 #       tune_moe --cuda-only --only mma for Mixtral int8 at T = 1
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh mmah100 [OUT]
+#       the unit SBI-GeMM, quantization and int8 MoE graph tests, tune_moe --cuda-only
+#       --only mma for int8 at T = 1 on $TUNE_SHAPES (default DS-MoE, Qwen3), bench_moe at
+#       T = 1 twice
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh unit8 [OUT]
 #       the int8 reference cases of the CUDA MoE decode kernels' tests, tune_moe --cuda-only
 #       for int8 at T = 1 (Qwen3, a second pass) and 8 (Qwen3, OLMoE), bench_moe at T = 1
@@ -184,6 +188,16 @@ elif [ "$part" = mixunit ]; then
             --int8-tokens 1
         cp kernels/configs/moe.json "$out/"
     fi
+elif [ "$part" = mmah100 ]; then
+    TAIL=6 step gpu_tests 200 $pytest_gpu tests/test_sbi_cuda.py tests/test_quant.py tests/test_moe_cuda.py \
+        -k "${SMOKE:-cfg4 and dtype0 or test_quant or graph and True}" || true
+    TAIL=10 step tune 200 python scripts/tune_moe.py --cuda-only --only mma --shapes ${TUNE_SHAPES:-dsmoe,qwen3} \
+        --tokens "" --int8-tokens 1
+    cp kernels/configs/moe.json "$out/"
+    for run in 1 2; do
+        TAIL=10 step moe_$run 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
+            --no-baselines --no-json
+    done
 elif [ "$part" = unit8 ]; then
     TAIL=6 step moe_tests 150 $pytest_gpu tests/test_moe_cuda.py -k "True and bfloat16 or graph" || true
     TAIL=8 step tune 250 python scripts/tune_moe.py --cuda-only --shapes qwen3 --tokens "" --int8-tokens 1,8
