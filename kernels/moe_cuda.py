@@ -157,6 +157,45 @@ __device__ void route_token(const void* __restrict__ lg, int E, int topk, int* i
 }
 #endif
 
+// Pair p's expert e and combine weight (the up kernels): given, or routed from its token's logits.
+__device__ __forceinline__ void pair_expert(const void* __restrict__ ids, const float* __restrict__ pair_w, int p,
+                                            int topk, int E, long long& e, float& weight) {
+#if ROUTE
+  int top[MAX_K];
+  float top_w[MAX_K];
+  route_token((const char*)ids + (size_t)(p / topk) * E * LOGIT_BYTES, E, topk, top, top_w);
+  e = top[p % topk];
+  weight = top_w[p % topk];
+#else
+  e = id_at(ids, p);
+  weight = pair_w[p];
+#endif
+}
+
+// Token t's k experts into expert (the down kernels) and, where sc is given, the int8
+// scales of rows n0 .. n0 + BN of each (times mul) into sc[slot]; both in shared memory.
+__device__ __forceinline__ void token_experts(const void* __restrict__ ids, int t, int topk, int E, long long* expert,
+                                              const float* __restrict__ scale, float (*sc)[BN], int n0, int H,
+                                              float mul) {
+  const int tid = threadIdx.x;
+#if ROUTE
+  int top[MAX_K];
+  float top_w[MAX_K];
+  route_token((const char*)ids + (size_t)t * E * LOGIT_BYTES, E, topk, top, top_w);
+  if (tid == 0)
+    for (int i = 0; i < topk; ++i) expert[i] = top[i];
+#else
+  for (int i = tid; i < topk; i += THREADS) expert[i] = id_at(ids, t * topk + i);
+#endif
+  __syncthreads();
+  if (sc == nullptr) return;
+  for (int i = tid; i < topk * BN; i += THREADS) {
+    const int n = n0 + i % BN;
+    sc[i / BN][i % BN] = n < H ? scale[expert[i / BN] * H + n] * mul : 0.f;
+  }
+  __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
        const void* __restrict__ w13,     // [E, 2F, H] gate rows then up rows ([E, F, H] for GeLU)
@@ -172,16 +211,9 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   const int p = blockIdx.y, n0 = blockIdx.x * BN;
 #endif
   grid_dep_enter();  // x and the ids (or logits) are earlier kernels' outputs
-#if ROUTE
-  int top[MAX_K];
-  float top_w[MAX_K];
-  route_token((const char*)ids + (size_t)(p / topk) * E * LOGIT_BYTES, E, topk, top, top_w);
-  const long long e = top[p % topk];
-  const float weight = top_w[p % topk];
-#else
-  const long long e = id_at(ids, p);
-  const float weight = pair_w[p];
-#endif
+  long long e;
+  float weight;
+  pair_expert(ids, pair_w, p, topk, E, e, weight);
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
   const u16* xr = x + (size_t)(p / topk) * stride_x;
 
@@ -247,23 +279,11 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
   const int k_lo = blockIdx.y * k_span, k_hi = min(len, k_lo + k_span);
   __shared__ long long expert[MAX_K];
-#if ROUTE
-  int top[MAX_K];
-  float top_w[MAX_K];
-  route_token((const char*)ids + (size_t)t * E * LOGIT_BYTES, E, topk, top, top_w);
-  if (tid == 0)
-    for (int i = 0; i < topk; ++i) expert[i] = top[i];
-#else
-  for (int i = tid; i < topk; i += THREADS) expert[i] = id_at(ids, t * topk + i);
-#endif
-  __syncthreads();
 #if INT8
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
-  for (int i = tid; i < topk * BN; i += THREADS) {
-    const int n = n0 + i % BN;
-    sc[i / BN][i % BN] = n < H ? scale[expert[i / BN] * H + n] * UNIT_SCALE : 0.f;
-  }
-  __syncthreads();
+  token_experts(ids, t, topk, E, expert, scale, sc, n0, H, UNIT_SCALE);
+#else
+  token_experts(ids, t, topk, E, expert, scale, nullptr, n0, H, 1.f);
 #endif
 
   u32x4 wv[U][BN];
@@ -353,16 +373,9 @@ moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float*
   const int p = blockIdx.y, n0 = blockIdx.x * BN;
 #endif
   grid_dep_enter();  // x and the ids (or logits) are earlier kernels' outputs
-#if ROUTE
-  int top[MAX_K];
-  float top_w[MAX_K];
-  route_token((const char*)ids + (size_t)(p / topk) * E * LOGIT_BYTES, E, topk, top, top_w);
-  const long long e = top[p % topk];
-  const float weight = top_w[p % topk];
-#else
-  const long long e = id_at(ids, p);
-  const float weight = pair_w[p];
-#endif
+  long long e;
+  float weight;
+  pair_expert(ids, pair_w, p, topk, E, e, weight);
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H;
   const char* rows[UP_TILES][2];  // this lane's rows g and g + 8 of each tile (null: past F)
 #pragma unroll
@@ -465,22 +478,8 @@ moe_down_mma(const u16* __restrict__ h, const void* __restrict__ w2, const float
   const int len = topk * F;
   const int k_lo = blockIdx.y * k_span, k_hi = min(len, k_lo + k_span);
   __shared__ long long expert[MAX_K];
-#if ROUTE
-  int top[MAX_K];
-  float top_w[MAX_K];
-  route_token((const char*)ids + (size_t)t * E * LOGIT_BYTES, E, topk, top, top_w);
-  if (tid == 0)
-    for (int i = 0; i < topk; ++i) expert[i] = top[i];
-#else
-  for (int i = tid; i < topk; i += THREADS) expert[i] = id_at(ids, t * topk + i);
-#endif
-  __syncthreads();
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
-  for (int i = tid; i < topk * BN; i += THREADS) {
-    const int n = n0 + i % BN;
-    sc[i / BN][i % BN] = n < H ? scale[expert[i / BN] * H + n] * MMA_SCALE : 0.f;
-  }
-  __syncthreads();
+  token_experts(ids, t, topk, E, expert, scale, sc, n0, H, MMA_SCALE);
 
   u32x4 wv[U][BN / 16][2];
   int slot[U];
