@@ -47,6 +47,9 @@
 #       the unit SBI-GeMM, quantization and int8 MoE graph tests, tune_moe --cuda-only
 #       --only mma for int8 at T = 1 on $TUNE_SHAPES (default DS-MoE, Qwen3), bench_moe at
 #       T = 1 twice
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moecheck [OUT]
+#       the CUDA MoE kernels' GPU tests (int8 cases with the tensor-core pairs, gating inside
+#       the kernels, graphs, split-K, fallbacks) and the layer's graph test, bench_moe at T = 1
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh unit8 [OUT]
 #       the int8 reference cases of the CUDA MoE decode kernels' tests, tune_moe --cuda-only
 #       for int8 at T = 1 (Qwen3, a second pass) and 8 (Qwen3, OLMoE), bench_moe at T = 1
@@ -198,6 +201,11 @@ elif [ "$part" = mmah100 ]; then
         TAIL=10 step moe_$run 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
             --no-baselines --no-json
     done
+elif [ "$part" = moecheck ]; then
+    TAIL=8 step gpu_tests 420 $pytest_gpu tests/test_moe_cuda.py tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
+        -k "${SMOKE:-True and bfloat16 and (1-2048-768 or 1-528 or 3-2048 or 16-256) or gating or graph or split or fall}"
+    TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
+        --no-baselines --no-json
 elif [ "$part" = unit8 ]; then
     TAIL=6 step moe_tests 150 $pytest_gpu tests/test_moe_cuda.py -k "True and bfloat16 or graph" || true
     TAIL=8 step tune 250 python scripts/tune_moe.py --cuda-only --shapes qwen3 --tokens "" --int8-tokens 1,8
