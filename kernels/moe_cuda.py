@@ -712,10 +712,10 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
         up, down = up or default_up, down or default_down
     int8, gated, dt = w13.dtype == torch.int8, activation == "silu", DTYPES[x.dtype]
     up_mma, down_mma = up.get("mma", False), down.get("mma", False)
-    for phase, cfg, on in (("up", up, up_mma), ("down", down, down_mma)):
-        why = (None if not int8 else mma_check(phase, cfg, h, f, gated)) if on else None
-        if on and (not int8 or why):
-            raise ValueError(f"fused_moe_cuda: {why or f'{phase} mma: int8 weights only'}")
+    for phase, cfg in (("up", up), ("down", down)):
+        why = cfg.get("mma") and (mma_check(phase, cfg, h, f, gated) if int8 else f"{phase} mma: int8 weights only")
+        if why:
+            raise ValueError(f"fused_moe_cuda: {why}")
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F] (f16 bits for an mma down)
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
@@ -738,7 +738,8 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, pair_major=down_major,
                    min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), mma=down_mma, **route)
     down_grid = (-(-h // down["bn"]), split, t)
-    launch(x.device, SOURCE, "moe_down_mma" if down_mma else "moe_down", opts, down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
+    launch(x.device, SOURCE, "moe_down_mma" if down_mma else "moe_down", opts,
+           down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
            (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(ids), ptr(target), np.int32(h), np.int32(f), np.int32(topk),
             np.int32(k_span), np.int64(out.stride(0)), np.int32(e)))
     if split > 1:

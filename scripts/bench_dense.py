@@ -82,8 +82,8 @@ def cuda_candidates(t: int, n: int, k: int, sms: int, int8: bool) -> list[dict]:
 def best_cuda(time, inputs, t, n, k, sms, int8):
     """(µs, configuration) of the fastest CUDA SBI-GeMM candidate; (None, None) on a CPU.
     For int8 the eight fastest are tried again with ``unit`` widening. The six fastest are
-    tried again as persistent grids (``persist`` blocks per SM, each
-    walking several column tiles), where that leaves fewer blocks than tiles."""
+    tried again as persistent grids (``persist`` blocks per SM, each walking several column
+    tiles), where that leaves fewer blocks than tiles."""
     if inputs[0][0].device.type != "cuda":
         return None, None
 

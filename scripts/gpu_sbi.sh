@@ -175,8 +175,8 @@ elif [ "$part" = mma ]; then
     TAIL=6 step moe_smoke 240 $pytest_gpu -x tests/test_moe_cuda.py \
         -k "${SMOKE:-1-2048-768 and True and bfloat16 or 1-528 and True and bfloat16}" || true
     if grep -q " passed" "$out/moe_smoke.log" && ! grep -q "failed\|error" "$out/moe_smoke.log"; then
-        TAIL=12 step tune 220 python scripts/tune_moe.py --cuda-only --verbose --only mma --shapes ${TUNE_SHAPES:-qwen3,olmoe,dsmoe} \
-            --tokens "" --int8-tokens ${TUNE_TOKENS:-1}
+        TAIL=12 step tune 220 python scripts/tune_moe.py --cuda-only --verbose --only mma \
+            --shapes ${TUNE_SHAPES:-qwen3,olmoe,dsmoe} --tokens "" --int8-tokens ${TUNE_TOKENS:-1}
         cp kernels/configs/moe.json "$out/"
         TAIL=12 step moe 80 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
             --no-baselines --no-json
@@ -185,7 +185,8 @@ elif [ "$part" = mixunit ]; then
     TAIL=6 step smoke 200 $pytest_gpu -x tests/test_sbi_cuda.py tests/test_moe_cuda.py \
         -k "${SMOKE:-cfg4 and dtype0 and not 4104 or 1-4096-1408 and True and bfloat16}" || true
     if grep -q " passed" "$out/smoke.log" && ! grep -q "failed\|error" "$out/smoke.log"; then
-        TAIL=14 step dense 220 python scripts/bench_dense.py --models mixtral-8x7b --tokens 1 --no-attention --write-table
+        TAIL=14 step dense 220 python scripts/bench_dense.py --models mixtral-8x7b --tokens 1 --no-attention \
+            --write-table
         cp kernels/configs/dense.json "$out/"
         TAIL=10 step tune 120 python scripts/tune_moe.py --cuda-only --verbose --only mma --shapes mixtral --tokens "" \
             --int8-tokens 1
@@ -202,8 +203,10 @@ elif [ "$part" = mmah100 ]; then
             --no-baselines --no-json
     done
 elif [ "$part" = moecheck ]; then
-    TAIL=8 step gpu_tests 420 $pytest_gpu tests/test_moe_cuda.py tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
-        -k "${SMOKE:-True and bfloat16 and (1-2048-768 or 1-528 or 3-2048 or 16-256) or gating or graph or split or fall}"
+    TAIL=8 step gpu_tests 420 $pytest_gpu tests/test_moe_cuda.py \
+        tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
+        -k "${SMOKE:-True and bfloat16 and (1-2048-768 or 1-528 or 3-2048 or 16-256) or gating or graph or split \
+        or fall}"
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
         --no-baselines --no-json
 elif [ "$part" = unit8 ]; then
