@@ -157,19 +157,53 @@ __device__ void route_token(const void* __restrict__ lg, int E, int topk, int* i
 }
 #endif
 
-// Pair p's expert e and combine weight (the up kernels): given, or routed from its token's logits.
-__device__ __forceinline__ void pair_expert(const void* __restrict__ ids, const float* __restrict__ pair_w, int p,
-                                            int topk, int E, long long& e, float& weight) {
+// An up kernel's block: pair p and first column n0 from the grid, then, after the PDL wait
+// (the ids or logits are an earlier kernel's output), the pair's expert e and combine
+// weight: given, or routed from its token's logits.
+struct UpBlock {
+  int p, n0;
+  long long e;
+  float weight;
+};
+
+__device__ __forceinline__ UpBlock up_block(const void* __restrict__ ids, const float* __restrict__ pair_w, int topk,
+                                            int E) {
+  UpBlock b;
+#if PAIR_MAJOR
+  b.p = blockIdx.x, b.n0 = blockIdx.y * BN;
+#else
+  b.p = blockIdx.y, b.n0 = blockIdx.x * BN;
+#endif
+  grid_dep_enter();
 #if ROUTE
   int top[MAX_K];
   float top_w[MAX_K];
-  route_token((const char*)ids + (size_t)(p / topk) * E * LOGIT_BYTES, E, topk, top, top_w);
-  e = top[p % topk];
-  weight = top_w[p % topk];
+  route_token((const char*)ids + (size_t)(b.p / topk) * E * LOGIT_BYTES, E, topk, top, top_w);
+  b.e = top[b.p % topk];
+  b.weight = top_w[b.p % topk];
 #else
-  e = id_at(ids, p);
-  weight = pair_w[p];
+  b.e = id_at(ids, b.p);
+  b.weight = pair_w[b.p];
 #endif
+  return b;
+}
+
+// A down kernel's block, from the grid: token t, first row n0, the number of tokens, and its
+// split [k_lo, k_hi) of the token's reduction (its k pairs' F columns back to back).
+struct DownBlock {
+  int t, n0, tokens, k_lo, k_hi;
+};
+
+__device__ __forceinline__ DownBlock down_block(int F, int topk, int k_span) {
+  DownBlock b;
+#if PAIR_MAJOR
+  b.t = blockIdx.x, b.n0 = blockIdx.z * BN, b.tokens = gridDim.x;
+#else
+  b.t = blockIdx.z, b.n0 = blockIdx.x * BN, b.tokens = gridDim.z;
+#endif
+  b.k_lo = blockIdx.y * k_span;
+  b.k_hi = min(topk * F, b.k_lo + k_span);
+  return b;
 }
 
 // Token t's k experts into expert (the down kernels) and, where sc is given, the int8
@@ -205,15 +239,10 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
        u16* __restrict__ h,              // [P, F] out
        int H, int F, int topk, long long stride_x, int E) {
   const int tid = threadIdx.x;
-#if PAIR_MAJOR
-  const int p = blockIdx.x, n0 = blockIdx.y * BN;
-#else
-  const int p = blockIdx.y, n0 = blockIdx.x * BN;
-#endif
-  grid_dep_enter();  // x and the ids (or logits) are earlier kernels' outputs
-  long long e;
-  float weight;
-  pair_expert(ids, pair_w, p, topk, E, e, weight);
+  const UpBlock blk = up_block(ids, pair_w, topk, E);  // waits: x and the ids are earlier kernels' outputs
+  const int p = blk.p, n0 = blk.n0;
+  const long long e = blk.e;
+  const float weight = blk.weight;
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
   const u16* xr = x + (size_t)(p / topk) * stride_x;
 
@@ -271,13 +300,9 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
          void* __restrict__ out,           // [T, H] (PARTIAL: float32 [S, T, H])
          int H, int F, int topk, int k_span, long long stride_o, int E) {
   const int tid = threadIdx.x;
-#if PAIR_MAJOR
-  const int t = blockIdx.x, n0 = blockIdx.z * BN, tokens = gridDim.x;
-#else
-  const int t = blockIdx.z, n0 = blockIdx.x * BN, tokens = gridDim.z;
-#endif
+  const DownBlock blk = down_block(F, topk, k_span);
+  const int t = blk.t, n0 = blk.n0, tokens = blk.tokens, k_lo = blk.k_lo, k_hi = blk.k_hi;
   const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
-  const int k_lo = blockIdx.y * k_span, k_hi = min(len, k_lo + k_span);
   __shared__ long long expert[MAX_K];
 #if INT8
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
@@ -367,15 +392,10 @@ moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float*
            const void* __restrict__ ids, const float* __restrict__ pair_w, u16* __restrict__ h,
            int H, int F, int topk, long long stride_x, int E) {
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
-#if PAIR_MAJOR
-  const int p = blockIdx.x, n0 = blockIdx.y * BN;
-#else
-  const int p = blockIdx.y, n0 = blockIdx.x * BN;
-#endif
-  grid_dep_enter();  // x and the ids (or logits) are earlier kernels' outputs
-  long long e;
-  float weight;
-  pair_expert(ids, pair_w, p, topk, E, e, weight);
+  const UpBlock blk = up_block(ids, pair_w, topk, E);  // waits: x and the ids are earlier kernels' outputs
+  const int p = blk.p, n0 = blk.n0;
+  const long long e = blk.e;
+  const float weight = blk.weight;
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H;
   const char* rows[UP_TILES][2];  // this lane's rows g and g + 8 of each tile (null: past F)
 #pragma unroll
@@ -470,13 +490,9 @@ moe_down_mma(const u16* __restrict__ h, const void* __restrict__ w2, const float
              const void* __restrict__ ids, void* __restrict__ out, int H, int F, int topk, int k_span,
              long long stride_o, int E) {
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
-#if PAIR_MAJOR
-  const int t = blockIdx.x, n0 = blockIdx.z * BN, tokens = gridDim.x;
-#else
-  const int t = blockIdx.z, n0 = blockIdx.x * BN, tokens = gridDim.z;
-#endif
-  const int len = topk * F;
-  const int k_lo = blockIdx.y * k_span, k_hi = min(len, k_lo + k_span);
+  const DownBlock blk = down_block(F, topk, k_span);
+  const int t = blk.t, n0 = blk.n0, tokens = blk.tokens, k_lo = blk.k_lo, k_hi = blk.k_hi;
+  const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
   __shared__ long long expert[MAX_K];
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
   token_experts(ids, t, topk, E, expert, scale, sc, n0, H, MMA_SCALE);
