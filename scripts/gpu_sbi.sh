@@ -47,6 +47,9 @@
 #       the unit SBI-GeMM, quantization and int8 MoE graph tests, tune_moe --cuda-only
 #       --only mma for int8 at T = 1 on $TUNE_SHAPES (default DS-MoE, Qwen3), bench_moe at
 #       T = 1 twice
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh ncu [OUT]
+#       Nsight Compute on the MoE experts at T = 1 (diag_profile.py): Qwen3 int8 and bf16 on
+#       the table, Qwen3 int8 on the tensor-core pair, DS-MoE int8; each pair's graph time first
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moecheck [OUT]
 #       the CUDA MoE kernels' GPU tests (int8 cases with the tensor-core pairs, gating inside
 #       the kernels, graphs, split-K, fallbacks) and the layer's graph test, bench_moe at T = 1
@@ -201,6 +204,20 @@ elif [ "$part" = mmah100 ]; then
     for run in 1 2; do
         TAIL=10 step moe_$run 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
             --no-baselines --no-json
+    done
+elif [ "$part" = ncu ]; then
+    sections="SpeedOfLight MemoryWorkloadAnalysis Occupancy LaunchStats WarpStateStats SchedulerStats SourceCounters"
+    mma_pair='--up {"backend":"cuda","mma":true,"bn":16,"warps":4,"unroll":1}
+              --down {"backend":"cuda","mma":true,"bn":16,"warps":4,"unroll":2,"split_k":1}'
+    for case in "qwen3 int8" "qwen3 bf16" "qwen3 int8 mma" "dsmoe int8"; do
+        set -- $case
+        extra=$([ "${3:-}" = mma ] && echo "$mma_pair")
+        name=${1}_${2}${3:+_$3}
+        TAIL=2 step "time_$name" 60 python scripts/diag_profile.py --shape "$1" --dtype "$2" $extra
+        TAIL=0 step "ncu_$name" 120 ncu --clock-control none -k regex:moe_ --launch-skip 8 --launch-count 2 \
+            $(printf -- "--section %s " $sections) python scripts/diag_profile.py --no-graph --shape "$1" --dtype "$2" $extra
+        grep -E "moe_|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|\
+Warp Cycles Per Issued|No Eligible|Theoretical Occupancy|L2 Hit|Block Limit Registers" "$out/ncu_$name.log" | head -40
     done
 elif [ "$part" = moecheck ]; then
     TAIL=8 step gpu_tests 420 $pytest_gpu tests/test_moe_cuda.py \
