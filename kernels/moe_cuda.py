@@ -188,6 +188,22 @@ __device__ __forceinline__ UpBlock up_block(const void* __restrict__ ids, const 
   return b;
 }
 
+// An int8 up kernel's scales for output column n0 + tid (thread tid < BN <= THREADS: the one
+// that finishes that column): gate (or GeLU) row, then up row. Loaded as soon as the expert
+// is known, so that their latency overlaps the weights' instead of following the reduction.
+__device__ __forceinline__ float2 up_scales(const float* __restrict__ scale, long long e, int n0, int F) {
+  float2 sc = make_float2(0.f, 0.f);
+#if INT8
+  static_assert(BN <= THREADS, "one thread a column");
+  const int n = n0 + threadIdx.x;
+  if (threadIdx.x < BN && n < F) {
+    sc.x = scale[e * ROWS_PER_F * F + n];
+    if (GATED) sc.y = scale[e * 2 * F + F + n];
+  }
+#endif
+  return sc;
+}
+
 // A down kernel's block, from the grid: token t, first row n0, the number of tokens, and its
 // split [k_lo, k_hi) of the token's reduction (its k pairs' F columns back to back).
 struct DownBlock {
@@ -206,24 +222,26 @@ __device__ __forceinline__ DownBlock down_block(int F, int topk, int k_span) {
   return b;
 }
 
-// Token t's k experts into expert (the down kernels) and, where sc is given, the int8
-// scales of rows n0 .. n0 + BN of each (times mul) into sc[slot]; both in shared memory.
-__device__ __forceinline__ void token_experts(const void* __restrict__ ids, int t, int topk, int E, long long* expert,
-                                              const float* __restrict__ scale, float (*sc)[BN], int n0, int H,
-                                              float mul) {
-  const int tid = threadIdx.x;
+// Token t's k experts into expert (the down kernels), in shared memory.
+__device__ __forceinline__ void token_experts(const void* __restrict__ ids, int t, int topk, int E, long long* expert) {
 #if ROUTE
   int top[MAX_K];
   float top_w[MAX_K];
   route_token((const char*)ids + (size_t)t * E * LOGIT_BYTES, E, topk, top, top_w);
-  if (tid == 0)
+  if (threadIdx.x == 0)
     for (int i = 0; i < topk; ++i) expert[i] = top[i];
 #else
-  for (int i = tid; i < topk; i += THREADS) expert[i] = id_at(ids, t * topk + i);
+  for (int i = threadIdx.x; i < topk; i += THREADS) expert[i] = id_at(ids, t * topk + i);
 #endif
   __syncthreads();
-  if (sc == nullptr) return;
-  for (int i = tid; i < topk * BN; i += THREADS) {
+}
+
+// The int8 scales of rows n0 .. n0 + BN of each of the token's experts (times mul) into
+// sc[slot], in shared memory. Called once the block's first weights are on their way: the
+// two loads then wait together.
+__device__ __forceinline__ void token_scales(const float* __restrict__ scale, const long long* expert, int topk,
+                                             float (*sc)[BN], int n0, int H, float mul) {
+  for (int i = threadIdx.x; i < topk * BN; i += THREADS) {
     const int n = n0 + i % BN;
     sc[i / BN][i % BN] = n < H ? scale[expert[i / BN] * H + n] * mul : 0.f;
   }
@@ -245,6 +263,7 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   const float weight = blk.weight;
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
   const u16* xr = x + (size_t)(p / topk) * stride_x;
+  const float2 sc = up_scales(scale, e, n0, F);  // in flight beside the weights, not after them
 
   float acc[ROWS];  // j < BN: gate (or GeLU) column n0 + j; j >= BN: up column n0 + j - BN
 #pragma unroll
@@ -277,12 +296,12 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
     if (n >= F) continue;
     float g = warps_total<ROWS>(part, o);
 #if INT8
-    g *= scale[e * ROWS_PER_F * F + n] * UNIT_SCALE;
+    g *= sc.x * UNIT_SCALE;
 #endif
 #if GATED
     float up = warps_total<ROWS>(part, BN + o);
 #if INT8
-    up *= scale[e * 2 * F + F + n] * UNIT_SCALE;
+    up *= sc.y * UNIT_SCALE;
 #endif
     const float v = g / (1.f + __expf(-g)) * up;
 #else
@@ -304,12 +323,7 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   const int t = blk.t, n0 = blk.n0, tokens = blk.tokens, k_lo = blk.k_lo, k_hi = blk.k_hi;
   const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
   __shared__ long long expert[MAX_K];
-#if INT8
-  __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
-  token_experts(ids, t, topk, E, expert, scale, sc, n0, H, UNIT_SCALE);
-#else
-  token_experts(ids, t, topk, E, expert, scale, nullptr, n0, H, 1.f);
-#endif
+  token_experts(ids, t, topk, E, expert);
 
   u32x4 wv[U][BN];
   int slot[U];  // the pair (slot) of each step's vectors: F is a multiple of WVEC
@@ -332,6 +346,10 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
     prefetch_rows((const char*)w2 + (((size_t)expert[s] * H + n0) * F + lo) * W_BYTES, min(BN, H - n0),
                   (size_t)F * W_BYTES, (size_t)(hi - lo) * W_BYTES);
   }
+#if INT8
+  __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
+  token_scales(scale, expert, topk, sc, n0, H, UNIT_SCALE);
+#endif
   grid_dep_enter();  // h is the up kernel's output
 
   float acc[BN];
@@ -397,6 +415,7 @@ moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float*
   const long long e = blk.e;
   const float weight = blk.weight;
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H;
+  const float2 sc = up_scales(scale, e, n0, F);
   const char* rows[UP_TILES][2];  // this lane's rows g and g + 8 of each tile (null: past F)
 #pragma unroll
   for (int m = 0; m < UP_TILES; ++m)
@@ -468,11 +487,11 @@ moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float*
     if (n >= F) continue;
 #if GATED
     const int row = 16 * (o / 8) + o % 8;
-    const float gate = warps_total<ROWS>(part, row) * scale[e * 2 * F + n] * MMA_SCALE;
-    const float up = warps_total<ROWS>(part, row + 8) * scale[e * 2 * F + F + n] * MMA_SCALE;
+    const float gate = warps_total<ROWS>(part, row) * sc.x * MMA_SCALE;
+    const float up = warps_total<ROWS>(part, row + 8) * sc.y * MMA_SCALE;
     const float v = gate / (1.f + __expf(-gate)) * up;
 #else
-    const float z = warps_total<ROWS>(part, o) * scale[e * F + n] * MMA_SCALE;
+    const float z = warps_total<ROWS>(part, o) * sc.x * MMA_SCALE;
     const float v = 0.5f * z * (1.f + erff(z * 0.70710678118654752f));
 #endif
     h[(size_t)p * F + n] = out_h(v * weight);
@@ -494,8 +513,7 @@ moe_down_mma(const u16* __restrict__ h, const void* __restrict__ w2, const float
   const int t = blk.t, n0 = blk.n0, tokens = blk.tokens, k_lo = blk.k_lo, k_hi = blk.k_hi;
   const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
   __shared__ long long expert[MAX_K];
-  __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
-  token_experts(ids, t, topk, E, expert, scale, sc, n0, H, MMA_SCALE);
+  token_experts(ids, t, topk, E, expert);
 
   u32x4 wv[U][BN / 16][2];
   int slot[U];
@@ -521,6 +539,8 @@ moe_down_mma(const u16* __restrict__ h, const void* __restrict__ w2, const float
     prefetch_rows((const char*)w2 + (((size_t)expert[s] * H + n0) * F + lo), min(BN, H - n0), (size_t)F,
                   (size_t)(hi - lo));
   }
+  __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
+  token_scales(scale, expert, topk, sc, n0, H, MMA_SCALE);
   grid_dep_enter();  // h is the up kernel's output
 
   u32 bv[U][8];  // the chunks' activations, loaded with the weights of the same step

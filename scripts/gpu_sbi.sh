@@ -50,6 +50,11 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh ncu [OUT]
 #       Nsight Compute on the MoE experts at T = 1 (diag_profile.py): Qwen3 int8 and bf16 on
 #       the table, Qwen3 int8 on the tensor-core pair, DS-MoE int8; each pair's graph time first
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh scales [OUT]
+#       the CUDA MoE kernels' GPU tests (as moecheck), the int8 pairs of the table at T = 1 timed
+#       (diag_profile.py: Qwen3, OLMoE, DS-MoE), bench_moe at T = 1, tune_moe --cuda-only --only
+#       unit for int8 at T = 1 on $TUNE_SHAPES (default Qwen3, DS-MoE), bench_moe at T = 1 again,
+#       then Nsight Compute on Qwen3's int8 pair
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moecheck [OUT]
 #       the CUDA MoE kernels' GPU tests (int8 cases with the tensor-core pairs, gating inside
 #       the kernels, graphs, split-K, fallbacks) and the layer's graph test, bench_moe at T = 1
@@ -219,6 +224,24 @@ elif [ "$part" = ncu ]; then
         grep -E "moe_|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|\
 Warp Cycles Per Issued|No Eligible|Theoretical Occupancy|L2 Hit|Block Limit Registers" "$out/ncu_$name.log" | head -40
     done
+elif [ "$part" = scales ]; then
+    TAIL=8 step gpu_tests 300 $pytest_gpu tests/test_moe_cuda.py \
+        tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
+        -k "${SMOKE:-True and bfloat16 and (1-2048-768 or 1-528 or 3-2048 or 16-256) or gating or graph or split \
+        or fall}"
+    for shape in qwen3 olmoe dsmoe; do
+        TAIL=1 step "time_$shape" 60 python scripts/diag_profile.py --shape $shape --dtype int8
+    done
+    TAIL=10 step moe_1 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
+        --no-baselines --no-json
+    TAIL=10 step tune 240 python scripts/tune_moe.py --cuda-only --only unit --shapes ${TUNE_SHAPES:-qwen3,dsmoe} \
+        --tokens "" --int8-tokens 1
+    cp kernels/configs/moe.json "$out/"
+    TAIL=10 step moe_2 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
+        --no-baselines --no-json
+    TAIL=0 step ncu 100 ncu --clock-control none -k regex:moe_ --launch-skip 8 --launch-count 2 --section SpeedOfLight \
+        --section Occupancy python scripts/diag_profile.py --no-graph --shape qwen3 --dtype int8
+    grep -E "^  moe_|Elapsed Cycles|SM Active Cycles|Duration|DRAM Throughput" "$out/ncu.log"
 elif [ "$part" = moecheck ]; then
     TAIL=8 step gpu_tests 420 $pytest_gpu tests/test_moe_cuda.py \
         tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
