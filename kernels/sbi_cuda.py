@@ -60,6 +60,24 @@ __device__ __forceinline__ void add_rounded(float* a, const u16* r, u16* out) {
 }
 #endif
 
+// The epilogue's per-column constants of thread tid's first output (o = tid, column
+// n0 + tid % BN): (int8 scale, bias). No kernel writes them, so they load beside the first
+// weights instead of after the reduction.
+__device__ __forceinline__ float2 column_consts(const float* __restrict__ scale, const u16* __restrict__ bias,
+                                                int n0, int N) {
+  float2 c = make_float2(1.f, 0.f);
+  const int n = n0 + threadIdx.x % BN;
+  if (threadIdx.x < TP * BN && n < N) {
+#if INT8
+    c.x = scale[n];
+#endif
+#if !PARTIAL
+    if (bias) c.y = act_f(bias + n);
+#endif
+  }
+  return c;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __restrict__ scale,
          const u16* __restrict__ norm_w, const u16* __restrict__ norm_b, const u16* __restrict__ bias,
@@ -91,6 +109,7 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
   load_step(kb);  // weights are no kernel's output: in flight before the wait
   prefetch_rows(w_rows + (size_t)k_lo * W_BYTES, min(BN, N - n0), (size_t)stride_w * W_BYTES,
                 (size_t)(k_hi - k_lo) * W_BYTES);  // and the rest of them on the way to L2
+  float2 consts = column_consts(scale, bias, n0, N);
   grid_dep_enter();
 
 #if NORM
@@ -173,6 +192,7 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
   }
 
   const int this_n0 = n0;
+  const float2 this_consts = consts;
 #if PERSIST
   tile += gridDim.x;
   if (tile < n_tiles) {  // the next tile's first weights, in flight during this reduction
@@ -180,6 +200,7 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
     w_rows = (const char*)w + (size_t)n0 * stride_w * W_BYTES;
     kb = k_lo + tid * WVEC;
     load_step(kb);
+    consts = column_consts(scale, bias, n0, N);
   }
 #endif
   warps_to_shared<TP * BN>(acc, part);
@@ -188,12 +209,12 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
     if (t >= T || n >= N) continue;
     float v = warps_total<TP * BN>(part, o);
 #if INT8
-    v *= scale[n] * UNIT_SCALE;
+    v *= (o == tid ? this_consts.x : scale[n]) * UNIT_SCALE;
 #endif
 #if PARTIAL
     ((float*)out)[((size_t)blockIdx.y * T + t) * N + n] = v;
 #else
-    if (bias) v += act_f(bias + n);
+    if (bias) v += o == tid ? this_consts.y : act_f(bias + n);
     if (res) v += act_f(res + t * stride_res + n);
     ((u16*)out)[t * stride_o + n] = to_act(v);
 #endif

@@ -55,6 +55,9 @@
 #       (diag_profile.py: Qwen3, OLMoE, DS-MoE), bench_moe at T = 1, tune_moe --cuda-only --only
 #       unit for int8 at T = 1 on $TUNE_SHAPES (default Qwen3, DS-MoE), bench_moe at T = 1 again,
 #       then Nsight Compute on Qwen3's int8 pair
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh sbiscales [OUT]
+#       the CUDA SBI-GeMM's GPU tests, bench_dense at T = 1 on OLMoE and Qwen3 (bf16 and int8
+#       candidates, the table left as it is), bench_moe at T = 1
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moecheck [OUT]
 #       the CUDA MoE kernels' GPU tests (int8 cases with the tensor-core pairs, gating inside
 #       the kernels, graphs, split-K, fallbacks) and the layer's graph test, bench_moe at T = 1
@@ -242,6 +245,11 @@ elif [ "$part" = scales ]; then
     TAIL=0 step ncu 100 ncu --clock-control none -k regex:moe_ --launch-skip 8 --launch-count 2 --section SpeedOfLight \
         --section Occupancy python scripts/diag_profile.py --no-graph --shape qwen3 --dtype int8
     grep -E "^  moe_|Elapsed Cycles|SM Active Cycles|Duration|DRAM Throughput" "$out/ncu.log"
+elif [ "$part" = sbiscales ]; then
+    TAIL=6 step gpu_tests 240 $pytest_gpu tests/test_sbi_cuda.py tests/test_quant.py
+    TAIL=14 step dense 200 python scripts/bench_dense.py --models olmoe-1b-7b,qwen3-30b-a3b --tokens 1 --no-attention
+    TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
+        --no-baselines --no-json
 elif [ "$part" = moecheck ]; then
     TAIL=8 step gpu_tests 420 $pytest_gpu tests/test_moe_cuda.py \
         tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
