@@ -58,6 +58,10 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh sbiscales [OUT]
 #       the CUDA SBI-GeMM's GPU tests, bench_dense at T = 1 on OLMoE and Qwen3 (bf16 and int8
 #       candidates, the table left as it is), bench_moe at T = 1
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh fit [OUT]
+#       tune_moe --cuda-only for int8 at T = 1 on $TUNE_SHAPES (default DS-MoE; every CUDA
+#       candidate), bench_dense at T = 1 on Qwen3 with --write-table (the wave-filling BN
+#       among the candidates), bench_moe at T = 1
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moecheck [OUT]
 #       the CUDA MoE kernels' GPU tests (int8 cases with the tensor-core pairs, gating inside
 #       the kernels, graphs, split-K, fallbacks) and the layer's graph test, bench_moe at T = 1
@@ -248,6 +252,14 @@ elif [ "$part" = scales ]; then
 elif [ "$part" = sbiscales ]; then
     TAIL=6 step gpu_tests 240 $pytest_gpu tests/test_sbi_cuda.py tests/test_quant.py
     TAIL=14 step dense 200 python scripts/bench_dense.py --models olmoe-1b-7b,qwen3-30b-a3b --tokens 1 --no-attention
+    TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
+        --no-baselines --no-json
+elif [ "$part" = fit ]; then
+    TAIL=6 step tune 270 python scripts/tune_moe.py --cuda-only --shapes ${TUNE_SHAPES:-dsmoe} --tokens "" \
+        --int8-tokens 1 --verbose
+    cp kernels/configs/moe.json "$out/"
+    TAIL=10 step dense 150 python scripts/bench_dense.py --models qwen3-30b-a3b --tokens 1 --no-attention --write-table
+    cp kernels/configs/dense.json "$out/"
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
         --no-baselines --no-json
 elif [ "$part" = moecheck ]; then
