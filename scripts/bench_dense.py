@@ -70,12 +70,9 @@ def timer(device, copies):
 def cuda_candidates(t: int, n: int, k: int, sms: int, int8: bool) -> list[dict]:
     """The heuristic launch configuration of the CUDA SBI-GeMM and its neighbours: BN
     outputs per block, 4 or 8 warps, half or twice the K splits, half or twice the loads
-    in flight per row (at most 32 16-byte loads a thread). At T <= 2 also the BN whose
-    column tiles fill 4 or 8 blocks an SM in one wave (no second, partial wave)."""
+    in flight per row (at most 32 16-byte loads a thread)."""
     base = kernels.sbi_cuda.sbi_cuda_config(t, n, k, sms, int8)
     bns = (2, 4, 8) if t <= 2 else (1, 2, 4)
-    if t <= 2:
-        bns += tuple(sorted({-(-n // (r * sms)) for r in (4, 8)} - set(bns) - {1}))
     splits = sorted({max(1, base["split_k"] // 2), base["split_k"], base["split_k"] * 2})
     unrolls = sorted({max(1, base["unroll"] // 2), base["unroll"], base["unroll"] * 2})
     return [dict(base, bn=bn, warps=warps, split_k=sp, unroll=u) for bn in bns for warps in (4, 8)

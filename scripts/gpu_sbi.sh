@@ -60,8 +60,11 @@
 #       candidates, the table left as it is), bench_moe at T = 1
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh fit [OUT]
 #       tune_moe --cuda-only for int8 at T = 1 on $TUNE_SHAPES (default DS-MoE; every CUDA
-#       candidate), bench_dense at T = 1 on Qwen3 with --write-table (the wave-filling BN
-#       among the candidates), bench_moe at T = 1
+#       candidate), bench_dense at T = 1 on Qwen3 with --write-table, bench_moe at T = 1
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh t8 [OUT]
+#       tune_moe --cuda-only --only unit for Qwen3 int8 at T = 8 (the CUDA kernels with the
+#       one-permute widen, pair-major or not, against the table's Triton pair), bench_moe at
+#       T = 8 on Qwen3, then OLMoE decode at batch 1 (bf16, int8)
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moecheck [OUT]
 #       the CUDA MoE kernels' GPU tests (int8 cases with the tensor-core pairs, gating inside
 #       the kernels, graphs, split-K, fallbacks) and the layer's graph test, bench_moe at T = 1
@@ -262,6 +265,14 @@ elif [ "$part" = fit ]; then
     cp kernels/configs/dense.json "$out/"
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
         --no-baselines --no-json
+elif [ "$part" = t8 ]; then
+    TAIL=6 step tune 300 python scripts/tune_moe.py --cuda-only --only unit --shapes qwen3 --tokens "" --int8-tokens 8
+    cp kernels/configs/moe.json "$out/"
+    TAIL=6 step moe 80 python scripts/bench_moe.py --shapes qwen3-30b-a3b --tokens 8 --no-baselines --no-json
+    for q in "" int8; do
+        TAIL=4 step olmoe_${q:-bf16} 80 python scripts/bench_decode.py --model olmoe-1b-7b ${q:+--quantize $q} \
+            --batches 1 --new-tokens 64 --reps 3
+    done
 elif [ "$part" = moecheck ]; then
     TAIL=8 step gpu_tests 420 $pytest_gpu tests/test_moe_cuda.py \
         tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
