@@ -65,6 +65,9 @@
 #       tune_moe --cuda-only --only unit for Qwen3 int8 at T = 8 (the CUDA kernels with the
 #       one-permute widen, pair-major or not, against the table's Triton pair), bench_moe at
 #       T = 8 on Qwen3, then OLMoE decode at batch 1 (bf16, int8)
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh final13 [OUT]
+#       the decode-path GPU tests (engine, default model), bench_moe at T = 1 and 8 on every
+#       shape, Qwen3 decode at batch 1 (bf16, int8)
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moecheck [OUT]
 #       the CUDA MoE kernels' GPU tests (int8 cases with the tensor-core pairs, gating inside
 #       the kernels, graphs, split-K, fallbacks) and the layer's graph test, bench_moe at T = 1
@@ -271,6 +274,13 @@ elif [ "$part" = t8 ]; then
     TAIL=6 step moe 80 python scripts/bench_moe.py --shapes qwen3-30b-a3b --tokens 8 --no-baselines --no-json
     for q in "" int8; do
         TAIL=4 step olmoe_${q:-bf16} 80 python scripts/bench_decode.py --model olmoe-1b-7b ${q:+--quantize $q} \
+            --batches 1 --new-tokens 64 --reps 3
+    done
+elif [ "$part" = final13 ]; then
+    TAIL=4 step engine_tests 150 $pytest_gpu tests/test_engine.py tests/test_default_model.py
+    TAIL=14 step moe 150 python scripts/bench_moe.py --tokens 1,8 --no-baselines --no-json
+    for q in "" int8; do
+        TAIL=4 step qwen3_${q:-bf16} 120 python scripts/bench_decode.py --model qwen3-30b-a3b ${q:+--quantize $q} \
             --batches 1 --new-tokens 64 --reps 3
     done
 elif [ "$part" = moecheck ]; then
