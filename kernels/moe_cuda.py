@@ -39,12 +39,18 @@ LOGITS_F32 (float32 logits, else the activations' dtype), PAIR_MAJOR (grid: pair
 fastest, else column tiles fastest), MINB (the registers are capped so that MINB blocks
 fit on an SM), UNIT (int8 widened by one byte permute a weight, its offset cancelled once
 per 16 activations: about a third fewer instructions, relative error about 1e-4 against
-1e-7; at T = 1 the small experts are bound by those instructions, see docs/performance.md),
+1e-7; the tuner picks it for the small experts at T = 1),
 MMA (int8 only: ``moe_up_mma`` / ``moe_down_mma`` on the tensor cores, cuda_common's mma
 helpers; H and F multiples of 64), H16 (the up kernel writes h as f16 times ACT_F16, the
 operand of an MMA down kernel). The MMA kernels halve the instructions a weight again, but
 on the H100 they measured slower than ``unit`` at T = 1 for the small shapes; the H200
 table uses the MMA up kernel for Mixtral (docs/performance.md, twelfth session).
+
+At decode sizes a block is one short chain of dependent memory round trips (expert id,
+weights, reduction) in a grid of one or two waves, so the kernels are latency-bound
+(Nsight Compute: the wait on global loads is the top stall). Anything a block loads that
+no kernel writes (the int8 scales) is therefore loaded beside its first weights, never
+after them (docs/performance.md, thirteenth session).
 """
 from __future__ import annotations
 
