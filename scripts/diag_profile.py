@@ -25,7 +25,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import kernels  # noqa: E402
 from kernels.moe_triton import fused_moe_triton, launch_config  # noqa: E402
-from tune_moe import SHAPES, time_graph  # noqa: E402
+from tune_moe import SHAPES, expert_weights, time_graph  # noqa: E402
 
 SETS = 8
 
@@ -56,14 +56,8 @@ def main(argv=None) -> None:
     h, f, e, topk, act = SHAPES[args.shape]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    rows13 = 2 * f if act == "silu" else f
-    w13 = torch.randn(e, rows13, h, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
-    w2 = torch.randn(e, h, f, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
-    scales = {}
-    if args.dtype == "int8":
-        w13, s13 = kernels.quantize_int8(w13)
-        w2, s2 = kernels.quantize_int8(w2)
-        scales = dict(w13_scale=s13, w2_scale=s2)
+    w13, w2, scales = expert_weights(args.shape, args.dtype, dev, gen)
+    rows13 = w13.shape[1]
     t = args.tokens
     inputs = []
     for _ in range(SETS):

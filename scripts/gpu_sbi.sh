@@ -111,6 +111,15 @@ decode_more() {
     done
 }
 pytest_gpu="python -m pytest -q -p no:cacheprovider --color=no -m gpu"
+# moe_cuda_tests LIMIT: the CUDA MoE kernels' GPU tests (int8 cases with every tensor-core pair
+# where the shape allows, gating inside the kernels, graphs, split-K, fallbacks) and the layer's
+# graph test.
+moe_cuda_tests() {
+    TAIL=8 step gpu_tests "$1" $pytest_gpu tests/test_moe_cuda.py \
+        tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
+        -k "${SMOKE:-True and bfloat16 and (1-2048-768 or 1-528 or 3-2048 or 16-256) or gating or graph or split \
+        or fall}"
+}
 if [ "$part" = dense ]; then
     TAIL=6 step sbi_smoke 150 $pytest_gpu -x tests/test_sbi_cuda.py -k "graph or 1-200-24" || true
     if grep -q " passed" "$out/sbi_smoke.log" && ! grep -q "failed\|error" "$out/sbi_smoke.log"; then
@@ -238,10 +247,7 @@ elif [ "$part" = ncu ]; then
 Warp Cycles Per Issued|No Eligible|Theoretical Occupancy|L2 Hit|Block Limit Registers" "$out/ncu_$name.log" | head -40
     done
 elif [ "$part" = scales ]; then
-    TAIL=8 step gpu_tests 300 $pytest_gpu tests/test_moe_cuda.py \
-        tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
-        -k "${SMOKE:-True and bfloat16 and (1-2048-768 or 1-528 or 3-2048 or 16-256) or gating or graph or split \
-        or fall}"
+    moe_cuda_tests 300
     for shape in qwen3 olmoe dsmoe; do
         TAIL=1 step "time_$shape" 60 python scripts/diag_profile.py --shape $shape --dtype int8
     done
@@ -284,10 +290,7 @@ elif [ "$part" = final13 ]; then
             --batches 1 --new-tokens 64 --reps 3
     done
 elif [ "$part" = moecheck ]; then
-    TAIL=8 step gpu_tests 420 $pytest_gpu tests/test_moe_cuda.py \
-        tests/test_moe_kernels.py::test_moe_layer_in_cuda_graph_matches_eager \
-        -k "${SMOKE:-True and bfloat16 and (1-2048-768 or 1-528 or 3-2048 or 16-256) or gating or graph or split \
-        or fall}"
+    moe_cuda_tests 420
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
         --no-baselines --no-json
 elif [ "$part" = unit8 ]; then

@@ -110,6 +110,20 @@ def time_graph(fns, reps: int) -> float:
     return times[len(times) // 2]
 
 
+def expert_weights(name: str, wdtype: str, dev: torch.device, gen: torch.Generator) -> tuple:
+    """Random w13 [E, R, H] and w2 [E, H, F] of shape ``name`` (std 0.02), int8 with their
+    scales where ``wdtype`` says so: (w13, w2, the scales as fused_moe's keyword arguments)."""
+    h, f, e, _, act = SHAPES[name]
+    rows13 = 2 * f if act == "silu" else f
+    w13 = torch.randn(e, rows13, h, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+    w2 = torch.randn(e, h, f, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+    if wdtype != "int8":
+        return w13, w2, {}
+    w13, s13 = kernels.quantize_int8(w13)
+    w2, s2 = kernels.quantize_int8(w2)
+    return w13, w2, dict(w13_scale=s13, w2_scale=s2)
+
+
 def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: bool = False,
                verbose: bool = False, only: str | None = None) -> dict:
     """The best (up, down) configurations per T. ``cuda_only``: the table's current entries
@@ -118,14 +132,8 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
     h, f, e, topk, act = SHAPES[name]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    rows13 = 2 * f if act == "silu" else f
-    w13 = torch.randn(e, rows13, h, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
-    w2 = torch.randn(e, h, f, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
-    scales = {}
-    if wdtype == "int8":
-        w13, s13 = kernels.quantize_int8(w13)
-        w2, s2 = kernels.quantize_int8(w2)
-        scales = dict(w13_scale=s13, w2_scale=s2)
+    w13, w2, scales = expert_weights(name, wdtype, dev, gen)
+    rows13 = w13.shape[1]
     table: dict[str, dict] = {}
     for t in tokens:
         # Several input sets per graph, so the active experts' weights are not served from L2.
