@@ -9,9 +9,18 @@ py=${PYTHON:-python3}
 for ranks in 2 4; do
     echo "== mpi tests, $ranks ranks"
     # One thread per rank: 4 ranks on a 2-core machine, each spinning several OpenMP
-    # threads, can be ten times slower.
-    OMP_NUM_THREADS=1 timeout 300 mpiexec -n "$ranks" $py -m pytest -q --color=no -p no:cacheprovider -m mpi \
-        tests/test_comm_mpi.py tests/test_model_mpi.py
+    # threads, can be ten times slower. A run that times out is tried once more: on a
+    # loaded 2-core machine one of 4 gloo ranks was seen stuck inside a test the other three
+    # had passed (3 of 20 runs, 2026-11-23); a hang that repeats still fails here, and
+    # any test failure fails at once.
+    for attempt in 1 2; do
+        rc=0
+        OMP_NUM_THREADS=1 timeout 180 mpiexec -n "$ranks" $py -m pytest -q --color=no -p no:cacheprovider -m mpi \
+            tests/test_comm_mpi.py tests/test_model_mpi.py || rc=$?
+        [ "$rc" -eq 124 ] && [ "$attempt" -eq 1 ] && { echo "== mpi tests, $ranks ranks: timed out, once more"; continue; }
+        [ "$rc" -eq 0 ] || exit "$rc"
+        break
+    done
 done
 echo "== main test suite"
 exec $py -m pytest -q --color=no "$@"
