@@ -372,9 +372,7 @@ def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tupl
     """Launches kernel ``name`` on the current stream of ``device``; with PDL where
     ``kernels.pdl`` turns it on. ``args`` are numpy scalars (pointers as np.uint64);
     ``shared``: bytes of dynamic shared memory (at most 48 KiB)."""
-    opts = tuple(opts)
-    if not any(o.startswith("-DL2PF=") for o in opts):  # a kernel's configuration may set its own
-        opts += (f"-DL2PF={int(L2_PREFETCH)}",)
+    opts = tuple(opts) + (f"-DL2PF={int(L2_PREFETCH)}",)
     if not any(o.startswith("-DPDL_EARLY=") for o in opts):  # a kernel may pin the late trigger
         opts += (f"-DPDL_EARLY={int(pdl.EARLY_TRIGGER)}",)
     _, handle = function(device.index, source, name, opts)

@@ -28,9 +28,9 @@ top-k gating themselves, each block for its token (k rounds of a warp argmax ove
 The down kernel loads the ids (or computes them) and its first weights before waiting
 for the up kernel (PDL): the ids or logits come from a kernel before the up GEMM, which
 has completed once every up block has passed its own wait, the condition for the down
-grid to start (the up kernel never takes ``pdl.EARLY_TRIGGER``'s early trigger). With the
-``prefetch`` option (or ``cuda_common.L2_PREFETCH``) the down blocks then also send the
-rest of their weights to L2 before the wait.
+grid to start (the up kernel never takes ``pdl.EARLY_TRIGGER``'s early trigger). With
+``cuda_common.L2_PREFETCH`` the down blocks then also send the rest of their weights to
+L2 before the wait.
 
 Compile-time parameters: BN, WARPS, U, INT8, DT (0 bf16, 1 fp16), GATED (SiLU gate * up,
 else GeLU), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials),
@@ -242,18 +242,6 @@ __device__ __forceinline__ void token_experts(const void* __restrict__ ids, int 
   __syncthreads();
 }
 
-// A down block's weights past its first load step, [from, k_hi) of its reduction (slot s's
-// F columns at s F), on their way to L2 before the wait (L2PF only: the ``prefetch``
-// option, or cuda_common.L2_PREFETCH); the block's loads after the wait then hit L2.
-__device__ __forceinline__ void prefetch_rest(const void* __restrict__ w2, const long long* expert, int from,
-                                              int k_hi, int F, int H, int n0, int bytes) {
-  for (int s = from / F; s * F < k_hi; ++s) {
-    const int lo = max(from, s * F) - s * F, hi = min(k_hi, (s + 1) * F) - s * F;
-    prefetch_rows((const char*)w2 + (((size_t)expert[s] * H + n0) * F + lo) * bytes, min(BN, H - n0),
-                  (size_t)F * bytes, (size_t)(hi - lo) * bytes);
-  }
-}
-
 // The int8 scales of rows n0 .. n0 + BN of each of the token's experts (times mul) into
 // sc[slot], in shared memory. Called once the block's first weights are on their way: the
 // two loads then wait together.
@@ -359,7 +347,11 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   };
   int kb = k_lo + tid * WVEC;
   load_step(kb);
-  prefetch_rest(w2, expert, k_lo + U * STEP, k_hi, F, H, n0, W_BYTES);
+  for (int s = k_lo / F; s * F < k_hi; ++s) {  // the rest of the block's weights on the way to L2
+    const int lo = max(k_lo, s * F) - s * F, hi = min(k_hi, (s + 1) * F) - s * F;
+    prefetch_rows((const char*)w2 + (((size_t)expert[s] * H + n0) * F + lo) * W_BYTES, min(BN, H - n0),
+                  (size_t)F * W_BYTES, (size_t)(hi - lo) * W_BYTES);
+  }
 #if INT8
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
   token_scales(scale, expert, topk, sc, n0, H, UNIT_SCALE);
@@ -548,7 +540,11 @@ moe_down_mma(const u16* __restrict__ h, const void* __restrict__ w2, const float
   };
   int kb = k_lo + warp * MMA_CHUNK;
   load_step(kb);
-  prefetch_rest(w2, expert, k_lo + U * MMA_STEP, k_hi, F, H, n0, 1);
+  for (int s = k_lo / F; s * F < k_hi; ++s) {  // the rest of the block's weights on the way to L2
+    const int lo = max(k_lo, s * F) - s * F, hi = min(k_hi, (s + 1) * F) - s * F;
+    prefetch_rows((const char*)w2 + (((size_t)expert[s] * H + n0) * F + lo), min(BN, H - n0), (size_t)F,
+                  (size_t)(hi - lo));
+  }
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
   token_scales(scale, expert, topk, sc, n0, H, MMA_SCALE);
   grid_dep_enter();  // h is the up kernel's output
@@ -635,17 +631,13 @@ def candidates(phase: str, t: int, int8: bool = False, h: int | None = None, f: 
     int8 kernels use 100-180 registers uncapped, so two or three blocks an SM hold all
     the loads in flight), for int8 each also widening with one byte permute a weight
     (``unit``), then the tensor-core kernels (``mma``, where H = h and F = f allow them;
-    they need no cap), the down ones each also with ``prefetch`` (the block's weights past
-    its first load step sent to L2 before the PDL wait), and past T = 1 each in the
-    pair-major grid."""
+    they need no cap), and past T = 1 each in the pair-major grid."""
     base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES
     base = base + ([dict(c, unit=True) for c in base] if int8 else [])
     base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
     if int8 and h is not None:  # 50-110 registers: uncapped
         mma = MMA_UP_CANDIDATES if phase == "up" else MMA_DOWN_CANDIDATES
         base = base + [c for c in mma if mma_check(phase, c, h, f, gated) is None]
-    if phase == "down":  # each also sending its weights past the first step to L2 before the wait
-        base = base + [dict(c, prefetch=True) for c in base]
     return base + ([dict(c, pair_major=True) for c in base] if t > 1 else [])
 
 
@@ -700,8 +692,8 @@ def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> s
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
             logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
-            mma: bool = False, h16: bool = False, prefetch: bool = False) -> tuple:
-    return (("-DL2PF=1",) if prefetch else ()) + ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
+            mma: bool = False, h16: bool = False) -> tuple:
+    return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
             f"-DPARTIAL={int(partial)}", f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
             f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
@@ -786,8 +778,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     target = out if split == 1 else torch.empty(split, t, h, dtype=torch.float32, device=x.device)
     down_major = down.get("pair_major", False)
     opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, pair_major=down_major,
-                   min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), mma=down_mma,
-                   prefetch=down.get("prefetch", False), **route)
+                   min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), mma=down_mma, **route)
     down_grid = (-(-h // down["bn"]), split, t)
     launch(x.device, SOURCE, "moe_down_mma" if down_mma else "moe_down", opts,
            down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
@@ -812,11 +803,10 @@ def compile_all(arch: str = "sm_90") -> int:
         compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, ids64=i % 2 == 0,
                                       pair_major=i % 2 == 1, min_blocks=min_blocks, unit=i % 4 == 1, **route)
                       + launch_flags, arch, "moe_cuda.cu")
-        prefetch = i % 4 == 0  # the configuration's own L2PF: launch adds none then
         compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
                                       ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks,
-                                      unit=i % 4 == 3, prefetch=prefetch, **route)
-                      + launch_flags[1 if prefetch else 0:], arch, "moe_cuda.cu")
+                                      unit=i % 4 == 3, **route)
+                      + launch_flags, arch, "moe_cuda.cu")
         count += 2
         if int8:  # the tensor-core kernels, the up one writing f16 for them or not
             up, down = MMA_UP_CANDIDATES[i % len(MMA_UP_CANDIDATES)], MMA_DOWN_CANDIDATES[i % len(MMA_DOWN_CANDIDATES)]
@@ -825,7 +815,6 @@ def compile_all(arch: str = "sm_90") -> int:
                                           mma=True, h16=i % 4 < 2, **route) + launch_flags, arch, "moe_cuda.cu")
             compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
                                           ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks, mma=True,
-                                          prefetch=prefetch, **route) + launch_flags[1 if prefetch else 0:], arch,
-                          "moe_cuda.cu")
+                                          **route) + launch_flags, arch, "moe_cuda.cu")
             count += 2
     return count

@@ -68,10 +68,6 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh final13 [OUT]
 #       the decode-path GPU tests (engine, default model), bench_moe at T = 1 and 8 on every
 #       shape, Qwen3 decode at batch 1 (bf16, int8)
-#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh prefetch [OUT]
-#       the CUDA MoE kernels' GPU tests (as moecheck; $SMOKE narrows them), tune_moe --cuda-only
-#       --only prefetch for int8 at T = 1 on $TUNE_SHAPES (default Qwen3, DS-MoE), bench_moe at
-#       T = 1
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moecheck [OUT]
 #       the CUDA MoE kernels' GPU tests (int8 cases with the tensor-core pairs, gating inside
 #       the kernels, graphs, split-K, fallbacks) and the layer's graph test, bench_moe at T = 1
@@ -293,14 +289,6 @@ elif [ "$part" = final13 ]; then
         TAIL=4 step qwen3_${q:-bf16} 120 python scripts/bench_decode.py --model qwen3-30b-a3b ${q:+--quantize $q} \
             --batches 1 --new-tokens 64 --reps 3
     done
-elif [ "$part" = prefetch ]; then
-    moe_cuda_tests 200
-    TAIL=10 step tune 300 python scripts/tune_moe.py --cuda-only --only prefetch --shapes ${TUNE_SHAPES:-qwen3,dsmoe} \
-        --tokens "" --int8-tokens 1 --verbose
-    cp kernels/configs/moe.json "$out/"
-    grep "T=1 down" "$out/tune.log" | sort -k6 -n | head -8
-    TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
-        --no-baselines --no-json
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \

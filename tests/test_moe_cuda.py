@@ -85,22 +85,19 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
     ref = fused_moe_ref(x.double(), w13 if int8 else w13.double(), w2 if int8 else w2.double(), w.double(), ids,
                         activation, s13, s2)
     # Every tuning candidate that the problem's size keeps apart (up i with down i), some
-    # with their registers capped, some widening int8 by one permute, some down kernels
-    # prefetching to L2; past T = 1 also the pair-major grid, in both kernels and in each
-    # one alone.
+    # with their registers capped, some widening int8 by one permute; past T = 1 also the
+    # pair-major grid, in both kernels and in each one alone.
     pairs = list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.DOWN_CANDIDATES))
     pairs += [(dict(up, min_blocks=m), dict(down, min_blocks=m)) for m, (up, down) in zip(moe_cuda.MIN_BLOCKS,
                                                                                       pairs[2:])]
     pairs += [(dict(up, unit=True), dict(down, unit=True)) for up, down in pairs[1:4]]  # int8: one permute a weight
-    pairs += [(up, dict(down, prefetch=True)) for up, down in pairs[2:4]]  # down weights to L2 before the wait
     if t > 1:
         major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
         pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
     if int8:  # the tensor-core kernels, both, and each beside the other kind (its h in f16 or not)
         mma = list(zip(moe_cuda.MMA_UP_CANDIDATES[::2], moe_cuda.MMA_DOWN_CANDIDATES[::3]))
         mma = [(dict(up, bn=16) if activation == "gelu" else up, down) for up, down in mma]
-        mma += [(mma[0][0], pairs[0][1]), (pairs[1][0], mma[1][1]), (dict(mma[2][0], min_blocks=8), mma[2][1]),
-                (mma[1][0], dict(mma[1][1], prefetch=True))]
+        mma += [(mma[0][0], pairs[0][1]), (pairs[1][0], mma[1][1]), (dict(mma[2][0], min_blocks=8), mma[2][1])]
         if moe_cuda.mma_check("up", mma[0][0], h, f) or moe_cuda.mma_check("down", mma[0][1], h, f):
             with pytest.raises(ValueError, match="multiples of 64"):
                 moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, mma[0])
