@@ -18,6 +18,11 @@ from dense.norm import RMSNorm, ShardedRMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
 from dense.rotary import Rotary, apply_rotary
 
+# A static decode step's context (positions, mask, rotary rows) as one launch on a GPU
+# (kernels.decode_context) instead of about twenty small torch launches;
+# scripts/diag_decode_ab.py --off fused-context measures what that is worth.
+FUSED_DECODE_CONTEXT = True
+
 
 def _rotary(rotary: Rotary | None, positions: torch.Tensor, dtype: torch.dtype):
     """cos, sin [B, T, D] for the query positions (None, None for learned positions)."""
@@ -64,11 +69,17 @@ class StepContext:
 
     @classmethod
     def decode_static(cls, slot: torch.Tensor, key_valid: torch.Tensor, key_positions: torch.Tensor,
-                      rotary: Rotary | None, dtype: torch.dtype,
-                      sliding_window: int | None = None) -> "StepContext":
+                      rotary: Rotary | None, dtype: torch.dtype, sliding_window: int | None = None,
+                      tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> "StepContext":
         """One decode token per row at cache slot ``slot`` (a 0-d device tensor), attending
         over all S slots of the cache with a mask: every shape is fixed, so the step can be
-        captured in a CUDA graph and replayed for any slot. key_valid, key_positions [B, S]."""
+        captured in a CUDA graph and replayed for any slot. key_valid, key_positions [B, S].
+        On a GPU, with ``tables`` (``rotary.table`` over the S slots) where there is a
+        rotary, the whole context is one launch (``kernels.decode_context``)."""
+        if key_valid.is_cuda and FUSED_DECODE_CONTEXT and (rotary is None) == (tables is None):
+            positions, bias, cos, sin = kernels.decode_context_triton(slot, key_valid, key_positions, dtype, tables,
+                                                                      sliding_window)
+            return cls(positions, bias, cos, sin, slot)
         b, s = key_valid.shape
         k_slot = torch.arange(s, device=key_valid.device)  # [S]
         positions = key_positions.gather(1, slot.view(1, 1).expand(b, 1))  # [B, 1]

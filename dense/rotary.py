@@ -23,6 +23,12 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def table(self, length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [length, D] for positions 0 .. length - 1, as ``forward`` computes them:
+        looked up by position in a static decode step (``kernels.decode_context``)."""
+        cos, sin = self.forward(torch.arange(length, device=device)[None], dtype)
+        return cos[0], sin[0]
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, T, D]; cos, sin [B, T, D]."""

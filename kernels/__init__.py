@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kernels.argmax import argmax_ref, argmax_triton
+from kernels.decode_context import decode_context_triton
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
 from kernels.qkv_attention import fits as qkv_attention_fits, qkv_attention_ref, qkv_attention_triton
 from kernels.linear_select import dense_linear, norm_linear
@@ -216,7 +217,7 @@ def sbi_linear(x, w, scale=None, bias=None, residual=None, norm=None):
 
 __all__ = [
     "decode_attention", "decode_attention_ref", "decode_attention_triton",
-    "argmax", "argmax_ref", "argmax_triton",
+    "argmax", "argmax_ref", "argmax_triton", "decode_context_triton",
     "rms_norm", "rms_norm_ref", "rms_norm_triton", "ROUTER_MAX_ROWS",
     "rms_norm_router", "rms_norm_router_ref", "rms_norm_router_triton",
     "qkv_decode", "qkv_decode_ref", "qkv_decode_supported", "qkv_decode_triton",

@@ -40,6 +40,7 @@ class StaticDecoder:
         self.slot = torch.zeros((), dtype=torch.long, device=dev)
         self.key_valid = torch.zeros(batch, slots, dtype=torch.bool, device=dev)
         self.positions = torch.zeros(batch, slots, dtype=torch.long, device=dev)
+        self.tables = model.rotary_tables(slots)  # rotary rows looked up by position each step
         self.graph = None
         if graph:
             side = torch.cuda.Stream(dev)
@@ -53,7 +54,7 @@ class StaticDecoder:
                 self.out = self._step()
 
     def _step(self):
-        ctx = self.model.static_decode_context(self.slot, self.key_valid, self.positions)
+        ctx = self.model.static_decode_context(self.slot, self.key_valid, self.positions, self.tables)
         logits = self.model(self.tokens, ctx, self.cache, last_only=True)[:, -1]
         return logits, kernels.argmax(logits)
 

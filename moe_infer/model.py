@@ -99,10 +99,16 @@ class Transformer(nn.Module):
         return PagedKVCache(m.num_layers, num_blocks, block_size, self.num_kv_heads, m.head_dim, p.dtype,
                             p.device)
 
-    def static_decode_context(self, slot: torch.Tensor, key_valid: torch.Tensor,
-                              key_positions: torch.Tensor) -> StepContext:
+    def rotary_tables(self, slots: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary cos / sin rows of positions 0 .. slots - 1 (None for learned positions),
+        computed once for a static decode step over ``slots`` cache slots."""
+        p = self.embed.weight
+        return self.rotary.table(slots, p.dtype, p.device) if self.rotary is not None else None
+
+    def static_decode_context(self, slot: torch.Tensor, key_valid: torch.Tensor, key_positions: torch.Tensor,
+                              tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepContext:
         return StepContext.decode_static(slot, key_valid, key_positions, self.rotary, self.embed.weight.dtype,
-                                         self.cfg.model.sliding_window)
+                                         self.cfg.model.sliding_window, tables)
 
     def paged_context(self, positions: torch.Tensor, query_valid: torch.Tensor,
                       context_lens: torch.Tensor, num_keys: int) -> StepContext:

@@ -11,6 +11,8 @@ is worth in the same run and on the same device:
   cuda-pdl    the CUDA C++ kernels (SBI-GeMM, MoE) launch without PDL
   fused-attention  the QKV epilogue launch and SDPA, not kernels.qkv_attention
   pdl-early   every kernel lets the next launch only after its own wait
+  fused-context  the static decode step's positions, mask and rotary rows by torch's ops
+              (about twenty launches), not kernels.decode_context_triton (one)
 --on (repeatable; each measured slower or no faster, so off by default):
   route-in    the gating inside the CUDA MoE kernels, no routing launch
   norm-in-qkv the attention's residual add and RMSNorm inside the QKV GEMM's launch
@@ -30,7 +32,7 @@ from dense import attention  # noqa: E402
 from kernels import cuda_common, moe_triton, pdl  # noqa: E402
 from moe_infer import model, moe_layer  # noqa: E402
 
-OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early")
+OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context")
 ON = ("route-in", "norm-in-qkv", "l2-prefetch", "topk-in-router")
 
 
@@ -48,6 +50,8 @@ def switch_off(part: str) -> None:
         _after_init(attention.Attention, "fused_attention", False)
     elif part == "pdl-early":
         pdl.EARLY_TRIGGER = False
+    elif part == "fused-context":
+        attention.FUSED_DECODE_CONTEXT = False
 
 
 def switch_on(part: str) -> None:

@@ -68,6 +68,10 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh final13 [OUT]
 #       the decode-path GPU tests (engine, default model), bench_moe at T = 1 and 8 on every
 #       shape, Qwen3 decode at batch 1 (bf16, int8)
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh context [OUT]
+#       the decode context kernel's GPU tests and the decode-path tests (engine, default model,
+#       fused decode), then OLMoE decode at batch 1 alternating: the one-launch context, and
+#       torch's ops (diag_decode_ab.py --off fused-context), twice each
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moecheck [OUT]
 #       the CUDA MoE kernels' GPU tests (int8 cases with the tensor-core pairs, gating inside
 #       the kernels, graphs, split-K, fallbacks) and the layer's graph test, bench_moe at T = 1
@@ -288,6 +292,15 @@ elif [ "$part" = final13 ]; then
     for q in "" int8; do
         TAIL=4 step qwen3_${q:-bf16} 120 python scripts/bench_decode.py --model qwen3-30b-a3b ${q:+--quantize $q} \
             --batches 1 --new-tokens 64 --reps 3
+    done
+elif [ "$part" = context ]; then
+    TAIL=4 step gpu_tests 200 $pytest_gpu tests/test_fused_decode.py tests/test_engine.py tests/test_default_model.py \
+        tests/test_qkv_attention.py
+    for run in 1 2; do
+        for v in none fused-context; do
+            TAIL=3 step "ab_${v}_$run" 90 python scripts/diag_decode_ab.py $([ $v = none ] || echo --off $v) \
+                --model olmoe-1b-7b --batches 1 --new-tokens 64 --reps 3
+        done
     done
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420

@@ -367,3 +367,64 @@ def test_fusions_measured_off_still_compute_the_same_step(device):
     assert [o.token_ids for o in engine.generate(prompts, max_new_tokens=12)] == base
     logits = engine.logits(ids)
     assert ((logits - base_logits).norm() / base_logits.norm()).item() < (1e-6 if device == "cpu" else 2e-2)
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("rope", [True, False])
+def test_decode_context_in_one_launch_equals_the_torch_context(device, dtype, window, rope, monkeypatch):
+    """kernels.decode_context_triton against StepContext.decode_static's torch ops: the rows'
+    positions, the additive mask (left padding, a sliding window, a padding row that sees
+    only itself) and the rotary rows looked up in Rotary.table, for several slots."""
+    from dense import attention
+    from dense.attention import StepContext
+    from dense.rotary import Rotary
+
+    monkeypatch.setattr(attention, "FUSED_DECODE_CONTEXT", False)  # the reference: torch's ops
+    b, s = 4, 37
+    pad = torch.tensor([0, 3, 11, 36])  # the last row is all padding before slot 36
+    slots = torch.arange(s)
+    key_valid = (slots[None, :] >= pad[:, None]).to(device)
+    positions = (slots[None, :] - pad[:, None]).clamp(min=0).to(device)
+    rotary = Rotary(16, 10000.0) if rope else None
+    tables = rotary.table(s, dtype, torch.device(device)) if rope else None
+    for slot in (0, 7, 20, 36):
+        slot_t = torch.tensor(slot, device=device)
+        ref = StepContext.decode_static(slot_t, key_valid, positions, rotary, dtype, window)
+        pos, bias, cos, sin = kernels.decode_context_triton(slot_t, key_valid, positions, dtype, tables, window)
+        assert torch.equal(pos, ref.positions) and bias.dtype == dtype and torch.equal(bias, ref.attn_mask)
+        if rope:
+            assert cos.shape == ref.cos.shape == (b, 1, 16)
+            torch.testing.assert_close(cos, ref.cos, rtol=0, atol=TOL[dtype] / 10)
+            torch.testing.assert_close(sin, ref.sin, rtol=0, atol=TOL[dtype] / 10)
+        else:
+            assert cos is None and sin is None and ref.cos is None
+    with pytest.raises(ValueError, match="0-d int64"):
+        kernels.decode_context_triton(torch.tensor([3], device=device), key_valid, positions, dtype, tables)
+    with pytest.raises(ValueError, match="bool and int64"):
+        kernels.decode_context_triton(torch.tensor(3, device=device), key_valid.long(), positions, dtype, tables)
+
+
+_COMPILE_CONTEXT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.decode_context import _decode_context_kernel as kernel
+
+window, rotary, pdl = (int(v) for v in sys.argv[1:])
+const = dict(HAS_WINDOW=window, ROTARY=rotary, BLOCK_S=1024, BLOCK_D=128, PDL=pdl)
+types = {"slot_ptr": "*i64", "valid_ptr": "*i1", "kpos_ptr": "*i64", "pos_ptr": "*i64", "S": "i32", "D": "i32",
+         "window": "i32"}
+sig = {n: "constexpr" if n in const else types.get(n, "*bf16") for n in kernel.arg_names}
+compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print("cubin bytes", len(compiled.asm["cubin"]))
+"""
+
+
+@pytest.mark.parametrize("window,rotary,pdl", [(1, 1, 2), (0, 0, 0)])
+def test_decode_context_compiles_for_hopper(window, rotary, pdl):
+    """The decode-context kernel's whole Triton compile for sm_90 (tests.hopper)."""
+    from tests.hopper import compile_in_subprocess
+
+    assert int(compile_in_subprocess(_COMPILE_CONTEXT, window, rotary, pdl).split()[-1]) > 0

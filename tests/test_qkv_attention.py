@@ -4,18 +4,13 @@ rotary or none, one split or several (the in-kernel combine), a short context in
 cache and one that fills it, padding and a sliding window in the mask; repeated calls
 (the split counters reset); on CPU under the interpreter and on a GPU."""
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.qkv_attention import default_splits, fits, qkv_attention_ref, qkv_attention_triton
+from tests.hopper import compile_in_subprocess
 from tests.test_fused_decode import BACKENDS, TOL, _qkv_case, rel
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _mask(b, s, slot, dtype, device, gen, window=None):
@@ -140,12 +135,6 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 
 @pytest.mark.parametrize("g,splits,qk_norm,pdl", [(1, 16, 2, 2), (8, 1, 1, 1), (4, 4, 0, 0)])
 def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl):
-    """The whole Triton compile for sm_90 (front end, ptxas), which needs no GPU: it checks
-    what the interpreter lets through (globals, constexpr and type rules, the PDL calls).
-    In a process of its own, without the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", _COMPILE, str(g), str(splits), str(qk_norm), str(pdl)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert int(run.stdout.split()[-1]) > 0
+    """The whole Triton compile for sm_90 (tests.hopper)."""
+    out = compile_in_subprocess(_COMPILE, g, splits, qk_norm, pdl)
+    assert int(out.split()[-1]) > 0
