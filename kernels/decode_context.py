@@ -25,7 +25,7 @@ BLOCK_S = 1024
 
 @triton.jit
 def _decode_context_kernel(slot_ptr, valid_ptr, kpos_ptr, cos_tab_ptr, sin_tab_ptr, pos_ptr, bias_ptr, cos_ptr,
-                           sin_ptr, S, D, window, HAS_WINDOW: tl.constexpr, ROTARY: tl.constexpr,
+                           sin_ptr, S, D, L, window, HAS_WINDOW: tl.constexpr, ROTARY: tl.constexpr,
                            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -41,10 +41,11 @@ def _decode_context_kernel(slot_ptr, valid_ptr, kpos_ptr, cos_tab_ptr, sin_tab_p
         ok = ok | (s == slot)  # a padding row still sees itself: a finite softmax
         bias = tl.where(ok, 0.0, float("-inf"))
         tl.store(bias_ptr + b * S + s, bias.to(bias_ptr.dtype.element_ty), mask=inside)
-    if ROTARY:
+    if ROTARY:  # a position past the tables (a broken contract) reads nothing outside them
         d = tl.arange(0, BLOCK_D)
-        tl.store(cos_ptr + b * D + d, tl.load(cos_tab_ptr + pos * D + d, mask=d < D), mask=d < D)
-        tl.store(sin_ptr + b * D + d, tl.load(sin_tab_ptr + pos * D + d, mask=d < D), mask=d < D)
+        inside = (d < D) & (pos < L)
+        tl.store(cos_ptr + b * D + d, tl.load(cos_tab_ptr + pos * D + d, mask=inside, other=0.0), mask=d < D)
+        tl.store(sin_ptr + b * D + d, tl.load(sin_tab_ptr + pos * D + d, mask=inside, other=0.0), mask=d < D)
 
 
 def decode_context_triton(slot: torch.Tensor, key_valid: torch.Tensor, key_positions: torch.Tensor,
@@ -66,16 +67,16 @@ def decode_context_triton(slot: torch.Tensor, key_valid: torch.Tensor, key_posit
     bias = torch.empty(b, 1, 1, s, dtype=dtype, device=dev)
     if tables is not None:
         cos_tab, sin_tab = tables
-        d = cos_tab.shape[1]
+        length, d = cos_tab.shape
         cos = torch.empty(b, 1, d, dtype=dtype, device=dev)
         sin = torch.empty(b, 1, d, dtype=dtype, device=dev)
     else:
         cos_tab = sin_tab = cos = sin = bias  # unused (ROTARY=False)
-        d = 1
+        length, d = 0, 1
     if b:
         _decode_context_kernel[(b,)](
             slot, key_valid.contiguous(), key_positions.contiguous(), cos_tab, sin_tab, positions, bias, cos, sin,
-            s, d, sliding_window or 0, HAS_WINDOW=sliding_window is not None, ROTARY=tables is not None,
+            s, d, length, sliding_window or 0, HAS_WINDOW=sliding_window is not None, ROTARY=tables is not None,
             BLOCK_S=min(BLOCK_S, triton.next_power_of_2(s)), BLOCK_D=triton.next_power_of_2(d), num_warps=4,
             **pdl_launch(dev))
     return positions, bias, (cos if tables is not None else None), (sin if tables is not None else None)

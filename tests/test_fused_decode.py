@@ -399,6 +399,11 @@ def test_decode_context_in_one_launch_equals_the_torch_context(device, dtype, wi
             torch.testing.assert_close(sin, ref.sin, rtol=0, atol=TOL[dtype] / 10)
         else:
             assert cos is None and sin is None and ref.cos is None
+    if rope:  # positions past the tables read nothing outside them: zero rows
+        short = (tables[0][:10], tables[1][:10])
+        _, _, cos, sin = kernels.decode_context_triton(torch.tensor(20, device=device), key_valid, positions, dtype,
+                                                       short)
+        assert not cos[:2].any() and not sin[:2].any() and cos[2:].any()  # positions 20, 17 | 9, 0
     with pytest.raises(ValueError, match="0-d int64"):
         kernels.decode_context_triton(torch.tensor([3], device=device), key_valid, positions, dtype, tables)
     with pytest.raises(ValueError, match="bool and int64"):
@@ -415,7 +420,7 @@ from kernels.decode_context import _decode_context_kernel as kernel
 window, rotary, pdl = (int(v) for v in sys.argv[1:])
 const = dict(HAS_WINDOW=window, ROTARY=rotary, BLOCK_S=1024, BLOCK_D=128, PDL=pdl)
 types = {"slot_ptr": "*i64", "valid_ptr": "*i1", "kpos_ptr": "*i64", "pos_ptr": "*i64", "S": "i32", "D": "i32",
-         "window": "i32"}
+         "L": "i32", "window": "i32"}
 sig = {n: "constexpr" if n in const else types.get(n, "*bf16") for n in kernel.arg_names}
 compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 print("cubin bytes", len(compiled.asm["cubin"]))
