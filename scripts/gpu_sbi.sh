@@ -76,6 +76,9 @@
 #       the int8 CUDA MoE cases with several pairs an expert (the grouped tensor-core up kernel
 #       among the pairs), then Qwen3 int8 at T = 8: the table's pair and grouped up kernels
 #       beside CUDA down kernels, each timed as a graph (diag_profile.py)
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh t8pair [OUT]
+#       tune_moe --cuda-only --only unit for int8 at T = 8 on $TUNE_SHAPES (default Qwen3; each
+#       CUDA up timed beside its companion CUDA down), then bench_moe at T = 8 on the new table
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moecheck [OUT]
 #       the CUDA MoE kernels' GPU tests (int8 cases with the tensor-core pairs, gating inside
 #       the kernels, graphs, split-K, fallbacks) and the layer's graph test, bench_moe at T = 1
@@ -323,6 +326,11 @@ elif [ "$part" = group ]; then
     done
     TAIL=1 step t8_unit 60 python scripts/diag_profile.py --shape qwen3 --tokens 8 --dtype int8 --calls 1 \
         --up '{"backend":"cuda","bn":4,"warps":4,"unroll":1,"unit":true,"pair_major":true}' --down "$unit_pm"
+elif [ "$part" = t8pair ]; then
+    TAIL=6 step tune 420 python scripts/tune_moe.py --cuda-only --only unit --shapes ${TUNE_SHAPES:-qwen3} --tokens "" \
+        --int8-tokens 8 --verbose
+    cp kernels/configs/moe.json "$out/"
+    TAIL=6 step moe 90 python scripts/bench_moe.py --shapes qwen3-30b-a3b --tokens 8 --no-baselines --no-json
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
