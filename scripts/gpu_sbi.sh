@@ -79,6 +79,9 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh t8pair [OUT]
 #       tune_moe --cuda-only --only unit for int8 at T = 8 on $TUNE_SHAPES (default Qwen3; each
 #       CUDA up timed beside its companion CUDA down), then bench_moe at T = 8 on the new table
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh t8final [OUT]
+#       the CUDA MoE kernels' GPU tests (as moecheck, with the several-pairs cases), t8pair's tune
+#       for OLMoE, then bench_moe at T = 1 and 8 on Qwen3, OLMoE and DS-MoE
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moecheck [OUT]
 #       the CUDA MoE kernels' GPU tests (int8 cases with the tensor-core pairs, gating inside
 #       the kernels, graphs, split-K, fallbacks) and the layer's graph test, bench_moe at T = 1
@@ -331,6 +334,12 @@ elif [ "$part" = t8pair ]; then
         --int8-tokens 8 --verbose
     cp kernels/configs/moe.json "$out/"
     TAIL=6 step moe 90 python scripts/bench_moe.py --shapes qwen3-30b-a3b --tokens 8 --no-baselines --no-json
+elif [ "$part" = t8final ]; then
+    SMOKE="True and bfloat16 and (1-2048-768 or 3-2048 or 8-512) or graph or split or fall" moe_cuda_tests 240
+    TAIL=4 step tune 200 python scripts/tune_moe.py --cuda-only --only unit --shapes olmoe --tokens "" --int8-tokens 8
+    cp kernels/configs/moe.json "$out/"
+    TAIL=10 step moe 120 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1,8 \
+        --no-baselines --no-json
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
