@@ -82,13 +82,6 @@ SOURCE = COMMON + r"""
 #ifndef MMA
 #define MMA 0
 #endif
-#ifndef GROUP
-#define GROUP 0
-#endif
-#define MAX_P 256  // pairs: T <= 16 tokens, k <= 16 slots
-#if GROUP && ROUTE
-#error "GROUP finds an expert's pairs in the ids: they must be given (ROUTE 0)"
-#endif
 
 // An up kernel's output: in the activations' dtype, or (H16: for an MMA down kernel) as f16
 // times ACT_F16, the operand that kernel's tensor cores take.
@@ -415,43 +408,9 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
 #define UP_TILES (ROWS / 16)  // moe_up_mma: gated, BN a multiple of 8; GeLU, of 16
 
 #if ROWS % 16 == 0
-#if GROUP
-// GROUP (T <= 8, ids given): the block of an expert's first pair computes every pair routed to
-// that expert, as the columns of the mma (an expert has at most T pairs: a token's k experts
-// are distinct); the blocks of its other pairs return at once. Its weights are then read
-// once, and the pairs cost no more instructions than one. -> false for a block that returns;
-// cols / col_w: the expert's pairs and their combine weights, n_cols of them.
-__device__ bool expert_pairs(const void* __restrict__ ids, const float* __restrict__ pair_w, int p, long long e,
-                             int P, int* cols, float* col_w, int* n_cols) {
-  __shared__ unsigned hit[MAX_P / 32];  // bit i: pair i is routed to e
-  const int lane = threadIdx.x % 32;
-  for (int base = threadIdx.x / 32 * 32; base < P; base += THREADS) {
-    const unsigned bits = __ballot_sync(0xffffffffu, base + lane < P && id_at(ids, base + lane) == e);
-    if (lane == 0) hit[base / 32] = bits;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int n = 0;
-    for (int w = 0; w * 32 < P; ++w)
-      for (unsigned bits = hit[w]; bits && n < 8; bits &= bits - 1) {
-        const int i = w * 32 + __ffs(bits) - 1;
-        if (n == 0 && i != p) break;  // an earlier pair's block has this expert
-        cols[n] = i;
-        col_w[n++] = pair_w[i];
-      }
-    *n_cols = n;
-  }
-  __syncthreads();
-  return *n_cols > 0;
-}
-#define NC 8  // mma columns in use: the expert's pairs
-#else
-#define NC 1  // the block's pair alone
-#endif
-
 // moe_up's contract. BN columns as UP_TILES tiles: gated, tile m has gate rows n0 + 8 m + g and
 // up rows F + n0 + 8 m + g (the same column in rows g and g + 8); GeLU, rows n0 + 16 m + ...
-// The pairs' token rows move to shared memory once, as f16, for every warp's B operands.
+// The pair's token row moves to shared memory once, as f16, for every warp's B operands.
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float* __restrict__ scale,
            const void* __restrict__ ids, const float* __restrict__ pair_w, u16* __restrict__ h,
@@ -460,16 +419,7 @@ moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float*
   const UpBlock blk = up_block(ids, pair_w, topk, E);  // waits: x and the ids are earlier kernels' outputs
   const int p = blk.p, n0 = blk.n0;
   const long long e = blk.e;
-#if GROUP
-  __shared__ int cols[NC];
-  __shared__ float col_w[NC];
-  __shared__ int n_cols;
-  if (!expert_pairs(ids, pair_w, p, e, PAIR_MAJOR ? gridDim.x : gridDim.y, cols, col_w, &n_cols)) return;
-  const int ncols = n_cols;
-#else
-  const int cols[1] = {p}, ncols = 1;
-  const float col_w[1] = {blk.weight};
-#endif
+  const float weight = blk.weight;
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H;
   const float2 sc = up_scales(scale, e, n0, F);
   const char* rows[UP_TILES][2];  // this lane's rows g and g + 8 of each tile (null: past F)
@@ -495,32 +445,28 @@ moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float*
   int kb = warp * MMA_CHUNK;
   load_step(kb);
 
-  extern __shared__ __align__(16) u32 xs[];  // [NC][H / 2] the pairs' token rows, f16 pairs times ACT_F16
-  for (int c = 0; c < ncols; ++c) {
-    const u16* xr = x + (size_t)(cols[c] / topk) * stride_x;
-    for (int i = tid * 8; i < H; i += THREADS * 8) {
-      float a[8];
-      load_act8(xr + i, a);
-      u32x4 v;
+  extern __shared__ __align__(16) u32 xs[];  // [H / 2] the token's row, f16 pairs times ACT_F16
+  const u16* xr = x + (size_t)(p / topk) * stride_x;
+  for (int i = tid * 8; i < H; i += THREADS * 8) {
+    float a[8];
+    load_act8(xr + i, a);
+    u32x4 v;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) v.v[j] = f16x2(a[2 * j], a[2 * j + 1]);
-      *(u32x4*)(xs + (size_t)c * H / 2 + i / 2) = v;
-    }
+    for (int j = 0; j < 4; ++j) v.v[j] = f16x2(a[2 * j], a[2 * j + 1]);
+    *(u32x4*)(xs + i / 2) = v;
   }
   __syncthreads();
 
-  float acc[UP_TILES][NC > 1 ? 4 : 2];  // NC 1: rows g and g + 8, column 0; else d0..d3 of the tile
+  float acc[UP_TILES][2];  // rows g and g + 8 of each tile, column 0
 #pragma unroll
-  for (int m = 0; m < UP_TILES; ++m)
-#pragma unroll
-    for (int i = 0; i < (NC > 1 ? 4 : 2); ++i) acc[m][i] = 0.f;
+  for (int m = 0; m < UP_TILES; ++m) acc[m][0] = acc[m][1] = 0.f;
   for (; kb < H; kb += U * MMA_STEP) {
     u32 b[U][8];  // every chunk's activations first: no chunk waits on another's
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u * MMA_STEP + 16 * q;
-      if (g < ncols && k < H)  // column g: pair cols[g]
-        words8(b[u], *(const u32x4*)(xs + (size_t)g * H / 2 + k / 2), *(const u32x4*)(xs + (size_t)g * H / 2 + k / 2 + 4));
+      if (g == 0 && k < H)
+        words8(b[u], *(const u32x4*)(xs + k / 2), *(const u32x4*)(xs + k / 2 + 4));
       else
         words8(b[u], zero4(), zero4());  // past H the weights are zeros too
     }
@@ -529,51 +475,32 @@ moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float*
       float off[4] = {0.f, 0.f, 0.f, 0.f};
       mma_offset(off, b[u]);
 #pragma unroll
-      for (int m = 0; m < UP_TILES; ++m) {
-#if GROUP
-        float d[4] = {off[0], off[1], off[2], off[3]};
-        mma_chunk(d, wv[u][m][0], wv[u][m][1], b[u]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[m][i] += d[i];
-#else
-        mma_add(acc[m], off, wv[u][m][0], wv[u][m][1], b[u], 1.f, 1.f);
-#endif
-      }
+      for (int m = 0; m < UP_TILES; ++m) mma_add(acc[m], off, wv[u][m][0], wv[u][m][1], b[u], 1.f, 1.f);
     }
     if (kb + U * MMA_STEP < H) load_step(kb + U * MMA_STEP);
   }
 
-  __shared__ float part[WARPS][ROWS * NC];  // [warp][(16 m + row of the tile) * NC + column]
-#if GROUP
-#pragma unroll
-  for (int m = 0; m < UP_TILES; ++m)
-#pragma unroll
-    for (int i = 0; i < 4; ++i)  // d_i: row g (+ 8 for i >= 2), column 2 q + i % 2
-      part[warp][(16 * m + g + 8 * (i / 2)) * NC + 2 * q + i % 2] = acc[m][i];
-#else
+  __shared__ float part[WARPS][ROWS];  // [warp][16 m + row of the tile]
   if (q == 0)
 #pragma unroll
     for (int m = 0; m < UP_TILES; ++m) {
       part[warp][16 * m + g] = acc[m][0];
       part[warp][16 * m + 8 + g] = acc[m][1];
     }
-#endif
   __syncthreads();
   for (int o = tid; o < BN; o += THREADS) {
     const int n = n0 + o;
     if (n >= F) continue;
-    for (int c = 0; c < ncols; ++c) {
 #if GATED
-      const int row = 16 * (o / 8) + o % 8;
-      const float gate = warps_total<ROWS * NC>(part, row * NC + c) * sc.x * MMA_SCALE;
-      const float up = warps_total<ROWS * NC>(part, (row + 8) * NC + c) * sc.y * MMA_SCALE;
-      const float v = gate / (1.f + __expf(-gate)) * up;
+    const int row = 16 * (o / 8) + o % 8;
+    const float gate = warps_total<ROWS>(part, row) * sc.x * MMA_SCALE;
+    const float up = warps_total<ROWS>(part, row + 8) * sc.y * MMA_SCALE;
+    const float v = gate / (1.f + __expf(-gate)) * up;
 #else
-      const float z = warps_total<ROWS * NC>(part, o * NC + c) * sc.x * MMA_SCALE;
-      const float v = 0.5f * z * (1.f + erff(z * 0.70710678118654752f));
+    const float z = warps_total<ROWS>(part, o) * sc.x * MMA_SCALE;
+    const float v = 0.5f * z * (1.f + erff(z * 0.70710678118654752f));
 #endif
-      h[(size_t)cols[c] * F + n] = out_h(v * col_w[c]);
-    }
+    h[(size_t)p * F + n] = out_h(v * weight);
   }
 }
 
@@ -694,7 +621,6 @@ MMA_DOWN_CANDIDATES = [dict(backend="cuda", mma=True, bn=bn, warps=w, unroll=u, 
                                                                (32, 4, 4), (16, 8, 2), (32, 4, 1), (16, 2, 4)),
                                                               (1, 2))]
 
-GROUP_MAX_T, GROUP_MAX_H = 8, 3072  # ``group``: at most 8 pairs an expert (the mma's columns); 16 H bytes of rows
 MIN_BLOCKS = (4, 5, 6, 8)  # register caps tried (``min_blocks``): more blocks, more loads in flight an SM
 
 
@@ -705,17 +631,13 @@ def candidates(phase: str, t: int, int8: bool = False, h: int | None = None, f: 
     int8 kernels use 100-180 registers uncapped, so two or three blocks an SM hold all
     the loads in flight), for int8 each also widening with one byte permute a weight
     (``unit``), then the tensor-core kernels (``mma``, where H = h and F = f allow them;
-    they need no cap; for T = 2..8 each up one also with ``group``: an expert's pairs as the
-    columns of its mma), and past T = 1 each in the pair-major grid."""
+    they need no cap), and past T = 1 each in the pair-major grid."""
     base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES
     base = base + ([dict(c, unit=True) for c in base] if int8 else [])
     base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
     if int8 and h is not None:  # 50-110 registers: uncapped
         mma = MMA_UP_CANDIDATES if phase == "up" else MMA_DOWN_CANDIDATES
-        mma = [c for c in mma if mma_check(phase, c, h, f, gated) is None]
-        if phase == "up" and 1 < t <= GROUP_MAX_T and h <= GROUP_MAX_H:
-            mma = mma + [dict(c, group=True) for c in mma]
-        base = base + mma
+        base = base + [c for c in mma if mma_check(phase, c, h, f, gated) is None]
     return base + ([dict(c, pair_major=True) for c in base] if t > 1 else [])
 
 
@@ -770,12 +692,12 @@ def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> s
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
             logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
-            mma: bool = False, h16: bool = False, group: bool = False) -> tuple:
+            mma: bool = False, h16: bool = False) -> tuple:
     return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
             f"-DPARTIAL={int(partial)}", f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
             f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
-            f"-DMMA={int(mma)}", f"-DH16={int(h16)}", f"-DGROUP={int(group)}")
+            f"-DMMA={int(mma)}", f"-DH16={int(h16)}")
 
 
 def mma_check(phase: str, cfg: dict, h: int, f: int, gated: bool = True) -> str | None:
@@ -836,23 +758,18 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
         why = cfg.get("mma") and (mma_check(phase, cfg, h, f, gated) if int8 else f"{phase} mma: int8 weights only")
         if why:
             raise ValueError(f"fused_moe_cuda: {why}")
-    group = up.get("group", False)
-    if group and not (up_mma and t <= GROUP_MAX_T and h <= GROUP_MAX_H and not route.get("route")):
-        raise ValueError(f"fused_moe_cuda: up group: needs the mma kernel, T <= {GROUP_MAX_T}, H <= {GROUP_MAX_H} "
-                         f"and the routing ids given; got mma={up_mma}, T = {t}, H = {h}, "
-                         f"{'router logits' if route.get('route') else 'ids'}")
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F] (f16 bits for an mma down)
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
     up_major = up.get("pair_major", False)
     up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up_major,
                       min_blocks=up.get("min_blocks", 1), unit=up.get("unit", False), mma=up_mma, h16=down_mma,
-                      group=group, **route) + ("-DPDL_EARLY=0",)
+                      **route) + ("-DPDL_EARLY=0",)
     up_grid = (-(-f // up["bn"]), t * topk)
     launch(x.device, SOURCE, "moe_up_mma" if up_mma else "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
            up["warps"] * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
                               np.int32(f), np.int32(topk), np.int64(x.stride(0)), np.int32(e)),
-           shared=(16 if group else 2) * h if up_mma else 0)  # the pairs' rows, f16
+           shared=2 * h if up_mma else 0)
     step = down["warps"] * (64 if down_mma else 32 * (16 if int8 else 8))
     length = topk * f
     k_span = -(-length // (down["split_k"] * step)) * step
@@ -893,12 +810,9 @@ def compile_all(arch: str = "sm_90") -> int:
         count += 2
         if int8:  # the tensor-core kernels, the up one writing f16 for them or not
             up, down = MMA_UP_CANDIDATES[i % len(MMA_UP_CANDIDATES)], MMA_DOWN_CANDIDATES[i % len(MMA_DOWN_CANDIDATES)]
-            group = i % 4 == 3  # an expert's pairs as the mma's columns: ids given, no routing
             compile_check(SOURCE, options(16 if not gated else up["bn"], up["warps"], up["unroll"], int8, dt, gated,
                                           False, ids64=i % 2 == 0, pair_major=i % 2 == 1, min_blocks=min_blocks,
-                                          mma=True, h16=i % 4 < 2, group=group,
-                                          **(dict(route, route=0) if group else route)) + launch_flags, arch,
-                          "moe_cuda.cu")
+                                          mma=True, h16=i % 4 < 2, **route) + launch_flags, arch, "moe_cuda.cu")
             compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
                                           ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks, mma=True,
                                           **route) + launch_flags, arch, "moe_cuda.cu")

@@ -72,10 +72,6 @@
 #       the decode context kernel's GPU tests and the decode-path tests (engine, default model,
 #       fused decode), then OLMoE decode at batch 1 alternating: the one-launch context, and
 #       torch's ops (diag_decode_ab.py --off fused-context), twice each
-#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh group [OUT]
-#       the int8 CUDA MoE cases with several pairs an expert (the grouped tensor-core up kernel
-#       among the pairs), then Qwen3 int8 at T = 8: the table's pair and grouped up kernels
-#       beside CUDA down kernels, each timed as a graph (diag_profile.py)
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh t8pair [OUT]
 #       tune_moe --cuda-only --only unit for int8 at T = 8 on $TUNE_SHAPES (default Qwen3; each
 #       CUDA up timed beside its companion CUDA down), then bench_moe at T = 8 on the new table
@@ -312,23 +308,6 @@ elif [ "$part" = context ]; then
                 --model olmoe-1b-7b --batches 1 --new-tokens 64 --reps 3
         done
     done
-elif [ "$part" = group ]; then
-    TAIL=6 step gpu_tests 240 $pytest_gpu tests/test_moe_cuda.py -k "${SMOKE:-True and bfloat16 and (3-2048 or 8-512 \
-        or 16-512)}"
-    unit_pm='{"backend":"cuda","bn":4,"warps":4,"unroll":2,"split_k":1,"unit":true,"pair_major":true}'
-    mma_pm='{"backend":"cuda","mma":true,"bn":16,"warps":4,"unroll":2,"split_k":1,"pair_major":true}'
-    TAIL=1 step t8_table 60 python scripts/diag_profile.py --shape qwen3 --tokens 8 --dtype int8 --calls 1
-    i=0
-    for up in '"bn":8,"warps":4,"unroll":4' '"bn":16,"warps":4,"unroll":2' '"bn":16,"warps":4,"unroll":4' \
-              '"bn":32,"warps":4,"unroll":2'; do
-        for down in "$unit_pm" "$mma_pm"; do
-            i=$((i + 1))
-            TAIL=1 step "t8_group_$i" 60 python scripts/diag_profile.py --shape qwen3 --tokens 8 --dtype int8 --calls 1 \
-                --up "{\"backend\":\"cuda\",\"mma\":true,\"group\":true,$up}" --down "$down"
-        done
-    done
-    TAIL=1 step t8_unit 60 python scripts/diag_profile.py --shape qwen3 --tokens 8 --dtype int8 --calls 1 \
-        --up '{"backend":"cuda","bn":4,"warps":4,"unroll":1,"unit":true,"pair_major":true}' --down "$unit_pm"
 elif [ "$part" = t8pair ]; then
     TAIL=6 step tune 420 python scripts/tune_moe.py --cuda-only --only unit --shapes ${TUNE_SHAPES:-qwen3} --tokens "" \
         --int8-tokens 8 --verbose

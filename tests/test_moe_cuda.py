@@ -68,7 +68,7 @@ def test_table_entry_falls_back_to_triton_where_cuda_cannot_run():
 GPU_CASES = [  # t, h, f, e, k, activation
     (1, 4096, 1408, 8, 2, "silu"), (1, 2048, 768, 128, 8, "silu"), (1, 528, 1008, 16, 1, "gelu"),
     (2, 272, 144, 60, 4, "silu"), (3, 2048, 1024, 64, 8, "silu"), (16, 256, 96, 7, 1, "gelu"),
-    (8, 512, 256, 8, 2, "silu"), (16, 512, 128, 4, 2, "gelu"),  # several pairs an expert (up to 8; 16: refused)
+    (8, 512, 256, 8, 2, "silu"), (16, 512, 128, 4, 2, "gelu"),  # several pairs an expert
 ]
 
 
@@ -105,14 +105,6 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
         else:
             pairs += mma + ([(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in mma[:2]]
                             if t > 1 else [])
-            # An expert's pairs as the columns of one block's mma (T <= 8), beside either down kind.
-            grouped = [(dict(up, group=True), down) for up, down in mma[:2]]
-            grouped.append((dict(grouped[0][0], pair_major=True), pairs[1][1]))
-            if 1 < t <= moe_cuda.GROUP_MAX_T:
-                pairs += grouped
-            elif t > 1:
-                with pytest.raises(ValueError, match="up group"):
-                    moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, grouped[0])
     for up, down in pairs:
         out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, (up, down))
         assert out.shape == (t, h) and out.dtype == dtype
