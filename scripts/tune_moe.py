@@ -177,6 +177,9 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
                 results.append((us, cfg))
                 if verbose:
                     print(f"  {name} {wdtype} T={t} {phase} {us:9.1f} us  {cfg}", flush=True)
+            if not results and phase == "down" and best_up.get("backend") == "cuda":
+                # ``only`` left no CUDA down to time: keep the pair the up kernel won with.
+                results = [(float("nan"), best_down if best_down.get("backend") == "cuda" else companion_down(best_up))]
             us, cfg = min(results, key=lambda p: p[0])
             if phase == "up":
                 best_up = cfg
