@@ -1,0 +1,543 @@
+"""The CUDA C++ source of the MoE decode kernels (``kernels.moe_cuda``, whose docstring
+describes the kernels and their compile-time parameters): the register-streaming up and down
+kernels, the int8 widening and routing helpers they share, and the tensor-core (MMA) kernels.
+Compiled through NVRTC by ``kernels.cuda_common.launch``."""
+from __future__ import annotations
+
+from kernels.cuda_common import COMMON
+
+SOURCE = COMMON + r"""
+#define ROWS_PER_F (GATED ? 2 : 1)  // rows of w13 per column of h
+#define ROWS (ROWS_PER_F * BN)
+#define MAX_K 16
+#ifndef MINB
+#define MINB 1  // blocks an SM the registers must allow (ptxas caps them to fit)
+#endif
+
+#define NEG_INF __int_as_float(0xff800000u)
+#define LOGIT_BYTES (LOGITS_F32 ? 4 : 2)
+#ifndef H16
+#define H16 0
+#endif
+#ifndef MMA
+#define MMA 0
+#endif
+
+// An up kernel's output: in the activations' dtype, or (H16: for an MMA down kernel) as f16
+// times ACT_F16, the operand that kernel's tensor cores take.
+__device__ __forceinline__ u16 out_h(float v) {
+#if H16
+  return f16_bits(v);
+#else
+  return to_act(v);
+#endif
+}
+
+__device__ __forceinline__ long long id_at(const void* ids, int p) {
+#if IDS64
+  return ((const long long*)ids)[p];
+#else
+  return ((const int*)ids)[p];
+#endif
+}
+
+#if ROUTE
+// Top-k gating of one token's router logits lg [E] (E <= 32 * E_LANES; float32, or the
+// activations' dtype), as kernels.route:
+// softmax (ROUTE 1) or sigmoid (ROUTE 2) scores, k rounds of argmax (ties to the lower
+// expert index, torch.topk's order), optional renormalisation. Every warp computes the
+// same table (the paper replicates such pre-GEMM work): slot r -> (ids[r], w[r]).
+__device__ void route_token(const void* __restrict__ lg, int E, int topk, int* ids, float* w) {
+  const int lane = threadIdx.x % 32;
+  float s[E_LANES];  // lane holds experts lane, lane + 32, ...
+  float mx = NEG_INF;
+#pragma unroll
+  for (int i = 0; i < E_LANES; ++i) {
+    const int e = lane + 32 * i;
+#if LOGITS_F32
+    s[i] = e < E ? ((const float*)lg)[e] : NEG_INF;
+#else
+    s[i] = e < E ? act_f((const u16*)lg + e) : NEG_INF;
+#endif
+    mx = fmaxf(mx, s[i]);
+  }
+#if ROUTE == 1
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < E_LANES; ++i) {
+    s[i] = lane + 32 * i < E ? __expf(s[i] - mx) : 0.f;
+    sum += s[i];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < E_LANES; ++i) s[i] = lane + 32 * i < E ? s[i] / sum : NEG_INF;
+#else
+#pragma unroll
+  for (int i = 0; i < E_LANES; ++i) s[i] = lane + 32 * i < E ? 1.f / (1.f + __expf(-s[i])) : NEG_INF;
+#endif
+  float total = 0.f;
+  for (int r = 0; r < topk; ++r) {
+    float best = NEG_INF;
+    int arg = 1 << 30;
+#pragma unroll
+    for (int i = 0; i < E_LANES; ++i)
+      if (s[i] > best) { best = s[i]; arg = lane + 32 * i; }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
+      if (ob > best || (ob == best && oa < arg)) { best = ob; arg = oa; }
+    }
+#pragma unroll
+    for (int i = 0; i < E_LANES; ++i)
+      if (lane + 32 * i == arg) s[i] = NEG_INF;  // knocked out for the next round
+    ids[r] = arg;
+    w[r] = best;
+    total += best;
+  }
+#if RENORM
+  for (int r = 0; r < topk; ++r) w[r] /= total;
+#endif
+}
+#endif
+
+// An up kernel's block: pair p and first column n0 from the grid, then, after the PDL wait
+// (the ids or logits are an earlier kernel's output), the pair's expert e and combine
+// weight: given, or routed from its token's logits.
+struct UpBlock {
+  int p, n0;
+  long long e;
+  float weight;
+};
+
+__device__ __forceinline__ UpBlock up_block(const void* __restrict__ ids, const float* __restrict__ pair_w, int topk,
+                                            int E) {
+  UpBlock b;
+#if PAIR_MAJOR
+  b.p = blockIdx.x, b.n0 = blockIdx.y * BN;
+#else
+  b.p = blockIdx.y, b.n0 = blockIdx.x * BN;
+#endif
+  grid_dep_enter();
+#if ROUTE
+  int top[MAX_K];
+  float top_w[MAX_K];
+  route_token((const char*)ids + (size_t)(b.p / topk) * E * LOGIT_BYTES, E, topk, top, top_w);
+  b.e = top[b.p % topk];
+  b.weight = top_w[b.p % topk];
+#else
+  b.e = id_at(ids, b.p);
+  b.weight = pair_w[b.p];
+#endif
+  return b;
+}
+
+// An int8 up kernel's scales for output column n0 + tid (thread tid < BN <= THREADS: the one
+// that finishes that column): gate (or GeLU) row, then up row. Loaded as soon as the expert
+// is known, so that their latency overlaps the weights' instead of following the reduction.
+__device__ __forceinline__ float2 up_scales(const float* __restrict__ scale, long long e, int n0, int F) {
+  float2 sc = make_float2(0.f, 0.f);
+#if INT8
+  static_assert(BN <= THREADS, "one thread a column");
+  const int n = n0 + threadIdx.x;
+  if (threadIdx.x < BN && n < F) {
+    sc.x = scale[e * ROWS_PER_F * F + n];
+    if (GATED) sc.y = scale[e * 2 * F + F + n];
+  }
+#endif
+  return sc;
+}
+
+// A down kernel's block, from the grid: token t, first row n0, the number of tokens, and its
+// split [k_lo, k_hi) of the token's reduction (its k pairs' F columns back to back).
+struct DownBlock {
+  int t, n0, tokens, k_lo, k_hi;
+};
+
+__device__ __forceinline__ DownBlock down_block(int F, int topk, int k_span) {
+  DownBlock b;
+#if PAIR_MAJOR
+  b.t = blockIdx.x, b.n0 = blockIdx.z * BN, b.tokens = gridDim.x;
+#else
+  b.t = blockIdx.z, b.n0 = blockIdx.x * BN, b.tokens = gridDim.z;
+#endif
+  b.k_lo = blockIdx.y * k_span;
+  b.k_hi = min(topk * F, b.k_lo + k_span);
+  return b;
+}
+
+// Token t's k experts into expert (the down kernels), in shared memory.
+__device__ __forceinline__ void token_experts(const void* __restrict__ ids, int t, int topk, int E, long long* expert) {
+#if ROUTE
+  int top[MAX_K];
+  float top_w[MAX_K];
+  route_token((const char*)ids + (size_t)t * E * LOGIT_BYTES, E, topk, top, top_w);
+  if (threadIdx.x == 0)
+    for (int i = 0; i < topk; ++i) expert[i] = top[i];
+#else
+  for (int i = threadIdx.x; i < topk; i += THREADS) expert[i] = id_at(ids, t * topk + i);
+#endif
+  __syncthreads();
+}
+
+// A down block's weights from its split [k_lo, k_hi) of the reduction (slot s's F columns
+// at s F) sent to L2 before the wait (L2PF only: cuda_common.L2_PREFETCH).
+__device__ __forceinline__ void prefetch_block(const void* __restrict__ w2, const long long* expert, int k_lo,
+                                               int k_hi, int F, int H, int n0, int bytes) {
+  for (int s = k_lo / F; s * F < k_hi; ++s) {
+    const int lo = max(k_lo, s * F) - s * F, hi = min(k_hi, (s + 1) * F) - s * F;
+    prefetch_rows((const char*)w2 + (((size_t)expert[s] * H + n0) * F + lo) * bytes, min(BN, H - n0),
+                  (size_t)F * bytes, (size_t)(hi - lo) * bytes);
+  }
+}
+
+// A down block's outputs, rows n0 .. n0 + BN of token t: each the sum of the warps' partials
+// (part, filled and synchronised), as float32 split-K partials (PARTIAL) or in x's dtype.
+__device__ __forceinline__ void store_down(float (*part)[BN], void* __restrict__ out, int t, int n0, int H,
+                                           int tokens, long long stride_o) {
+  for (int o = threadIdx.x; o < BN; o += THREADS) {
+    const int n = n0 + o;
+    if (n >= H) continue;
+    const float v = warps_total<BN>(part, o);
+#if PARTIAL
+    ((float*)out)[((size_t)blockIdx.y * tokens + t) * H + n] = v;
+#else
+    ((u16*)out)[t * stride_o + n] = to_act(v);
+#endif
+  }
+}
+
+// The int8 scales of rows n0 .. n0 + BN of each of the token's experts (times mul) into
+// sc[slot], in shared memory. Called once the block's first weights are on their way: the
+// two loads then wait together.
+__device__ __forceinline__ void token_scales(const float* __restrict__ scale, const long long* expert, int topk,
+                                             float (*sc)[BN], int n0, int H, float mul) {
+  for (int i = threadIdx.x; i < topk * BN; i += THREADS) {
+    const int n = n0 + i % BN;
+    sc[i / BN][i % BN] = n < H ? scale[expert[i / BN] * H + n] * mul : 0.f;
+  }
+  __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
+       const void* __restrict__ w13,     // [E, 2F, H] gate rows then up rows ([E, F, H] for GeLU)
+       const float* __restrict__ scale,  // [E, 2F] int8 per-row scales
+       const void* __restrict__ ids,     // [P] expert of each pair (ROUTE: [T, E] router logits)
+       const float* __restrict__ pair_w, // [P] combine weight of each pair (ROUTE: unused)
+       u16* __restrict__ h,              // [P, F] out
+       int H, int F, int topk, long long stride_x, int E) {
+  const int tid = threadIdx.x;
+  const UpBlock blk = up_block(ids, pair_w, topk, E);  // waits: x and the ids are earlier kernels' outputs
+  const int p = blk.p, n0 = blk.n0;
+  const long long e = blk.e;
+  const float weight = blk.weight;
+  const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
+  const u16* xr = x + (size_t)(p / topk) * stride_x;
+  const float2 sc = up_scales(scale, e, n0, F);  // in flight beside the weights, not after them
+
+  float acc[ROWS];  // j < BN: gate (or GeLU) column n0 + j; j >= BN: up column n0 + j - BN
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
+  for (int kb = tid * WVEC; kb < H; kb += U * STEP) {
+    u32x4 wv[U][ROWS];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) {
+        const int k = kb + u * STEP, n = n0 + j % BN, row = (j < BN ? 0 : F) + n;
+        wv[u][j] = k < H && n < F ? load_stream(w_e + ((size_t)row * H + k) * W_BYTES) : zero4();
+      }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * STEP;
+      if (k >= H) break;
+      float a[WVEC];
+      load_act(xr + k, a);
+      const float start = unit_start(a);
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) acc[j] = UNIT ? acc[j] + dot_w(a, wv[u][j], start) : dot_w(a, wv[u][j], acc[j]);
+    }
+  }
+
+  __shared__ float part[WARPS][ROWS];
+  warps_to_shared<ROWS>(acc, part);
+  for (int o = tid; o < BN; o += THREADS) {
+    const int n = n0 + o;
+    if (n >= F) continue;
+    float g = warps_total<ROWS>(part, o);
+#if INT8
+    g *= sc.x * UNIT_SCALE;
+#endif
+#if GATED
+    float up = warps_total<ROWS>(part, BN + o);
+#if INT8
+    up *= sc.y * UNIT_SCALE;
+#endif
+    const float v = g / (1.f + __expf(-g)) * up;
+#else
+    const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
+#endif
+    h[(size_t)p * F + n] = out_h(v * weight);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up)
+         const void* __restrict__ w2,      // [E, H, F]
+         const float* __restrict__ scale,  // [E, H] int8 per-row scales
+         const void* __restrict__ ids,     // [P] expert of each pair (ROUTE: [T, E] router logits)
+         void* __restrict__ out,           // [T, H] (PARTIAL: float32 [S, T, H])
+         int H, int F, int topk, int k_span, long long stride_o, int E) {
+  const int tid = threadIdx.x;
+  const DownBlock blk = down_block(F, topk, k_span);
+  const int t = blk.t, n0 = blk.n0, tokens = blk.tokens, k_lo = blk.k_lo, k_hi = blk.k_hi;
+  const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
+  __shared__ long long expert[MAX_K];
+  token_experts(ids, t, topk, E, expert);
+
+  u32x4 wv[U][BN];
+  int slot[U];  // the pair (slot) of each step's vectors: F is a multiple of WVEC
+  auto load_step = [&](int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * STEP;
+      slot[u] = k < k_hi ? k / F : 0;
+      const char* row = (const char*)w2 + ((size_t)expert[slot[u]] * H + n0) * F * W_BYTES;
+#pragma unroll
+      for (int j = 0; j < BN; ++j)
+        wv[u][j] = k < k_hi && n0 + j < H ? load_stream(row + ((size_t)j * F + k - slot[u] * F) * W_BYTES)
+                                          : zero4();
+    }
+  };
+  int kb = k_lo + tid * WVEC;
+  load_step(kb);
+  prefetch_block(w2, expert, k_lo, k_hi, F, H, n0, W_BYTES);  // the rest of its weights on the way to L2
+#if INT8
+  __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
+  token_scales(scale, expert, topk, sc, n0, H, UNIT_SCALE);
+#endif
+  grid_dep_enter();  // h is the up kernel's output
+
+  float acc[BN];
+#pragma unroll
+  for (int j = 0; j < BN; ++j) acc[j] = 0.f;
+  const u16* ht = h + (size_t)t * len;
+  for (; kb < k_hi; kb += U * STEP) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * STEP;
+      if (k >= k_hi) break;
+      float a[WVEC];
+      load_act(ht + k, a);
+      const float start = unit_start(a);
+#pragma unroll
+      for (int j = 0; j < BN; ++j) {
+        const float d = dot_w(a, wv[u][j], start);
+#if INT8
+        acc[j] = fmaf(d, sc[slot[u]][j], acc[j]);
+#else
+        acc[j] += d;
+#endif
+      }
+    }
+    load_step(kb + U * STEP);
+  }
+
+  __shared__ float part[WARPS][BN];
+  warps_to_shared<BN>(acc, part);
+  store_down(part, out, t, n0, H, tokens, stride_o);
+}
+
+#if INT8 && MMA
+// The int8 kernels on the tensor cores (cuda_common's mma helpers; H and F multiples of 64).
+// A block's warps split the reduction into 64-long chunks (warp w takes chunks w, w + WARPS,
+// ...; U of them loaded before the first is used); each warp multiplies its chunks by
+// every 16-row tile of the block. Only column 0 of the mma is a real operand (the pair's
+// token or h row): lanes g > 0 give zeros. The products of the offset (mma_offset) are
+// exact, so the offset cancels to float32 rounding.
+#define MMA_STEP (WARPS * MMA_CHUNK)
+#define UP_TILES (ROWS / 16)  // moe_up_mma: gated, BN a multiple of 8; GeLU, of 16
+
+#if ROWS % 16 == 0
+// moe_up's contract. BN columns as UP_TILES tiles: gated, tile m has gate rows n0 + 8 m + g and
+// up rows F + n0 + 8 m + g (the same column in rows g and g + 8); GeLU, rows n0 + 16 m + ...
+// The pair's token row moves to shared memory once, as f16, for every warp's B operands.
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float* __restrict__ scale,
+           const void* __restrict__ ids, const float* __restrict__ pair_w, u16* __restrict__ h,
+           int H, int F, int topk, long long stride_x, int E) {
+  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
+  const UpBlock blk = up_block(ids, pair_w, topk, E);  // waits: x and the ids are earlier kernels' outputs
+  const int p = blk.p, n0 = blk.n0;
+  const long long e = blk.e;
+  const float weight = blk.weight;
+  const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H;
+  const float2 sc = up_scales(scale, e, n0, F);
+  const char* rows[UP_TILES][2];  // this lane's rows g and g + 8 of each tile (null: past F)
+#pragma unroll
+  for (int m = 0; m < UP_TILES; ++m)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int n = GATED ? n0 + 8 * m + g : n0 + 16 * m + 8 * r + g;
+      rows[m][r] = n < F ? w_e + ((size_t)(GATED && r ? F + n : n) * H + 16 * q) : nullptr;
+    }
+  u32x4 wv[U][UP_TILES][2];
+  auto load_step = [&](int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int m = 0; m < UP_TILES; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int k = kb + u * MMA_STEP;
+          wv[u][m][r] = k < H && rows[m][r] ? load_stream(rows[m][r] + k) : zero4();
+        }
+  };
+  int kb = warp * MMA_CHUNK;
+  load_step(kb);
+
+  extern __shared__ __align__(16) u32 xs[];  // [H / 2] the token's row, f16 pairs times ACT_F16
+  const u16* xr = x + (size_t)(p / topk) * stride_x;
+  for (int i = tid * 8; i < H; i += THREADS * 8) {
+    float a[8];
+    load_act8(xr + i, a);
+    u32x4 v;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v.v[j] = f16x2(a[2 * j], a[2 * j + 1]);
+    *(u32x4*)(xs + i / 2) = v;
+  }
+  __syncthreads();
+
+  float acc[UP_TILES][2];  // rows g and g + 8 of each tile, column 0
+#pragma unroll
+  for (int m = 0; m < UP_TILES; ++m) acc[m][0] = acc[m][1] = 0.f;
+  for (; kb < H; kb += U * MMA_STEP) {
+    u32 b[U][8];  // every chunk's activations first: no chunk waits on another's
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * MMA_STEP + 16 * q;
+      if (g == 0 && k < H)
+        words8(b[u], *(const u32x4*)(xs + k / 2), *(const u32x4*)(xs + k / 2 + 4));
+      else
+        words8(b[u], zero4(), zero4());  // past H the weights are zeros too
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float off[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_offset(off, b[u]);
+#pragma unroll
+      for (int m = 0; m < UP_TILES; ++m) mma_add(acc[m], off, wv[u][m][0], wv[u][m][1], b[u], 1.f, 1.f);
+    }
+    if (kb + U * MMA_STEP < H) load_step(kb + U * MMA_STEP);
+  }
+
+  __shared__ float part[WARPS][ROWS];  // [warp][16 m + row of the tile]
+  if (q == 0)
+#pragma unroll
+    for (int m = 0; m < UP_TILES; ++m) {
+      part[warp][16 * m + g] = acc[m][0];
+      part[warp][16 * m + 8 + g] = acc[m][1];
+    }
+  __syncthreads();
+  for (int o = tid; o < BN; o += THREADS) {
+    const int n = n0 + o;
+    if (n >= F) continue;
+#if GATED
+    const int row = 16 * (o / 8) + o % 8;
+    const float gate = warps_total<ROWS>(part, row) * sc.x * MMA_SCALE;
+    const float up = warps_total<ROWS>(part, row + 8) * sc.y * MMA_SCALE;
+    const float v = gate / (1.f + __expf(-gate)) * up;
+#else
+    const float z = warps_total<ROWS>(part, o) * sc.x * MMA_SCALE;
+    const float v = 0.5f * z * (1.f + erff(z * 0.70710678118654752f));
+#endif
+    h[(size_t)p * F + n] = out_h(v * weight);
+  }
+}
+
+#endif
+
+#if BN % 16 == 0
+// moe_down's contract, with h from an up kernel compiled H16 (f16 times ACT_F16). Tile m
+// has rows n0 + 16 m + g and + 8; each chunk lies in one slot (F a multiple of 64), whose
+// expert's scales weigh the chunk's sums before they join the float32 accumulators.
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+moe_down_mma(const u16* __restrict__ h, const void* __restrict__ w2, const float* __restrict__ scale,
+             const void* __restrict__ ids, void* __restrict__ out, int H, int F, int topk, int k_span,
+             long long stride_o, int E) {
+  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
+  const DownBlock blk = down_block(F, topk, k_span);
+  const int t = blk.t, n0 = blk.n0, tokens = blk.tokens, k_lo = blk.k_lo, k_hi = blk.k_hi;
+  const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
+  __shared__ long long expert[MAX_K];
+  token_experts(ids, t, topk, E, expert);
+
+  u32x4 wv[U][BN / 16][2];
+  int slot[U];
+  auto load_step = [&](int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * MMA_STEP;
+      slot[u] = k < k_hi ? k / F : 0;
+      const char* base = (const char*)w2 + (size_t)expert[slot[u]] * H * F + (k - slot[u] * F) + 16 * q;
+#pragma unroll
+      for (int m = 0; m < BN / 16; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int n = n0 + 16 * m + 8 * r + g;
+          wv[u][m][r] = k < k_hi && n < H ? load_stream(base + (size_t)n * F) : zero4();
+        }
+    }
+  };
+  int kb = k_lo + warp * MMA_CHUNK;
+  load_step(kb);
+  prefetch_block(w2, expert, k_lo, k_hi, F, H, n0, 1);  // the rest of its weights on the way to L2
+  __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
+  token_scales(scale, expert, topk, sc, n0, H, MMA_SCALE);
+  grid_dep_enter();  // h is the up kernel's output
+
+  u32 bv[U][8];  // the chunks' activations, loaded with the weights of the same step
+  const u16* ht = h + (size_t)t * len + 16 * q;
+  auto load_b = [&](int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u * MMA_STEP;
+      if (g == 0 && k < k_hi)
+        words8(bv[u], load_cached(ht + k), load_cached(ht + k + 8));
+      else
+        words8(bv[u], zero4(), zero4());  // past k_hi the weights are zeros too
+    }
+  };
+  load_b(kb);
+  float acc[BN / 16][2];
+#pragma unroll
+  for (int m = 0; m < BN / 16; ++m) acc[m][0] = acc[m][1] = 0.f;
+  for (; kb < k_hi; kb += U * MMA_STEP) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float off[4] = {0.f, 0.f, 0.f, 0.f};
+      mma_offset(off, bv[u]);
+#pragma unroll
+      for (int m = 0; m < BN / 16; ++m)
+        mma_add(acc[m], off, wv[u][m][0], wv[u][m][1], bv[u], sc[slot[u]][16 * m + g], sc[slot[u]][16 * m + 8 + g]);
+    }
+    load_step(kb + U * MMA_STEP);
+    load_b(kb + U * MMA_STEP);
+  }
+
+  __shared__ float part[WARPS][BN];
+  if (q == 0)
+#pragma unroll
+    for (int m = 0; m < BN / 16; ++m) {
+      part[warp][16 * m + g] = acc[m][0];
+      part[warp][16 * m + 8 + g] = acc[m][1];
+    }
+  __syncthreads();
+  store_down(part, out, t, n0, H, tokens, stride_o);
+}
+#endif
+#endif
+"""
