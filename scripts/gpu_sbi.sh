@@ -105,6 +105,10 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh moe [OUT]
 #       tune_moe at large T (TMA weight tiles among the candidates), bench_moe at large T,
 #       the OLMoE prefill profile and decode at batch 1
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh ceiling [OUT]
+#       the CUDA MoE kernels' GPU tests (as t8final), the decode step's pure-read ceiling per
+#       launch structure (diag_step_ceiling.py: OLMoE, Qwen3), then OLMoE decode at batch 1
+#       (bf16, int8) for the real step's replay beside it
 set -uo pipefail
 part=${1:?dense or moe}
 out=${2:-${OUT:-bench/results/sweep}}
@@ -319,6 +323,13 @@ elif [ "$part" = t8final ]; then
     cp kernels/configs/moe.json "$out/"
     TAIL=10 step moe 120 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1,8 \
         --no-baselines --no-json
+elif [ "$part" = ceiling ]; then
+    SMOKE="True and bfloat16 and (1-2048-768 or 3-2048 or 8-512) or graph or split or fall" moe_cuda_tests 200
+    TAIL=30 step ceiling 170 python scripts/diag_step_ceiling.py
+    for q in bf16 int8; do
+        TAIL=4 step olmoe_$q 90 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 64 \
+            --reps 3 $([ $q = int8 ] && echo --quantize int8)
+    done
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
