@@ -24,15 +24,24 @@ Each row is ms per step and its ratio to the floor (bytes over the copy bandwidt
 measured in the same run, as ``bench_decode.py``). If ``now`` is above 1.2× the floor,
 no kernels launched this way can meet the target, however fast each is.
 
+Where the real step loses against ``now``: each kernel's share of the critical path, from
+a profile of back-to-back replays. Under PDL a kernel ends only after the one before it,
+so the time from the previous kernel's end to its own end is what it adds to the step.
+The skeleton's shares are printed per kind of launch; ``--real`` prints the real step's
+(``moe_infer.load`` with random weights, the batch-1 graph ``Engine.generate`` captured),
+per kernel name and grid, in the order of the step.
+
     PYTHONPATH=. python scripts/diag_step_ceiling.py [--models olmoe-1b-7b,qwen3-30b-a3b] [--context 48]
+    PYTHONPATH=. python scripts/diag_step_ceiling.py --real --models olmoe-1b-7b [--quantize int8]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 _SCRIPTS = Path(__file__).resolve().parent
@@ -111,8 +120,37 @@ def best_grids(sizes, device, sms: int, copies: int) -> dict:
     return grids
 
 
-def time_step(launches, grids, device) -> float:
-    """ms of one replay of the launches as one CUDA graph, each over buffers of its own."""
+def critical_path(replay, reps: int, device) -> list[tuple[str, float]]:
+    """(kernel name and grid, µs it adds to the step) for each kernel of one call of
+    ``replay``, in order, averaged over ``reps`` back-to-back calls: its end minus the end of
+    the kernel before it (the first kernel of the first call is left out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize(device)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as g:
+            trace = json.load(g)
+    kernels = sorted((e["ts"] + e["dur"], f"{e['name'][:48]} {tuple(e['args'].get('grid', ()))}")
+                     for e in trace["traceEvents"] if e.get("cat") == "kernel")
+    if len(kernels) % reps:
+        raise RuntimeError(f"{len(kernels)} kernels over {reps} replays: not the same launches each time")
+    per = len(kernels) // reps
+    sums, counts = [0.0] * per, [0] * per
+    for i in range(1, len(kernels)):
+        sums[i % per] += kernels[i][0] - kernels[i - 1][0]
+        counts[i % per] += 1
+    return [(kernels[i][1], sums[i] / counts[i]) for i in range(per)]
+
+
+def time_step(launches, grids, device, kinds=None) -> tuple[float, dict]:
+    """(ms of one replay of the launches as one CUDA graph, each over buffers of its own;
+    with ``kinds`` (each launch's name) the µs each kind adds to the critical path)."""
     bufs = [torch.empty(-(-nbytes // 16) * 16, dtype=torch.uint8, device=device) for nbytes, _ in launches]
     out = torch.empty(1 << 16, dtype=torch.int32, device=device)
 
@@ -121,8 +159,37 @@ def time_step(launches, grids, device) -> float:
             diag_read._read_pdl(buf, grids[key], out)
 
     us = bc.time_graph(step, reps=30, device=device)
-    del bufs
-    return us / 1e3
+    shares = {}
+    if kinds:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for kind, (_, inc) in zip(kinds, critical_path(graph.replay, 10, device)):
+            shares[kind] = shares.get(kind, 0.0) + inc
+    return us / 1e3, shares
+
+
+def real_step(model: str, quantize: str | None, context: int) -> None:
+    """The real batch-1 step's critical path, per kernel name and grid."""
+    import moe_infer
+
+    engine = moe_infer.load(model, device="cuda", progress=False, quantize=quantize)
+    vocab = engine.config.model.vocab_size
+    prompt = torch.randint(0, vocab, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.generate([prompt], max_new_tokens=max(2, context - 16))
+    decoder = min((d for d in engine._decoders.values() if d.graph is not None), key=lambda d: d.batch)
+    us = bc.time_fn(decoder.graph.replay, warmup=3, reps=50, device=engine.device)
+    path = critical_path(decoder.graph.replay, 10, engine.device)
+    agg = {}
+    for name, inc in path:
+        slot = agg.setdefault(name, [0.0, 0])
+        slot[0] += inc
+        slot[1] += 1
+    run = bc.run_info(engine.device)
+    print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {model} "
+          f"{quantize or 'bf16'} | batch 1 | replay {us / 1e3:.3f} ms, critical path {sum(i for _, i in path) / 1e3:.3f} ms")
+    print(bc.format_table(["kernel (grid)", "launches", "µs a step", "µs a launch"],
+                          [[k, n, f"{v:.1f}", f"{v / n:.2f}"] for k, (v, n) in agg.items()]))
 
 
 def main():
@@ -131,7 +198,12 @@ def main():
     ap.add_argument("--context", type=int, default=48,
                     help="cached tokens a step reads (bench_decode.py's 16-token prompt + 64 new / 2)")
     ap.add_argument("--copies", type=int, default=4, help="rotating copies when picking each size's grid")
+    ap.add_argument("--real", action="store_true", help="the real step's critical path instead (first model)")
+    ap.add_argument("--quantize", choices=["int8"], default=None, help="with --real")
     args = ap.parse_args()
+    if args.real:
+        real_step(args.models.split(",")[0], args.quantize, args.context)
+        return
     device = torch.device("cuda")
     copy_gbs = bc.measure_copy_bandwidth(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -145,10 +217,14 @@ def main():
             plans = {name: structure(groups, name) for name in STRUCTURES}
             grids = best_grids([key for p in plans.values() for key in p], device, sms, args.copies)
             for name, plan in plans.items():
-                ms = time_step(plan, grids, device)
+                kinds = [kind for g in groups for kind, _, _ in g] if name == "now" else None
+                ms, shares = time_step(plan, grids, device, kinds)
                 rows.append(dict(model=model, wdtype=wdtype, structure=name, launches=len(plan),
                                  mb=total / 1e6, floor_ms=floor_ms, ms=ms, over_floor=ms / floor_ms))
                 print(f"{model} {wdtype} {name}: {ms:.3f} ms ({ms / floor_ms:.2f}x floor)", flush=True)
+                if shares:
+                    rows[-1]["critical_us"] = shares
+                    print("  critical path, µs a step: " + ", ".join(f"{k} {v:.1f}" for k, v in shares.items()))
     run = bc.run_info(device)
     print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | batch 1, "
           f"{args.context} cached tokens | copy {copy_gbs:.0f} GB/s")

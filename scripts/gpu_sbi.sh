@@ -109,6 +109,9 @@
 #       the CUDA MoE kernels' GPU tests (as t8final), the decode step's pure-read ceiling per
 #       launch structure (diag_step_ceiling.py: OLMoE, Qwen3), then OLMoE decode at batch 1
 #       (bf16, int8) for the real step's replay beside it
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh critical [OUT]
+#       the pure-read skeleton's critical path per kind of launch (OLMoE), then the real batch-1
+#       step's per kernel (diag_step_ceiling.py --real: OLMoE bf16 and int8, Qwen3 bf16)
 set -uo pipefail
 part=${1:?dense or moe}
 out=${2:-${OUT:-bench/results/sweep}}
@@ -330,6 +333,11 @@ elif [ "$part" = ceiling ]; then
         TAIL=4 step olmoe_$q 90 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 64 \
             --reps 3 $([ $q = int8 ] && echo --quantize int8)
     done
+elif [ "$part" = critical ]; then
+    TAIL=30 step ceiling 120 python scripts/diag_step_ceiling.py --models olmoe-1b-7b
+    TAIL=40 step real_olmoe_bf16 120 python scripts/diag_step_ceiling.py --real --models olmoe-1b-7b
+    TAIL=40 step real_olmoe_int8 120 python scripts/diag_step_ceiling.py --real --models olmoe-1b-7b --quantize int8
+    TAIL=40 step real_qwen3_bf16 180 python scripts/diag_step_ceiling.py --real --models qwen3-30b-a3b
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
