@@ -247,9 +247,12 @@ def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
     def plan():
         block_e = triton.next_power_of_2(e)
         block_t = _block_t(t, block_e)
+        # A decode step's tile (a few rows of logits) in one warp: each of the k rounds' two
+        # reductions then stays in the warp's shuffles, with no shared-memory round trip.
+        warps = 1 if block_t * block_e <= 1024 else 4
         return (triton.cdiv(t, block_t),), dict(K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
                                                 BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
-                                                num_warps=4, **pdl_launch(dev))
+                                                num_warps=warps, **pdl_launch(dev))
 
     _gating(key, (logits, ids, weights, t, e, logits.stride(0), logits.stride(1)), plan, dev)
     return ids, weights

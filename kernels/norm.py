@@ -88,44 +88,64 @@ def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logi
                             ids_ptr, weights_ptr, count_ptr,  # top-k outputs [T, K] and the ticket (K > 0)
                             BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
                             K: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
-                            E_ALL: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                            E_ALL: tl.constexpr, BLOCK_K: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):
     """Program p: logits of experts p*BE .. for every row; program 0 also writes h and the sum.
     Products are summed in float32 on the CUDA cores ([BT, BE, BK] per step): a decode step
     has too few rows for the tensor cores to pay, and each program's weights are a few KB.
+    ONE: one step covers H (BK >= H: a decode step's few rows); the norm and router weights
+    are then loaded before the PDL wait, so their DRAM round trip overlaps the kernel before.
     With K > 0 each program then takes a ticket, and the last one computes the top-k table
     from every program's (rounded) logits, as ``kernels.topk_gating`` would, and resets the
     counter: the MoE layer's gating without a launch of its own."""
-    pdl_enter(PDL)
     pid = tl.program_id(0)
     rows = tl.arange(0, BT)
     row_ok = rows < T
     experts = pid * BE + tl.arange(0, BE)
     e_ok = experts < E
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    ss = tl.zeros([BT], tl.float32)
-    for k0 in range(0, H, BK):  # pass 1: each row's mean square of x + residual
-        ks = k0 + tl.arange(0, BK)
+    if ONE:  # the weights (no kernel's output) are loaded before the wait
+        ks = tl.arange(0, BK)
         m = row_ok[:, None] & (ks < H)[None, :]
-        s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=m, other=0.0).to(tl.float32)
-        s += tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=m, other=0.0).to(tl.float32)
-        s = s.to(DT).to(tl.float32)
-        ss += tl.sum(s * s, axis=1)
-    rstd = 1.0 / tl.sqrt(ss / H + eps)
-    acc = tl.zeros([BT, BE], tl.float32)
-    for k0 in range(0, H, BK):  # pass 2: normalise, scale, and multiply by the router rows
-        ks = k0 + tl.arange(0, BK)
-        m = row_ok[:, None] & (ks < H)[None, :]
+        nw = tl.load(nw_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
+        w = tl.load(rw_ptr + experts[:, None] * stride_rw + ks[None, :], mask=e_ok[:, None] & (ks < H)[None, :],
+                    other=0.0).to(tl.float32)  # [BE, BK]
+        pdl_enter(PDL)
         s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=m, other=0.0).to(tl.float32)
         s += tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=m, other=0.0).to(tl.float32)
         s = s.to(DT)
-        nw = tl.load(nw_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
-        h = ((s.to(tl.float32) * rstd[:, None]).to(DT).to(tl.float32) * nw[None, :]).to(DT)
+        sf = s.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=1) / H + eps)
+        h = ((sf * rstd[:, None]).to(DT).to(tl.float32) * nw[None, :]).to(DT)
         if pid == 0:
             tl.store(sum_ptr + rows[:, None] * H + ks[None, :], s, mask=m)
             tl.store(h_ptr + rows[:, None] * H + ks[None, :], h, mask=m)
-        w = tl.load(rw_ptr + experts[:, None] * stride_rw + ks[None, :], mask=e_ok[:, None] & (ks < H)[None, :],
-                    other=0.0).to(tl.float32)  # [BE, BK]
-        acc += tl.sum(h.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        acc = tl.sum(h.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    else:
+        pdl_enter(PDL)
+        ss = tl.zeros([BT], tl.float32)
+        for k0 in range(0, H, BK):  # pass 1: each row's mean square of x + residual
+            ks = k0 + tl.arange(0, BK)
+            m = row_ok[:, None] & (ks < H)[None, :]
+            s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            s += tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            s = s.to(DT).to(tl.float32)
+            ss += tl.sum(s * s, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / H + eps)
+        acc = tl.zeros([BT, BE], tl.float32)
+        for k0 in range(0, H, BK):  # pass 2: normalise, scale, and multiply by the router rows
+            ks = k0 + tl.arange(0, BK)
+            m = row_ok[:, None] & (ks < H)[None, :]
+            s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            s += tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            s = s.to(DT)
+            nw = tl.load(nw_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
+            h = ((s.to(tl.float32) * rstd[:, None]).to(DT).to(tl.float32) * nw[None, :]).to(DT)
+            if pid == 0:
+                tl.store(sum_ptr + rows[:, None] * H + ks[None, :], s, mask=m)
+                tl.store(h_ptr + rows[:, None] * H + ks[None, :], h, mask=m)
+            w = tl.load(rw_ptr + experts[:, None] * stride_rw + ks[None, :], mask=e_ok[:, None] & (ks < H)[None, :],
+                        other=0.0).to(tl.float32)  # [BE, BK]
+            acc += tl.sum(h.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     tl.store(logits_ptr + rows[:, None] * E + experts[None, :], acc.to(DT), mask=row_ok[:, None] & e_ok[None, :])
     if K > 0:
         tl.debug_barrier()  # every thread's logits are written before the ticket is taken
@@ -151,6 +171,9 @@ def _router_blocks(t: int, h: int, e: int) -> tuple[int, int, int]:
 
 
 ROUTER_MAX_ROWS = 16  # the fused norm + router launch is for decode steps
+# Where one step of the norm + router kernel covers H, its weights load before the PDL wait.
+# Read at each launch; scripts/diag_decode_ab.py --off router-preload.
+ROUTER_PRELOAD = True
 
 
 def rms_norm_router_ref(x, residual, norm_w, eps, router_w, gating: tuple | None = None):
@@ -190,6 +213,7 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | N
         x, residual, norm_w, router_w, out_h, summed, logits, t, h, e, eps, x.stride(0), residual.stride(0),
         router_w.stride(0), ids, weights, ticket_counters(x.device, 1, "rms_norm_router"),
         BT=bt, BE=be, BK=bk, K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
-        E_ALL=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=4,
+        E_ALL=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(k, 1)), ONE=ROUTER_PRELOAD and bk >= h,
+        num_warps=4,
         **pdl_launch(x.device))
     return (out_h, summed, logits) if gating is None else (out_h, summed, logits, ids, weights)

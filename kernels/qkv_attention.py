@@ -12,7 +12,12 @@ a CUDA graph and replayed for every slot). Program (b, KV head h, split p):
   KB); program p = 0 writes k and v into the cache;
 - attends over its share of slots 0 .. slot - 1, the visible keys split evenly over the
   P programs by the current slot, not by S (a short context in a long cache still spreads
-  over every program); blocks with no visible key cost no K / V reads. Program 0 adds the
+  over every program); blocks with no visible key cost no K / V reads. Where P blocks of
+  keys cover the whole cache (batch 1 with a short cache), each program has one block,
+  and loads its keys and values before the PDL wait: the slot and the cache's earlier
+  slots are no output of the kernels just before it (the slot is written before the
+  step, those slots by earlier steps), so their DRAM round trip overlaps the QKV GEMM's
+  tail instead of following it. Program 0 adds the
   fresh key from its registers: the query always sees its own key, as
   ``StepContext.decode_static`` makes the mask;
 - keeps the running max, sum and weighted value sum in float32 (flash-decoding). With
@@ -39,6 +44,20 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
+def _attend_block(q, k, v, bias, visible, m, l, acc):
+    """One block of keys into the running max m, sum l and weighted value sum acc
+    (flash-decoding, float32): q [G_P, D], k / v [BLOCK_S, D], bias / visible [BLOCK_S]."""
+    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) + bias[None, :]  # [G_P, BLOCK_S]
+    scores = tl.where(visible[None, :], scores, NEG_INF)
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    w = tl.exp(scores - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v[None, :, :], axis=1)
+    l = l * alpha + tl.sum(w, axis=1)
+    return m_new, l, acc
+
+
+@triton.jit
 def _qkv_attention_kernel(
     qkv_ptr,  # [B, (Hq + 2 Hkv) * D] the QKV GEMM's output
     qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr,  # q / k norm weights, rotary tables [B, D]
@@ -52,15 +71,23 @@ def _qkv_attention_kernel(
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_bias,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, G: tl.constexpr,
     G_P: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_S: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, P: tl.constexpr, PRE_KV: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h, p = tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slot_ptr)
+    # Where P blocks cover the cache: this program's keys and values, loaded before the wait.
+    s_pre = p * BLOCK_S + tl.arange(0, BLOCK_S)
+    mine_pre = (s_pre < slot) & PRE_KV  # its slots before the fresh key (the slot's own, added below)
+    d0 = tl.arange(0, D)
+    k_pre = tl.load(kc_ptr + b * stride_kb + h * stride_kh + s_pre[:, None] * stride_ks + d0[None, :],
+                    mask=mine_pre[:, None], other=0.0).to(tl.float32)  # [BLOCK_S, D]
+    v_pre = tl.load(vc_ptr + b * stride_vb + h * stride_vh + s_pre[:, None] * stride_vs + d0[None, :],
+                    mask=mine_pre[:, None], other=0.0).to(tl.float32)
+    pdl_enter(PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     row, d, partner, sign, cos, sin, rstd_q, rstd_k = _row_setup(qkv_ptr, cos_ptr, sin_ptr, b, stride_qkv, stride_cos,
                                                                  eps, HQ, HKV, HQ_P, HKV_P, D, QK_NORM, ROPE)
-    slot = tl.load(slot_ptr)
 
     g = tl.arange(0, G_P)
     g_ok = g < G
@@ -81,27 +108,27 @@ def _qkv_attention_kernel(
     m = tl.full([G_P], NEG_INF, tl.float32)
     l = tl.zeros([G_P], tl.float32)
     acc = tl.zeros([G_P, D], tl.float32)
-    span = tl.cdiv(tl.cdiv(slot + 1, P), BLOCK_S) * BLOCK_S  # slots 0 .. slot over the P programs
-    lo = p * span
-    hi = tl.minimum(lo + span, slot + 1)
-    for s0 in range(lo, hi, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        mine = (s < hi) & (s != slot)  # the slot's key is the fresh one, added below
-        bias = tl.load(bias_ptr + b * stride_bias + s, mask=mine, other=NEG_INF).to(tl.float32)
-        visible = mine & (bias > NEG_INF)
-        if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no K / V reads
-            k = tl.load(kc_ptr + b * stride_kb + h * stride_kh + s[:, None] * stride_ks + d[None, :],
-                        mask=visible[:, None], other=0.0).to(tl.float32)  # [BLOCK_S, D]
-            v = tl.load(vc_ptr + b * stride_vb + h * stride_vh + s[:, None] * stride_vs + d[None, :],
-                        mask=visible[:, None], other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) + bias[None, :]  # [G_P, BLOCK_S]
-            scores = tl.where(visible[None, :], scores, NEG_INF)
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            w = tl.exp(scores - m_new[:, None])
-            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v[None, :, :], axis=1)
-            l = l * alpha + tl.sum(w, axis=1)
-            m = m_new
+    if PRE_KV:  # the one block loaded before the wait
+        bias = tl.load(bias_ptr + b * stride_bias + s_pre, mask=mine_pre, other=NEG_INF).to(tl.float32)
+        visible = mine_pre & (bias > NEG_INF)
+        if tl.sum(visible.to(tl.int32)) > 0:
+            v = tl.where(visible[:, None], v_pre, 0.0)  # a hidden slot's value may be anything
+            m, l, acc = _attend_block(q, k_pre, v, bias, visible, m, l, acc)
+    else:
+        span = tl.cdiv(tl.cdiv(slot + 1, P), BLOCK_S) * BLOCK_S  # slots 0 .. slot over the P programs
+        lo = p * span
+        hi = tl.minimum(lo + span, slot + 1)
+        for s0 in range(lo, hi, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            mine = (s < hi) & (s != slot)  # the slot's key is the fresh one, added below
+            bias = tl.load(bias_ptr + b * stride_bias + s, mask=mine, other=NEG_INF).to(tl.float32)
+            visible = mine & (bias > NEG_INF)
+            if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no K / V reads
+                k = tl.load(kc_ptr + b * stride_kb + h * stride_kh + s[:, None] * stride_ks + d[None, :],
+                            mask=visible[:, None], other=0.0).to(tl.float32)  # [BLOCK_S, D]
+                v = tl.load(vc_ptr + b * stride_vb + h * stride_vh + s[:, None] * stride_vs + d[None, :],
+                            mask=visible[:, None], other=0.0).to(tl.float32)
+                m, l, acc = _attend_block(q, k, v, bias, visible, m, l, acc)
     if p == 0:  # the fresh key and value
         score = tl.sum(q * k_new[None, :], axis=1)  # [G_P]
         m_new = tl.maximum(m, score)
@@ -135,6 +162,9 @@ def _qkv_attention_kernel(
 
 
 MAX_KEYS = 64  # cache slots one program may have to walk (its share of S)
+# Where P blocks of keys cover the cache, each program loads its block before the PDL wait.
+# Read at each launch; scripts/diag_decode_ab.py --off preload-kv.
+PRELOAD_KV = True
 
 
 def default_splits(b: int, hkv: int, s: int, block_s: int, sms: int) -> int:
@@ -206,6 +236,9 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
                          splits: int | None = None):
     """Same contract as ``qkv_attention_ref``, in one launch. The mask must leave each row's
     own slot visible (``StepContext.decode_static`` does) and hide every slot after it.
+    Under PDL, ``slot`` and the cache's slots before it may be read before the wait for the
+    previous kernel: no kernel of the same step may write them (a decode step's are written
+    before it starts).
     ``splits``: P, a power of two (default ``default_splits``)."""
     b = check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias)
     if qk_norm not in QK_NORMS:
@@ -238,5 +271,5 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), bias.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
         HKV_P=triton.next_power_of_2(hkv), G=g, G_P=g_p, D=d, QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None,
-        ROPE=rope, BLOCK_S=block_s, P=splits, num_warps=4, **pdl_launch(qkv.device))
+        ROPE=rope, BLOCK_S=block_s, P=splits, PRE_KV=PRELOAD_KV and splits * block_s >= s, num_warps=4, **pdl_launch(qkv.device))
     return out

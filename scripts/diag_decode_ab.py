@@ -13,6 +13,8 @@ is worth in the same run and on the same device:
   pdl-early   every kernel lets the next launch only after its own wait
   fused-context  the static decode step's positions, mask and rotary rows by torch's ops
               (about twenty launches), not kernels.decode_context_triton (one)
+  preload-kv  kernels.qkv_attention loads its keys and values after its PDL wait, not before
+  router-preload  the norm + router launch loads its weights after its PDL wait, not before
 --on (repeatable; each measured slower or no faster, so off by default):
   route-in    the gating inside the CUDA MoE kernels, no routing launch
   norm-in-qkv the attention's residual add and RMSNorm inside the QKV GEMM's launch
@@ -29,10 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from dense import attention  # noqa: E402
-from kernels import cuda_common, moe_triton, pdl  # noqa: E402
+from kernels import cuda_common, moe_triton, norm, pdl, qkv_attention  # noqa: E402
 from moe_infer import model, moe_layer  # noqa: E402
 
-OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context")
+OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context", "preload-kv", "router-preload")
 ON = ("route-in", "norm-in-qkv", "l2-prefetch", "topk-in-router")
 
 
@@ -52,6 +54,10 @@ def switch_off(part: str) -> None:
         pdl.EARLY_TRIGGER = False
     elif part == "fused-context":
         attention.FUSED_DECODE_CONTEXT = False
+    elif part == "preload-kv":
+        qkv_attention.PRELOAD_KV = False
+    elif part == "router-preload":
+        norm.ROUTER_PRELOAD = False
 
 
 def switch_on(part: str) -> None:

@@ -112,6 +112,10 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh critical [OUT]
 #       the pure-read skeleton's critical path per kind of launch (OLMoE), then the real batch-1
 #       step's per kernel (diag_step_ceiling.py --real: OLMoE bf16 and int8, Qwen3 bf16)
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh preload [OUT]
+#       the decode attention, norm + router and gating GPU tests, the real OLMoE step's critical
+#       path, OLMoE decode at batch 1 alternating: as is, --off preload-kv, --off router-preload
+#       (diag_decode_ab.py), then the real Qwen3 step's critical path
 set -uo pipefail
 part=${1:?dense or moe}
 out=${2:-${OUT:-bench/results/sweep}}
@@ -338,6 +342,17 @@ elif [ "$part" = critical ]; then
     TAIL=40 step real_olmoe_bf16 120 python scripts/diag_step_ceiling.py --real --models olmoe-1b-7b
     TAIL=40 step real_olmoe_int8 120 python scripts/diag_step_ceiling.py --real --models olmoe-1b-7b --quantize int8
     TAIL=40 step real_qwen3_bf16 180 python scripts/diag_step_ceiling.py --real --models qwen3-30b-a3b
+elif [ "$part" = preload ]; then
+    TAIL=4 step gpu_tests 200 $pytest_gpu tests/test_qkv_attention.py tests/test_fused_decode.py \
+        tests/test_gating_kernels.py
+    TAIL=20 step real_olmoe_bf16 100 python scripts/diag_step_ceiling.py --real --models olmoe-1b-7b
+    for i in 1 2; do
+        for v in none preload-kv router-preload; do
+            TAIL=3 step "ab_${v}_$i" 60 python scripts/diag_decode_ab.py $([ $v = none ] || echo --off $v) \
+                --model olmoe-1b-7b --batches 1 --new-tokens 64 --reps 3
+        done
+    done
+    TAIL=20 step real_qwen3_bf16 150 python scripts/diag_step_ceiling.py --real --models qwen3-30b-a3b
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \

@@ -59,10 +59,13 @@ def test_qkv_attention_matches_reference(device, dtype, b, hq, hkv, d, qk_norm, 
 
 @pytest.mark.parametrize("device,dtype", BACKENDS)
 @pytest.mark.parametrize("s,slot,splits,window", [(8, 0, 4, None), (96, 95, 8, None), (300, 70, 16, None),
-                                                  (64, 50, 2, 7), (33, 17, None, None)])
+                                                  (64, 50, 2, 7), (33, 17, None, None), (300, 250, 2, None)])
 def test_qkv_attention_context_lengths(device, dtype, s, slot, splits, window):
     """The first token (only its own key), a full cache, a short context in a long cache
-    spread over many splits (most see no key), a sliding window, the default split count."""
+    spread over many splits (most see no key), a sliding window, the default split count;
+    in all of these the P blocks of keys cover the cache, so each split loads its one block
+    before its wait. The last case has a cache longer than that: each split walks several
+    blocks after its wait."""
     out, ref, _ = _run(device, dtype, 2, 8, 2, 16, s, slot, "head", True, None, splits, seed=s + slot, window=window)
     assert rel(out, ref) < (3 * TOL[dtype] if dtype != torch.float32 else 1e-5)
 
@@ -120,10 +123,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.qkv_attention import _qkv_attention_kernel as kernel
 
-g, splits, qk_norm, pdl = (int(v) for v in sys.argv[1:])
+g, splits, qk_norm, pdl, pre_kv = (int(v) for v in sys.argv[1:])
 hkv, d = 4, 128
 const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_P=max(2, g), D=d, QK_NORM=qk_norm, CLIP=False,
-             ROPE=True, BLOCK_S=32, P=splits, PDL=pdl)
+             ROPE=True, BLOCK_S=32, P=splits, PRE_KV=bool(pre_kv), PDL=pdl)
 types = {"slot_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32",
          "eps": "fp32", "clip": "fp32", "scale": "fp32"}
 sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
@@ -133,8 +136,8 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("g,splits,qk_norm,pdl", [(1, 16, 2, 2), (8, 1, 1, 1), (4, 4, 0, 0)])
-def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl):
+@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv", [(1, 16, 2, 2, 1), (8, 1, 1, 1, 0), (4, 4, 0, 0, 1)])
+def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv):
     """The whole Triton compile for sm_90 (tests.hopper)."""
-    out = compile_in_subprocess(_COMPILE, g, splits, qk_norm, pdl)
+    out = compile_in_subprocess(_COMPILE, g, splits, qk_norm, pdl, pre_kv)
     assert int(out.split()[-1]) > 0
