@@ -116,6 +116,8 @@
 #       the decode attention, norm + router and gating GPU tests, the real OLMoE step's critical
 #       path, OLMoE decode at batch 1 alternating: as is, --off preload-kv, --off router-preload
 #       (diag_decode_ab.py), then the real Qwen3 step's critical path
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh ncuattn [OUT]
+#       Nsight Compute on the decode attention kernel inside the real batch-1 step (OLMoE, Qwen3)
 set -uo pipefail
 part=${1:?dense or moe}
 out=${2:-${OUT:-bench/results/sweep}}
@@ -353,6 +355,14 @@ elif [ "$part" = preload ]; then
         done
     done
     TAIL=20 step real_qwen3_bf16 150 python scripts/diag_step_ceiling.py --real --models qwen3-30b-a3b
+elif [ "$part" = ncuattn ]; then
+    for model in olmoe-1b-7b qwen3-30b-a3b; do
+        TAIL=0 step "ncu_$model" 240 ncu --clock-control none -k regex:qkv_attention --launch-skip 60 --launch-count 1 \
+            --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+            --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters --import-source yes \
+            python scripts/diag_step_ceiling.py --real --models $model
+        grep -vE "UserWarning|_warn_once|^==PROF==" "$out/ncu_$model.log" | grep -A300 "qkv_attention" | head -150
+    done
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
