@@ -12,14 +12,16 @@ a CUDA graph and replayed for every slot). Program (b, KV head h, split p):
   KB); program p = 0 writes k and v into the cache;
 - attends over its share of slots 0 .. slot - 1, the visible keys split evenly over the
   P programs by the current slot, not by S (a short context in a long cache still spreads
-  over every program); blocks with no visible key cost no K / V reads. Where P blocks of
-  keys cover the whole cache (batch 1 with a short cache), each program has one block,
-  and loads its keys and values before the PDL wait: the slot and the cache's earlier
-  slots are no output of the kernels just before it (the slot is written before the
-  step, those slots by earlier steps), so their DRAM round trip overlaps the QKV GEMM's
-  tail instead of following it. Program 0 adds the
-  fresh key from its registers: the query always sees its own key, as
-  ``StepContext.decode_static`` makes the mask;
+  over every program); blocks with no visible key cost no K / V reads. The query heads are
+  the rows of two tensor-core products per block of keys (q K^T, then the softmax weights
+  times V; G padded to 16 rows), so no program sums [G, keys, D] products on its CUDA
+  cores. Where P blocks of keys cover the whole cache (batch 1 with a short cache), each
+  program has one block and loads its keys and values before the PDL wait: the slot and
+  the cache's earlier slots are no output of the kernels just before it (the slot is
+  written before the step, those slots by earlier steps), so their DRAM round trip
+  overlaps the QKV GEMM's tail instead of following it. Program 0 adds the fresh key from
+  its registers: the query always sees its own key, as ``StepContext.decode_static``
+  makes the mask;
 - keeps the running max, sum and weighted value sum in float32 (flash-decoding). With
   P > 1 each program writes its partials and takes a ticket from a per-(b, h) counter; the
   last of the P programs merges them and resets the counter, so there is no second launch.
@@ -44,17 +46,27 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
-def _attend_block(q, k, v, bias, visible, m, l, acc):
+def _attend_block(q, k, v, visible, scale, m, l, acc, UPCAST: tl.constexpr, DT: tl.constexpr):
     """One block of keys into the running max m, sum l and weighted value sum acc
-    (flash-decoding, float32): q [G_P, D], k / v [BLOCK_S, D], bias / visible [BLOCK_S]."""
-    scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) + bias[None, :]  # [G_P, BLOCK_S]
-    scores = tl.where(visible[None, :], scores, NEG_INF)
+    (flash-decoding, float32), on the tensor cores: q [G_M, D], k / v [BLOCK_S, D], all in
+    the model dtype DT (q's values are already rounded to it), visible [BLOCK_S]. The
+    softmax weights go into the second product in DT, as flash attention rounds them.
+    ``UPCAST`` (the interpreter, or float32): q, k, v are float32 and both products too.
+    A block with no visible key changes nothing (its weights are 0, never NaN)."""
+    if UPCAST:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))  # [G_M, BLOCK_S] float32
+    scores = tl.where(visible[None, :], scores * scale, NEG_INF)
     m_new = tl.maximum(m, tl.max(scores, axis=1))
-    alpha = tl.exp(m - m_new)
-    w = tl.exp(scores - m_new[:, None])
-    acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v[None, :, :], axis=1)
-    l = l * alpha + tl.sum(w, axis=1)
-    return m_new, l, acc
+    m_ref = tl.where(m_new > NEG_INF, m_new, 0.0)
+    alpha = tl.exp(m - m_ref)
+    w = tl.exp(scores - m_ref[:, None])
+    if UPCAST:
+        pv = tl.dot(w, v, input_precision="ieee")
+    else:
+        pv = tl.dot(w.to(DT), v)
+    return m_new, l * alpha + tl.sum(w, axis=1), acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -65,35 +77,36 @@ def _qkv_attention_kernel(
     slot_ptr,  # 0-d int64: the step's cache slot
     bias_ptr,  # [B, S] additive mask (0 / -inf) in any float dtype
     out_ptr,  # [B, Hq, D]
-    m_ptr, l_ptr, acc_ptr,  # float32 partials [B, Hkv, G_P, P] (and [.., D]) when P > 1
+    m_ptr, l_ptr, acc_ptr,  # float32 partials [B, Hkv, G_M, P] (and [.., D]) when P > 1
     count_ptr,  # int32 [B * Hkv] counters, zero between calls
     eps, clip, scale, stride_qkv, stride_cos,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_bias,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, G: tl.constexpr,
-    G_P: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_S: tl.constexpr, P: tl.constexpr, PRE_KV: tl.constexpr, PDL: tl.constexpr,
+    G_M: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_S: tl.constexpr, P: tl.constexpr, P_CHUNK: tl.constexpr, PRE_KV: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h, p = tl.program_id(1), tl.program_id(2)
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    KT: tl.constexpr = tl.float32 if UPCAST else DT  # q, k and v as the products take them
     slot = tl.load(slot_ptr)
+    d0 = tl.arange(0, D)
+    k_rows = kc_ptr + b * stride_kb + h * stride_kh
+    v_rows = vc_ptr + b * stride_vb + h * stride_vh
     # Where P blocks cover the cache: this program's keys and values, loaded before the wait.
     s_pre = p * BLOCK_S + tl.arange(0, BLOCK_S)
-    mine_pre = (s_pre < slot) & PRE_KV  # its slots before the fresh key (the slot's own, added below)
-    d0 = tl.arange(0, D)
-    k_pre = tl.load(kc_ptr + b * stride_kb + h * stride_kh + s_pre[:, None] * stride_ks + d0[None, :],
-                    mask=mine_pre[:, None], other=0.0).to(tl.float32)  # [BLOCK_S, D]
-    v_pre = tl.load(vc_ptr + b * stride_vb + h * stride_vh + s_pre[:, None] * stride_vs + d0[None, :],
-                    mask=mine_pre[:, None], other=0.0).to(tl.float32)
+    mine_pre = (s_pre < slot) & PRE_KV  # its slots before the fresh key (that one comes from registers)
+    k_pre = tl.load(k_rows + s_pre[:, None] * stride_ks + d0[None, :], mask=mine_pre[:, None], other=0.0).to(KT)
+    v_pre = tl.load(v_rows + s_pre[:, None] * stride_vs + d0[None, :], mask=mine_pre[:, None], other=0.0).to(KT)
     pdl_enter(PDL)
-    DT: tl.constexpr = out_ptr.dtype.element_ty
     row, d, partner, sign, cos, sin, rstd_q, rstd_k = _row_setup(qkv_ptr, cos_ptr, sin_ptr, b, stride_qkv, stride_cos,
                                                                  eps, HQ, HKV, HQ_P, HKV_P, D, QK_NORM, ROPE)
-
-    g = tl.arange(0, G_P)
+    g = tl.arange(0, G_M)
     g_ok = g < G
     heads = tl.where(g_ok, h * G + g, HQ)  # this KV head's query heads (HQ: padding, masked)
     q = _normed_rotated(row, qn_w_ptr, cos, sin, heads, d, partner, sign, eps, clip, rstd_q, HQ, D, QK_NORM, CLIP,
-                        ROPE, DT) * scale  # [G_P, D]
+                        ROPE, DT)  # [G_M, D] float32, values rounded to DT
     first = tl.arange(0, 2) == 0  # k of head h as row 0 of a 2-row block (row 1 masked)
     k2 = _normed_rotated(row + HQ * D, kn_w_ptr, cos, sin, tl.where(first, h, HKV), d, partner, sign, eps, clip,
                          rstd_k, HKV, D, QK_NORM, CLIP, ROPE, DT)
@@ -102,39 +115,38 @@ def _qkv_attention_kernel(
     if CLIP:
         v_new = tl.minimum(tl.maximum(v_new, -clip), clip)
     if p == 0:
-        tl.store(kc_ptr + b * stride_kb + h * stride_kh + slot * stride_ks + d, k_new.to(DT))
-        tl.store(vc_ptr + b * stride_vb + h * stride_vh + slot * stride_vs + d, v_new.to(DT))
+        tl.store(k_rows + slot * stride_ks + d, k_new.to(DT))
+        tl.store(v_rows + slot * stride_vs + d, v_new.to(DT))
+    qk = q.to(DT).to(KT)
 
-    m = tl.full([G_P], NEG_INF, tl.float32)
-    l = tl.zeros([G_P], tl.float32)
-    acc = tl.zeros([G_P, D], tl.float32)
-    if PRE_KV:  # the one block loaded before the wait
+    m = tl.full([G_M], NEG_INF, tl.float32)
+    l = tl.zeros([G_M], tl.float32)
+    acc = tl.zeros([G_M, D], tl.float32)
+    # Slots 0 .. slot - 1 over the P programs (the slot's own key is added below). A hidden
+    # slot's key and value are read but weigh 0: the cache must hold finite values there
+    # (it starts zeroed).
+    if PRE_KV:  # the one block, loaded before the wait
         bias = tl.load(bias_ptr + b * stride_bias + s_pre, mask=mine_pre, other=NEG_INF).to(tl.float32)
-        visible = mine_pre & (bias > NEG_INF)
-        if tl.sum(visible.to(tl.int32)) > 0:
-            v = tl.where(visible[:, None], v_pre, 0.0)  # a hidden slot's value may be anything
-            m, l, acc = _attend_block(q, k_pre, v, bias, visible, m, l, acc)
+        m, l, acc = _attend_block(qk, k_pre, v_pre, mine_pre & (bias > NEG_INF), scale, m, l, acc, UPCAST, DT)
     else:
-        span = tl.cdiv(tl.cdiv(slot + 1, P), BLOCK_S) * BLOCK_S  # slots 0 .. slot over the P programs
+        span = tl.cdiv(tl.cdiv(slot + 1, P), BLOCK_S) * BLOCK_S
         lo = p * span
-        hi = tl.minimum(lo + span, slot + 1)
+        hi = tl.minimum(lo + span, slot)
         for s0 in range(lo, hi, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
-            mine = (s < hi) & (s != slot)  # the slot's key is the fresh one, added below
+            mine = s < hi
             bias = tl.load(bias_ptr + b * stride_bias + s, mask=mine, other=NEG_INF).to(tl.float32)
             visible = mine & (bias > NEG_INF)
             if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no K / V reads
-                k = tl.load(kc_ptr + b * stride_kb + h * stride_kh + s[:, None] * stride_ks + d[None, :],
-                            mask=visible[:, None], other=0.0).to(tl.float32)  # [BLOCK_S, D]
-                v = tl.load(vc_ptr + b * stride_vb + h * stride_vh + s[:, None] * stride_vs + d[None, :],
-                            mask=visible[:, None], other=0.0).to(tl.float32)
-                m, l, acc = _attend_block(q, k, v, bias, visible, m, l, acc)
-    if p == 0:  # the fresh key and value
-        score = tl.sum(q * k_new[None, :], axis=1)  # [G_P]
+                k = tl.load(k_rows + s[:, None] * stride_ks + d[None, :], mask=visible[:, None], other=0.0).to(KT)
+                v = tl.load(v_rows + s[:, None] * stride_vs + d[None, :], mask=visible[:, None], other=0.0).to(KT)
+                m, l, acc = _attend_block(qk, k, v, visible, scale, m, l, acc, UPCAST, DT)
+    if p == 0:  # the fresh key and value: the mask always leaves a row's own slot visible
+        score = tl.sum(q * k_new.to(DT).to(tl.float32)[None, :], axis=1) * scale  # [G_M]
         m_new = tl.maximum(m, score)
         alpha = tl.exp(m - m_new)
         w = tl.exp(score - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * v_new[None, :]
+        acc = acc * alpha[:, None] + w[:, None] * v_new.to(DT).to(tl.float32)[None, :]
         l = l * alpha + w
         m = m_new
 
@@ -142,26 +154,32 @@ def _qkv_attention_kernel(
     if P == 1:
         tl.store(out_rows, (acc / l[:, None]).to(DT), mask=g_ok[:, None])
     else:
-        part = ((b * HKV + h) * G_P + g) * P + p  # [G_P] index into [B, Hkv, G_P, P]
+        part = ((b * HKV + h) * G_M + g) * P + p  # [G_M] index into [B, Hkv, G_M, P]
         tl.store(m_ptr + part, m)
         tl.store(l_ptr + part, l)
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
         tl.debug_barrier()  # every thread's partials are written before the ticket is taken
         ticket = tl.atomic_add(count_ptr + b * HKV + h, 1, sem="acq_rel")
-        if ticket == P - 1:  # the last of the P programs: merge them
+        if ticket == P - 1:  # the last of the P programs: merge them, P_CHUNK splits at a time
+            base = ((b * HKV + h) * G_M + g[:, None]) * P  # [G_M, 1]
             ps = tl.arange(0, P)
-            parts = ((b * HKV + h) * G_P + g[:, None]) * P + ps[None, :]  # [G_P, P]
-            mm = tl.load(m_ptr + parts, cache_modifier=".cg")
-            ll = tl.load(l_ptr + parts, cache_modifier=".cg")
-            aa = tl.load(acc_ptr + parts[:, :, None] * D + d[None, None, :], cache_modifier=".cg")  # [G_P, P, D]
-            m_all = tl.max(mm, axis=1)
-            wp = tl.where(mm > NEG_INF, tl.exp(mm - m_all[:, None]), 0.0)  # splits with no key weigh 0
-            o = tl.sum(wp[:, :, None] * aa, axis=1) / tl.sum(wp * ll, axis=1)[:, None]
-            tl.store(out_rows, o.to(DT), mask=g_ok[:, None])
+            m_all = tl.max(tl.load(m_ptr + base + ps[None, :], cache_modifier=".cg"), axis=1)  # [G_M]
+            o = tl.zeros([G_M, D], tl.float32)
+            den = tl.zeros([G_M], tl.float32)
+            for c in range(0, P, P_CHUNK):
+                pc = c + tl.arange(0, P_CHUNK)
+                parts = base + pc[None, :]  # [G_M, P_CHUNK]
+                mm = tl.load(m_ptr + parts, cache_modifier=".cg")
+                ll = tl.load(l_ptr + parts, cache_modifier=".cg")
+                aa = tl.load(acc_ptr + parts[:, :, None] * D + d[None, None, :], cache_modifier=".cg")
+                wp = tl.where(mm > NEG_INF, tl.exp(mm - m_all[:, None]), 0.0)  # splits with no key weigh 0
+                o += tl.sum(wp[:, :, None] * aa, axis=1)
+                den += tl.sum(wp * ll, axis=1)
+            tl.store(out_rows, (o / den[:, None]).to(DT), mask=g_ok[:, None])
             tl.atomic_xchg(count_ptr + b * HKV + h, 0)  # ready for the next call (or graph replay)
 
 
-MAX_KEYS = 64  # cache slots one program may have to walk (its share of S)
+MAX_KEYS = 128  # cache slots one program may have to walk (its share of S)
 # Where P blocks of keys cover the cache, each program loads its block before the PDL wait.
 # Read at each launch; scripts/diag_decode_ab.py --off preload-kv.
 PRELOAD_KV = True
@@ -181,19 +199,21 @@ def default_splits(b: int, hkv: int, s: int, block_s: int, sms: int) -> int:
 
 def fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> bool:
     """Whether the one-launch kernel suits this step: every split walks at most
-    ``MAX_KEYS`` slots in a grid of at most two programs per SM. Every program recomputes
-    the row's q / k prologue, so a larger grid costs more than the launch it saves.
-    Measured on OLMoE (H100, ms per token, one launch against the epilogue launch and
-    SDPA): batch 1 with a 192-slot cache 1.186 / 1.253 (128 programs); batch 8, same cache
-    4.253 / 4.080 (512); batch 1 with a 2176-slot cache 1.728 / 1.462 (1024)."""
-    block_s = _block_s(max(2, triton.next_power_of_2(hq // hkv)), d)
-    p = default_splits(b, hkv, s, block_s, sms)
-    return -(-s // p) <= MAX_KEYS and b * hkv * p <= 2 * sms
+    ``MAX_KEYS`` slots, in a grid of at most one program per SM (every program recomputes
+    the row's q / k prologue, so a larger grid costs more than the launch it saves), and the
+    head dim is at least 16 (a tensor-core product's). Measured on OLMoE (H100, ms per
+    token, one launch against the epilogue launch and SDPA, with the kernel's first
+    version): batch 1 with a 192-slot cache 1.186 / 1.253 (128 programs); batch 8, same
+    cache 4.253 / 4.080 (512); batch 1 with a 2176-slot cache 1.728 / 1.462 (1024)."""
+    p = default_splits(b, hkv, s, _block_s(s, d), sms)
+    return d >= 16 and -(-s // p) <= MAX_KEYS and b * hkv * p <= sms
 
 
-def _block_s(g_p: int, d: int) -> int:
-    """Keys per step: the [G, BLOCK_S, D] products stay about 8K floats a program."""
-    return max(8, min(64, 8192 // (g_p * d)))
+def _block_s(s: int, d: int) -> int:
+    """Keys per block: a power of two from 16 (a tensor-core product's least) to 128 (64
+    above D = 128: K and V blocks of BLOCK_S x D stay 16K values a program), covering S
+    where it can."""
+    return min(128 if d <= 128 else 64, max(16, triton.next_power_of_2(s)))
 
 
 def check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias) -> int:
@@ -244,14 +264,19 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
     if qk_norm not in QK_NORMS:
         raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
     hq, hkv, d, s = num_heads, num_kv_heads, head_dim, k_cache.shape[2]
+    if d < 16:
+        raise ValueError(f"head_dim {d}: expected at least 16 (the tensor-core products')")
     g = hq // hkv
-    g_p = max(2, triton.next_power_of_2(g))
-    block_s = _block_s(g_p, d)
+    g_m = max(16, triton.next_power_of_2(g))  # query heads as the rows of a tensor-core product
+    block_s = _block_s(s, d)
     if splits is None:
         sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count if qkv.is_cuda else 4
         splits = default_splits(b, hkv, s, block_s, sms)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits={splits}: expected a power of two")
+    pre_kv = PRELOAD_KV and splits * block_s >= s
+    if not splits * block_s >= s:  # the splits walk their keys in steps: smaller blocks, fewer registers
+        block_s = min(block_s, 64)
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     bias = bias.reshape(b, s)
@@ -259,7 +284,7 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
     if rope:
         cos, sin = cos.reshape(b, d), sin.reshape(b, d)
     out = torch.empty(b, hq, d, dtype=qkv.dtype, device=qkv.device)
-    n_part = b * hkv * g_p * splits if splits > 1 else 1
+    n_part = b * hkv * g_m * splits if splits > 1 else 1
     m = torch.empty(n_part, dtype=torch.float32, device=qkv.device)
     l = torch.empty_like(m)
     acc = torch.empty(n_part, d, dtype=torch.float32, device=qkv.device)
@@ -270,6 +295,8 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
         scale if scale is not None else 1.0 / math.sqrt(d), qkv.stride(0), cos.stride(0) if rope else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), bias.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
-        HKV_P=triton.next_power_of_2(hkv), G=g, G_P=g_p, D=d, QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None,
-        ROPE=rope, BLOCK_S=block_s, P=splits, PRE_KV=PRELOAD_KV and splits * block_s >= s, num_warps=4, **pdl_launch(qkv.device))
+        HKV_P=triton.next_power_of_2(hkv), G=g, G_M=g_m, D=d, QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None,
+        ROPE=rope, BLOCK_S=block_s, P=splits, P_CHUNK=min(splits, 4), PRE_KV=pre_kv,
+        UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, num_warps=4 if block_s * d <= 4096 else 8,
+        **pdl_launch(qkv.device))
     return out

@@ -97,6 +97,8 @@ def test_qkv_attention_rejects_bad_input():
         qkv_attention_triton(qkv, 4, 2, 16, kc, kc.clone(), 3, bias)
     with pytest.raises(ValueError, match=r"bias \[1, 1, 1, 9\]"):
         qkv_attention_triton(qkv, 4, 2, 16, kc, kc.clone(), slot, torch.zeros(1, 1, 1, 9))
+    with pytest.raises(ValueError, match=r"head_dim 8: expected at least 16"):
+        qkv_attention_triton(torch.randn(1, 64), 4, 2, 8, kc[..., :8], kc[..., :8].clone(), slot, bias)
     with pytest.raises(ValueError, match=r"splits=3: expected a power of two"):
         qkv_attention_triton(qkv, 4, 2, 16, kc, kc.clone(), slot, bias, splits=3)
     with pytest.raises(ValueError, match=r"qk_norm='layer'"):
@@ -107,13 +109,15 @@ def test_default_splits_fill_the_gpu_and_bound_each_split():
     assert default_splits(1, 16, 192, 32, 132) == 8  # OLMoE batch 1, short cache: 128 programs, 24 keys each
     assert default_splits(1, 4, 192, 8, 132) == 32  # Qwen3 batch 1
     assert default_splits(1, 4, 40, 8, 132) == 8  # splitting stops once the splits cover the key blocks
-    assert default_splits(1, 16, 2176, 32, 132) == 64  # a long cache: at most MAX_KEYS slots per split
-    assert default_splits(64, 16, 128, 32, 132) == 2
+    assert default_splits(1, 16, 2176, 32, 132) == 32  # a long cache: at most MAX_KEYS slots per split
+    assert default_splits(1, 16, 8192, 128, 132) == 64  # P stops at 64
+    assert default_splits(64, 16, 256, 32, 132) == 2  # a full grid splits only to bound each walk
     assert math.log2(default_splits(3, 5, 1000, 16, 132)).is_integer()
     assert fits(1, 16, 16, 128, 192, 132) and fits(1, 32, 4, 128, 192, 132)  # OLMoE, Qwen3 at batch 1
-    assert not fits(8, 16, 16, 128, 192, 132)  # 512 programs: the epilogue launch and SDPA instead
-    assert not fits(1, 16, 16, 128, 2176, 132)  # 1024 programs
-    assert not fits(1, 4, 4, 128, 8192, 132)  # 128 slots per split even at P = 64
+    assert not fits(8, 16, 16, 128, 192, 132)  # 256 programs: the epilogue launch and SDPA instead
+    assert not fits(1, 16, 16, 128, 2176, 132)  # 512 programs
+    assert not fits(1, 4, 4, 128, 16384, 132)  # 256 slots per split even at P = 64
+    assert not fits(1, 4, 4, 8, 64, 132)  # a head dim below a tensor-core product's 16
 
 
 _COMPILE = """
@@ -125,13 +129,13 @@ from kernels.qkv_attention import _qkv_attention_kernel as kernel
 
 g, splits, qk_norm, pdl, pre_kv = (int(v) for v in sys.argv[1:])
 hkv, d = 4, 128
-const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_P=max(2, g), D=d, QK_NORM=qk_norm, CLIP=False,
-             ROPE=True, BLOCK_S=32, P=splits, PRE_KV=bool(pre_kv), PDL=pdl)
+const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_M=max(16, g), D=d, QK_NORM=qk_norm, CLIP=False,
+             ROPE=True, BLOCK_S=64, P=splits, P_CHUNK=min(splits, 4), PRE_KV=bool(pre_kv), UPCAST=False, PDL=pdl)
 types = {"slot_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32",
          "eps": "fp32", "clip": "fp32", "scale": "fp32"}
 sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
        for n in kernel.arg_names}
-compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
 print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
