@@ -118,6 +118,9 @@
 #       (diag_decode_ab.py), then the real Qwen3 step's critical path
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh ncuattn [OUT]
 #       Nsight Compute on the decode attention kernel inside the real batch-1 step (OLMoE, Qwen3)
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh attn2 [OUT]
+#       the decode attention's and the decode path's GPU tests, the real batch-1 step's critical
+#       path and replay (OLMoE, Qwen3; bf16, int8), OLMoE decode at batch 1 (bf16)
 set -uo pipefail
 part=${1:?dense or moe}
 out=${2:-${OUT:-bench/results/sweep}}
@@ -363,6 +366,16 @@ elif [ "$part" = ncuattn ]; then
             python scripts/diag_step_ceiling.py --real --models $model
         grep -vE "UserWarning|_warn_once|^==PROF==" "$out/ncu_$model.log" | grep -A300 "qkv_attention" | head -150
     done
+elif [ "$part" = attn2 ]; then
+    TAIL=4 step gpu_tests 220 $pytest_gpu tests/test_qkv_attention.py tests/test_fused_decode.py tests/test_engine.py \
+        tests/test_default_model.py
+    for model in olmoe-1b-7b qwen3-30b-a3b; do
+        for q in bf16 int8; do
+            TAIL=17 step "real_${model}_$q" 120 python scripts/diag_step_ceiling.py --real --models $model \
+                $([ $q = int8 ] && echo --quantize int8)
+        done
+    done
+    TAIL=3 step olmoe_bf16 60 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 64 --reps 3
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
