@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
-from kernels.qkv_decode import QK_NORMS, _check, _normed_rotated, _row_setup, qkv_decode_ref, qkv_decode_supported
+from kernels.qkv_decode import (QK_NORMS, _check, _norm_weights, _normed_rotated, _row_setup, qkv_decode_ref,
+                                qkv_decode_supported)
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -99,17 +100,22 @@ def _qkv_attention_kernel(
     mine_pre = (s_pre < slot) & PRE_KV  # its slots before the fresh key (that one comes from registers)
     k_pre = tl.load(k_rows + s_pre[:, None] * stride_ks + d0[None, :], mask=mine_pre[:, None], other=0.0).to(KT)
     v_pre = tl.load(v_rows + s_pre[:, None] * stride_vs + d0[None, :], mask=mine_pre[:, None], other=0.0).to(KT)
-    pdl_enter(PDL)
-    row, d, partner, sign, cos, sin, rstd_q, rstd_k = _row_setup(qkv_ptr, cos_ptr, sin_ptr, b, stride_qkv, stride_cos,
-                                                                 eps, HQ, HKV, HQ_P, HKV_P, D, QK_NORM, ROPE)
+    # The q / k norm weights: no kernel's output either.
     g = tl.arange(0, G_M)
     g_ok = g < G
     heads = tl.where(g_ok, h * G + g, HQ)  # this KV head's query heads (HQ: padding, masked)
-    q = _normed_rotated(row, qn_w_ptr, cos, sin, heads, d, partner, sign, eps, clip, rstd_q, HQ, D, QK_NORM, CLIP,
-                        ROPE, DT)  # [G_M, D] float32, values rounded to DT
     first = tl.arange(0, 2) == 0  # k of head h as row 0 of a 2-row block (row 1 masked)
-    k2 = _normed_rotated(row + HQ * D, kn_w_ptr, cos, sin, tl.where(first, h, HKV), d, partner, sign, eps, clip,
-                         rstd_k, HKV, D, QK_NORM, CLIP, ROPE, DT)
+    k_head = tl.where(first, h, HKV)
+    partner0 = (d0 + D // 2) % D
+    qw, qwp = _norm_weights(qn_w_ptr, heads, d0, partner0, HQ, D, QK_NORM)
+    kw, kwp = _norm_weights(kn_w_ptr, k_head, d0, partner0, HKV, D, QK_NORM)
+    pdl_enter(PDL)
+    row, d, partner, sign, cos, sin, rstd_q, rstd_k = _row_setup(qkv_ptr, cos_ptr, sin_ptr, b, stride_qkv, stride_cos,
+                                                                 eps, HQ, HKV, HQ_P, HKV_P, D, QK_NORM, ROPE)
+    q = _normed_rotated(row, qw, qwp, cos, sin, heads, d, partner, sign, eps, clip, rstd_q, HQ, D, QK_NORM, CLIP,
+                        ROPE, DT)  # [G_M, D] float32, values rounded to DT
+    k2 = _normed_rotated(row + HQ * D, kw, kwp, cos, sin, k_head, d, partner, sign, eps, clip, rstd_k, HKV, D,
+                         QK_NORM, CLIP, ROPE, DT)
     k_new = tl.sum(tl.where(first[:, None], k2, 0.0), axis=0)  # [D]
     v_new = tl.load(row + (HQ + HKV) * D + h * D + d).to(tl.float32)
     if CLIP:

@@ -65,18 +65,34 @@ def _row_setup(qkv_ptr, cos_ptr, sin_ptr, r, stride_qkv, stride_cos, eps, HQ: tl
 
 
 @triton.jit
-def _normed_rotated(base, w_ptr, cos, sin, heads, d, partner, sign, eps, clip, rstd,
+def _norm_weights(w_ptr, heads, d, partner, H: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr):
+    """(w, w at the rotate-half partners) of the q or k norm for ``heads``, as float32:
+    [H_P, D] for the all-heads norm, [D] per head; zeros without a norm. No kernel writes
+    them, so a PDL kernel may load them before its wait."""
+    wx = tl.zeros([D], tl.float32)
+    wp = tl.zeros([D], tl.float32)
+    if QK_NORM == 2:
+        ok = (heads < H)[:, None] & (d < D)[None, :]
+        wx = tl.load(w_ptr + heads[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + heads[:, None] * D + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    elif QK_NORM == 1:
+        wx = tl.load(w_ptr + d).to(tl.float32)
+        wp = tl.load(w_ptr + partner).to(tl.float32)
+    return wx, wp
+
+
+@triton.jit
+def _normed_rotated(base, wx, wp, cos, sin, heads, d, partner, sign, eps, clip, rstd,
                     H: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
                     ROPE: tl.constexpr, DT: tl.constexpr):
     """[H_P, D] block of some heads of one row's q or k: clipped, normalised, rotated (float32
-    values rounded to DT at each step the torch modules round). ``rstd``: the row's
-    ``_full_rstd`` where QK_NORM is 2 (over all heads), unused otherwise."""
+    values rounded to DT at each step the torch modules round). ``wx``, ``wp``: the norm's
+    ``_norm_weights``. ``rstd``: the row's ``_full_rstd`` where QK_NORM is 2 (over all
+    heads), unused otherwise."""
     ok = (heads < H)[:, None] & (d < D)[None, :]
     x = tl.load(base + heads[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
     xp = tl.load(base + heads[:, None] * D + partner[None, :], mask=ok, other=0.0).to(tl.float32)
     if QK_NORM == 2:
-        wx = tl.load(w_ptr + heads[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + heads[:, None] * D + partner[None, :], mask=ok, other=0.0).to(tl.float32)
         x = _rnd(_rnd(x * rstd, DT) * wx, DT)
         xp = _rnd(_rnd(xp * rstd, DT) * wp, DT)
     if CLIP:
@@ -84,8 +100,6 @@ def _normed_rotated(base, w_ptr, cos, sin, heads, d, partner, sign, eps, clip, r
         xp = tl.minimum(tl.maximum(xp, -clip), clip)
     if QK_NORM == 1:  # per head over its D values
         rstd_h = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [H_P]
-        wx = tl.load(w_ptr + d).to(tl.float32)
-        wp = tl.load(w_ptr + partner).to(tl.float32)
         x = _rnd(_rnd(x * rstd_h[:, None], DT) * wx[None, :], DT)
         xp = _rnd(_rnd(xp * rstd_h[:, None], DT) * wp[None, :], DT)
     if ROPE:  # rotate-half: x * cos + cat(-x2, x1) * sin
@@ -110,12 +124,14 @@ def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr, kc_
         slot = tl.load(slot_ptr)
     slot += t
     hq = tl.arange(0, HQ_P)
-    q = _normed_rotated(row, qn_w_ptr, cos, sin, hq, d, partner, sign, eps, clip, rstd_q, HQ, D, QK_NORM, CLIP,
+    qw, qwp = _norm_weights(qn_w_ptr, hq, d, partner, HQ, D, QK_NORM)
+    q = _normed_rotated(row, qw, qwp, cos, sin, hq, d, partner, sign, eps, clip, rstd_q, HQ, D, QK_NORM, CLIP,
                         ROPE, DT)
     q_ok = (hq < HQ)[:, None]
     tl.store(q_ptr + (r * HQ + hq[:, None]) * D + d[None, :], q.to(DT), mask=q_ok)  # q [B, T, HQ, D]
     hk = tl.arange(0, HKV_P)
-    k = _normed_rotated(row + HQ * D, kn_w_ptr, cos, sin, hk, d, partner, sign, eps, clip, rstd_k, HKV, D, QK_NORM,
+    kw, kwp = _norm_weights(kn_w_ptr, hk, d, partner, HKV, D, QK_NORM)
+    k = _normed_rotated(row + HQ * D, kw, kwp, cos, sin, hk, d, partner, sign, eps, clip, rstd_k, HKV, D, QK_NORM,
                         CLIP, ROPE, DT)
     kv_ok = (hk < HKV)[:, None]
     tl.store(kc_ptr + b * stride_kb + hk[:, None] * stride_kh + slot * stride_ks + d[None, :], k.to(DT), mask=kv_ok)

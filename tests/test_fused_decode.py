@@ -461,3 +461,29 @@ def test_rms_norm_router_compiles_for_hopper(bk, k, one, pdl):
     from tests.hopper import compile_in_subprocess
 
     assert int(compile_in_subprocess(_COMPILE_ROUTER, bk, k, one, pdl).split()[-1]) > 0
+
+
+_COMPILE_QKV_DECODE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.qkv_decode import _qkv_decode_kernel as kernel
+
+qk_norm, pdl = (int(v) for v in sys.argv[1:])
+const = dict(HQ=16, HKV=4, HQ_P=16, HKV_P=4, D=128, QK_NORM=qk_norm, CLIP=True, ROPE=True, SLOT_PTR=True, PDL=pdl)
+types = {"slot_ptr": "*i64", "slot": "i64", "T": "i32", "eps": "fp32", "clip": "fp32"}
+sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
+       for n in kernel.arg_names}
+compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print("cubin bytes", len(compiled.asm["cubin"]))
+"""
+
+
+@pytest.mark.parametrize("qk_norm,pdl", [(0, 0), (1, 2), (2, 1)])
+def test_qkv_decode_compiles_for_hopper(qk_norm, pdl):
+    """The QKV epilogue kernel's whole Triton compile for sm_90 (tests.hopper), with each
+    q / k norm."""
+    from tests.hopper import compile_in_subprocess
+
+    assert int(compile_in_subprocess(_COMPILE_QKV_DECODE, qk_norm, pdl).split()[-1]) > 0
