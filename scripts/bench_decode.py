@@ -61,11 +61,14 @@ def replay_ms(engine, batch: int) -> float | None:
     """Device time of one captured decode step for ``batch`` rows: its graph replayed back
     to back at the last slot generate() used, with no host loop in between (the per-token
     figure also holds the host's share and the gap between replays). None without a graph."""
+    step = captured_step(engine, batch)
+    return None if step is None else bc.time_fn(step, warmup=3, reps=50, device=engine.device) / 1e3
+
+
+def captured_step(engine, batch: int):
+    """The replay of the smallest captured decode step holding ``batch`` rows; None without one."""
     decoders = [d for d in engine._decoders.values() if d.graph is not None and d.batch >= batch]
-    if not decoders:
-        return None
-    step = min(decoders, key=lambda d: d.batch).graph.replay
-    return bc.time_fn(step, warmup=3, reps=50, device=engine.device) / 1e3
+    return min(decoders, key=lambda d: d.batch).graph.replay if decoders else None
 
 
 def floor_bytes(engine, batch: int, context: int) -> int:

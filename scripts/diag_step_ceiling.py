@@ -48,6 +48,7 @@ _SCRIPTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
+import bench_decode  # noqa: E402
 import bench_dense  # noqa: E402
 import diag_read  # noqa: E402
 from moe_infer.config import load_preset  # noqa: E402
@@ -177,9 +178,9 @@ def real_step(model: str, quantize: str | None, context: int) -> None:
     vocab = engine.config.model.vocab_size
     prompt = torch.randint(0, vocab, (16,), generator=torch.Generator().manual_seed(0)).tolist()
     engine.generate([prompt], max_new_tokens=max(2, context - 16))
-    decoder = min((d for d in engine._decoders.values() if d.graph is not None), key=lambda d: d.batch)
-    us = bc.time_fn(decoder.graph.replay, warmup=3, reps=50, device=engine.device)
-    path = critical_path(decoder.graph.replay, 10, engine.device)
+    replay = bench_decode.captured_step(engine, 1)
+    us = bc.time_fn(replay, warmup=3, reps=50, device=engine.device)
+    path = critical_path(replay, 10, engine.device)
     agg = {}
     for name, inc in path:
         slot = agg.setdefault(name, [0.0, 0])

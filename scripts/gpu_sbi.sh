@@ -124,8 +124,6 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh final14 [OUT]
 #       the decode path's and gating's GPU tests, the real OLMoE step's critical path, OLMoE
 #       decode at batch 1 (bf16, int8)
-#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh final14q [OUT]
-#       Qwen3 decode at batch 1 (bf16, int8), the real Qwen3 step's critical path
 set -uo pipefail
 part=${1:?dense or moe}
 out=${2:-${OUT:-bench/results/sweep}}
@@ -389,12 +387,6 @@ elif [ "$part" = final14 ]; then
         TAIL=3 step olmoe_$q 80 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 64 \
             --reps 3 $([ $q = int8 ] && echo --quantize int8)
     done
-elif [ "$part" = final14q ]; then
-    for q in bf16 int8; do
-        TAIL=3 step qwen3_$q 150 python scripts/bench_decode.py --model qwen3-30b-a3b --batches 1 --new-tokens 64 \
-            --reps 3 $([ $q = int8 ] && echo --quantize int8)
-    done
-    TAIL=17 step real_qwen3_bf16 150 python scripts/diag_step_ceiling.py --real --models qwen3-30b-a3b
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
