@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
-from kernels.qkv_decode import (QK_NORMS, _check, _norm_weights, _normed_rotated, _row_setup, qkv_decode_ref,
-                                qkv_decode_supported)
+from kernels.qkv_decode import (QK_NORMS, _check, _load_all, _load_heads, _norm_rotate, _norm_weights, _rstd_all,
+                                qkv_decode_ref, qkv_decode_supported)
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -92,69 +92,86 @@ def _qkv_attention_kernel(
     DT: tl.constexpr = out_ptr.dtype.element_ty
     KT: tl.constexpr = tl.float32 if UPCAST else DT  # q, k and v as the products take them
     slot = tl.load(slot_ptr)
-    d0 = tl.arange(0, D)
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D
     k_rows = kc_ptr + b * stride_kb + h * stride_kh
     v_rows = vc_ptr + b * stride_vb + h * stride_vh
     # Where P blocks cover the cache: this program's keys and values, loaded before the wait.
     s_pre = p * BLOCK_S + tl.arange(0, BLOCK_S)
-    mine_pre = (s_pre < slot) & PRE_KV  # its slots before the fresh key (that one comes from registers)
-    k_pre = tl.load(k_rows + s_pre[:, None] * stride_ks + d0[None, :], mask=mine_pre[:, None], other=0.0).to(KT)
-    v_pre = tl.load(v_rows + s_pre[:, None] * stride_vs + d0[None, :], mask=mine_pre[:, None], other=0.0).to(KT)
+    old_pre = (s_pre < slot) & PRE_KV  # its slots before the fresh key (that one comes from registers)
+    k_pre = tl.load(k_rows + s_pre[:, None] * stride_ks + d[None, :], mask=old_pre[:, None], other=0.0).to(KT)
+    v_pre = tl.load(v_rows + s_pre[:, None] * stride_vs + d[None, :], mask=old_pre[:, None], other=0.0).to(KT)
     # The q / k norm weights: no kernel's output either.
     g = tl.arange(0, G_M)
     g_ok = g < G
     heads = tl.where(g_ok, h * G + g, HQ)  # this KV head's query heads (HQ: padding, masked)
-    first = tl.arange(0, 2) == 0  # k of head h as row 0 of a 2-row block (row 1 masked)
-    k_head = tl.where(first, h, HKV)
-    partner0 = (d0 + D // 2) % D
-    qw, qwp = _norm_weights(qn_w_ptr, heads, d0, partner0, HQ, D, QK_NORM)
-    kw, kwp = _norm_weights(kn_w_ptr, k_head, d0, partner0, HKV, D, QK_NORM)
+    k_head = h + tl.zeros([1], tl.int32)  # k and v of head h as a 1-row block
+    qw, qwp = _norm_weights(qn_w_ptr, heads, d, partner, HQ, D, QK_NORM)
+    kw, kwp = _norm_weights(kn_w_ptr, k_head, d, partner, HKV, D, QK_NORM)
     pdl_enter(PDL)
-    row, d, partner, sign, cos, sin, rstd_q, rstd_k = _row_setup(qkv_ptr, cos_ptr, sin_ptr, b, stride_qkv, stride_cos,
-                                                                 eps, HQ, HKV, HQ_P, HKV_P, D, QK_NORM, ROPE)
-    q = _normed_rotated(row, qw, qwp, cos, sin, heads, d, partner, sign, eps, clip, rstd_q, HQ, D, QK_NORM, CLIP,
-                        ROPE, DT)  # [G_M, D] float32, values rounded to DT
-    k2 = _normed_rotated(row + HQ * D, kw, kwp, cos, sin, k_head, d, partner, sign, eps, clip, rstd_k, HKV, D,
-                         QK_NORM, CLIP, ROPE, DT)
-    k_new = tl.sum(tl.where(first[:, None], k2, 0.0), axis=0)  # [D]
-    v_new = tl.load(row + (HQ + HKV) * D + h * D + d).to(tl.float32)
+    # Every load of the QKV row, the rotary tables and the mask is issued here, before any
+    # arithmetic: one round trip after the wait, not one per step of the epilogue.
+    row = qkv_ptr + b * stride_qkv
+    cos = tl.zeros([D], tl.float32)
+    sin = tl.zeros([D], tl.float32)
+    if ROPE:
+        cos = tl.load(cos_ptr + b * stride_cos + d).to(tl.float32)
+        sin = tl.load(sin_ptr + b * stride_cos + d).to(tl.float32)
+    qx, qxp = _load_heads(row, heads, d, partner, HQ, D)  # [G_M, D]
+    kx, kxp = _load_heads(row + HQ * D, k_head, d, partner, HKV, D)  # [1, D]
+    v_new = tl.load(row + (HQ + HKV) * D + k_head[:, None] * D + d[None, :]).to(tl.float32)  # [1, D]
+    q_all = tl.zeros([HQ_P, D], tl.float32)
+    k_all = tl.zeros([HKV_P, D], tl.float32)
+    if QK_NORM == 2:
+        q_all = _load_all(row, HQ, HQ_P, D)
+        k_all = _load_all(row + HQ * D, HKV, HKV_P, D)
+    bias_pre = tl.load(bias_ptr + b * stride_bias + s_pre, mask=old_pre, other=NEG_INF).to(tl.float32)
+    rstd_q = 1.0
+    rstd_k = 1.0
+    if QK_NORM == 2:
+        rstd_q = _rstd_all(q_all, eps, HQ, D)
+        rstd_k = _rstd_all(k_all, eps, HKV, D)
+    sign = tl.where(d < D // 2, -1.0, 1.0)
+    q = _norm_rotate(qx, qxp, qw, qwp, cos, sin, sign, eps, clip, rstd_q, D, QK_NORM, CLIP, ROPE, DT)
+    k_new = _norm_rotate(kx, kxp, kw, kwp, cos, sin, sign, eps, clip, rstd_k, D, QK_NORM, CLIP, ROPE, DT)
     if CLIP:
         v_new = tl.minimum(tl.maximum(v_new, -clip), clip)
+    k_new = k_new.to(DT)  # [1, D]: the values the cache keeps and the products see
+    v_new = v_new.to(DT)
     if p == 0:
-        tl.store(k_rows + slot * stride_ks + d, k_new.to(DT))
-        tl.store(v_rows + slot * stride_vs + d, v_new.to(DT))
+        tl.store(k_rows + slot * stride_ks + d[None, :], k_new)
+        tl.store(v_rows + slot * stride_vs + d[None, :], v_new)
     qk = q.to(DT).to(KT)
 
     m = tl.full([G_M], NEG_INF, tl.float32)
     l = tl.zeros([G_M], tl.float32)
     acc = tl.zeros([G_M, D], tl.float32)
-    # Slots 0 .. slot - 1 over the P programs (the slot's own key is added below). A hidden
-    # slot's key and value are read but weigh 0: the cache must hold finite values there
-    # (it starts zeroed).
+    # Slots 0 .. slot over the P programs. The slot's own key and value are the fresh ones,
+    # put into the block from registers (the program that holds the slot; the mask always
+    # leaves a row's own slot visible). A hidden slot's key and value are read but weigh 0:
+    # the cache must hold finite values there (it starts zeroed).
     if PRE_KV:  # the one block, loaded before the wait
-        bias = tl.load(bias_ptr + b * stride_bias + s_pre, mask=mine_pre, other=NEG_INF).to(tl.float32)
-        m, l, acc = _attend_block(qk, k_pre, v_pre, mine_pre & (bias > NEG_INF), scale, m, l, acc, UPCAST, DT)
+        fresh = s_pre == slot
+        k_blk = tl.where(fresh[:, None], k_new.to(KT), k_pre)
+        v_blk = tl.where(fresh[:, None], v_new.to(KT), v_pre)
+        m, l, acc = _attend_block(qk, k_blk, v_blk, (bias_pre > NEG_INF) | fresh, scale, m, l, acc, UPCAST, DT)
     else:
         span = tl.cdiv(tl.cdiv(slot + 1, P), BLOCK_S) * BLOCK_S
         lo = p * span
-        hi = tl.minimum(lo + span, slot)
+        hi = tl.minimum(lo + span, slot + 1)
         for s0 in range(lo, hi, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
-            mine = s < hi
-            bias = tl.load(bias_ptr + b * stride_bias + s, mask=mine, other=NEG_INF).to(tl.float32)
-            visible = mine & (bias > NEG_INF)
+            old = s < tl.minimum(hi, slot)
+            fresh = s == slot
+            bias = tl.load(bias_ptr + b * stride_bias + s, mask=old, other=NEG_INF).to(tl.float32)
+            visible = (bias > NEG_INF) | fresh
             if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no K / V reads
-                k = tl.load(k_rows + s[:, None] * stride_ks + d[None, :], mask=visible[:, None], other=0.0).to(KT)
-                v = tl.load(v_rows + s[:, None] * stride_vs + d[None, :], mask=visible[:, None], other=0.0).to(KT)
+                ld = (visible & old)[:, None]
+                k = tl.load(k_rows + s[:, None] * stride_ks + d[None, :], mask=ld, other=0.0).to(KT)
+                v = tl.load(v_rows + s[:, None] * stride_vs + d[None, :], mask=ld, other=0.0).to(KT)
+                k = tl.where(fresh[:, None], k_new.to(KT), k)
+                v = tl.where(fresh[:, None], v_new.to(KT), v)
                 m, l, acc = _attend_block(qk, k, v, visible, scale, m, l, acc, UPCAST, DT)
-    if p == 0:  # the fresh key and value: the mask always leaves a row's own slot visible
-        score = tl.sum(q * k_new.to(DT).to(tl.float32)[None, :], axis=1) * scale  # [G_M]
-        m_new = tl.maximum(m, score)
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(score - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * v_new.to(DT).to(tl.float32)[None, :]
-        l = l * alpha + w
-        m = m_new
 
     out_rows = out_ptr + (b * HQ + heads)[:, None] * D + d[None, :]
     if P == 1:

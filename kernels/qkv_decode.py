@@ -32,12 +32,23 @@ def _rnd(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _full_rstd(base, eps, H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr):
-    """1 / RMS over all H * D values of one row's q or k (the all-heads norm, before the clip)."""
+def _load_all(base, H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr):
+    """All H * D values of one row's q or k as an [H_P, D] float32 tile (rows past H zero)."""
     heads = tl.arange(0, H_P)
-    x = tl.load(base + heads[:, None] * D + tl.arange(0, D)[None, :], mask=(heads < H)[:, None],
-                other=0.0).to(tl.float32)
+    return tl.load(base + heads[:, None] * D + tl.arange(0, D)[None, :], mask=(heads < H)[:, None],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rstd_all(x, eps, H: tl.constexpr, D: tl.constexpr):
+    """1 / RMS over a ``_load_all`` tile (the all-heads norm, before the clip)."""
     return 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (H * D) + eps)
+
+
+@triton.jit
+def _full_rstd(base, eps, H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr):
+    """1 / RMS over all H * D values of one row's q or k."""
+    return _rstd_all(_load_all(base, H, H_P, D), eps, H, D)
 
 
 @triton.jit
@@ -82,16 +93,21 @@ def _norm_weights(w_ptr, heads, d, partner, H: tl.constexpr, D: tl.constexpr, QK
 
 
 @triton.jit
-def _normed_rotated(base, wx, wp, cos, sin, heads, d, partner, sign, eps, clip, rstd,
-                    H: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
-                    ROPE: tl.constexpr, DT: tl.constexpr):
-    """[H_P, D] block of some heads of one row's q or k: clipped, normalised, rotated (float32
-    values rounded to DT at each step the torch modules round). ``wx``, ``wp``: the norm's
-    ``_norm_weights``. ``rstd``: the row's ``_full_rstd`` where QK_NORM is 2 (over all
-    heads), unused otherwise."""
+def _load_heads(base, heads, d, partner, H: tl.constexpr, D: tl.constexpr):
+    """(x, x at the rotate-half partners): [H_P, D] float32 blocks of some heads of one
+    row's q or k (rows of heads >= H zero)."""
     ok = (heads < H)[:, None] & (d < D)[None, :]
     x = tl.load(base + heads[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
     xp = tl.load(base + heads[:, None] * D + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    return x, xp
+
+
+@triton.jit
+def _norm_rotate(x, xp, wx, wp, cos, sin, sign, eps, clip, rstd, D: tl.constexpr, QK_NORM: tl.constexpr,
+                 CLIP: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr):
+    """``_load_heads``' blocks clipped, normalised, rotated (float32 values rounded to DT at
+    each step the torch modules round). ``wx``, ``wp``: the norm's ``_norm_weights``.
+    ``rstd``: the row's all-heads 1 / RMS where QK_NORM is 2, unused otherwise."""
     if QK_NORM == 2:
         x = _rnd(_rnd(x * rstd, DT) * wx, DT)
         xp = _rnd(_rnd(xp * rstd, DT) * wp, DT)
@@ -105,6 +121,15 @@ def _normed_rotated(base, wx, wp, cos, sin, heads, d, partner, sign, eps, clip, 
     if ROPE:  # rotate-half: x * cos + cat(-x2, x1) * sin
         x = _rnd(_rnd(x * cos[None, :], DT) + _rnd(sign[None, :] * xp * sin[None, :], DT), DT)
     return x
+
+
+@triton.jit
+def _normed_rotated(base, wx, wp, cos, sin, heads, d, partner, sign, eps, clip, rstd,
+                    H: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
+                    ROPE: tl.constexpr, DT: tl.constexpr):
+    """[H_P, D] block of some heads of one row's q or k, loaded and ``_norm_rotate``d."""
+    x, xp = _load_heads(base, heads, d, partner, H, D)
+    return _norm_rotate(x, xp, wx, wp, cos, sin, sign, eps, clip, rstd, D, QK_NORM, CLIP, ROPE, DT)
 
 
 @triton.jit
