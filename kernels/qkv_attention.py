@@ -83,7 +83,7 @@ def _qkv_attention_kernel(
     eps, clip, scale, stride_qkv, stride_cos,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_bias,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, G: tl.constexpr,
-    G_M: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr, ROPE: tl.constexpr,
+    G_P: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_S: tl.constexpr, P: tl.constexpr, P_CHUNK: tl.constexpr, PRE_KV: tl.constexpr, UPCAST: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -102,11 +102,10 @@ def _qkv_attention_kernel(
     k_pre = tl.load(k_rows + s_pre[:, None] * stride_ks + d[None, :], mask=old_pre[:, None], other=0.0).to(KT)
     v_pre = tl.load(v_rows + s_pre[:, None] * stride_vs + d[None, :], mask=old_pre[:, None], other=0.0).to(KT)
     # The q / k norm weights: no kernel's output either.
-    g = tl.arange(0, G_M)
-    g_ok = g < G
-    heads = tl.where(g_ok, h * G + g, HQ)  # this KV head's query heads (HQ: padding, masked)
+    gq = tl.arange(0, G_P)
+    q_heads = tl.where(gq < G, h * G + gq, HQ)  # this KV head's query heads (HQ: padding, masked)
     k_head = h + tl.zeros([1], tl.int32)  # k and v of head h as a 1-row block
-    qw, qwp = _norm_weights(qn_w_ptr, heads, d, partner, HQ, D, QK_NORM)
+    qw, qwp = _norm_weights(qn_w_ptr, q_heads, d, partner, HQ, D, QK_NORM)
     kw, kwp = _norm_weights(kn_w_ptr, k_head, d, partner, HKV, D, QK_NORM)
     pdl_enter(PDL)
     # Every load of the QKV row, the rotary tables and the mask is issued here, before any
@@ -117,7 +116,7 @@ def _qkv_attention_kernel(
     if ROPE:
         cos = tl.load(cos_ptr + b * stride_cos + d).to(tl.float32)
         sin = tl.load(sin_ptr + b * stride_cos + d).to(tl.float32)
-    qx, qxp = _load_heads(row, heads, d, partner, HQ, D)  # [G_M, D]
+    qx, qxp = _load_heads(row, q_heads, d, partner, HQ, D)  # [G_P, D]
     kx, kxp = _load_heads(row + HQ * D, k_head, d, partner, HKV, D)  # [1, D]
     v_new = tl.load(row + (HQ + HKV) * D + k_head[:, None] * D + d[None, :]).to(tl.float32)  # [1, D]
     q_all = tl.zeros([HQ_P, D], tl.float32)
@@ -142,6 +141,8 @@ def _qkv_attention_kernel(
         tl.store(k_rows + slot * stride_ks + d[None, :], k_new)
         tl.store(v_rows + slot * stride_vs + d[None, :], v_new)
     qk = q.to(DT).to(KT)
+    if G_P < G_M:  # the G_M rows of a tensor-core product: q's rows repeated (only rows < G are stored)
+        qk = tl.reshape(tl.broadcast_to(qk[None, :, :], (G_M // G_P, G_P, D)), (G_M, D))
 
     m = tl.full([G_M], NEG_INF, tl.float32)
     l = tl.zeros([G_M], tl.float32)
@@ -173,7 +174,9 @@ def _qkv_attention_kernel(
                 v = tl.where(fresh[:, None], v_new.to(KT), v)
                 m, l, acc = _attend_block(qk, k, v, visible, scale, m, l, acc, UPCAST, DT)
 
-    out_rows = out_ptr + (b * HQ + heads)[:, None] * D + d[None, :]
+    g = tl.arange(0, G_M)
+    g_ok = g < G
+    out_rows = out_ptr + (b * HQ + h * G + g)[:, None] * D + d[None, :]
     if P == 1:
         tl.store(out_rows, (acc / l[:, None]).to(DT), mask=g_ok[:, None])
     else:
@@ -318,7 +321,7 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
         scale if scale is not None else 1.0 / math.sqrt(d), qkv.stride(0), cos.stride(0) if rope else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), bias.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
-        HKV_P=triton.next_power_of_2(hkv), G=g, G_M=g_m, D=d, QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None,
+        HKV_P=triton.next_power_of_2(hkv), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d, QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None,
         ROPE=rope, BLOCK_S=block_s, P=splits, P_CHUNK=min(splits, 4), PRE_KV=pre_kv,
         UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, num_warps=4 if block_s * d <= 4096 else 8,
         **pdl_launch(qkv.device))

@@ -42,7 +42,7 @@ def _load_all(base, H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _rstd_all(x, eps, H: tl.constexpr, D: tl.constexpr):
     """1 / RMS over a ``_load_all`` tile (the all-heads norm, before the clip)."""
-    return 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (H * D) + eps)
+    return tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / (H * D) + eps)  # as torch.rsqrt
 
 
 @triton.jit
@@ -115,7 +115,7 @@ def _norm_rotate(x, xp, wx, wp, cos, sin, sign, eps, clip, rstd, D: tl.constexpr
         x = tl.minimum(tl.maximum(x, -clip), clip)
         xp = tl.minimum(tl.maximum(xp, -clip), clip)
     if QK_NORM == 1:  # per head over its D values
-        rstd_h = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [H_P]
+        rstd_h = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [H_P], as torch.rsqrt
         x = _rnd(_rnd(x * rstd_h[:, None], DT) * wx[None, :], DT)
         xp = _rnd(_rnd(xp * rstd_h[:, None], DT) * wp[None, :], DT)
     if ROPE:  # rotate-half: x * cos + cat(-x2, x1) * sin

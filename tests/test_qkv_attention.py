@@ -129,7 +129,7 @@ from kernels.qkv_attention import _qkv_attention_kernel as kernel
 
 g, splits, qk_norm, pdl, pre_kv = (int(v) for v in sys.argv[1:])
 hkv, d = 4, 128
-const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_M=max(16, g), D=d, QK_NORM=qk_norm, CLIP=False,
+const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_P=g, G_M=max(16, g), D=d, QK_NORM=qk_norm, CLIP=False,
              ROPE=True, BLOCK_S=64, P=splits, P_CHUNK=min(splits, 4), PRE_KV=bool(pre_kv), UPCAST=False, PDL=pdl)
 types = {"slot_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32",
          "eps": "fp32", "clip": "fp32", "scale": "fp32"}
