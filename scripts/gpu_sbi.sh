@@ -124,6 +124,10 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh final14 [OUT]
 #       the decode path's and gating's GPU tests, the real OLMoE step's critical path, OLMoE
 #       decode at batch 1 (bf16, int8)
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh final15 [OUT]
+#       the decode path's GPU tests, the real batch-1 step's critical path (OLMoE, Qwen3; bf16, int8)
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh final15b [OUT]
+#       decode at batch 1, OLMoE and Qwen3, bf16 and int8 (bench_decode.py)
 set -uo pipefail
 part=${1:?dense or moe}
 out=${2:-${OUT:-bench/results/sweep}}
@@ -386,6 +390,22 @@ elif [ "$part" = final14 ]; then
     for q in bf16 int8; do
         TAIL=3 step olmoe_$q 80 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 64 \
             --reps 3 $([ $q = int8 ] && echo --quantize int8)
+    done
+elif [ "$part" = final15 ]; then
+    TAIL=4 step gpu_tests 230 $pytest_gpu tests/test_qkv_attention.py tests/test_fused_decode.py tests/test_engine.py \
+        tests/test_default_model.py
+    for model in olmoe-1b-7b qwen3-30b-a3b; do
+        for q in bf16 int8; do
+            TAIL=17 step "real_${model}_$q" 100 python scripts/diag_step_ceiling.py --real --models $model \
+                $([ $q = int8 ] && echo --quantize int8)
+        done
+    done
+elif [ "$part" = final15b ]; then
+    for model in olmoe-1b-7b qwen3-30b-a3b; do
+        for q in bf16 int8; do
+            TAIL=3 step "${model}_$q" 130 python scripts/bench_decode.py --model $model --batches 1 --new-tokens 64 \
+                --reps 3 $([ $q = int8 ] && echo --quantize int8)
+        done
     done
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420
