@@ -9,19 +9,21 @@ One token per row, at cache slot ``slot`` (a 0-d device tensor: the step is capt
 a CUDA graph and replayed for every slot). Program (b, KV head h, split p):
 - computes its G query heads' q and KV head h's new k and v from the QKV GEMM's output
   row (each program recomputes the all-heads norm where the model has one: a row is a few
-  KB); program p = 0 writes k and v into the cache;
-- attends over its share of slots 0 .. slot - 1, the visible keys split evenly over the
+  KB); program p = 0 writes k and v into the cache. Every load after the PDL wait (the
+  row's blocks, the rotary rows, the mask) is issued before any arithmetic: one round trip
+  to L2, not one per step of the epilogue. q's norm and rotation run on its G rows only;
+- attends over its share of slots 0 .. slot, the visible keys split evenly over the
   P programs by the current slot, not by S (a short context in a long cache still spreads
   over every program); blocks with no visible key cost no K / V reads. The query heads are
   the rows of two tensor-core products per block of keys (q K^T, then the softmax weights
-  times V; G padded to 16 rows), so no program sums [G, keys, D] products on its CUDA
-  cores. Where P blocks of keys cover the whole cache (batch 1 with a short cache), each
+  times V; q's rows repeated to 16), so no program sums [G, keys, D] products on its CUDA
+  cores. Where P blocks of keys cover the cache (batch 1 with a short cache), each
   program has one block and loads its keys and values before the PDL wait: the slot and
   the cache's earlier slots are no output of the kernels just before it (the slot is
   written before the step, those slots by earlier steps), so their DRAM round trip
-  overlaps the QKV GEMM's tail instead of following it. Program 0 adds the fresh key from
-  its registers: the query always sees its own key, as ``StepContext.decode_static``
-  makes the mask;
+  overlaps the QKV GEMM's tail instead of following it. The slot's own key and value
+  enter the block of the program that holds the slot from its registers: the query always
+  sees its own key, as ``StepContext.decode_static`` makes the mask;
 - keeps the running max, sum and weighted value sum in float32 (flash-decoding). With
   P > 1 each program writes its partials and takes a ticket from a per-(b, h) counter; the
   last of the P programs merges them and resets the counter, so there is no second launch.
@@ -83,7 +85,8 @@ def _qkv_attention_kernel(
     eps, clip, scale, stride_qkv, stride_cos,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_bias,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, G: tl.constexpr,
-    G_P: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr, ROPE: tl.constexpr,
+    G_P: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
+    ROPE: tl.constexpr,
     BLOCK_S: tl.constexpr, P: tl.constexpr, P_CHUNK: tl.constexpr, PRE_KV: tl.constexpr, UPCAST: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -321,8 +324,9 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
         scale if scale is not None else 1.0 / math.sqrt(d), qkv.stride(0), cos.stride(0) if rope else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), bias.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
-        HKV_P=triton.next_power_of_2(hkv), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d, QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None,
-        ROPE=rope, BLOCK_S=block_s, P=splits, P_CHUNK=min(splits, 4), PRE_KV=pre_kv,
+        HKV_P=triton.next_power_of_2(hkv), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d,
+        QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, BLOCK_S=block_s, P=splits,
+        P_CHUNK=min(splits, 4), PRE_KV=pre_kv,
         UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, num_warps=4 if block_s * d <= 4096 else 8,
         **pdl_launch(qkv.device))
     return out
