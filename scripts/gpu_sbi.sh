@@ -153,6 +153,18 @@ moe_cuda_tests() {
         -k "${SMOKE:-True and bfloat16 and (1-2048-768 or 1-528 or 3-2048 or 16-256) or gating or graph or split \
         or fall}"
 }
+# attention_paths TEST_LIMIT RUN_LIMIT: the decode attention's and the decode path's GPU tests, then
+# the real batch-1 step's critical path (OLMoE, Qwen3; bf16, int8).
+attention_paths() {
+    TAIL=4 step gpu_tests "$1" $pytest_gpu tests/test_qkv_attention.py tests/test_fused_decode.py tests/test_engine.py \
+        tests/test_default_model.py
+    for model in olmoe-1b-7b qwen3-30b-a3b; do
+        for q in bf16 int8; do
+            TAIL=17 step "real_${model}_$q" "$2" python scripts/diag_step_ceiling.py --real --models $model \
+                $([ $q = int8 ] && echo --quantize int8)
+        done
+    done
+}
 if [ "$part" = dense ]; then
     TAIL=6 step sbi_smoke 150 $pytest_gpu -x tests/test_sbi_cuda.py -k "graph or 1-200-24" || true
     if grep -q " passed" "$out/sbi_smoke.log" && ! grep -q "failed\|error" "$out/sbi_smoke.log"; then
@@ -374,14 +386,7 @@ elif [ "$part" = ncuattn ]; then
         grep -vE "UserWarning|_warn_once|^==PROF==" "$out/ncu_$model.log" | grep -A300 "qkv_attention" | head -150
     done
 elif [ "$part" = attn2 ]; then
-    TAIL=4 step gpu_tests 220 $pytest_gpu tests/test_qkv_attention.py tests/test_fused_decode.py tests/test_engine.py \
-        tests/test_default_model.py
-    for model in olmoe-1b-7b qwen3-30b-a3b; do
-        for q in bf16 int8; do
-            TAIL=17 step "real_${model}_$q" 120 python scripts/diag_step_ceiling.py --real --models $model \
-                $([ $q = int8 ] && echo --quantize int8)
-        done
-    done
+    attention_paths 220 120
     TAIL=3 step olmoe_bf16 60 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 64 --reps 3
 elif [ "$part" = final14 ]; then
     TAIL=4 step gpu_tests 230 $pytest_gpu tests/test_qkv_attention.py tests/test_fused_decode.py tests/test_engine.py \
@@ -392,14 +397,7 @@ elif [ "$part" = final14 ]; then
             --reps 3 $([ $q = int8 ] && echo --quantize int8)
     done
 elif [ "$part" = final15 ]; then
-    TAIL=4 step gpu_tests 230 $pytest_gpu tests/test_qkv_attention.py tests/test_fused_decode.py tests/test_engine.py \
-        tests/test_default_model.py
-    for model in olmoe-1b-7b qwen3-30b-a3b; do
-        for q in bf16 int8; do
-            TAIL=17 step "real_${model}_$q" 100 python scripts/diag_step_ceiling.py --real --models $model \
-                $([ $q = int8 ] && echo --quantize int8)
-        done
-    done
+    attention_paths 230 100
 elif [ "$part" = final15b ]; then
     for model in olmoe-1b-7b qwen3-30b-a3b; do
         for q in bf16 int8; do
