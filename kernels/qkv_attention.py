@@ -122,15 +122,12 @@ def _qkv_attention_kernel(
     qx, qxp = _load_heads(row, q_heads, d, partner, HQ, D)  # [G_P, D]
     kx, kxp = _load_heads(row + HQ * D, k_head, d, partner, HKV, D)  # [1, D]
     v_new = tl.load(row + (HQ + HKV) * D + k_head[:, None] * D + d[None, :]).to(tl.float32)  # [1, D]
-    q_all = tl.zeros([HQ_P, D], tl.float32)
-    k_all = tl.zeros([HKV_P, D], tl.float32)
-    if QK_NORM == 2:
-        q_all = _load_all(row, HQ, HQ_P, D)
-        k_all = _load_all(row + HQ * D, HKV, HKV_P, D)
     bias_pre = tl.load(bias_ptr + b * stride_bias + s_pre, mask=old_pre, other=NEG_INF).to(tl.float32)
     rstd_q = 1.0
     rstd_k = 1.0
-    if QK_NORM == 2:
+    if QK_NORM == 2:  # the all-heads rows: both loaded before either is reduced
+        q_all = _load_all(row, HQ, HQ_P, D)
+        k_all = _load_all(row + HQ * D, HKV, HKV_P, D)
         rstd_q = _rstd_all(q_all, eps, HQ, D)
         rstd_k = _rstd_all(k_all, eps, HKV, D)
     sign = tl.where(d < D // 2, -1.0, 1.0)
