@@ -265,21 +265,26 @@ def peer_ms(engine, args, batches, prompts_for):
         with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.eval()
-    out = {}
+    out, picked = {}, {}
     for b in batches:
         ids = torch.tensor(prompts_for[b], device=device)
+        # With a static cache generate() compiles the decoding forward itself where the model
+        # allows it (torch.compile); timed with and without that, the faster one counts.
+        for mode, extra in (("auto-compile", {}), ("no compile", {"disable_compile": True})):
+            def run(n):
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, cache_implementation="static", pad_token_id=0, **extra)
 
-        def run(n):
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, cache_implementation="static", pad_token_id=0)
-
-        with torch.no_grad():
-            run(args.new_tokens + 1)  # warm-up
-            one = statistics.median(_wall(lambda: run(1), device) for _ in range(args.reps))
-            full = statistics.median(_wall(lambda: run(args.new_tokens + 1), device) for _ in range(args.reps))
-        out[b] = 1e3 * (full - one) / args.new_tokens
+            with torch.no_grad():
+                run(args.new_tokens + 1)  # warm-up (and the compile, where it happens)
+                one = statistics.median(_wall(lambda: run(1), device) for _ in range(args.reps))
+                full = statistics.median(_wall(lambda: run(args.new_tokens + 1), device) for _ in range(args.reps))
+            ms = 1e3 * (full - one) / args.new_tokens
+            if b not in out or ms < out[b]:
+                out[b], picked[b] = ms, mode
     del model
-    return out, "transformers generate(), static cache, greedy"
+    modes = ", ".join(f"batch {b}: {m}" for b, m in picked.items())
+    return out, f"transformers generate(), static cache, greedy; faster of auto-compile / no compile ({modes})"
 
 
 def _wall(fn, device) -> float:
@@ -344,7 +349,12 @@ def main():
                                     profile=args.profile and not prefill and engine.device.type == "cuda"))
     peer, peer_note = ({}, "not run (--peer)")
     if args.peer:
-        engine.decode_mode, engine._decoders = fast, {}  # free the captured caches first
+        # Our captured caches and weights go first: beside them a second copy of the model
+        # does not fit (Qwen3-30B-A3B on an 80 GB H100, Mixtral on an H200). Nothing below
+        # runs our model again.
+        engine.decode_mode, engine._decoders = fast, {}
+        engine.model.to("meta")
+        bc.empty_cache(engine.device)
         peer, peer_note = peer_ms(engine, args, batches, prompts_for)
         for r in rows:
             r["peer_ms_per_token"] = peer.get(r["batch"])

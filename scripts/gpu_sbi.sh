@@ -128,6 +128,9 @@
 #       the decode path's GPU tests, the real batch-1 step's critical path (OLMoE, Qwen3; bf16, int8)
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh final15b [OUT]
 #       decode at batch 1, OLMoE and Qwen3, bf16 and int8 (bench_decode.py)
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh peer [OUT]
+#       decode against the transformers peer (bench_decode.py --peer, our model freed before
+#       the peer loads): OLMoE at batch 1 and 8, Qwen3 at batch 1
 set -uo pipefail
 part=${1:?dense or moe}
 out=${2:-${OUT:-bench/results/sweep}}
@@ -405,6 +408,11 @@ elif [ "$part" = final15b ]; then
                 --reps 3 $([ $q = int8 ] && echo --quantize int8)
         done
     done
+elif [ "$part" = peer ]; then
+    TAIL=12 step decode_peer_olmoe 240 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 \
+        --new-tokens 64 --reps 3 --peer
+    TAIL=12 step decode_peer_qwen3 330 python scripts/bench_decode.py --model qwen3-30b-a3b --batches 1 \
+        --new-tokens 64 --reps 3 --peer
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \

@@ -28,6 +28,21 @@ def test_benchmark_smoke_run(script):
     assert header in out.stdout, out.stdout[-2000:]
 
 
+def test_bench_decode_peer_after_our_model_is_freed():
+    """--peer times transformers after our weights are released (a second copy of a large
+    model does not fit beside them): the peer columns hold numbers for every batch."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_decode.py"), "--device", "cpu", "--smoke",
+                          "--peer"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("batch"))
+    rows = [line.split() for line in lines[header + 2:header + 4]]
+    assert [r[0] for r in rows] == ["1", "3"], out.stdout[-2000:]
+    for r in rows:
+        assert float(r[-2]) > 0 and float(r[-1]) > 0, out.stdout[-2000:]
+
+
 MULTI_RANK = {  # run under scripts/launch.sh with 2 ranks (gloo)
     "bench_ep": (["--device", "cpu", "--smoke", "--no-json"], "PCC / naive"),
     "diag_ep": (["--hidden", "64", "--tokens", "8", "--reps", "2"], "whole combine"),
