@@ -131,12 +131,15 @@
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh peer [OUT]
 #       decode against the transformers peer (bench_decode.py --peer, our model freed before
 #       the peer loads): OLMoE at batch 1 and 8, Qwen3 at batch 1
+#   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh peermix [OUT]
+#       on an H200: Mixtral-8x7B at batch 1 against the transformers peer, as peer
 set -uo pipefail
 part=${1:?dense or moe}
 out=${2:-${OUT:-bench/results/sweep}}
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 . "$(dirname "$0")/device_step.sh"
+touch "$out/.start"  # the result files written after this come back with the logs
 # decode_more NEW_TOKENS REPS [LIMIT]: OLMoE int8 at batch 1 and 8, Qwen3 bf16 and int8 at batch 1.
 decode_more() {
     TAIL=6 step olmoe_int8 ${3:-60} python scripts/bench_decode.py --model olmoe-1b-7b --quantize int8 --batches 1,8 \
@@ -413,6 +416,9 @@ elif [ "$part" = peer ]; then
         --new-tokens 64 --reps 3 --peer
     TAIL=12 step decode_peer_qwen3 330 python scripts/bench_decode.py --model qwen3-30b-a3b --batches 1 \
         --new-tokens 64 --reps 3 --peer
+elif [ "$part" = peermix ]; then
+    TAIL=12 step decode_peer_mixtral 560 python scripts/bench_decode.py --model mixtral-8x7b --batches 1 \
+        --new-tokens 64 --reps 3 --peer
 elif [ "$part" = moecheck ]; then
     moe_cuda_tests 420
     TAIL=10 step moe 60 python scripts/bench_moe.py --shapes qwen3-30b-a3b,olmoe,ds-moe-1.3b-e128 --tokens 1 \
@@ -487,5 +493,7 @@ else
     TAIL=45 step prefill 150 python scripts/bench_decode.py --model olmoe-1b-7b --batches 1 --new-tokens 8 --reps 3 \
         --prefill 2048:8,512:8 --profile
 fi
+find bench/results -newer "$out/.start" -name '*.json' -print0 | xargs -0 -r cp -t "$out"
+rm -f "$out/.start"
 tar czf /tmp/sweep.tgz -C "$out" . && rm -f "$out"/* && mv /tmp/sweep.tgz "$out/"
 exit 0
