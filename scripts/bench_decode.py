@@ -271,7 +271,7 @@ def peer_ms(engine, args, batches, prompts_for):
         # With a static cache generate() compiles the decoding forward itself where the model
         # allows it (torch.compile); timed with and without that, the faster one counts.
         for mode, extra in (("auto-compile", {}), ("no compile", {"disable_compile": True})):
-            def run(n):
+            def run(n, extra=extra):
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                do_sample=False, cache_implementation="static", pad_token_id=0, **extra)
 
