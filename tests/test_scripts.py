@@ -39,8 +39,9 @@ def test_bench_decode_peer_after_our_model_is_freed():
     header = next(i for i, line in enumerate(lines) if line.startswith("batch"))
     rows = [line.split() for line in lines[header + 2:header + 4]]
     assert [r[0] for r in rows] == ["1", "3"], out.stdout[-2000:]
-    for r in rows:
-        assert float(r[-2]) > 0 and float(r[-1]) > 0, out.stdout[-2000:]
+    for r in rows:  # numbers, not "-" (their sign is noise at smoke sizes on a busy CPU)
+        assert r[-2] != "-" and r[-1] != "-", out.stdout[-2000:]
+        float(r[-2]), float(r[-1])
 
 
 MULTI_RANK = {  # run under scripts/launch.sh with 2 ranks (gloo)
