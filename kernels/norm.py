@@ -83,6 +83,17 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 
 
 @triton.jit
+def _normed_rows(s, rstd, nw, pid, sum_ptr, h_ptr, rows, ks, m, H, DT: tl.constexpr):
+    """h = norm(s) * weight for columns ks of the rows (s = x + residual, in DT); program 0
+    also stores s and h there."""
+    h = ((s.to(tl.float32) * rstd[:, None]).to(DT).to(tl.float32) * nw[None, :]).to(DT)
+    if pid == 0:
+        tl.store(sum_ptr + rows[:, None] * H + ks[None, :], s, mask=m)
+        tl.store(h_ptr + rows[:, None] * H + ks[None, :], h, mask=m)
+    return h
+
+
+@triton.jit
 def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logits_ptr, T, H, E, eps,
                             stride_x, stride_res, stride_rw,
                             ids_ptr, weights_ptr, count_ptr,  # top-k outputs [T, K] and the ticket (K > 0)
@@ -115,10 +126,7 @@ def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logi
         s = s.to(DT)
         sf = s.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=1) / H + eps)
-        h = ((sf * rstd[:, None]).to(DT).to(tl.float32) * nw[None, :]).to(DT)
-        if pid == 0:
-            tl.store(sum_ptr + rows[:, None] * H + ks[None, :], s, mask=m)
-            tl.store(h_ptr + rows[:, None] * H + ks[None, :], h, mask=m)
+        h = _normed_rows(s, rstd, nw, pid, sum_ptr, h_ptr, rows, ks, m, H, DT)
         acc = tl.sum(h.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     else:
         pdl_enter(PDL)
@@ -139,10 +147,7 @@ def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logi
             s += tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=m, other=0.0).to(tl.float32)
             s = s.to(DT)
             nw = tl.load(nw_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
-            h = ((s.to(tl.float32) * rstd[:, None]).to(DT).to(tl.float32) * nw[None, :]).to(DT)
-            if pid == 0:
-                tl.store(sum_ptr + rows[:, None] * H + ks[None, :], s, mask=m)
-                tl.store(h_ptr + rows[:, None] * H + ks[None, :], h, mask=m)
+            h = _normed_rows(s, rstd, nw, pid, sum_ptr, h_ptr, rows, ks, m, H, DT)
             w = tl.load(rw_ptr + experts[:, None] * stride_rw + ks[None, :], mask=e_ok[:, None] & (ks < H)[None, :],
                         other=0.0).to(tl.float32)  # [BE, BK]
             acc += tl.sum(h.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
