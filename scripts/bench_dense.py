@@ -69,14 +69,17 @@ def timer(device, copies):
 
 def cuda_candidates(t: int, n: int, k: int, sms: int, int8: bool) -> list[dict]:
     """The heuristic launch configuration of the CUDA SBI-GeMM and its neighbours: BN
-    outputs per block, 4 or 8 warps, half or twice the K splits, half or twice the loads
-    in flight per row (at most 32 16-byte loads a thread)."""
+    outputs per block, 4 or 8 warps, half or twice the K splits, one load or half or twice
+    the loads in flight per row (at most 32 16-byte loads a thread). A candidate whose
+    last load of a step always lies past its split of K is left out: it only costs
+    registers (one load a row covers K = 2048 with 8 warps, and 64 registers drop to 40)."""
     base = kernels.sbi_cuda.sbi_cuda_config(t, n, k, sms, int8)
     bns = (2, 4, 8) if t <= 2 else (1, 2, 4)
     splits = sorted({max(1, base["split_k"] // 2), base["split_k"], base["split_k"] * 2})
-    unrolls = sorted({max(1, base["unroll"] // 2), base["unroll"], base["unroll"] * 2})
+    unrolls = sorted({1, max(1, base["unroll"] // 2), base["unroll"], base["unroll"] * 2})
+    vec = 16 if int8 else 8
     return [dict(base, bn=bn, warps=warps, split_k=sp, unroll=u) for bn in bns for warps in (4, 8)
-            for sp in splits for u in unrolls if bn * u <= 32]
+            for sp in splits for u in unrolls if bn * u <= 32 and (u - 1) * warps * 32 * vec < -(-k // sp)]
 
 
 def best_cuda(time, inputs, t, n, k, sms, int8):
