@@ -5,7 +5,8 @@
 #
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh dense [OUT]
 #       the CUDA SBI-GeMM's tests first (a broken kernel stops the sweep), the other GPU
-#       tests these changes touch, then bench_dense with --write-table
+#       tests these changes touch, then bench_dense with --write-table (DENSE_TOKENS,
+#       DENSE_MODELS and DENSE_LIMIT narrow it)
 #   PYTHONPATH=. MOE_INFER_COMMIT=<hash> scripts/gpu_sbi.sh decode [OUT]
 #       the read ceiling of small weights (diag_read.py), the OLMoE dense table, then decode
 #       (OLMoE, Qwen3; bf16 and int8) and the OLMoE prefill with the tables in place
@@ -176,7 +177,8 @@ if [ "$part" = dense ]; then
     if grep -q " passed" "$out/sbi_smoke.log" && ! grep -q "failed\|error" "$out/sbi_smoke.log"; then
         TAIL=8 step gpu_tests 200 $pytest_gpu tests/test_sbi_cuda.py tests/test_quant.py tests/test_fused_decode.py \
             tests/test_moe_kernels.py -k "not test_moe_kernels or weight_tiles or tile_order"
-        TAIL=40 step dense 230 python scripts/bench_dense.py --no-attention --write-table
+        TAIL=40 step dense ${DENSE_LIMIT:-230} python scripts/bench_dense.py --no-attention --write-table \
+            ${DENSE_TOKENS:+--tokens $DENSE_TOKENS} ${DENSE_MODELS:+--models $DENSE_MODELS}
         cp kernels/configs/dense.json "$out/"
     fi
 elif [ "$part" = moedec ]; then
