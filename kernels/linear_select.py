@@ -7,7 +7,9 @@ winner per device, weight shape, weight dtype and row bucket:
 - "triton": ``kernels.linear_triton``, the grouped GEMM with one group;
 - "sbi": ``kernels.sbi_linear``, SBI-GeMM in Triton;
 - {"backend": "cuda", bn, warps, unroll, split_k}: SBI-GeMM in CUDA C++
-  (``kernels.sbi_cuda``) with the launch configuration that measured fastest.
+  (``kernels.sbi_cuda``) with the launch configuration that measured fastest. One with a
+  "pinned" reason was chosen by timing the decode step itself (``diag_decode_ab.py
+  --dense-entry``); the table writer leaves it in place.
 Without an entry, full-precision weights use cuBLAS and int8 weights SBI-GeMM (one launch
 with its epilogue, or two with split-K; it won 29 of the 32 int8 entries measured on the
 H100).

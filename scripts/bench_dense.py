@@ -234,7 +234,9 @@ def main():
 
 
 def write_table(device, dtype, gemm):
-    """Merges this run's winners into kernels/configs/dense.json (per device kind)."""
+    """Merges this run's winners into kernels/configs/dense.json (per device kind). An
+    entry with a "pinned" reason stays: it was chosen by timing the decode step itself
+    (``diag_decode_ab.py --dense-entry``), where a kernel shares DRAM with its neighbours."""
     import json
 
     from kernels import linear_select as sel
@@ -249,7 +251,12 @@ def write_table(device, dtype, gemm):
             times = {name: us for name, us in times.items() if us is not None}
             pick = min(times, key=times.get)
             entry = dict(cfg, backend="cuda") if pick == "cuda" else pick
-            mine.setdefault(sel.table_key(r["N"], r["K"], wdtype), {})[bucket] = entry
+            entries = mine.setdefault(sel.table_key(r["N"], r["K"], wdtype), {})
+            if isinstance(entries.get(bucket), dict) and "pinned" in entries[bucket]:
+                print(f"kept {sel.table_key(r['N'], r['K'], wdtype)} T {bucket} ({entries[bucket]['pinned']}); "
+                      f"this run's pick: {entry}")
+                continue
+            entries[bucket] = entry
     sel.TABLE_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"wrote {sel.TABLE_FILE}")
 

@@ -20,18 +20,25 @@ is worth in the same run and on the same device:
   norm-in-qkv the attention's residual add and RMSNorm inside the QKV GEMM's launch
   l2-prefetch the CUDA GEMMs send all their weights to L2 before their wait
   topk-in-router  the top-k table in the norm + router launch's last program, no gating launch
+--dense-entry KEY/BUCKET=VALUE (repeatable): one entry of the dense table for this device
+  replaced, e.g. 'N2048:K4096:bfloat16/1={"backend": "cuda", "bn": 4, "warps": 8,
+  "unroll": 1, "split_k": 1}' or 'N5120:K2048:bfloat16/1="cublas"' (VALUE is JSON); how
+  the table's "pinned" entries were chosen, in the step rather than alone
 """
 from __future__ import annotations
 
 import argparse
+import json
 import runpy
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from dense import attention  # noqa: E402
-from kernels import cuda_common, moe_triton, norm, pdl, qkv_attention  # noqa: E402
+from kernels import cuda_common, linear_select, moe_triton, norm, pdl, qkv_attention  # noqa: E402
 from moe_infer import model, moe_layer  # noqa: E402
 
 OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context", "preload-kv", "router-preload")
@@ -71,6 +78,22 @@ def switch_on(part: str) -> None:
         cuda_common.L2_PREFETCH = True
 
 
+def set_dense_entry(spec: str) -> None:
+    """'KEY/BUCKET=VALUE': the dense table's entry KEY (e.g. N2048:K4096:bfloat16), row
+    bucket BUCKET, set to the JSON VALUE for the device this process runs on."""
+    where, sep, value = spec.partition("=")
+    key, _, bucket = where.partition("/")
+    if not sep or bucket not in {str(b) for b in linear_select.BUCKETS}:
+        raise SystemExit(f"--dense-entry {spec!r}: expected KEY/BUCKET=JSON with BUCKET one of {linear_select.BUCKETS}")
+    try:
+        entry = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--dense-entry {spec!r}: VALUE is not JSON ({exc})") from None
+    device = moe_triton.device_key(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    linear_select._table().setdefault(device, {}).setdefault(key, {})[bucket] = entry
+    linear_select._choice.cache_clear()
+
+
 def _after_init(cls, flag: str, value: bool = True) -> None:
     """Every instance of ``cls`` built from now on has ``flag`` set to ``value``."""
     init = cls.__init__
@@ -85,12 +108,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--off", action="append", choices=OFF, default=[])
     ap.add_argument("--on", action="append", choices=ON, default=[])
+    ap.add_argument("--dense-entry", action="append", default=[], metavar="KEY/BUCKET=JSON")
     args, rest = ap.parse_known_args()
+    for spec in args.dense_entry:
+        set_dense_entry(spec)
     for part in args.off:
         switch_off(part)
     for part in args.on:
         switch_on(part)
-    print(f"switched off: {', '.join(args.off) or 'nothing'}; on: {', '.join(args.on) or 'nothing'}", flush=True)
+    print(f"switched off: {', '.join(args.off) or 'nothing'}; on: {', '.join(args.on) or 'nothing'}; dense entries: "
+          f"{'; '.join(args.dense_entry) or 'as in the table'}", flush=True)
     sys.argv = [str(ROOT / "scripts" / "bench_decode.py"), *rest]
     runpy.run_path(sys.argv[0], run_name="__main__")
 

@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end in their smoke modes (tiny shapes on the CPU), so a
 GPU session's scarce device time is not lost to a script that no longer starts. Their
 numbers here mean nothing; only that each prints its table and exits 0."""
+import json
 import os
 import shutil
 import subprocess
@@ -62,3 +63,51 @@ def test_multi_rank_script_smoke_run(script):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert header in out.stdout, out.stdout[-2000:]
+
+
+def _script(name):
+    sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+    try:
+        import importlib
+        return importlib.import_module(name)
+    finally:
+        del sys.path[:2]
+
+
+def test_dense_table_writer_keeps_pinned_entries(tmp_path, monkeypatch):
+    """bench_dense --write-table replaces an entry with this run's winner unless the entry
+    carries a "pinned" reason (chosen by timing the decode step itself)."""
+    import torch
+
+    from kernels import linear_select as sel
+    bench_dense = _script("bench_dense")
+    pinned = {"backend": "cuda", "bn": 4, "warps": 8, "unroll": 2, "split_k": 1, "pinned": "decode step A/B"}
+    table = {"cpu": {"N64:K32:bfloat16": {"1": pinned, "2": "cublas"}, "N64:K32:int8": {"1": "triton"}}}
+    path = tmp_path / "dense.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(sel, "TABLE_FILE", path)
+    cfg = {"bn": 2, "warps": 4, "unroll": 1, "split_k": 1}
+    rows = [dict(T=t, N=64, K=32, cublas_us=9.0, ours_us=8.0, sbi_us=7.0, cuda_us=3.0, ours_int8_us=6.0,
+                 sbi_int8_us=2.0, cuda_int8_us=4.0, cuda_cfg=cfg, cuda_int8_cfg=cfg) for t in (1, 2)]
+    bench_dense.write_table(torch.device("cpu"), torch.bfloat16, rows)
+    written = json.loads(path.read_text())["cpu"]
+    assert written["N64:K32:bfloat16"]["1"] == pinned
+    assert written["N64:K32:bfloat16"]["2"] == dict(cfg, backend="cuda")
+    assert written["N64:K32:int8"] == {"1": "sbi", "2": "sbi"}
+
+
+def test_diag_decode_ab_dense_entry(monkeypatch):
+    """--dense-entry replaces one entry of the dense table in the process; a malformed one
+    is refused with the expected form named."""
+    from kernels import linear_select as sel
+    diag = _script("diag_decode_ab")
+    monkeypatch.setattr(sel, "_table", lambda: table)
+    table = {}
+    diag.set_dense_entry('N64:K32:bfloat16/1={"backend": "cuda", "bn": 2, "warps": 4, "unroll": 1, "split_k": 1}')
+    diag.set_dense_entry('N64:K32:bfloat16/2="cublas"')
+    assert table["cpu"]["N64:K32:bfloat16"] == {
+        "1": {"backend": "cuda", "bn": 2, "warps": 4, "unroll": 1, "split_k": 1}, "2": "cublas"}
+    for bad, says in (("N64:K32:bfloat16/3=\"sbi\"", "BUCKET one of"), ("N64:K32:bfloat16/1={bn", "not JSON"),
+                      ("N64:K32:bfloat16/1", "KEY/BUCKET=JSON")):
+        with pytest.raises(SystemExit, match=says):
+            diag.set_dense_entry(bad)
