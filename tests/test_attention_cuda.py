@@ -58,8 +58,8 @@ def test_matches_reference_and_triton(dtype, b, hq, hkv, qk_norm, rope, clip, s,
     assert out.shape == (b, hq, 128) and out.dtype == dtype
     assert rel(out, ref) < 3 * TOL[dtype]
     assert rel(out, tri) < TOL[dtype]  # the same roundings as the Triton kernel's
-    # The append: the slot gets the Triton kernel's k and v (the same rounding steps), no other slot changes.
-    assert rel(kc[:, :, slot], kt[:, :, slot]) < 1e-3 and torch.equal(vc[:, :, slot], vt[:, :, slot])
+    # The append: the slot gets the Triton kernel's v and its k within a rounding step, no other slot changes.
+    assert rel(kc[:, :, slot], kt[:, :, slot]) < TOL[dtype] and torch.equal(vc[:, :, slot], vt[:, :, slot])
     assert rel(kc[:, :, slot], kr[:, :, slot]) < 3 * TOL[dtype]
     others = [i for i in range(s) if i != slot]
     assert torch.equal(kc[:, :, others], kc0[:, :, others]) and torch.equal(vc[:, :, others], vc0[:, :, others])
