@@ -56,6 +56,12 @@ SOURCE = r"""
 #define PS (KEYS + 8)
 #define UNITS (G + 1)  // the epilogue's heads: G query heads, then the KV head's k
 #define NEG_INF __int_as_float(0xff800000)
+#ifndef STAMP
+#define STAMP 0
+#endif
+// STAMP: thread 0 of block (0, 0) writes %globaltimer at each phase (diagnostics only).
+#define MARK(i) do { if (STAMP && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0) { \
+  unsigned long long ns; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns)); stamps[i] = ns; } } while (0)
 #if DT == 0
 #define MMA_TYPE "bf16"
 #else
@@ -116,7 +122,8 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
                    u16* __restrict__ vc, const long long* __restrict__ slot_p, const bias_t* bias,
                    u16* __restrict__ out, float eps, float clip, float scale, long long stride_qkv,
                    long long stride_cos, long long skb, long long skh, long long sks, long long svb, long long svh,
-                   long long svs, long long stride_bias) {
+                   long long svs, long long stride_bias,
+                   unsigned long long* __restrict__ stamps) {  // STAMP: block (0, 0)'s phase clock, 8 values
   __shared__ __align__(16) u16 vs[KEYS * QS];  // the value block, [key][d]
   __shared__ __align__(16) u16 qs[16 * QS];    // q, G rows and zeros, [row][d]
   __shared__ __align__(16) u16 ps[16 * PS];    // softmax weights, [row][key]
@@ -125,6 +132,7 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
   __shared__ float norm_ss[2][WARPS];          // the all-heads norm's sums of squares (q, k)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const long long b = blockIdx.x, h = blockIdx.y;
+  MARK(0);
   const long long slot = *slot_p;  // written before the step: no wait needed
   const u16* k_rows = kc + b * skb + h * skh;
   const u16* v_rows = vc + b * svb + h * svh;
@@ -163,7 +171,9 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
     }
 #endif
   }
+  MARK(1);
   grid_dep_enter();
+  MARK(2);
 
   // After the wait: every load first.
   const u16* row = qkv + b * stride_qkv;
@@ -247,6 +257,7 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
       *(u32*)(kc + b * skb + h * skh + slot * sks + D / 2 + 2 * lane) = hi;
     }
   }
+  MARK(3);
   if (tid < D / 2) {  // the fresh value: clipped, rounded; to the cache and the value block
     float v0 = lo_f(v_raw), v1 = hi_f(v_raw);
 #if CLIP
@@ -258,6 +269,7 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
     *(u32*)(vs + slot * QS + 2 * tid) = v;
   }
   __syncthreads();
+  MARK(4);
 
   // Scores: q [16, D] times this warp's 16 keys. The slot's key comes from shared memory.
   float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -293,6 +305,7 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
     if (t == 0) red[0][warp][g + 8 * r] = mx[r];
   }
   __syncthreads();
+  MARK(5);
   float sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -320,6 +333,7 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
+  MARK(6);
 
   // Output: the weights [16, KEYS] times the values' columns 16 warp .. + 15.
   float o[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -342,12 +356,17 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
 #pragma unroll
     for (int j = 0; j < 2; ++j) *(u32*)(dst + 8 * j) = pack(o[j][2 * r] / l, o[j][2 * r + 1] / l);
   }
+  MARK(7);
 }
 """
 
 
-def options(hq: int, hkv: int, qk_norm: int, clip: bool, rope: bool, dt: int, bias_f32: bool) -> tuple:
-    return ("-std=c++17", f"-DHQ={hq}", f"-DHKV={hkv}", f"-DG={hq // hkv}", f"-DQK_NORM={qk_norm}",
+STAMPS = None  # a uint64 device tensor of 8: block (0, 0)'s phase clock is written there (diagnostics)
+
+
+def options(hq: int, hkv: int, qk_norm: int, clip: bool, rope: bool, dt: int, bias_f32: bool,
+            stamp: bool = False) -> tuple:
+    return ("-std=c++17", f"-DSTAMP={int(stamp)}", f"-DHQ={hq}", f"-DHKV={hkv}", f"-DG={hq // hkv}", f"-DQK_NORM={qk_norm}",
             f"-DCLIP={int(clip)}", f"-DROPE={int(rope)}", f"-DDT={dt}", f"-DBIAS_F32={int(bias_f32)}")
 
 
@@ -401,13 +420,13 @@ def qkv_attention_cuda(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
         cos, sin = cos.reshape(b, head_dim), sin.reshape(b, head_dim)
     out = torch.empty(b, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     opts = options(num_heads, num_kv_heads, QK_NORMS[qk_norm], clip is not None, cos is not None, DTYPES[qkv.dtype],
-                   bias.dtype == torch.float32)
+                   bias.dtype == torch.float32, STAMPS is not None)
     launch(qkv.device, SOURCE, "qkv_attention_cuda", opts, (b, num_kv_heads), 256,
            (ptr(qkv), ptr(q_norm_w), ptr(k_norm_w), ptr(cos), ptr(sin), ptr(k_cache), ptr(v_cache), ptr(slot),
             ptr(bias), ptr(out), np.float32(eps), np.float32(clip or 0.0),
             np.float32(scale if scale is not None else head_dim ** -0.5), np.int64(qkv.stride(0)),
             np.int64(cos.stride(0) if cos is not None else 0), *(np.int64(z.stride(i)) for z in (k_cache, v_cache)
-                                                                for i in range(3)), np.int64(bias.stride(0))))
+                                                                for i in range(3)), np.int64(bias.stride(0)), ptr(STAMPS)))
     return out
 
 
@@ -418,5 +437,6 @@ def compile_all(arch: str = "sm_90") -> int:
     cases = [(16, 16, 2, False, True, 0, False), (32, 4, 1, True, True, 1, True), (16, 1, 0, False, False, 0, True),
              (12, 4, 1, False, True, 1, False)]
     for i, case in enumerate(cases):
-        compile_check(SOURCE, options(*case) + (f"-DL2PF=0", f"-DPDL_EARLY={i % 2}"), arch, "attention_cuda.cu")
+        compile_check(SOURCE, options(*case, stamp=i == 1) + (f"-DL2PF=0", f"-DPDL_EARLY={i % 2}"), arch,
+                      "attention_cuda.cu")
     return len(cases)
