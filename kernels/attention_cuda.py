@@ -10,12 +10,13 @@ layer at batch 1, clock-stamped in the fifteenth session), much of it layout con
 between the epilogue's and the tensor-core products' layouts. Here each phase is laid
 out for the one after it. One block of 8 warps per (row b, KV head h):
 
-- before the wait (nothing a kernel of the step writes): the cache's keys before the slot
-  go straight into registers in the layout of the first product's B operand (each lane
-  reads 16 contiguous bytes of a key; the head-dim order inside a 32-wide chunk is
-  permuted, and q's A operand takes the same permutation, which leaves the dot products
-  unchanged), the values into shared memory (cp.async, zero-filled past the slot), the
-  q / k norm weights into registers;
+- before the wait (nothing a kernel of the step writes): every slot's key goes straight
+  into registers in the layout of the first product's B operand (each lane reads 16
+  contiguous bytes of a key; the head-dim order inside a 32-wide chunk is permuted, and
+  q's A operand takes the same permutation, which leaves the dot products unchanged),
+  the values into shared memory (cp.async), the q / k norm weights into registers. All
+  slots, not only those before the step's: issuing the loads only after the slot's value
+  arrives put an L2 round trip (about 1.1 µs) before the wait in the real step;
 - after the wait, every load first (the QKV row's G query heads, k and v, the rotary
   rows, the mask at this lane's keys, and for the all-heads norm the whole q and k), then
   the epilogue: warp w takes the heads w, w + 8, ..., lane l the head-dim elements 2l,
@@ -69,7 +70,7 @@ SOURCE = r"""
 #endif
 
 __device__ __forceinline__ void mma_act(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 {%0, %1, %2, %3}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 {%0, %1, %2, %3}, "
                "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -79,10 +80,10 @@ __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_gen
 
 __device__ __forceinline__ void ldmatrix_x4(u32* r, const void* p, bool trans) {
   if (trans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+    asm("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
   else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+    asm("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
@@ -122,7 +123,7 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
                    u16* __restrict__ vc, const long long* __restrict__ slot_p, const bias_t* bias,
                    u16* __restrict__ out, float eps, float clip, float scale, long long stride_qkv,
                    long long stride_cos, long long skb, long long skh, long long sks, long long svb, long long svh,
-                   long long svs, long long stride_bias,
+                   long long svs, long long stride_bias, int n_keys,
                    unsigned long long* __restrict__ stamps) {  // STAMP: block (0, 0)'s phase clock, 8 values
   __shared__ __align__(16) u16 vs[KEYS * QS];  // the value block, [key][d]
   __shared__ __align__(16) u16 qs[16 * QS];    // q, G rows and zeros, [row][d]
@@ -133,25 +134,26 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const long long b = blockIdx.x, h = blockIdx.y;
   MARK(0);
-  const long long slot = *slot_p;  // written before the step: no wait needed
   const u16* k_rows = kc + b * skb + h * skh;
   const u16* v_rows = vc + b * svb + h * svh;
 
-  // Before the wait. The keys before the slot, as the first product's B operand: lane
-  // (g, t) of warp w holds key 16w + 8j + g, head-dim chunk 32c + 8t .. + 7.
+  // Before the wait: every slot of the cache, as the first product's B operand (lane
+  // (g, t) of warp w holds key 16w + 8j + g, head-dim chunk 32c + 8t .. + 7), and the
+  // values into shared memory (zeros past the cache). Not only the slots before this
+  // step's: waiting for the slot's value first would put an L2 round trip before the
+  // loads are issued. The slots from the step's on are hidden below (finite: the cache
+  // starts zeroed), and the step's own key and value replaced by the fresh ones.
   u32x4 kr[2][D / 32];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const long long key = 16 * warp + 8 * j + g;
+    const int key = 16 * warp + 8 * j + g;
 #pragma unroll
     for (int c = 0; c < D / 32; ++c)
-      kr[j][c] = key < slot ? *(const u32x4*)(k_rows + key * sks + 32 * c + 8 * t) : zero4();
+      kr[j][c] = key < n_keys ? *(const u32x4*)(k_rows + key * sks + 32 * c + 8 * t) : zero4();
   }
-  // The values before the slot into shared memory; zeros after it (the slot's row is
-  // written from registers below, so no copy targets it).
   for (int i = tid; i < KEYS * D / 8; i += WARPS * 32) {
     const int key = i / (D / 8), c = i % (D / 8);
-    if (key != slot) copy_async16(vs + key * QS + 8 * c, v_rows + (key < slot ? key * svs : 0) + 8 * c, key < slot);
+    copy_async16(vs + key * QS + 8 * c, v_rows + (key < n_keys ? key * svs : 0) + 8 * c, key < n_keys);
   }
   asm volatile("cp.async.commit_group;");
   for (int i = tid; i < (16 - G) * QS / 2; i += WARPS * 32) ((u32*)(qs + G * QS))[i] = 0u;  // q's padding rows
@@ -171,6 +173,7 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
     }
 #endif
   }
+  const long long slot = *slot_p;  // written before the step: no wait needed
   MARK(1);
   grid_dep_enter();
   MARK(2);
@@ -258,15 +261,15 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
     }
   }
   MARK(3);
-  if (tid < D / 2) {  // the fresh value: clipped, rounded; to the cache and the value block
+  u32 v_new = 0u;
+  if (tid < D / 2) {  // the fresh value: clipped, rounded; to the cache (the value block's row: below)
     float v0 = lo_f(v_raw), v1 = hi_f(v_raw);
 #if CLIP
     v0 = clip_to(v0, clip);
     v1 = clip_to(v1, clip);
 #endif
-    const u32 v = pack(v0, v1);
-    *(u32*)(vc + b * svb + h * svh + slot * svs + 2 * tid) = v;
-    *(u32*)(vs + slot * QS + 2 * tid) = v;
+    v_new = pack(v0, v1);
+    *(u32*)(vc + b * svb + h * svh + slot * svs + 2 * tid) = v_new;
   }
   __syncthreads();
   MARK(4);
@@ -332,6 +335,8 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
     if (t == 0) red[1][warp][g + 8 * r] = sum[r];
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();  // every copy has landed: the slot's row takes the fresh value
+  if (tid < D / 2) *(u32*)(vs + slot * QS + 2 * tid) = v_new;
   __syncthreads();
   MARK(6);
 
@@ -426,7 +431,7 @@ def qkv_attention_cuda(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache,
             ptr(bias), ptr(out), np.float32(eps), np.float32(clip or 0.0),
             np.float32(scale if scale is not None else head_dim ** -0.5), np.int64(qkv.stride(0)),
             np.int64(cos.stride(0) if cos is not None else 0), *(np.int64(z.stride(i)) for z in (k_cache, v_cache)
-                                                                for i in range(3)), np.int64(bias.stride(0)), ptr(STAMPS)))
+                                                                for i in range(3)), np.int64(bias.stride(0)), np.int32(s), ptr(STAMPS)))
     return out
 
 
