@@ -151,11 +151,6 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
     for (int c = 0; c < D / 32; ++c)
       kr[j][c] = key < n_keys ? *(const u32x4*)(k_rows + key * sks + 32 * c + 8 * t) : zero4();
   }
-  for (int i = tid; i < KEYS * D / 8; i += WARPS * 32) {
-    const int key = i / (D / 8), c = i % (D / 8);
-    copy_async16(vs + key * QS + 8 * c, v_rows + (key < n_keys ? key * svs : 0) + 8 * c, key < n_keys);
-  }
-  asm volatile("cp.async.commit_group;");
   for (int i = tid; i < (16 - G) * QS / 2; i += WARPS * 32) ((u32*)(qs + G * QS))[i] = 0u;  // q's padding rows
   // The norm weights of this lane's elements (d = 2 lane, 2 lane + 1 and their partners
   // 64 + 2 lane, 65 + 2 lane) for each of this warp's heads.
@@ -204,6 +199,12 @@ qkv_attention_cuda(const u16* qkv, const u16* __restrict__ qn_w, const u16* __re
       const long long key = 16 * warp + 8 * j + 2 * t + e;
       seen[j][e] = key == slot || (key < slot && bias_f(bias + b * stride_bias + key) > NEG_INF);
     }
+  // The values into shared memory, behind the post-wait loads: they are needed last.
+  for (int i = tid; i < KEYS * D / 8; i += WARPS * 32) {
+    const int key = i / (D / 8), c = i % (D / 8);
+    copy_async16(vs + key * QS + 8 * c, v_rows + (key < n_keys ? key * svs : 0) + 8 * c, key < n_keys);
+  }
+  asm volatile("cp.async.commit_group;");
   float rstd[2] = {1.f, 1.f};  // all-heads 1 / RMS of q and k (QK_NORM 2)
 #if QK_NORM == 2
   {
