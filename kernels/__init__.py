@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels import attention_cuda
 from kernels.argmax import argmax_ref, argmax_triton
 from kernels.decode_context import decode_context_triton
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
@@ -202,12 +201,8 @@ def qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot
     """A static-shape decode step's attention from the QKV GEMM's output qkv [B, W] (one
     token per row, cache slot ``slot`` a 0-d tensor, additive mask ``bias`` of B x S): the
     QKV epilogue, the cache append and the attention in one launch on a GPU -> [B, Hq, D]
-    (see ``qkv_attention_ref``): in CUDA C++ (``kernels.attention_cuda``) where one block of
-    keys covers the cache, else in Triton."""
+    (see ``qkv_attention_ref``)."""
     fn = qkv_attention_triton if qkv.is_cuda else qkv_attention_ref
-    if qkv.is_cuda and attention_cuda.why_not(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias,
-                                              cos, qk_norm, q_norm_w, k_norm_w) is None:
-        fn = attention_cuda.qkv_attention_cuda  # one block of keys covers the cache, head dim 128
     return fn(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin, qk_norm, q_norm_w,
               k_norm_w, eps, clip)
 

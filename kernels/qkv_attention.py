@@ -31,9 +31,7 @@ a CUDA graph and replayed for every slot). Program (b, KV head h, split p):
 Replaces two launches (``qkv_decode`` and SDPA), and unlike SDPA it takes part in
 programmatic dependent launch: the output projection's blocks are resident, their first
 weights in flight, while the attention runs. It pays where the grid is small (batch 1, a
-short cache); ``fits`` says where, from the measurements in its docstring. Where one block
-of keys covers the cache and the head dim is 128, ``kernels.qkv_attention`` runs the CUDA
-C++ version of this kernel instead (``kernels.attention_cuda``).
+short cache); ``fits`` says where, from the measurements in its docstring.
 """
 from __future__ import annotations
 

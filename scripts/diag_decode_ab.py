@@ -15,7 +15,6 @@ is worth in the same run and on the same device:
               (about twenty launches), not kernels.decode_context_triton (one)
   preload-kv  kernels.qkv_attention loads its keys and values after its PDL wait, not before
   router-preload  the norm + router launch loads its weights after its PDL wait, not before
-  cuda-attention  the decode attention in Triton where the CUDA C++ version would run
 --on (repeatable; each measured slower or no faster, so off by default):
   route-in    the gating inside the CUDA MoE kernels, no routing launch
   norm-in-qkv the attention's residual add and RMSNorm inside the QKV GEMM's launch
@@ -39,11 +38,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from dense import attention  # noqa: E402
-from kernels import attention_cuda, cuda_common, linear_select, moe_triton, norm, pdl, qkv_attention  # noqa: E402
+from kernels import cuda_common, linear_select, moe_triton, norm, pdl, qkv_attention  # noqa: E402
 from moe_infer import model, moe_layer  # noqa: E402
 
-OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context", "preload-kv", "router-preload",
-       "cuda-attention")
+OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context", "preload-kv", "router-preload")
 ON = ("route-in", "norm-in-qkv", "l2-prefetch", "topk-in-router")
 
 
@@ -67,8 +65,6 @@ def switch_off(part: str) -> None:
         qkv_attention.PRELOAD_KV = False
     elif part == "router-preload":
         norm.ROUTER_PRELOAD = False
-    elif part == "cuda-attention":
-        attention_cuda.ENABLED = False
 
 
 def switch_on(part: str) -> None:
