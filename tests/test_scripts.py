@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end in their smoke modes (tiny shapes on the CPU), so a
 GPU session's scarce device time is not lost to a script that no longer starts. Their
 numbers here mean nothing; only that each prints its table and exits 0."""
+import importlib
 import json
 import os
 import shutil
@@ -68,7 +69,6 @@ def test_multi_rank_script_smoke_run(script):
 def _script(name):
     sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
     try:
-        import importlib
         return importlib.import_module(name)
     finally:
         del sys.path[:2]
@@ -101,8 +101,8 @@ def test_diag_decode_ab_dense_entry(monkeypatch):
     is refused with the expected form named."""
     from kernels import linear_select as sel
     diag = _script("diag_decode_ab")
-    monkeypatch.setattr(sel, "_table", lambda: table)
     table = {}
+    monkeypatch.setattr(sel, "_table", lambda: table)
     diag.set_dense_entry('N64:K32:bfloat16/1={"backend": "cuda", "bn": 2, "warps": 4, "unroll": 1, "split_k": 1}')
     diag.set_dense_entry('N64:K32:bfloat16/2="cublas"')
     assert table["cpu"]["N64:K32:bfloat16"] == {
