@@ -43,61 +43,23 @@ from kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
-def _grouped_gemm_kernel(
-    a_ptr,  # [*, K] activations: x [T, H] (A_FROM_TOKENS) or the buffer [N, K]
-    row_pair_ptr,  # [N] int32 pair held by each buffer row (token = pair // TOPK)
-    w_ptr,  # [E, W_ROWS, K] weights, K contiguous (W_TMA: a descriptor over [E * W_ROWS, K])
-    scale_ptr,  # [E, W_ROWS] float32 per-output-channel scales (INT8_W only)
-    offsets_ptr,  # [E + 1] int32 expert segments of the buffer; FROM_IDS: [N] int32 expert of each pair
-    pair_w_ptr,  # [T * TOPK] float32 combine weight of each pair (ROW_WEIGHT only)
-    out_ptr,  # [S, N, N_OUT] out
-    N_OUT, K, W_ROWS,  # output columns (F for gated up: gate rows, then up rows at +F)
-    N_ROWS,  # pairs (FROM_IDS only)
-    M_TILES, GROUP_M,  # row tiles in the grid; row tiles per group of the tile order
+def _gemm_tile(
+    a_ptr, row_pair_ptr, w_ptr, scale_ptr, offsets_ptr, pair_w_ptr, out_ptr,
+    N_OUT, K, W_ROWS, N_ROWS, e, r0, hi, pid_n, pid_k,
     stride_a, stride_we, stride_wn, stride_se, stride_os, stride_om,
-    E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    TOPK: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    group = GROUP_M * tl.cdiv(N_OUT, BN)
-    first_m = pid // group * GROUP_M
-    group_m = tl.minimum(M_TILES - first_m, GROUP_M)
-    pid_m = first_m + pid % group % group_m
-    pid_n = pid % group // group_m
-    if FROM_IDS:
-        # Decode sizes (all pairs fit one row tile): program pid_m takes the pid_m-th
-        # distinct expert, in order of first use, straight from the ids: no maps kernel.
-        # Rows are pair indices, masked to this expert's pairs.
-        rows = tl.arange(0, BM)
-        ids = tl.load(offsets_ptr + rows, mask=rows < N_ROWS, other=-1)
-        earlier = (ids[:, None] == ids[None, :]) & (rows[None, :] < rows[:, None])
-        leader = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & (rows < N_ROWS)
-        if pid_m >= tl.sum(leader.to(tl.int32)):
-            return  # fewer distinct experts than programs
-        rank = tl.cumsum(leader.to(tl.int32), axis=0) - 1
-        e = tl.sum(tl.where(leader & (rank == pid_m), ids, 0))
-        row_ok = ids == e
+    """One [TM, BN] output tile of expert e: buffer rows r0 .. min(r0 + TM, hi) (FROM_IDS:
+    the pairs routed to e among the first TM), columns pid_n * BN .., split pid_k of K."""
+    if FROM_IDS:  # rows are pair indices, masked to this expert's pairs
+        rows = tl.arange(0, TM)
+        row_ok = tl.load(offsets_ptr + rows, mask=rows < N_ROWS, other=-1) == e
         pair = rows
     else:
-        # Tile map: which expert owns row tile pid_m, and where its rows start.
-        e_idx = tl.arange(0, E_PAD)
-        seg_lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
-        seg_hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
-        tiles = (seg_hi - seg_lo + BM - 1) // BM
-        tiles_end = tl.cumsum(tiles, axis=0)
-        if pid_m >= tl.sum(tiles):
-            return  # the grid is sized for the worst case; this tile has no rows
-        e = tl.sum((tiles_end <= pid_m).to(tl.int32))
-        mine = e_idx == e
-        first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0))
-        lo = tl.sum(tl.where(mine, seg_lo, 0))
-        hi = tl.sum(tl.where(mine, seg_hi, 0))
-        rows = lo + (pid_m - first_tile) * BM + tl.arange(0, BM)
+        rows = r0 + tl.arange(0, TM)
         row_ok = rows < hi
         if A_FROM_TOKENS or ROW_WEIGHT:
             pair = tl.load(row_pair_ptr + rows, mask=row_ok, other=0)
@@ -115,8 +77,8 @@ def _grouped_gemm_kernel(
         w_row = e * W_ROWS + pid_n * BN
     else:
         w_base = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_up = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([TM, BN], dtype=tl.float32)
+    acc_up = tl.zeros([TM, BN], dtype=tl.float32)
     for k0 in range(0, k_span, BK):
         ks = k_lo + k0 + tl.arange(0, BK)
         k_ok = ks < K
@@ -156,6 +118,84 @@ def _grouped_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # [*, K] activations: x [T, H] (A_FROM_TOKENS) or the buffer [N, K]
+    row_pair_ptr,  # [N] int32 pair held by each buffer row (token = pair // TOPK)
+    w_ptr,  # [E, W_ROWS, K] weights, K contiguous (W_TMA: a descriptor over [E * W_ROWS, K])
+    scale_ptr,  # [E, W_ROWS] float32 per-output-channel scales (INT8_W only)
+    offsets_ptr,  # [E + 1] int32 expert segments of the buffer; FROM_IDS: [N] int32 expert of each pair
+    pair_w_ptr,  # [T * TOPK] float32 combine weight of each pair (ROW_WEIGHT only)
+    out_ptr,  # [S, N, N_OUT] out
+    N_OUT, K, W_ROWS,  # output columns (F for gated up: gate rows, then up rows at +F)
+    N_ROWS,  # pairs (FROM_IDS only)
+    M_TILES, GROUP_M,  # row tiles in the grid; row tiles per group of the tile order
+    stride_a, stride_we, stride_wn, stride_se, stride_os, stride_om,
+    E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, SUB_M: tl.constexpr,
+    A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_enter(PDL)
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    group = GROUP_M * tl.cdiv(N_OUT, BN)
+    first_m = pid // group * GROUP_M
+    group_m = tl.minimum(M_TILES - first_m, GROUP_M)
+    pid_m = first_m + pid % group % group_m
+    pid_n = pid % group // group_m
+    if FROM_IDS:
+        # Decode sizes (all pairs fit one row tile): program pid_m takes the pid_m-th
+        # distinct expert, in order of first use, straight from the ids: no maps kernel.
+        rows = tl.arange(0, BM)
+        ids = tl.load(offsets_ptr + rows, mask=rows < N_ROWS, other=-1)
+        earlier = (ids[:, None] == ids[None, :]) & (rows[None, :] < rows[:, None])
+        leader = (tl.sum(earlier.to(tl.int32), axis=1) == 0) & (rows < N_ROWS)
+        if pid_m >= tl.sum(leader.to(tl.int32)):
+            return  # fewer distinct experts than programs
+        rank = tl.cumsum(leader.to(tl.int32), axis=0) - 1
+        e = tl.sum(tl.where(leader & (rank == pid_m), ids, 0))
+        r0 = 0
+        hi = 0
+        fit = 0
+    else:
+        # Tile map: which expert owns row tile pid_m, and where its rows start.
+        e_idx = tl.arange(0, E_PAD)
+        seg_lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+        seg_hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+        tiles = (seg_hi - seg_lo + BM - 1) // BM
+        tiles_end = tl.cumsum(tiles, axis=0)
+        if pid_m >= tl.sum(tiles):
+            return  # the grid is sized for the worst case; this tile has no rows
+        e = tl.sum((tiles_end <= pid_m).to(tl.int32))
+        mine = e_idx == e
+        first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0))
+        r0 = tl.sum(tl.where(mine, seg_lo, 0)) + (pid_m - first_tile) * BM
+        hi = tl.sum(tl.where(mine, seg_hi, 0))
+        # An expert's last tile often holds few rows: with SUB_M > 1 it runs as a tile of
+        # BM / 2 (or BM / 4) rows where they fit, so the tensor cores do not multiply padding.
+        fit = 0
+        if SUB_M >= 2:
+            fit += (hi - r0 <= BM // 2).to(tl.int32)
+        if SUB_M >= 4:
+            fit += (hi - r0 <= BM // 4).to(tl.int32)
+    args = (a_ptr, row_pair_ptr, w_ptr, scale_ptr, offsets_ptr, pair_w_ptr, out_ptr,
+            N_OUT, K, W_ROWS, N_ROWS, e, r0, hi, pid_n, pid_k,
+            stride_a, stride_we, stride_wn, stride_se, stride_os, stride_om)
+    if fit == 0:
+        _gemm_tile(*args, TOPK, BM, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, UPCAST, IEEE,
+                   FROM_IDS, EVEN_K, W_TMA)
+    if SUB_M >= 2:
+        if fit == 1:
+            _gemm_tile(*args, TOPK, BM // 2, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, UPCAST,
+                       IEEE, FROM_IDS, EVEN_K, W_TMA)
+    if SUB_M >= 4:
+        if fit == 2:
+            _gemm_tile(*args, TOPK, BM // 4, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, UPCAST,
+                       IEEE, FROM_IDS, EVEN_K, W_TMA)
+
+
 def max_row_tiles(num_rows: int, num_experts: int, bm: int) -> int:
     """Upper bound on the row tiles of any routing: each expert's last tile may be partial."""
     return triton.cdiv(num_rows, bm) + min(num_experts, num_rows)
@@ -182,8 +222,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
     """Runs one expert GEMM; returns [S, num_rows, N_OUT] (S = cfg["split_k"]).
 
     ``cfg`` holds the launch configuration: bm, bn, bk, split_k, num_warps, num_stages, and
-    optionally group_m (row tiles per group of the tile order; absent: row-major order) and
-    tma (weight tiles by TMA where ``tma_ok``).
+    optionally group_m (row tiles per group of the tile order; absent: row-major order),
+    tma (weight tiles by TMA where ``tma_ok``) and sub_m (1, 2 or 4: a row tile with at most
+    bm / 2 or bm / 4 rows, an expert's last, runs at that height; bm / sub_m >= 16).
     With ``pair_ids`` ([N] int32 expert of each pair, N <= cfg["bm"]) instead of the maps,
     buffer rows are pair indices and each program finds its expert itself (decode sizes).
     """
@@ -198,6 +239,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
     if int8 and scale is None:
         raise ValueError("int8 weights need their per-channel scales")
     from_ids = pair_ids is not None
+    sub_m = 1 if from_ids else cfg.get("sub_m") or 1
+    if sub_m not in (1, 2, 4) or cfg["bm"] // sub_m < 16:
+        raise ValueError(f"sub_m: expected 1, 2 or 4 with bm / sub_m >= 16, got sub_m={sub_m}, bm={cfg['bm']}")
     if from_ids and num_rows > cfg["bm"]:
         raise ValueError(f"pair_ids: {num_rows} pairs need bm >= {num_rows}, got bm={cfg['bm']}")
     tiles = min(e, num_rows) if from_ids else max_row_tiles(num_rows, e, cfg["bm"])
@@ -212,7 +256,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
         n_out, k, w_rows, num_rows, tiles, group_m, a.stride(0), w.stride(0), w.stride(1),
         scale.stride(0) if int8 else 0, out.stride(0), out.stride(1),
         E=e, E_PAD=triton.next_power_of_2(e), TOPK=topk,
-        BM=cfg["bm"], BN=cfg["bn"], BK=cfg["bk"], SPLIT_K=split,
+        BM=cfg["bm"], BN=cfg["bn"], BK=cfg["bk"], SPLIT_K=split, SUB_M=sub_m,
         A_FROM_TOKENS=a_from_tokens, GATED=gated, ACT=act, ROW_WEIGHT=pair_weights is not None,
         INT8_W=int8, UPCAST=a.device.type == "cpu" or a.dtype == torch.float32,
         IEEE=a.dtype == torch.float32, FROM_IDS=from_ids, EVEN_K=k % (split * cfg["bk"]) == 0, W_TMA=tma,

@@ -176,6 +176,39 @@ def test_tile_order_does_not_change_results(device):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("activation,wdtype", [("silu", "float"), ("gelu", "float"), ("silu", "int8")])
+def test_short_last_tiles(device, activation, wdtype):
+    # sub_m: an expert's last row tile runs at bm / 2 or bm / 4 rows where its rows fit.
+    # With bm = 64 the three experts end in tiles of 5 rows (quarter height), 20 (half) and
+    # 40 (full): every path runs, up GEMM (gathered rows) and down GEMM alike.
+    gen = torch.Generator().manual_seed(17)
+    counts = [64 + 5, 64 + 20, 40]
+    ids = torch.cat([torch.full((c,), i, dtype=torch.int32) for i, c in enumerate(counts)])
+    ids = ids[torch.randperm(len(ids), generator=gen)][:, None].to(device)  # k = 1
+    w = torch.rand(len(ids), 1, generator=gen).to(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(len(ids), 48, generator=gen).to(device, dtype)
+    w13, w2 = weights(len(counts), 48, 40, activation, dtype, device, gen)
+    scales = {}
+    if wdtype == "int8":
+        (w13, s13), (w2, s2) = quantize_int8(w13), quantize_int8(w2)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    ref = fused_moe_ref(x.cpu().double(), w13.cpu().double() if wdtype == "float" else w13.cpu(),
+                        w2.cpu().double() if wdtype == "float" else w2.cpu(), w.cpu().double(), ids.cpu(),
+                        activation=activation, **{n: v.cpu() for n, v in scales.items()})
+    maps = token_maps_triton(ids, len(counts))
+    outs = []
+    for sub_m in (1, 2, 4):
+        cfg = dict(bm=64, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1, group_m=2, sub_m=sub_m)
+        outs.append(fused_moe_triton(x, w13, w2, w, ids, activation, configs=(cfg, cfg), maps=maps, **scales))
+        assert rel(outs[-1].cpu(), ref) < (TOL[dtype] if device == "cuda" else 1e-5)
+    # Same products, same order along K: only the tile height changed.
+    assert all(rel(o.cpu(), outs[0].cpu()) < (1e-2 if device == "cuda" else 1e-6) for o in outs[1:])
+    with pytest.raises(ValueError, match="sub_m"):
+        fused_moe_triton(x, w13, w2, w, ids, activation, configs=(dict(cfg, bm=32), cfg), maps=maps, **scales)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("wdtype", ["float", "int8"])
 def test_weight_tiles_by_tma(device, wdtype):
     # Weight tiles by TMA descriptor against pointer loads: up GEMM over H = 48 (K a
