@@ -14,8 +14,7 @@ from kernels.linear_select import dense_linear, norm_linear
 from kernels.norm import (ROUTER_MAX_ROWS, rms_norm_ref, rms_norm_router_ref, rms_norm_router_triton,
                           rms_norm_triton)
 from kernels.qkv_decode import qkv_decode_ref, qkv_decode_supported, qkv_decode_triton
-from kernels import gating_cuda
-from kernels.gating import _check_logits, _check_logits_once, _outputs, grouped_topk_triton, topk_gating_triton
+from kernels.gating import _check_logits, grouped_topk_triton, topk_gating_triton
 from kernels.route import route_scatter_triton, route_triton
 from kernels.sbi_cuda import sbi_linear_cuda
 from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
@@ -31,11 +30,6 @@ from kernels.moe_ref import (ACTIVATIONS, TAG_INTS, dequantize_ref, dispatch_row
 def topk_gating(logits, k, score="softmax", renormalize=True):
     """-> expert ids [T, k] int32, weights [T, k] float32 (see ``topk_gating_ref``)."""
     if logits.is_cuda:
-        _check_logits_once(logits, k, score)
-        if gating_cuda.usable(logits, k, score):  # decode sizes: ranks in CUDA C++, not k rounds
-            ids, weights = _outputs(logits.shape[0], k, logits.device)
-            gating_cuda.topk_gating_cuda(logits, k, score, renormalize, ids, weights)
-            return ids, weights
         return topk_gating_triton(logits, k, score, renormalize)
     return topk_gating_ref(logits, k, score, renormalize)
 

@@ -105,49 +105,6 @@ def test_topk_gating_triton_strided_and_empty(device):
     assert ids.shape == weights.shape == (0, 2)
 
 
-DECODE_CASES = [  # t, e, k, score, renormalize, dtype: decode sizes, where kernels.topk_gating
-    (1, 64, 8, "softmax", False, BF16),  # OLMoE        runs the CUDA rank kernel (gating_cuda)
-    (1, 128, 8, "softmax", True, BF16),  # Qwen3-30B-A3B
-    (1, 8, 2, "softmax", True, F32),  # Mixtral
-    (1, 128, 1, "softmax", False, F16),  # DeepSpeed-MoE
-    (3, 60, 6, "sigmoid", True, F32),
-    (16, 256, 8, "sigmoid", False, BF16),
-    (16, 33, 16, "softmax", True, F16),
-    (5, 6, 6, "softmax", True, F32),  # k == E
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t,e,k,score,renorm,dtype", DECODE_CASES)
-def test_topk_gating_decode_matches_ref(t, e, k, score, renorm, dtype):
-    import kernels
-    from kernels import gating_cuda
-
-    logits = _draw_logits(t, e, dtype, seed=t * 1000 + e + k,
-                          margin_fn=lambda x: _topk_margin(x, k, score)).cuda()
-    assert gating_cuda.usable(logits, k, score)
-    ids, weights = kernels.topk_gating(logits, k, score, renorm)
-    ref_ids, ref_weights = topk_gating_ref(logits, k, score, renorm)
-    torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
-    torch.testing.assert_close(weights, ref_weights)
-    strided = logits.t().contiguous().t()  # strides (1, T)
-    torch.testing.assert_close(kernels.topk_gating(strided, k, score, renorm)[0], ref_ids, rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-def test_topk_gating_decode_exact_ties():
-    # Equal logits give equal scores: the lower expert index goes first (a stable sort).
-    import kernels
-
-    gen = torch.Generator().manual_seed(3)
-    logits = torch.randint(-3, 4, (16, 64), generator=gen).float()  # 7 values: ties everywhere
-    ids, weights = kernels.topk_gating(logits.cuda(), 8, "softmax", False)
-    scores = logits.softmax(-1)
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :8]
-    torch.testing.assert_close(ids.cpu(), order.int(), rtol=0, atol=0)
-    torch.testing.assert_close(weights.cpu(), scores.gather(1, order))
-
-
 GROUPED_CASES = [  # t, e, n_group, topk_group, k, score, renormalize, scale, dtype
     (1, 64, 8, 3, 6, "sigmoid", True, 2.5, F32),
     (33, 64, 8, 3, 6, "sigmoid", False, 1.0, BF16),
