@@ -69,9 +69,12 @@ def triton_candidates(phase: str, t: int, topk: int, e: int, wdtype: str) -> lis
         # Tile order (a launch argument, no recompile): row-major, or groups of 4 / 16 row tiles.
         # The down GEMM may also go to torch._grouped_mm (bf16 on Hopper; the tile sizes
         # stay for where it cannot).
-        # Weight tiles by pointer loads or by TMA (a recompile).
-        cands = [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=1, group_m=g, **tma)
-                 for bm, bn, bk, w, st in grid for tma in ({}, {"tma": True}) for g in (None, 4, 16)]
+        # Weight tiles by pointer loads or by TMA (a recompile). 128-row tiles also come with
+        # sub_m 2: an expert's last tile at 64 rows where they fit (a recompile; 32 rows, on the
+        # Ampere-style MMA, measured slower).
+        cands = [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=1, group_m=g, **tma, **sub)
+                 for bm, bn, bk, w, st in grid for tma in ({}, {"tma": True}) for g in (None, 4, 16)
+                 for sub in ({}, {"sub_m": 2}) if bm == 128 or not sub]
         if phase == "down" and wdtype == "bf16":
             cands.append(dict(cands[-1], backend="grouped_mm"))
         return cands

@@ -111,3 +111,15 @@ def test_diag_decode_ab_dense_entry(monkeypatch):
                       ("N64:K32:bfloat16/1", "KEY/BUCKET=JSON")):
         with pytest.raises(SystemExit, match=says):
             diag.set_dense_entry(bad)
+
+
+def test_tune_moe_large_t_candidates_try_short_last_tiles():
+    """At large T the tuner also times 128-row tiles with sub_m 2, and every candidate is
+    one grouped_gemm accepts (bm / sub_m >= 16)."""
+    tune_moe = _script("tune_moe")
+    cands = tune_moe.triton_candidates("up", 4096, 8, 64, "bf16")
+    subs = [c for c in cands if c.get("sub_m")]
+    assert subs and all(c["bm"] == 128 and c["sub_m"] == 2 for c in subs)
+    assert len(cands) == len({json.dumps(c, sort_keys=True) for c in cands})  # no duplicates
+    assert {json.dumps({k: v for k, v in c.items() if k != "sub_m"}, sort_keys=True) for c in subs} <= \
+        {json.dumps(c, sort_keys=True) for c in cands if not c.get("sub_m")}
