@@ -44,7 +44,6 @@ def main() -> None:
     for reps in (5, 50):
         us = bc.time_graph(lambda: [matmul() for _ in range(8)], reps=reps, device=dev) / 8
         print(f"matmul graph x8 reps {reps}: {2 * n ** 3 / us / 1e6:.1f} TFLOP/s | {clocks()}", flush=True)
-    del a, b, out
     gen = torch.Generator(device=dev).manual_seed(0)
     t = 4096
     for name in ("olmoe", "qwen3-30b-a3b"):
