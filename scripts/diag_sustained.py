@@ -63,7 +63,7 @@ def main() -> None:
                 us = bc.time_graph(lambda: [layer(i) for i in inputs], reps=reps, device=dev) / len(inputs)
                 print(f"{name} T={t} graph x{len(inputs)} reps {reps}: {us:.1f} us "
                       f"{shape.flops(t) / us / 1e6:.1f} TFLOP/s | {clocks()}", flush=True)
-        del w13, w2, inputs
+        w13 = w2 = inputs = None  # freed before the next shape
         torch.cuda.empty_cache()
 
 
