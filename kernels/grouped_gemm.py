@@ -49,7 +49,7 @@ from kernels.pdl import pdl_enter, pdl_launch
 @triton.jit
 def _gemm_tile(
     a_ptr, row_pair_ptr, w_ptr, scale_ptr, offsets_ptr, pair_w_ptr, out_ptr,
-    N_OUT, K, W_ROWS, N_ROWS, e, r0, hi, pid_n, pid_k,
+    N_OUT, K, W_ROWS, e, ids, r0, hi, pid_n, pid_k,
     stride_a, stride_we, stride_wn, stride_se, stride_os, stride_om,
     TOPK: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
@@ -57,10 +57,10 @@ def _gemm_tile(
     FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
 ):
     """One [TM, BN] output tile of expert e: buffer rows r0 .. min(r0 + TM, hi) (FROM_IDS:
-    the pairs routed to e among the first TM), columns pid_n * BN .., split pid_k of K."""
+    the pairs among the first TM whose ids [TM] name e), columns pid_n * BN .., split pid_k of K."""
     if FROM_IDS:  # rows are pair indices, masked to this expert's pairs
         rows = tl.arange(0, TM)
-        row_ok = tl.load(offsets_ptr + rows, mask=rows < N_ROWS, other=-1) == e
+        row_ok = ids == e
         pair = rows
     else:
         rows = r0 + tl.arange(0, TM)
@@ -174,6 +174,7 @@ def _grouped_gemm_kernel(
             return  # the grid is sized for the worst case; this tile has no rows
         e = tl.sum((tiles_end <= pid_m).to(tl.int32))
         mine = e_idx == e
+        ids = e  # unused: rows come from the tile map
         first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0))
         r0 = tl.sum(tl.where(mine, seg_lo, 0)) + (pid_m - first_tile) * BM
         hi = tl.sum(tl.where(mine, seg_hi, 0))
@@ -185,7 +186,7 @@ def _grouped_gemm_kernel(
         if SUB_M >= 4:
             fit += (hi - r0 <= BM // 4).to(tl.int32)
     args = (a_ptr, row_pair_ptr, w_ptr, scale_ptr, offsets_ptr, pair_w_ptr, out_ptr,
-            N_OUT, K, W_ROWS, N_ROWS, e, r0, hi, pid_n, pid_k,
+            N_OUT, K, W_ROWS, e, ids, r0, hi, pid_n, pid_k,
             stride_a, stride_we, stride_wn, stride_se, stride_os, stride_om)
     if fit == 0:
         _gemm_tile(*args, TOPK, BM, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, UPCAST, IEEE,
