@@ -131,15 +131,16 @@ __device__ __forceinline__ u16 to_act(float f) {
 
 __device__ __forceinline__ float act_f(const u16* p) { return lo_f((u32)*p); }
 
-// 8 consecutive activations (one 16-byte load) as floats.
-__device__ __forceinline__ void load_act8(const u16* p, float* f) {
-  u32x4 r = load_cached(p);
+__device__ __forceinline__ void unpack8(const u32x4& r, float* f) {  // 8 activations as floats
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     f[2 * i] = lo_f(r.v[i]);
     f[2 * i + 1] = hi_f(r.v[i]);
   }
 }
+
+// 8 consecutive activations (one 16-byte load) as floats.
+__device__ __forceinline__ void load_act8(const u16* p, float* f) { unpack8(load_cached(p), f); }
 
 // WVEC consecutive activations (8: one 16-byte load; 16: two) as floats.
 __device__ __forceinline__ void load_act(const u16* p, float* f) {

@@ -42,16 +42,21 @@ from kernels.cuda_common import COMMON, DTYPES, compile_check, launch, ptr
 from kernels.sbi_gemm import NORMS
 
 SOURCE = COMMON + r"""
+#ifndef RESIDENT
+#define RESIDENT 0
+#endif
+#if RESIDENT && !NORM
+#error "RESIDENT keeps normed activations: NORM only"
+#endif
+
 #if NORM_RES
-// a[0..8) += 8 residual values at r, each sum rounded to the activations' dtype (the
-// unfused add stores it so); the 8 sums also go to out where it is given.
-__device__ __forceinline__ void add_rounded(float* a, const u16* r, u16* out) {
-  float b[8];
+// a[0..8) += the 8 residual values packed in r, each sum rounded to the activations' dtype
+// (the unfused add stores it so); the 8 sums also go to out where it is given.
+__device__ __forceinline__ void add_rounded(float* a, const u32x4& r, u16* out) {
   u32x4 packed;
-  load_act8(r, b);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const u16 lo = to_act(a[2 * i] + b[2 * i]), hi = to_act(a[2 * i + 1] + b[2 * i + 1]);
+    const u16 lo = to_act(a[2 * i] + lo_f(r.v[i])), hi = to_act(a[2 * i + 1] + hi_f(r.v[i]));
     packed.v[i] = (u32)lo | ((u32)hi << 16);
     a[2 * i] = lo_f(packed.v[i]);
     a[2 * i + 1] = hi_f(packed.v[i]);
@@ -110,36 +115,127 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
   prefetch_rows(w_rows + (size_t)k_lo * W_BYTES, min(BN, N - n0), (size_t)stride_w * W_BYTES,
                 (size_t)(k_hi - k_lo) * W_BYTES);  // and the rest of them on the way to L2
   float2 consts = column_consts(scale, bias, n0, N);
+#if NORM
+  // The norm's weights are no kernel's output either. RESIDENT (one K split, K <= U * STEP:
+  // the block's whole reduction is one step) loads this thread's slots of them here; its
+  // activations are then loaded once, normed in registers and kept for every tile.
+#if RESIDENT
+  float gw[U][WVEC], gbw[U][WVEC];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int k = tid * WVEC + u * STEP;
+#pragma unroll
+    for (int i = 0; i < WVEC; ++i) gw[u][i] = gbw[u][i] = 0.f;
+    if (k < K) {
+      load_act(norm_w + k, gw[u]);
+#if NORM == 2
+      load_act(norm_b + k, gbw[u]);
+#endif
+    }
+  }
+#endif
+#endif
   grid_dep_enter();
 
 #if NORM
-  __shared__ float stat[2][TP];  // mean, 1 / std of each row over all of K
+  // Each row's mean and 1 / std over all of K, from every thread of the block: a thread
+  // sums its own slices, then one shared-memory exchange.
+  __shared__ float red[2][WARPS][TP];
+  float s1[TP], s2[TP], mu[TP], rs[TP];
 #if NORM_RES
   const bool writes_sum = blockIdx.x == 0 && blockIdx.y == 0;
 #endif
-  for (int t = warp; t < T; t += WARPS) {
-    float s1 = 0.f, s2 = 0.f;
-    for (int k = lane * 8; k < K; k += 256) {
-      float a[8];
-      load_act8(x + t * stride_x + k, a);
+#pragma unroll
+  for (int t = 0; t < TP; ++t) s1[t] = s2[t] = 0.f;
+#if RESIDENT
+  float xa[TP][U][WVEC];  // this thread's activations, normed below
+  {
+    u32x4 raw[TP][U][WVEC / 8];  // every load issued before any is used: one round trip
 #if NORM_RES
-      add_rounded(a, x_res + t * K + k, writes_sum ? x_sum + t * K + k : nullptr);
+    u32x4 rraw[TP][U][WVEC / 8];
 #endif
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        s1 += a[i];
-        s2 += a[i] * a[i];
+    for (int t = 0; t < TP; ++t)
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int h = 0; h < WVEC / 8; ++h) {
+          const int k = tid * WVEC + u * STEP + 8 * h;
+          const bool in = t < T && tid * WVEC + u * STEP < K;
+          raw[t][u][h] = in ? load_cached(x + t * stride_x + k) : zero4();
+#if NORM_RES
+          rraw[t][u][h] = in ? load_cached(x_res + t * K + k) : zero4();
+#endif
+        }
+#pragma unroll
+    for (int t = 0; t < TP; ++t)
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int h = 0; h < WVEC / 8; ++h) {
+          float* v = xa[t][u] + 8 * h;
+          unpack8(raw[t][u][h], v);
+#if NORM_RES
+          const int k = tid * WVEC + u * STEP + 8 * h;
+          add_rounded(v, rraw[t][u][h],
+                      writes_sum && t < T && tid * WVEC + u * STEP < K ? x_sum + t * K + k : nullptr);
+#endif
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            s1[t] += v[i];
+            s2[t] += v[i] * v[i];
+          }
+        }
+  }
+#else
+  for (int k = tid * WVEC; k < K; k += STEP)
+#pragma unroll
+    for (int t = 0; t < TP; ++t) {
+      if (t >= T) continue;
+#pragma unroll
+      for (int h = 0; h < WVEC / 8; ++h) {
+        float v[8];
+        load_act8(x + t * stride_x + k + 8 * h, v);
+#if NORM_RES
+        add_rounded(v, load_cached(x_res + t * K + k + 8 * h), writes_sum ? x_sum + t * K + k + 8 * h : nullptr);
+#endif
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          s1[t] += v[i];
+          s2[t] += v[i] * v[i];
+        }
       }
     }
-    s1 = warp_sum(s1);
-    s2 = warp_sum(s2);
+#endif
+#pragma unroll
+  for (int t = 0; t < TP; ++t) {
+    s1[t] = warp_sum(s1[t]);
+    s2[t] = warp_sum(s2[t]);
     if (lane == 0) {
-      float mean = NORM == 2 ? s1 / K : 0.f;
-      stat[0][t] = mean;
-      stat[1][t] = rsqrtf(s2 / K - mean * mean + eps);
+      red[0][warp][t] = s1[t];
+      red[1][warp][t] = s2[t];
     }
   }
   __syncthreads();
+#pragma unroll
+  for (int t = 0; t < TP; ++t) {
+    float a1 = 0.f, a2 = 0.f;
+#pragma unroll
+    for (int q = 0; q < WARPS; ++q) {
+      a1 += red[0][q][t];
+      a2 += red[1][q][t];
+    }
+    mu[t] = NORM == 2 ? a1 / K : 0.f;
+    rs[t] = rsqrtf(a2 / K - mu[t] * mu[t] + eps);
+  }
+#if RESIDENT
+#pragma unroll
+  for (int t = 0; t < TP; ++t)
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int i = 0; i < WVEC; ++i) xa[t][u][i] = (xa[t][u][i] - mu[t]) * rs[t] * gw[u][i] + gbw[u][i];
+#endif
 #endif
 
   __shared__ float part[WARPS][TP * BN];
@@ -153,8 +249,8 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
     for (int u = 0; u < U; ++u) {
       const int k = kb + u * STEP;
       if (k >= k_hi) break;
+#if NORM && !RESIDENT
       float g[WVEC], gb[WVEC];
-#if NORM
       load_act(norm_w + k, g);
 #if NORM == 2
       load_act(norm_b + k, gb);
@@ -166,20 +262,24 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
 #pragma unroll
       for (int t = 0; t < TP; ++t) {
         if (t < T) {
+#if RESIDENT
+          const float* a = xa[t][u];
+#else
           float a[WVEC];
           load_act(x + t * stride_x + k, a);
 #if NORM_RES
-          add_rounded(a, x_res + t * K + k, nullptr);
-          if (WVEC == 16) add_rounded(a + 8, x_res + t * K + k + 8, nullptr);
+#pragma unroll
+          for (int h = 0; h < WVEC / 8; ++h) add_rounded(a + 8 * h, load_cached(x_res + t * K + k + 8 * h), nullptr);
 #endif
 #if NORM
 #pragma unroll
           for (int i = 0; i < WVEC; ++i) {
-            a[i] = (a[i] - stat[0][t]) * stat[1][t] * g[i];
+            a[i] = (a[i] - mu[t]) * rs[t] * g[i];
 #if NORM == 2
             a[i] += gb[i];
 #endif
           }
+#endif
 #endif
           const float start = unit_start(a);
 #pragma unroll
@@ -237,10 +337,20 @@ def _tp(t: int) -> int:
 
 
 def options(tp: int, bn: int, warps: int, unroll: int, int8: bool, dt: int, norm: int, partial: bool,
-            norm_res: bool = False, persist: bool = False, unit: bool = False) -> tuple:
+            norm_res: bool = False, persist: bool = False, unit: bool = False, resident: bool = False) -> tuple:
     return ("-std=c++17", f"-DTP={tp}", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DDT={dt}", f"-DNORM={norm}", f"-DPARTIAL={int(partial)}", f"-DNORM_RES={int(norm_res)}",
-            f"-DPERSIST={int(persist)}", f"-DUNIT={int(unit)}")
+            f"-DPERSIST={int(persist)}", f"-DUNIT={int(unit)}", f"-DRESIDENT={int(resident)}")
+
+
+RESIDENT_FLOATS = 32  # the most normed activations a thread keeps in registers (RESIDENT)
+
+
+def resident(norm: bool, tp: int, k: int, warps: int, unroll: int, int8: bool, split: int) -> bool:
+    """Whether a normed launch keeps its activations in registers (RESIDENT): one K split
+    whose whole reduction is one step of the main loop, and few enough values a thread."""
+    wvec = 16 if int8 else 8
+    return norm and split == 1 and k <= unroll * warps * 32 * wvec and tp * unroll * wvec <= RESIDENT_FLOATS
 
 
 def sbi_cuda_config(t: int, n: int, k: int, sms: int, int8: bool) -> dict:
@@ -339,7 +449,8 @@ def _run(x, w, scale, bias, residual, norm, config, x_residual=None) -> tuple[to
     tiles = -(-n // bn)
     blocks = min(tiles, cfg["persist"] * sms) if cfg.get("persist") else tiles  # persist: blocks per SM
     opts = options(_tp(t), bn, warps, unroll, int8, DTYPES[x.dtype], NORMS[kind], split > 1, x_residual is not None,
-                   blocks < tiles, int8 and cfg.get("unit", False))
+                   blocks < tiles, int8 and cfg.get("unit", False),
+                   resident(kind is not None, _tp(t), k, warps, unroll, int8, split))
     stride_res = residual.stride(0) if residual is not None else 0
     x_sum = torch.empty_like(x_residual) if x_residual is not None else None
     launch(x.device, SOURCE, "sbi_gemm", opts, (blocks, split), warps * 32,
@@ -366,5 +477,12 @@ def compile_all(arch: str = "sm_90") -> int:
         launch_flags = (f"-DL2PF={i // 2 % 2}", f"-DPDL_EARLY={i // 4 % 2}")  # what ``launch`` adds
         compile_check(SOURCE, options(tp, bn, warps, unroll, int8, dt, norm, i % 2 == 1, norm == 1 and i % 4 < 2,
                                       i % 3 == 0, int8 and i % 8 < 4) + launch_flags, arch, "sbi_cuda.cu")
+        count += 1
+    # RESIDENT (normed activations kept in registers): (tp, int8, dt, norm, norm_res, persist, unroll, warps)
+    for tp, int8, dt, norm, norm_res, persist, unroll, warps in (
+            (1, False, 0, 1, True, True, 1, 8), (1, True, 1, 2, False, False, 2, 4), (2, False, 1, 1, True, False, 2, 4),
+            (4, False, 0, 2, False, True, 1, 8)):
+        compile_check(SOURCE, options(tp, 4, warps, unroll, int8, dt, norm, False, norm_res, persist, int8, True)
+                      + ("-DL2PF=0", f"-DPDL_EARLY={int(persist)}"), arch, "sbi_cuda.cu")
         count += 1
     return count
