@@ -16,7 +16,6 @@ from kernels.norm import (ROUTER_MAX_ROWS, rms_norm_ref, rms_norm_router_ref, rm
 from kernels.qkv_decode import qkv_decode_ref, qkv_decode_supported, qkv_decode_triton
 from kernels.gating import _check_logits, grouped_topk_triton, topk_gating_triton
 from kernels.route import route_scatter_triton, route_triton
-from kernels import router_cuda
 from kernels.sbi_cuda import sbi_linear_cuda
 from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
 from kernels.moe_triton import (fused_moe_logits_triton, fused_moe_triton, grouped_ffn_triton, linear_triton,
@@ -182,11 +181,7 @@ def rms_norm_router(x, residual, norm_w, eps, router_w, gating=None):
     """The MoE layer's entry in one launch on a GPU (T <= 16 rows): h = RMSNorm(x + residual),
     the new residual stream x + residual, and the router logits h @ router_w.T. ``gating``
     (k, score, renormalize): also the top-k table of those logits (as ``topk_gating``),
-    ids [T, k] and weights [T, k], from the same launch: on Hopper, up to
-    ``router_cuda.MAX_T`` rows, one thread block cluster (``kernels.router_cuda``)."""
-    if gating is not None and x.is_cuda and router_cuda.ENABLED and x.dim() == router_w.dim() == 2 \
-            and router_cuda.check(x, residual, norm_w, router_w, *gating[:2]) is None:
-        return router_cuda.norm_router_topk_cuda(x, residual, norm_w, eps, router_w, *gating)
+    ids [T, k] and weights [T, k], from the same launch."""
     fn = rms_norm_router_triton if x.is_cuda else rms_norm_router_ref
     return fn(x, residual, norm_w, eps, router_w, gating)
 

@@ -15,9 +15,10 @@ is worth in the same run and on the same device:
               (about twenty launches), not kernels.decode_context_triton (one)
   preload-kv  kernels.qkv_attention loads its keys and values after its PDL wait, not before
   router-preload  the norm + router launch loads its weights after its PDL wait, not before
+  norm-in-qkv the attention's residual add and RMSNorm in a launch of their own, not inside
+              the QKV GEMM's
 --on (repeatable; each measured slower or no faster, so off by default):
   route-in    the gating inside the CUDA MoE kernels, no routing launch
-  norm-in-qkv the attention's residual add and RMSNorm inside the QKV GEMM's launch
   l2-prefetch the CUDA GEMMs send all their weights to L2 before their wait
   topk-in-router  the top-k table in the norm + router launch's last program, no gating launch
 --dense-entry KEY/BUCKET=VALUE (repeatable): one entry of the dense table for this device
@@ -41,8 +42,9 @@ from dense import attention  # noqa: E402
 from kernels import cuda_common, linear_select, moe_triton, norm, pdl, qkv_attention  # noqa: E402
 from moe_infer import model, moe_layer  # noqa: E402
 
-OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context", "preload-kv", "router-preload")
-ON = ("route-in", "norm-in-qkv", "l2-prefetch", "topk-in-router")
+OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context", "preload-kv", "router-preload",
+       "norm-in-qkv")
+ON = ("route-in", "l2-prefetch", "topk-in-router")
 
 
 def switch_off(part: str) -> None:
@@ -65,13 +67,13 @@ def switch_off(part: str) -> None:
         qkv_attention.PRELOAD_KV = False
     elif part == "router-preload":
         norm.ROUTER_PRELOAD = False
+    elif part == "norm-in-qkv":
+        _after_init(model.Block, "norm_in_qkv", False)
 
 
 def switch_on(part: str) -> None:
     if part == "route-in":
         _after_init(moe_layer.MoELayer, "route_in_experts")
-    elif part == "norm-in-qkv":
-        _after_init(model.Block, "norm_in_qkv")
     elif part == "topk-in-router":
         _after_init(moe_layer.MoELayer, "topk_in_router")
     elif part == "l2-prefetch":

@@ -343,10 +343,11 @@ def test_topk_in_router_launch_gives_the_separate_gating_launch_step():
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_fusions_measured_off_still_compute_the_same_step(device):
-    """The attention norm inside the QKV GEMM (Block.norm_in_qkv) and the gating inside the
-    MoE kernels (MoELayer.route_in_experts) are off by default (measured slower); switched
-    on, the embedded model's decode gives the same greedy tokens and close logits."""
+def test_switched_fusions_still_compute_the_same_step(device):
+    """The attention norm inside the QKV GEMM (Block.norm_in_qkv, on by default) switched off
+    and the gating inside the MoE kernels (MoELayer.route_in_experts, off by default: measured
+    slower) switched on: the embedded model's decode gives the same greedy tokens and close
+    logits."""
     import moe_infer
     from moe_infer.model import Block
     from moe_infer.moe_layer import MoELayer
@@ -360,7 +361,8 @@ def test_fusions_measured_off_still_compute_the_same_step(device):
     assert any(isinstance(m, MoELayer) for m in switched)
     for m in switched:
         if isinstance(m, Block):
-            m.norm_in_qkv = True
+            assert m.norm_in_qkv
+            m.norm_in_qkv = False
         else:
             m.route_in_experts = True
     engine._decoders.clear()  # captured graphs hold the old path
