@@ -16,8 +16,9 @@ H100).
 Larger batches, and every CPU call, take cuBLAS / the reference.
 
 ``norm_linear`` is the decode step's residual add + RMSNorm + GEMM: one launch where the
-table picked the CUDA SBI-GeMM (its prologue adds and normalises), else the norm launch
-and ``dense_linear``.
+table picked the CUDA SBI-GeMM with ``"norm": true`` (its prologue adds and normalises; set
+where the decode step measured it faster: bf16 QKV of OLMoE and Qwen3-30B-A3B at batch 1,
+not their int8 ones), else the norm launch and ``dense_linear``.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.is_cuda and 0 < rows <= SMALL_T and x.shape == residual.shape:
         pick = choice(x.device, weight.shape[0], weight.shape[1], weight.dtype, rows)
-        if isinstance(pick, dict):
+        if isinstance(pick, dict) and pick.get("norm"):
             try:
                 y, s = sbi_cuda.sbi_norm_linear_cuda(x.reshape(rows, -1), residual.reshape(rows, -1),
                                                      ("rmsnorm", norm_weight, None, eps), weight, scale, bias, pick)

@@ -33,11 +33,12 @@ class Block(nn.Module):
         self.index = index
         self.fused_router = isinstance(self.ffn, MoELayer) and isinstance(self.ffn_norm, RMSNorm)
         # The attention norm and its residual add run inside the QKV GEMM's launch
-        # (Attention.forward_normed -> kernels.norm_linear) where the dense table picked the
-        # CUDA SBI-GeMM for the QKV weights; elsewhere norm_linear makes the two launches.
-        # Every GEMM block recomputes the norm, in one round trip after its wait: 1.5% off
-        # the Qwen3-30B-A3B batch-1 step, 0.4% off OLMoE's (H100, docs/performance.md,
-        # nineteenth session). scripts/diag_decode_ab.py --off norm-in-qkv.
+        # (Attention.forward_normed -> kernels.norm_linear) where the dense table's entry
+        # for the QKV weights is the CUDA SBI-GeMM with "norm"; elsewhere norm_linear makes
+        # the two launches. Every GEMM block recomputes the norm, in one round trip after
+        # its wait: 1.5% off the Qwen3-30B-A3B batch-1 step, 0.4% off OLMoE's; slower with
+        # int8 weights, whose entries leave it out (H100, docs/performance.md, nineteenth
+        # session). scripts/diag_decode_ab.py --off norm-in-qkv.
         self.norm_in_qkv = True
         # A parallel block also feeds the normed input to its FFN, so it keeps the norm's output.
         self.norm_fusable = isinstance(self.attn_norm, RMSNorm) and not self.parallel

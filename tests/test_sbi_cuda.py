@@ -167,8 +167,9 @@ def test_norm_linear_cuda_matches_add_norm_gemm(dtype, t, k, n, int8):
 
 @pytest.mark.gpu
 def test_norm_linear_follows_the_table(monkeypatch):
-    # A CUDA entry: one launch, equal to the direct call; without one, the norm launch and
-    # dense_linear, equal to the fused result within bf16 rounding of the normed input.
+    # A CUDA entry with "norm": one launch, equal to the direct call; a CUDA entry without
+    # it, or none, the norm launch and dense_linear, equal to the fused result within bf16
+    # rounding of the normed input.
     from kernels import linear_select as dl
 
     gen = torch.Generator().manual_seed(6)
@@ -177,17 +178,20 @@ def test_norm_linear_follows_the_table(monkeypatch):
     w = (torch.randn(3072, 2048, generator=gen) / 45).to("cuda", torch.bfloat16)
     cfg = dict(bn=4, warps=4, unroll=2, split_k=1)
     unfused, s_unfused = kernels.norm_linear(x, r, g, 1e-6, w)
-    monkeypatch.setattr(dl, "_table", lambda: {dl.device_key(x.device): {
-        dl.table_key(3072, 2048, w.dtype): {"1": dict(cfg, backend="cuda")}}})
-    dl._choice.cache_clear()
-    try:
-        fused, s = kernels.norm_linear(x, r, g, 1e-6, w)
-    finally:
-        dl._choice.cache_clear()
     direct, _ = sbi_cuda.sbi_norm_linear_cuda(x[0], r[0], ("rmsnorm", g, None, 1e-6), w, config=cfg)
-    torch.testing.assert_close(fused[0], direct, rtol=0, atol=0)
-    torch.testing.assert_close(s, s_unfused, rtol=0, atol=0)
-    assert rel(fused, unfused) < 1e-2
+    for fuse in (True, False):
+        entry = dict(cfg, backend="cuda", **({"norm": True} if fuse else {}))
+        monkeypatch.setattr(dl, "_table", lambda: {dl.device_key(x.device): {
+            dl.table_key(3072, 2048, w.dtype): {"1": entry}}})
+        dl._choice.cache_clear()
+        try:
+            fused, s = kernels.norm_linear(x, r, g, 1e-6, w)
+            two = kernels.dense_linear(kernels.rms_norm(x, g, 1e-6, r)[0], w)
+        finally:
+            dl._choice.cache_clear()
+        torch.testing.assert_close(fused[0] if fuse else fused, direct if fuse else two, rtol=0, atol=0)
+        torch.testing.assert_close(s, s_unfused, rtol=0, atol=0)
+        assert rel(fused, unfused) < 1e-2
 
 
 @pytest.mark.gpu
