@@ -36,9 +36,9 @@ class Block(nn.Module):
         # (Attention.forward_normed -> kernels.norm_linear) where the dense table's entry
         # for the QKV weights is the CUDA SBI-GeMM with "norm"; elsewhere norm_linear makes
         # the two launches. Every GEMM block recomputes the norm, in one round trip after
-        # its wait: 1.5% off the Qwen3-30B-A3B batch-1 step, 0.4% off OLMoE's; slower with
-        # int8 weights, whose entries leave it out (H100, docs/performance.md, nineteenth
-        # session). scripts/diag_decode_ab.py --off norm-in-qkv.
+        # its wait. Only Qwen3-30B-A3B's bf16 entry has it (its batch-1 step 1-1.5% faster);
+        # OLMoE's bf16 step and both int8 steps measured slower with it (H100,
+        # docs/performance.md, nineteenth session). scripts/diag_decode_ab.py --off norm-in-qkv.
         self.norm_in_qkv = True
         # A parallel block also feeds the normed input to its FFN, so it keeps the norm's output.
         self.norm_fusable = isinstance(self.attn_norm, RMSNorm) and not self.parallel
