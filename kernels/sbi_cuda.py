@@ -16,8 +16,9 @@ The paper's three parts, as built here:
   256-byte L2 prefetch. U such loads per row are issued before any is used.
 
 The norm (RMSNorm / LayerNorm) is recomputed by every block for the rows it needs, as the
-paper replicates pre-GEMM work. Rows of x are read through the L1 cache (every block
-reads them). bf16 / fp16 conversions use PTX cvt (no CUDA headers under NVRTC); int8
+paper replicates pre-GEMM work: every thread sums its slices of the rows, then one
+shared-memory exchange (one round trip after the wait where one step covers K). Rows of x
+are read through the L1 cache (every block reads them). bf16 / fp16 conversions use PTX cvt (no CUDA headers under NVRTC); int8
 widens through the 2^23 float trick with byte permutes.
 
 The first step's weight loads are issued before the wait for the previous kernel (PDL,
@@ -28,8 +29,9 @@ INT8, DT (0 bf16, 1 fp16), NORM (0 none, 1 RMSNorm, 2 LayerNorm), PARTIAL (write
 split-K partials), NORM_RES (``sbi_norm_linear_cuda``: a residual stream is added to x
 before the norm, rounded as the unfused add stores it, and block (0, 0) writes the sum),
 PERSIST, UNIT (int8 widened by one byte permute a weight, as ``kernels.moe_cuda``'s: a
-third fewer instructions, relative error about 1e-4). Each combination compiles once per
-process (CuPy caches the binary).
+third fewer instructions, relative error about 1e-4), RESIDENT (with a norm, where the
+block's whole K is one step: its normed activations stay in registers for every column
+tile; ``resident``). Each combination compiles once per process (CuPy caches the binary).
 """
 from __future__ import annotations
 
