@@ -12,6 +12,12 @@ the k rounds of max/argmax and the renormalisation never touch memory. Logits ar
 to float32 right after the load (the interpreter computes bf16 arithmetic wrongly, and router
 scores want float32 anyway). ids come out in descending score order and ties go to the lowest
 expert index, as torch.topk does; ``kernels.moe_ref`` holds the reference math.
+
+bf16 and fp16 logits (the decode step's router writes bf16) are ranked as one int32 key per
+expert (``_topk_keys``): a round is then one integer max, a single warp instruction on the
+GPU, where a float max and an index argmin are two chains of shuffles. In the batch-1 decode
+step that took the step 1.1-1.2% (OLMoE) and 1.4-1.5% (Qwen3-30B-A3B) off on an H100
+(docs/performance.md, twentieth session).
 """
 from __future__ import annotations
 
@@ -38,7 +44,12 @@ def _topk_table(
 ):
     """Scores and the top-k table of the logits rows ``rows``, in registers:
     -> ids [BLOCK_T, BLOCK_K] int32, weights [BLOCK_T, BLOCK_K] float32. ``FROM_L2``: load
-    past L1 (logits other programs of the same launch wrote)."""
+    past L1 (logits other programs of the same launch wrote). 16-bit logits take
+    ``_topk_keys``; float32 and float64 logits take k rounds of a max and an argmin."""
+    LT: tl.constexpr = logits_ptr.dtype.element_ty
+    if LT == tl.bfloat16 or LT == tl.float16:
+        return _topk_keys(logits_ptr, rows, row_ok, E, stride_lt, stride_le, K, SOFTMAX, RENORMALIZE, BLOCK_E,
+                          BLOCK_K, FROM_L2)
     cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
     col_ok = cols < E
     rows64 = rows.to(tl.int64)  # T * stride can pass 2**31
@@ -72,6 +83,67 @@ def _topk_table(
         s = tl.where(cols[None, :] == idx[:, None], float("-inf"), s)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]  # padding slots hold 0
+    return top_ids, top_w
+
+
+@triton.jit
+def _bits_to_float(bits, LT: tl.constexpr):
+    """16-bit patterns (int32, low 16 bits) of dtype LT (bfloat16 or float16) -> float32."""
+    if LT == tl.bfloat16:
+        return (bits << 16).to(tl.float32, bitcast=True)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _topk_keys(
+    logits_ptr, rows, row_ok, E, stride_lt, stride_le,
+    K: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, FROM_L2: tl.constexpr,
+):
+    """``_topk_table`` for bfloat16 / float16 logits. Softmax and sigmoid keep the logits'
+    order, so the winners are chosen on the logits: each becomes one int32 key, its 16 bits
+    mapped to an order-preserving integer (-0 as +0) in the high half and 0xFFFF - expert
+    in the low half. Keys are distinct, a larger key is a larger logit or an equal one of a
+    lower expert (torch.topk's order), so each of the k rounds is one integer max (a single
+    warp instruction on the GPU, ``redux.sync``) and the knock-out of that key; a round of
+    float max and index argmin is two chains of shuffles. The weights follow from the k
+    winning logits and, for softmax, the row's sum of exp(x - max)."""
+    LT: tl.constexpr = logits_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    ok = row_ok[:, None] & (cols < E)[None, :]
+    rows64 = rows.to(tl.int64)  # T * stride can pass 2**31
+    ptrs = (logits_ptr + rows64[:, None] * stride_lt + cols[None, :] * stride_le).to(tl.pointer_type(tl.int16))
+    if FROM_L2:
+        raw = tl.load(ptrs, mask=ok, other=0, cache_modifier=".cg")
+    else:
+        raw = tl.load(ptrs, mask=ok, other=0)
+    bits = raw.to(tl.int32) & 0xFFFF  # [BLOCK_T, BLOCK_E]
+    bits = tl.where(bits == 0x8000, 0, bits)  # -0 ties with +0, as the float comparison has it
+    signed = tl.where(bits >= 0x8000, bits - 0x10000, bits)
+    order = signed ^ ((signed >> 15) & 0x7FFF)  # monotone in the logit, -32768 .. 32767
+    INT_MIN: tl.constexpr = -2147483648
+    keys = tl.where(ok, (order << 16) | (0xFFFF - cols[None, :]), INT_MIN)  # padding below every real key
+
+    slots = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    top = tl.full([rows.shape[0], BLOCK_K], INT_MIN, dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(keys, axis=1)  # [BLOCK_T]
+        top = tl.where(slots[None, :] == j, best[:, None], top)
+        keys = tl.where(keys == best[:, None], INT_MIN, keys)
+    top_ids = 0xFFFF - (top & 0xFFFF)
+    top_order = top >> 16
+    top_x = _bits_to_float((top_order ^ ((top_order >> 15) & 0x7FFF)) & 0xFFFF, LT)  # the winning logits
+    if SOFTMAX:
+        x = tl.where(ok, _bits_to_float(bits, LT), float("-inf"))
+        row_max = tl.max(x, axis=1)
+        row_max = tl.where(row_max > float("-inf"), row_max, 0.0)  # padding rows: no NaN
+        total = tl.sum(tl.exp(x - row_max[:, None]), axis=1)
+        top_w = tl.exp(top_x - row_max[:, None]) / total[:, None]
+    else:
+        top_w = tl.sigmoid(top_x)
+    top_w = tl.where(slots[None, :] < K, top_w, 0.0)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
     return top_ids, top_w
 
 

@@ -105,6 +105,35 @@ def test_topk_gating_triton_strided_and_empty(device):
     assert ids.shape == weights.shape == (0, 2)
 
 
+TIE_CASES = [  # t, e, k, score, renormalize, dtype
+    (1, 64, 8, "softmax", False, BF16),
+    (1, 128, 8, "softmax", True, BF16),
+    (3, 6, 2, "sigmoid", True, F16),
+    (33, 256, 8, "softmax", True, F16),
+    (5, 60, 4, "sigmoid", False, BF16),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t,e,k,score,renorm,dtype", TIE_CASES)
+def test_16bit_logits_break_exact_ties_by_index(device, t, e, k, score, renorm, dtype):
+    """bf16 / fp16 logits take the integer-key rounds (``_topk_keys``): with values from a
+    small set (exact ties everywhere, -0 beside +0, negatives) the winners are the k largest
+    with ties to the lower expert index (a stable descending sort), the weights those
+    experts' scores."""
+    gen = torch.Generator().manual_seed(t * 100 + e + k)
+    values = torch.tensor([-2.5, -1.0, -0.0, 0.0, 0.5, 1.0, 3.0])
+    logits = values[torch.randint(0, len(values), (t, e), generator=gen)].to(dtype)
+    ids, weights = topk_gating_triton(logits.to(device), k, score, renorm)
+    x = logits.float()
+    want = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+    scores = _scores(logits, score).gather(1, want)
+    if renorm:
+        scores = scores / scores.sum(-1, keepdim=True)
+    assert torch.equal(ids.cpu().long(), want)
+    torch.testing.assert_close(weights.cpu(), scores)
+
+
 GROUPED_CASES = [  # t, e, n_group, topk_group, k, score, renormalize, scale, dtype
     (1, 64, 8, 3, 6, "sigmoid", True, 2.5, F32),
     (33, 64, 8, 3, 6, "sigmoid", False, 1.0, BF16),
