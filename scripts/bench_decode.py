@@ -62,7 +62,13 @@ def replay_ms(engine, batch: int) -> float | None:
     to back at the last slot generate() used, with no host loop in between (the per-token
     figure also holds the host's share and the gap between replays). None without a graph."""
     step = captured_step(engine, batch)
-    return None if step is None else bc.time_fn(step, warmup=3, reps=50, device=engine.device) / 1e3
+    if step is None:
+        return None
+    # Replayed for a while first: right after the host-bound generate() loop the first
+    # replays run 1-2% slower (clocks, where the weights settle), and a decode server runs
+    # the step back to back (scripts/diag_decode_ab.py --alternate times it the same way).
+    bc.time_fn(step, warmup=0, reps=100, device=engine.device)
+    return bc.time_fn(step, warmup=0, reps=200, device=engine.device) / 1e3
 
 
 def captured_step(engine, batch: int):

@@ -25,6 +25,15 @@ is worth in the same run and on the same device:
   replaced, e.g. 'N2048:K4096:bfloat16/1={"backend": "cuda", "bn": 4, "warps": 8,
   "unroll": 1, "split_k": 1}' or 'N5120:K2048:bfloat16/1="cublas"' (VALUE is JSON); how
   the table's "pinned" entries were chosen, in the step rather than alone
+
+Between processes the replay time of one step moves by 1-2% (clocks, where the weights
+land), more than most of the parts above are worth. ``--alternate ROUNDS`` compares in one
+process instead: one model is built, and each round captures the batch-1 step as it is
+("base") and with the --off / --on switches set ("switched"; those named in SWITCHES, which
+the model reads at each call), replays each for a while before timing it, and prints
+both; the first round is a warm-up for the clocks and not summed:
+
+    PYTHONPATH=. python scripts/diag_decode_ab.py --on route-in --alternate 3 --model olmoe-1b-7b
 """
 from __future__ import annotations
 
@@ -45,9 +54,24 @@ from moe_infer import model, moe_layer  # noqa: E402
 OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context", "preload-kv", "router-preload",
        "norm-in-qkv")
 ON = ("route-in", "l2-prefetch", "topk-in-router")
+# The switches a built model reads at each call: name -> (a module's class, whose every
+# instance in the model gets the attribute, or a module, which gets it; attribute; value
+# when switched). ``--alternate`` takes only these.
+SWITCHES = {
+    "fused-attention": (attention.Attention, "fused_attention", False),
+    "norm-in-qkv": (model.Block, "norm_in_qkv", False),
+    "route-in": (moe_layer.MoELayer, "route_in_experts", True),
+    "topk-in-router": (moe_layer.MoELayer, "topk_in_router", True),
+    "pdl-early": (pdl, "EARLY_TRIGGER", False),
+    "fused-context": (attention, "FUSED_DECODE_CONTEXT", False),
+    "preload-kv": (qkv_attention, "PRELOAD_KV", False),
+    "router-preload": (norm, "ROUTER_PRELOAD", False),
+    "l2-prefetch": (cuda_common, "L2_PREFETCH", True),
+}
 
 
-def switch_off(part: str) -> None:
+def switch(part: str) -> None:
+    """Switches ``part`` (--off or --on) for every model this process builds."""
     if part == "moe-cuda":
         table = moe_triton._tuned()
         for entries in table.values():
@@ -57,27 +81,12 @@ def switch_off(part: str) -> None:
         moe_triton.launch_config.cache_clear()
     elif part == "cuda-pdl":
         cuda_common.pdl_on = lambda device: False
-    elif part == "fused-attention":
-        _after_init(attention.Attention, "fused_attention", False)
-    elif part == "pdl-early":
-        pdl.EARLY_TRIGGER = False
-    elif part == "fused-context":
-        attention.FUSED_DECODE_CONTEXT = False
-    elif part == "preload-kv":
-        qkv_attention.PRELOAD_KV = False
-    elif part == "router-preload":
-        norm.ROUTER_PRELOAD = False
-    elif part == "norm-in-qkv":
-        _after_init(model.Block, "norm_in_qkv", False)
-
-
-def switch_on(part: str) -> None:
-    if part == "route-in":
-        _after_init(moe_layer.MoELayer, "route_in_experts")
-    elif part == "topk-in-router":
-        _after_init(moe_layer.MoELayer, "topk_in_router")
-    elif part == "l2-prefetch":
-        cuda_common.L2_PREFETCH = True
+    else:
+        where, attr, value = SWITCHES[part]
+        if isinstance(where, type):
+            _after_init(where, attr, value)
+        else:
+            setattr(where, attr, value)
 
 
 def set_dense_entry(spec: str) -> None:
@@ -106,18 +115,83 @@ def _after_init(cls, flag: str, value: bool = True) -> None:
     cls.__init__ = init_then_set
 
 
+def set_switches(net, parts, switched: bool) -> dict:
+    """Sets (``switched``) or restores the SWITCHES ``parts`` on the built model ``net`` and
+    their modules; returns {part: value now}."""
+    now = {}
+    for part in parts:
+        where, attr, value = SWITCHES[part]
+        value = value if switched else not value
+        targets = [m for m in net.modules() if isinstance(m, where)] if isinstance(where, type) else [where]
+        if not targets:
+            raise SystemExit(f"--alternate: the model has no {where.__name__} for {part!r}")
+        for target in targets:
+            setattr(target, attr, value)
+        now[part] = value
+    return now
+
+
+def alternate(parts: list[str], rounds: int, model_name: str | None, new_tokens: int, reps: int,
+              quantize: str | None = None) -> list[dict]:
+    """``rounds`` rounds of the batch-1 step captured as it is and with ``parts`` switched,
+    on one built model; each variant is replayed for about 0.2 s before ``reps`` replays are
+    timed (median). Returns a row a variant and round; round 0 is the clocks' warm-up."""
+    import bench_common as bc
+    import bench_decode
+    import moe_infer
+
+    engine = moe_infer.load(model_name, device="cuda", progress=False, quantize=quantize)
+    engine.decode_mode = "graph"
+    prompts = [torch.randint(0, engine.config.model.vocab_size, (16,), generator=torch.Generator().manual_seed(0))
+               .tolist()]
+    print(f"{model_name or 'default'}{' int8' if quantize else ''}: copy {bc.measure_copy_bandwidth(engine.device):.0f} GB/s, "
+          f"{new_tokens} new tokens; switched: {', '.join(parts)}", flush=True)
+    rows, first = [], {}
+    for r in range(rounds + 1):
+        for variant in ("base", "switched"):
+            set_switches(engine.model, parts, variant == "switched")
+            engine._decoders.clear()  # the step is captured again, with the switches as set
+            tokens = engine.generate(prompts, max_new_tokens=new_tokens)[0].token_ids
+            step = bench_decode.captured_step(engine, 1)
+            bc.time_fn(step, warmup=0, reps=100, device=engine.device)  # clocks up, weights where they settle
+            ms = bc.time_fn(step, warmup=0, reps=reps, device=engine.device) / 1e3
+            first.setdefault(variant, tokens)
+            rows.append({"round": r, "variant": variant, "replay_ms": ms, "same_tokens": tokens == first["base"]})
+            print(f"round {r} {variant}: replay {ms:.4f} ms; tokens equal to base: {tokens == first['base']}",
+                  flush=True)
+    set_switches(engine.model, parts, False)
+    for variant in ("base", "switched"):
+        ms = sorted(row["replay_ms"] for row in rows if row["variant"] == variant and row["round"] > 0)
+        print(f"{variant}: replay {ms[0]:.4f}-{ms[-1]:.4f} ms, median {ms[len(ms) // 2]:.4f} over rounds 1-{rounds}")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--off", action="append", choices=OFF, default=[])
     ap.add_argument("--on", action="append", choices=ON, default=[])
     ap.add_argument("--dense-entry", action="append", default=[], metavar="KEY/BUCKET=JSON")
+    ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                    help="base and switched in this process, ROUNDS timed rounds (batch 1; see above)")
     args, rest = ap.parse_known_args()
     for spec in args.dense_entry:
         set_dense_entry(spec)
-    for part in args.off:
-        switch_off(part)
-    for part in args.on:
-        switch_on(part)
+    if args.alternate:
+        more = argparse.ArgumentParser(prog="diag_decode_ab.py --alternate ROUNDS")
+        more.add_argument("--model", default=None, help="a preset name or config YAML")
+        more.add_argument("--new-tokens", type=int, default=64, help="tokens generated before the replays")
+        more.add_argument("--reps", type=int, default=200, help="replays timed a variant and round")
+        more.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights for every linear layer")
+        opts = more.parse_args(rest)
+        parts = args.off + args.on
+        if not parts or any(p not in SWITCHES for p in parts):
+            raise SystemExit(f"--alternate: switch one or more of {', '.join(SWITCHES)} (got {parts or 'none'})")
+        if not torch.cuda.is_available():
+            raise SystemExit("--alternate: needs a GPU (the step is replayed as a CUDA graph)")
+        alternate(parts, args.alternate, opts.model, opts.new_tokens, opts.reps, opts.quantize)
+        return
+    for part in args.off + args.on:
+        switch(part)
     print(f"switched off: {', '.join(args.off) or 'nothing'}; on: {', '.join(args.on) or 'nothing'}; dense entries: "
           f"{'; '.join(args.dense_entry) or 'as in the table'}", flush=True)
     sys.argv = [str(ROOT / "scripts" / "bench_decode.py"), *rest]

@@ -198,6 +198,10 @@ GATING_CASES = [  # t, e, k, score, renormalize, logits dtype (each combination 
     (1, 8, 2, "softmax", True, torch.float32), (1, 60, 4, "sigmoid", True, torch.bfloat16),
     (1, 128, 8, "softmax", True, torch.bfloat16), (3, 256, 8, "softmax", False, torch.float32),
     (2, 64, 1, "sigmoid", False, torch.float32), (1, 64, 8, "softmax", True, torch.bfloat16),
+    # bf16 logits take the integer-key rounds: without renormalisation too (OLMoE), k = 1
+    # (DS-MoE), sigmoid, and E past 32 lanes' worth at several tokens
+    (1, 64, 8, "softmax", False, torch.bfloat16), (3, 128, 1, "softmax", False, torch.bfloat16),
+    (2, 200, 6, "sigmoid", False, torch.bfloat16), (4, 256, 8, "softmax", False, torch.bfloat16),
 ]
 
 
@@ -221,6 +225,30 @@ def test_gating_inside_the_kernels(t, e, k, score, renormalize, logits_dtype):
                                           (moe_cuda.UP_CANDIDATES[3], moe_cuda.DOWN_CANDIDATES[5]))
     ref8 = fused_moe_ref(x.double(), q13, q2, w.double(), ids, "silu", s13, s2)
     assert rel(out8, ref8) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,k,score,renormalize,dtype", [
+    (1, 64, 8, "softmax", False, torch.bfloat16), (3, 128, 8, "softmax", True, torch.bfloat16),
+    (2, 60, 4, "sigmoid", True, torch.float16), (1, 33, 3, "sigmoid", False, torch.float16),
+])
+def test_gating_inside_the_kernels_breaks_ties_by_index(t, e, k, score, renormalize, dtype):
+    # 16-bit logits from a small set of values (exact ties everywhere, -0 beside +0): the
+    # kernels route each slot to the k largest with ties to the lower expert index, as a
+    # stable descending sort, in both the activations' dtypes.
+    h, f = 256, 128
+    x, w13, w2, _, _ = problem("cuda", dtype, t, h, f, e, k, "silu", e + k)
+    gen = torch.Generator().manual_seed(e * 10 + k)
+    values = torch.tensor([-2.5, -1.0, -0.0, 0.0, 0.5, 1.0, 3.0])
+    logits = values[torch.randint(0, len(values), (t, e), generator=gen)].to(dtype)
+    ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+    scores = torch.softmax(logits.float(), -1) if score == "softmax" else torch.sigmoid(logits.float())
+    w = scores.gather(1, ids)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    ref = fused_moe_ref(x.double().cpu(), w13.double().cpu(), w2.double().cpu(), w.double(), ids.int(), "silu")
+    out = moe_cuda.fused_moe_logits_cuda(x, logits.cuda(), k, w13, w2, "silu", score, renormalize)
+    assert rel(out.cpu(), ref) < TOL[dtype]
 
 
 @pytest.mark.gpu

@@ -123,3 +123,21 @@ def test_tune_moe_large_t_candidates_try_short_last_tiles():
     assert len(cands) == len({json.dumps(c, sort_keys=True) for c in cands})  # no duplicates
     assert {json.dumps({k: v for k, v in c.items() if k != "sub_m"}, sort_keys=True) for c in subs} <= \
         {json.dumps(c, sort_keys=True) for c in cands if not c.get("sub_m")}
+
+
+def test_diag_decode_ab_switches_a_built_model():
+    """--alternate sets each switch on the built model's modules (every instance of a class,
+    or the module) and restores it; switches read only at construction are not offered."""
+    import moe_infer
+    from kernels import qkv_attention
+    from moe_infer import moe_layer
+
+    diag = _script("diag_decode_ab")
+    net = moe_infer.load("tiny-moe", device="cpu", progress=False).model
+    layers = [m for m in net.modules() if isinstance(m, moe_layer.MoELayer)]
+    assert layers and not any(m.route_in_experts for m in layers)
+    assert diag.set_switches(net, ["route-in", "preload-kv"], True) == {"route-in": True, "preload-kv": False}
+    assert all(m.route_in_experts for m in layers) and qkv_attention.PRELOAD_KV is False
+    diag.set_switches(net, ["route-in", "preload-kv"], False)
+    assert not any(m.route_in_experts for m in layers) and qkv_attention.PRELOAD_KV is True
+    assert "moe-cuda" not in diag.SWITCHES and set(diag.SWITCHES) <= set(diag.OFF + diag.ON)
