@@ -25,12 +25,15 @@ is worth in the same run and on the same device:
   replaced, e.g. 'N2048:K4096:bfloat16/1={"backend": "cuda", "bn": 4, "warps": 8,
   "unroll": 1, "split_k": 1}' or 'N5120:K2048:bfloat16/1="cublas"' (VALUE is JSON); how
   the table's "pinned" entries were chosen, in the step rather than alone
+--moe-entry KEY/BUCKET=VALUE (repeatable): the same for the MoE table, e.g.
+  'up:E128:N1536:K2048:bfloat16:k8/1={"backend": "cuda", "bn": 4, "warps": 8, "unroll": 1,
+  "persist": 3}' (BUCKET: T)
 
 Between processes the replay time of one step moves by 1-2% (clocks, where the weights
 land), more than most of the parts above are worth. ``--alternate ROUNDS`` compares in one
 process instead: one model is built, and each round captures the batch-1 step as it is
-("base") and with the --off / --on switches set ("switched"; those named in SWITCHES, which
-the model reads at each call), replays each for a while before timing it, and prints
+("base") and with the --off / --on switches set and the table entries replaced ("switched";
+switches named in SWITCHES, which the model reads at each call), replays each for a while before timing it, and prints
 both; the first round is a warm-up for the clocks and not summed:
 
     PYTHONPATH=. python scripts/diag_decode_ab.py --on route-in --alternate 3 --model olmoe-1b-7b
@@ -89,20 +92,39 @@ def switch(part: str) -> None:
             setattr(where, attr, value)
 
 
-def set_dense_entry(spec: str) -> None:
-    """'KEY/BUCKET=VALUE': the dense table's entry KEY (e.g. N2048:K4096:bfloat16), row
-    bucket BUCKET, set to the JSON VALUE for the device this process runs on."""
+def table_entry(kind: str, spec: str) -> tuple[dict, str, object]:
+    """'KEY/BUCKET=VALUE' of ``--dense-entry`` or ``--moe-entry`` (``kind``) -> (the table's
+    entries of KEY for the device this process runs on, BUCKET, the JSON VALUE)."""
     where, sep, value = spec.partition("=")
     key, _, bucket = where.partition("/")
-    if not sep or bucket not in {str(b) for b in linear_select.BUCKETS}:
-        raise SystemExit(f"--dense-entry {spec!r}: expected KEY/BUCKET=JSON with BUCKET one of {linear_select.BUCKETS}")
+    if kind == "dense":
+        table, buckets = linear_select._table(), {str(b) for b in linear_select.BUCKETS}
+    else:
+        table, buckets = moe_triton._tuned(), {str(t) for t in range(1, moe_triton.FROM_IDS_PAIRS + 1)}
+    if not sep or bucket not in buckets:
+        raise SystemExit(f"--{kind}-entry {spec!r}: expected KEY/BUCKET=JSON with BUCKET one of "
+                         f"{sorted(buckets, key=int)}")
     try:
         entry = json.loads(value)
     except json.JSONDecodeError as exc:
-        raise SystemExit(f"--dense-entry {spec!r}: VALUE is not JSON ({exc})") from None
+        raise SystemExit(f"--{kind}-entry {spec!r}: VALUE is not JSON ({exc})") from None
     device = moe_triton.device_key(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    linear_select._table().setdefault(device, {}).setdefault(key, {})[bucket] = entry
+    return table.setdefault(device, {}).setdefault(key, {}), bucket, entry
+
+
+def set_entries(edits: list[tuple[dict, str, object]], switched: bool, saved: dict) -> None:
+    """Puts the ``edits`` (``table_entry``) into their tables (``switched``) or restores what
+    they replaced (``saved`` keeps it between calls); the tables' caches are cleared."""
+    for i, (entries, bucket, entry) in enumerate(edits):
+        saved.setdefault(i, entries.get(bucket))
+        if switched:
+            entries[bucket] = entry
+        elif saved[i] is None:
+            entries.pop(bucket, None)
+        else:
+            entries[bucket] = saved[i]
     linear_select._choice.cache_clear()
+    moe_triton.launch_config.cache_clear()
 
 
 def _after_init(cls, flag: str, value: bool = True) -> None:
@@ -131,10 +153,10 @@ def set_switches(net, parts, switched: bool) -> dict:
     return now
 
 
-def alternate(parts: list[str], rounds: int, model_name: str | None, new_tokens: int, reps: int,
+def alternate(parts: list[str], edits: list, rounds: int, model_name: str | None, new_tokens: int, reps: int,
               quantize: str | None = None) -> list[dict]:
-    """``rounds`` rounds of the batch-1 step captured as it is and with ``parts`` switched,
-    on one built model; each variant is replayed for about 0.2 s before ``reps`` replays are
+    """``rounds`` rounds of the batch-1 step captured as it is and with ``parts`` switched
+    and the table ``edits`` made (``table_entry``), on one built model; each variant is replayed for about 0.2 s before ``reps`` replays are
     timed (median). Returns a row a variant and round; round 0 is the clocks' warm-up."""
     import bench_common as bc
     import bench_decode
@@ -145,11 +167,12 @@ def alternate(parts: list[str], rounds: int, model_name: str | None, new_tokens:
     prompts = [torch.randint(0, engine.config.model.vocab_size, (16,), generator=torch.Generator().manual_seed(0))
                .tolist()]
     print(f"{model_name or 'default'}{' int8' if quantize else ''}: copy {bc.measure_copy_bandwidth(engine.device):.0f} GB/s, "
-          f"{new_tokens} new tokens; switched: {', '.join(parts)}", flush=True)
-    rows, first = [], {}
+          f"{new_tokens} new tokens; switched: {', '.join(parts) or 'table entries only'}", flush=True)
+    rows, first, saved = [], {}, {}
     for r in range(rounds + 1):
         for variant in ("base", "switched"):
             set_switches(engine.model, parts, variant == "switched")
+            set_entries(edits, variant == "switched", saved)
             engine._decoders.clear()  # the step is captured again, with the switches as set
             tokens = engine.generate(prompts, max_new_tokens=new_tokens)[0].token_ids
             step = bench_decode.captured_step(engine, 1)
@@ -160,6 +183,7 @@ def alternate(parts: list[str], rounds: int, model_name: str | None, new_tokens:
             print(f"round {r} {variant}: replay {ms:.4f} ms; tokens equal to base: {tokens == first['base']}",
                   flush=True)
     set_switches(engine.model, parts, False)
+    set_entries(edits, False, saved)
     for variant in ("base", "switched"):
         ms = sorted(row["replay_ms"] for row in rows if row["variant"] == variant and row["round"] > 0)
         print(f"{variant}: replay {ms[0]:.4f}-{ms[-1]:.4f} ms, median {ms[len(ms) // 2]:.4f} over rounds 1-{rounds}")
@@ -171,11 +195,12 @@ def main():
     ap.add_argument("--off", action="append", choices=OFF, default=[])
     ap.add_argument("--on", action="append", choices=ON, default=[])
     ap.add_argument("--dense-entry", action="append", default=[], metavar="KEY/BUCKET=JSON")
+    ap.add_argument("--moe-entry", action="append", default=[], metavar="KEY/BUCKET=JSON")
     ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
                     help="base and switched in this process, ROUNDS timed rounds (batch 1; see above)")
     args, rest = ap.parse_known_args()
-    for spec in args.dense_entry:
-        set_dense_entry(spec)
+    edits = [table_entry("dense", spec) for spec in args.dense_entry] + \
+        [table_entry("moe", spec) for spec in args.moe_entry]
     if args.alternate:
         more = argparse.ArgumentParser(prog="diag_decode_ab.py --alternate ROUNDS")
         more.add_argument("--model", default=None, help="a preset name or config YAML")
@@ -184,12 +209,14 @@ def main():
         more.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights for every linear layer")
         opts = more.parse_args(rest)
         parts = args.off + args.on
-        if not parts or any(p not in SWITCHES for p in parts):
-            raise SystemExit(f"--alternate: switch one or more of {', '.join(SWITCHES)} (got {parts or 'none'})")
+        if not (parts or edits) or any(p not in SWITCHES for p in parts):
+            raise SystemExit(f"--alternate: switch one or more of {', '.join(SWITCHES)}, or table entries "
+                             f"(got {parts or 'none'})")
         if not torch.cuda.is_available():
             raise SystemExit("--alternate: needs a GPU (the step is replayed as a CUDA graph)")
-        alternate(parts, args.alternate, opts.model, opts.new_tokens, opts.reps, opts.quantize)
+        alternate(parts, edits, args.alternate, opts.model, opts.new_tokens, opts.reps, opts.quantize)
         return
+    set_entries(edits, True, {})
     for part in args.off + args.on:
         switch(part)
     print(f"switched off: {', '.join(args.off) or 'nothing'}; on: {', '.join(args.on) or 'nothing'}; dense entries: "

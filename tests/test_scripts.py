@@ -96,21 +96,30 @@ def test_dense_table_writer_keeps_pinned_entries(tmp_path, monkeypatch):
     assert written["N64:K32:int8"] == {"1": "sbi", "2": "sbi"}
 
 
-def test_diag_decode_ab_dense_entry(monkeypatch):
-    """--dense-entry replaces one entry of the dense table in the process; a malformed one
-    is refused with the expected form named."""
+def test_diag_decode_ab_table_entries(monkeypatch):
+    """--dense-entry / --moe-entry replace one entry of a table in the process, and --alternate
+    puts back what they replaced; a malformed one is refused with the expected form named."""
     from kernels import linear_select as sel
+    from kernels import moe_triton
     diag = _script("diag_decode_ab")
-    table = {}
-    monkeypatch.setattr(sel, "_table", lambda: table)
-    diag.set_dense_entry('N64:K32:bfloat16/1={"backend": "cuda", "bn": 2, "warps": 4, "unroll": 1, "split_k": 1}')
-    diag.set_dense_entry('N64:K32:bfloat16/2="cublas"')
-    assert table["cpu"]["N64:K32:bfloat16"] == {
-        "1": {"backend": "cuda", "bn": 2, "warps": 4, "unroll": 1, "split_k": 1}, "2": "cublas"}
-    for bad, says in (("N64:K32:bfloat16/3=\"sbi\"", "BUCKET one of"), ("N64:K32:bfloat16/1={bn", "not JSON"),
-                      ("N64:K32:bfloat16/1", "KEY/BUCKET=JSON")):
+    dense, moe = {"cpu": {"N64:K32:bfloat16": {"2": "sbi"}}}, {}
+    monkeypatch.setattr(sel, "_table", lambda: dense)
+    monkeypatch.setattr(moe_triton, "_tuned", lambda: moe)
+    cfg = {"backend": "cuda", "bn": 2, "warps": 4, "unroll": 1, "split_k": 1}
+    edits = [diag.table_entry("dense", f"N64:K32:bfloat16/1={json.dumps(cfg)}"),
+             diag.table_entry("dense", 'N64:K32:bfloat16/2="cublas"'),
+             diag.table_entry("moe", 'up:E8:N64:K32:bfloat16:k2/1={"backend": "cuda", "persist": 3}')]
+    saved = {}
+    diag.set_entries(edits, True, saved)
+    assert dense["cpu"]["N64:K32:bfloat16"] == {"1": cfg, "2": "cublas"}
+    assert moe["cpu"]["up:E8:N64:K32:bfloat16:k2"] == {"1": {"backend": "cuda", "persist": 3}}
+    diag.set_entries(edits, False, saved)
+    assert dense["cpu"]["N64:K32:bfloat16"] == {"2": "sbi"} and moe["cpu"]["up:E8:N64:K32:bfloat16:k2"] == {}
+    for kind, bad, says in (("dense", "N64:K32:bfloat16/3=\"sbi\"", "BUCKET one of"),
+                            ("dense", "N64:K32:bfloat16/1={bn", "not JSON"), ("dense", "N64:K32:bfloat16/1", "KEY/BUCKET"),
+                            ("moe", "up:E8:N64:K32:bfloat16:k2/17={}", "BUCKET one of")):
         with pytest.raises(SystemExit, match=says):
-            diag.set_dense_entry(bad)
+            diag.table_entry(kind, bad)
 
 
 def test_tune_moe_large_t_candidates_try_short_last_tiles():
