@@ -225,8 +225,6 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
         why = cfg.get("mma") and (mma_check(phase, cfg, h, f, gated) if int8 else f"{phase} mma: int8 weights only")
         if why:
             raise ValueError(f"fused_moe_cuda: {why}")
-    if up.get("persist") and (route.get("route") or up_mma):
-        raise ValueError("fused_moe_cuda: up persist: the persistent up kernel takes given ids and no mma")
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F] (f16 bits for an mma down)
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
@@ -235,16 +233,10 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
                       min_blocks=up.get("min_blocks", 1), unit=up.get("unit", False), mma=up_mma, h16=down_mma,
                       **route) + ("-DPDL_EARLY=0",)
     up_grid = (-(-f // up["bn"]), t * topk)
-    args = (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h), np.int32(f),
-            np.int32(topk), np.int64(x.stride(0)))
-    if up.get("persist"):  # a persistent grid of persist blocks an SM (``check_persist``)
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        launch(x.device, SOURCE, "moe_up_persist", up_opts, (min(up_grid[0] * up_grid[1], up["persist"] * sms),),
-               up["warps"] * 32, args + (np.int32(t * topk),))
-    else:
-        launch(x.device, SOURCE, "moe_up_mma" if up_mma else "moe_up", up_opts,
-               up_grid[::-1] if up_major else up_grid, up["warps"] * 32, args + (np.int32(e),),
-               shared=2 * h if up_mma else 0)
+    launch(x.device, SOURCE, "moe_up_mma" if up_mma else "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
+           up["warps"] * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
+                              np.int32(f), np.int32(topk), np.int64(x.stride(0)), np.int32(e)),
+           shared=2 * h if up_mma else 0)
     step = down["warps"] * (64 if down_mma else 32 * (16 if int8 else 8))
     length = topk * f
     k_span = -(-length // (down["split_k"] * step)) * step

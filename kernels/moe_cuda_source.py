@@ -253,24 +253,6 @@ __device__ __forceinline__ float2 up_scales(const float* __restrict__ scale, lon
   return sc;
 }
 
-// An up kernel's output column o of its block (thread o < BN, whose up_scales sc are its
-// column's): the warps' partials summed, scaled (int8), SiLU(gate) * up or GeLU.
-__device__ __forceinline__ float up_value(float (*part)[ROWS], int o, float2 sc) {
-  float g = warps_total<ROWS>(part, o);
-#if INT8
-  g *= sc.x * UNIT_SCALE;
-#endif
-#if GATED
-  float up = warps_total<ROWS>(part, BN + o);
-#if INT8
-  up *= sc.y * UNIT_SCALE;
-#endif
-  return g / (1.f + __expf(-g)) * up;
-#else
-  return 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
-#endif
-}
-
 // A down kernel's block, from the grid: token t, first row n0, the number of tokens, and its
 // split [k_lo, k_hi) of the token's reduction (its k pairs' F columns back to back).
 struct DownBlock {
@@ -390,90 +372,22 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   for (int o = tid; o < BN; o += THREADS) {
     const int n = n0 + o;
     if (n >= F) continue;
-    h[(size_t)p * F + n] = out_h(up_value(part, o, sc) * weight);
-  }
-}
-
-#if !ROUTE
-// moe_up's contract on a persistent grid (fewer blocks than tiles): block b walks the
-// (pair, column tile) tiles b, b + gridDim.x, ... in moe_up's order, with the pairs' experts
-// and weights read once into shared memory after the wait, and the next tile's first weights
-// in flight during this tile's reduction and store (as sbi_gemm's PERSIST). A block's chain
-// of round trips is then paid once, not once a tile, and no wave of blocks ends with SMs
-// idle. Ids given (no ROUTE); at most MAX_PAIRS pairs.
-#define MAX_PAIRS 256
-extern "C" __global__ void __launch_bounds__(THREADS, MINB)
-moe_up_persist(const u16* __restrict__ x, const void* __restrict__ w13, const float* __restrict__ scale,
-               const void* __restrict__ ids, const float* __restrict__ pair_w, u16* __restrict__ h, int H, int F,
-               int topk, long long stride_x, int pairs) {
-  const int tid = threadIdx.x;
-  const int n_cols = (F + BN - 1) / BN, n_tiles = n_cols * pairs;
-  __shared__ int s_e[MAX_PAIRS];
-  __shared__ float s_w[MAX_PAIRS];
-  grid_dep_enter();  // the ids are an earlier kernel's output
-  for (int i = tid; i < pairs; i += THREADS) s_e[i] = (int)id_at(ids, i), s_w[i] = pair_w[i];
-  __syncthreads();
-
-  int tile = blockIdx.x, p, n0;
-  auto place = [&]() {  // tile -> (pair p, first column n0), moe_up's grid order
-#if PAIR_MAJOR
-    p = tile % pairs, n0 = tile / pairs * BN;
+    float g = warps_total<ROWS>(part, o);
+#if INT8
+    g *= sc.x * UNIT_SCALE;
+#endif
+#if GATED
+    float up = warps_total<ROWS>(part, BN + o);
+#if INT8
+    up *= sc.y * UNIT_SCALE;
+#endif
+    const float v = g / (1.f + __expf(-g)) * up;
 #else
-    p = tile / n_cols, n0 = tile % n_cols * BN;
+    const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
 #endif
-  };
-  u32x4 wv[U][ROWS];
-  const char* w_e;
-  auto load_step = [&](int kb) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) {
-        const int k = kb + u * STEP, n = n0 + j % BN, row = (j < BN ? 0 : F) + n;
-        wv[u][j] = k < H && n < F ? load_stream(w_e + ((size_t)row * H + k) * W_BYTES) : zero4();
-      }
-  };
-  auto start_tile = [&]() {  // the tile's expert, its first weights and its int8 scales on their way
-    place();
-    w_e = (const char*)w13 + (size_t)s_e[p] * ROWS_PER_F * F * H * W_BYTES;
-    load_step(tid * WVEC);
-    return up_scales(scale, s_e[p], n0, F);
-  };
-  float2 sc = start_tile();
-  __shared__ float part[WARPS][ROWS];
-  while (true) {
-    float acc[ROWS];
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
-    const u16* xr = x + (size_t)(p / topk) * stride_x;
-    for (int kb = tid * WVEC; kb < H; kb += U * STEP) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int k = kb + u * STEP;
-        if (k >= H) break;
-        float a[WVEC];
-        load_act(xr + k, a);
-        const float start = unit_start(a);
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j) acc[j] = UNIT ? acc[j] + dot_w(a, wv[u][j], start) : dot_w(a, wv[u][j], acc[j]);
-      }
-      if (kb + U * STEP < H) load_step(kb + U * STEP);
-    }
-    const int this_p = p, this_n0 = n0;
-    const float2 this_sc = sc;
-    tile += gridDim.x;
-    if (tile < n_tiles) sc = start_tile();  // in flight during this tile's reduction and store
-    warps_to_shared<ROWS>(acc, part);
-    for (int o = tid; o < BN; o += THREADS) {
-      const int n = this_n0 + o;
-      if (n >= F) continue;
-      h[(size_t)this_p * F + n] = out_h(up_value(part, o, this_sc) * s_w[this_p]);
-    }
-    if (tile >= n_tiles) break;
-    __syncthreads();  // every thread has read part before the next tile writes it
+    h[(size_t)p * F + n] = out_h(v * weight);
   }
 }
-#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up)

@@ -26,8 +26,8 @@ is worth in the same run and on the same device:
   "unroll": 1, "split_k": 1}' or 'N5120:K2048:bfloat16/1="cublas"' (VALUE is JSON); how
   the table's "pinned" entries were chosen, in the step rather than alone
 --moe-entry KEY/BUCKET=VALUE (repeatable): the same for the MoE table, e.g.
-  'up:E128:N1536:K2048:bfloat16:k8/1={"backend": "cuda", "bn": 4, "warps": 8, "unroll": 1,
-  "persist": 3}' (BUCKET: T)
+  'up:E128:N1536:K2048:bfloat16:k8/1={"backend": "cuda", "bn": 4, "warps": 4, "unroll": 2}'
+  (BUCKET: T)
 
 Between processes the replay time of one step moves by 1-2% (clocks, where the weights
 land), more than most of the parts above are worth. ``--alternate ROUNDS`` compares in one

@@ -95,9 +95,6 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
     if t > 1:
         major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
         pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
-    # The persistent up grid: 1 to 3 blocks an SM, so that a block walks many tiles (one
-    # permute a weight, the pair-major order and a register cap among them)
-    pairs += [(dict(up, persist=n), down) for n, (up, down) in zip((1, 2, 3, 1), pairs[::4])]
     if int8:  # the tensor-core kernels, both, and each beside the other kind (its h in f16 or not)
         mma = list(zip(moe_cuda.MMA_UP_CANDIDATES[::2], moe_cuda.MMA_DOWN_CANDIDATES[::3]))
         mma = [(dict(up, bn=16) if activation == "gelu" else up, down) for up, down in mma]

@@ -108,11 +108,11 @@ def test_diag_decode_ab_table_entries(monkeypatch):
     cfg = {"backend": "cuda", "bn": 2, "warps": 4, "unroll": 1, "split_k": 1}
     edits = [diag.table_entry("dense", f"N64:K32:bfloat16/1={json.dumps(cfg)}"),
              diag.table_entry("dense", 'N64:K32:bfloat16/2="cublas"'),
-             diag.table_entry("moe", 'up:E8:N64:K32:bfloat16:k2/1={"backend": "cuda", "persist": 3}')]
+             diag.table_entry("moe", 'up:E8:N64:K32:bfloat16:k2/1={"backend": "cuda", "bn": 8}')]
     saved = {}
     diag.set_entries(edits, True, saved)
     assert dense["cpu"]["N64:K32:bfloat16"] == {"1": cfg, "2": "cublas"}
-    assert moe["cpu"]["up:E8:N64:K32:bfloat16:k2"] == {"1": {"backend": "cuda", "persist": 3}}
+    assert moe["cpu"]["up:E8:N64:K32:bfloat16:k2"] == {"1": {"backend": "cuda", "bn": 8}}
     diag.set_entries(edits, False, saved)
     assert dense["cpu"]["N64:K32:bfloat16"] == {"2": "sbi"} and moe["cpu"]["up:E8:N64:K32:bfloat16:k2"] == {}
     for kind, bad, says in (("dense", "N64:K32:bfloat16/3=\"sbi\"", "BUCKET one of"),
