@@ -29,12 +29,14 @@ is worth in the same run and on the same device:
   'up:E128:N1536:K2048:bfloat16:k8/1={"backend": "cuda", "bn": 4, "warps": 4, "unroll": 2}'
   (BUCKET: T)
 
-Between processes the replay time of one step moves by 1-2% (clocks, where the weights
-land), more than most of the parts above are worth. ``--alternate ROUNDS`` compares in one
-process instead: one model is built, and each round captures the batch-1 step as it is
-("base") and with the --off / --on switches set and the table entries replaced ("switched";
-switches named in SWITCHES, which the model reads at each call), replays each for a while before timing it, and prints
-both; the first round is a warm-up for the clocks and not summed:
+Between processes the replay time of one step moves by 1-2%, more than most of the parts
+above are worth, and within one it depends on the capture: the first two captures of a
+process replayed 2-2.6% slower than later ones (scripts/diag_replay_settle.py).
+``--alternate ROUNDS`` compares in one process instead: one model is built, and each round
+captures the batch-1 step as it is ("base") and with the --off / --on switches set and the
+table entries replaced ("switched"; switches named in SWITCHES, which the model reads at
+each call), and times both. Round 0 holds the process's first captures and is printed but
+not summed:
 
     PYTHONPATH=. python scripts/diag_decode_ab.py --on route-in --alternate 3 --model olmoe-1b-7b
 """
@@ -156,8 +158,8 @@ def set_switches(net, parts, switched: bool) -> dict:
 def alternate(parts: list[str], edits: list, rounds: int, model_name: str | None, new_tokens: int, reps: int,
               quantize: str | None = None) -> list[dict]:
     """``rounds`` rounds of the batch-1 step captured as it is and with ``parts`` switched
-    and the table ``edits`` made (``table_entry``), on one built model; each variant is replayed for about 0.2 s before ``reps`` replays are
-    timed (median). Returns a row a variant and round; round 0 is the clocks' warm-up."""
+    and the table ``edits`` made (``table_entry``), on one built model; the median of
+    ``reps`` replays a variant and round. Returns a row each; round 0 holds the first captures."""
     import bench_common as bc
     import bench_decode
     import moe_infer
@@ -166,8 +168,9 @@ def alternate(parts: list[str], edits: list, rounds: int, model_name: str | None
     engine.decode_mode = "graph"
     prompts = [torch.randint(0, engine.config.model.vocab_size, (16,), generator=torch.Generator().manual_seed(0))
                .tolist()]
-    print(f"{model_name or 'default'}{' int8' if quantize else ''}: copy {bc.measure_copy_bandwidth(engine.device):.0f} GB/s, "
-          f"{new_tokens} new tokens; switched: {', '.join(parts) or 'table entries only'}", flush=True)
+    copy = bc.measure_copy_bandwidth(engine.device)
+    print(f"{model_name or 'default'}{' int8' if quantize else ''}: copy {copy:.0f} GB/s, {new_tokens} new tokens; "
+          f"switched: {', '.join(parts) or 'table entries only'}", flush=True)
     rows, first, saved = [], {}, {}
     for r in range(rounds + 1):
         for variant in ("base", "switched"):
@@ -176,8 +179,7 @@ def alternate(parts: list[str], edits: list, rounds: int, model_name: str | None
             engine._decoders.clear()  # the step is captured again, with the switches as set
             tokens = engine.generate(prompts, max_new_tokens=new_tokens)[0].token_ids
             step = bench_decode.captured_step(engine, 1)
-            bc.time_fn(step, warmup=0, reps=100, device=engine.device)  # clocks up, weights where they settle
-            ms = bc.time_fn(step, warmup=0, reps=reps, device=engine.device) / 1e3
+            ms = bc.time_fn(step, warmup=3, reps=reps, device=engine.device) / 1e3
             first.setdefault(variant, tokens)
             rows.append({"round": r, "variant": variant, "replay_ms": ms, "same_tokens": tokens == first["base"]})
             print(f"round {r} {variant}: replay {ms:.4f} ms; tokens equal to base: {tokens == first['base']}",

@@ -116,7 +116,8 @@ def test_diag_decode_ab_table_entries(monkeypatch):
     diag.set_entries(edits, False, saved)
     assert dense["cpu"]["N64:K32:bfloat16"] == {"2": "sbi"} and moe["cpu"]["up:E8:N64:K32:bfloat16:k2"] == {}
     for kind, bad, says in (("dense", "N64:K32:bfloat16/3=\"sbi\"", "BUCKET one of"),
-                            ("dense", "N64:K32:bfloat16/1={bn", "not JSON"), ("dense", "N64:K32:bfloat16/1", "KEY/BUCKET"),
+                            ("dense", "N64:K32:bfloat16/1={bn", "not JSON"),
+                            ("dense", "N64:K32:bfloat16/1", "KEY/BUCKET"),
                             ("moe", "up:E8:N64:K32:bfloat16:k2/17={}", "BUCKET one of")):
         with pytest.raises(SystemExit, match=says):
             diag.table_entry(kind, bad)
