@@ -203,6 +203,8 @@ def main():
     args, rest = ap.parse_known_args()
     edits = [table_entry("dense", spec) for spec in args.dense_entry] + \
         [table_entry("moe", spec) for spec in args.moe_entry]
+    if args.alternate < 0:
+        raise SystemExit(f"--alternate {args.alternate}: expected a number of rounds >= 1")
     if args.alternate:
         more = argparse.ArgumentParser(prog="diag_decode_ab.py --alternate ROUNDS")
         more.add_argument("--model", default=None, help="a preset name or config YAML")
