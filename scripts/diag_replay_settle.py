@@ -6,7 +6,8 @@ the capture? (The first capture of a process measured 1-2% slower than later one
 One model; the step captured by ``Engine.generate``, then timed in ``--blocks`` blocks of
 ``--reps`` replays back to back (clocks settle over the blocks if that is the cause); then,
 ``--captures`` times, the captured step dropped, captured again by the same generate() call
-and timed in two blocks. Prints one line a block: capture, block, median replay ms.
+and timed in two blocks. Prints one line a block: capture, block, median replay ms; and a
+line a capture with the addresses of the step's own KV cache (keys, values) and logits.
 
     PYTHONPATH=. python scripts/diag_replay_settle.py --model olmoe-1b-7b
 """
@@ -47,6 +48,10 @@ def main():
             engine._decoders.clear()
         engine.generate([prompt.tolist()], max_new_tokens=args.new_tokens)
         step = bench_decode.captured_step(engine, 1)
+        decoder = next(d for d in engine._decoders.values() if d.graph is not None and d.batch >= 1)
+        where = {"keys": decoder.cache.k, "values": decoder.cache.v, "logits": decoder.out[0]}
+        print(f"capture {capture}: " + ", ".join(f"{name} {t.data_ptr():#x} ({t.nbytes / 2**20:.1f} MiB)"
+                                                 for name, t in where.items()), flush=True)
         for block in range(args.blocks if capture == 0 else 2):
             ms = bc.time_fn(step, warmup=0, reps=args.reps, device=engine.device) / 1e3
             print(f"capture {capture} block {block}: replay {ms:.4f} ms", flush=True)
