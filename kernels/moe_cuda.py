@@ -22,8 +22,9 @@ time, so the second read tends to come from L2. The Triton grouped GEMM, which g
 pairs by expert, is used unless the tuning table chose this for that T.
 
 With router logits instead of ids (``fused_moe_logits_cuda``) both kernels compute the
-top-k gating themselves, each block for its token (k rounds of a warp argmax over at most
-256 experts): the routing kernel before them is gone too.
+top-k gating themselves, each block for its token (at most 256 experts; bf16 / fp16 logits
+ranked as int32 keys, ``kernels.moe_route_source``): the routing kernel before them is gone
+too. Measured slower in the decode step than the gating launch, so the model does not use it.
 
 The down kernel loads the ids (or computes them) and its first weights before waiting
 for the up kernel (PDL): the ids or logits come from a kernel before the up GEMM, which

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Does the batch-1 decode step's replay time depend on how long it has been replayed, or on
-the capture? (The first capture of a process measured 1-2% slower than later ones in
-``diag_decode_ab.py --alternate``, after 100 warm-up replays too.)
+the capture? (The first captures of a process measured 1-2.5% slower than later ones in
+``diag_decode_ab.py --alternate``.)
 
 One model; the step captured by ``Engine.generate``, then timed in ``--blocks`` blocks of
 ``--reps`` replays back to back (clocks settle over the blocks if that is the cause); then,
