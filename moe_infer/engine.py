@@ -26,6 +26,32 @@ class Completion:
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens)
 
 
+# The first two CUDA graphs a process instantiates replay slower than the later ones. On an
+# H100 (driver 580.159.04, CUDA 13, torch 2.11) OLMoE-1B-7B's batch-1 decode step replayed in
+# 0.946 ms as the process's first or second graph and in 0.926 ms as its third or later, the
+# same kernels in the same order on the same addresses; two one-kernel graphs made and dropped
+# before it gave the fast time, and a third added nothing (scripts/diag_capture_order.py,
+# 2026-11-25). The difference lies in the driver, not in the graph.
+GRAPH_PRIMERS = 2
+
+
+def prime_cuda_graphs(device: torch.device, count: int = GRAPH_PRIMERS) -> None:
+    """Captures, replays and drops ``count`` one-kernel CUDA graphs on ``device``, so the
+    graphs captured after them are the process's third and later."""
+    x = torch.zeros(32, device=device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        x.add_(1)  # the kernel loaded outside the capture
+    torch.cuda.current_stream(device).wait_stream(side)
+    for _ in range(count):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            x.add_(1)
+        graph.replay()
+    torch.cuda.synchronize(device)
+
+
 class StaticDecoder:
     """The decode step with fixed shapes for one (batch, cache slots) bucket: its own KV
     cache and input buffers, the slot as a device tensor. ``graph=True`` captures the step
@@ -103,12 +129,17 @@ class Engine:
         single = not (dist.is_initialized() and dist.get_world_size() > 1)
         self.decode_mode = "graph" if p.is_cuda and single and config.engine.cuda_graphs else "eager"
         self._decoders: dict[tuple[int, int], StaticDecoder] = {}
+        self.graph_primers = GRAPH_PRIMERS  # graphs made before the first decode step's (0: none)
+        self._primed = False
 
     def decoder(self, batch: int, slots: int) -> StaticDecoder:
         key = (batch, slots)
         if key not in self._decoders:
             if len(self._decoders) >= self.MAX_DECODERS:
                 del self._decoders[next(iter(self._decoders))]
+            if self.decode_mode == "graph" and not self._primed:
+                prime_cuda_graphs(self.device, self.graph_primers)
+                self._primed = True
             self._decoders[key] = StaticDecoder(self.model, batch, slots, self.decode_mode == "graph")
         return self._decoders[key]
 

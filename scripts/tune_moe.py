@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
 from kernels import moe_cuda  # noqa: E402
+from moe_infer.engine import prime_cuda_graphs  # noqa: E402
 from kernels.moe_triton import (CONFIG_FILE, default_config, device_key, fused_moe_triton, launch_config,  # noqa: E402
                                 shape_key)
 
@@ -212,6 +213,7 @@ def main():
         sys.exit("tune_moe.py needs a CUDA GPU")
     start = time.time()
     data = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    prime_cuda_graphs(torch.device("cuda", torch.cuda.current_device()))  # the first graphs replay slower
     mine = data.setdefault(device_key(torch.device("cuda")), {})
     for name in args.shapes.split(","):
         for wdtype, toks in (("bf16", args.tokens), ("int8", args.int8_tokens)):

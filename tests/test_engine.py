@@ -125,6 +125,32 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu():
     assert torch.equal(replayed[0], direct[0]) and torch.equal(replayed[1], direct[1])
 
 
+@pytest.mark.gpu
+def test_graphs_primed_once_before_the_first_capture(monkeypatch):
+    """The engine makes its priming graphs once, before its first decode step is captured
+    (the first graphs a process makes replay slower), and not again for later buckets."""
+    import moe_infer.engine as engine_mod
+
+    calls, captured = [], []
+    real_prime, real_decoder = engine_mod.prime_cuda_graphs, engine_mod.StaticDecoder
+
+    def prime(device, count=engine_mod.GRAPH_PRIMERS):
+        assert not captured, "primed after a decode step was captured"
+        calls.append(count)
+        real_prime(device, count)
+
+    def decoder(*args, **kwargs):
+        captured.append(args[1:3])
+        return real_decoder(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "prime_cuda_graphs", prime)
+    monkeypatch.setattr(engine_mod, "StaticDecoder", decoder)
+    engine = moe_infer.load("tiny-moe", device="cuda", progress=False)
+    engine.generate([[1, 2, 3]], max_new_tokens=3)
+    engine.generate([[1, 2, 3]] * 3, max_new_tokens=70)  # another batch and cache bucket
+    assert calls == [engine_mod.GRAPH_PRIMERS] and len(captured) == 2
+
+
 def test_batch_larger_than_max_batch_size_equals_one_by_one():
     engine = engine_for(LLAMA_MOE)  # max_batch_size 2, three prompts
     together = engine.generate(PROMPTS, max_new_tokens=5)
