@@ -54,6 +54,9 @@ def per_token_ms(engine, prompts, n, reps):
     engine.generate(prompts, max_new_tokens=n + 1)  # warm-up: compiles, captures the graph bucket
     t_one, _ = timed_generate(engine, prompts, 1, reps)
     t_all, out = timed_generate(engine, prompts, n + 1, reps)
+    short = [len(o.token_ids) for o in out if len(o.token_ids) != n + 1]
+    if short:  # the difference of the two times holds n decode steps only if no row stopped early
+        raise RuntimeError(f"per_token_ms: rows generated {short} tokens, expected {n + 1}")
     return 1e3 * (t_all - t_one) / n, [o.token_ids for o in out]
 
 
@@ -61,9 +64,9 @@ def replay_ms(engine, batch: int) -> float | None:
     """Device time of one captured decode step for ``batch`` rows: its graph replayed back
     to back at the last slot generate() used, with no host loop in between (the per-token
     figure also holds the host's share and the gap between replays). None without a graph.
-    It depends on the capture: in one process the first two captures of the step replayed
-    2-2.6% slower than later ones, steady over 2,000 replays each (diag_replay_settle.py,
-    OLMoE and Qwen3-30B-A3B on an H100, 2026-11-24); this is the process's first."""
+    The first two CUDA graphs a process makes replay 2-2.6% slower than later ones (OLMoE
+    and Qwen3-30B-A3B on an H100, diag_capture_order.py); the engine makes two one-kernel
+    graphs before its first decode step's, so this capture is the process's third."""
     step = captured_step(engine, batch)
     return None if step is None else bc.time_fn(step, warmup=3, reps=50, device=engine.device) / 1e3
 
@@ -317,6 +320,7 @@ def main():
     if args.smoke:
         args.batches, args.new_tokens, args.reps = "1,3", 8, 2
     engine = moe_infer.load(args.model, device=args.device, progress=False, quantize=args.quantize)
+    engine.eos = set()  # every timed run decodes its full number of tokens (random weights can hit EOS)
     fast = "graph" if engine.decode_mode == "graph" else "static"
     vocab = engine.config.model.vocab_size
     gen = torch.Generator().manual_seed(0)

@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """Why does the batch-1 decode step replay faster from its third capture on in a process?
 (diag_replay_settle.py: captures 0 and 1 slower by 2-2.6% than captures 2, 3 and 4, with
-the KV cache and logits at the same addresses in captures 0, 2 and 4.)
+the KV cache and logits at the same addresses in captures 0, 2 and 4.) Answer, on an H100
+(2026-11-25): the first two CUDA graphs a process makes replay slower, whatever they hold
+(``dummy2`` is as fast as ``alternate``'s third capture; the DOT prints of a slow and a fast
+capture are the same graph; the step's buffers, its pool and the rotary tables' placement
+do not matter). ``Engine`` now makes two one-kernel graphs first (``engine`` mode).
 
 Each mode runs in a fresh process, loads the model, captures the step through
 ``Engine.generate`` as ``bench_decode.py`` does, and times that capture's replays:
@@ -54,9 +58,16 @@ class _DumpedGraph(torch.cuda.CUDAGraph):
         self.enable_debug_mode()
 
 
-def _time(engine, reps: int, blocks: int) -> list[float]:
+def _time(engine, reps: int, blocks: int, stream: str = "current") -> list[float]:
+    """Median replay ms of the batch-1 step in each of ``blocks`` blocks, replayed on the
+    current stream, a new one ("side") or a new one of the highest priority ("high")."""
     step = bench_decode.captured_step(engine, 1)
-    return [bc.time_fn(step, warmup=3, reps=reps, device=engine.device) / 1e3 for _ in range(blocks)]
+    on = torch.cuda.current_stream(engine.device)
+    if stream != "current":
+        on = torch.cuda.Stream(engine.device, priority=-1 if stream == "high" else 0)
+        on.wait_stream(torch.cuda.current_stream(engine.device))
+    with torch.cuda.stream(on):
+        return [bc.time_fn(step, warmup=3, reps=reps, device=engine.device) / 1e3 for _ in range(blocks)]
 
 
 def _print_layout(decoder, capture: int) -> None:
@@ -137,7 +148,7 @@ def run_mode(args) -> None:
             torch.cuda.empty_cache()
         tokens = capture()
     _print_layout(next(iter(engine._decoders.values())), 0)
-    ms = _time(engine, args.reps, args.blocks)
+    ms = _time(engine, args.reps, args.blocks, args.replay_stream)
     print(f"RESULT {mode}: " + " ".join(f"{m:.4f}" for m in ms) + f" last-token {tokens[-1]}", flush=True)
 
 
@@ -169,6 +180,8 @@ def main():
     ap.add_argument("--captures", type=int, default=4, help="captures in mode alternate")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, each in its own process")
     ap.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--replay-stream", choices=["current", "side", "high"], default="current",
+                    help="the stream the step is replayed on (modes that time one capture)")
     ap.add_argument("--rotary-offset", type=lambda v: int(v, 0), default=None,
                     help="place the step's rotary tables this many bytes past a 64 KiB boundary")
     ap.add_argument("--dump", default=None, help="folder for the DOT prints of mode alternate")
@@ -188,6 +201,7 @@ def main():
               "--blocks", str(args.blocks), "--captures", str(args.captures)]
     passed += ["--quantize", args.quantize] if args.quantize else []
     passed += ["--dump", args.dump] if args.dump else []
+    passed += ["--replay-stream", args.replay_stream]
     passed += ["--rotary-offset", str(args.rotary_offset)] if args.rotary_offset is not None else []
     for m in modes:
         proc = subprocess.run([sys.executable, __file__, *passed, "--mode", m],

@@ -9,6 +9,10 @@ One model; the step captured by ``Engine.generate``, then timed in ``--blocks`` 
 and timed in two blocks. Prints one line a block: capture, block, median replay ms; and a
 line a capture with the addresses of the step's own KV cache (keys, values) and logits.
 
+The cause was found with diag_capture_order.py: the first two CUDA graphs a process makes
+replay slower, whatever they hold. The engine now makes two one-kernel graphs before its
+first decode step's, so every capture here is a fast one.
+
     PYTHONPATH=. python scripts/diag_replay_settle.py --model olmoe-1b-7b
 """
 from __future__ import annotations
