@@ -14,7 +14,9 @@ the prefill and the first token cancel out, what is left is N decode steps inclu
 sampling and the one host sync per token. Medians of ``--reps`` runs after a warm-up
 (which also captures the graphs). The greedy tokens of both modes are compared.
 "replay ms": the captured step replayed back to back, timed on the device: the step's
-own time, without the host loop and the gaps between replays.
+own time, without the host loop and the gaps between replays, at the last slot generate()
+wrote; "mid replay ms": the same at the middle of the generated span, the context the
+floor counts.
 
 Floor per step: every weight but the experts and the embedding table; the experts a batch
 of B is expected to hit (E * (1 - (1 - k/E)^B) per MoE layer, routing taken as uniform);
@@ -60,21 +62,32 @@ def per_token_ms(engine, prompts, n, reps):
     return 1e3 * (t_all - t_one) / n, [o.token_ids for o in out]
 
 
-def replay_ms(engine, batch: int) -> float | None:
+def replay_ms(engine, batch: int, slot: int | None = None) -> float | None:
     """Device time of one captured decode step for ``batch`` rows: its graph replayed back
-    to back at the last slot generate() used, with no host loop in between (the per-token
-    figure also holds the host's share and the gap between replays). None without a graph.
+    to back at ``slot`` (default: the last slot generate() used), with no host loop in
+    between (the per-token figure also holds the host's share and the gap between
+    replays). None without a graph.
     The first two CUDA graphs a process makes replay 2-2.6% slower than later ones (OLMoE
     and Qwen3-30B-A3B on an H100, diag_capture_order.py); the engine makes two one-kernel
     graphs before its first decode step's, so this capture is the process's third."""
-    step = captured_step(engine, batch)
-    return None if step is None else bc.time_fn(step, warmup=3, reps=50, device=engine.device) / 1e3
+    decoder = captured_decoder(engine, batch)
+    if decoder is None:
+        return None
+    if slot is not None:
+        decoder.slot.fill_(slot)
+    return bc.time_fn(decoder.graph.replay, warmup=3, reps=50, device=engine.device) / 1e3
+
+
+def captured_decoder(engine, batch: int):
+    """The smallest captured decode step holding ``batch`` rows; None without one."""
+    decoders = [d for d in engine._decoders.values() if d.graph is not None and d.batch >= batch]
+    return min(decoders, key=lambda d: d.batch) if decoders else None
 
 
 def captured_step(engine, batch: int):
     """The replay of the smallest captured decode step holding ``batch`` rows; None without one."""
-    decoders = [d for d in engine._decoders.values() if d.graph is not None and d.batch >= batch]
-    return min(decoders, key=lambda d: d.batch).graph.replay if decoders else None
+    decoder = captured_decoder(engine, batch)
+    return decoder.graph.replay if decoder is not None else None
 
 
 def floor_bytes(engine, batch: int, context: int) -> int:
@@ -335,11 +348,13 @@ def main():
         eager_ms, eager_tokens = per_token_ms(engine, prompts, args.new_tokens, args.reps)
         engine.decode_mode = fast
         fast_ms, fast_tokens = per_token_ms(engine, prompts, args.new_tokens, args.reps)
+        mid = args.prompt_len + args.new_tokens // 2  # the context the floor counts
         replay = replay_ms(engine, b)
+        replay_mid = replay_ms(engine, b, slot=mid)
         same = sum(a == c for a, c in zip(eager_tokens, fast_tokens))
-        nbytes = floor_bytes(engine, b, args.prompt_len + args.new_tokens // 2)
+        nbytes = floor_bytes(engine, b, mid)
         rows.append({"batch": b, "eager_ms_per_token": eager_ms, f"{fast}_ms_per_token": fast_ms,
-                     "replay_ms_per_step": replay,
+                     "replay_ms_per_step": replay, "replay_mid_ms_per_step": replay_mid,
                      "speedup": eager_ms / fast_ms, "rows_with_equal_tokens": same, "floor_bytes": nbytes,
                      "floor_ms": nbytes / copy_gbs / 1e6 if copy_gbs else None})
     profile = None
@@ -379,12 +394,15 @@ def main():
 
     print(bc.format_table(
         ["batch", "eager ms/token", f"{fast} ms/token", "speedup", "same tokens", "floor MB", "floor ms",
-         f"{fast} / floor", "replay ms", "replay / floor", "peer ms/token", "peer / ours"],
+         f"{fast} / floor", "replay ms", "replay / floor", "mid replay ms", "mid / floor", "peer ms/token",
+         "peer / ours"],
         [[r["batch"], f"{r['eager_ms_per_token']:.3f}", f"{r[f'{fast}_ms_per_token']:.3f}", f"{r['speedup']:.2f}x",
           f"{r['rows_with_equal_tokens']}/{r['batch']}", f"{r['floor_bytes'] / 1e6:.1f}", opt(r["floor_ms"], ".3f"),
           opt(r["floor_ms"] and r[f"{fast}_ms_per_token"] / r["floor_ms"], ".2f"),
           opt(r["replay_ms_per_step"], ".3f"),
           opt(r["floor_ms"] and r["replay_ms_per_step"] and r["replay_ms_per_step"] / r["floor_ms"], ".2f"),
+          opt(r["replay_mid_ms_per_step"], ".3f"),
+          opt(r["floor_ms"] and r["replay_mid_ms_per_step"] and r["replay_mid_ms_per_step"] / r["floor_ms"], ".2f"),
           opt(r.get("peer_ms_per_token"), ".3f"),
           opt(r.get("peer_ms_per_token") and r["peer_ms_per_token"] / r[f"{fast}_ms_per_token"], ".2f")]
          for r in rows]))
