@@ -9,10 +9,10 @@ the same model shape.
     python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 64
     python scripts/bench_decode.py --device cpu --smoke      # static-shape step, eagerly, on the CPU
 
-Per-token time = (time of generate() with N + 1 new tokens - time with 1 new token) / N:
-the prefill and the first token cancel out, what is left is N decode steps including
-sampling and the one host sync per token. Medians of ``--reps`` runs after a warm-up
-(which also captures the graphs). The greedy tokens of both modes are compared.
+Per-token time = (time of generate() with N + 1 new tokens - time with 2) / (N - 1): the
+prefill and the first decode step cancel out, what is left is N - 1 decode steps including
+sampling and the one host sync per token. Medians of ``--reps`` alternating runs after a
+warm-up (which also captures the graphs), the garbage collector off inside each. The greedy tokens of both modes are compared.
 "replay ms": the captured step replayed back to back, timed on the device: the step's
 own time, without the host loop and the gaps between replays, at the last slot generate()
 wrote; "mid replay ms": the same at the middle of the generated span, the context the
@@ -27,6 +27,7 @@ Writes bench/results/decode-<model>[-int8]-<device>-<date>.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -41,25 +42,36 @@ import bench_common as bc  # noqa: E402
 import moe_infer  # noqa: E402
 
 
-def timed_generate(engine, prompts, new_tokens, reps):
-    times, out = [], None
-    for _ in range(reps):
+def timed_generate(engine, prompts, new_tokens) -> tuple[float, list]:
+    """Seconds of one generate() call. The garbage collector is run before and kept off
+    during it: a collection over the model's objects inside a timed call cost tens of ms."""
+    gc.collect()
+    gc.disable()
+    try:
         bc.synchronize(engine.device)
         start = time.perf_counter()
         out = engine.generate(prompts, max_new_tokens=new_tokens)
         bc.synchronize(engine.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+        return time.perf_counter() - start, out
+    finally:
+        gc.enable()
 
 
 def per_token_ms(engine, prompts, n, reps):
-    engine.generate(prompts, max_new_tokens=n + 1)  # warm-up: compiles, captures the graph bucket
-    t_one, _ = timed_generate(engine, prompts, 1, reps)
-    t_all, out = timed_generate(engine, prompts, n + 1, reps)
+    """ms per decode step: generate() with n + 1 new tokens against 2, alternating, medians
+    of ``reps``; both run the same decode path (one new token would skip the decode step's
+    set-up), so the difference is n - 1 decode steps."""
+    for new in (n + 1, 2):  # warm-up: compiles, captures both graph buckets
+        engine.generate(prompts, max_new_tokens=new)
+    short_t, long_t = [], []
+    for _ in range(reps):
+        short_t.append(timed_generate(engine, prompts, 2)[0])
+        t, out = timed_generate(engine, prompts, n + 1)
+        long_t.append(t)
     short = [len(o.token_ids) for o in out if len(o.token_ids) != n + 1]
-    if short:  # the difference of the two times holds n decode steps only if no row stopped early
+    if short:  # the difference of the two times holds n - 1 decode steps only if no row stopped early
         raise RuntimeError(f"per_token_ms: rows generated {short} tokens, expected {n + 1}")
-    return 1e3 * (t_all - t_one) / n, [o.token_ids for o in out]
+    return 1e3 * (statistics.median(long_t) - statistics.median(short_t)) / (n - 1), [o.token_ids for o in out]
 
 
 def replay_ms(engine, batch: int, slot: int | None = None) -> float | None:
@@ -232,7 +244,7 @@ def prefill_rate(engine, prompt_len: int, batch: int, reps: int, gen, profile: b
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
     engine.config.engine.max_batch_size = max(engine.config.engine.max_batch_size, batch)
     engine.generate(prompts, max_new_tokens=1)
-    t, _ = timed_generate(engine, prompts, 1, reps)
+    t = statistics.median(timed_generate(engine, prompts, 1)[0] for _ in range(reps))
     flops = prefill_flops(engine, prompt_len, batch)
     out = {"prompt_len": prompt_len, "batch": batch, "seconds": t, "tokens_per_s": batch * prompt_len / t,
            "tflops": flops / t / 1e12}
@@ -296,9 +308,10 @@ def peer_ms(engine, args, batches, prompts_for):
 
             with torch.no_grad():
                 run(args.new_tokens + 1)  # warm-up (and the compile, where it happens)
-                one = statistics.median(_wall(lambda: run(1), device) for _ in range(args.reps))
+                run(2)
+                two = statistics.median(_wall(lambda: run(2), device) for _ in range(args.reps))
                 full = statistics.median(_wall(lambda: run(args.new_tokens + 1), device) for _ in range(args.reps))
-            ms = 1e3 * (full - one) / args.new_tokens
+            ms = 1e3 * (full - two) / (args.new_tokens - 1)  # as per_token_ms
             if b not in out or ms < out[b]:
                 out[b], picked[b] = ms, mode
     del model
@@ -307,11 +320,16 @@ def peer_ms(engine, args, batches, prompts_for):
 
 
 def _wall(fn, device) -> float:
-    bc.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    bc.synchronize(device)
-    return time.perf_counter() - start
+    gc.collect()
+    gc.disable()  # as timed_generate
+    try:
+        bc.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        bc.synchronize(device)
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
 
 
 def main():
@@ -332,6 +350,8 @@ def main():
     args = ap.parse_args()
     if args.smoke:
         args.batches, args.new_tokens, args.reps = "1,3", 8, 2
+    if args.new_tokens < 2:
+        ap.error(f"--new-tokens {args.new_tokens}: expected at least 2 (per token = 2 against N + 1 new tokens)")
     engine = moe_infer.load(args.model, device=args.device, progress=False, quantize=args.quantize)
     engine.eos = set()  # every timed run decodes its full number of tokens (random weights can hit EOS)
     fast = "graph" if engine.decode_mode == "graph" else "static"
