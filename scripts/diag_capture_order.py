@@ -21,6 +21,9 @@ Each mode runs in a fresh process, loads the model, captures the step through
   captures can be compared node by node. ``alt-graph`` keeps only the previous capture's
   graph (and its memory pool) alive, ``alt-buffers`` only its KV cache and input buffers.
   Each capture prints where its buffers and its graph pool's segments lie.
+- ``tokens``: as ``engine``, then the step run as generate() runs it (the token copied in,
+  the slot set, the graph replayed) with one token every time, and with 64 random tokens
+  in turn (other experts each step): does the step's time depend on its input?
 
     PYTHONPATH=. python scripts/diag_capture_order.py --model olmoe-1b-7b --dump $OUT
 """
@@ -43,7 +46,8 @@ import bench_decode  # noqa: E402
 import moe_infer  # noqa: E402
 from moe_infer.engine import prime_cuda_graphs  # noqa: E402
 
-MODES = ("first", "engine", "dummy", "dummy2", "dummy3", "recapture", "empty-cache", "alternate", "alt-graph", "alt-buffers")
+MODES = ("first", "engine", "dummy", "dummy2", "dummy3", "recapture", "empty-cache", "alternate", "alt-graph", "alt-buffers",
+         "tokens")
 _HEX = re.compile(r"0x[0-9a-fA-F]+")
 
 
@@ -68,6 +72,19 @@ def _time(engine, reps: int, blocks: int, stream: str = "current") -> list[float
         on.wait_stream(torch.cuda.current_stream(engine.device))
     with torch.cuda.stream(on):
         return [bc.time_fn(step, warmup=3, reps=reps, device=engine.device) / 1e3 for _ in range(blocks)]
+
+
+def _time_tokens(engine, reps: int, blocks: int) -> None:
+    """Median ms of ``decoder.run`` at one slot, fed one token every call or 64 in turn."""
+    decoder = bench_decode.captured_decoder(engine, 1)
+    slot = int(decoder.slot)
+    gen = torch.Generator().manual_seed(1)
+    varied = [torch.randint(0, engine.config.model.vocab_size, (1,), generator=gen).to(engine.device)
+              for _ in range(64)]
+    for name, inputs in (("same", varied[:1]), ("varied", varied), ("same", varied[:1]), ("varied", varied)):
+        ms = [bc.time_fn(lambda t: decoder.run(t, slot), warmup=3, reps=reps, inputs=inputs,
+                         device=engine.device) / 1e3 for _ in range(blocks)]
+        print(f"RESULT tokens {name}: " + " ".join(f"{m:.4f}" for m in ms), flush=True)
 
 
 def _print_layout(decoder, capture: int) -> None:
@@ -115,7 +132,7 @@ def run_mode(args) -> None:
         torch.cuda.synchronize(engine.device)
 
     mode = args.mode
-    if mode != "engine":
+    if mode not in ("engine", "tokens"):
         engine.graph_primers = 0
     if mode.startswith("dummy"):
         prime_cuda_graphs(engine.device, int(mode[5:] or 1))
@@ -148,6 +165,8 @@ def run_mode(args) -> None:
             torch.cuda.empty_cache()
         tokens = capture()
     _print_layout(next(iter(engine._decoders.values())), 0)
+    if mode == "tokens":
+        _time_tokens(engine, args.reps, args.blocks)
     ms = _time(engine, args.reps, args.blocks, args.replay_stream)
     print(f"RESULT {mode}: " + " ".join(f"{m:.4f}" for m in ms) + f" last-token {tokens[-1]}", flush=True)
 
