@@ -30,8 +30,9 @@ is worth in the same run and on the same device:
   (BUCKET: T)
 
 Between processes the replay time of one step moves by 1-2%, more than most of the parts
-above are worth, and within one it depends on the capture: the first two captures of a
-process replayed 2-2.6% slower than later ones (scripts/diag_replay_settle.py).
+above are worth. (The first two CUDA graphs of a process replay 2-2.6% slower than later
+ones, whatever they hold: scripts/diag_capture_order.py. The engine now makes two
+one-kernel graphs before its first decode step's, so round 0 below is no longer special.)
 ``--alternate ROUNDS`` compares in one process instead: one model is built, and each round
 captures the batch-1 step as it is ("base") and with the --off / --on switches set and the
 table entries replaced ("switched"; switches named in SWITCHES, which the model reads at
