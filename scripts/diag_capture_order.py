@@ -24,6 +24,9 @@ Each mode runs in a fresh process, loads the model, captures the step through
 - ``tokens``: as ``engine``, then the step run as generate() runs it (the token copied in,
   the slot set, the graph replayed) with one token every time, and with 64 random tokens
   in turn (other experts each step): does the step's time depend on its input?
+- ``burst``: as ``engine``, then bursts of 64 replays each after the GPU idled 30 ms (a
+  generate() call's decode after its host-bound prefill), mean ms a replay, against the
+  sustained median.
 
     PYTHONPATH=. python scripts/diag_capture_order.py --model olmoe-1b-7b --dump $OUT
 """
@@ -34,6 +37,7 @@ import gc
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -47,7 +51,7 @@ import moe_infer  # noqa: E402
 from moe_infer.engine import prime_cuda_graphs  # noqa: E402
 
 MODES = ("first", "engine", "dummy", "dummy2", "dummy3", "recapture", "empty-cache", "alternate", "alt-graph", "alt-buffers",
-         "tokens")
+         "tokens", "burst")
 _HEX = re.compile(r"0x[0-9a-fA-F]+")
 
 
@@ -85,6 +89,23 @@ def _time_tokens(engine, reps: int, blocks: int) -> None:
         ms = [bc.time_fn(lambda t: decoder.run(t, slot), warmup=3, reps=reps, inputs=inputs,
                          device=engine.device) / 1e3 for _ in range(blocks)]
         print(f"RESULT tokens {name}: " + " ".join(f"{m:.4f}" for m in ms), flush=True)
+
+
+def _time_bursts(engine, bursts: int = 10, length: int = 64, idle_s: float = 0.03) -> None:
+    """Mean ms a replay over ``length`` back-to-back replays, each burst after ``idle_s`` idle."""
+    step = bench_decode.captured_step(engine, 1)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    means = []
+    for _ in range(bursts):
+        torch.cuda.synchronize(engine.device)
+        time.sleep(idle_s)
+        start.record()
+        for _ in range(length):
+            step()
+        end.record()
+        end.synchronize()
+        means.append(start.elapsed_time(end) / length)
+    print("RESULT burst: " + " ".join(f"{m:.4f}" for m in means), flush=True)
 
 
 def _print_layout(decoder, capture: int) -> None:
@@ -132,7 +153,7 @@ def run_mode(args) -> None:
         torch.cuda.synchronize(engine.device)
 
     mode = args.mode
-    if mode not in ("engine", "tokens"):
+    if mode not in ("engine", "tokens", "burst"):
         engine.graph_primers = 0
     if mode.startswith("dummy"):
         prime_cuda_graphs(engine.device, int(mode[5:] or 1))
@@ -167,6 +188,8 @@ def run_mode(args) -> None:
     _print_layout(next(iter(engine._decoders.values())), 0)
     if mode == "tokens":
         _time_tokens(engine, args.reps, args.blocks)
+    if mode == "burst":
+        _time_bursts(engine)
     ms = _time(engine, args.reps, args.blocks, args.replay_stream)
     print(f"RESULT {mode}: " + " ".join(f"{m:.4f}" for m in ms) + f" last-token {tokens[-1]}", flush=True)
 
