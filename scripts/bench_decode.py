@@ -12,7 +12,8 @@ the same model shape.
 Per-token time = (time of generate() with N + 1 new tokens - time with 2) / (N - 1): the
 prefill and the first decode step cancel out, what is left is N - 1 decode steps including
 sampling and the one host sync per token. Medians of ``--reps`` alternating runs after a
-warm-up (which also captures the graphs), the garbage collector off inside each. The greedy tokens of both modes are compared.
+warm-up (which also captures the graphs), the garbage collector off inside each. The
+greedy tokens of both modes are compared.
 "replay ms": the captured step replayed back to back, timed on the device: the step's
 own time, without the host loop and the gaps between replays, at the last slot generate()
 wrote; "mid replay ms": the same at the middle of the generated span, the context the
@@ -43,8 +44,8 @@ import moe_infer  # noqa: E402
 
 
 def timed_generate(engine, prompts, new_tokens) -> tuple[float, list]:
-    """Seconds of one generate() call. The garbage collector is run before and kept off
-    during it: a collection over the model's objects inside a timed call cost tens of ms."""
+    """Seconds of one generate() call. The garbage collector runs before it and is kept off
+    during it, so no collection lands inside the timed call."""
     gc.collect()
     gc.disable()
     try:
