@@ -31,7 +31,8 @@ class Completion:
 # 0.946 ms as the process's first or second graph and in 0.926 ms as its third or later, the
 # same kernels in the same order on the same addresses; two one-kernel graphs made and dropped
 # before it gave the fast time, and a third added nothing (scripts/diag_capture_order.py,
-# 2026-11-25). The difference lies in the driver, not in the graph.
+# 2026-11-25). The graphs and their memory were the same; the cause lies below torch, most
+# likely in the driver.
 GRAPH_PRIMERS = 2
 
 
