@@ -50,9 +50,10 @@ import bench_decode  # noqa: E402
 import moe_infer  # noqa: E402
 from moe_infer.engine import prime_cuda_graphs  # noqa: E402
 
-MODES = ("first", "engine", "dummy", "dummy2", "dummy3", "recapture", "empty-cache", "alternate", "alt-graph", "alt-buffers",
-         "tokens", "burst")
+MODES = ("first", "engine", "dummy", "dummy2", "dummy3", "recapture", "empty-cache", "alternate", "alt-graph",
+         "alt-buffers", "tokens", "burst")
 _HEX = re.compile(r"0x[0-9a-fA-F]+")
+_GRAPH_NO = re.compile(r"\b(graph|cluster)_\d+")  # each print numbers its graph anew
 
 
 class _DumpedGraph(torch.cuda.CUDAGraph):
@@ -195,9 +196,9 @@ def run_mode(args) -> None:
 
 
 def compare_dumps(a: Path, b: Path) -> None:
-    """Prints how two DOT prints differ: lines that differ only in hex values (addresses)
-    are counted apart from lines that differ otherwise."""
-    la, lb = a.read_text().splitlines(), b.read_text().splitlines()
+    """Prints how two DOT prints differ, their graph numbers aside: lines that differ only in
+    hex values (addresses, handles) are counted apart from lines that differ otherwise."""
+    la, lb = ([_GRAPH_NO.sub(r"\1_N", ln) for ln in f.read_text().splitlines()] for f in (a, b))
     print(f"{a.name}: {len(la)} lines, {b.name}: {len(lb)} lines")
     addr_only, other = 0, []
     for x, y in zip(la, lb):
@@ -254,7 +255,7 @@ def main():
         if proc.returncode:
             print(f"{m}: exit {proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
         elif args.dump and m == "alternate":
-            print("\n".join(ln for ln in proc.stderr.splitlines() if "DEBUG" in ln or "arn" in ln)[-2000:])
+            print("\n".join(ln for ln in proc.stderr.splitlines() if "DEBUG" in ln or "Warning" in ln)[-2000:])
     if args.dump and "alternate" in modes:
         dumps = sorted(Path(args.dump).glob("capture*.dot"))
         if len(dumps) >= 4:
