@@ -4,13 +4,15 @@ Shape letters: B rows this step, T new tokens per row (left-padded), S key slots
 V vocab.
 
 Each iteration of ``Scheduler.step`` is schedule / run / post-process:
-- schedule: drop finished and cancelled requests (their blocks go back at once), then
+- schedule: drop finished and cancelled requests (a cancelled one's blocks go back here, a
+  finished one's already went back when it finished, before its client was told), then
   admit waiting requests while the batch has room and the free blocks cover each one's
   prompt + max_tokens (reserved at admission, so a running request never runs out);
 - run: one prefill forward over chunks of the admitted prompts (at most ``prefill_chunk``
   tokens a step, so long prompts do not stall the batch), then one decode forward for
   every running request whose prompt is cached (it joins the batch at the next step);
-- post-process: sample, detect EOS / stop strings / max_tokens, stream the text delta.
+- post-process: sample, detect EOS / stop strings / max_tokens (a finished request's blocks
+  go back), stream the text delta.
 
 ``PagedRunner.forward`` is the only code that touches the model; on several ranks rank 0
 broadcasts each step's rows so the others run the same forward (``follow``).
@@ -293,6 +295,8 @@ class Scheduler:
 
     def _finish(self, r: Request, reason: str):
         r.finish = reason
+        with self.lock:  # its blocks go back before its client hears that it is done
+            self._release(r)
         r.on_event("done", {"finish_reason": reason, "prompt_tokens": len(r.prompt),
                             "completion_tokens": len(r.generated)})
 
