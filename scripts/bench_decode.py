@@ -44,18 +44,9 @@ import moe_infer  # noqa: E402
 
 
 def timed_generate(engine, prompts, new_tokens) -> tuple[float, list]:
-    """Seconds of one generate() call. The garbage collector runs before it and is kept off
-    during it, so no collection lands inside the timed call."""
-    gc.collect()
-    gc.disable()
-    try:
-        bc.synchronize(engine.device)
-        start = time.perf_counter()
-        out = engine.generate(prompts, max_new_tokens=new_tokens)
-        bc.synchronize(engine.device)
-        return time.perf_counter() - start, out
-    finally:
-        gc.enable()
+    """Seconds of one generate() call (``_wall``), and its completions."""
+    out = []
+    return _wall(lambda: out.append(engine.generate(prompts, max_new_tokens=new_tokens)), engine.device), out[0]
 
 
 def per_token_ms(engine, prompts, n, reps):
@@ -321,8 +312,10 @@ def peer_ms(engine, args, batches, prompts_for):
 
 
 def _wall(fn, device) -> float:
+    """Seconds of one call of ``fn``. The garbage collector runs before it and is kept off
+    during it, so no collection lands inside the timed call."""
     gc.collect()
-    gc.disable()  # as timed_generate
+    gc.disable()
     try:
         bc.synchronize(device)
         start = time.perf_counter()
@@ -413,17 +406,18 @@ def main():
     def opt(v, fmt):
         return "-" if v is None else format(v, fmt)
 
+    def over_floor(r, key):
+        return opt(r["floor_ms"] and r[key] and r[key] / r["floor_ms"], ".2f")
+
     print(bc.format_table(
         ["batch", "eager ms/token", f"{fast} ms/token", "speedup", "same tokens", "floor MB", "floor ms",
          f"{fast} / floor", "replay ms", "replay / floor", "mid replay ms", "mid / floor", "peer ms/token",
          "peer / ours"],
         [[r["batch"], f"{r['eager_ms_per_token']:.3f}", f"{r[f'{fast}_ms_per_token']:.3f}", f"{r['speedup']:.2f}x",
           f"{r['rows_with_equal_tokens']}/{r['batch']}", f"{r['floor_bytes'] / 1e6:.1f}", opt(r["floor_ms"], ".3f"),
-          opt(r["floor_ms"] and r[f"{fast}_ms_per_token"] / r["floor_ms"], ".2f"),
-          opt(r["replay_ms_per_step"], ".3f"),
-          opt(r["floor_ms"] and r["replay_ms_per_step"] and r["replay_ms_per_step"] / r["floor_ms"], ".2f"),
-          opt(r["replay_mid_ms_per_step"], ".3f"),
-          opt(r["floor_ms"] and r["replay_mid_ms_per_step"] and r["replay_mid_ms_per_step"] / r["floor_ms"], ".2f"),
+          over_floor(r, f"{fast}_ms_per_token"),
+          opt(r["replay_ms_per_step"], ".3f"), over_floor(r, "replay_ms_per_step"),
+          opt(r["replay_mid_ms_per_step"], ".3f"), over_floor(r, "replay_mid_ms_per_step"),
           opt(r.get("peer_ms_per_token"), ".3f"),
           opt(r.get("peer_ms_per_token") and r["peer_ms_per_token"] / r[f"{fast}_ms_per_token"], ".2f")]
          for r in rows]))

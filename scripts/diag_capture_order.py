@@ -12,8 +12,8 @@ Each mode runs in a fresh process, loads the model, captures the step through
 
 - ``first``: the process's first capture, with the engine's priming graphs turned off.
 - ``engine``: as the engine runs (``Engine.graph_primers`` graphs made before the step's).
-- ``dummy``, ``dummy2``, ``dummy3``: one, two or three one-kernel CUDA graphs captured,
-  replayed and dropped before the step's (``engine.prime_cuda_graphs``).
+- ``dummy``, ``dummy2``, ``dummy3``: the engine's priming with one, two or three one-kernel
+  CUDA graphs (``Engine.graph_primers``; ``engine`` is its default, two).
 - ``recapture``: the first capture destroyed (nothing of it left alive), then a second.
 - ``empty-cache``: as ``recapture``, with the allocator's cache emptied in between.
 - ``alternate``: diag_replay_settle's pattern (each new capture while the one before is
@@ -48,7 +48,6 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 import bench_common as bc  # noqa: E402
 import bench_decode  # noqa: E402
 import moe_infer  # noqa: E402
-from moe_infer.engine import prime_cuda_graphs  # noqa: E402
 
 MODES = ("first", "engine", "dummy", "dummy2", "dummy3", "recapture", "empty-cache", "alternate", "alt-graph",
          "alt-buffers", "tokens", "burst")
@@ -154,10 +153,10 @@ def run_mode(args) -> None:
         torch.cuda.synchronize(engine.device)
 
     mode = args.mode
-    if mode not in ("engine", "tokens", "burst"):
-        engine.graph_primers = 0
     if mode.startswith("dummy"):
-        prime_cuda_graphs(engine.device, int(mode[5:] or 1))
+        engine.graph_primers = int(mode[5:] or 1)
+    elif mode not in ("engine", "tokens", "burst"):
+        engine.graph_primers = 0
     if mode.startswith("alt"):
         if args.dump and mode == "alternate":
             torch.cuda.CUDAGraph = _DumpedGraph
