@@ -17,8 +17,8 @@ Larger batches, and every CPU call, take cuBLAS / the reference.
 
 ``norm_linear`` is the decode step's residual add + RMSNorm + GEMM: one launch where the
 table picked the CUDA SBI-GeMM with ``"norm": true`` (its prologue adds and normalises; set
-where the decode step measured it faster: Qwen3-30B-A3B's bf16 QKV at batch 1, not OLMoE's
-nor either int8 one), else the norm launch and ``dense_linear``.
+where the decode step measured it faster: Qwen3-30B-A3B's bf16 and int8 QKV at batch 1, not
+OLMoE's), else the norm launch and ``dense_linear``.
 """
 from __future__ import annotations
 

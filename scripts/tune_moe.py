@@ -197,6 +197,18 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
     return table
 
 
+def merge(table: dict, key: str, entries: dict) -> None:
+    """This run's winners of ``key`` into its table entries, keeping the T buckets not re-tuned
+    and those with a "pinned" reason: chosen by timing the decode step itself
+    (``diag_decode_ab.py --moe-entry``), where the experts share DRAM with their neighbours."""
+    for bucket, entry in entries.items():
+        old = table.get(bucket)
+        if isinstance(old, dict) and "pinned" in old:
+            print(f"kept {key} T {bucket} ({old['pinned']}); this run's pick: {entry}")
+        else:
+            table[bucket] = entry
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -220,7 +232,7 @@ def main():
             if toks:
                 for key, entries in tune_shape(name, [int(t) for t in toks.split(",")], wdtype, args.reps,
                                                      args.cuda_only, args.verbose, args.only).items():
-                    mine.setdefault(key, {}).update(entries)  # keep the T buckets not re-tuned
+                    merge(mine.setdefault(key, {}), key, entries)
         torch.cuda.empty_cache()
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(data, indent=1, sort_keys=True))  # after every shape

@@ -155,9 +155,11 @@ def test_norm_linear_cuda_matches_add_norm_gemm(dtype, t, k, n, int8):
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to("cuda", dtype)
     w, scale = maybe_int8(w, int8)
     bias = torch.randn(n, generator=gen).to("cuda", dtype)
-    # The last two keep the normed activations in registers (RESIDENT) where T and K allow.
+    # The last three keep the normed activations in registers (RESIDENT) where T and K allow
+    # (the last: Qwen3's int8 QKV entry, int8 widened by one byte permute).
     kept = dict(bn=4, warps=8, unroll=1, split_k=1)
-    for cfg in (None, dict(bn=2, warps=4, unroll=2, split_k=3), kept, dict(kept, persist=2)):
+    for cfg in (None, dict(bn=2, warps=4, unroll=2, split_k=3), kept, dict(kept, persist=2),
+                dict(bn=8, warps=4, unroll=1, split_k=1, unit=int8)):
         y, s = sbi_cuda.sbi_norm_linear_cuda(x, r, ("rmsnorm", g, None, 1e-6), w, scale, bias, cfg)
         torch.testing.assert_close(s, x + r, rtol=0, atol=0)
         ref = sbi_linear_ref(s.double(), w if int8 else w.double(), None if scale is None else scale.double(),

@@ -135,6 +135,17 @@ def test_tune_moe_large_t_candidates_try_short_last_tiles():
         {json.dumps(c, sort_keys=True) for c in cands if not c.get("sub_m")}
 
 
+def test_tune_moe_keeps_pinned_and_untuned_buckets(capsys):
+    """The tuner's merge replaces the buckets it timed, keeps the others, and keeps an entry
+    pinned by a decode-step A/B whatever this run picked (saying so)."""
+    tune_moe = _script("tune_moe")
+    pinned = {"backend": "cuda", "bn": 8, "pinned": "decode step A/B"}
+    table = {"1": pinned, "2": "old", "16": "untouched"}
+    tune_moe.merge(table, "down:E8:N64:K32:int8:k2", {"1": {"backend": "cuda", "bn": 4}, "2": "new"})
+    assert table == {"1": pinned, "2": "new", "16": "untouched"}
+    assert "kept down:E8:N64:K32:int8:k2 T 1 (decode step A/B)" in capsys.readouterr().out
+
+
 def test_diag_decode_ab_switches_a_built_model():
     """--alternate sets each switch on the built model's modules (every instance of a class,
     or the module) and restores it; switches read only at construction are not offered."""
