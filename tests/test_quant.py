@@ -104,12 +104,14 @@ def test_int8_linear_equals_the_dequantised_layer(kind):
     assert rel(q(x), layer(x).detach()) < 1e-2
 
 
-def test_converter_at_load_keeps_the_greedy_text_of_the_embedded_model():
+def test_converter_at_load_keeps_the_greedy_text_of_the_embedded_model(device_dtype):
     """engine.quantize = int8: experts and every linear layer but the router become int8;
     greedy continuations equal the full-precision model's; the logit error is bounded
-    (measured 2026-11-22: see docs/performance.md)."""
-    full = moe_infer.load(progress=False)
-    q = moe_infer.load(progress=False, quantize="int8")
+    (measured: fp32 on CPU 2026-11-22; bf16 on the H100 0.039 against the bf16 model,
+    2026-11-25: see docs/performance.md)."""
+    device, dtype = device_dtype
+    full = moe_infer.load(device=device, dtype=dtype, progress=False)
+    q = moe_infer.load(device=device, dtype=dtype, progress=False, quantize="int8")
     linears = [m for m in q.model.modules() if isinstance(m, Int8Linear)]
     assert len(linears) == 3 * 2 + 1  # per layer qkv_proj and o_proj; the untied LM head
     assert sum(isinstance(m, Int8Experts) for m in q.model.modules()) == 3
@@ -118,7 +120,7 @@ def test_converter_at_load_keeps_the_greedy_text_of_the_embedded_model():
         [o.text for o in full.generate(PROMPTS, max_new_tokens=40)]
     ids = [full.tokenizer.encode(p) for p in PROMPTS]
     err = rel(q.logits(ids), full.logits(ids))
-    assert err < 3e-2, err
+    assert err < (3e-2 if dtype == torch.float32 else 5e-2), err
 
 
 def test_quantize_config_is_checked_and_routers_stay_full_precision():
