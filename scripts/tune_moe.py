@@ -5,7 +5,8 @@ merges them into kernels/configs/moe.json (nothing is tuned while serving).
 
 The up GEMM is tuned first with the default down configuration, then the down GEMM with
 the best up configuration; each candidate is timed as device time: several input sets
-replayed in one CUDA graph, median over replays.
+replayed in one CUDA graph, median over replays. An entry with a "pinned" reason was chosen
+by timing the decode step itself (``diag_decode_ab.py --moe-entry``) and stays (``merge``).
 """
 from __future__ import annotations
 
