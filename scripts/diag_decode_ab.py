@@ -40,6 +40,12 @@ each call), and times both. Round 0 holds the process's first captures and is pr
 not summed:
 
     PYTHONPATH=. python scripts/diag_decode_ab.py --on route-in --alternate 3 --model olmoe-1b-7b
+
+``--variants FILE`` times several variants in the same rounds, each against the one base
+(one model build for all of them). FILE is a JSON object of named variants, e.g.
+{"o bn 2": {"dense": {"N2048:K4096:bfloat16/1": {"backend": "cuda", "bn": 2, "warps": 8,
+"unroll": 1, "split_k": 1}}}, "route in": {"switch": ["route-in"]}} ("moe" takes MoE
+table entries the same way).
 """
 from __future__ import annotations
 
@@ -156,11 +162,12 @@ def set_switches(net, parts, switched: bool) -> dict:
     return now
 
 
-def alternate(parts: list[str], edits: list, rounds: int, model_name: str | None, new_tokens: int, reps: int,
-              quantize: str | None = None) -> list[dict]:
-    """``rounds`` rounds of the batch-1 step captured as it is and with ``parts`` switched
-    and the table ``edits`` made (``table_entry``), on one built model; the median of
-    ``reps`` replays a variant and round. Returns a row each; round 0 holds the first captures."""
+def alternate(variants: list[tuple[str, list[str], list]], rounds: int, model_name: str | None, new_tokens: int,
+              reps: int, quantize: str | None = None) -> list[dict]:
+    """``rounds`` rounds of the batch-1 step captured as it is ("base") and as each of
+    ``variants`` — (name, SWITCHES parts switched, table edits made, ``table_entry``) — on one
+    built model; the median of ``reps`` replays a variant and round. Returns a row each;
+    round 0 holds the first captures."""
     import bench_common as bc
     import bench_decode
     import moe_infer
@@ -171,26 +178,55 @@ def alternate(parts: list[str], edits: list, rounds: int, model_name: str | None
                .tolist()]
     copy = bc.measure_copy_bandwidth(engine.device)
     print(f"{model_name or 'default'}{' int8' if quantize else ''}: copy {copy:.0f} GB/s, {new_tokens} new tokens; "
-          f"switched: {', '.join(parts) or 'table entries only'}", flush=True)
-    rows, first, saved = [], {}, {}
+          f"variants: {', '.join(name for name, _, _ in variants)}", flush=True)
+    rows, first, saved = [], {}, {name: {} for name, _, _ in variants}
+    runs = [("base", [], [])] + variants
     for r in range(rounds + 1):
-        for variant in ("base", "switched"):
-            set_switches(engine.model, parts, variant == "switched")
-            set_entries(edits, variant == "switched", saved)
+        for name, parts, edits in runs:
+            set_switches(engine.model, parts, True)
+            set_entries(edits, True, saved.get(name, {}))
             engine._decoders.clear()  # the step is captured again, with the switches as set
             tokens = engine.generate(prompts, max_new_tokens=new_tokens)[0].token_ids
             step = bench_decode.captured_step(engine, 1)
             ms = bc.time_fn(step, warmup=3, reps=reps, device=engine.device) / 1e3
-            first.setdefault(variant, tokens)
-            rows.append({"round": r, "variant": variant, "replay_ms": ms, "same_tokens": tokens == first["base"]})
-            print(f"round {r} {variant}: replay {ms:.4f} ms; tokens equal to base: {tokens == first['base']}",
+            set_switches(engine.model, parts, False)
+            set_entries(edits, False, saved.get(name, {}))
+            first.setdefault(name, tokens)
+            rows.append({"round": r, "variant": name, "replay_ms": ms, "same_tokens": tokens == first["base"]})
+            print(f"round {r} {name}: replay {ms:.4f} ms; tokens equal to base: {tokens == first['base']}",
                   flush=True)
-    set_switches(engine.model, parts, False)
-    set_entries(edits, False, saved)
-    for variant in ("base", "switched"):
-        ms = sorted(row["replay_ms"] for row in rows if row["variant"] == variant and row["round"] > 0)
-        print(f"{variant}: replay {ms[0]:.4f}-{ms[-1]:.4f} ms, median {ms[len(ms) // 2]:.4f} over rounds 1-{rounds}")
+    base = None
+    for name, _, _ in runs:
+        ms = sorted(row["replay_ms"] for row in rows if row["variant"] == name and row["round"] > 0)
+        median = ms[len(ms) // 2]
+        base = median if base is None else base
+        print(f"{name}: replay {ms[0]:.4f}-{ms[-1]:.4f} ms, median {median:.4f} over rounds 1-{rounds}"
+              f"{'' if name == 'base' else f' ({100 * (median / base - 1):+.1f}% against base)'}", flush=True)
     return rows
+
+
+def load_variants(path: str) -> list[tuple[str, list[str], list]]:
+    """``--variants FILE``: a JSON object {name: {"dense": {KEY/BUCKET: VALUE}, "moe": {...},
+    "switch": [SWITCHES parts]}} -> ``alternate``'s variants, in the file's order."""
+    try:
+        spec = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"--variants {path}: {exc}") from None
+    if not isinstance(spec, dict) or not spec:
+        raise SystemExit(f"--variants {path}: expected a JSON object of named variants")
+    variants = []
+    for name, v in spec.items():
+        extra = set(v) - {"dense", "moe", "switch"} if isinstance(v, dict) else {"(not an object)"}
+        if extra or name == "base":
+            raise SystemExit(f"--variants {path}: variant {name!r}: expected keys dense, moe, switch and a "
+                             f"name other than 'base' (got {sorted(extra) or name})")
+        parts = list(v.get("switch", []))
+        if any(p not in SWITCHES for p in parts):
+            raise SystemExit(f"--variants {path}: variant {name!r}: switches are {', '.join(SWITCHES)}")
+        edits = [table_entry(kind, f"{where}={json.dumps(value)}")
+                 for kind in ("dense", "moe") for where, value in v.get(kind, {}).items()]
+        variants.append((name, parts, edits))
+    return variants
 
 
 def main():
@@ -201,6 +237,8 @@ def main():
     ap.add_argument("--moe-entry", action="append", default=[], metavar="KEY/BUCKET=JSON")
     ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
                     help="base and switched in this process, ROUNDS timed rounds (batch 1; see above)")
+    ap.add_argument("--variants", default=None, metavar="FILE",
+                    help="with --alternate: several named variants from a JSON file, each against base")
     args, rest = ap.parse_known_args()
     edits = [table_entry("dense", spec) for spec in args.dense_entry] + \
         [table_entry("moe", spec) for spec in args.moe_entry]
@@ -214,12 +252,15 @@ def main():
         more.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights for every linear layer")
         opts = more.parse_args(rest)
         parts = args.off + args.on
-        if not (parts or edits) or any(p not in SWITCHES for p in parts):
-            raise SystemExit(f"--alternate: switch one or more of {', '.join(SWITCHES)}, or table entries "
-                             f"(got {parts or 'none'})")
+        variants = load_variants(args.variants) if args.variants else []
+        if parts or edits or not variants:
+            if not (parts or edits) or any(p not in SWITCHES for p in parts):
+                raise SystemExit(f"--alternate: switch one or more of {', '.join(SWITCHES)}, or table entries, "
+                                 f"or give --variants (got {parts or 'none'})")
+            variants.insert(0, ("switched", parts, edits))
         if not torch.cuda.is_available():
             raise SystemExit("--alternate: needs a GPU (the step is replayed as a CUDA graph)")
-        alternate(parts, edits, args.alternate, opts.model, opts.new_tokens, opts.reps, opts.quantize)
+        alternate(variants, args.alternate, opts.model, opts.new_tokens, opts.reps, opts.quantize)
         return
     set_entries(edits, True, {})
     for part in args.off + args.on:

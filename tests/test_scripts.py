@@ -162,3 +162,30 @@ def test_diag_decode_ab_switches_a_built_model():
     diag.set_switches(net, ["route-in", "preload-kv"], False)
     assert not any(m.route_in_experts for m in layers) and qkv_attention.PRELOAD_KV is True
     assert "moe-cuda" not in diag.SWITCHES and set(diag.SWITCHES) <= set(diag.OFF + diag.ON)
+
+
+def test_diag_decode_ab_variants_file(tmp_path, monkeypatch):
+    """--variants reads named variants (table entries and switches) from a JSON file, in its
+    order, and refuses a malformed one with the variant and what was expected named."""
+    from kernels import linear_select as sel
+    from kernels import moe_triton
+    diag = _script("diag_decode_ab")
+    dense, moe = {"cpu": {}}, {}
+    monkeypatch.setattr(sel, "_table", lambda: dense)
+    monkeypatch.setattr(moe_triton, "_tuned", lambda: moe)
+    cfg = {"backend": "cuda", "bn": 2, "warps": 4, "unroll": 1, "split_k": 1}
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"o bn 2": {"dense": {"N64:K32:bfloat16/1": cfg}},
+                                "route in": {"switch": ["route-in"],
+                                             "moe": {"up:E8:N64:K32:bfloat16:k2/1": {"bn": 8}}}}))
+    variants = diag.load_variants(str(path))
+    assert [(name, parts, len(edits)) for name, parts, edits in variants] == [("o bn 2", [], 1),
+                                                                            ("route in", ["route-in"], 1)]
+    (entries, bucket, entry), = variants[0][2]
+    assert bucket == "1" and entry == cfg and entries is dense["cpu"]["N64:K32:bfloat16"]
+    for bad, says in (({"base": {}}, "other than 'base'"), ({"x": {"dense": {}, "bogus": 1}}, "expected keys"),
+                      ({"x": {"switch": ["nope"]}}, "switches are"), ([], "JSON object"),
+                      ({"x": {"dense": {"N64:K32:bfloat16/3": "sbi"}}}, "BUCKET one of")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match=says):
+            diag.load_variants(str(path))
