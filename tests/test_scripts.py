@@ -189,3 +189,20 @@ def test_diag_decode_ab_variants_file(tmp_path, monkeypatch):
         path.write_text(json.dumps(bad))
         with pytest.raises(SystemExit, match=says):
             diag.load_variants(str(path))
+
+
+def test_diag_moe_ab_variants_file(tmp_path):
+    """diag_moe_ab.py reads {shape: {dtype: {name: {up/down}}}} and refuses anything else
+    with the shape, dtype or variant named."""
+    diag = _script("diag_moe_ab")
+    path = tmp_path / "v.json"
+    good = {"dsmoe": {"int8": {"up bn 8": {"up": {"backend": "cuda", "bn": 8, "warps": 4, "unroll": 1}}},
+                      "bf16": {}}}
+    path.write_text(json.dumps(good))
+    assert diag.load_variants(str(path)) == good
+    for bad, says in (({"gpt": {}}, "expected one of"), ({"dsmoe": {"fp8": {}}}, "bf16|int8"),
+                      ({"dsmoe": {"int8": {"x": {"up": {}, "gate": {}}}}}, "'up' and/or 'down'"),
+                      ({"dsmoe": {"int8": {"table": {"up": {}}}}}, "other than 'table'"), ([], "object of shapes")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match=says):
+            diag.load_variants(str(path))
