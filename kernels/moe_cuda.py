@@ -168,19 +168,6 @@ def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, 
             f"-DMMA={int(mma)}", f"-DH16={int(h16)}")
 
 
-def persist_check(up: dict, h: int, int8: bool, route: bool = False) -> str | None:
-    """Why the persistent up kernel (an up entry's ``persist``: blocks an SM) cannot run
-    ``up`` on H = h (None: it can): its two register buffers each hold a tile's whole
-    reduction, one pass of ``unroll`` steps. (Its shared table holds MAX_T * MAX_K pairs.)"""
-    step = up["warps"] * 32 * (16 if int8 else 8)
-    if route or up.get("mma"):
-        return "up persist: the persistent up kernel takes given ids and no mma"
-    if up["unroll"] * step < h:
-        return (f"up persist: unroll {up['unroll']} x {step} (warps {up['warps']}) must cover H = {h} "
-                "in one pass")
-    return None
-
-
 def mma_check(phase: str, cfg: dict, h: int, f: int, gated: bool = True) -> str | None:
     """Why the tensor-core kernels (``mma``) cannot run configuration ``cfg`` of ``phase`` on
     H, F (None: they can); int8 weights only (``check``)."""
@@ -239,9 +226,6 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
         why = cfg.get("mma") and (mma_check(phase, cfg, h, f, gated) if int8 else f"{phase} mma: int8 weights only")
         if why:
             raise ValueError(f"fused_moe_cuda: {why}")
-    why = up.get("persist") and persist_check(up, h, int8, bool(route.get("route")))
-    if why:
-        raise ValueError(f"fused_moe_cuda: {why}")
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F] (f16 bits for an mma down)
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
@@ -250,16 +234,10 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
                       min_blocks=up.get("min_blocks", 1), unit=up.get("unit", False), mma=up_mma, h16=down_mma,
                       **route) + ("-DPDL_EARLY=0",)
     up_grid = (-(-f // up["bn"]), t * topk)
-    args = (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h), np.int32(f),
-            np.int32(topk), np.int64(x.stride(0)))
-    if up.get("persist"):  # persist blocks an SM, walking the tiles
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        launch(x.device, SOURCE, "moe_up_persist", up_opts, (min(up_grid[0] * up_grid[1], up["persist"] * sms),),
-               up["warps"] * 32, args + (np.int32(t * topk),))
-    else:
-        launch(x.device, SOURCE, "moe_up_mma" if up_mma else "moe_up", up_opts,
-               up_grid[::-1] if up_major else up_grid, up["warps"] * 32, args + (np.int32(e),),
-               shared=2 * h if up_mma else 0)
+    launch(x.device, SOURCE, "moe_up_mma" if up_mma else "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
+           up["warps"] * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
+                              np.int32(f), np.int32(topk), np.int64(x.stride(0)), np.int32(e)),
+           shared=2 * h if up_mma else 0)
     step = down["warps"] * (64 if down_mma else 32 * (16 if int8 else 8))
     length = topk * f
     k_span = -(-length // (down["split_k"] * step)) * step

@@ -92,24 +92,6 @@ __device__ __forceinline__ float2 up_scales(const float* __restrict__ scale, lon
   return sc;
 }
 
-// An up kernel's output column o of its block (thread o < BN, whose up_scales sc are its
-// column's): the warps' partials summed, scaled (int8), SiLU(gate) * up or GeLU.
-__device__ __forceinline__ float up_value(float (*part)[ROWS], int o, float2 sc) {
-  float g = warps_total<ROWS>(part, o);
-#if INT8
-  g *= sc.x * UNIT_SCALE;
-#endif
-#if GATED
-  float up = warps_total<ROWS>(part, BN + o);
-#if INT8
-  up *= sc.y * UNIT_SCALE;
-#endif
-  return g / (1.f + __expf(-g)) * up;
-#else
-  return 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
-#endif
-}
-
 // A down kernel's block, from the grid: token t, first row n0, the number of tokens, and its
 // split [k_lo, k_hi) of the token's reduction (its k pairs' F columns back to back).
 struct DownBlock {
@@ -229,92 +211,22 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   for (int o = tid; o < BN; o += THREADS) {
     const int n = n0 + o;
     if (n >= F) continue;
-    h[(size_t)p * F + n] = out_h(up_value(part, o, sc) * weight);
-  }
-}
-
-#if !ROUTE
-// moe_up's contract on a persistent grid (fewer blocks than tiles), where one pass of U
-// steps covers H (``moe_cuda.persist_check``): block b walks the (pair, column tile) tiles
-// b, b + gridDim.x, ... in moe_up's order, the pairs' experts and weights read once into
-// shared memory after the wait. Two register buffers: the next tile's weights (and scales)
-// are issued before this tile's arithmetic, so each block keeps a tile of loads in flight
-// all the time, and the chain of round trips after the wait is paid once a block, not once
-// a tile. Ids given (no ROUTE); at most MAX_PAIRS pairs (moe_cuda.MAX_T * MAX_K).
-#define MAX_PAIRS 256
-struct UpTile {
-  u32x4 w[U][ROWS];
-  float2 sc;
-  int p, n0;
-};
-
-extern "C" __global__ void __launch_bounds__(THREADS, MINB)
-moe_up_persist(const u16* __restrict__ x, const void* __restrict__ w13, const float* __restrict__ scale,
-               const void* __restrict__ ids, const float* __restrict__ pair_w, u16* __restrict__ h, int H, int F,
-               int topk, long long stride_x, int pairs) {
-  const int tid = threadIdx.x;
-  const int n_cols = (F + BN - 1) / BN, n_tiles = n_cols * pairs;
-  __shared__ long long s_e[MAX_PAIRS];
-  __shared__ float s_w[MAX_PAIRS];
-  __shared__ float part[WARPS][ROWS];
-  grid_dep_enter();  // the ids are an earlier kernel's output
-  for (int i = tid; i < pairs; i += THREADS) s_e[i] = id_at(ids, i), s_w[i] = pair_w[i];
-  __syncthreads();
-
-  auto start = [&](UpTile& b, int tile) {  // the tile's place, its weights and int8 scales on their way
-#if PAIR_MAJOR
-    b.p = tile % pairs, b.n0 = tile / pairs * BN;
+    float g = warps_total<ROWS>(part, o);
+#if INT8
+    g *= sc.x * UNIT_SCALE;
+#endif
+#if GATED
+    float up = warps_total<ROWS>(part, BN + o);
+#if INT8
+    up *= sc.y * UNIT_SCALE;
+#endif
+    const float v = g / (1.f + __expf(-g)) * up;
 #else
-    b.p = tile / n_cols, b.n0 = tile % n_cols * BN;
+    const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
 #endif
-    const char* w_e = (const char*)w13 + (size_t)s_e[b.p] * ROWS_PER_F * F * H * W_BYTES;
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) {
-        const int k = tid * WVEC + u * STEP, n = b.n0 + j % BN, row = (j < BN ? 0 : F) + n;
-        b.w[u][j] = k < H && n < F ? load_stream(w_e + ((size_t)row * H + k) * W_BYTES) : zero4();
-      }
-    b.sc = up_scales(scale, s_e[b.p], b.n0, F);
-  };
-  auto finish = [&](const UpTile& b) {  // the tile's sums, reduction and store
-    float acc[ROWS];
-#pragma unroll
-    for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
-    const u16* xr = x + (size_t)(b.p / topk) * stride_x;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = tid * WVEC + u * STEP;
-      if (k >= H) break;
-      float a[WVEC];
-      load_act(xr + k, a);
-      const float first = unit_start(a);
-#pragma unroll
-      for (int j = 0; j < ROWS; ++j) acc[j] = UNIT ? acc[j] + dot_w(a, b.w[u][j], first) : dot_w(a, b.w[u][j], acc[j]);
-    }
-    warps_to_shared<ROWS>(acc, part);
-    for (int o = tid; o < BN; o += THREADS) {
-      const int n = b.n0 + o;
-      if (n < F) h[(size_t)b.p * F + n] = out_h(up_value(part, o, b.sc) * s_w[b.p]);
-    }
-    __syncthreads();  // every thread has read part before the next tile writes it
-  };
-  // Two buffers by name (a copy between them would wait for the loads in flight).
-  UpTile a, b;
-  int tile = blockIdx.x;
-  start(a, tile);
-  while (true) {
-    if (tile + (int)gridDim.x < n_tiles) start(b, tile + gridDim.x);
-    finish(a);
-    tile += gridDim.x;
-    if (tile >= n_tiles) break;
-    if (tile + (int)gridDim.x < n_tiles) start(a, tile + gridDim.x);
-    finish(b);
-    tile += gridDim.x;
-    if (tile >= n_tiles) break;
+    h[(size_t)p * F + n] = out_h(v * weight);
   }
 }
-#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up)

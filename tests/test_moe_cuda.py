@@ -95,11 +95,6 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
     if t > 1:
         major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
         pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
-    # The persistent up grid: 1 to 3 blocks an SM, so that a block walks many tiles (each
-    # tile's reduction one pass: unroll covers H; one permute, pair-major, a cap among them).
-    step = 32 * (16 if int8 else 8)
-    pairs += [(dict(up, persist=n, unroll=-(-h // (up["warps"] * step))), down)
-              for n, (up, down) in zip((1, 2, 3, 1), pairs[::4])]
     if int8:  # the tensor-core kernels, both, and each beside the other kind (its h in f16 or not)
         mma = list(zip(moe_cuda.MMA_UP_CANDIDATES[::2], moe_cuda.MMA_DOWN_CANDIDATES[::3]))
         mma = [(dict(up, bn=16) if activation == "gelu" else up, down) for up, down in mma]
@@ -116,15 +111,6 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
         assert rel(out, ref) < TOL[dtype], (up, down)
     out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2)  # default configurations
     assert rel(out, ref) < TOL[dtype]
-
-
-def test_persist_check_names_what_the_persistent_up_kernel_cannot_take():
-    up = dict(backend="cuda", bn=4, warps=4, unroll=1, persist=2)
-    assert moe_cuda.persist_check(up, 2048, True) is None  # 4 warps x 16 bytes x 32 lanes: one pass
-    assert "must cover H = 2048" in moe_cuda.persist_check(up, 2048, False)
-    assert moe_cuda.persist_check(dict(up, unroll=2), 2048, False) is None
-    assert "given ids" in moe_cuda.persist_check(up, 2048, True, route=True)
-    assert "given ids" in moe_cuda.persist_check(dict(up, mma=True), 2048, True)
 
 
 @pytest.mark.gpu
