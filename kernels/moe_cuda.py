@@ -43,7 +43,9 @@ per 16 activations: about a third fewer instructions, relative error about 1e-4 
 1e-7; the tuner picks it for the small experts at T = 1),
 MMA (int8 only: ``moe_up_mma`` / ``moe_down_mma`` on the tensor cores, cuda_common's mma
 helpers; H and F multiples of 64), H16 (the up kernel writes h as f16 times ACT_F16, the
-operand of an MMA down kernel). The MMA kernels halve the instructions a weight again, but
+operand of an MMA down kernel), PIPE (``moe_down``, a down entry's ``pipe``: two weight
+buffers, each step's loads issued before the arithmetic of the step before it, the
+second step's right after the wait). The MMA kernels halve the instructions a weight again, but
 on the H100 they measured slower than ``unit`` at T = 1 for the small shapes; the H200
 table uses the MMA up kernel for Mixtral (docs/performance.md, twelfth session).
 
@@ -160,12 +162,12 @@ def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> s
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
             logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
-            mma: bool = False, h16: bool = False) -> tuple:
+            mma: bool = False, h16: bool = False, pipe: bool = False) -> tuple:
     return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
             f"-DPARTIAL={int(partial)}", f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
             f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
-            f"-DMMA={int(mma)}", f"-DH16={int(h16)}")
+            f"-DMMA={int(mma)}", f"-DH16={int(h16)}", f"-DPIPE={int(pipe)}")
 
 
 def mma_check(phase: str, cfg: dict, h: int, f: int, gated: bool = True) -> str | None:
@@ -246,7 +248,8 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     target = out if split == 1 else torch.empty(split, t, h, dtype=torch.float32, device=x.device)
     down_major = down.get("pair_major", False)
     opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, pair_major=down_major,
-                   min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), mma=down_mma, **route)
+                   min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), mma=down_mma,
+                   pipe=down.get("pipe", False), **route)
     down_grid = (-(-h // down["bn"]), split, t)
     launch(x.device, SOURCE, "moe_down_mma" if down_mma else "moe_down", opts,
            down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
@@ -273,7 +276,7 @@ def compile_all(arch: str = "sm_90") -> int:
                       + launch_flags, arch, "moe_cuda.cu")
         compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
                                       ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks,
-                                      unit=i % 4 == 3, **route)
+                                      unit=i % 4 == 3, pipe=i % 3 != 1, **route)
                       + launch_flags, arch, "moe_cuda.cu")
         count += 2
         if int8:  # the tensor-core kernels, the up one writing f16 for them or not

@@ -23,6 +23,9 @@ SOURCE = COMMON + r"""
 #ifndef MMA
 #define MMA 0
 #endif
+#ifndef PIPE
+#define PIPE 0  // moe_down: two weight buffers, the next step in flight during this one's arithmetic
+#endif
 
 // An up kernel's output: in the activations' dtype, or (H16: for an MMA down kernel) as f16
 // times ACT_F16, the operand that kernel's tensor cores take.
@@ -244,20 +247,19 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
 
   u32x4 wv[U][BN];
   int slot[U];  // the pair (slot) of each step's vectors: F is a multiple of WVEC
-  auto load_step = [&](int kb) {
+  auto load_step = [&](u32x4 (&w)[U][BN], int (&sl)[U], int kb) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u * STEP;
-      slot[u] = k < k_hi ? k / F : 0;
-      const char* row = (const char*)w2 + ((size_t)expert[slot[u]] * H + n0) * F * W_BYTES;
+      sl[u] = k < k_hi ? k / F : 0;
+      const char* row = (const char*)w2 + ((size_t)expert[sl[u]] * H + n0) * F * W_BYTES;
 #pragma unroll
       for (int j = 0; j < BN; ++j)
-        wv[u][j] = k < k_hi && n0 + j < H ? load_stream(row + ((size_t)j * F + k - slot[u] * F) * W_BYTES)
-                                          : zero4();
+        w[u][j] = k < k_hi && n0 + j < H ? load_stream(row + ((size_t)j * F + k - sl[u] * F) * W_BYTES) : zero4();
     }
   };
   int kb = k_lo + tid * WVEC;
-  load_step(kb);
+  load_step(wv, slot, kb);
   prefetch_block(w2, expert, k_lo, k_hi, F, H, n0, W_BYTES);  // the rest of its weights on the way to L2
 #if INT8
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
@@ -269,7 +271,7 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
 #pragma unroll
   for (int j = 0; j < BN; ++j) acc[j] = 0.f;
   const u16* ht = h + (size_t)t * len;
-  for (; kb < k_hi; kb += U * STEP) {
+  auto add_step = [&](const u32x4 (&w)[U][BN], const int (&sl)[U], int kb) {  // acc += step kb's products
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u * STEP;
@@ -279,16 +281,35 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
       const float start = unit_start(a);
 #pragma unroll
       for (int j = 0; j < BN; ++j) {
-        const float d = dot_w(a, wv[u][j], start);
+        const float d = dot_w(a, w[u][j], start);
 #if INT8
-        acc[j] = fmaf(d, sc[slot[u]][j], acc[j]);
+        acc[j] = fmaf(d, sc[sl[u]][j], acc[j]);
 #else
         acc[j] += d;
 #endif
       }
     }
-    load_step(kb + U * STEP);
+  };
+#if PIPE
+  // Two buffers by name: the step after next is issued as soon as a buffer is free, so a
+  // step's loads are in flight during the one before it's arithmetic (the second step's
+  // from the wait on; never before it, where they would compete with the up kernel's).
+  u32x4 nx[U][BN];
+  int nslot[U];
+  load_step(nx, nslot, kb + U * STEP);
+  for (; kb < k_hi; kb += 2 * U * STEP) {
+    add_step(wv, slot, kb);
+    if (kb + U * STEP >= k_hi) break;
+    load_step(wv, slot, kb + 2 * U * STEP);
+    add_step(nx, nslot, kb + U * STEP);
+    load_step(nx, nslot, kb + 3 * U * STEP);
   }
+#else
+  for (; kb < k_hi; kb += U * STEP) {
+    add_step(wv, slot, kb);
+    load_step(wv, slot, kb + U * STEP);
+  }
+#endif
 
   __shared__ float part[WARPS][BN];
   warps_to_shared<BN>(acc, part);

@@ -2,6 +2,8 @@
 Hopper with no GPU (CI); unsupported operands are named, and a table entry naming them
 falls back to Triton there; on a GPU, every configuration, dtype and activation against
 the float64 reference, and the same numbers replayed from a CUDA graph."""
+import itertools
+
 import pytest
 import torch
 
@@ -95,6 +97,7 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
     if t > 1:
         major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
         pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
+    pairs += [(up, dict(down, pipe=True)) for up, down in pairs[:6]]  # two weight buffers in the down kernel
     if int8:  # the tensor-core kernels, both, and each beside the other kind (its h in f16 or not)
         mma = list(zip(moe_cuda.MMA_UP_CANDIDATES[::2], moe_cuda.MMA_DOWN_CANDIDATES[::3]))
         mma = [(dict(up, bn=16) if activation == "gelu" else up, down) for up, down in mma]
@@ -119,10 +122,10 @@ def test_split_k_and_odd_widths():
     # multiple of the block's step.
     x, w13, w2, ids, w = problem("cuda", torch.bfloat16, 1, 1040, 200, 12, 3, "silu", 5)
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
-    for split in (1, 2, 3, 5):
-        down = dict(backend="cuda", bn=2, warps=4, unroll=1, split_k=split)
+    for split, pipe in itertools.product((1, 2, 3, 5), (False, True)):
+        down = dict(backend="cuda", bn=2, warps=4, unroll=1, split_k=split, pipe=pipe)
         out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, "silu", configs=(None, down))
-        assert rel(out, ref) < TOL[torch.bfloat16], split
+        assert rel(out, ref) < TOL[torch.bfloat16], (split, pipe)
 
 
 @pytest.mark.gpu
