@@ -81,6 +81,10 @@ DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
                    for (bn, w, u), s in itertools.product(((2, 4, 4), (4, 4, 2), (4, 4, 4), (8, 4, 2), (4, 8, 2)),
                                                           (1, 2))]
 
+# The down kernel with two weight buffers (``pipe``): register room for two steps, so
+# unroll 1 or 2.
+PIPE_DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s, pipe=True)
+                        for (bn, w, u), s in itertools.product(((4, 4, 1), (8, 4, 1), (4, 8, 1), (2, 4, 2)), (1, 2))]
 
 # The int8 kernels on the tensor cores (``mma``): bn a multiple of 8 (gated up) or 16.
 MMA_UP_CANDIDATES = [dict(backend="cuda", mma=True, bn=bn, warps=w, unroll=u)
@@ -100,9 +104,9 @@ def candidates(phase: str, t: int, int8: bool = False, h: int | None = None, f: 
     base ones, each also with its registers capped for ``min_blocks`` blocks an SM (the
     int8 kernels use 100-180 registers uncapped, so two or three blocks an SM hold all
     the loads in flight), for int8 each also widening with one byte permute a weight
-    (``unit``), then the tensor-core kernels (``mma``, where H = h and F = f allow them;
+    (``unit``); the down kernel also with two weight buffers (``pipe``); then the tensor-core kernels (``mma``, where H = h and F = f allow them;
     they need no cap), and past T = 1 each in the pair-major grid."""
-    base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES
+    base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES + PIPE_DOWN_CANDIDATES
     base = base + ([dict(c, unit=True) for c in base] if int8 else [])
     base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
     if int8 and h is not None:  # 50-110 registers: uncapped
