@@ -31,7 +31,9 @@ before the norm, rounded as the unfused add stores it, and block (0, 0) writes t
 PERSIST, UNIT (int8 widened by one byte permute a weight, as ``kernels.moe_cuda``'s: a
 third fewer instructions, relative error about 1e-4), RESIDENT (with a norm, where the
 block's whole K is one step: its normed activations stay in registers for every column
-tile; ``resident``). Each combination compiles once per process (CuPy caches the binary).
+tile; ``resident``), PIPE (a table entry's ``pipe``: two weight buffers, each step's loads
+issued before the arithmetic of the step before it, a tile's second step right after the
+wait). Each combination compiles once per process (CuPy caches the binary).
 """
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ from kernels.cuda_common import COMMON, DTYPES, compile_check, launch, ptr
 from kernels.sbi_gemm import NORMS
 
 SOURCE = COMMON + r"""
+#ifndef PIPE
+#define PIPE 0
+#endif
 #ifndef RESIDENT
 #define RESIDENT 0
 #endif
@@ -103,15 +108,16 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
   const char* w_rows = (const char*)w + (size_t)n0 * stride_w * W_BYTES;
 
   u32x4 wv[U][BN];  // every weight load of a step in flight before the first is used
-  auto load_step = [&](int kb) {
+  auto load_into = [&](u32x4 (&buf)[U][BN], int kb) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int j = 0; j < BN; ++j) {
         const int k = kb + u * STEP;
-        wv[u][j] = k < k_hi && n0 + j < N ? load_stream(w_rows + ((size_t)j * stride_w + k) * W_BYTES) : zero4();
+        buf[u][j] = k < k_hi && n0 + j < N ? load_stream(w_rows + ((size_t)j * stride_w + k) * W_BYTES) : zero4();
       }
   };
+  auto load_step = [&](int kb) { load_into(wv, kb); };
   int kb = k_lo + tid * WVEC;
   load_step(kb);  // weights are no kernel's output: in flight before the wait
   prefetch_rows(w_rows + (size_t)k_lo * W_BYTES, min(BN, N - n0), (size_t)stride_w * W_BYTES,
@@ -246,7 +252,8 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
 #pragma unroll
   for (int o = 0; o < TP * BN; ++o) acc[o] = 0.f;
 
-  for (; kb < k_hi; kb += U * STEP) {
+  // acc += step kb's products, from the weights in buf.
+  auto add_step = [&](const u32x4 (&buf)[U][BN], int kb) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u * STEP;
@@ -260,7 +267,7 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
 #endif
       float wf[BN][WVEC];
 #pragma unroll
-      for (int j = 0; j < BN; ++j) widen_unit(wv[u][j], wf[j]);
+      for (int j = 0; j < BN; ++j) widen_unit(buf[u][j], wf[j]);
 #pragma unroll
       for (int t = 0; t < TP; ++t) {
         if (t < T) {
@@ -290,8 +297,25 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
         }
       }
     }
+  };
+#if PIPE
+  // Two buffers by name: each step's loads are in flight during the step before it's
+  // arithmetic (the tile's second step from here on: after the wait).
+  u32x4 nx[U][BN];
+  if (kb + U * STEP < k_hi) load_into(nx, kb + U * STEP);
+  for (; kb < k_hi; kb += 2 * U * STEP) {
+    add_step(wv, kb);
+    if (kb + U * STEP >= k_hi) break;
+    if (kb + 2 * U * STEP < k_hi) load_into(wv, kb + 2 * U * STEP);
+    add_step(nx, kb + U * STEP);
+    if (kb + 3 * U * STEP < k_hi) load_into(nx, kb + 3 * U * STEP);
+  }
+#else
+  for (; kb < k_hi; kb += U * STEP) {
+    add_step(wv, kb);
     if (kb + U * STEP < k_hi) load_step(kb + U * STEP);
   }
+#endif
 
   const int this_n0 = n0;
   const float2 this_consts = consts;
@@ -339,10 +363,11 @@ def _tp(t: int) -> int:
 
 
 def options(tp: int, bn: int, warps: int, unroll: int, int8: bool, dt: int, norm: int, partial: bool,
-            norm_res: bool = False, persist: bool = False, unit: bool = False, resident: bool = False) -> tuple:
+            norm_res: bool = False, persist: bool = False, unit: bool = False, resident: bool = False,
+            pipe: bool = False) -> tuple:
     return ("-std=c++17", f"-DTP={tp}", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DDT={dt}", f"-DNORM={norm}", f"-DPARTIAL={int(partial)}", f"-DNORM_RES={int(norm_res)}",
-            f"-DPERSIST={int(persist)}", f"-DUNIT={int(unit)}", f"-DRESIDENT={int(resident)}")
+            f"-DPERSIST={int(persist)}", f"-DUNIT={int(unit)}", f"-DRESIDENT={int(resident)}", f"-DPIPE={int(pipe)}")
 
 
 RESIDENT_FLOATS = 32  # the most normed activations a thread keeps in registers (RESIDENT)
@@ -452,7 +477,7 @@ def _run(x, w, scale, bias, residual, norm, config, x_residual=None) -> tuple[to
     blocks = min(tiles, cfg["persist"] * sms) if cfg.get("persist") else tiles  # persist: blocks per SM
     opts = options(_tp(t), bn, warps, unroll, int8, DTYPES[x.dtype], NORMS[kind], split > 1, x_residual is not None,
                    blocks < tiles, int8 and cfg.get("unit", False),
-                   resident(kind is not None, _tp(t), k, warps, unroll, int8, split))
+                   resident(kind is not None, _tp(t), k, warps, unroll, int8, split), cfg.get("pipe", False))
     stride_res = residual.stride(0) if residual is not None else 0
     x_sum = torch.empty_like(x_residual) if x_residual is not None else None
     launch(x.device, SOURCE, "sbi_gemm", opts, (blocks, split), warps * 32,
@@ -478,7 +503,8 @@ def compile_all(arch: str = "sm_90") -> int:
         norm = i % len(NORMS)
         launch_flags = (f"-DL2PF={i // 2 % 2}", f"-DPDL_EARLY={i // 4 % 2}")  # what ``launch`` adds
         compile_check(SOURCE, options(tp, bn, warps, unroll, int8, dt, norm, i % 2 == 1, norm == 1 and i % 4 < 2,
-                                      i % 3 == 0, int8 and i % 8 < 4) + launch_flags, arch, "sbi_cuda.cu")
+                                      i % 3 == 0, int8 and i % 8 < 4, pipe=i % 5 < 2) + launch_flags, arch,
+                      "sbi_cuda.cu")
         count += 1
     # RESIDENT (normed activations kept in registers): (tp, int8, dt, norm, norm_res, persist, unroll, warps)
     for tp, int8, dt, norm, norm_res, persist, unroll, warps in (

@@ -52,7 +52,9 @@ def test_check_names_what_the_kernel_cannot_take():
 @pytest.mark.parametrize("norm", [None, "rmsnorm", "layernorm"])
 @pytest.mark.parametrize("int8,cfg", [(False, None), (True, None), (False, dict(bn=1, warps=8, unroll=1, split_k=3)),
                                       (True, dict(bn=8, warps=4, unroll=2, split_k=2)),
-                                      (True, dict(bn=4, warps=4, unroll=2, split_k=1, unit=True))])
+                                      (True, dict(bn=4, warps=4, unroll=2, split_k=1, unit=True)),
+                                      (False, dict(bn=2, warps=4, unroll=1, split_k=1, pipe=True)),
+                                      (True, dict(bn=4, warps=4, unroll=1, split_k=2, unit=True, pipe=True))])
 def test_matches_reference(dtype, t, k, n, norm, int8, cfg):
     if int8 and k % 16:
         k += 8
@@ -202,8 +204,8 @@ def test_norm_linear_follows_the_table(monkeypatch):
 @pytest.mark.parametrize("norm,split", [(None, 1), ("rmsnorm", 1), (None, 2)])
 def test_persistent_grid_gives_the_one_tile_a_block_result(t, k, n, int8, norm, split):
     """Fewer blocks than column tiles (``persist`` blocks per SM, each walking tiles with
-    the next one's weights loaded during this one's reduction): the same outputs, bit for
-    bit, as one tile a block (each tile's sums are formed in the same order), with the
+    the next one's weights loaded during this one's reduction), and two weight buffers
+    (``pipe``): the same outputs, bit for bit, as one tile a block (each tile's sums are formed in the same order), with the
     norm, split-K, int8, a bias and a residual; and close to the float64 reference."""
     gen = torch.Generator().manual_seed(t + k + n)
     x = (torch.randn(t, k, generator=gen) * 2).to("cuda", torch.bfloat16)
@@ -214,9 +216,9 @@ def test_persistent_grid_gives_the_one_tile_a_block_result(t, k, n, int8, norm, 
     nrm = ("rmsnorm", g, None, 1e-5) if norm else None
     cfg = dict(bn=2, warps=4, unroll=2, split_k=split)
     plain = sbi_cuda.sbi_linear_cuda(x, w, scale, bias, residual, nrm, config=cfg)
-    for blocks_per_sm in (1, 2):
-        out = sbi_cuda.sbi_linear_cuda(x, w, scale, bias, residual, nrm, config=dict(cfg, persist=blocks_per_sm))
-        assert torch.equal(out, plain), blocks_per_sm
+    for more in (dict(persist=1), dict(persist=2), dict(pipe=True), dict(persist=2, pipe=True)):
+        out = sbi_cuda.sbi_linear_cuda(x, w, scale, bias, residual, nrm, config=dict(cfg, **more))
+        assert torch.equal(out, plain), more
     ref = sbi_linear_ref(x.double(), w if int8 else w.double(), None if scale is None else scale.double(),
                          bias.double(), residual.double(), None if nrm is None else ("rmsnorm", g.double(), None, 1e-5))
     assert rel(plain, ref) < TOL[torch.bfloat16]
