@@ -253,6 +253,18 @@ def measure_matmul_tflops(device: torch.device | str, n: int | None = None,
 
 # --- output ----------------------------------------------------------------------------
 
+def read_json_object(path: str, option: str, what: str) -> dict:
+    """The non-empty JSON object in the file ``path`` that a script's ``option`` names;
+    otherwise SystemExit naming the option, the file and ``what`` was expected."""
+    try:
+        spec = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"{option} {path}: {exc}") from None
+    if not isinstance(spec, dict) or not spec:
+        raise SystemExit(f"{option} {path}: expected a JSON object of {what}")
+    return spec
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Fixed-width columns, each as wide as its widest cell; text left, numbers right."""
     cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]

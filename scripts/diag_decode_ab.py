@@ -208,12 +208,9 @@ def alternate(variants: list[tuple[str, list[str], list]], rounds: int, model_na
 def load_variants(path: str) -> list[tuple[str, list[str], list]]:
     """``--variants FILE``: a JSON object {name: {"dense": {KEY/BUCKET: VALUE}, "moe": {...},
     "switch": [SWITCHES parts]}} -> ``alternate``'s variants, in the file's order."""
-    try:
-        spec = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"--variants {path}: {exc}") from None
-    if not isinstance(spec, dict) or not spec:
-        raise SystemExit(f"--variants {path}: expected a JSON object of named variants")
+    import bench_common as bc
+
+    spec = bc.read_json_object(path, "--variants", "named variants")
     variants = []
     for name, v in spec.items():
         extra = set(v) - {"dense", "moe", "switch"} if isinstance(v, dict) else {"(not an object)"}

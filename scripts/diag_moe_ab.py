@@ -17,7 +17,6 @@ the first compiles and captures and is printed but not summed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 _SCRIPTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
+import bench_common as bc  # noqa: E402
 import kernels  # noqa: E402
 import tune_moe  # noqa: E402
 from kernels.moe_triton import fused_moe_triton, launch_config  # noqa: E402
@@ -36,12 +36,7 @@ DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}
 
 def load_variants(path: str) -> dict:
     """``--variants FILE`` -> {shape: {dtype: {name: {"up": ..., "down": ...}}}}, checked."""
-    try:
-        spec = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"--variants {path}: {exc}") from None
-    if not isinstance(spec, dict) or not spec:
-        raise SystemExit(f"--variants {path}: expected a JSON object of shapes")
+    spec = bc.read_json_object(path, "--variants", "shapes")
     for shape, by_dtype in spec.items():
         if shape not in tune_moe.SHAPES:
             raise SystemExit(f"--variants {path}: shape {shape!r}: expected one of {', '.join(tune_moe.SHAPES)}")
