@@ -45,9 +45,9 @@ MMA (int8 only: ``moe_up_mma`` / ``moe_down_mma`` on the tensor cores, cuda_comm
 helpers; H and F multiples of 64), H16 (the up kernel writes h as f16 times ACT_F16, the
 operand of an MMA down kernel), PIPE (``moe_down``, a down entry's ``pipe``: two weight
 buffers, each step's loads issued before the arithmetic of the step before it, the
-second step's right after the wait). The MMA kernels halve the instructions a weight again, but
-on the H100 they measured slower than ``unit`` at T = 1 for the small shapes; the H200
-table uses the MMA up kernel for Mixtral (docs/performance.md, twelfth session).
+second step's right after the wait). The MMA kernels halve the instructions a weight
+again, but on the H100 they measured slower than ``unit`` at T = 1 for the small shapes;
+the H200 table uses the MMA up kernel for Mixtral (docs/performance.md, twelfth session).
 
 At decode sizes a block is one short chain of dependent memory round trips (expert id,
 weights, reduction) in a grid of one or two waves, so the kernels are latency-bound
@@ -104,8 +104,9 @@ def candidates(phase: str, t: int, int8: bool = False, h: int | None = None, f: 
     base ones, each also with its registers capped for ``min_blocks`` blocks an SM (the
     int8 kernels use 100-180 registers uncapped, so two or three blocks an SM hold all
     the loads in flight), for int8 each also widening with one byte permute a weight
-    (``unit``); the down kernel also with two weight buffers (``pipe``); then the tensor-core kernels (``mma``, where H = h and F = f allow them;
-    they need no cap), and past T = 1 each in the pair-major grid."""
+    (``unit``); the down kernel also with two weight buffers (``pipe``); then the
+    tensor-core kernels (``mma``, where H = h and F = f allow them; they need no cap), and
+    past T = 1 each in the pair-major grid."""
     base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES + PIPE_DOWN_CANDIDATES
     base = base + ([dict(c, unit=True) for c in base] if int8 else [])
     base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]

@@ -292,8 +292,8 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   };
 #if PIPE
   // Two buffers by name: the step after next is issued as soon as a buffer is free, so a
-  // step's loads are in flight during the one before it's arithmetic (the second step's
-  // from the wait on; never before it, where they would compete with the up kernel's).
+  // step's loads are in flight during the arithmetic of the step before it (the second
+  // step's from the wait on; never before it, where they would compete with the up kernel's).
   u32x4 nx[U][BN];
   int nslot[U];
   load_step(nx, nslot, kb + U * STEP);

@@ -299,8 +299,8 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
     }
   };
 #if PIPE
-  // Two buffers by name: each step's loads are in flight during the step before it's
-  // arithmetic (the tile's second step from here on: after the wait).
+  // Two buffers by name: each step's loads are in flight during the arithmetic of the step
+  // before it (the tile's second step's from here on: after the wait).
   u32x4 nx[U][BN];
   if (kb + U * STEP < k_hi) load_into(nx, kb + U * STEP);
   for (; kb < k_hi; kb += 2 * U * STEP) {

@@ -205,8 +205,9 @@ def test_norm_linear_follows_the_table(monkeypatch):
 def test_persistent_grid_gives_the_one_tile_a_block_result(t, k, n, int8, norm, split):
     """Fewer blocks than column tiles (``persist`` blocks per SM, each walking tiles with
     the next one's weights loaded during this one's reduction), and two weight buffers
-    (``pipe``): the same outputs, bit for bit, as one tile a block (each tile's sums are formed in the same order), with the
-    norm, split-K, int8, a bias and a residual; and close to the float64 reference."""
+    (``pipe``): the same outputs, bit for bit, as one tile a block (each tile's sums are
+    formed in the same order), with the norm, split-K, int8, a bias and a residual; and
+    close to the float64 reference."""
     gen = torch.Generator().manual_seed(t + k + n)
     x = (torch.randn(t, k, generator=gen) * 2).to("cuda", torch.bfloat16)
     w, scale = maybe_int8((torch.randn(n, k, generator=gen) / k ** 0.5).to("cuda", torch.bfloat16), int8)
