@@ -117,9 +117,8 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
         buf[u][j] = k < k_hi && n0 + j < N ? load_stream(w_rows + ((size_t)j * stride_w + k) * W_BYTES) : zero4();
       }
   };
-  auto load_step = [&](int kb) { load_into(wv, kb); };
   int kb = k_lo + tid * WVEC;
-  load_step(kb);  // weights are no kernel's output: in flight before the wait
+  load_into(wv, kb);  // weights are no kernel's output: in flight before the wait
   prefetch_rows(w_rows + (size_t)k_lo * W_BYTES, min(BN, N - n0), (size_t)stride_w * W_BYTES,
                 (size_t)(k_hi - k_lo) * W_BYTES);  // and the rest of them on the way to L2
   float2 consts = column_consts(scale, bias, n0, N);
@@ -313,7 +312,7 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
 #else
   for (; kb < k_hi; kb += U * STEP) {
     add_step(wv, kb);
-    if (kb + U * STEP < k_hi) load_step(kb + U * STEP);
+    if (kb + U * STEP < k_hi) load_into(wv, kb + U * STEP);
   }
 #endif
 
@@ -325,7 +324,7 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
     n0 = tile * BN;
     w_rows = (const char*)w + (size_t)n0 * stride_w * W_BYTES;
     kb = k_lo + tid * WVEC;
-    load_step(kb);
+    load_into(wv, kb);
     consts = column_consts(scale, bias, n0, N);
   }
 #endif

@@ -29,7 +29,6 @@ import bench_common as bc  # noqa: E402
 import kernels  # noqa: E402
 import tune_moe  # noqa: E402
 from kernels.moe_triton import fused_moe_triton, launch_config  # noqa: E402
-from moe_infer.engine import prime_cuda_graphs  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}
 
@@ -103,7 +102,7 @@ def main():
         raise SystemExit(f"--rounds {args.rounds} / --tokens {args.tokens}: expected >= 1 / 1 to 16")
     if not torch.cuda.is_available():
         raise SystemExit("diag_moe_ab.py needs a CUDA GPU (the CUDA decode kernels, timed as graphs)")
-    prime_cuda_graphs(torch.device("cuda", torch.cuda.current_device()))  # the first graphs replay slower
+    bc.prime_graphs("cuda")  # the first graphs a process makes replay slower
     print(f"device {torch.cuda.get_device_name()} | T = {args.tokens} | {args.rounds} rounds", flush=True)
     for shape, variants in spec.items():
         run_shape(shape, variants, args.tokens, args.rounds, args.reps)
