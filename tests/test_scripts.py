@@ -149,9 +149,12 @@ def test_tune_moe_keeps_pinned_and_untuned_buckets(capsys):
 def test_diag_decode_ab_switches_a_built_model():
     """--alternate sets each switch on the built model's modules (every instance of a class,
     or the module) and restores it; switches read only at construction are not offered."""
+    import importlib
+
     import moe_infer
-    from kernels import qkv_attention
     from moe_infer import moe_layer
+
+    qkv_attention = importlib.import_module("kernels.qkv_attention")  # the module, not the package's function
 
     diag = _script("diag_decode_ab")
     net = moe_infer.load("tiny-moe", device="cpu", progress=False).model
@@ -161,7 +164,13 @@ def test_diag_decode_ab_switches_a_built_model():
     assert all(m.route_in_experts for m in layers) and qkv_attention.PRELOAD_KV is False
     diag.set_switches(net, ["route-in", "preload-kv"], False)
     assert not any(m.route_in_experts for m in layers) and qkv_attention.PRELOAD_KV is True
-    assert "moe-cuda" not in diag.SWITCHES and set(diag.SWITCHES) <= set(diag.OFF + diag.ON)
+    # A launch setting (not a flag) goes back to the value it had.
+    assert diag.set_switches(net, ["attention-o-bn16"], True) == {"attention-o-bn16": 16}
+    assert qkv_attention.O_PROJ_BN == 16
+    diag.set_switches(net, ["attention-o-bn16"], False)
+    assert qkv_attention.O_PROJ_BN is None
+    settings = {p for p in diag.SWITCHES if p.startswith(("attention-o-bn", "attention-o-warps"))}
+    assert "moe-cuda" not in diag.SWITCHES and set(diag.SWITCHES) - settings <= set(diag.OFF + diag.ON)
 
 
 def test_diag_decode_ab_variants_file(tmp_path, monkeypatch):
