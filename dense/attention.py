@@ -7,7 +7,6 @@ marks real tokens (left or right padding both work) and positions are per row.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -181,13 +180,6 @@ class PagedKVCache:
         return self.k[layer][self.read_slots].transpose(1, 2), self.v[layer][self.read_slots].transpose(1, 2)
 
 
-class AttentionParts(NamedTuple):
-    """An attention block's output for one row as float32 parts [Hkv, 1, H], one per KV head
-    (``kernels.attention_o``): the launch that takes them sums them
-    (``kernels.rms_norm_router``)."""
-    parts: torch.Tensor
-
-
 class Attention(nn.Module):
     """With a tensor-parallel group of P ranks each rank holds num_heads / P query heads
     and their KV heads: num_kv_heads / P of them, or one KV head shared by P / num_kv_heads
@@ -233,11 +225,6 @@ class Attention(nn.Module):
         # one launch (kernels.qkv_attention) where the cache is short enough for it
         # (kernels.qkv_attention_fits). scripts/diag_decode_ab.py --off fused-attention.
         self.fused_attention = True
-        # Where the caller takes the output as parts (``parts=True``: the MoE block's norm +
-        # router launch sums them), the attention and the output projection are one launch
-        # (kernels.attention_o) for one row and a short cache. scripts/diag_decode_ab.py
-        # --off attention-o.
-        self.fused_o = True
 
     def _epilogue(self) -> tuple:
         """The fused kernels' q / k norm, its weights and eps, and the clip."""
@@ -260,42 +247,26 @@ class Attention(nn.Module):
             return q, cache.k[layer, :, :, :t], cache.v[layer, :, :, :t]
         return (q, *cache.visible(layer, ctx.start, t))
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None = None, layer: int = 0,
-                parts: bool = False) -> torch.Tensor | AttentionParts:
-        """-> the output [B, T, H]; where ``parts`` and the step allows it, ``AttentionParts``."""
-        return self._attend(self.qkv_proj(x), ctx, cache, layer, parts)
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
+        return self._attend(self.qkv_proj(x), ctx, cache, layer)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm, ctx: StepContext,
-                       cache: KVCache | None = None, layer: int = 0,
-                       parts: bool = False) -> tuple[torch.Tensor | AttentionParts, torch.Tensor]:
+                       cache: KVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention on norm(x + residual) -> (output, x + residual): the add and the norm go
         into the QKV GEMM's prologue where that is one launch (``kernels.norm_linear``)."""
         qkv, summed = self.qkv_proj.normed(x, residual, norm)
-        return self._attend(qkv, ctx, cache, layer, parts), summed
+        return self._attend(qkv, ctx, cache, layer), summed
 
-    def _o_weights(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(weight, int8 scales or None) of the output projection where one launch can apply
-        it on this rank alone: no bias, no all-reduce. Else None."""
-        o = self.o_proj
-        group = o.group if isinstance(o, RowParallelLinear) else getattr(o, "reduce", None)
-        if getattr(o, "bias", None) is not None or (group is not None and group.size > 1):
-            return None
-        return o.weight, getattr(o, "scale", None)
-
-    def _attend(self, qkv: torch.Tensor, ctx: StepContext, cache: KVCache | None, layer: int,
-                parts: bool = False) -> torch.Tensor | AttentionParts:
+    def _attend(self, qkv: torch.Tensor, ctx: StepContext, cache: KVCache | None, layer: int) -> torch.Tensor:
         b, t, _ = qkv.shape
         if (self.fused_attention and self.fusable and qkv.is_cuda and t == 1 and type(cache) is KVCache
                 and torch.is_tensor(ctx.start) and ctx.attn_mask.is_floating_point()
                 and kernels.qkv_attention_fits(b, self.num_heads, self.num_kv_heads, self.head_dim, cache.max_len,
                                                torch.cuda.get_device_properties(qkv.device).multi_processor_count)):
-            step = (qkv.reshape(b, -1), self.num_heads, self.num_kv_heads, self.head_dim, cache.k[layer],
-                    cache.v[layer], ctx.start, ctx.attn_mask)
-            o_w = self._o_weights() if parts and self.fused_o else None
-            if o_w is not None and kernels.attention_o_fits(b, self.num_heads, self.num_kv_heads, self.head_dim,
-                                                            cache.max_len):
-                return AttentionParts(kernels.attention_o(*step, *o_w, ctx.cos, ctx.sin, *self._epilogue()))
-            out = kernels.qkv_attention(*step, ctx.cos, ctx.sin, *self._epilogue())  # [B, Hq, D]
+            out = kernels.qkv_attention(qkv.reshape(b, -1), self.num_heads, self.num_kv_heads, self.head_dim,
+                                        cache.k[layer], cache.v[layer], ctx.start, ctx.attn_mask, ctx.cos, ctx.sin,
+                                        *self._epilogue())  # [B, Hq, D]
             return self.o_proj(out.view(b, 1, -1))
         fused = self._fused_decode(qkv, ctx, cache, layer)
         if fused is not None:

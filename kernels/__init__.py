@@ -9,8 +9,7 @@ import torch
 from kernels.argmax import argmax_ref, argmax_triton
 from kernels.decode_context import decode_context_triton
 from kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from kernels.qkv_attention import (attention_o_fits, attention_o_ref, attention_o_triton, fits as qkv_attention_fits,
-                                   qkv_attention_ref, qkv_attention_triton)
+from kernels.qkv_attention import fits as qkv_attention_fits, qkv_attention_ref, qkv_attention_triton
 from kernels.linear_select import dense_linear, norm_linear
 from kernels.norm import (ROUTER_MAX_ROWS, rms_norm_ref, rms_norm_router_ref, rms_norm_router_triton,
                           rms_norm_triton)
@@ -182,8 +181,7 @@ def rms_norm_router(x, residual, norm_w, eps, router_w, gating=None):
     """The MoE layer's entry in one launch on a GPU (T <= 16 rows): h = RMSNorm(x + residual),
     the new residual stream x + residual, and the router logits h @ router_w.T. ``gating``
     (k, score, renormalize): also the top-k table of those logits (as ``topk_gating``),
-    ids [T, k] and weights [T, k], from the same launch. x [T, H], or float32 parts
-    [P, T, H] to sum first (``attention_o``'s)."""
+    ids [T, k] and weights [T, k], from the same launch."""
     fn = rms_norm_router_triton if x.is_cuda else rms_norm_router_ref
     return fn(x, residual, norm_w, eps, router_w, gating)
 
@@ -209,17 +207,6 @@ def qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot
               k_norm_w, eps, clip)
 
 
-def attention_o(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, w, w_scale=None, cos=None,
-                sin=None, qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
-    """``qkv_attention`` and the output projection ``w`` [N, Hq * D] (int8 with row scales
-    ``w_scale``) in one launch on a GPU, for one row and a short cache
-    (``attention_o_fits``): -> float32 parts [Hkv, 1, N], one per KV head, which
-    ``rms_norm_router`` sums (see ``attention_o_ref``)."""
-    fn = attention_o_triton if qkv.is_cuda else attention_o_ref
-    return fn(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, w, w_scale, cos, sin, qk_norm,
-              q_norm_w, k_norm_w, eps, clip)
-
-
 def sbi_linear(x, w, scale=None, bias=None, residual=None, norm=None):
     """The small-batch GEMM with deep fusion: y = norm(x) @ W.T (+ bias) (+ residual), x [T, K]
     with T <= 64, W [N, K] (int8 with per-row ``scale``); ``norm`` = (kind, weight, bias, eps)."""
@@ -235,7 +222,6 @@ __all__ = [
     "rms_norm_router", "rms_norm_router_ref", "rms_norm_router_triton",
     "qkv_decode", "qkv_decode_ref", "qkv_decode_supported", "qkv_decode_triton",
     "qkv_attention", "qkv_attention_fits", "qkv_attention_ref", "qkv_attention_triton",
-    "attention_o", "attention_o_fits", "attention_o_ref", "attention_o_triton",
     "dense_linear", "norm_linear", "linear_triton", "sbi_linear", "sbi_linear_cuda", "sbi_linear_ref", "sbi_linear_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "fused_moe_logits", "fused_moe_logits_triton", "quantize_int8", "dequantize_ref",
     "route", "route_triton", "route_scatter", "route_scatter_triton", "row_pair_ref",

@@ -94,28 +94,12 @@ def _normed_rows(s, rstd, nw, pid, sum_ptr, h_ptr, rows, ks, m, H, DT: tl.conste
 
 
 @triton.jit
-def _x_plus_res(x_ptr, res_ptr, rows, ks, m, stride_x, stride_res, stride_part, PARTS: tl.constexpr,
-                DT: tl.constexpr):
-    """x + residual at rows x columns ks as float32, each rounded to DT as torch rounds it. With
-    PARTS > 0, x is the sum of PARTS float32 parts ``stride_part`` apart (an output projection
-    split by head, ``kernels.attention_o``), rounded to DT first, as that GEMM's output is."""
-    s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=m, other=0.0).to(tl.float32)
-    if PARTS > 0:
-        for i in tl.static_range(1, PARTS):
-            s += tl.load(x_ptr + i * stride_part + rows[:, None] * stride_x + ks[None, :], mask=m, other=0.0)
-        s = s.to(DT).to(tl.float32)
-    s += tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=m, other=0.0).to(tl.float32)
-    return s.to(DT).to(tl.float32)
-
-
-@triton.jit
 def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logits_ptr, T, H, E, eps,
-                            stride_x, stride_res, stride_rw, stride_part,
+                            stride_x, stride_res, stride_rw,
                             ids_ptr, weights_ptr, count_ptr,  # top-k outputs [T, K] and the ticket (K > 0)
                             BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
                             K: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
-                            E_ALL: tl.constexpr, BLOCK_K: tl.constexpr, ONE: tl.constexpr, PARTS: tl.constexpr,
-                            PDL: tl.constexpr):
+                            E_ALL: tl.constexpr, BLOCK_K: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):
     """Program p: logits of experts p*BE .. for every row; program 0 also writes h and the sum.
     Products are summed in float32 on the CUDA cores ([BT, BE, BK] per step): a decode step
     has too few rows for the tensor cores to pay, and each program's weights are a few KB.
@@ -123,14 +107,13 @@ def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logi
     are then loaded before the PDL wait, so their DRAM round trip overlaps the kernel before.
     With K > 0 each program then takes a ticket, and the last one computes the top-k table
     from every program's (rounded) logits, as ``kernels.topk_gating`` would, and resets the
-    counter: the MoE layer's gating without a launch of its own. PARTS > 0: x comes as that
-    many float32 parts to sum (``_x_plus_res``)."""
+    counter: the MoE layer's gating without a launch of its own."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BT)
     row_ok = rows < T
     experts = pid * BE + tl.arange(0, BE)
     e_ok = experts < E
-    DT: tl.constexpr = res_ptr.dtype.element_ty
+    DT: tl.constexpr = x_ptr.dtype.element_ty
     if ONE:  # the weights (no kernel's output) are loaded before the wait
         ks = tl.arange(0, BK)
         m = row_ok[:, None] & (ks < H)[None, :]
@@ -138,9 +121,12 @@ def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logi
         w = tl.load(rw_ptr + experts[:, None] * stride_rw + ks[None, :], mask=e_ok[:, None] & (ks < H)[None, :],
                     other=0.0).to(tl.float32)  # [BE, BK]
         pdl_enter(PDL)
-        sf = _x_plus_res(x_ptr, res_ptr, rows, ks, m, stride_x, stride_res, stride_part, PARTS, DT)
+        s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        s += tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        s = s.to(DT)
+        sf = s.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=1) / H + eps)
-        h = _normed_rows(sf.to(DT), rstd, nw, pid, sum_ptr, h_ptr, rows, ks, m, H, DT)
+        h = _normed_rows(s, rstd, nw, pid, sum_ptr, h_ptr, rows, ks, m, H, DT)
         acc = tl.sum(h.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     else:
         pdl_enter(PDL)
@@ -148,14 +134,18 @@ def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logi
         for k0 in range(0, H, BK):  # pass 1: each row's mean square of x + residual
             ks = k0 + tl.arange(0, BK)
             m = row_ok[:, None] & (ks < H)[None, :]
-            s = _x_plus_res(x_ptr, res_ptr, rows, ks, m, stride_x, stride_res, stride_part, PARTS, DT)
+            s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            s += tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            s = s.to(DT).to(tl.float32)
             ss += tl.sum(s * s, axis=1)
         rstd = 1.0 / tl.sqrt(ss / H + eps)
         acc = tl.zeros([BT, BE], tl.float32)
         for k0 in range(0, H, BK):  # pass 2: normalise, scale, and multiply by the router rows
             ks = k0 + tl.arange(0, BK)
             m = row_ok[:, None] & (ks < H)[None, :]
-            s = _x_plus_res(x_ptr, res_ptr, rows, ks, m, stride_x, stride_res, stride_part, PARTS, DT).to(DT)
+            s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            s += tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            s = s.to(DT)
             nw = tl.load(nw_ptr + ks, mask=ks < H, other=0.0).to(tl.float32)
             h = _normed_rows(s, rstd, nw, pid, sum_ptr, h_ptr, rows, ks, m, H, DT)
             w = tl.load(rw_ptr + experts[:, None] * stride_rw + ks[None, :], mask=e_ok[:, None] & (ks < H)[None, :],
@@ -194,18 +184,10 @@ ROUTER_PRELOAD = True
 def rms_norm_router_ref(x, residual, norm_w, eps, router_w, gating: tuple | None = None):
     """x, residual [T, H]; router_w [E, H] -> (h = norm(x + residual) [T, H], x + residual,
     router logits h @ router_w.T [T, E] in the input dtype); with ``gating`` (k, score,
-    renormalize) also the top-k table of those logits (``topk_gating_ref``). x may also be
-    [P, T, H] float32 parts (``kernels.attention_o``): their sum, rounded to residual's
-    dtype, is x."""
-    x = _summed_parts(x, residual)
+    renormalize) also the top-k table of those logits (``topk_gating_ref``)."""
     h, summed = rms_norm_ref(x, norm_w, eps, residual)
     logits = h @ router_w.t()
     return (h, summed, logits) if gating is None else (h, summed, logits, *topk_gating_ref(logits, *gating))
-
-
-def _summed_parts(x, residual):
-    """x, or where x holds [P, T, H] float32 parts, their sum rounded to residual's dtype."""
-    return x.sum(0).to(residual.dtype) if x.dim() == 3 else x
 
 
 def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | None = None):
@@ -214,33 +196,29 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | N
     few hundred KB of weights, too little for cuBLAS to spread over the SMs. ``gating``
     (k, score, renormalize): the top-k table of the logits too, from the same launch
     (-> h, sum, logits, ids [T, k] int32, weights [T, k] float32)."""
-    parts = x.shape[0] if x.dim() == 3 else 0
-    t, h = residual.shape
+    t, h = x.shape
     e = router_w.shape[0]
-    if x.shape[-2:] != residual.shape or tuple(norm_w.shape) != (h,) or router_w.shape[1] != h:
+    if residual.shape != x.shape or tuple(norm_w.shape) != (h,) or router_w.shape[1] != h:
         raise ValueError(f"x {list(x.shape)}, residual {list(residual.shape)}, norm weight {list(norm_w.shape)}, "
-                         f"router weight {list(router_w.shape)}: expected [T, H] (or [P, T, H] parts), [T, H], [H], "
-                         f"[E, H]")
-    if parts and x.dtype != torch.float32:
-        raise ValueError(f"x {list(x.shape)} {x.dtype}: parts [P, T, H] are float32")
+                         f"router weight {list(router_w.shape)}: expected [T, H], [T, H], [H], [E, H]")
     k, score, renormalize = gating if gating is not None else (0, "softmax", False)
     if gating is not None:
         _check_logits_once(router_w[:, :1].t(), k, score)  # a [1, E] view: E, k and score as the gating checks them
     if t > ROUTER_MAX_ROWS or t == 0:
         return rms_norm_router_ref(x, residual, norm_w, eps, router_w, gating)
     x, residual = x.contiguous(), residual.contiguous()
-    out_h = torch.empty_like(residual)
-    summed = torch.empty_like(residual)
-    logits = torch.empty(t, e, dtype=residual.dtype, device=x.device)
+    out_h = torch.empty_like(x)
+    summed = torch.empty_like(x)
+    logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
     ids = weights = logits  # K = 0: the top-k outputs are never written
     if gating is not None:
         ids, weights = _outputs(t, k, x.device)
     bt, be, bk = _router_blocks(t, h, e)
     _rms_norm_router_kernel[(triton.cdiv(e, be),)](
-        x, residual, norm_w, router_w, out_h, summed, logits, t, h, e, eps, x.stride(-2), residual.stride(0),
-        router_w.stride(0), x.stride(0) if parts else 0, ids, weights, ticket_counters(x.device, 1, "rms_norm_router"),
+        x, residual, norm_w, router_w, out_h, summed, logits, t, h, e, eps, x.stride(0), residual.stride(0),
+        router_w.stride(0), ids, weights, ticket_counters(x.device, 1, "rms_norm_router"),
         BT=bt, BE=be, BK=bk, K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
         E_ALL=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(k, 1)), ONE=ROUTER_PRELOAD and bk >= h,
-        PARTS=parts, num_warps=4,
+        num_warps=4,
         **pdl_launch(x.device))
     return (out_h, summed, logits) if gating is None else (out_h, summed, logits, ids, weights)

@@ -82,37 +82,25 @@ def _qkv_attention_kernel(
     out_ptr,  # [B, Hq, D]
     m_ptr, l_ptr, acc_ptr,  # float32 partials [B, Hkv, G_M, P] (and [.., D]) when P > 1
     count_ptr,  # int32 [B * Hkv] counters, zero between calls
-    w_ptr, ws_ptr, part_ptr,  # O_PROJ: the output projection [N, Hq * D], its int8 row scales [N], out [Hkv, N]
     eps, clip, scale, stride_qkv, stride_cos,
-    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_bias, N, stride_w,
+    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_bias,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, G: tl.constexpr,
     G_P: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_S: tl.constexpr, P: tl.constexpr, P_CHUNK: tl.constexpr, PRE_KV: tl.constexpr, UPCAST: tl.constexpr,
-    O_PROJ: tl.constexpr, BN: tl.constexpr, W_INT8: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h, p = tl.program_id(1), tl.program_id(2)
-    DT: tl.constexpr = qkv_ptr.dtype.element_ty
+    DT: tl.constexpr = out_ptr.dtype.element_ty
     KT: tl.constexpr = tl.float32 if UPCAST else DT  # q, k and v as the products take them
     slot = tl.load(slot_ptr)
     d = tl.arange(0, D)
     partner = (d + D // 2) % D
-    if O_PROJ:  # axis 2 numbers the projection's row tiles; one split (P = 1) attends
-        # Rows p * BN .. of the projection, in head h's columns: no kernel writes them, so
-        # they are loaded before the wait.
-        n = p * BN + tl.arange(0, BN)
-        n_ok = n < N
-        gw = tl.arange(0, G_P)
-        w_at = w_ptr + n[:, None, None].to(tl.int64) * stride_w + ((h * G + gw) * D)[None, :, None] + d[None, None, :]
-        w_tile = tl.load(w_at, mask=n_ok[:, None, None] & (gw < G)[None, :, None], other=0)  # [BN, G_P, D]
-        split = 0
-    else:
-        split = p
     k_rows = kc_ptr + b * stride_kb + h * stride_kh
     v_rows = vc_ptr + b * stride_vb + h * stride_vh
     # Where P blocks cover the cache: this program's keys and values, loaded before the wait.
-    s_pre = split * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_pre = p * BLOCK_S + tl.arange(0, BLOCK_S)
     old_pre = (s_pre < slot) & PRE_KV  # its slots before the fresh key (that one comes from registers)
     k_pre = tl.load(k_rows + s_pre[:, None] * stride_ks + d[None, :], mask=old_pre[:, None], other=0.0).to(KT)
     v_pre = tl.load(v_rows + s_pre[:, None] * stride_vs + d[None, :], mask=old_pre[:, None], other=0.0).to(KT)
@@ -170,7 +158,7 @@ def _qkv_attention_kernel(
         m, l, acc = _attend_block(qk, k_blk, v_blk, (bias_pre > NEG_INF) | fresh, scale, m, l, acc, UPCAST, DT)
     else:
         span = tl.cdiv(tl.cdiv(slot + 1, P), BLOCK_S) * BLOCK_S
-        lo = split * span
+        lo = p * span
         hi = tl.minimum(lo + span, slot + 1)
         for s0 in range(lo, hi, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
@@ -189,15 +177,7 @@ def _qkv_attention_kernel(
     g = tl.arange(0, G_M)
     g_ok = g < G
     out_rows = out_ptr + (b * HQ + h * G + g)[:, None] * D + d[None, :]
-    if O_PROJ:  # head h's share of the projection of its G heads' outputs (rounded to DT, as stored)
-        o = (acc / l[:, None]).to(DT).to(tl.float32)  # [G_M, D]
-        if G_P < G_M:  # rows r and r + G_P are the same head's: keep one copy of each
-            o = tl.max(tl.reshape(o, (G_M // G_P, G_P, D)), axis=0)
-        y = tl.sum(tl.sum(w_tile.to(tl.float32) * o[None, :, :], axis=2), axis=1)  # [BN]
-        if W_INT8:
-            y = y * tl.load(ws_ptr + n, mask=n_ok, other=0.0)
-        tl.store(part_ptr + h * N + n, y, mask=n_ok)
-    elif P == 1:
+    if P == 1:
         tl.store(out_rows, (acc / l[:, None]).to(DT), mask=g_ok[:, None])
     else:
         part = ((b * HKV + h) * G_M + g) * P + p  # [G_M] index into [B, Hkv, G_M, P]
@@ -306,79 +286,6 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
     previous kernel: no kernel of the same step may write them (a decode step's are written
     before it starts).
     ``splits``: P, a power of two (default ``default_splits``)."""
-    return _launch(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin, qk_norm,
-                   q_norm_w, k_norm_w, eps, clip, scale, splits)
-
-
-def attention_o_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, w, w_scale=None,
-                    cos=None, sin=None, qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None,
-                    scale=None):
-    """``qkv_attention_ref`` followed by the output projection ``w`` [N, Hq * D] (int8 with
-    row scales ``w_scale`` [N], or the model dtype), split by KV head: -> float32 [Hkv, B, N],
-    whose sum over the first dimension is the projection of the attention output (rounded
-    to the model dtype, as it is stored). Writes the cache as ``qkv_attention_ref``."""
-    out = qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin,
-                            qk_norm, q_norm_w, k_norm_w, eps, clip, scale)  # [B, Hq, D]
-    _check_o_proj(w, w_scale, num_heads * head_dim)
-    b, width = out.shape[0], (num_heads // num_kv_heads) * head_dim
-    ct = torch.promote_types(out.dtype, torch.float32)
-    o = out.to(ct).reshape(b, num_kv_heads, width).transpose(0, 1)  # [Hkv, B, G * D]
-    wf = w.to(ct).reshape(w.shape[0], num_kv_heads, width).transpose(0, 1)  # [Hkv, N, G * D]
-    parts = o @ wf.transpose(1, 2)  # [Hkv, B, N]
-    if w_scale is not None:
-        parts = parts * w_scale.to(ct)
-    return parts.float()
-
-
-def attention_o_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, w, w_scale=None,
-                       cos=None, sin=None, qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None,
-                       scale=None, bn: int | None = None):
-    """Same contract as ``attention_o_ref``, in one launch, for one row (B = 1) and a cache
-    that one block of keys covers (``attention_o_fits``). Program (h, j) attends for KV head
-    h (every j again: a few KB of keys from L2) and multiplies its G heads' outputs by rows
-    j * ``bn`` .. of the projection, which it loads before its PDL wait. The sum over KV
-    heads is left to the next launch (``rms_norm_router`` takes the parts), so the
-    attention and the projection are one launch, not two. ``bn`` (default
-    ``default_o_rows``): a power of two."""
-    return _launch(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin, qk_norm,
-                   q_norm_w, k_norm_w, eps, clip, scale, 1, (w, w_scale, bn))
-
-
-# The attention + projection kernel's warps, and rows a program where the caller names none
-# (None: ``default_o_rows``). Read at each launch; scripts/diag_decode_ab.py variants.
-O_PROJ_WARPS = 8
-O_PROJ_BN = None
-
-
-def default_o_rows(n: int, hkv: int, sms: int) -> int:
-    """Projection rows a program of ``attention_o_triton``: a power of two from 8 to 128 that
-    makes the grid about two programs an SM."""
-    return max(8, min(128, triton.next_power_of_2(max(1, n * hkv // (2 * sms)))))
-
-
-def attention_o_fits(b: int, hq: int, hkv: int, d: int, s: int) -> bool:
-    """Whether ``attention_o_triton`` takes this step: one row, a power-of-two head dim of
-    16 to 128, and a cache of at most ``MAX_KEYS`` slots, which one block of keys covers
-    (each of the grid's programs reads its KV head's keys again, which pays only while
-    they are few)."""
-    return b == 1 and 16 <= d <= 128 and qkv_decode_supported(d) and s <= MAX_KEYS
-
-
-def _check_o_proj(w, w_scale, width):
-    if w.dim() != 2 or w.shape[1] != width:
-        raise ValueError(f"w {list(w.shape)}: expected the output projection [N, Hq * D = {width}]")
-    if w.dtype == torch.int8:
-        if w_scale is None or tuple(w_scale.shape) != (w.shape[0],):
-            raise ValueError(f"w_scale {None if w_scale is None else list(w_scale.shape)}: int8 w needs row "
-                             f"scales [{w.shape[0]}]")
-    elif w_scale is not None:
-        raise ValueError(f"w_scale: given for {w.dtype} weights (only int8 weights take scales)")
-
-
-def _launch(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin, qk_norm, q_norm_w,
-            k_norm_w, eps, clip, scale, splits, o_proj=None):
-    """The one kernel: the attention output [B, Hq, D], or with ``o_proj`` (w, w_scale, bn)
-    the projection's parts [Hkv, 1, N]."""
     b = check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias)
     if qk_norm not in QK_NORMS:
         raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
@@ -388,52 +295,35 @@ def _launch(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias
     g = hq // hkv
     g_m = max(16, triton.next_power_of_2(g))  # query heads as the rows of a tensor-core product
     block_s = _block_s(s, d)
-    sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count if qkv.is_cuda else 4
     if splits is None:
+        sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count if qkv.is_cuda else 4
         splits = default_splits(b, hkv, s, block_s, sms)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits={splits}: expected a power of two")
-    if qkv.stride(1) != 1:
-        qkv = qkv.contiguous()
-    out = torch.empty(b, hq, d, dtype=qkv.dtype, device=qkv.device)
-    w, w_scale, bn = o_proj if o_proj is not None else (qkv, None, 1)
-    grid_p, n = splits, 1
-    if o_proj is not None:
-        if not attention_o_fits(b, hq, hkv, d, s):
-            raise ValueError(f"attention_o: B = {b}, head_dim {d}, {s} cache slots: expected one row, a head dim "
-                             f"of 16 to 128 and at most {MAX_KEYS} slots (attention_o_fits)")
-        _check_o_proj(w, w_scale, hq * d)
-        if w.stride(1) != 1:
-            w = w.contiguous()
-        n = w.shape[0]
-        bn = bn or O_PROJ_BN or default_o_rows(n, hkv, sms)
-        if bn < 1 or bn & (bn - 1):
-            raise ValueError(f"bn={bn}: expected a power of two")
-        grid_p = triton.cdiv(n, bn)
-        out = torch.empty(hkv, 1, n, dtype=torch.float32, device=qkv.device)
     pre_kv = PRELOAD_KV and splits * block_s >= s
     if not splits * block_s >= s:  # the splits walk their keys in steps: smaller blocks, fewer registers
         block_s = min(block_s, 64)
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
     bias = bias.reshape(b, s)
     rope = cos is not None
     if rope:
         cos, sin = cos.reshape(b, d), sin.reshape(b, d)
+    out = torch.empty(b, hq, d, dtype=qkv.dtype, device=qkv.device)
     n_part = b * hkv * g_m * splits if splits > 1 else 1
     m = torch.empty(n_part, dtype=torch.float32, device=qkv.device)
     l = torch.empty_like(m)
     acc = torch.empty(n_part, d, dtype=torch.float32, device=qkv.device)
-    warps = O_PROJ_WARPS if o_proj is not None else 4 if block_s * d <= 4096 else 8
-    _qkv_attention_kernel[(b, hkv, grid_p)](
+    _qkv_attention_kernel[(b, hkv, splits)](
         qkv, q_norm_w if q_norm_w is not None else qkv, k_norm_w if k_norm_w is not None else qkv,
         cos if rope else qkv, sin if rope else qkv, k_cache, v_cache, slot, bias, out, m, l, acc,
-        ticket_counters(qkv.device, b * hkv, "qkv_attention"), w, w_scale if w_scale is not None else m, out,
-        float(eps), float(clip or 0.0),
+        ticket_counters(qkv.device, b * hkv, "qkv_attention"), float(eps), float(clip or 0.0),
         scale if scale is not None else 1.0 / math.sqrt(d), qkv.stride(0), cos.stride(0) if rope else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), bias.stride(0), n, w.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
+        v_cache.stride(2), bias.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
         HKV_P=triton.next_power_of_2(hkv), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d,
         QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, BLOCK_S=block_s, P=splits,
         P_CHUNK=min(splits, 4), PRE_KV=pre_kv,
-        UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, O_PROJ=o_proj is not None, BN=bn,
-        W_INT8=w.dtype == torch.int8, num_warps=warps, **pdl_launch(qkv.device))
+        UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, num_warps=4 if block_s * d <= 4096 else 8,
+        **pdl_launch(qkv.device))
     return out

@@ -10,7 +10,6 @@ from torch import nn
 import kernels
 from comm import ParallelGroups
 from dense import MLP, Attention, KVCache, PagedKVCache, Rotary, StepContext, make_norm
-from dense.attention import AttentionParts
 from dense.norm import RMSNorm
 from dense.parallel_linear import Linear
 from moe_infer.config import Config
@@ -49,26 +48,22 @@ class Block(nn.Module):
         """-> (residual stream, this block's output not yet added to it). ``pending`` is
         the previous block's such output: each residual add happens inside the next norm
         (one launch for add + RMSNorm on a GPU)."""
-        # Decode: the add, the norm and the router GEMM in one launch, which can also sum the
-        # attention's output from parts (the attention and its projection then one launch).
-        router = (self.fused_router and not self.parallel and x.is_cuda
-                  and x.numel() <= kernels.ROUTER_MAX_ROWS * x.shape[-1])
         if pending is None:
             h = self.attn_norm(x)
-            a = self.attn(h, ctx, cache, self.index, parts=router)
+            a = self.attn(h, ctx, cache, self.index)
         elif self.norm_in_qkv and self.norm_fusable:  # the add and the norm inside the QKV GEMM's launch
-            a, x = self.attn.forward_normed(pending, x, self.attn_norm, ctx, cache, self.index, parts=router)
+            a, x = self.attn.forward_normed(pending, x, self.attn_norm, ctx, cache, self.index)
         else:
             h, x = self.attn_norm(pending, residual=x)
-            a = self.attn(h, ctx, cache, self.index, parts=router)
+            a = self.attn(h, ctx, cache, self.index)
         if self.parallel:
             return x, a + self.ffn(h)
-        if router:
-            shape = x.shape
-            stream = x.view(-1, shape[-1])
-            gating = self.ffn.gating_in_router(stream)  # the top-k table from the same launch
-            rows = a.parts if isinstance(a, AttentionParts) else a.view(-1, shape[-1])
-            out = kernels.rms_norm_router(rows, stream, self.ffn_norm.weight, self.ffn_norm.eps,
+        if self.fused_router and a.is_cuda and a.numel() <= kernels.ROUTER_MAX_ROWS * a.shape[-1]:
+            # Decode: the add, the norm and the router GEMM in one launch.
+            shape = a.shape
+            rows = a.view(-1, shape[-1])
+            gating = self.ffn.gating_in_router(rows)  # the top-k table from the same launch
+            out = kernels.rms_norm_router(rows, x.view(-1, shape[-1]), self.ffn_norm.weight, self.ffn_norm.eps,
                                           self.ffn.router.weight, gating)
             h, x, logits = out[:3]
             routing = Routing(*out[3:]) if gating is not None else None

@@ -17,8 +17,6 @@ is worth in the same run and on the same device:
   router-preload  the norm + router launch loads its weights after its PDL wait, not before
   norm-in-qkv the attention's residual add and RMSNorm in a launch of their own, not inside
               the QKV GEMM's
-  attention-o the attention and its output projection in two launches (kernels.qkv_attention,
-              then the GEMM), not one (kernels.attention_o)
 --on (repeatable; each measured slower or no faster, so off by default):
   route-in    the gating inside the CUDA MoE kernels, no routing launch
   l2-prefetch the CUDA GEMMs send all their weights to L2 before their wait
@@ -71,17 +69,13 @@ from moe_infer import model, moe_layer  # noqa: E402
 qkv_attention = importlib.import_module("kernels.qkv_attention")
 
 OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context", "preload-kv", "router-preload",
-       "norm-in-qkv", "attention-o")
+       "norm-in-qkv")
 ON = ("route-in", "l2-prefetch", "topk-in-router")
 # The switches a built model reads at each call: name -> (a module's class, whose every
 # instance in the model gets the attribute, or a module, which gets it; attribute; value
-# when switched). ``--alternate`` takes only these. The "attention-o-*" ones are launch
-# settings of kernels.attention_o (rows a program, warps), for --variants.
+# when switched). ``--alternate`` takes only these.
 SWITCHES = {
     "fused-attention": (attention.Attention, "fused_attention", False),
-    "attention-o": (attention.Attention, "fused_o", False),
-    **{f"attention-o-bn{bn}": (qkv_attention, "O_PROJ_BN", bn) for bn in (8, 16, 32, 64, 128)},
-    **{f"attention-o-warps{w}": (qkv_attention, "O_PROJ_WARPS", w) for w in (4, 8, 16)},
     "norm-in-qkv": (model.Block, "norm_in_qkv", False),
     "route-in": (moe_layer.MoELayer, "route_in_experts", True),
     "topk-in-router": (moe_layer.MoELayer, "topk_in_router", True),
@@ -157,20 +151,16 @@ def _after_init(cls, flag: str, value: bool = True) -> None:
     cls.__init__ = init_then_set
 
 
-_UNSWITCHED: dict = {}  # part -> the value its attribute had before it was first switched
-
-
 def set_switches(net, parts, switched: bool) -> dict:
     """Sets (``switched``) or restores the SWITCHES ``parts`` on the built model ``net`` and
     their modules; returns {part: value now}."""
     now = {}
     for part in parts:
         where, attr, value = SWITCHES[part]
+        value = value if switched else not value
         targets = [m for m in net.modules() if isinstance(m, where)] if isinstance(where, type) else [where]
         if not targets:
             raise SystemExit(f"--alternate: the model has no {where.__name__} for {part!r}")
-        _UNSWITCHED.setdefault(part, getattr(targets[0], attr))
-        value = value if switched else _UNSWITCHED[part]
         for target in targets:
             setattr(target, attr, value)
         now[part] = value

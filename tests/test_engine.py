@@ -126,42 +126,6 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quantize", [None, "int8"])
-def test_attention_and_its_projection_in_one_launch_keep_the_tokens(quantize, monkeypatch):
-    """At batch 1 with a short cache each MoE block takes its attention's output as parts
-    (``kernels.attention_o``: the attention and the output projection in one launch, summed
-    by the norm + router launch): the same greedy tokens as the two launches, and close
-    logits (embedded model, bf16 and int8 weights, the captured step)."""
-    from dense import attention
-
-    engine = moe_infer.load(device="cuda", progress=False, quantize=quantize)
-    calls = []
-    fused = attention.kernels.attention_o
-    monkeypatch.setattr(attention.kernels, "attention_o", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    prompt = ["Shall I compare thee to a summer's day?"]
-    one = engine.generate(prompt, max_new_tokens=24)[0].token_ids
-    assert calls, "the batch-1 step did not take the one-launch path"
-    dec = next(iter(engine._decoders.values()))
-    tokens = torch.randint(0, 50, (1,), device="cuda")
-    dec.key_valid.fill_(True)
-    dec.positions.copy_(torch.arange(dec.slots, device="cuda").expand(1, -1))
-    logits_one = dec.run(tokens, 5)[0].clone()
-    for m in engine.model.modules():
-        if isinstance(m, attention.Attention):
-            m.fused_o = False
-    engine._decoders.clear()
-    calls.clear()
-    two = engine.generate(prompt, max_new_tokens=24)[0].token_ids
-    assert not calls and one == two
-    dec = next(iter(engine._decoders.values()))
-    dec.key_valid.fill_(True)
-    dec.positions.copy_(torch.arange(dec.slots, device="cuda").expand(1, -1))
-    logits_two = dec.run(tokens, 5)[0]
-    err = ((logits_one.float() - logits_two.float()).norm() / logits_two.float().norm()).item()
-    assert err < 2e-2, err
-
-
-@pytest.mark.gpu
 def test_graphs_primed_once_before_the_first_capture(monkeypatch):
     """The engine makes its priming graphs once, before its first decode step is captured
     (the first graphs a process makes replay slower), and not again for later buckets."""

@@ -295,37 +295,10 @@ def test_rms_norm_router_with_gating(device, dtype, t, h, e, k, score, renorm):
         kernels.norm.rms_norm_router_triton(x, r, nw, 1e-5, rw, (e + 1, score, renorm))
 
 
-@pytest.mark.parametrize("device,dtype", BACKENDS)
-@pytest.mark.parametrize("p,t,h,e", [(4, 1, 64, 8), (16, 1, 256, 128), (2, 3, 200, 20)])
-def test_rms_norm_router_sums_float32_parts(device, dtype, p, t, h, e):
-    """x given as float32 parts [P, T, H] (``kernels.attention_o``'s): their sum, rounded to
-    the stream's dtype as the projection's output is, then as with x itself (the same
-    launch, bit for bit, on that rounded sum)."""
-    gen = torch.Generator().manual_seed(p * t + h)
-    parts = (torch.randn(p, t, h, generator=gen) / p ** 0.5).to(device)
-    r = torch.randn(t, h, generator=gen).to(device, dtype)
-    nw = (torch.rand(h, generator=gen) + 0.5).to(device, dtype)
-    rw = (torch.randn(e, h, generator=gen) / h ** 0.5).to(device, dtype)
-    out = kernels.norm.rms_norm_router_triton(parts, r, nw, 1e-5, rw, (2, "softmax", True))
-    x = parts.double().sum(0).to(dtype)
-    ref = kernels.norm.rms_norm_router_ref(x.double(), r.double(), nw.double(), 1e-5, rw.double())
-    assert out[1].dtype == dtype and rel(out[1], ref[1]) < TOL[dtype] and rel(out[0], ref[0]) < TOL[dtype]
-    assert rel(out[2], ref[2]) < 2 * TOL[dtype]
-    same = kernels.norm.rms_norm_router_triton(parts.sum(0).to(dtype), r, nw, 1e-5, rw, (2, "softmax", True))
-    close = 0 if device == "cuda" else TOL[dtype]  # float32 sums of P parts in another order on the CPU
-    assert rel(out[1], same[1]) <= close and rel(out[0], same[0]) <= close
-    ref_parts = kernels.norm.rms_norm_router_ref(parts, r, nw, 1e-5, rw)
-    assert torch.equal(ref_parts[1], kernels.norm.rms_norm_ref(parts.sum(0).to(dtype), nw, 1e-5, r)[1])
-
-
 def test_rms_norm_router_rejects_mismatched_shapes():
-    with pytest.raises(ValueError, match=r"router weight \[4, 7\]: expected \[T, H\] \(or \[P, T, H\] parts\), "
-                                         r"\[T, H\], \[H\], \[E, H\]"):
+    with pytest.raises(ValueError, match=r"router weight \[4, 7\]: expected \[T, H\], \[T, H\], \[H\], \[E, H\]"):
         kernels.norm.rms_norm_router_triton(torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), 1e-6,
                                             torch.randn(4, 7))
-    with pytest.raises(ValueError, match=r"x \[3, 2, 8\] torch.bfloat16: parts \[P, T, H\] are float32"):
-        kernels.norm.rms_norm_router_triton(torch.randn(3, 2, 8, dtype=torch.bfloat16), torch.randn(2, 8),
-                                            torch.ones(8), 1e-6, torch.randn(4, 8))
 
 
 @pytest.mark.parametrize("device,dtype", BACKENDS)
@@ -471,11 +444,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.norm import _rms_norm_router_kernel as kernel
 
-bk, k, one, pdl, parts = (int(v) for v in sys.argv[1:])
+bk, k, one, pdl = (int(v) for v in sys.argv[1:])
 const = dict(BT=1, BE=4, BK=bk, K=k, SOFTMAX=True, RENORMALIZE=False, E_ALL=64, BLOCK_K=max(k, 1), ONE=bool(one),
-             PARTS=parts, PDL=pdl)
+             PDL=pdl)
 types = {"ids_ptr": "*i32", "weights_ptr": "*fp32", "count_ptr": "*i32", "T": "i32", "H": "i32", "E": "i32",
-         "eps": "fp32", "x_ptr": "*fp32" if parts else "*bf16"}
+         "eps": "fp32"}
 sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
        for n in kernel.arg_names}
 compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -483,15 +456,13 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("bk,k,one,pdl,parts", [(2048, 8, 1, 2, 0), (512, 0, 0, 1, 0), (2048, 0, 1, 2, 4),
-                                                 (512, 8, 0, 2, 16)])
-def test_rms_norm_router_compiles_for_hopper(bk, k, one, pdl, parts):
+@pytest.mark.parametrize("bk,k,one,pdl", [(2048, 8, 1, 2), (512, 0, 0, 1)])
+def test_rms_norm_router_compiles_for_hopper(bk, k, one, pdl):
     """The norm + router kernel's whole Triton compile for sm_90 (tests.hopper): one step
-    over H with the weights loaded before the wait (ONE), and the loop over H in steps; x
-    as itself or as float32 parts."""
+    over H with the weights loaded before the wait (ONE), and the loop over H in steps."""
     from tests.hopper import compile_in_subprocess
 
-    assert int(compile_in_subprocess(_COMPILE_ROUTER, bk, k, one, pdl, parts).split()[-1]) > 0
+    assert int(compile_in_subprocess(_COMPILE_ROUTER, bk, k, one, pdl).split()[-1]) > 0
 
 
 _COMPILE_QKV_DECODE = """
