@@ -88,12 +88,10 @@ def _qkv_attention_kernel(
     G_P: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_S: tl.constexpr, P: tl.constexpr, P_CHUNK: tl.constexpr, PRE_KV: tl.constexpr, UPCAST: tl.constexpr,
-    GS: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    hv, p = tl.program_id(1), tl.program_id(2)
-    h, gs = hv // GS, hv % GS  # KV head h, and which of its GS groups of G // GS query heads
-    GQ: tl.constexpr = G // GS
+    h, p = tl.program_id(1), tl.program_id(2)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     KT: tl.constexpr = tl.float32 if UPCAST else DT  # q, k and v as the products take them
     slot = tl.load(slot_ptr)
@@ -108,7 +106,7 @@ def _qkv_attention_kernel(
     v_pre = tl.load(v_rows + s_pre[:, None] * stride_vs + d[None, :], mask=old_pre[:, None], other=0.0).to(KT)
     # The q / k norm weights: no kernel's output either.
     gq = tl.arange(0, G_P)
-    q_heads = tl.where(gq < GQ, h * G + gs * GQ + gq, HQ)  # this program's query heads (HQ: padding, masked)
+    q_heads = tl.where(gq < G, h * G + gq, HQ)  # this KV head's query heads (HQ: padding, masked)
     k_head = h + tl.zeros([1], tl.int32)  # k and v of head h as a 1-row block
     qw, qwp = _norm_weights(qn_w_ptr, q_heads, d, partner, HQ, D, QK_NORM)
     kw, kwp = _norm_weights(kn_w_ptr, k_head, d, partner, HKV, D, QK_NORM)
@@ -139,7 +137,7 @@ def _qkv_attention_kernel(
         v_new = tl.minimum(tl.maximum(v_new, -clip), clip)
     k_new = k_new.to(DT)  # [1, D]: the values the cache keeps and the products see
     v_new = v_new.to(DT)
-    if (p == 0) & (gs == 0):
+    if p == 0:
         tl.store(k_rows + slot * stride_ks + d[None, :], k_new)
         tl.store(v_rows + slot * stride_vs + d[None, :], v_new)
     qk = q.to(DT).to(KT)
@@ -177,19 +175,19 @@ def _qkv_attention_kernel(
                 m, l, acc = _attend_block(qk, k, v, visible, scale, m, l, acc, UPCAST, DT)
 
     g = tl.arange(0, G_M)
-    g_ok = g < GQ
-    out_rows = out_ptr + (b * HQ + h * G + gs * GQ + g)[:, None] * D + d[None, :]
+    g_ok = g < G
+    out_rows = out_ptr + (b * HQ + h * G + g)[:, None] * D + d[None, :]
     if P == 1:
         tl.store(out_rows, (acc / l[:, None]).to(DT), mask=g_ok[:, None])
     else:
-        part = ((b * HKV * GS + hv) * G_M + g) * P + p  # [G_M] index into [B, Hkv * GS, G_M, P]
+        part = ((b * HKV + h) * G_M + g) * P + p  # [G_M] index into [B, Hkv, G_M, P]
         tl.store(m_ptr + part, m)
         tl.store(l_ptr + part, l)
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
         tl.debug_barrier()  # every thread's partials are written before the ticket is taken
-        ticket = tl.atomic_add(count_ptr + b * HKV * GS + hv, 1, sem="acq_rel")
+        ticket = tl.atomic_add(count_ptr + b * HKV + h, 1, sem="acq_rel")
         if ticket == P - 1:  # the last of the P programs: merge them, P_CHUNK splits at a time
-            base = ((b * HKV * GS + hv) * G_M + g[:, None]) * P  # [G_M, 1]
+            base = ((b * HKV + h) * G_M + g[:, None]) * P  # [G_M, 1]
             ps = tl.arange(0, P)
             m_all = tl.max(tl.load(m_ptr + base + ps[None, :], cache_modifier=".cg"), axis=1)  # [G_M]
             o = tl.zeros([G_M, D], tl.float32)
@@ -204,19 +202,13 @@ def _qkv_attention_kernel(
                 o += tl.sum(wp[:, :, None] * aa, axis=1)
                 den += tl.sum(wp * ll, axis=1)
             tl.store(out_rows, (o / den[:, None]).to(DT), mask=g_ok[:, None])
-            tl.atomic_xchg(count_ptr + b * HKV * GS + hv, 0)  # ready for the next call (or graph replay)
+            tl.atomic_xchg(count_ptr + b * HKV + h, 0)  # ready for the next call (or graph replay)
 
 
 MAX_KEYS = 128  # cache slots one program may have to walk (its share of S)
 # Where P blocks of keys cover the cache, each program loads its block before the PDL wait.
 # Read at each launch; scripts/diag_decode_ab.py --off preload-kv.
 PRELOAD_KV = True
-# Launch settings read at each launch (scripts/diag_decode_ab.py variants): programs a KV
-# head's query heads are split over; q's rows zero-padded to the product's G_M instead of
-# repeated; warps (None: by the block's size).
-Q_GROUPS = 1
-Q_PAD = False
-WARPS = None
 
 
 def default_splits(b: int, hkv: int, s: int, block_s: int, sms: int) -> int:
@@ -287,14 +279,13 @@ def qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, 
 
 def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
                          qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None,
-                         splits: int | None = None, q_groups: int | None = None):
+                         splits: int | None = None):
     """Same contract as ``qkv_attention_ref``, in one launch. The mask must leave each row's
     own slot visible (``StepContext.decode_static`` does) and hide every slot after it.
     Under PDL, ``slot`` and the cache's slots before it may be read before the wait for the
     previous kernel: no kernel of the same step may write them (a decode step's are written
     before it starts).
-    ``splits``: P, a power of two (default ``default_splits``). ``q_groups``: programs a KV head's
-    query heads are split over (default ``Q_GROUPS``), a divisor of Hq / Hkv."""
+    ``splits``: P, a power of two (default ``default_splits``)."""
     b = check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias)
     if qk_norm not in QK_NORMS:
         raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
@@ -303,9 +294,6 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
         raise ValueError(f"head_dim {d}: expected at least 16 (the tensor-core products')")
     g = hq // hkv
     g_m = max(16, triton.next_power_of_2(g))  # query heads as the rows of a tensor-core product
-    gs = q_groups or Q_GROUPS
-    if gs < 1 or g % gs:
-        raise ValueError(f"q_groups={gs}: expected a divisor of the {g} query heads a KV head has")
     block_s = _block_s(s, d)
     if splits is None:
         sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count if qkv.is_cuda else 4
@@ -322,20 +310,20 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
     if rope:
         cos, sin = cos.reshape(b, d), sin.reshape(b, d)
     out = torch.empty(b, hq, d, dtype=qkv.dtype, device=qkv.device)
-    n_part = b * hkv * gs * g_m * splits if splits > 1 else 1
+    n_part = b * hkv * g_m * splits if splits > 1 else 1
     m = torch.empty(n_part, dtype=torch.float32, device=qkv.device)
     l = torch.empty_like(m)
     acc = torch.empty(n_part, d, dtype=torch.float32, device=qkv.device)
-    _qkv_attention_kernel[(b, hkv * gs, splits)](
+    _qkv_attention_kernel[(b, hkv, splits)](
         qkv, q_norm_w if q_norm_w is not None else qkv, k_norm_w if k_norm_w is not None else qkv,
         cos if rope else qkv, sin if rope else qkv, k_cache, v_cache, slot, bias, out, m, l, acc,
-        ticket_counters(qkv.device, b * hkv * gs, "qkv_attention"), float(eps), float(clip or 0.0),
+        ticket_counters(qkv.device, b * hkv, "qkv_attention"), float(eps), float(clip or 0.0),
         scale if scale is not None else 1.0 / math.sqrt(d), qkv.stride(0), cos.stride(0) if rope else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), bias.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
-        HKV_P=triton.next_power_of_2(hkv), G=g, G_P=g_m if Q_PAD else triton.next_power_of_2(g // gs), G_M=g_m, D=d,
+        HKV_P=triton.next_power_of_2(hkv), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d,
         QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, BLOCK_S=block_s, P=splits,
-        P_CHUNK=min(splits, 4), PRE_KV=pre_kv, GS=gs,
-        UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32,
-        num_warps=WARPS or (4 if block_s * d <= 4096 else 8), **pdl_launch(qkv.device))
+        P_CHUNK=min(splits, 4), PRE_KV=pre_kv,
+        UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, num_warps=4 if block_s * d <= 4096 else 8,
+        **pdl_launch(qkv.device))
     return out

@@ -73,13 +73,9 @@ OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context", 
 ON = ("route-in", "l2-prefetch", "topk-in-router")
 # The switches a built model reads at each call: name -> (a module's class, whose every
 # instance in the model gets the attribute, or a module, which gets it; attribute; value
-# when switched). ``--alternate`` takes only these. The "attention-*" ones set a launch
-# setting of kernels.qkv_attention (programs a KV head, q's rows padded, warps), for --variants.
+# when switched). ``--alternate`` takes only these.
 SWITCHES = {
     "fused-attention": (attention.Attention, "fused_attention", False),
-    **{f"attention-groups{n}": (qkv_attention, "Q_GROUPS", n) for n in (2, 4, 8)},
-    "attention-q-pad": (qkv_attention, "Q_PAD", True),
-    **{f"attention-warps{n}": (qkv_attention, "WARPS", n) for n in (2, 4, 8, 16)},
     "norm-in-qkv": (model.Block, "norm_in_qkv", False),
     "route-in": (moe_layer.MoELayer, "route_in_experts", True),
     "topk-in-router": (moe_layer.MoELayer, "topk_in_router", True),
@@ -155,20 +151,16 @@ def _after_init(cls, flag: str, value: bool = True) -> None:
     cls.__init__ = init_then_set
 
 
-_UNSWITCHED: dict = {}  # part -> its attribute's value before it was first switched
-
-
 def set_switches(net, parts, switched: bool) -> dict:
     """Sets (``switched``) or restores the SWITCHES ``parts`` on the built model ``net`` and
     their modules; returns {part: value now}."""
     now = {}
     for part in parts:
         where, attr, value = SWITCHES[part]
+        value = value if switched else not value
         targets = [m for m in net.modules() if isinstance(m, where)] if isinstance(where, type) else [where]
         if not targets:
             raise SystemExit(f"--alternate: the model has no {where.__name__} for {part!r}")
-        _UNSWITCHED.setdefault(part, getattr(targets[0], attr))
-        value = value if switched else _UNSWITCHED[part]
         for target in targets:
             setattr(target, attr, value)
         now[part] = value

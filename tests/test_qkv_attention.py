@@ -5,15 +5,11 @@ cache and one that fills it, padding and a sliding window in the mask; repeated 
 (the split counters reset); on CPU under the interpreter and on a GPU."""
 import math
 
-import importlib
-
 import pytest
 import torch
 
 from kernels.qkv_attention import default_splits, fits, qkv_attention_ref, qkv_attention_triton
 from tests.hopper import compile_in_subprocess
-
-qkv_attention_module = importlib.import_module("kernels.qkv_attention")
 from tests.test_fused_decode import BACKENDS, TOL, _qkv_case, rel
 
 
@@ -30,7 +26,7 @@ def _mask(b, s, slot, dtype, device, gen, window=None):
     return bias.view(b, 1, 1, s).to(device, dtype)
 
 
-def _run(device, dtype, b, hq, hkv, d, s, slot, qk_norm, rope, clip, splits, seed, window=None, q_groups=None):
+def _run(device, dtype, b, hq, hkv, d, s, slot, qk_norm, rope, clip, splits, seed, window=None):
     qkv, kc, vc, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, s, qk_norm, rope, seed)
     bias = _mask(b, s, slot, dtype, device, torch.Generator().manual_seed(seed + 1), window)
     up = lambda z: None if z is None else z.double()  # noqa: E731
@@ -40,7 +36,7 @@ def _run(device, dtype, b, hq, hkv, d, s, slot, qk_norm, rope, clip, splits, see
                             up(kw), 1e-6, clip)
     kc0, vc0 = kc.clone(), vc.clone()
     out = qkv_attention_triton(qkv, hq, hkv, d, kc, vc, slot_t, bias, cos, sin, qk_norm, qw, kw, 1e-6, clip,
-                               splits=splits, q_groups=q_groups)
+                               splits=splits)
     return out, ref, (kc, vc, kc0, vc0, kr, vr)
 
 
@@ -59,30 +55,6 @@ def test_qkv_attention_matches_reference(device, dtype, b, hq, hkv, d, qk_norm, 
     assert rel(kc[:, :, slot], kr[:, :, slot]) < 3 * TOL[dtype] and rel(vc[:, :, slot], vr[:, :, slot]) < TOL[dtype]
     others = [i for i in range(s) if i != slot]  # the append touches the one slot only
     assert torch.equal(kc[:, :, others], kc0[:, :, others]) and torch.equal(vc[:, :, others], vc0[:, :, others])
-
-
-@pytest.mark.parametrize("device,dtype", BACKENDS)
-@pytest.mark.parametrize("q_groups,q_pad,splits,qk_norm", [(2, False, 1, "head"), (4, True, 4, "full"),
-                                                          (1, True, 1, "head"), (8, False, 2, None)])
-def test_qkv_attention_q_groups_and_padding(device, dtype, q_groups, q_pad, splits, qk_norm, monkeypatch):
-    """A KV head's 8 query heads over 1, 2, 4 or 8 programs (only one appends the cache), and
-    q's rows zero-padded to the product's 16 instead of repeated: the reference's output,
-    and a q_groups that does not divide them refused."""
-    monkeypatch.setattr(qkv_attention_module, "Q_PAD", q_pad)
-    b, hq, hkv, d, s, slot = 2, 16, 2, 16, 40, 29
-    out, ref, (kc, vc, kc0, vc0, kr, vr) = _run(device, dtype, b, hq, hkv, d, s, slot, qk_norm, True, None, splits,
-                                                seed=q_groups + 7, q_groups=q_groups)
-    assert rel(out, ref) < (3 * TOL[dtype] if dtype != torch.float32 else 1e-5)
-    assert rel(kc[:, :, slot], kr[:, :, slot]) < 3 * TOL[dtype] and rel(vc[:, :, slot], vr[:, :, slot]) < TOL[dtype]
-    others = [i for i in range(s) if i != slot]
-    assert torch.equal(kc[:, :, others], kc0[:, :, others]) and torch.equal(vc[:, :, others], vc0[:, :, others])
-    with pytest.raises(ValueError, match=r"q_groups=3: expected a divisor of the 8 query heads a KV head has"):
-        qkv_attention_triton(*_run_args(device, dtype), q_groups=3)
-
-
-def _run_args(device, dtype):
-    qkv, kc, vc, cos, sin, qw, kw = _qkv_case(device, dtype, 1, 16, 2, 16, 8, None, False, 0)
-    return qkv, 16, 2, 16, kc, vc, torch.tensor(3, device=device), torch.zeros(1, 8, device=device, dtype=dtype)
 
 
 @pytest.mark.parametrize("device,dtype", BACKENDS)
@@ -155,11 +127,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.qkv_attention import _qkv_attention_kernel as kernel
 
-g, splits, qk_norm, pdl, pre_kv, gs = (int(v) for v in sys.argv[1:])
+g, splits, qk_norm, pdl, pre_kv = (int(v) for v in sys.argv[1:])
 hkv, d = 4, 128
-const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_P=g // gs, G_M=max(16, g), D=d, QK_NORM=qk_norm,
-             CLIP=False, ROPE=True, BLOCK_S=64, P=splits, P_CHUNK=min(splits, 4), PRE_KV=bool(pre_kv), UPCAST=False,
-             GS=gs, PDL=pdl)
+const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_P=g, G_M=max(16, g), D=d, QK_NORM=qk_norm, CLIP=False,
+             ROPE=True, BLOCK_S=64, P=splits, P_CHUNK=min(splits, 4), PRE_KV=bool(pre_kv), UPCAST=False, PDL=pdl)
 types = {"slot_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32",
          "eps": "fp32", "clip": "fp32", "scale": "fp32"}
 sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
@@ -169,9 +140,8 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv,gs", [(1, 16, 2, 2, 1, 1), (8, 1, 1, 1, 0, 1), (4, 4, 0, 0, 1, 1),
-                                                        (8, 1, 1, 2, 1, 2), (8, 4, 2, 2, 1, 4)])
-def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv, gs):
-    """The whole Triton compile for sm_90 (tests.hopper); ``gs`` programs a KV head."""
-    out = compile_in_subprocess(_COMPILE, g, splits, qk_norm, pdl, pre_kv, gs)
+@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv", [(1, 16, 2, 2, 1), (8, 1, 1, 1, 0), (4, 4, 0, 0, 1)])
+def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv):
+    """The whole Triton compile for sm_90 (tests.hopper)."""
+    out = compile_in_subprocess(_COMPILE, g, splits, qk_norm, pdl, pre_kv)
     assert int(out.split()[-1]) > 0
