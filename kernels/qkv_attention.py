@@ -79,7 +79,8 @@ def _attend_one_block(q, k_old, v_old, k_new, v_new, fresh, visible, scale, UPCA
     slot's own key and value kept apart: k_old / v_old [BLOCK_S, D] are the block as loaded
     before the wait (zero at the slot, ``fresh``), k_new / v_new [1, D] the slot's. The
     products then take the loaded block unchanged, and the fresh key's score and its value's
-    weight are [G_M] sums on the CUDA cores. -> (m, l, acc)."""
+    weight are [G_M] sums on the CUDA cores. -> (m, l, acc); a block with no visible key gives
+    m = -inf and zeros, as ``_attend_block`` leaves its state."""
     if UPCAST:
         s_old = tl.dot(q, tl.trans(k_old), input_precision="ieee")
     else:
@@ -87,8 +88,8 @@ def _attend_one_block(q, k_old, v_old, k_new, v_new, fresh, visible, scale, UPCA
     s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1)  # [G_M]
     scores = tl.where(fresh[None, :], s_new[:, None], s_old)
     scores = tl.where(visible[None, :], scores * scale, NEG_INF)
-    m = tl.max(scores, axis=1)  # finite: the slot is always visible
-    w = tl.exp(scores - m[:, None])
+    m = tl.max(scores, axis=1)
+    w = tl.exp(scores - tl.where(m > NEG_INF, m, 0.0)[:, None])  # a block with no visible key: all 0
     w_new = tl.sum(tl.where(fresh[None, :], w, 0.0), axis=1)  # [G_M]
     if UPCAST:
         pv = tl.dot(w, v_old, input_precision="ieee")
