@@ -73,33 +73,6 @@ def _attend_block(q, k, v, visible, scale, m, l, acc, UPCAST: tl.constexpr, DT: 
 
 
 @triton.jit
-def _attend_one_block(q, k_old, v_old, k_new, v_new, fresh, visible, scale, UPCAST: tl.constexpr,
-                      DT: tl.constexpr):
-    """``_attend_block`` from an empty state for the one block of a short cache, with the
-    slot's own key and value kept apart: k_old / v_old [BLOCK_S, D] are the block as loaded
-    before the wait (zero at the slot, ``fresh``), k_new / v_new [1, D] the slot's. The
-    products then take the loaded block unchanged, and the fresh key's score and its value's
-    weight are [G_M] sums on the CUDA cores. -> (m, l, acc); a block with no visible key gives
-    m = -inf and zeros, as ``_attend_block`` leaves its state."""
-    if UPCAST:
-        s_old = tl.dot(q, tl.trans(k_old), input_precision="ieee")
-    else:
-        s_old = tl.dot(q, tl.trans(k_old))  # [G_M, BLOCK_S] float32
-    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1)  # [G_M]
-    scores = tl.where(fresh[None, :], s_new[:, None], s_old)
-    scores = tl.where(visible[None, :], scores * scale, NEG_INF)
-    m = tl.max(scores, axis=1)
-    w = tl.exp(scores - tl.where(m > NEG_INF, m, 0.0)[:, None])  # a block with no visible key: all 0
-    w_new = tl.sum(tl.where(fresh[None, :], w, 0.0), axis=1)  # [G_M]
-    if UPCAST:
-        pv = tl.dot(w, v_old, input_precision="ieee")
-    else:
-        pv = tl.dot(w.to(DT), v_old)
-        w_new = w_new.to(DT).to(tl.float32)
-    return m, tl.sum(w, axis=1), pv + w_new[:, None] * v_new.to(tl.float32)
-
-
-@triton.jit
 def _qkv_attention_kernel(
     qkv_ptr,  # [B, (Hq + 2 Hkv) * D] the QKV GEMM's output
     qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr,  # q / k norm weights, rotary tables [B, D]
@@ -115,7 +88,7 @@ def _qkv_attention_kernel(
     G_P: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_S: tl.constexpr, P: tl.constexpr, P_CHUNK: tl.constexpr, PRE_KV: tl.constexpr, UPCAST: tl.constexpr,
-    APART: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h, p = tl.program_id(1), tl.program_id(2)
@@ -180,13 +153,9 @@ def _qkv_attention_kernel(
     # the cache must hold finite values there (it starts zeroed).
     if PRE_KV:  # the one block, loaded before the wait
         fresh = s_pre == slot
-        if APART:
-            m, l, acc = _attend_one_block(qk, k_pre, v_pre, k_new, v_new, fresh, (bias_pre > NEG_INF) | fresh, scale,
-                                          UPCAST, DT)
-        else:
-            k_blk = tl.where(fresh[:, None], k_new.to(KT), k_pre)
-            v_blk = tl.where(fresh[:, None], v_new.to(KT), v_pre)
-            m, l, acc = _attend_block(qk, k_blk, v_blk, (bias_pre > NEG_INF) | fresh, scale, m, l, acc, UPCAST, DT)
+        k_blk = tl.where(fresh[:, None], k_new.to(KT), k_pre)
+        v_blk = tl.where(fresh[:, None], v_new.to(KT), v_pre)
+        m, l, acc = _attend_block(qk, k_blk, v_blk, (bias_pre > NEG_INF) | fresh, scale, m, l, acc, UPCAST, DT)
     else:
         span = tl.cdiv(tl.cdiv(slot + 1, P), BLOCK_S) * BLOCK_S
         lo = p * span
@@ -240,7 +209,6 @@ MAX_KEYS = 128  # cache slots one program may have to walk (its share of S)
 # Where P blocks of keys cover the cache, each program loads its block before the PDL wait.
 # Read at each launch; scripts/diag_decode_ab.py --off preload-kv.
 PRELOAD_KV = True
-FRESH_APART = True
 
 
 def default_splits(b: int, hkv: int, s: int, block_s: int, sms: int) -> int:
@@ -355,7 +323,7 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
         v_cache.stride(2), bias.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
         HKV_P=triton.next_power_of_2(hkv), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d,
         QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, BLOCK_S=block_s, P=splits,
-        P_CHUNK=min(splits, 4), PRE_KV=pre_kv, APART=FRESH_APART,
+        P_CHUNK=min(splits, 4), PRE_KV=pre_kv,
         UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, num_warps=4 if block_s * d <= 4096 else 8,
         **pdl_launch(qkv.device))
     return out
