@@ -209,3 +209,16 @@ def test_diag_moe_ab_variants_file(tmp_path):
         path.write_text(json.dumps(bad))
         with pytest.raises(SystemExit, match=says):
             diag.load_variants(str(path))
+
+
+def test_diag_hop_kernel_compiles_and_chain_value():
+    """diag_hop.py's kernel compiles for sm_90 in each hand-on mode and weight unroll (NVRTC
+    with ptxas, no GPU), and the value its check expects follows the kernels' recurrence."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the test extras install cupy and NVRTC")
+    from kernels import cuda_common
+
+    hop = _script("diag_hop")
+    for mode in hop.MODES.values():
+        for unroll in (0, 1, 4):
+            cuda_common.compile_check(hop.SOURCE, ("-std=c++17", f"-DMODE={mode}", f"-DUNROLL={unroll}"))
+    assert hop.chain_value(2.0, 0) == 2.0 and hop.chain_value(2.0, 1) == 2.0 and hop.chain_value(0.0, 2) == 1.5
