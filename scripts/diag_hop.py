@@ -2,7 +2,7 @@
 """What one dependent-kernel hop costs inside a CUDA graph (GPU): a chain of N small kernels,
 each reading what the one before wrote, handed on three ways.
 
-    PYTHONPATH=. python scripts/diag_hop.py [--kernels 96] [--blocks 264] [--unroll 0 1 4]
+    PYTHONPATH=. python scripts/diag_hop.py [--kernels 96] [--blocks 132 264] [--unroll 0 1 4]
 
 - ``pdl``: programmatic dependent launch as the decode step uses it: each kernel lets the next
   launch first, loads its weights, then waits (``griddepcontrol.wait``) for the one before to
@@ -21,7 +21,6 @@ Prints µs a hop (graph replay time over N).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 from pathlib import Path
 
@@ -89,19 +88,11 @@ MODES = {"pdl": 0, "flag": 1, "plain": 2}
 
 
 def launch(mode: str, unroll: int, grid: int, args: tuple):
+    """One kernel of the chain, through the launcher the decode kernels use (with PDL unless
+    ``mode`` is plain: ``measure`` turns it off there)."""
+    device = torch.device("cuda", torch.cuda.current_device())
     opts = ("-std=c++17", f"-DMODE={MODES[mode]}", f"-DUNROLL={unroll}")
-    _, handle = cuda_common.function(torch.cuda.current_device(), SOURCE, "hop", opts)
-    attr = cuda_common._Attribute(id=cuda_common._PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1
-    use_pdl = mode != "plain"
-    config = cuda_common._Config(grid=(ctypes.c_uint * 3)(grid, 1, 1), block=(ctypes.c_uint * 3)(256, 1, 1),
-                                 shared_bytes=0, stream=torch.cuda.current_stream().cuda_stream,
-                                 attrs=ctypes.pointer(attr) if use_pdl else None, num_attrs=int(use_pdl))
-    values = [cuda_common._C_TYPES[type(a)](a) for a in args]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    err = cuda_common._driver().cuLaunchKernelEx(ctypes.byref(config), handle, params, None)
-    if err:
-        raise RuntimeError(f"cuLaunchKernelEx(hop) failed with CUDA error {err}")
+    cuda_common.launch(device, SOURCE, "hop", opts, (grid,), 256, args)
 
 
 def chain_value(seed: float, n: int) -> float:
@@ -112,6 +103,16 @@ def chain_value(seed: float, n: int) -> float:
 
 
 def measure(mode: str, n: int, grid: int, unroll: int, replays: int) -> float:
+    pdl_on = cuda_common.pdl_on
+    if mode == "plain":
+        cuda_common.pdl_on = lambda device: False
+    try:
+        return _measure(mode, n, grid, unroll, replays)
+    finally:
+        cuda_common.pdl_on = pdl_on
+
+
+def _measure(mode: str, n: int, grid: int, unroll: int, replays: int) -> float:
     dev = torch.device("cuda")
     vec = max(grid * 256 * unroll, 1)
     weights = [torch.randint(-2**31, 2**31 - 1, (vec * 4,), dtype=torch.int32, device=dev) for _ in range(n)]

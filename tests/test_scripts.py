@@ -212,7 +212,7 @@ def test_diag_moe_ab_variants_file(tmp_path):
 
 
 def test_diag_hop_kernel_compiles_and_chain_value():
-    """diag_hop.py's kernel compiles for sm_90 in each hand-on mode and weight unroll (NVRTC
+    """diag_hop.py's kernel compiles for sm_90 in each hand-off mode and weight unroll (NVRTC
     with ptxas, no GPU), and the value its check expects follows the kernels' recurrence."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the test extras install cupy and NVRTC")
     from kernels import cuda_common
