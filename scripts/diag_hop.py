@@ -96,6 +96,8 @@ def launch(mode: str, unroll: int, grid: int, args: tuple):
 
 
 def chain_value(seed: float, n: int) -> float:
+    """What the n-th kernel writes when the chain's head holds ``seed``: each kernel halves the
+    mean of the previous outputs and adds 1."""
     v = seed
     for _ in range(n):
         v = v * 0.5 + 1.0
@@ -158,6 +160,11 @@ def main():
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    for name, values, least in (("--kernels", [args.kernels], 1), ("--blocks", args.blocks, 1),
+                                ("--unroll", args.unroll, 0), ("--replays", [args.replays], 1),
+                                ("--rounds", [args.rounds], 1)):
+        if min(values) < least:
+            ap.error(f"{name} {' '.join(map(str, values))}: expected integers of at least {least}")
     if not torch.cuda.is_available():
         sys.exit("diag_hop.py measures kernel hops on a CUDA GPU")
     print(f"device: {torch.cuda.get_device_name()}; {args.kernels} kernels a graph, µs a hop "
