@@ -73,37 +73,6 @@ def _attend_block(q, k, v, visible, scale, m, l, acc, UPCAST: tl.constexpr, DT: 
 
 
 @triton.jit
-def _add2(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
-def _attend_block_v_apart(q, k, v_old, v_new, fresh, visible, scale, UPCAST: tl.constexpr, DT: tl.constexpr):
-    """``_attend_block`` from an empty state for the one block of a short cache, with the
-    slot's own value kept apart: v_old [BLOCK_S, D] is the block as loaded before the wait
-    (zero at the slot, ``fresh``), v_new [1, D] the slot's; k holds the slot's key. The second
-    product takes the loaded block unchanged, and the fresh value's weight comes out of the
-    same reduction as the weights' sum. -> (m, l, acc)."""
-    if UPCAST:
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        scores = tl.dot(q, tl.trans(k))  # [G_M, BLOCK_S] float32
-    scores = tl.where(visible[None, :], scores * scale, NEG_INF)
-    m = tl.max(scores, axis=1)
-    w = tl.exp(scores - tl.where(m > NEG_INF, m, 0.0)[:, None])  # a block with no visible key: all 0
-    if UPCAST:
-        w_in = w
-    else:
-        w_in = w.to(DT)  # the weights as the product takes them
-    l, w_new = tl.reduce((w, tl.where(fresh[None, :], w_in.to(tl.float32), 0.0)), 1, _add2)
-    if UPCAST:
-        pv = tl.dot(w_in, v_old, input_precision="ieee")
-    else:
-        pv = tl.dot(w_in, v_old)
-    return m, l, pv + w_new[:, None] * v_new.to(tl.float32)
-
-
-@triton.jit
 def _qkv_attention_kernel(
     qkv_ptr,  # [B, (Hq + 2 Hkv) * D] the QKV GEMM's output
     qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr,  # q / k norm weights, rotary tables [B, D]
@@ -119,7 +88,7 @@ def _qkv_attention_kernel(
     G_P: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_S: tl.constexpr, P: tl.constexpr, P_CHUNK: tl.constexpr, PRE_KV: tl.constexpr, UPCAST: tl.constexpr,
-    V_APART: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h, p = tl.program_id(1), tl.program_id(2)
@@ -185,12 +154,8 @@ def _qkv_attention_kernel(
     if PRE_KV:  # the one block, loaded before the wait
         fresh = s_pre == slot
         k_blk = tl.where(fresh[:, None], k_new.to(KT), k_pre)
-        if V_APART:
-            m, l, acc = _attend_block_v_apart(qk, k_blk, v_pre, v_new, fresh, (bias_pre > NEG_INF) | fresh, scale,
-                                              UPCAST, DT)
-        else:
-            v_blk = tl.where(fresh[:, None], v_new.to(KT), v_pre)
-            m, l, acc = _attend_block(qk, k_blk, v_blk, (bias_pre > NEG_INF) | fresh, scale, m, l, acc, UPCAST, DT)
+        v_blk = tl.where(fresh[:, None], v_new.to(KT), v_pre)
+        m, l, acc = _attend_block(qk, k_blk, v_blk, (bias_pre > NEG_INF) | fresh, scale, m, l, acc, UPCAST, DT)
     else:
         span = tl.cdiv(tl.cdiv(slot + 1, P), BLOCK_S) * BLOCK_S
         lo = p * span
@@ -244,7 +209,6 @@ MAX_KEYS = 128  # cache slots one program may have to walk (its share of S)
 # Where P blocks of keys cover the cache, each program loads its block before the PDL wait.
 # Read at each launch; scripts/diag_decode_ab.py --off preload-kv.
 PRELOAD_KV = True
-V_APART = True
 
 
 def default_splits(b: int, hkv: int, s: int, block_s: int, sms: int) -> int:
@@ -359,7 +323,7 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
         v_cache.stride(2), bias.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
         HKV_P=triton.next_power_of_2(hkv), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d,
         QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, BLOCK_S=block_s, P=splits,
-        P_CHUNK=min(splits, 4), PRE_KV=pre_kv, V_APART=V_APART,
+        P_CHUNK=min(splits, 4), PRE_KV=pre_kv,
         UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, num_warps=4 if block_s * d <= 4096 else 8,
         **pdl_launch(qkv.device))
     return out

@@ -14,8 +14,6 @@ is worth in the same run and on the same device:
   fused-context  the static decode step's positions, mask and rotary rows by torch's ops
               (about twenty launches), not kernels.decode_context_triton (one)
   preload-kv  kernels.qkv_attention loads its keys and values after its PDL wait, not before
-  value-apart kernels.qkv_attention puts the slot's own value into the preloaded block (after
-              the wait), not beside it
   router-preload  the norm + router launch loads its weights after its PDL wait, not before
   norm-in-qkv the attention's residual add and RMSNorm in a launch of their own, not inside
               the QKV GEMM's
@@ -71,7 +69,7 @@ from moe_infer import model, moe_layer  # noqa: E402
 qkv_attention = importlib.import_module("kernels.qkv_attention")
 
 OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context", "preload-kv", "router-preload",
-       "norm-in-qkv", "value-apart")
+       "norm-in-qkv")
 ON = ("route-in", "l2-prefetch", "topk-in-router")
 # The switches a built model reads at each call: name -> (a module's class, whose every
 # instance in the model gets the attribute, or a module, which gets it; attribute; value
@@ -84,7 +82,6 @@ SWITCHES = {
     "pdl-early": (pdl, "EARLY_TRIGGER", False),
     "fused-context": (attention, "FUSED_DECODE_CONTEXT", False),
     "preload-kv": (qkv_attention, "PRELOAD_KV", False),
-    "value-apart": (qkv_attention, "V_APART", False),
     "router-preload": (norm, "ROUTER_PRELOAD", False),
     "l2-prefetch": (cuda_common, "L2_PREFETCH", True),
 }
