@@ -11,7 +11,8 @@ median over replays, per set.
 FILE is a JSON object {shape: {dtype: {name: {"up": CONFIG, "down": CONFIG}}}}, shape one
 of tune_moe.py's (mixtral, qwen3, olmoe, dsmoe), dtype bf16 or int8, e.g.
 {"dsmoe": {"int8": {"up bn 8": {"up": {"backend": "cuda", "bn": 8, "warps": 4,
-"unroll": 1, "unit": true}}}}}. Both dtypes' table pairs are always timed. Round 0 holds
+"unroll": 1, "unit": true}}}}}; a configuration with "from_table": true is the table's with
+the rest of it changed. Both dtypes' table pairs are always timed. Round 0 holds
 the first compiles and captures and is printed but not summed.
 """
 from __future__ import annotations
@@ -49,6 +50,16 @@ def load_variants(path: str) -> dict:
     return spec
 
 
+def merged(cfg: dict | None, table: dict) -> dict:
+    """A variant's configuration: ``cfg``, or the table's where it is absent; with
+    ``"from_table": true`` the table's updated by the rest of ``cfg``."""
+    if cfg is None:
+        return table
+    if cfg.get("from_table"):
+        return {**table, **{k: v for k, v in cfg.items() if k != "from_table"}}
+    return cfg
+
+
 def run_shape(shape: str, variants: dict, t: int, rounds: int, reps: int) -> None:
     h, f, e, topk, act = tune_moe.SHAPES[shape]
     dev = torch.device("cuda")
@@ -70,7 +81,7 @@ def run_shape(shape: str, variants: dict, t: int, rounds: int, reps: int) -> Non
                     for x, w, ids in inputs]
         cases[f"{dtype} table"] = calls(table)
         for name, v in variants.get(dtype, {}).items():
-            cases[f"{dtype} {name}"] = calls((v.get("up", table[0]), v.get("down", table[1])))
+            cases[f"{dtype} {name}"] = calls((merged(v.get("up"), table[0]), merged(v.get("down"), table[1])))
     times = {label: [] for label in cases}
     for r in range(rounds + 1):
         for label, fns in cases.items():
