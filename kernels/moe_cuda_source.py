@@ -26,6 +26,30 @@ SOURCE = COMMON + r"""
 #ifndef PIPE
 #define PIPE 0  // moe_down: two weight buffers, the next step in flight during this one's arithmetic
 #endif
+#ifndef RG
+#define RG 1  // moe_up / moe_down: row groups, each of WARPS / RG warps taking ROWS / RG rows over all of K
+#endif
+#define WPG (WARPS / RG)         // warps a row group
+#define GSTEP (WPG * 32 * WVEC)  // a row group's step along K
+static_assert(WARPS % RG == 0, "whole warps a row group");
+#if MMA && RG > 1
+#error "the mma kernels take no row groups"
+#endif
+
+// A thread's row group and its place in it.
+__device__ __forceinline__ int row_group() { return RG == 1 ? 0 : (int)threadIdx.x / (WPG * 32); }
+__device__ __forceinline__ int group_tid() { return RG == 1 ? (int)threadIdx.x : (int)threadIdx.x % (WPG * 32); }
+
+// Row j's sum over the warps of its row group, each warp's rows at part[warp][0 .. NV)
+// (after warps_to_shared; with RG 1, every warp's).
+template <int NV>
+__device__ __forceinline__ float group_total(float (*part)[NV], int j) {
+  const int g = j / NV, i = j % NV;
+  float v = 0.f;
+#pragma unroll
+  for (int q = 0; q < WPG; ++q) v += part[g * WPG + q][i];
+  return v;
+}
 
 // An up kernel's output: in the activations' dtype, or (H16: for an MMA down kernel) as f16
 // times ACT_F16, the operand that kernel's tensor cores take.
@@ -140,14 +164,16 @@ __device__ __forceinline__ void prefetch_block(const void* __restrict__ w2, cons
   }
 }
 
-// A down block's outputs, rows n0 .. n0 + BN of token t: each the sum of the warps' partials
-// (part, filled and synchronised), as float32 split-K partials (PARTIAL) or in x's dtype.
-__device__ __forceinline__ void store_down(float (*part)[BN], void* __restrict__ out, int t, int n0, int H,
+// A down block's outputs, rows n0 .. n0 + BN of token t: each the sum of its row group's
+// warps' partials (part, filled and synchronised), as float32 split-K partials (PARTIAL) or
+// in x's dtype.
+template <int NV>
+__device__ __forceinline__ void store_down(float (*part)[NV], void* __restrict__ out, int t, int n0, int H,
                                            int tokens, long long stride_o) {
   for (int o = threadIdx.x; o < BN; o += THREADS) {
     const int n = n0 + o;
     if (n >= H) continue;
-    const float v = warps_total<BN>(part, o);
+    const float v = group_total<NV>(part, o);
 #if PARTIAL
     ((float*)out)[((size_t)blockIdx.y * tokens + t) * H + n] = v;
 #else
@@ -185,41 +211,46 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   const u16* xr = x + (size_t)(p / topk) * stride_x;
   const float2 sc = up_scales(scale, e, n0, F);  // in flight beside the weights, not after them
 
-  float acc[ROWS];  // j < BN: gate (or GeLU) column n0 + j; j >= BN: up column n0 + j - BN
+  // Row j < BN: gate (or GeLU) column n0 + j; j >= BN: up column n0 + j - BN. A thread's
+  // rows are its row group's, j = grp RR + i.
+  constexpr int RR = ROWS / RG;
+  static_assert(ROWS % RG == 0, "whole rows a row group");
+  const int grp = row_group();
+  float acc[RR];
 #pragma unroll
-  for (int j = 0; j < ROWS; ++j) acc[j] = 0.f;
-  for (int kb = tid * WVEC; kb < H; kb += U * STEP) {
-    u32x4 wv[U][ROWS];
+  for (int i = 0; i < RR; ++i) acc[i] = 0.f;
+  for (int kb = group_tid() * WVEC; kb < H; kb += U * GSTEP) {
+    u32x4 wv[U][RR];
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) {
-        const int k = kb + u * STEP, n = n0 + j % BN, row = (j < BN ? 0 : F) + n;
-        wv[u][j] = k < H && n < F ? load_stream(w_e + ((size_t)row * H + k) * W_BYTES) : zero4();
+      for (int i = 0; i < RR; ++i) {
+        const int j = grp * RR + i, k = kb + u * GSTEP, n = n0 + j % BN, row = (j < BN ? 0 : F) + n;
+        wv[u][i] = k < H && n < F ? load_stream(w_e + ((size_t)row * H + k) * W_BYTES) : zero4();
       }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int k = kb + u * STEP;
+      const int k = kb + u * GSTEP;
       if (k >= H) break;
       float a[WVEC];
       load_act(xr + k, a);
       const float start = unit_start(a);
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) acc[j] = UNIT ? acc[j] + dot_w(a, wv[u][j], start) : dot_w(a, wv[u][j], acc[j]);
+      for (int i = 0; i < RR; ++i) acc[i] = UNIT ? acc[i] + dot_w(a, wv[u][i], start) : dot_w(a, wv[u][i], acc[i]);
     }
   }
 
-  __shared__ float part[WARPS][ROWS];
-  warps_to_shared<ROWS>(acc, part);
+  __shared__ float part[WARPS][RR];
+  warps_to_shared<RR>(acc, part);
   for (int o = tid; o < BN; o += THREADS) {
     const int n = n0 + o;
     if (n >= F) continue;
-    float g = warps_total<ROWS>(part, o);
+    float g = group_total<RR>(part, o);
 #if INT8
     g *= sc.x * UNIT_SCALE;
 #endif
 #if GATED
-    float up = warps_total<ROWS>(part, BN + o);
+    float up = group_total<RR>(part, BN + o);
 #if INT8
     up *= sc.y * UNIT_SCALE;
 #endif
@@ -238,27 +269,31 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
          const void* __restrict__ ids,     // [P] expert of each pair (ROUTE: [T, E] router logits)
          void* __restrict__ out,           // [T, H] (PARTIAL: float32 [S, T, H])
          int H, int F, int topk, int k_span, long long stride_o, int E) {
-  const int tid = threadIdx.x;
   const DownBlock blk = down_block(F, topk, k_span);
   const int t = blk.t, n0 = blk.n0, tokens = blk.tokens, k_lo = blk.k_lo, k_hi = blk.k_hi;
   const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
   __shared__ long long expert[MAX_K];
   token_experts(ids, t, topk, E, expert);
 
-  u32x4 wv[U][BN];
+  // A thread's rows are its row group's: n0 + r0 + i, i < RR.
+  constexpr int RR = BN / RG;
+  static_assert(BN % RG == 0, "whole rows a row group");
+  const int r0 = row_group() * RR;
+  u32x4 wv[U][RR];
   int slot[U];  // the pair (slot) of each step's vectors: F is a multiple of WVEC
-  auto load_step = [&](u32x4 (&w)[U][BN], int (&sl)[U], int kb) {
+  auto load_step = [&](u32x4 (&w)[U][RR], int (&sl)[U], int kb) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int k = kb + u * STEP;
+      const int k = kb + u * GSTEP;
       sl[u] = k < k_hi ? k / F : 0;
-      const char* row = (const char*)w2 + ((size_t)expert[sl[u]] * H + n0) * F * W_BYTES;
+      const char* row = (const char*)w2 + ((size_t)expert[sl[u]] * H + n0 + r0) * F * W_BYTES;
 #pragma unroll
-      for (int j = 0; j < BN; ++j)
-        w[u][j] = k < k_hi && n0 + j < H ? load_stream(row + ((size_t)j * F + k - sl[u] * F) * W_BYTES) : zero4();
+      for (int i = 0; i < RR; ++i)
+        w[u][i] = k < k_hi && n0 + r0 + i < H ? load_stream(row + ((size_t)i * F + k - sl[u] * F) * W_BYTES)
+                                               : zero4();
     }
   };
-  int kb = k_lo + tid * WVEC;
+  int kb = k_lo + group_tid() * WVEC;
   load_step(wv, slot, kb);
   prefetch_block(w2, expert, k_lo, k_hi, F, H, n0, W_BYTES);  // the rest of its weights on the way to L2
 #if INT8
@@ -267,25 +302,25 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
 #endif
   grid_dep_enter();  // h is the up kernel's output
 
-  float acc[BN];
+  float acc[RR];
 #pragma unroll
-  for (int j = 0; j < BN; ++j) acc[j] = 0.f;
+  for (int i = 0; i < RR; ++i) acc[i] = 0.f;
   const u16* ht = h + (size_t)t * len;
-  auto add_step = [&](const u32x4 (&w)[U][BN], const int (&sl)[U], int kb) {  // acc += step kb's products
+  auto add_step = [&](const u32x4 (&w)[U][RR], const int (&sl)[U], int kb) {  // acc += step kb's products
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int k = kb + u * STEP;
+      const int k = kb + u * GSTEP;
       if (k >= k_hi) break;
       float a[WVEC];
       load_act(ht + k, a);
       const float start = unit_start(a);
 #pragma unroll
-      for (int j = 0; j < BN; ++j) {
-        const float d = dot_w(a, w[u][j], start);
+      for (int i = 0; i < RR; ++i) {
+        const float d = dot_w(a, w[u][i], start);
 #if INT8
-        acc[j] = fmaf(d, sc[sl[u]][j], acc[j]);
+        acc[i] = fmaf(d, sc[sl[u]][r0 + i], acc[i]);
 #else
-        acc[j] += d;
+        acc[i] += d;
 #endif
       }
     }
@@ -294,25 +329,25 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   // Two buffers by name: the step after next is issued as soon as a buffer is free, so a
   // step's loads are in flight during the arithmetic of the step before it (the second
   // step's from the wait on; never before it, where they would compete with the up kernel's).
-  u32x4 nx[U][BN];
+  u32x4 nx[U][RR];
   int nslot[U];
-  load_step(nx, nslot, kb + U * STEP);
-  for (; kb < k_hi; kb += 2 * U * STEP) {
+  load_step(nx, nslot, kb + U * GSTEP);
+  for (; kb < k_hi; kb += 2 * U * GSTEP) {
     add_step(wv, slot, kb);
-    if (kb + U * STEP >= k_hi) break;
-    load_step(wv, slot, kb + 2 * U * STEP);
-    add_step(nx, nslot, kb + U * STEP);
-    load_step(nx, nslot, kb + 3 * U * STEP);
+    if (kb + U * GSTEP >= k_hi) break;
+    load_step(wv, slot, kb + 2 * U * GSTEP);
+    add_step(nx, nslot, kb + U * GSTEP);
+    load_step(nx, nslot, kb + 3 * U * GSTEP);
   }
 #else
-  for (; kb < k_hi; kb += U * STEP) {
+  for (; kb < k_hi; kb += U * GSTEP) {
     add_step(wv, slot, kb);
-    load_step(wv, slot, kb + U * STEP);
+    load_step(wv, slot, kb + U * GSTEP);
   }
 #endif
 
-  __shared__ float part[WARPS][BN];
-  warps_to_shared<BN>(acc, part);
+  __shared__ float part[WARPS][RR];
+  warps_to_shared<RR>(acc, part);
   store_down(part, out, t, n0, H, tokens, stride_o);
 }
 

@@ -52,6 +52,13 @@ def test_check_names_what_the_kernels_cannot_take():
     assert moe_cuda.mma_check("up", dict(bn=8), 2048, 768) is None
     mma = [c for c in moe_cuda.candidates("up", 1, True, 2048, 768, False) if c.get("mma")]
     assert mma and all(c["bn"] % 16 == 0 for c in mma)
+    assert "row_groups = 3: expected a positive int dividing warps = 8 and the block's 8 rows" in \
+        moe_cuda.row_groups_check("up", dict(bn=4, warps=8, row_groups=3))
+    assert "dividing warps = 4 and the block's 2 rows" in moe_cuda.row_groups_check("down", dict(bn=2, warps=4,
+                                                                                                 row_groups=4))
+    assert "mma kernels take no row groups" in moe_cuda.row_groups_check("up", dict(bn=8, warps=4, row_groups=2,
+                                                                                    mma=True))
+    assert moe_cuda.row_groups_check("up", dict(bn=4, warps=8, row_groups=2), gated=False) is None
     assert not any(c.get("mma") for c in moe_cuda.candidates("down", 1, False, 2048, 768)
                    + moe_cuda.candidates("down", 1, True, 2048, 96))
 
@@ -98,6 +105,11 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
         major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
         pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
     pairs += list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.PIPE_DOWN_CANDIDATES))  # two weight buffers in the down kernel
+    # Row groups: the block's warps split its rows (and each group takes all of K).
+    pairs += [(dict(up, warps=8, row_groups=2), dict(down, warps=8, row_groups=2, pipe=i % 2 == 0))
+              for i, (up, down) in enumerate(pairs[1:3])]
+    pairs += [(dict(pairs[2][0], warps=16, row_groups=4, unit=True),
+               dict(pairs[2][1], warps=16, row_groups=4, pipe=True, unit=True))]
     if int8:  # the tensor-core kernels, both, and each beside the other kind (its h in f16 or not)
         mma = list(zip(moe_cuda.MMA_UP_CANDIDATES[::2], moe_cuda.MMA_DOWN_CANDIDATES[::3]))
         mma = [(dict(up, bn=16) if activation == "gelu" else up, down) for up, down in mma]
