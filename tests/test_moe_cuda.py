@@ -105,11 +105,6 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
         major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
         pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
     pairs += list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.PIPE_DOWN_CANDIDATES))  # two weight buffers in the down kernel
-    # Row groups: the block's warps split its rows (and each group takes all of K).
-    pairs += [(dict(up, warps=8, row_groups=2), dict(down, warps=8, row_groups=2, pipe=i % 2 == 0))
-              for i, (up, down) in enumerate(pairs[1:3])]
-    pairs += [(dict(pairs[2][0], warps=16, row_groups=4, unit=True),
-               dict(pairs[2][1], warps=16, row_groups=4, pipe=True, unit=True))]
     if int8:  # the tensor-core kernels, both, and each beside the other kind (its h in f16 or not)
         mma = list(zip(moe_cuda.MMA_UP_CANDIDATES[::2], moe_cuda.MMA_DOWN_CANDIDATES[::3]))
         mma = [(dict(up, bn=16) if activation == "gelu" else up, down) for up, down in mma]
@@ -126,6 +121,30 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
         assert rel(out, ref) < TOL[dtype], (up, down)
     out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2)  # default configurations
     assert rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h,f,e,k,activation", GPU_CASES[1:6])
+@pytest.mark.parametrize("int8", [False, True])
+def test_row_groups_match_reference(t, h, f, e, k, activation, int8):
+    # The block's warps split its rows into groups, each group over all of K: 2 groups of
+    # 4 warps (with and without two weight buffers, the down kernel split or not), 4 of 2
+    # (one row a thread in the down kernel), 3 of 2 (6 warps).
+    x, w13, w2, ids, w = problem("cuda", torch.bfloat16, t, h, f, e, k, activation, t * 7 + e)
+    s13 = s2 = None
+    if int8:
+        w13, s13 = quantize_int8(w13)
+        w2, s2 = quantize_int8(w2)
+    ref = fused_moe_ref(x.double(), w13 if int8 else w13.double(), w2 if int8 else w2.double(), w.double(), ids,
+                        activation, s13, s2)
+    up = dict(backend="cuda", bn=4, warps=8, unroll=1, row_groups=2, unit=int8)
+    down = dict(backend="cuda", bn=4, warps=8, unroll=1, split_k=1, row_groups=2, unit=int8)
+    pairs = [(up, down), (dict(up, unroll=2), dict(down, pipe=True)), (up, dict(down, split_k=2, unroll=2)),
+             (dict(up, warps=8, row_groups=4), dict(down, warps=8, row_groups=4, pipe=True)),
+             (dict(up, bn=6, warps=6, row_groups=3), dict(down, bn=6, warps=6, row_groups=3, min_blocks=4))]
+    for cfg in pairs:
+        out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, cfg)
+        assert rel(out, ref) < TOL[torch.bfloat16], cfg
 
 
 @pytest.mark.gpu
