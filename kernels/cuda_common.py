@@ -71,6 +71,14 @@ __device__ __forceinline__ void grid_dep_enter() {  // both, in the order PDL_EA
 #endif
 }
 
+// Pins v's computation before this point: the asm, as volatile as the PDL wait, claims to
+// change it. Called before a wait for what does not depend on the previous kernel.
+template <typename T>
+__device__ __forceinline__ void pin(T*& v) {
+  asm volatile("" : "+l"(v));
+}
+__device__ __forceinline__ void pin(u32& v) { asm volatile("" : "+r"(v)); }
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {  // one line into L2, no register
   asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }

@@ -130,6 +130,8 @@ def check(x, w13, w2, topk, w13_scale=None, w2_scale=None) -> str | None:
     were checked by ``kernels.fused_moe``."""
     t, h = x.shape
     f = w2.shape[2]
+    if w13[0].numel() * w13.element_size() >= 2 ** 32:  # moe_up's row offsets are 32-bit
+        return f"w13 {list(w13.shape)}: expected under 4 GiB an expert"
     if not (x.is_cuda and w13.device == x.device and w2.device == x.device):
         return f"x / w13 / w2 on {x.device} / {w13.device} / {w2.device}: expected one CUDA device"
     if x.dtype not in DTYPES:
@@ -168,13 +170,13 @@ def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, 
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
             logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
             mma: bool = False, h16: bool = False, pipe: bool = False, skip_arith: bool = False,
-            row_groups: int = 1) -> tuple:
+            row_groups: int = 1, late_offsets: bool = False) -> tuple:
     return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
             f"-DPARTIAL={int(partial)}", f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
             f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
             f"-DMMA={int(mma)}", f"-DH16={int(h16)}", f"-DPIPE={int(pipe)}",
-            f"-DSKIP_ARITH={int(skip_arith)}", f"-DRG={row_groups}")
+            f"-DSKIP_ARITH={int(skip_arith)}", f"-DRG={row_groups}", f"-DEARLY={int(not late_offsets)}")
 
 
 def mma_check(phase: str, cfg: dict, h: int, f: int, gated: bool = True) -> str | None:
@@ -255,7 +257,8 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     up_major = up.get("pair_major", False)
     up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up_major,
                       min_blocks=up.get("min_blocks", 1), unit=up.get("unit", False), mma=up_mma, h16=down_mma,
-                      skip_arith=up.get("skip_arith", False), row_groups=up.get("row_groups", 1), **route) + ("-DPDL_EARLY=0",)
+                      skip_arith=up.get("skip_arith", False), row_groups=up.get("row_groups", 1),
+                      late_offsets=up.get("late_offsets", False), **route) + ("-DPDL_EARLY=0",)
     up_grid = (-(-f // up["bn"]), t * topk)
     launch(x.device, SOURCE, "moe_up_mma" if up_mma else "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
            up["warps"] * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
@@ -271,7 +274,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, pair_major=down_major,
                    min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), mma=down_mma,
                    pipe=down.get("pipe", False), skip_arith=down.get("skip_arith", False),
-                   row_groups=down.get("row_groups", 1), **route)
+                   row_groups=down.get("row_groups", 1), late_offsets=down.get("late_offsets", False), **route)
     down_grid = (-(-h // down["bn"]), split, t)
     launch(x.device, SOURCE, "moe_down_mma" if down_mma else "moe_down", opts,
            down_grid[::-1] if down_major else down_grid, down["warps"] * 32,

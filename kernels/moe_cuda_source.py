@@ -26,6 +26,9 @@ SOURCE = COMMON + r"""
 #ifndef PIPE
 #define PIPE 0  // moe_down: two weight buffers, the next step in flight during this one's arithmetic
 #endif
+#ifndef EARLY
+#define EARLY 1  // moe_up / moe_down: what does not depend on the previous kernel is pinned before the wait
+#endif
 #ifndef RG
 #define RG 1  // moe_up / moe_down: row groups, each of WARPS / RG warps taking ROWS / RG rows over all of K
 #endif
@@ -70,23 +73,27 @@ __device__ __forceinline__ long long id_at(const void* ids, int p) {
 }
 
 """ + ROUTE_SOURCE + r"""
-// An up kernel's block: pair p and first column n0 from the grid, then, after the PDL wait
-// (the ids or logits are an earlier kernel's output), the pair's expert e and combine
-// weight: given, or routed from its token's logits.
+// An up kernel's block: pair p and first column n0 from the grid (up_tile, before the wait),
+// then, after the PDL wait (the ids or logits are an earlier kernel's output), the pair's
+// expert e and combine weight: given, or routed from its token's logits (up_expert).
 struct UpBlock {
   int p, n0;
   long long e;
   float weight;
 };
 
-__device__ __forceinline__ UpBlock up_block(const void* __restrict__ ids, const float* __restrict__ pair_w, int topk,
-                                            int E) {
+__device__ __forceinline__ UpBlock up_tile() {
   UpBlock b;
 #if PAIR_MAJOR
   b.p = blockIdx.x, b.n0 = blockIdx.y * BN;
 #else
   b.p = blockIdx.y, b.n0 = blockIdx.x * BN;
 #endif
+  return b;
+}
+
+__device__ __forceinline__ void up_expert(UpBlock& b, const void* __restrict__ ids, const float* __restrict__ pair_w,
+                                          int topk, int E) {
   grid_dep_enter();
 #if ROUTE && LOGITS_F32
   int top[MAX_K];
@@ -100,6 +107,12 @@ __device__ __forceinline__ UpBlock up_block(const void* __restrict__ ids, const 
   b.e = id_at(ids, b.p);
   b.weight = pair_w[b.p];
 #endif
+}
+
+__device__ __forceinline__ UpBlock up_block(const void* __restrict__ ids, const float* __restrict__ pair_w, int topk,
+                                            int E) {
+  UpBlock b = up_tile();
+  up_expert(b, ids, pair_w, topk, E);
   return b;
 }
 
@@ -203,30 +216,41 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
        u16* __restrict__ h,              // [P, F] out
        int H, int F, int topk, long long stride_x, int E) {
   const int tid = threadIdx.x;
-  const UpBlock blk = up_block(ids, pair_w, topk, E);  // waits: x and the ids are earlier kernels' outputs
+  UpBlock blk = up_tile();
   const int p = blk.p, n0 = blk.n0;
-  const long long e = blk.e;
-  const float weight = blk.weight;
-  const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
-  const u16* xr = x + (size_t)(p / topk) * stride_x;
-  const float2 sc = up_scales(scale, e, n0, F);  // in flight beside the weights, not after them
-
   // Row j < BN: gate (or GeLU) column n0 + j; j >= BN: up column n0 + j - BN. A thread's
   // rows are its row group's, j = grp RR + i.
   constexpr int RR = ROWS / RG;
   static_assert(ROWS % RG == 0, "whole rows a row group");
-  const int grp = row_group();
+  const int grp = row_group(), k0 = group_tid() * WVEC;
+  // What does not depend on the expert is computed before the wait and pinned there, so
+  // that once the expert's id arrives only its own offset stands before the weight loads.
+  const u16* xr = x + (size_t)(p / topk) * stride_x;
+  u32 row_off[RR];  // row j's bytes from the expert's first, at k0 (an expert is < 4 GiB: check())
+#pragma unroll
+  for (int i = 0; i < RR; ++i) {
+    const int j = grp * RR + i;
+    row_off[i] = (u32)((((size_t)(j < BN ? 0 : F) + n0 + j % BN) * H + k0) * W_BYTES);
+    if (EARLY) pin(row_off[i]);
+  }
+  if (EARLY) pin(xr);
+  up_expert(blk, ids, pair_w, topk, E);  // waits: x and the ids are earlier kernels' outputs
+  const long long e = blk.e;
+  const float weight = blk.weight;
+  const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
+  const float2 sc = up_scales(scale, e, n0, F);  // in flight beside the weights, not after them
+
   float acc[RR];
 #pragma unroll
   for (int i = 0; i < RR; ++i) acc[i] = 0.f;
-  for (int kb = group_tid() * WVEC; kb < H; kb += U * GSTEP) {
+  for (int kb = k0; kb < H; kb += U * GSTEP) {
     u32x4 wv[U][RR];
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int i = 0; i < RR; ++i) {
-        const int j = grp * RR + i, k = kb + u * GSTEP, n = n0 + j % BN, row = (j < BN ? 0 : F) + n;
-        wv[u][i] = k < H && n < F ? load_stream(w_e + ((size_t)row * H + k) * W_BYTES) : zero4();
+        const int j = grp * RR + i, k = kb + u * GSTEP, n = n0 + j % BN;
+        wv[u][i] = k < H && n < F ? load_stream(w_e + row_off[i] + (size_t)(kb - k0 + u * GSTEP) * W_BYTES) : zero4();
       }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -281,17 +305,32 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   const int r0 = row_group() * RR;
   u32x4 wv[U][RR];
   int slot[U];  // the pair (slot) of each step's vectors: F is a multiple of WVEC
-  auto load_step = [&](u32x4 (&w)[U][RR], int (&sl)[U], int kb) {
+  const float inv_f = 1.f / (float)F;
+  const size_t row_bytes = (size_t)F * W_BYTES;
+  // Where step kb's vectors are (at[u]: the thread's first row) and their slots: k / F from
+  // a float reciprocal (k < 2^24), corrected by one either way, not an integer division.
+  auto plan_step = [&](const char* (&at)[U], int (&sl)[U], int kb) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u * GSTEP;
-      sl[u] = k < k_hi ? k / F : 0;
-      const char* row = (const char*)w2 + ((size_t)expert[sl[u]] * H + n0 + r0) * F * W_BYTES;
+      int s = (int)((float)k * inv_f);
+      s -= s * F > k;
+      s += (s + 1) * F <= k;
+      sl[u] = k < k_hi ? s : 0;
+      at[u] = (const char*)w2 + ((size_t)expert[sl[u]] * H + n0 + r0) * row_bytes + (size_t)(k - sl[u] * F) * W_BYTES;
+    }
+  };
+  auto issue_step = [&](u32x4 (&w)[U][RR], const char* const (&at)[U], int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int i = 0; i < RR; ++i)
-        w[u][i] = k < k_hi && n0 + r0 + i < H ? load_stream(row + ((size_t)i * F + k - sl[u] * F) * W_BYTES)
-                                               : zero4();
-    }
+        w[u][i] = kb + u * GSTEP < k_hi && n0 + r0 + i < H ? load_stream(at[u] + i * row_bytes) : zero4();
+  };
+  auto load_step = [&](u32x4 (&w)[U][RR], int (&sl)[U], int kb) {
+    const char* at[U];
+    plan_step(at, sl, kb);
+    issue_step(w, at, kb);
   };
   int kb = k_lo + group_tid() * WVEC;
   load_step(wv, slot, kb);
@@ -300,7 +339,19 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
   token_scales(scale, expert, topk, sc, n0, H, UNIT_SCALE);
 #endif
+#if PIPE
+  const char* nx_at[U];  // the second step's rows, planned before the wait and issued after it
+  int nx_slot[U];
+#if EARLY
+  plan_step(nx_at, nx_slot, kb + U * GSTEP);
+#pragma unroll
+  for (int u = 0; u < U; ++u) pin(nx_at[u]);
+#endif
+#endif
   grid_dep_enter();  // h is the up kernel's output
+#if PIPE && !EARLY
+  plan_step(nx_at, nx_slot, kb + U * GSTEP);
+#endif
 
   float acc[RR];
 #pragma unroll
@@ -330,8 +381,8 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   // step's loads are in flight during the arithmetic of the step before it (the second
   // step's from the wait on; never before it, where they would compete with the up kernel's).
   u32x4 nx[U][RR];
-  int nslot[U];
-  load_step(nx, nslot, kb + U * GSTEP);
+  int (&nslot)[U] = nx_slot;
+  issue_step(nx, nx_at, kb + U * GSTEP);
   for (; kb < k_hi; kb += 2 * U * GSTEP) {
     add_step(wv, slot, kb);
     if (kb + U * GSTEP >= k_hi) break;

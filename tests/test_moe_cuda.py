@@ -38,6 +38,10 @@ def test_source_compiles_for_hopper():
 def test_check_names_what_the_kernels_cannot_take():
     x, w13, w2, ids, w = problem("cpu", torch.bfloat16, 1, 64, 32, 4, 2, "silu", 0)
     assert "CUDA device" in moe_cuda.check(x, w13, w2, 2)
+    big = torch.empty(2, 2 ** 16, 2 ** 15, dtype=torch.bfloat16, device="meta")  # 4 GiB an expert
+    x16 = torch.empty(1, 2 ** 15, dtype=torch.bfloat16, device="meta")
+    w2_16 = torch.empty(2, 2 ** 15, 2 ** 15, dtype=torch.bfloat16, device="meta")
+    assert "w13 [2, 65536, 32768]: expected under 4 GiB an expert" in moe_cuda.check(x16, big, w2_16, 1)
     with pytest.raises(ValueError, match=r"fused_moe_cuda: .*CUDA device"):
         moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, "silu")
     logits = torch.randn(1, 4)
