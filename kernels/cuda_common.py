@@ -79,6 +79,14 @@ __device__ __forceinline__ void pin(T*& v) {
 }
 __device__ __forceinline__ void pin(u32& v) { asm volatile("" : "+r"(v)); }
 
+// grid_dep_enter, once `even` (an OR of values whose low bit is 0: aligned offsets and
+// pointers) is computed. ptxas hoists a bare PDL wait above work that does not need it;
+// behind a branch on that work it stays after it.
+__device__ __forceinline__ void grid_dep_enter_after(u32 even) {
+  if (__any_sync(0xffffffffu, even & 1u)) __trap();  // a warp-wide vote: the branch does not diverge
+  grid_dep_enter();
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {  // one line into L2, no register
   asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }

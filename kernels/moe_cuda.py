@@ -86,6 +86,11 @@ DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
 PIPE_DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s, pipe=True)
                         for (bn, w, u), s in itertools.product(((4, 4, 1), (8, 4, 1), (4, 8, 1), (2, 4, 2)), (1, 2))]
 
+# The down kernel with row groups (``row_groups``: the block's warps split its rows, each
+# group over all of K), two weight buffers.
+ROW_GROUP_DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=1, split_k=1, pipe=True, row_groups=g)
+                             for bn, w, g in ((4, 8, 2), (8, 16, 4))]
+
 # The int8 kernels on the tensor cores (``mma``): bn a multiple of 8 (gated up) or 16.
 MMA_UP_CANDIDATES = [dict(backend="cuda", mma=True, bn=bn, warps=w, unroll=u)
                      for bn, w, u in ((8, 4, 2), (8, 4, 4), (8, 4, 8), (16, 4, 1), (16, 4, 2), (16, 4, 4), (8, 8, 2),
@@ -95,6 +100,10 @@ MMA_DOWN_CANDIDATES = [dict(backend="cuda", mma=True, bn=bn, warps=w, unroll=u, 
                                                                (32, 4, 4), (16, 8, 2), (32, 4, 1), (16, 2, 4)),
                                                               (1, 2))]
 
+# What the kernels compute before their PDL wait that does not depend on the kernel before
+# (the source's EARLY; a configuration's ``early``): 0 left to the compiler, 1 pinned there,
+# 2 also with the wait kept after it.
+EARLY = 1
 MIN_BLOCKS = (4, 5, 6, 8)  # register caps tried (``min_blocks``): more blocks, more loads in flight an SM
 
 
@@ -104,10 +113,11 @@ def candidates(phase: str, t: int, int8: bool = False, h: int | None = None, f: 
     base ones, each also with its registers capped for ``min_blocks`` blocks an SM (the
     int8 kernels use 100-180 registers uncapped, so two or three blocks an SM hold all
     the loads in flight), for int8 each also widening with one byte permute a weight
-    (``unit``); the down kernel also with two weight buffers (``pipe``); then the
+    (``unit``); the down kernel also with two weight buffers (``pipe``), some of them with
+    row groups (``row_groups``); then the
     tensor-core kernels (``mma``, where H = h and F = f allow them; they need no cap), and
     past T = 1 each in the pair-major grid."""
-    base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES + PIPE_DOWN_CANDIDATES
+    base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES + PIPE_DOWN_CANDIDATES + ROW_GROUP_DOWN_CANDIDATES
     base = base + ([dict(c, unit=True) for c in base] if int8 else [])
     base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
     if int8 and h is not None:  # 50-110 registers: uncapped
@@ -170,13 +180,13 @@ def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, 
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
             logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
             mma: bool = False, h16: bool = False, pipe: bool = False, skip_arith: bool = False,
-            row_groups: int = 1, late_offsets: bool = False) -> tuple:
+            row_groups: int = 1, early: int | None = None) -> tuple:
     return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
             f"-DPARTIAL={int(partial)}", f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
             f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
             f"-DMMA={int(mma)}", f"-DH16={int(h16)}", f"-DPIPE={int(pipe)}",
-            f"-DSKIP_ARITH={int(skip_arith)}", f"-DRG={row_groups}", f"-DEARLY={int(not late_offsets)}")
+            f"-DSKIP_ARITH={int(skip_arith)}", f"-DRG={row_groups}", f"-DEARLY={EARLY if early is None else early}")
 
 
 def mma_check(phase: str, cfg: dict, h: int, f: int, gated: bool = True) -> str | None:
@@ -258,7 +268,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up_major,
                       min_blocks=up.get("min_blocks", 1), unit=up.get("unit", False), mma=up_mma, h16=down_mma,
                       skip_arith=up.get("skip_arith", False), row_groups=up.get("row_groups", 1),
-                      late_offsets=up.get("late_offsets", False), **route) + ("-DPDL_EARLY=0",)
+                      early=up.get("early"), **route) + ("-DPDL_EARLY=0",)
     up_grid = (-(-f // up["bn"]), t * topk)
     launch(x.device, SOURCE, "moe_up_mma" if up_mma else "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
            up["warps"] * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
@@ -274,7 +284,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, pair_major=down_major,
                    min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), mma=down_mma,
                    pipe=down.get("pipe", False), skip_arith=down.get("skip_arith", False),
-                   row_groups=down.get("row_groups", 1), late_offsets=down.get("late_offsets", False), **route)
+                   row_groups=down.get("row_groups", 1), early=down.get("early"), **route)
     down_grid = (-(-h // down["bn"]), split, t)
     launch(x.device, SOURCE, "moe_down_mma" if down_mma else "moe_down", opts,
            down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
@@ -299,11 +309,12 @@ def compile_all(arch: str = "sm_90") -> int:
         groups = 2 if i % 3 == 2 else 1  # every candidate has 4 or 8 warps and an even number of rows
         compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, ids64=i % 2 == 0,
                                       pair_major=i % 2 == 1, min_blocks=min_blocks, unit=i % 4 == 1,
-                                      row_groups=groups, **route)
+                                      row_groups=groups, early=i % 3, **route)
                       + launch_flags, arch, "moe_cuda.cu")
         compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
                                       ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks,
-                                      unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups, **route)
+                                      unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups, early=(i + 1) % 3,
+                                      **route)
                       + launch_flags, arch, "moe_cuda.cu")
         count += 2
         if int8:  # the tensor-core kernels, the up one writing f16 for them or not
