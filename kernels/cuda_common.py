@@ -34,9 +34,6 @@ COMMON = r"""
 #ifndef PDL_EARLY
 #define PDL_EARLY 0
 #endif
-#ifndef SKIP_ARITH
-#define SKIP_ARITH 0
-#endif
 #ifndef L2PF
 #define L2PF 0
 #endif
@@ -79,13 +76,6 @@ __device__ __forceinline__ void pin(T*& v) {
 }
 __device__ __forceinline__ void pin(u32& v) { asm volatile("" : "+r"(v)); }
 
-// grid_dep_enter, once `even` (an OR of values whose low bit is 0: aligned offsets and
-// pointers) is computed. ptxas hoists a bare PDL wait above work that does not need it;
-// behind a branch on that work it stays after it.
-__device__ __forceinline__ void grid_dep_enter_after(u32 even) {
-  if (__any_sync(0xffffffffu, even & 1u)) __trap();  // a warp-wide vote: the branch does not diverge
-  grid_dep_enter();
-}
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {  // one line into L2, no register
   asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
@@ -292,9 +282,6 @@ __device__ __forceinline__ float dot_f(const float* a, const float* wf, float st
 }
 
 __device__ __forceinline__ float dot_w(const float* a, const u32x4& w, float start) {  // dot_f of widen_unit(w)
-#if SKIP_ARITH  // diagnostic: the weights' bits folded in, no widening or products (wrong sums)
-  return start + __uint_as_float(((w.v[0] ^ w.v[1] ^ w.v[2] ^ w.v[3]) & 0x007fffffu) | 0x3f800000u) + a[0];
-#endif
   float wf[WVEC];
   widen_unit(w, wf);
   return dot_f(a, wf, start);

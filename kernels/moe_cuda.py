@@ -45,15 +45,23 @@ MMA (int8 only: ``moe_up_mma`` / ``moe_down_mma`` on the tensor cores, cuda_comm
 helpers; H and F multiples of 64), H16 (the up kernel writes h as f16 times ACT_F16, the
 operand of an MMA down kernel), PIPE (``moe_down``, a down entry's ``pipe``: two weight
 buffers, each step's loads issued before the arithmetic of the step before it, the
-second step's right after the wait). The MMA kernels halve the instructions a weight
-again, but on the H100 they measured slower than ``unit`` at T = 1 for the small shapes;
-the H200 table uses the MMA up kernel for Mixtral (docs/performance.md, twelfth session).
+second step's right after the wait), RG (``row_groups``: the block's warps split its rows
+into RG groups, each group over all of K, so a thread's arithmetic after the wait is
+shorter; chosen for DS-MoE's int8 down kernel at T = 1). The MMA kernels halve the
+instructions a weight again, but on the H100 they measured slower than ``unit`` at T = 1
+for the small shapes; the H200 table uses the MMA up kernel for Mixtral
+(docs/performance.md, twelfth session).
 
 At decode sizes a block is one short chain of dependent memory round trips (expert id,
 weights, reduction) in a grid of one or two waves, so the kernels are latency-bound
 (Nsight Compute: the wait on global loads is the top stall). Anything a block loads that
 no kernel writes (the int8 scales) is therefore loaded beside its first weights, never
-after them (docs/performance.md, thirteenth session).
+after them (docs/performance.md, thirteenth session). For the same reason what a block can
+compute before its PDL wait (the up kernel's row offsets, 32-bit, and its token row; the
+down kernel's second step of rows) is computed there and pinned, so that after the wait
+only what depends on the kernel before stands between it and the weight loads; and the
+down kernel finds a position's slot by a float reciprocal, not an integer division
+(twenty-sixth session).
 """
 from __future__ import annotations
 
@@ -100,10 +108,6 @@ MMA_DOWN_CANDIDATES = [dict(backend="cuda", mma=True, bn=bn, warps=w, unroll=u, 
                                                                (32, 4, 4), (16, 8, 2), (32, 4, 1), (16, 2, 4)),
                                                               (1, 2))]
 
-# What the kernels compute before their PDL wait that does not depend on the kernel before
-# (the source's EARLY; a configuration's ``early``): 0 left to the compiler, 1 pinned there,
-# 2 also with the wait kept after it.
-EARLY = 1
 MIN_BLOCKS = (4, 5, 6, 8)  # register caps tried (``min_blocks``): more blocks, more loads in flight an SM
 
 
@@ -179,14 +183,13 @@ def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> s
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
             logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
-            mma: bool = False, h16: bool = False, pipe: bool = False, skip_arith: bool = False,
-            row_groups: int = 1, early: int | None = None) -> tuple:
+            mma: bool = False, h16: bool = False, pipe: bool = False, row_groups: int = 1) -> tuple:
     return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
             f"-DPARTIAL={int(partial)}", f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
             f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
             f"-DMMA={int(mma)}", f"-DH16={int(h16)}", f"-DPIPE={int(pipe)}",
-            f"-DSKIP_ARITH={int(skip_arith)}", f"-DRG={row_groups}", f"-DEARLY={EARLY if early is None else early}")
+            f"-DRG={row_groups}")
 
 
 def mma_check(phase: str, cfg: dict, h: int, f: int, gated: bool = True) -> str | None:
@@ -267,8 +270,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     up_major = up.get("pair_major", False)
     up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up_major,
                       min_blocks=up.get("min_blocks", 1), unit=up.get("unit", False), mma=up_mma, h16=down_mma,
-                      skip_arith=up.get("skip_arith", False), row_groups=up.get("row_groups", 1),
-                      early=up.get("early"), **route) + ("-DPDL_EARLY=0",)
+                      row_groups=up.get("row_groups", 1), **route) + ("-DPDL_EARLY=0",)
     up_grid = (-(-f // up["bn"]), t * topk)
     launch(x.device, SOURCE, "moe_up_mma" if up_mma else "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
            up["warps"] * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
@@ -283,8 +285,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     down_major = down.get("pair_major", False)
     opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, pair_major=down_major,
                    min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), mma=down_mma,
-                   pipe=down.get("pipe", False), skip_arith=down.get("skip_arith", False),
-                   row_groups=down.get("row_groups", 1), early=down.get("early"), **route)
+                   pipe=down.get("pipe", False), row_groups=down.get("row_groups", 1), **route)
     down_grid = (-(-h // down["bn"]), split, t)
     launch(x.device, SOURCE, "moe_down_mma" if down_mma else "moe_down", opts,
            down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
@@ -309,12 +310,11 @@ def compile_all(arch: str = "sm_90") -> int:
         groups = 2 if i % 3 == 2 else 1  # every candidate has 4 or 8 warps and an even number of rows
         compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, ids64=i % 2 == 0,
                                       pair_major=i % 2 == 1, min_blocks=min_blocks, unit=i % 4 == 1,
-                                      row_groups=groups, early=i % 3, **route)
+                                      row_groups=groups, **route)
                       + launch_flags, arch, "moe_cuda.cu")
         compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
                                       ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks,
-                                      unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups, early=(i + 1) % 3,
-                                      **route)
+                                      unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups, **route)
                       + launch_flags, arch, "moe_cuda.cu")
         count += 2
         if int8:  # the tensor-core kernels, the up one writing f16 for them or not

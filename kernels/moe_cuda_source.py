@@ -26,10 +26,6 @@ SOURCE = COMMON + r"""
 #ifndef PIPE
 #define PIPE 0  // moe_down: two weight buffers, the next step in flight during this one's arithmetic
 #endif
-#ifndef EARLY
-#define EARLY 1  // moe_up / moe_down: what does not depend on the previous kernel is pinned before the wait
-                 // (2: and the wait kept after it)
-#endif
 #ifndef RG
 #define RG 1  // moe_up / moe_down: row groups, each of WARPS / RG warps taking ROWS / RG rows over all of K
 #endif
@@ -94,11 +90,8 @@ __device__ __forceinline__ UpBlock up_tile() {
 }
 
 __device__ __forceinline__ void up_expert(UpBlock& b, const void* __restrict__ ids, const float* __restrict__ pair_w,
-                                          int topk, int E, u32 even = 0) {
-  if (EARLY == 2)
-    grid_dep_enter_after(even);
-  else
-    grid_dep_enter();
+                                          int topk, int E) {
+  grid_dep_enter();
 #if ROUTE && LOGITS_F32
   int top[MAX_K];
   float top_w[MAX_K];
@@ -235,13 +228,10 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   for (int i = 0; i < RR; ++i) {
     const int j = grp * RR + i;
     row_off[i] = (u32)((((size_t)(j < BN ? 0 : F) + n0 + j % BN) * H + k0) * W_BYTES);
-    if (EARLY) pin(row_off[i]);
+    pin(row_off[i]);
   }
-  if (EARLY) pin(xr);
-  u32 even = (u32)(size_t)xr;  // row offsets are even too: H a multiple of 8 (16 for int8)
-#pragma unroll
-  for (int i = 0; i < RR; ++i) even |= row_off[i];
-  up_expert(blk, ids, pair_w, topk, E, even);  // waits: x and the ids are earlier kernels' outputs
+  pin(xr);
+  up_expert(blk, ids, pair_w, topk, E);  // waits: x and the ids are earlier kernels' outputs
   const long long e = blk.e;
   const float weight = blk.weight;
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
@@ -349,24 +339,11 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
 #if PIPE
   const char* nx_at[U];  // the second step's rows, planned before the wait and issued after it
   int nx_slot[U];
-#if EARLY
   plan_step(nx_at, nx_slot, kb + U * GSTEP);
-  u32 even = 0;  // the rows' addresses are 16-byte aligned
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    pin(nx_at[u]);
-    even |= (u32)(size_t)nx_at[u];
-  }
+  for (int u = 0; u < U; ++u) pin(nx_at[u]);
 #endif
-#endif
-#if PIPE && EARLY == 2
-  grid_dep_enter_after(even);  // h is the up kernel's output
-#else
   grid_dep_enter();  // h is the up kernel's output
-#endif
-#if PIPE && !EARLY
-  plan_step(nx_at, nx_slot, kb + U * GSTEP);
-#endif
 
   float acc[RR];
 #pragma unroll

@@ -133,7 +133,7 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
 def test_row_groups_match_reference(t, h, f, e, k, activation, int8):
     # The block's warps split its rows into groups, each group over all of K: 2 groups of
     # 4 warps (with and without two weight buffers, the down kernel split or not), 4 of 2
-    # (one row a thread in the down kernel), 3 of 2 (6 warps); and each ``early`` setting.
+    # (one row a thread in the down kernel), 3 of 2 (6 warps).
     x, w13, w2, ids, w = problem("cuda", torch.bfloat16, t, h, f, e, k, activation, t * 7 + e)
     s13 = s2 = None
     if int8:
@@ -145,9 +145,7 @@ def test_row_groups_match_reference(t, h, f, e, k, activation, int8):
     down = dict(backend="cuda", bn=4, warps=8, unroll=1, split_k=1, row_groups=2, unit=int8)
     pairs = [(up, down), (dict(up, unroll=2), dict(down, pipe=True)), (up, dict(down, split_k=2, unroll=2)),
              (dict(up, warps=8, row_groups=4), dict(down, warps=8, row_groups=4, pipe=True)),
-             (dict(up, bn=6, warps=6, row_groups=3), dict(down, bn=6, warps=6, row_groups=3, min_blocks=4)),
-             # what does not depend on the kernel before: left to the compiler, or the wait kept after it
-             (dict(up, early=0), dict(down, pipe=True, early=0)), (dict(up, early=2), dict(down, pipe=True, early=2))]
+             (dict(up, bn=6, warps=6, row_groups=3), dict(down, bn=6, warps=6, row_groups=3, min_blocks=4))]
     for cfg in pairs:
         out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, cfg)
         assert rel(out, ref) < TOL[torch.bfloat16], cfg
