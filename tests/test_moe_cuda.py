@@ -29,6 +29,19 @@ def problem(device, dtype, t, h, f, e, k, activation, seed, ids_dtype=torch.int3
     return x, w13, w2, ids, weights
 
 
+def checked_problem(dtype, t, h, f, e, k, activation, seed, int8, ids_dtype=torch.int32):
+    """``problem`` on the GPU, its weights int8 with their scales where ``int8`` says so, and
+    the float64 reference: (x, w13, w2, ids, weights, w13 scale, w2 scale, reference)."""
+    x, w13, w2, ids, w = problem("cuda", dtype, t, h, f, e, k, activation, seed, ids_dtype)
+    s13 = s2 = None
+    if int8:
+        w13, s13 = quantize_int8(w13)
+        w2, s2 = quantize_int8(w2)
+    ref = fused_moe_ref(x.double(), w13 if int8 else w13.double(), w2 if int8 else w2.double(), w.double(), ids,
+                        activation, s13, s2)
+    return x, w13, w2, ids, w, s13, s2, ref
+
+
 def test_source_compiles_for_hopper():
     # NVRTC runs ptxas too, so inline PTX, the lambdas and register allocation are checked.
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the test extras install cupy and NVRTC")
@@ -90,14 +103,8 @@ GPU_CASES = [  # t, h, f, e, k, activation
 @pytest.mark.parametrize("t,h,f,e,k,activation", GPU_CASES)
 @pytest.mark.parametrize("int8", [False, True])
 def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
-    x, w13, w2, ids, w = problem("cuda", dtype, t, h, f, e, k, activation, t * 13 + e,
-                                 torch.int64 if t % 2 else torch.int32)
-    s13 = s2 = None
-    if int8:
-        w13, s13 = quantize_int8(w13)
-        w2, s2 = quantize_int8(w2)
-    ref = fused_moe_ref(x.double(), w13 if int8 else w13.double(), w2 if int8 else w2.double(), w.double(), ids,
-                        activation, s13, s2)
+    x, w13, w2, ids, w, s13, s2, ref = checked_problem(dtype, t, h, f, e, k, activation, t * 13 + e, int8,
+                                                       torch.int64 if t % 2 else torch.int32)
     # Every tuning candidate that the problem's size keeps apart (up i with down i), some
     # with their registers capped, some widening int8 by one permute; past T = 1 also the
     # pair-major grid, in both kernels and in each one alone.
@@ -134,13 +141,7 @@ def test_row_groups_match_reference(t, h, f, e, k, activation, int8):
     # The block's warps split its rows into groups, each group over all of K: 2 groups of
     # 4 warps (with and without two weight buffers, the down kernel split or not), 4 of 2
     # (one row a thread in the down kernel), 3 of 2 (6 warps).
-    x, w13, w2, ids, w = problem("cuda", torch.bfloat16, t, h, f, e, k, activation, t * 7 + e)
-    s13 = s2 = None
-    if int8:
-        w13, s13 = quantize_int8(w13)
-        w2, s2 = quantize_int8(w2)
-    ref = fused_moe_ref(x.double(), w13 if int8 else w13.double(), w2 if int8 else w2.double(), w.double(), ids,
-                        activation, s13, s2)
+    x, w13, w2, ids, w, s13, s2, ref = checked_problem(torch.bfloat16, t, h, f, e, k, activation, t * 7 + e, int8)
     up = dict(backend="cuda", bn=4, warps=8, unroll=1, row_groups=2, unit=int8)
     down = dict(backend="cuda", bn=4, warps=8, unroll=1, split_k=1, row_groups=2, unit=int8)
     pairs = [(up, down), (dict(up, unroll=2), dict(down, pipe=True)), (up, dict(down, split_k=2, unroll=2)),
