@@ -76,7 +76,6 @@ __device__ __forceinline__ void pin(T*& v) {
 }
 __device__ __forceinline__ void pin(u32& v) { asm volatile("" : "+r"(v)); }
 
-
 __device__ __forceinline__ void prefetch_l2(const void* p) {  // one line into L2, no register
   asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
