@@ -209,6 +209,11 @@ def test_diag_moe_ab_variants_file(tmp_path):
         path.write_text(json.dumps(bad))
         with pytest.raises(SystemExit, match=says):
             diag.load_variants(str(path))
+    # A variant's configuration: the table's where absent, the table's changed with "from_table".
+    table = {"backend": "cuda", "bn": 4, "warps": 4, "unroll": 1, "pipe": True}
+    assert diag.merged(None, table) is table
+    assert diag.merged({"from_table": True, "warps": 8, "row_groups": 2}, table) == dict(table, warps=8, row_groups=2)
+    assert diag.merged({"backend": "cuda", "bn": 8}, table) == {"backend": "cuda", "bn": 8}
 
 
 def test_diag_hop_kernel_compiles_and_chain_value():
