@@ -27,12 +27,10 @@ from kernels.moe_ref import (ACTIVATIONS, TAG_INTS, dequantize_ref, dispatch_row
                              scatter_rows_ref, token_maps_ref, topk_gating_ref)
 
 
-def topk_gating(logits, k, score="softmax", renormalize=True, l2_weights=None, l2_bytes=0):
-    """-> expert ids [T, k] int32, weights [T, k] float32 (see ``topk_gating_ref``). On a GPU,
-    with one token, the launch also sends the first ``l2_bytes`` of the chosen experts'
-    ``l2_weights`` to L2 (``topk_gating_triton``)."""
+def topk_gating(logits, k, score="softmax", renormalize=True):
+    """-> expert ids [T, k] int32, weights [T, k] float32 (see ``topk_gating_ref``)."""
     if logits.is_cuda:
-        return topk_gating_triton(logits, k, score, renormalize, l2_weights, l2_bytes)
+        return topk_gating_triton(logits, k, score, renormalize)
     return topk_gating_ref(logits, k, score, renormalize)
 
 

@@ -154,57 +154,22 @@ def _topk_gating_kernel(
     weights_ptr,  # [T, K] float32 output, contiguous
     T, E,  # rows, experts (E <= BLOCK_E)
     stride_lt, stride_le,  # logits strides in elements, along T and E
-    pf_ptr,  # PF_BLOCK > 0: [E, ...] expert weights as bytes, each expert's pf_expert_bytes contiguous
-    pf_expert_bytes, pf_lines,  # bytes an expert; 128-byte lines to send to L2 in all
     K: tl.constexpr,  # slots per token
     SOFTMAX: tl.constexpr,  # softmax scores, else sigmoid
     RENORMALIZE: tl.constexpr,  # divide the k weights by their sum
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
-    PF_BLOCK: tl.constexpr,  # lines a program sends to L2 (0: none; T must be 1)
-    PF_MODE: tl.constexpr,
 ):
     pdl_enter(PDL)
-    pid = tl.program_id(0)
-    # With PF_BLOCK every program ranks the one token's logits; program 0 stores the table.
-    rows = (0 if PF_BLOCK else pid) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     row_ok = rows < T
     top_ids, top_w = _topk_table(logits_ptr, rows, row_ok, E, stride_lt, stride_le, K, SOFTMAX,
                                  RENORMALIZE, BLOCK_E, BLOCK_K, False)
     slots = tl.arange(0, BLOCK_K)
     out = rows.to(tl.int64)[:, None] * K + slots[None, :]
-    out_ok = row_ok[:, None] & (slots[None, :] < K) & ((pid == 0) | (PF_BLOCK == 0))
+    out_ok = row_ok[:, None] & (slots[None, :] < K)
     tl.store(ids_ptr + out, top_ids, mask=out_ok)
     tl.store(weights_ptr + out, top_w, mask=out_ok)
-    if PF_BLOCK:
-        _prefetch_experts(pf_ptr, tl.sum(top_ids, axis=0), slots, pf_expert_bytes, pf_lines, pid, PF_BLOCK, PF_MODE,
-                          weights_ptr)
-
-
-@triton.jit
-def _prefetch_experts(pf_ptr, expert, slots, expert_bytes, n_lines, pid, PF_BLOCK: tl.constexpr, PF_MODE: tl.constexpr, sink_ptr):
-    """Lines pid * PF_BLOCK .. of the chosen experts' weights (slot order; ``expert`` [BLOCK_K]
-    the one token's ids) sent to L2: PTX ``prefetch.global.L2``, which takes no register
-    and waits for nothing. A program's lines lie in one expert (PF_BLOCK divides an
-    expert's lines), so its slot and expert are scalars. GPU only (inline PTX: the
-    interpreter runs no assembly)."""
-    first = pid * PF_BLOCK
-    per_expert = expert_bytes // 128
-    slot = first // per_expert
-    e = tl.sum(tl.where(slots == slot, expert, 0), axis=0)
-    base = pf_ptr + e.to(tl.int64) * expert_bytes + (first - slot * per_expert).to(tl.int64) * 128
-    line = tl.arange(0, PF_BLOCK)
-    ptrs = base + line * 128
-    line = first + line
-    if PF_MODE == 1:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, (line < n_lines).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    elif PF_MODE == 2:
-        v = tl.load(ptrs.to(tl.pointer_type(tl.int32)), mask=line < n_lines, other=0, cache_modifier=".cg")
-        tl.store(sink_ptr + pid, tl.sum(v, axis=0), mask=tl.sum(v, axis=0) == 123456789)
-    elif PF_MODE == 3:
-        tl.store(sink_ptr + pid, tl.sum(ptrs.to(tl.int64), axis=0).to(tl.int32), mask=n_lines < 0)
 
 
 @triton.jit
@@ -334,8 +299,7 @@ def _check_logits_once(logits: torch.Tensor, k: int, score: str) -> None:
 
 
 def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
-                       renormalize: bool = True, l2_weights: torch.Tensor | None = None,
-                       l2_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                       renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the router scores: ids [T, k] int32 (descending score) and weights [T, k]
     float32; the same contract as ``topk_gating_ref``.
 
@@ -349,9 +313,8 @@ def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
     ids, weights = _outputs(t, k, dev)
     if t == 0:
         return ids, weights
-    pf = l2_prefetch_plan(t, k, dev, l2_weights, l2_bytes)
     key = (dev.type, dev.index, t, e, k, score, renormalize, logits.dtype, logits.stride(), logits.data_ptr() % 16,
-           pdl_mod.EARLY_TRIGGER, pf and pf[1:], PF_MODE, PF_BLOCK)
+           pdl_mod.EARLY_TRIGGER)
 
     def plan():
         block_e = triton.next_power_of_2(e)
@@ -359,32 +322,12 @@ def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
         # A decode step's tile (a few rows of logits) in one warp: each of the k rounds' two
         # reductions then stays in the warp's shuffles, with no shared-memory round trip.
         warps = 1 if block_t * block_e <= 1024 else 4
-        grid = triton.cdiv(pf[2], PF_BLOCK) if pf else triton.cdiv(t, block_t)
-        return (grid,), dict(K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
-                             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
-                             num_warps=warps, **pdl_launch(dev), PF_BLOCK=PF_BLOCK if pf else 0, PF_MODE=PF_MODE)
+        return (triton.cdiv(t, block_t),), dict(K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
+                                                BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
+                                                num_warps=warps, **pdl_launch(dev))
 
-    _gating(key, (logits, ids, weights, t, e, logits.stride(0), logits.stride(1), *(pf or (logits, 0, 0))),
-            plan, dev)
+    _gating(key, (logits, ids, weights, t, e, logits.stride(0), logits.stride(1)), plan, dev)
     return ids, weights
-
-
-PF_MODE = 1
-PF_BLOCK = 256  # lines (128 bytes) a gating program sends to L2: 8 a thread of its one warp
-
-
-def l2_prefetch_plan(t: int, k: int, device: torch.device, weights: torch.Tensor | None,
-                     nbytes: int) -> tuple | None:
-    """(weights as bytes, bytes an expert, lines) for a gating launch that also sends the
-    first ``nbytes`` of its token's chosen experts' ``weights`` [E, ...] (slot order) to L2,
-    or None: none asked, more than one token, or no GPU (inline PTX)."""
-    if weights is None or nbytes <= 0 or t != 1 or device.type != "cuda":
-        return None
-    per_expert = weights[0].numel() * weights.element_size()
-    if not weights.is_contiguous() or per_expert % (128 * PF_BLOCK):
-        return None
-    lines = min(nbytes, k * per_expert) // 128
-    return weights.view(torch.uint8), per_expert, lines
 
 
 def _check_grouped_args(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,

@@ -31,14 +31,11 @@ class Router(nn.Module):
         self.top_k, self.score, self.renormalize = top_k, score, renormalize
         self.with_maps = with_maps  # dropless maps built in the gating launch
 
-    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None, maps: bool = True,
-                l2_weights: torch.Tensor | None = None, l2_bytes: int = 0) -> Routing:
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None, maps: bool = True) -> Routing:
         """``logits`` [T, E]: already computed (by the fused norm + router launch). ``maps``
-        False: the caller's experts need none (ids and weights only, the gating launch),
-        which may then also send the first ``l2_bytes`` of the chosen experts' ``l2_weights``
-        to L2 (``kernels.topk_gating``)."""
+        False: the caller's experts need none (ids and weights only, the gating launch)."""
         if logits is None:
             logits = x @ self.weight.t()  # [T, E]
         if self.with_maps and maps:
             return Routing(*kernels.route(logits, self.top_k, self.score, self.renormalize))
-        return Routing(*kernels.topk_gating(logits, self.top_k, self.score, self.renormalize, l2_weights, l2_bytes))
+        return Routing(*kernels.topk_gating(logits, self.top_k, self.score, self.renormalize))

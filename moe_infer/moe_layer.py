@@ -37,10 +37,6 @@ class MoELayer(nn.Module):
         # program's top-k runs after every other program, where the gating launch's own
         # latency hid under PDL. scripts/diag_decode_ab.py --on topk-in-router.
         self.topk_in_router = False
-        # Bytes of the chosen experts' w13 the gating launch sends to L2 for the up kernel
-        # (one token, ids-only routing): HBM would otherwise idle from the top-k until the
-        # up kernel's blocks have read their expert ids. 0: off.
-        self.gating_l2_bytes = 0
         self.local_dropless = moe_cfg.capacity_factor is None and ep * es == 1
         self._maps_at: dict = {}  # _maps_needed's answers
         ep_index = groups.ep.rank // es
@@ -93,9 +89,7 @@ class MoELayer(nn.Module):
             r = self.router
             out = self.experts.fused_logits(x, router_logits, r.top_k, r.score, r.renormalize)  # [T, H]
         else:
-            maps = self._maps_needed(x)
-            routing = self.router(x, router_logits, maps=maps, l2_weights=None if maps else self.experts.w13,
-                                  l2_bytes=self.gating_l2_bytes)
+            routing = self.router(x, router_logits, maps=self._maps_needed(x))
             out = self.dispatcher.run(x, routing, self.experts)  # [T, H]
         if self.shared is not None:
             shared = self.shared(x)

@@ -70,8 +70,7 @@ qkv_attention = importlib.import_module("kernels.qkv_attention")
 
 OFF = ("moe-cuda", "cuda-pdl", "fused-attention", "pdl-early", "fused-context", "preload-kv", "router-preload",
        "norm-in-qkv")
-ON = ("route-in", "l2-prefetch", "topk-in-router", "gating-l2-2m", "gating-l2-4m", "gating-l2-6m", "gating-l2-8m",
-      "gating-l2-12m", "gating-l2-16m", "gating-l2-24m")
+ON = ("route-in", "l2-prefetch", "topk-in-router")
 # The switches a built model reads at each call: name -> (a module's class, whose every
 # instance in the model gets the attribute, or a module, which gets it; attribute; value
 # when switched). ``--alternate`` takes only these.
@@ -85,7 +84,6 @@ SWITCHES = {
     "preload-kv": (qkv_attention, "PRELOAD_KV", False),
     "router-preload": (norm, "ROUTER_PRELOAD", False),
     "l2-prefetch": (cuda_common, "L2_PREFETCH", True),
-    **{f"gating-l2-{mb}m": (moe_layer.MoELayer, "gating_l2_bytes", mb << 20) for mb in (2, 4, 6, 8, 12, 16, 24)},
 }
 
 
@@ -159,7 +157,7 @@ def set_switches(net, parts, switched: bool) -> dict:
     now = {}
     for part in parts:
         where, attr, value = SWITCHES[part]
-        value = value if switched else (not value if isinstance(value, bool) else type(value)())
+        value = value if switched else not value
         targets = [m for m in net.modules() if isinstance(m, where)] if isinstance(where, type) else [where]
         if not targets:
             raise SystemExit(f"--alternate: the model has no {where.__name__} for {part!r}")
