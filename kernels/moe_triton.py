@@ -141,8 +141,12 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                       _cuda_pair(up_cfg, down_cfg))
             except ValueError:  # operands those kernels cannot take (fp32, odd widths): Triton
                 pass
+    # The CUDA kernels come as a pair behind the CUDA up kernel: a CUDA entry left over
+    # here (not taken, or a CUDA down beside a Triton up) gives way to the Triton default.
+    if "cuda" in (up_cfg.get("backend"), down_cfg.get("backend")):
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else NUM_SMS_DEFAULT
-        up_cfg = default_config("up", t, e, w13.shape[1], h, topk, sms, size)
+        if up_cfg.get("backend") == "cuda":
+            up_cfg = default_config("up", t, e, w13.shape[1], h, topk, sms, size)
         if down_cfg.get("backend") == "cuda":
             down_cfg = default_config("down", t, e, h, f, topk, sms, size)
     # Decode sizes: with no maps given, the GEMMs find each expert's pairs from the ids
