@@ -83,12 +83,14 @@ def test_check_names_what_the_kernels_cannot_take():
 @pytest.mark.interp
 def test_table_entry_falls_back_to_triton_where_cuda_cannot_run():
     # A "cuda" entry on operands the kernels cannot take (here: the CPU interpreter) runs
-    # the Triton kernels with their default configuration instead.
+    # the Triton kernels with their default configuration instead; so does a CUDA down
+    # entry beside a Triton up entry (the CUDA kernels come as a pair).
     x, w13, w2, ids, w = problem("cpu", torch.float32, 1, 64, 48, 6, 2, "silu", 1)
-    configs = (moe_cuda.UP_CANDIDATES[0], moe_cuda.DOWN_CANDIDATES[0])
-    out = fused_moe_triton(x, w13, w2, w, ids, "silu", configs=configs)
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
-    assert rel(out, ref) < TOL[torch.float32]
+    triton_up = moe_triton.default_config("up", 1, 6, 96, 64, 2, moe_triton.NUM_SMS_DEFAULT)
+    for configs in [(moe_cuda.UP_CANDIDATES[0], moe_cuda.DOWN_CANDIDATES[0]), (triton_up, moe_cuda.DOWN_CANDIDATES[0])]:
+        out = fused_moe_triton(x, w13, w2, w, ids, "silu", configs=configs)
+        assert rel(out, ref) < TOL[torch.float32], configs
 
 
 GPU_CASES = [  # t, h, f, e, k, activation
