@@ -78,6 +78,12 @@ def test_check_names_what_the_kernels_cannot_take():
     assert moe_cuda.row_groups_check("up", dict(bn=4, warps=8, row_groups=2), gated=False) is None
     assert not any(c.get("mma") for c in moe_cuda.candidates("down", 1, False, 2048, 768)
                    + moe_cuda.candidates("down", 1, True, 2048, 96))
+    assert "up diag: int8 weights only" in moe_cuda.diag_check("up", dict(bn=4, diag=True), False, 768)
+    assert "not with unit or mma" in moe_cuda.diag_check("down", dict(bn=4, diag=True, unit=True), True, 768)
+    assert "in pairs (got 1)" in moe_cuda.diag_check("down", dict(bn=2, diag=True, row_groups=2), True, 768)
+    assert "F = 96, expected a multiple of 64" in moe_cuda.diag_check("down", dict(bn=4, diag=True), True, 96)
+    assert moe_cuda.diag_check("up", dict(bn=1, diag=True), True, 96) is None  # gate and up row: a pair
+    assert moe_cuda.diag_check("down", dict(bn=4, diag=False), False, 96) is None
 
 
 @pytest.mark.interp
@@ -118,6 +124,17 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
         major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
         pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
     pairs += list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.PIPE_DOWN_CANDIDATES))  # two weight buffers in the down kernel
+    if int8:  # the tensor cores in the streaming layout (diag): plain, capped, two buffers, row groups
+        diag = list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.DOWN_CANDIDATES[::2]))
+        diag += [(moe_cuda.UP_CANDIDATES[1], down) for down in moe_cuda.PIPE_DOWN_CANDIDATES[::2]]
+        diag += [(moe_cuda.UP_CANDIDATES[5], moe_cuda.ROW_GROUP_DOWN_CANDIDATES[0])]
+        diag = [(dict(up, diag=True), dict(down, diag=True)) for up, down in diag]
+        diag += [(dict(up, min_blocks=4), dict(down, min_blocks=4)) for up, down in diag[1:3]]
+        if f % 64:  # the down kernel's groups of four lanes would straddle two slots: named, then up alone
+            with pytest.raises(ValueError, match="F = .*multiple of 64"):
+                moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, diag[0])
+            diag = [(up, moe_cuda.DOWN_CANDIDATES[0]) for up, _ in diag]
+        pairs += diag
     if int8:  # the tensor-core kernels, both, and each beside the other kind (its h in f16 or not)
         mma = list(zip(moe_cuda.MMA_UP_CANDIDATES[::2], moe_cuda.MMA_DOWN_CANDIDATES[::3]))
         mma = [(dict(up, bn=16) if activation == "gelu" else up, down) for up, down in mma]
