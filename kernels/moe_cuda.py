@@ -183,14 +183,13 @@ def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> s
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
             logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
-            mma: bool = False, h16: bool = False, pipe: bool = False, row_groups: int = 1,
-            diag: bool = False) -> tuple:
+            mma: bool = False, h16: bool = False, pipe: bool = False, row_groups: int = 1) -> tuple:
     return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
             f"-DPARTIAL={int(partial)}", f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
             f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
             f"-DMMA={int(mma)}", f"-DH16={int(h16)}", f"-DPIPE={int(pipe)}",
-            f"-DRG={row_groups}", f"-DDIAG={int(diag)}")
+            f"-DRG={row_groups}")
 
 
 def mma_check(phase: str, cfg: dict, h: int, f: int, gated: bool = True) -> str | None:
@@ -214,25 +213,6 @@ def row_groups_check(phase: str, cfg: dict, gated: bool = True) -> str | None:
                 f"block's {rows} rows")
     if g > 1 and cfg.get("mma"):
         return f"{phase} row_groups = {g}: the mma kernels take no row groups"
-    return None
-
-
-def diag_check(phase: str, cfg: dict, int8: bool, f: int, gated: bool = True) -> str | None:
-    """Why configuration ``cfg`` of ``phase`` cannot take the tensor cores in the streaming
-    layout (``diag``; None: it can, or it does not ask): int8 weights, not with ``unit`` or
-    ``mma``, rows in pairs in each row group, and for the down kernel F a multiple of 64
-    (a group of four lanes within one slot)."""
-    if not cfg.get("diag"):
-        return None
-    if not int8:
-        return f"{phase} diag: int8 weights only"
-    if cfg.get("unit") or cfg.get("mma"):
-        return f"{phase} diag: not with unit or mma"
-    rows = cfg["bn"] * (2 if phase == "up" and gated else 1) // cfg.get("row_groups", 1)
-    if rows % 2:
-        return f"{phase} diag: the rows of a row group in pairs (got {rows})"
-    if phase == "down" and f % 64:
-        return f"down diag: F = {f}, expected a multiple of 64"
     return None
 
 
@@ -281,7 +261,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     up_mma, down_mma = up.get("mma", False), down.get("mma", False)
     for phase, cfg in (("up", up), ("down", down)):
         why = cfg.get("mma") and (mma_check(phase, cfg, h, f, gated) if int8 else f"{phase} mma: int8 weights only")
-        why = why or row_groups_check(phase, cfg, gated) or diag_check(phase, cfg, int8, f, gated)
+        why = why or row_groups_check(phase, cfg, gated)
         if why:
             raise ValueError(f"fused_moe_cuda: {why}")
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F] (f16 bits for an mma down)
@@ -290,7 +270,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     up_major = up.get("pair_major", False)
     up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up_major,
                       min_blocks=up.get("min_blocks", 1), unit=up.get("unit", False), mma=up_mma, h16=down_mma,
-                      row_groups=up.get("row_groups", 1), diag=up.get("diag", False), **route) + ("-DPDL_EARLY=0",)
+                      row_groups=up.get("row_groups", 1), **route) + ("-DPDL_EARLY=0",)
     up_grid = (-(-f // up["bn"]), t * topk)
     launch(x.device, SOURCE, "moe_up_mma" if up_mma else "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
            up["warps"] * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
@@ -305,8 +285,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, 
     down_major = down.get("pair_major", False)
     opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, pair_major=down_major,
                    min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), mma=down_mma,
-                   pipe=down.get("pipe", False), row_groups=down.get("row_groups", 1), diag=down.get("diag", False),
-                   **route)
+                   pipe=down.get("pipe", False), row_groups=down.get("row_groups", 1), **route)
     down_grid = (-(-h // down["bn"]), split, t)
     launch(x.device, SOURCE, "moe_down_mma" if down_mma else "moe_down", opts,
            down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
@@ -331,12 +310,11 @@ def compile_all(arch: str = "sm_90") -> int:
         groups = 2 if i % 3 == 2 else 1  # every candidate has 4 or 8 warps and an even number of rows
         compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, ids64=i % 2 == 0,
                                       pair_major=i % 2 == 1, min_blocks=min_blocks, unit=i % 4 == 1,
-                                      row_groups=groups, diag=int8 and i % 4 != 1, **route)
+                                      row_groups=groups, **route)
                       + launch_flags, arch, "moe_cuda.cu")
         compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
                                       ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks,
-                                      unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups,
-                                      diag=int8 and i % 4 != 3, **route)
+                                      unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups, **route)
                       + launch_flags, arch, "moe_cuda.cu")
         count += 2
         if int8:  # the tensor-core kernels, the up one writing f16 for them or not

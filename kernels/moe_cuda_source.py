@@ -29,13 +29,6 @@ SOURCE = COMMON + r"""
 #ifndef RG
 #define RG 1  // moe_up / moe_down: row groups, each of WARPS / RG warps taking ROWS / RG rows over all of K
 #endif
-#ifndef DIAG
-#define DIAG 0  // moe_up / moe_down, int8: the products on the tensor cores in the streaming layout (diag_b)
-#endif
-#if DIAG && (!INT8 || UNIT || MMA)
-#error "DIAG takes int8 weights, without UNIT or MMA"
-#endif
-#define ACC_SCALE (DIAG ? MMA_SCALE : UNIT_SCALE)  // what the int8 scales carry besides their own
 #define WPG (WARPS / RG)         // warps a row group
 #define GSTEP (WPG * 32 * WVEC)  // a row group's step along K
 static_assert(WARPS % RG == 0, "whole warps a row group");
@@ -75,33 +68,6 @@ __device__ __forceinline__ long long id_at(const void* ids, int p) {
   return ((const int*)ids)[p];
 #endif
 }
-
-#if DIAG
-// int8 on the tensor cores in the streaming layout (DIAG): each lane keeps its 16-byte
-// loads along K, 512 bytes of a row a warp. Lane (g, q) = (lane / 4, lane % 4) gives mma
-// m16n8k16 its own 16 bytes of two rows (A's rows g and g + 8: mma_chunk) and its own 16
-// activations (B's column g: diag_b), so D's column g sums the 4 lanes of group g alone,
-// and only the diagonal is used: rows g and g + 8 of column g, on lane (g, g / 2). Four
-// mma a 16-byte vector of two rows, one byte permute per two weights, and per 16
-// activations four more mma that take the weights' offset off every row (mma_offset):
-// about half the instructions of UNIT a weight. Every lane of a warp must take every
-// mma, so the loops go by the warp's first lane, and lanes past the end add zeros.
-__device__ __forceinline__ void diag_b(const float* a, u32* b) {  // the lane's activations as B's column
-#pragma unroll
-  for (int i = 0; i < WVEC / 2; ++i) b[i] = f16x2(a[2 * i], a[2 * i + 1]);
-}
-
-__device__ __forceinline__ bool diag_lane() {  // lane (g, g / 2): the one holding group g's sums
-  const int lane = threadIdx.x % 32;
-  return lane % 4 == lane / 8;
-}
-
-// The diagonal of D fragment d on diag_lane(): the first row's (row g) or the second's.
-__device__ __forceinline__ float diag_at(const float* d, bool second) {
-  const bool odd = threadIdx.x % 32 / 4 & 1;
-  return second ? (odd ? d[3] : d[2]) : (odd ? d[1] : d[0]);
-}
-#endif
 
 """ + ROUTE_SOURCE + r"""
 // An up kernel's block: pair p and first column n0 from the grid (up_tile, before the wait),
@@ -271,15 +237,10 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
   const float2 sc = up_scales(scale, e, n0, F);  // in flight beside the weights, not after them
 
-  const int lead = DIAG ? threadIdx.x % 32 * WVEC : 0;  // DIAG: back to the warp's first lane's k
   float acc[RR];
 #pragma unroll
   for (int i = 0; i < RR; ++i) acc[i] = 0.f;
-#if DIAG
-  static_assert(RR % 2 == 0, "DIAG: rows in pairs");
-  float dg[RR / 2][4] = {}, doff[4] = {};  // D of each pair of rows; the offset's, the same for every row
-#endif
-  for (int kb = k0; kb - lead < H; kb += U * GSTEP) {
+  for (int kb = k0; kb < H; kb += U * GSTEP) {
     u32x4 wv[U][RR];
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -291,32 +252,14 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u * GSTEP;
-      if (k - lead >= H) break;
+      if (k >= H) break;
       float a[WVEC];
-#if DIAG
-      if (k < H) load_act(xr + k, a);
-      else
-        for (int i = 0; i < WVEC; ++i) a[i] = 0.f;
-      u32 b[WVEC / 2];
-      diag_b(a, b);
-      mma_offset(doff, b);
-#pragma unroll
-      for (int i = 0; i < RR / 2; ++i) mma_chunk(dg[i], wv[u][2 * i], wv[u][2 * i + 1], b);
-#else
       load_act(xr + k, a);
       const float start = unit_start(a);
 #pragma unroll
       for (int i = 0; i < RR; ++i) acc[i] = UNIT ? acc[i] + dot_w(a, wv[u][i], start) : dot_w(a, wv[u][i], acc[i]);
-#endif
     }
   }
-#if DIAG
-#pragma unroll
-  for (int i = 0; i < RR / 2; ++i) {  // the diagonal on its lanes, zero on the others
-    acc[2 * i] = diag_lane() ? diag_at(dg[i], false) + diag_at(doff, false) : 0.f;
-    acc[2 * i + 1] = diag_lane() ? diag_at(dg[i], true) + diag_at(doff, true) : 0.f;
-  }
-#endif
 
   __shared__ float part[WARPS][RR];
   warps_to_shared<RR>(acc, part);
@@ -325,12 +268,12 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
     if (n >= F) continue;
     float g = group_total<RR>(part, o);
 #if INT8
-    g *= sc.x * ACC_SCALE;
+    g *= sc.x * UNIT_SCALE;
 #endif
 #if GATED
     float up = group_total<RR>(part, BN + o);
 #if INT8
-    up *= sc.y * ACC_SCALE;
+    up *= sc.y * UNIT_SCALE;
 #endif
     const float v = g / (1.f + __expf(-g)) * up;
 #else
@@ -391,7 +334,7 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   prefetch_block(w2, expert, k_lo, k_hi, F, H, n0, W_BYTES);  // the rest of its weights on the way to L2
 #if INT8
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
-  token_scales(scale, expert, topk, sc, n0, H, ACC_SCALE);
+  token_scales(scale, expert, topk, sc, n0, H, UNIT_SCALE);
 #endif
 #if PIPE
   const char* nx_at[U];  // the second step's rows, planned before the wait and issued after it
@@ -406,32 +349,12 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
 #pragma unroll
   for (int i = 0; i < RR; ++i) acc[i] = 0.f;
   const u16* ht = h + (size_t)t * len;
-  const int lead = DIAG ? threadIdx.x % 32 * WVEC : 0;  // DIAG: back to the warp's first lane's k
   auto add_step = [&](const u32x4 (&w)[U][RR], const int (&sl)[U], int kb) {  // acc += step kb's products
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u * GSTEP;
-      if (k - lead >= k_hi) break;
+      if (k >= k_hi) break;
       float a[WVEC];
-#if DIAG
-      // A fresh D a step: the step's slot, the same for the 4 lanes of a group (F is a
-      // multiple of 64), has its own scales. Off the diagonal acc is discarded below.
-      static_assert(RR % 2 == 0, "DIAG: rows in pairs");
-      if (k < k_hi) load_act(ht + k, a);
-      else
-        for (int i = 0; i < WVEC; ++i) a[i] = 0.f;
-      u32 b[WVEC / 2];
-      diag_b(a, b);
-      float off[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_offset(off, b);
-#pragma unroll
-      for (int i = 0; i < RR / 2; ++i) {
-        float d[4] = {off[0], off[1], off[2], off[3]};
-        mma_chunk(d, w[u][2 * i], w[u][2 * i + 1], b);
-        acc[2 * i] = fmaf(diag_at(d, false), sc[sl[u]][r0 + 2 * i], acc[2 * i]);
-        acc[2 * i + 1] = fmaf(diag_at(d, true), sc[sl[u]][r0 + 2 * i + 1], acc[2 * i + 1]);
-      }
-#else
       load_act(ht + k, a);
       const float start = unit_start(a);
 #pragma unroll
@@ -443,7 +366,6 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
         acc[i] += d;
 #endif
       }
-#endif
     }
   };
 #if PIPE
@@ -453,22 +375,18 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   u32x4 nx[U][RR];
   int (&nslot)[U] = nx_slot;
   issue_step(nx, nx_at, kb + U * GSTEP);
-  for (; kb - lead < k_hi; kb += 2 * U * GSTEP) {
+  for (; kb < k_hi; kb += 2 * U * GSTEP) {
     add_step(wv, slot, kb);
-    if (kb - lead + U * GSTEP >= k_hi) break;
+    if (kb + U * GSTEP >= k_hi) break;
     load_step(wv, slot, kb + 2 * U * GSTEP);
     add_step(nx, nslot, kb + U * GSTEP);
     load_step(nx, nslot, kb + 3 * U * GSTEP);
   }
 #else
-  for (; kb - lead < k_hi; kb += U * GSTEP) {
+  for (; kb < k_hi; kb += U * GSTEP) {
     add_step(wv, slot, kb);
     load_step(wv, slot, kb + U * GSTEP);
   }
-#endif
-#if DIAG
-#pragma unroll
-  for (int i = 0; i < RR; ++i) acc[i] = diag_lane() ? acc[i] : 0.f;
 #endif
 
   __shared__ float part[WARPS][RR];

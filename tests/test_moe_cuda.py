@@ -78,12 +78,6 @@ def test_check_names_what_the_kernels_cannot_take():
     assert moe_cuda.row_groups_check("up", dict(bn=4, warps=8, row_groups=2), gated=False) is None
     assert not any(c.get("mma") for c in moe_cuda.candidates("down", 1, False, 2048, 768)
                    + moe_cuda.candidates("down", 1, True, 2048, 96))
-    assert "up diag: int8 weights only" in moe_cuda.diag_check("up", dict(bn=4, diag=True), False, 768)
-    assert "not with unit or mma" in moe_cuda.diag_check("down", dict(bn=4, diag=True, unit=True), True, 768)
-    assert "in pairs (got 1)" in moe_cuda.diag_check("down", dict(bn=2, diag=True, row_groups=2), True, 768)
-    assert "F = 96, expected a multiple of 64" in moe_cuda.diag_check("down", dict(bn=4, diag=True), True, 96)
-    assert moe_cuda.diag_check("up", dict(bn=1, diag=True), True, 96) is None  # gate and up row: a pair
-    assert moe_cuda.diag_check("down", dict(bn=4, diag=False), False, 96) is None
 
 
 @pytest.mark.interp
@@ -140,29 +134,6 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
         assert rel(out, ref) < TOL[dtype], (up, down)
     out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2)  # default configurations
     assert rel(out, ref) < TOL[dtype]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t,h,f,e,k,activation", GPU_CASES[:3] + GPU_CASES[4:6])
-def test_diag_matches_reference(t, h, f, e, k, activation):
-    # int8 on the tensor cores in the streaming layout (diag): plain, capped, with two weight
-    # buffers and with row groups; where F is no multiple of 64 the down kernel is refused
-    # by name and the up kernel runs beside a plain down kernel.
-    x, w13, w2, ids, w, s13, s2, ref = checked_problem(torch.bfloat16, t, h, f, e, k, activation, t * 7 + e, True)
-    pairs = list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.DOWN_CANDIDATES[::2]))
-    pairs += [(moe_cuda.UP_CANDIDATES[1], down) for down in moe_cuda.PIPE_DOWN_CANDIDATES[::2]]
-    pairs += [(moe_cuda.UP_CANDIDATES[5], moe_cuda.ROW_GROUP_DOWN_CANDIDATES[0])]
-    pairs = [(dict(up, diag=True), dict(down, diag=True)) for up, down in pairs]
-    pairs += [(dict(up, min_blocks=4), dict(down, min_blocks=4)) for up, down in pairs[1:3]]
-    if t > 1:
-        pairs += [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[:2]]
-    if f % 64:  # the down kernel's groups of four lanes would straddle two slots
-        with pytest.raises(ValueError, match="F = .*multiple of 64"):
-            moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, pairs[0])
-        pairs = [(up, moe_cuda.DOWN_CANDIDATES[0]) for up, _ in pairs]
-    for up, down in pairs:
-        out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, (up, down))
-        assert rel(out, ref) < TOL[torch.bfloat16], (up, down)
 
 
 @pytest.mark.gpu
