@@ -48,9 +48,11 @@ buffers, each step's loads issued before the arithmetic of the step before it, t
 second step's right after the wait), RG (``row_groups``: the block's warps split its rows
 into RG groups, each group over all of K, so a thread's arithmetic after the wait is
 shorter; chosen for DS-MoE's int8 down kernel at T = 1). The MMA kernels halve the
-instructions a weight again, but on the H100 they measured slower than ``unit`` at T = 1
-for the small shapes; the H200 table uses the MMA up kernel for Mixtral
-(docs/performance.md, twelfth session).
+instructions a weight again, but at T = 1 they measured slower than ``unit`` for the small
+shapes on the H100, and for Mixtral in the H200's decode step, where ``unit`` took the
+int8 step 10% down (docs/performance.md, twenty-seventh session). The products on the
+tensor cores in the streaming layout (each lane's own 16 bytes of two rows as A, its own
+activations as B's column, only D's diagonal read) measured slower too, and were removed.
 
 At decode sizes a block is one short chain of dependent memory round trips (expert id,
 weights, reduction) in a grid of one or two waves, so the kernels are latency-bound
