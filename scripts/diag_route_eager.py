@@ -70,6 +70,8 @@ def parts(t: int, rounds: int) -> None:
         "checks (cached)": lambda: gating._check_logits_once(logits, k, "softmax"),
         "outputs: two allocations (library)": lambda: gating._outputs(t, k, dev),
         "outputs: one allocation, unbind, view": lambda: _one_allocation(t, k, dev),
+        "outputs: two new_empty from the logits": lambda: (logits.new_empty((t, k), dtype=torch.int32),
+                                                           logits.new_empty((t, k), dtype=torch.float32)),
         "one allocation alone": lambda: torch.empty(2, t, k, dtype=torch.int32, device=dev),
         "cache key": lambda: (dev.type, dev.index, t, e, k, "softmax", True, logits.dtype, logits.stride(),
                               logits.data_ptr() % 16, gating.pdl_mod.EARLY_TRIGGER),
