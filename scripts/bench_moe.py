@@ -83,7 +83,7 @@ SMOKE_SHAPES = {s.name: s for s in [
 ]}
 TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384)
 SMOKE_TOKENS = (1, 16, 256)
-CHECK_T = 16  # tokens of the once-per-shape correctness checks
+CHECK_TOKENS = (16,)  # T of the once-per-shape correctness checks (--check-tokens)
 INPUT_SET_BYTES = 256 << 20  # rotating input sets per T share this much memory
 MAX_INPUT_SETS = 8
 TFLOPS_MIN_T = 256  # below this the layer is bandwidth-bound: FLOP rates mean little
@@ -323,9 +323,15 @@ def baseline_fn(name: str, shape: MoeShape, w13, w2) -> Callable[[MoeInputs], to
 
 # --- one shape -------------------------------------------------------------------------
 
-def check_shape(shape: MoeShape, weights: dict, baselines: list[str], device, gen) -> list[dict]:
-    """Ours and each baseline once against kernels.fused_moe_ref in float32 at T = CHECK_T."""
-    inp = make_inputs(shape, CHECK_T, 1, device, gen)[0]
+def check_shape(shape: MoeShape, weights: dict, baselines: list[str], device, gen,
+                check_tokens=CHECK_TOKENS) -> list[dict]:
+    """Ours and each baseline once against kernels.fused_moe_ref in float32 at each T of
+    ``check_tokens`` (at large T the table's tensor-core configurations run)."""
+    return [row for t in check_tokens for row in check_at(shape, weights, baselines, device, gen, t)]
+
+
+def check_at(shape: MoeShape, weights: dict, baselines: list[str], device, gen, t: int) -> list[dict]:
+    inp = make_inputs(shape, t, 1, device, gen)[0]
     ref = reference_fp32(inp, weights["w13"], weights["w2"], shape.activation)
     cases = [("ours bf16", ours_fn(shape, weights["w13"], weights["w2"]), ref)]
     if "q13" in weights:
@@ -338,14 +344,14 @@ def check_shape(shape: MoeShape, weights: dict, baselines: list[str], device, ge
     for what, fn, expected in cases:
         try:
             norm_err, max_err = rel_errors(fn(inp), expected)
-            row = {"shape": shape.name, "what": what, "rel_norm_err": norm_err, "max_rel_err": max_err}
+            row = {"shape": shape.name, "what": what, "T": t, "rel_norm_err": norm_err, "max_rel_err": max_err}
             msg = f"rel norm err {norm_err:.2e}, max rel err {max_err:.2e}"
             if what == "ours int8":  # how far int8 moves the output from the bf16 weights'
                 row["rel_norm_err_vs_bf16_weights"] = rel_errors(fn(inp), ref)[0]
                 msg += f" (vs bf16 weights: {row['rel_norm_err_vs_bf16_weights']:.2e})"
         except Exception as exc:
-            row, msg = {"shape": shape.name, "what": what, "error": _short(exc)}, f"n/a: {_short(exc)}"
-        print(f"  check {shape.name:<18} {what:<11} vs fp32 reference, T={CHECK_T}: {msg}", flush=True)
+            row, msg = {"shape": shape.name, "what": what, "T": t, "error": _short(exc)}, f"n/a: {_short(exc)}"
+        print(f"  check {shape.name:<18} {what:<11} vs fp32 reference, T={t}: {msg}", flush=True)
         results.append(row)
     return results
 
@@ -451,10 +457,10 @@ def prepare_weights(shape: MoeShape, dtypes: list[str], device, gen) -> tuple[di
     return weights, dtypes
 
 
-def bench_shape(shape: MoeShape, tokens, dtypes, baselines, sweep, ceilings, notes, seed):
+def bench_shape(shape: MoeShape, tokens, dtypes, baselines, sweep, ceilings, notes, seed, check_tokens=CHECK_TOKENS):
     gen = torch.Generator(device=sweep.device).manual_seed(seed)
     weights, dtypes = prepare_weights(shape, dtypes, sweep.device, gen)
-    checks = check_shape(shape, weights, baselines, sweep.device, gen)
+    checks = check_shape(shape, weights, baselines, sweep.device, gen, check_tokens)
     rows = []
     for t in tokens:
         new = bench_tokens(shape, t, weights, dtypes, baselines, sweep, ceilings, notes, gen)
@@ -518,6 +524,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cap-ms", type=float, default=200.0,
                    help="skip a baseline at a T when one run of it takes longer than this")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, activations and router logits")
+    p.add_argument("--check-tokens", default=",".join(map(str, CHECK_TOKENS)),
+                   help="comma list of T at which ours (and each baseline) is checked against the float32 reference")
     p.add_argument("--no-json", action="store_true", help="do not write bench/results/*.json")
     args = p.parse_args(argv)
 
@@ -531,6 +539,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         list(SMOKE_TOKENS if args.smoke else TOKENS)
     if any(t < 1 for t in args.tokens):
         p.error("--tokens: every T must be >= 1")
+    try:
+        args.check_tokens = [int(t) for t in args.check_tokens.split(",")]
+    except ValueError:
+        p.error(f"--check-tokens: expected a comma list of integers, got {args.check_tokens!r}")
+    if any(t < 1 for t in args.check_tokens):
+        p.error("--check-tokens: every T must be >= 1")
     args.dtypes = args.dtypes.split(",")
     if not args.dtypes or any(d not in ("bf16", "int8") for d in args.dtypes):
         p.error(f"--dtypes: expected a comma list of bf16, int8; got {args.dtypes}")
@@ -556,7 +570,7 @@ def main(argv=None) -> None:
     notes, rows, checks = Notes(), [], []
     for shape in args.shapes:
         shape_rows, shape_checks = bench_shape(shape, args.tokens, args.dtypes, baselines, sweep,
-                                               ceilings, notes, args.seed)
+                                               ceilings, notes, args.seed, args.check_tokens)
         rows += shape_rows
         checks += shape_checks
 

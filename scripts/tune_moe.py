@@ -38,10 +38,13 @@ CUDA_TOKENS = moe_cuda.MAX_T  # up to this T the CUDA decode kernels (moe_cuda) 
 
 
 def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, shape: tuple, up_backend: str | None = None,
-               stored: dict | None = None) -> list[dict]:
+               stored: dict | None = None, sms: int = 132) -> list[dict]:
     """The Triton search space, plus the CUDA up kernel at small T. The down GEMM is
     searched within the chosen up GEMM's backend (``up_backend``): the two come as a pair.
-    With ``stored`` (``--cuda-only``), the table's entry stands for the Triton space."""
+    With ``stored`` (``--cuda-only``), the table's entry stands for the Triton space. The
+    heuristic that runs where the table has no entry (``default_config`` on ``sms`` SMs)
+    competes too, so a tuned entry is never slower than none (OLMoE int8 at T = 256 had
+    chosen 235 µs over the heuristic's 217)."""
     h, f, _, _, act = shape
     if phase == "down" and up_backend == "cuda":
         found = moe_cuda.candidates("down", t, wdtype == "int8", h, f, act == "silu")
@@ -50,7 +53,10 @@ def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, shape: tuple,
              if phase == "up" and t <= CUDA_TOKENS else [])
     if stored is not None:
         return [stored] + extra
-    return triton_candidates(phase, t, topk, e, wdtype) + extra
+    found = triton_candidates(phase, t, topk, e, wdtype)
+    n, k = ((2 if act == "silu" else 1) * f, h) if phase == "up" else (h, f)
+    fallback = default_config(phase, t, e, n, k, topk, sms)
+    return found + ([fallback] if fallback not in found else []) + extra
 
 
 def triton_candidates(phase: str, t: int, topk: int, e: int, wdtype: str) -> list[dict]:
@@ -74,7 +80,8 @@ def triton_candidates(phase: str, t: int, topk: int, e: int, wdtype: str) -> lis
         # Weight tiles by pointer loads or by TMA (a recompile). 128-row tiles also come with
         # sub_m 2: an expert's last tile at 64 rows where they fit (a recompile; 32 rows, on the
         # Ampere-style MMA, measured slower).
-        cands = [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=1, group_m=g, **tma, **sub)
+        cands = [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=1, **({"group_m": g} if g else {}),
+                      **tma, **sub)
                  for bm, bn, bk, w, st in grid for tma in ({}, {"tma": True}) for g in (None, 4, 16)
                  for sub in ({}, {"sub_m": 2}) if bm == 128 or not sub]
         if phase == "down" and wdtype == "bf16":
@@ -167,7 +174,8 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
         r = max(3, min(reps, int(2e5 / max(1, t * topk * h * f / 1e6))))
         for phase in ("up", "down"):
             results = []
-            found = candidates(phase, t, topk, e, wdtype, SHAPES[name], best_up.get("backend"), stored.get(phase))
+            found = candidates(phase, t, topk, e, wdtype, SHAPES[name], best_up.get("backend"), stored.get(phase),
+                               sms)
             for cfg in [c for c in found if only is None or c.get(only) or c is stored.get(phase)]:
                 down = best_down if cfg.get("backend") != "cuda" or best_down.get("backend") == "cuda" \
                     else companion_down(cfg)

@@ -227,3 +227,33 @@ def test_diag_hop_kernel_compiles_and_chain_value():
         for unroll in (0, 1, 4):
             cuda_common.compile_check(hop.SOURCE, ("-std=c++17", f"-DMODE={mode}", f"-DUNROLL={unroll}"))
     assert hop.chain_value(2.0, 0) == 2.0 and hop.chain_value(2.0, 1) == 2.0 and hop.chain_value(0.0, 2) == 1.5
+
+
+def test_bench_moe_checks_at_each_check_token_count(capsys):
+    """--check-tokens checks ours against the float32 reference at each T given (the large-T
+    table entries run other kernels than T = 16), and a T below 1 is refused by name."""
+    import torch
+
+    bench_moe = _script("bench_moe")
+    shape, device = bench_moe.SMOKE_SHAPES["tiny-silu"], torch.device("cpu")
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights, _ = bench_moe.prepare_weights(shape, ["bf16", "int8"], device, gen)
+    rows = bench_moe.check_shape(shape, weights, [], device, gen, [3, 33])
+    assert [(r["T"], r["what"]) for r in rows] == [(3, "ours bf16"), (3, "ours int8"), (33, "ours bf16"),
+                                                  (33, "ours int8")]
+    assert all(r["rel_norm_err"] < 2e-2 for r in rows), rows
+    with pytest.raises(SystemExit):
+        bench_moe.parse_args(["--device", "cpu", "--check-tokens", "16,0"])
+    assert "--check-tokens" in capsys.readouterr().err
+
+
+def test_tune_moe_times_the_heuristic_beside_its_search_space():
+    """The configuration that runs where the table has no entry is a candidate too, so a
+    tuned entry cannot be slower than having none."""
+    tune_moe = _script("tune_moe")
+    from kernels.moe_triton import default_config
+
+    for phase, n, k in (("up", 2048, 2048), ("down", 2048, 1024)):
+        found = tune_moe.candidates(phase, 256, 8, 64, "int8", tune_moe.SHAPES["olmoe"], sms=132)
+        assert default_config(phase, 256, 64, n, k, 8, 132) in found
+    assert tune_moe.candidates("up", 256, 8, 64, "int8", tune_moe.SHAPES["olmoe"], stored={"bm": 16}) == [{"bm": 16}]
