@@ -32,7 +32,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--parts", action="store_true", help="host time by part, and two allocations A/B")
+    ap.add_argument("--parts", action="store_true", help="host time by part, and the outputs' two forms A/B")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("diag_route_eager.py needs a CUDA GPU")
