@@ -4,6 +4,10 @@ activation fused), down GEMM (combine weights fused), combine.
 Shape letters: T tokens, H hidden, E experts, k slots, F expert width, N = T * k rows.
 Launch configurations come from ``kernels/configs/moe.json`` (written by
 ``scripts/tune_moe.py``), looked up per device, shape and T; nothing is tuned while serving.
+An entry is a Triton tile configuration, or names another path in ``backend``: ``cuda``
+(the CUDA decode kernels, small T), ``grouped_mm`` (the down GEMM by ``torch._grouped_mm``,
+bf16 at large T) or ``dequant`` (int8 experts widened to the activations' dtype first, then
+that dtype's entries; large T).
 """
 from __future__ import annotations
 
@@ -77,6 +81,23 @@ def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: i
     return default_config(phase, t, e, n, k, topk, sms, elem_bytes)
 
 
+def triton_entry(cfg: dict, phase: str, device: torch.device, t: int, e: int, n: int, k: int, topk: int,
+                 elem_bytes: int = 2) -> dict:
+    """``cfg`` where the Triton grouped GEMM can run it; an entry naming another path (the
+    CUDA decode kernels, the int8 dequantizing path) gives way to the heuristic."""
+    if cfg.get("backend") not in ("cuda", "dequant"):
+        return cfg
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+        else NUM_SMS_DEFAULT
+    return default_config(phase, t, e, n, k, topk, sms, elem_bytes)
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 weights [E, N, K] and their per-channel scales [E, N] -> ``dtype``, in one pass
+    (each weight read as one byte and written once; ``dequantize_ref``'s values)."""
+    return torch.mul(q, scale[..., None], out=torch.empty(q.shape, dtype=dtype, device=q.device))
+
+
 def grouped_mm_ok(cfg: dict, a: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a GEMM whose launch configuration names ``backend: grouped_mm`` can take
     ``torch._grouped_mm``: weights in the activations' dtype (not int8), 16-byte aligned
@@ -132,6 +153,13 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     n = t * topk
     size = x.element_size()
     up_cfg, down_cfg = configs if configs is not None else _table_configs(x, w13, w2, topk)
+    if up_cfg.get("backend") == "dequant" and w13_scale is not None:
+        # Large T, where the table says so: the int8 experts widened to x's dtype in one pass,
+        # then x's own GEMMs and table entries. Widening every tile inside the tensor-core
+        # GEMM costs more there than the bytes it saves. Holds one layer's experts in x's
+        # dtype for the call.
+        return fused_moe_triton(x, dequantize_int8(w13, w13_scale, x.dtype), dequantize_int8(w2, w2_scale, x.dtype),
+                                topk_weights, topk_ids, activation, capacity=capacity, maps=maps)
     if up_cfg.get("backend") == "cuda":
         # Where the table chose the CUDA decode kernels (small T, measured faster). No pair
         # is dropped when each expert can keep T pairs: an expert appears once per token.
@@ -143,12 +171,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 pass
     # The CUDA kernels come as a pair behind the CUDA up kernel: a CUDA entry left over
     # here (not taken, or a CUDA down beside a Triton up) gives way to the Triton default.
-    if "cuda" in (up_cfg.get("backend"), down_cfg.get("backend")):
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else NUM_SMS_DEFAULT
-        if up_cfg.get("backend") == "cuda":
-            up_cfg = default_config("up", t, e, w13.shape[1], h, topk, sms, size)
-        if down_cfg.get("backend") == "cuda":
-            down_cfg = default_config("down", t, e, h, f, topk, sms, size)
+    up_cfg = triton_entry(up_cfg, "up", x.device, t, e, w13.shape[1], h, topk, size)
+    down_cfg = triton_entry(down_cfg, "down", x.device, t, e, h, f, topk, size)
     # Decode sizes: with no maps given, the GEMMs find each expert's pairs from the ids
     # themselves (all pairs in one row tile), saving the maps kernel; buffer rows are pairs.
     pair_ids = None
@@ -205,7 +229,14 @@ def grouped_ffn_triton(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tenso
     identity = torch.arange(n, dtype=torch.int32, device=xs.device)  # buffer row i holds "pair" i
     size = xs.element_size()
     up_cfg = launch_config("up", xs.device, n, e, w13.shape[1], h, w13.dtype, 1, size)
-    down_cfg = launch_config("down", xs.device, n, e, h, w2.shape[2], w2.dtype, 1, size)
+    if up_cfg.get("backend") == "dequant" and w13_scale is not None:  # as in fused_moe_triton
+        return grouped_ffn_triton(xs, offsets, dequantize_int8(w13, w13_scale, xs.dtype),
+                                  dequantize_int8(w2, w2_scale, xs.dtype), activation)
+    # Entries for the fused layer's other kernels (the CUDA decode pair at a top-1 shape's
+    # small T) give way to the Triton default here: these rows are already dispatched.
+    up_cfg = triton_entry(up_cfg, "up", xs.device, n, e, w13.shape[1], h, 1, size)
+    down_cfg = triton_entry(launch_config("down", xs.device, n, e, h, w2.shape[2], w2.dtype, 1, size), "down",
+                            xs.device, n, e, h, w2.shape[2], 1, size)
     hidden = grouped_gemm(xs, w13, offsets, identity, up_cfg, num_rows=n, topk=1, a_from_tokens=False,
                           gated=activation == "silu", act="gelu" if activation == "gelu" else "none",
                           scale=w13_scale)[0]

@@ -35,12 +35,15 @@ SHAPES = {  # name: H, F, E, k, activation
 TOKENS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384]
 WARM_S = 0.03  # seconds of replays before each candidate's timed ones
 CUDA_TOKENS = moe_cuda.MAX_T  # up to this T the CUDA decode kernels (moe_cuda) compete too
+DEQUANT = {"backend": "dequant"}  # past it, for int8, the experts widened to bf16 before bf16's GEMMs
 
 
 def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, shape: tuple, up_backend: str | None = None,
                stored: dict | None = None, sms: int = 132) -> list[dict]:
-    """The Triton search space, plus the CUDA up kernel at small T. The down GEMM is
-    searched within the chosen up GEMM's backend (``up_backend``): the two come as a pair.
+    """The Triton search space, plus the CUDA up kernel at small T and, for int8 past it,
+    the dequantizing path (``DEQUANT``: the experts widened to bf16, then bf16's entries for
+    both GEMMs). The down GEMM is searched within the chosen up GEMM's backend
+    (``up_backend``): the two come as a pair.
     With ``stored`` (``--cuda-only``), the table's entry stands for the Triton space. The
     heuristic that runs where the table has no entry (``default_config`` on ``sms`` SMs)
     competes too, so a tuned entry is never slower than none (OLMoE int8 at T = 256 had
@@ -49,8 +52,12 @@ def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, shape: tuple,
     if phase == "down" and up_backend == "cuda":
         found = moe_cuda.candidates("down", t, wdtype == "int8", h, f, act == "silu")
         return ([stored] if stored and stored.get("backend") == "cuda" else []) + found
+    if phase == "down" and up_backend == "dequant":  # the pair: bf16's own entries run both GEMMs
+        return [DEQUANT]
     extra = (moe_cuda.candidates("up", t, wdtype == "int8", h, f, act == "silu")
              if phase == "up" and t <= CUDA_TOKENS else [])
+    if phase == "up" and wdtype == "int8" and t > CUDA_TOKENS:
+        extra = [DEQUANT]  # int8 widened to bf16 first, then bf16's GEMMs (kernels.moe_triton)
     if stored is not None:
         return [stored] + extra
     found = triton_candidates(phase, t, topk, e, wdtype)
@@ -225,7 +232,8 @@ def main():
     ap.add_argument("--int8-tokens", default=",".join(map(str, TOKENS)), help="T values tuned for int8 weights")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cuda-only", action="store_true",
-                    help="time the CUDA decode kernels against the table's current entries only")
+                    help="time the CUDA decode kernels (and, for int8 past T = 16, the dequantizing path) "
+                         "against the table's current entries only")
     ap.add_argument("--only", help="time only the candidates with this option set (e.g. mma), and the table's entry")
     ap.add_argument("--out", type=Path, default=CONFIG_FILE)
     ap.add_argument("--verbose", action="store_true", help="print every candidate's time")

@@ -399,3 +399,30 @@ def test_route_scatter(device, dtype, t, e, k, h):
     assert torch.equal(offsets.cpu(), ref_offsets) and torch.equal(row_pair.cpu(), kernels.row_pair_ref(ref_rows))
     torch.testing.assert_close(w.cpu(), ref_w)
     assert torch.equal(xs.cpu(), scatter_rows_ref(x, ref_rows))  # a copy: exact
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+def test_dequant_entry_widens_int8_experts_first(device, monkeypatch):
+    """A "dequant" table entry (int8 at large T) widens the experts to x's dtype in one
+    pass and runs x's own GEMMs: the result equals the reference on the dequantized
+    weights, in the fused layer and in the grouped FFN of dispatched rows. The grouped FFN
+    also gives way to the Triton default where the table names the CUDA decode kernels."""
+    from kernels import moe_triton
+
+    e = 4
+    dtype, x, w13, w2, ids, w = small_problem(device, 11, t=24, h=32, f=16, e=e, k=2)
+    (q13, s13), (q2, s2) = quantize_int8(w13), quantize_int8(w2)
+    assert torch.equal(moe_triton.dequantize_int8(q13, s13, dtype), kernels.dequantize_ref(q13, s13, dtype))
+    dequant = {"backend": "dequant"}
+    out = fused_moe_triton(x, q13, q2, w, ids, "silu", s13, s2, configs=(dequant, dequant))
+    ref = fused_moe_ref(x.cpu().double(), q13.cpu(), q2.cpu(), w.cpu().double(), ids.cpu(), "silu", s13.cpu(),
+                        s2.cpu())
+    assert rel(out.cpu(), ref) < TOL[dtype]
+    offsets, rows, _ = token_maps_triton(ids, e)
+    xs = scatter_rows_triton(x, rows)
+    w13d, w2d = (kernels.dequantize_ref(q, s, dtype).cpu().double() for q, s in ((q13, s13), (q2, s2)))
+    ffn_ref = kernels.grouped_ffn_ref(xs.cpu().double(), offsets.cpu(), w13d, w2d)
+    for entry in (dequant, {"backend": "cuda", "bn": 4, "warps": 4, "unroll": 1}):
+        monkeypatch.setattr(moe_triton, "launch_config", lambda *a, entry=entry, **k: entry)
+        ys = kernels.grouped_ffn_triton(xs, offsets, q13, q2, "silu", s13, s2)
+        assert rel(ys.cpu(), ffn_ref) < TOL[dtype], entry

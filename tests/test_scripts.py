@@ -256,4 +256,17 @@ def test_tune_moe_times_the_heuristic_beside_its_search_space():
     for phase, n, k in (("up", 2048, 2048), ("down", 2048, 1024)):
         found = tune_moe.candidates(phase, 256, 8, 64, "int8", tune_moe.SHAPES["olmoe"], sms=132)
         assert default_config(phase, 256, 64, n, k, 8, 132) in found
-    assert tune_moe.candidates("up", 256, 8, 64, "int8", tune_moe.SHAPES["olmoe"], stored={"bm": 16}) == [{"bm": 16}]
+    assert tune_moe.candidates("up", 256, 8, 64, "int8", tune_moe.SHAPES["olmoe"],
+                               stored={"bm": 16}) == [{"bm": 16}, tune_moe.DEQUANT]
+
+
+def test_tune_moe_offers_the_dequantizing_path_for_int8_at_large_t():
+    """Past the CUDA decode kernels' T, int8 also tries the experts widened to bf16 first; a
+    down GEMM behind it is part of that path; bf16 and small T never get it."""
+    tune_moe = _script("tune_moe")
+    olmoe = tune_moe.SHAPES["olmoe"]
+    assert tune_moe.DEQUANT in tune_moe.candidates("up", 1024, 8, 64, "int8", olmoe)
+    assert tune_moe.DEQUANT in tune_moe.candidates("up", 1024, 8, 64, "int8", olmoe, stored={"bm": 64})
+    assert tune_moe.candidates("down", 1024, 8, 64, "int8", olmoe, up_backend="dequant") == [tune_moe.DEQUANT]
+    assert tune_moe.DEQUANT not in tune_moe.candidates("up", 1024, 8, 64, "bf16", olmoe)
+    assert tune_moe.DEQUANT not in tune_moe.candidates("up", 16, 8, 64, "int8", olmoe)
