@@ -373,14 +373,13 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   // step's loads are in flight during the arithmetic of the step before it (the second
   // step's from the wait on; never before it, where they would compete with the up kernel's).
   u32x4 nx[U][RR];
-  int (&nslot)[U] = nx_slot;
   issue_step(nx, nx_at, kb + U * GSTEP);
   for (; kb < k_hi; kb += 2 * U * GSTEP) {
     add_step(wv, slot, kb);
     if (kb + U * GSTEP >= k_hi) break;
     load_step(wv, slot, kb + 2 * U * GSTEP);
-    add_step(nx, nslot, kb + U * GSTEP);
-    load_step(nx, nslot, kb + 3 * U * GSTEP);
+    add_step(nx, nx_slot, kb + U * GSTEP);
+    load_step(nx, nx_slot, kb + 3 * U * GSTEP);
   }
 #else
   for (; kb < k_hi; kb += U * GSTEP) {

@@ -76,9 +76,13 @@ def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: i
     pick = min((int(b) for b in table or {} if int(b) >= t), default=None)
     if pick is not None:
         return table[str(pick)]
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+    return default_config(phase, t, e, n, k, topk, _sms(device), elem_bytes)
+
+
+def _sms(device: torch.device) -> int:
+    """The device's SM count (the heuristic's grid sizes), or a default off the GPU."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
         else NUM_SMS_DEFAULT
-    return default_config(phase, t, e, n, k, topk, sms, elem_bytes)
 
 
 def triton_entry(cfg: dict, phase: str, device: torch.device, t: int, e: int, n: int, k: int, topk: int,
@@ -87,9 +91,7 @@ def triton_entry(cfg: dict, phase: str, device: torch.device, t: int, e: int, n:
     CUDA decode kernels, the int8 dequantizing path) gives way to the heuristic."""
     if cfg.get("backend") not in ("cuda", "dequant"):
         return cfg
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
-        else NUM_SMS_DEFAULT
-    return default_config(phase, t, e, n, k, topk, sms, elem_bytes)
+    return default_config(phase, t, e, n, k, topk, _sms(device), elem_bytes)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
