@@ -123,6 +123,14 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
+    def rows(self, lo: int, hi: int) -> "KVCache":
+        """The cache of batch rows lo .. hi - 1, sharing this one's memory."""
+        if (lo, hi) == (0, self.k.shape[1]):
+            return self
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:, lo:hi], self.v[:, lo:hi]
+        return view
+
     def append(self, layer: int, start: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Writes k, v [B, KV heads, T, D] at slots start.. and returns the keys and
         values of slots 0 .. start + T; with a tensor ``start`` (one decode token, static

@@ -172,6 +172,11 @@ class EngineConfig:
     seed: int = 0  # seeds random weights for configs without a checkpoint
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (one GPU)
     quantize: str | None = None  # "int8": weight-only int8 experts and linear layers, at load
+    # Most prompt tokens one prefill forward takes (rows x prompt width): a larger batch
+    # prefills in groups of whole rows, a longer prompt in pieces, so the activations of a
+    # prefill stay bounded (a 47B MoE's expert activations for 64 prompts of 2048 tokens
+    # in one forward would take over 20 GB beside its weights).
+    prefill_tokens: int = 16384
 
     def __post_init__(self):
         s = "engine"
@@ -181,7 +186,7 @@ class EngineConfig:
             _fail(f"{s}.cuda_graphs", self.cuda_graphs, "true or false")
         if self.max_seq_len is not None:
             _check_positive(s, self, "max_seq_len")
-        _check_positive(s, self, "max_batch_size")
+        _check_positive(s, self, "max_batch_size", "prefill_tokens")
         _check_choice(s, self, "dtype", ("auto", "float32", "float16", "bfloat16"))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             _fail(f"{s}.device", self.device, "auto, cpu, cuda or cuda:N")

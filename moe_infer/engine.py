@@ -6,6 +6,7 @@ A batch of prompts is left-padded so every row writes the same cache slot each s
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,11 @@ class Completion:
     token_ids: list[int]  # generated tokens, without the prompt and without the EOS token
     text: str | None  # decoded when the engine has a tokenizer
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens)
+    # Host clock: from the generate() call to this row's first token on the host (the
+    # prefill, and any batches of the same call before this row's), and the mean time
+    # between its later tokens (None with fewer than two).
+    time_to_first_token_s: float | None = None
+    inter_token_s: float | None = None
 
 
 # The first two CUDA graphs a process instantiates replay slower than the later ones. On an
@@ -223,12 +229,13 @@ class Engine:
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         out = []
+        start = time.perf_counter()
         step = self.config.engine.max_batch_size  # larger requests run in several batches
         for lo in range(0, len(rows), step):
-            out += self._generate_batch(rows[lo:lo + step], max_new_tokens, params, generator)
+            out += self._generate_batch(rows[lo:lo + step], max_new_tokens, params, generator, start)
         return out
 
-    def _generate_batch(self, rows, max_new, params, generator) -> list[Completion]:
+    def _generate_batch(self, rows, max_new, params, generator, start: float) -> list[Completion]:
         b, width = len(rows), max(map(len, rows))
         slots = width + max_new
         decoder = None
@@ -255,7 +262,7 @@ class Engine:
             cache = self.model.make_cache(len(rows), slots)
 
         logits = self._prefill(tokens, key_valid[:, :width], positions[:, :width], cache,
-                               no_padding=all(len(r) == width for r in rows))
+                               [len(r) == width for r in rows])
 
         def pick(logits, greedy):  # -> the next ids [len(rows)], on the device
             if greedy is not None and params.greedy:
@@ -265,6 +272,7 @@ class Engine:
 
         generated = [[] for _ in range(b)]
         finish = [None] * b
+        arrived = []  # host clock as each step's ids reach the host
         host = _HostIds(len(rows), self.device)
         nxt = pick(logits, None)
         for t in range(max_new):
@@ -277,7 +285,9 @@ class Engine:
                     upcoming = pick(*decoder.run(nxt, s))
                 else:
                     upcoming = pick(self._decode(nxt, s, key_valid[:, :s + 1], positions[:, :s + 1], cache), None)
-            for i, tok in enumerate(host.receive()[:b]):  # the one host sync per token
+            ids = host.receive()  # the one host sync per token
+            arrived.append(time.perf_counter())
+            for i, tok in enumerate(ids[:b]):
                 if finish[i] is None:
                     if tok in self.eos:
                         finish[i] = "stop"
@@ -286,14 +296,33 @@ class Engine:
             if all(f is not None for f in finish) or t == max_new - 1:
                 break
             nxt = upcoming
-        return [Completion(g, self.tokenizer.decode(g) if self.tokenizer else None, f or "length")
+        def gap(n):  # mean seconds between a row's n tokens after its first
+            return (arrived[n - 1] - arrived[0]) / (n - 1) if n > 1 else None
+
+        return [Completion(g, self.tokenizer.decode(g) if self.tokenizer else None, f or "length",
+                           arrived[0] - start, gap(len(g)))
                 for g, f in zip(generated, finish)]
 
-    def _prefill(self, tokens, key_valid, positions, cache, no_padding: bool = False) -> torch.Tensor:
-        """tokens [B, L] -> logits of the last prompt slot [B, V]. ``no_padding``: every
-        prompt is L tokens long (attention then runs plain causal)."""
-        ctx = self.model.context(positions, key_valid, positions, start=0, no_padding=no_padding)
-        return self.model(tokens, ctx, cache, last_only=True)[:, -1]
+    def _prefill(self, tokens, key_valid, positions, cache, full: list[bool]) -> torch.Tensor:
+        """tokens [B, L] -> logits of the last prompt slot [B, V], in forwards of at most
+        ``engine.prefill_tokens`` tokens: groups of whole rows, or a row alone in pieces of
+        its prompt where one row is longer than that (a piece attends over the slots its
+        earlier pieces cached). ``full[i]``: row i has no padding; a group of such rows
+        from slot 0 runs plain causal attention."""
+        b, width = tokens.shape
+        budget = self.config.engine.prefill_tokens
+        group, piece = max(1, budget // width), min(width, budget)
+        out = []
+        for r0 in range(0, b, group):
+            r1 = min(b, r0 + group)
+            rows = cache.rows(r0, r1)
+            for a in range(0, width, piece):
+                e = min(width, a + piece)
+                ctx = self.model.context(positions[r0:r1, a:e], key_valid[r0:r1, :e], positions[r0:r1, :e],
+                                         start=a, no_padding=all(full[r0:r1]))
+                logits = self.model(tokens[r0:r1, a:e], ctx, rows, last_only=True)[:, -1]
+            out.append(logits)  # the last piece's: the row's last prompt slot
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def _decode(self, tokens, slot: int, key_valid, positions, cache) -> torch.Tensor:
         """tokens [B] written at cache slot ``slot`` -> next logits [B, V]."""

@@ -8,6 +8,8 @@ the same model shape.
     python scripts/bench_decode.py                          # the embedded model on the GPU
     python scripts/bench_decode.py --model olmoe-1b-7b --batches 1,8 --new-tokens 64
     python scripts/bench_decode.py --device cpu --smoke      # static-shape step, eagerly, on the CPU
+    python scripts/bench_decode.py --model mixtral-8x7b --prompt-lens 128,512,2048 --batches 1,8,32,64 \
+        --new-tokens 32 --reps 3                            # the issue's table: prefill and decode per cell
 
 Per-token time = (time of generate() with N + 1 new tokens - time with 2) / (N - 1): the
 prefill and the first decode step cancel out, what is left is N - 1 decode steps including
@@ -273,8 +275,64 @@ def hf_config(cfg):
     return c
 
 
-def peer_ms(engine, args, batches, prompts_for):
-    """transformers generate() per token (static cache, greedy, no early EOS), per batch."""
+def matrix_cell(engine, prompt_len: int, batch: int, new_tokens: int, reps: int, gen, copy_gbs: float | None,
+                prompts_for: dict) -> dict:
+    """One (prompt length, batch) cell of the issue's table, as a user's generate() call
+    runs it: prefill = the time to the first token on the host (``Completion.
+    time_to_first_token_s``), decode = the mean time between later tokens (host loop, one
+    sync a token); medians of ``reps`` calls after a warm-up that compiles and captures.
+    Beside them the captured step's device time at the middle of the generated span, and
+    the floor there."""
+    vocab = engine.config.model.vocab_size
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    prompts_for[(prompt_len, batch)] = prompts
+    engine._decoders.clear()  # one bucket's KV cache on the device at a time
+    bc.empty_cache(engine.device)
+    engine.config.engine.max_batch_size = max(engine.config.engine.max_batch_size, batch)
+    engine.generate(prompts, max_new_tokens=new_tokens)  # warm-up
+    ttft, gap = [], []
+    for _ in range(reps):
+        _, outs = timed_generate(engine, prompts, new_tokens)
+        short = [len(o.token_ids) for o in outs if len(o.token_ids) != new_tokens]
+        if short:
+            raise RuntimeError(f"matrix_cell: rows generated {short} tokens, expected {new_tokens}")
+        ttft.append(max(o.time_to_first_token_s for o in outs))
+        gap.append(max(o.inter_token_s for o in outs))
+    mid = prompt_len + new_tokens // 2
+    prefill_s, decode_ms = statistics.median(ttft), 1e3 * statistics.median(gap)
+    nbytes = floor_bytes(engine, batch, mid)
+    return {"prompt_len": prompt_len, "batch": batch, "prefill_s": prefill_s,
+            "prefill_tokens_per_s": batch * prompt_len / prefill_s,
+            "prefill_tflops": prefill_flops(engine, prompt_len, batch) / prefill_s / 1e12,
+            "decode_ms_per_token": decode_ms, "decode_tokens_per_s": 1e3 * batch / decode_ms,
+            "replay_mid_ms_per_step": replay_ms(engine, batch, slot=mid), "floor_bytes": nbytes,
+            "floor_ms": nbytes / copy_gbs / 1e6 if copy_gbs else None}
+
+
+def print_matrix(cells: list[dict], mm_tflops: float | None) -> None:
+    def opt(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    def ratio(a, b):
+        return opt(a and b and a / b, ".2f")
+
+    print(bc.format_table(
+        ["prompt", "batch", "prefill ms", "prefill tok/s", "TFLOP/s", "%mm", "decode ms/token", "decode tok/s",
+         "replay ms", "floor ms", "decode / floor", "replay / floor", "peer decode ms", "peer / ours",
+         "peer prefill ms"],
+        [[c["prompt_len"], c["batch"], f"{1e3 * c['prefill_s']:.1f}", f"{c['prefill_tokens_per_s']:.0f}",
+          f"{c['prefill_tflops']:.1f}", opt(mm_tflops and 100 * c["prefill_tflops"] / mm_tflops, ".0f"),
+          f"{c['decode_ms_per_token']:.3f}", f"{c['decode_tokens_per_s']:.0f}", opt(c["replay_mid_ms_per_step"], ".3f"),
+          opt(c["floor_ms"], ".3f"), ratio(c["decode_ms_per_token"], c["floor_ms"]),
+          ratio(c["replay_mid_ms_per_step"], c["floor_ms"]), opt(c.get("peer_ms_per_token"), ".3f"),
+          ratio(c.get("peer_ms_per_token"), c["decode_ms_per_token"]),
+          opt(c.get("peer_prefill_s") and 1e3 * c["peer_prefill_s"], ".1f")] for c in cells]))
+
+
+def peer_ms(engine, args, prompts_for: dict) -> tuple[dict, dict, str]:
+    """transformers generate() per token (static cache, greedy, no early EOS) and its
+    prefill (the call with 2 new tokens less one decode step), for each key of
+    ``prompts_for`` (a batch, or a (prompt length, batch) cell) -> ({key: ms}, {key: s}, note)."""
     import transformers
 
     device, dtype = engine.device, engine.dtype
@@ -288,9 +346,9 @@ def peer_ms(engine, args, batches, prompts_for):
         with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.eval()
-    out, picked = {}, {}
-    for b in batches:
-        ids = torch.tensor(prompts_for[b], device=device)
+    out, prefill, picked = {}, {}, {}
+    for b, prompts in prompts_for.items():
+        ids = torch.tensor(prompts, device=device)
         # With a static cache generate() compiles the decoding forward itself where the model
         # allows it (torch.compile); timed with and without that, the faster one counts.
         for mode, extra in (("auto-compile", {}), ("no compile", {"disable_compile": True})):
@@ -305,10 +363,49 @@ def peer_ms(engine, args, batches, prompts_for):
                 full = statistics.median(_wall(lambda: run(args.new_tokens + 1), device) for _ in range(args.reps))
             ms = 1e3 * (full - two) / (args.new_tokens - 1)  # as per_token_ms
             if b not in out or ms < out[b]:
-                out[b], picked[b] = ms, mode
+                out[b], prefill[b], picked[b] = ms, two - ms / 1e3, mode
     del model
-    modes = ", ".join(f"batch {b}: {m}" for b, m in picked.items())
-    return out, f"transformers generate(), static cache, greedy; faster of auto-compile / no compile ({modes})"
+    modes = ", ".join(f"{b}: {m}" for b, m in picked.items())
+    return out, prefill, (f"transformers generate(), static cache, greedy; faster of auto-compile / no compile "
+                          f"({modes})")
+
+
+def run_matrix(engine, args, batches, gen, copy_gbs) -> None:
+    """--prompt-lens: every (prompt length, batch) cell, the peer on --peer-batches, one table."""
+    lens = [int(v) for v in args.prompt_lens.split(",")]
+    cells, prompts_for = [], {}
+    for length in lens:
+        for b in batches:
+            cells.append(matrix_cell(engine, length, b, args.new_tokens, args.reps, gen, copy_gbs, prompts_for))
+            print(f"prompt {length} batch {b}: prefill {1e3 * cells[-1]['prefill_s']:.1f} ms, decode "
+                  f"{cells[-1]['decode_ms_per_token']:.3f} ms/token", flush=True)
+    mm = bc.measure_matmul_tflops(engine.device) if engine.device.type == "cuda" else None
+    peer_note = "not run (--peer)"
+    if args.peer:
+        engine._decoders = {}
+        engine.model.to("meta")  # a second copy of a large model does not fit beside ours
+        bc.empty_cache(engine.device)
+        chosen = ({tuple(int(v) for v in cell.split(":")) for cell in args.peer_cells.split(",")}
+                  if args.peer_cells else set(prompts_for))
+        peer, prefill, peer_note = peer_ms(engine, args, {k: p for k, p in prompts_for.items() if k in chosen})
+        for c in cells:
+            key = (c["prompt_len"], c["batch"])
+            c["peer_ms_per_token"], c["peer_prefill_s"] = peer.get(key), prefill.get(key)
+    run = bc.run_info(engine.device)
+    m = engine.config.model
+    print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {engine.dtype}"
+          f"{' | int8 weights' if args.quantize else ''} | decode mode {engine.decode_mode}")
+    print(f"model {args.model or 'default (embedded)'}: H={m.hidden_size} layers={m.num_layers} | "
+          f"{args.new_tokens} new tokens, greedy, medians of {args.reps} | prefill: time to the first token, "
+          f"{engine.config.engine.prefill_tokens} tokens a forward at most | decode: host loop between tokens")
+    print(f"copy bandwidth {copy_gbs and round(copy_gbs)} GB/s; bf16 matmul {mm and round(mm)} TFLOP/s; "
+          f"peer: {peer_note}")
+    print_matrix(cells, mm)
+    if not args.smoke:
+        name = f"decode-matrix-{Path(args.model).stem if args.model else 'default'}{'-int8' if args.quantize else ''}"
+        bc.write_results(name, engine.device, {"run": run, "model": args.model or "default", "args": vars(args),
+                                                   "copy_gbs": copy_gbs, "matmul_tflops": mm, "peer": peer_note,
+                                                   "cells": cells})
 
 
 def _wall(fn, device) -> float:
@@ -332,6 +429,12 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt")
+    ap.add_argument("--prompt-lens", default="",
+                    help="the issue's table instead: for each of these prompt lengths and each --batches, prefill "
+                         "and decode as generate() runs them (no eager run), e.g. 128,512,2048")
+    ap.add_argument("--peer-cells", default="",
+                    help="with --prompt-lens and --peer: the LEN:BATCH cells the peer runs, e.g. 128:1,2048:8 "
+                         "(default: all)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny run (CPU: the static step without a graph)")
@@ -354,6 +457,9 @@ def main():
     copy_gbs = bc.measure_copy_bandwidth(engine.device) if engine.device.type == "cuda" else None
     rows, prompts_for = [], {}
     batches = [int(b) for b in args.batches.split(",")]
+    if args.prompt_lens:
+        engine.decode_mode = fast
+        return run_matrix(engine, args, batches, gen, copy_gbs)
     for b in batches:
         engine.config.engine.max_batch_size = max(engine.config.engine.max_batch_size, b)
         prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(b)]
@@ -391,7 +497,7 @@ def main():
         engine.decode_mode, engine._decoders = fast, {}
         engine.model.to("meta")
         bc.empty_cache(engine.device)
-        peer, peer_note = peer_ms(engine, args, batches, prompts_for)
+        peer, _, peer_note = peer_ms(engine, args, prompts_for)
         for r in rows:
             r["peer_ms_per_token"] = peer.get(r["batch"])
     run = bc.run_info(engine.device)

@@ -151,6 +151,56 @@ def test_graphs_primed_once_before_the_first_capture(monkeypatch):
     assert calls == [engine_mod.GRAPH_PRIMERS] and len(captured) == 2
 
 
+@pytest.mark.parametrize("data", [GPT_MOE, LLAMA_MOE], ids=["gpt-moe", "llama-moe"])
+@pytest.mark.parametrize("budget", [1, 5, 18], ids=["token-pieces", "row-pieces", "row-groups"])
+def test_prefill_in_pieces_gives_the_tokens_of_one_forward(data, budget):
+    """engine.prefill_tokens bounds a prefill forward: rows in groups, a row longer than the
+    budget in pieces (each attending over the slots its earlier pieces cached). The greedy
+    tokens and the cache equal one whole-batch forward's, in both decode modes."""
+    prompts = PROMPTS + [[7, 1, 8, 2, 8, 1, 8, 2, 8], [4, 4]]
+    for mode in ("eager", "static"):
+        whole = engine_for(data)
+        whole.decode_mode = mode
+        whole.config.engine.max_batch_size = len(prompts)
+        parts = engine_for(data)
+        parts.decode_mode = mode
+        parts.config.engine.max_batch_size = len(prompts)
+        parts.config.engine.prefill_tokens = budget
+        calls = []
+        forward = parts.model.forward
+        parts.model.forward = lambda ids, *a, **k: calls.append(ids.numel()) or forward(ids, *a, **k)
+        want = [o.token_ids for o in whole.generate(prompts, max_new_tokens=1)]
+        got = [o.token_ids for o in parts.generate(prompts, max_new_tokens=1)]
+        assert got == want
+        assert max(calls) <= budget
+        assert len(calls) > 1 and sum(calls) == len(prompts) * max(len(p) for p in prompts)
+        want = [o.token_ids for o in whole.generate(prompts, max_new_tokens=6)]
+        assert [o.token_ids for o in parts.generate(prompts, max_new_tokens=6)] == want
+
+
+@pytest.mark.gpu
+def test_prefill_in_pieces_on_the_gpu():
+    """The GPU prefill kernels (the fused QKV epilogue writing a cache view of some rows, a
+    piece starting past slot 0) give the whole forward's greedy tokens (embedded model,
+    bf16, graph decode)."""
+    engine = moe_infer.load(device="cuda", progress=False)
+    prompts = ["Shall I compare thee to a summer's day? Thou art more lovely and more temperate:",
+               "When", "Let me not to the marriage of true minds admit impediments."]
+    whole = [o.token_ids for o in engine.generate(prompts, max_new_tokens=24)]
+    for budget in (7, 40):  # pieces of one row; groups of two rows
+        engine.config.engine.prefill_tokens = budget
+        assert [o.token_ids for o in engine.generate(prompts, max_new_tokens=24)] == whole
+
+
+def test_completions_carry_their_host_timings():
+    engine = engine_for(GPT_MOE)
+    outs = engine.generate(PROMPTS, max_new_tokens=4)
+    for o in outs:
+        assert o.time_to_first_token_s > 0 and o.inter_token_s > 0 and len(o.token_ids) == 4
+    one = engine.generate(PROMPTS[:1], max_new_tokens=1)[0]
+    assert one.time_to_first_token_s > 0 and one.inter_token_s is None
+
+
 def test_batch_larger_than_max_batch_size_equals_one_by_one():
     engine = engine_for(LLAMA_MOE)  # max_batch_size 2, three prompts
     together = engine.generate(PROMPTS, max_new_tokens=5)

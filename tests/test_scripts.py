@@ -46,6 +46,24 @@ def test_bench_decode_peer_after_our_model_is_freed():
         float(r[-2]), float(r[-1])
 
 
+def test_bench_decode_table_of_prompt_lengths_and_batches():
+    """--prompt-lens: one row per (prompt length, batch) cell with prefill and decode figures,
+    and the peer's columns filled for the cells --peer-cells names, "-" elsewhere."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_decode.py"), "--device", "cpu", "--smoke",
+                          "--prompt-lens", "4,20", "--peer", "--peer-cells", "20:3"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("prompt  batch"))
+    assert "decode ms/token" in lines[header] and "peer / ours" in lines[header]
+    rows = [line.split() for line in lines[header + 2:header + 6]]
+    assert [r[:2] for r in rows] == [["4", "1"], ["4", "3"], ["20", "1"], ["20", "3"]], out.stdout[-2000:]
+    for r in rows:
+        assert float(r[2]) > 0 and float(r[6]) > 0  # prefill ms, decode ms/token
+        assert (r[-3] != "-") == (r[:2] == ["20", "3"]), out.stdout[-2000:]
+
+
 MULTI_RANK = {  # run under scripts/launch.sh with 2 ranks (gloo)
     "bench_ep": (["--device", "cpu", "--smoke", "--no-json"], "PCC / naive"),
     "diag_ep": (["--hidden", "64", "--tokens", "8", "--reps", "2"], "whole combine"),
