@@ -10,7 +10,8 @@ winner per device, weight shape, weight dtype and row bucket:
   (``kernels.sbi_cuda``) with the launch configuration that measured fastest. One with a
   "pinned" reason was chosen by timing the decode step itself (``diag_decode_ab.py
   --dense-entry``); the table writer leaves it in place.
-Without an entry, full-precision weights use cuBLAS and int8 weights SBI-GeMM (one launch
+A device with no entry of its own for a shape and bucket takes one of the same chip's
+(``moe_triton.SAME_CHIP``). Without any, full-precision weights use cuBLAS and int8 weights SBI-GeMM (one launch
 with its epilogue, or two with split-K; it won 29 of the 32 int8 entries measured on the
 H100).
 Larger batches, and every CPU call, take cuBLAS / the reference.
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import sbi_cuda
-from kernels.moe_triton import device_key, linear_triton
+from kernels.moe_triton import linear_triton, table_entries
 from kernels.norm import rms_norm_ref, rms_norm_triton
 from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
 
@@ -52,7 +53,8 @@ def _table() -> dict:
 @functools.lru_cache(maxsize=4096)
 def _choice(device: torch.device, n: int, k: int, wdtype: torch.dtype, t: int) -> str | tuple:
     bucket = next(b for b in BUCKETS if b >= t)
-    picked = _table().get(device_key(device), {}).get(table_key(n, k, wdtype), {}).get(str(bucket))
+    picked = next((e[str(bucket)] for e in table_entries(_table(), device, table_key(n, k, wdtype))
+                   if str(bucket) in e), None)
     if isinstance(picked, dict) and picked.get("backend") == "cuda":
         return tuple(sorted(picked.items()))  # hashable for the cache
     if picked in CHOICES and not (picked == "cublas" and wdtype == torch.int8):

@@ -39,6 +39,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 import kernels  # noqa: E402
+from kernels import moe_triton  # noqa: E402
 from moe_infer.loader import resolve_config  # noqa: E402
 
 MODELS = "mixtral-8x7b,qwen3-30b-a3b,gpt-j-6b,gpt-neox-20b,gpt-13b"
@@ -242,7 +243,7 @@ def write_table(device, dtype, gemm):
     from kernels import linear_select as sel
 
     table = json.loads(sel.TABLE_FILE.read_text()) if sel.TABLE_FILE.is_file() else {}
-    mine = table.setdefault(sel.device_key(device), {})
+    mine = table.setdefault(moe_triton.device_key(device), {})
     for r in gemm:
         bucket = str(next(b for b in sel.BUCKETS if b >= r["T"]))
         full = {"cublas": r["cublas_us"], "triton": r["ours_us"], "sbi": r["sbi_us"], "cuda": r["cuda_us"]}

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels import moe_triton
 import moe_infer
 from comm import Group
 from dense.parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -71,7 +72,7 @@ def test_dense_linear_routes_by_the_table(monkeypatch):
     with pytest.raises(ValueError, match=r"int8 needs its per-output-channel scale"):
         kernels.dense_linear(torch.randn(2, 8), q)
     dev = torch.device("cuda", 0)
-    monkeypatch.setattr(dl, "device_key", lambda d: "H")
+    monkeypatch.setattr(moe_triton, "device_key", lambda d: "H")
     dl._choice.cache_clear()
     cuda = {"backend": "cuda", "bn": 4, "warps": 4, "unroll": 2, "split_k": 2}
     monkeypatch.setattr(dl, "_table", lambda: {"H": {"N30:K40:bfloat16": {"1": "sbi", "4": "triton", "8": cuda},
@@ -82,6 +83,16 @@ def test_dense_linear_routes_by_the_table(monkeypatch):
     assert dl.choice(dev, 30, 40, torch.int8, 9) == "sbi"  # cuBLAS cannot take int8 weights
     assert dl.choice(dev, 31, 40, torch.int8, 1) == "sbi"  # no entry
     assert dl.choice(dev, 30, 40, torch.bfloat16, 5) == cuda  # the CUDA kernel with its launch configuration
+    # A device of the same chip lends an entry for a shape and bucket this one lacks.
+    monkeypatch.setattr(moe_triton, "SAME_CHIP", {"H": ("H2",)})
+    monkeypatch.setattr(dl, "_table", lambda: {"H": {"N30:K40:bfloat16": {"1": "sbi"}},
+                                               "H2": {"N30:K40:bfloat16": {"1": "triton", "8": cuda},
+                                                      "N64:K40:int8": {"2": "triton"}}})
+    dl._choice.cache_clear()
+    assert dl.choice(dev, 30, 40, torch.bfloat16, 1) == "sbi"  # its own first
+    assert dl.choice(dev, 30, 40, torch.bfloat16, 8) == cuda
+    assert dl.choice(dev, 64, 40, torch.int8, 2) == "triton"
+    assert dl.choice(dev, 64, 40, torch.int8, 16) == "sbi"  # no one's entry
     dl._choice.cache_clear()
     x, w, b = torch.randn(2, 3, 40), torch.randn(30, 40), torch.randn(30)
     torch.testing.assert_close(kernels.dense_linear(x, w, b), x @ w.t() + b)
