@@ -44,9 +44,11 @@ def device_key(device: torch.device) -> str:
 
 # Devices of one chip (the same SMs, caches and instructions; the H200 has faster and more
 # memory). Where a device's table has no entry for a shape and row bucket, the first of
-# these that has one lends it before the heuristic: on the H200, OLMoE-1B-7B and
-# Qwen3-30B-A3B decoded at batch 1 in 1.9-2.0x their floor on the heuristic (cuBLAS for the
-# dense layers, the Triton experts) and in ... on the H100's entries (2026-11-26).
+# these that has one lends it before the heuristic. On the H200 (2026-11-26), OLMoE-1B-7B's
+# batch-1 decode took 1.091 ms a token on the heuristic and 0.809 on the H100's entries
+# (int8 1.007 -> 0.597); with only the dense layers back on the heuristic, the step replayed
+# 20-50% slower (OLMoE, Qwen3-30B-A3B, bf16 and int8); entries the H200 chose for itself
+# alone (bench_dense, tune_moe) were slower in the step than the lent ones but one.
 SAME_CHIP = {"NVIDIA_H200": ("NVIDIA_H100_80GB_HBM3",), "NVIDIA_H100_80GB_HBM3": ("NVIDIA_H200",)}
 
 
