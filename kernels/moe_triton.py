@@ -87,13 +87,15 @@ def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: i
 @functools.lru_cache(maxsize=4096)  # per call this is on the decode path: keep it a lookup
 def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: int,
                   wdtype: torch.dtype, topk: int, elem_bytes: int = 2) -> dict:
-    # Entries are keyed by T buckets: take the smallest bucket >= t. Past the largest one
-    # the regime may have changed (bandwidth- to compute-bound): use the heuristic.
+    # Entries are keyed by T buckets: take the smallest bucket >= t, the device's own where
+    # it has that bucket, else a same-chip device's. Past the largest one the regime may
+    # have changed (bandwidth- to compute-bound): use the heuristic.
+    best = None
     for table in table_entries(_tuned(), device, shape_key(phase, e, n, k, wdtype, topk)):
         pick = min((int(b) for b in table if int(b) >= t), default=None)
-        if pick is not None:
-            return table[str(pick)]
-    return default_config(phase, t, e, n, k, topk, _sms(device), elem_bytes)
+        if pick is not None and (best is None or pick < best[0]):
+            best = pick, table[str(pick)]
+    return best[1] if best else default_config(phase, t, e, n, k, topk, _sms(device), elem_bytes)
 
 
 def _sms(device: torch.device) -> int:

@@ -429,20 +429,20 @@ def test_dequant_entry_widens_int8_experts_first(device, monkeypatch):
 
 
 def test_launch_config_takes_a_same_chip_entry_before_the_heuristic(monkeypatch):
-    """A device's own entry (smallest bucket >= T) first, then one of a device of the same
-    chip (moe_triton.SAME_CHIP), then the heuristic."""
+    """The smallest bucket >= T among the device's own entries and those of a device of the
+    same chip (moe_triton.SAME_CHIP), the own one at a tie; past them all, the heuristic."""
     from kernels import moe_triton
 
     own, lent = {"backend": "cuda", "bn": 2}, {"backend": "cuda", "bn": 8}
     key = moe_triton.shape_key("up", 8, 64, 32, torch.bfloat16, 2)
     monkeypatch.setattr(moe_triton, "device_key", lambda d: "A")
     monkeypatch.setattr(moe_triton, "SAME_CHIP", {"A": ("B",)})
-    monkeypatch.setattr(moe_triton, "_tuned", lambda: {"A": {key: {"1": own}}, "B": {key: {"1": lent, "8": lent}},
-                                                       "C": {key: {"64": own}}})
+    monkeypatch.setattr(moe_triton, "_tuned", lambda: {"A": {key: {"1": own, "16": own}},
+                                                       "B": {key: {"1": lent, "8": lent}}, "C": {key: {"64": own}}})
     moe_triton.launch_config.cache_clear()
     try:
         pick = lambda t: moe_triton.launch_config("up", torch.device("cpu"), t, 8, 64, 32, torch.bfloat16, 2)  # noqa: E731
-        assert pick(1) == own and pick(2) == lent and pick(8) == lent
-        assert pick(9) == moe_triton.default_config("up", 9, 8, 64, 32, 2, moe_triton.NUM_SMS_DEFAULT)  # not C's
+        assert pick(1) == own and pick(2) == lent and pick(8) == lent and pick(9) == own
+        assert pick(17) == moe_triton.default_config("up", 17, 8, 64, 32, 2, moe_triton.NUM_SMS_DEFAULT)  # not C's
     finally:
         moe_triton.launch_config.cache_clear()
