@@ -11,9 +11,9 @@ winner per device, weight shape, weight dtype and row bucket:
   "pinned" reason was chosen by timing the decode step itself (``diag_decode_ab.py
   --dense-entry``); the table writer leaves it in place.
 A device with no entry of its own for a shape and bucket takes one of the same chip's
-(``moe_triton.SAME_CHIP``). Without any, full-precision weights use cuBLAS and int8 weights SBI-GeMM (one launch
-with its epilogue, or two with split-K; it won 29 of the 32 int8 entries measured on the
-H100).
+(``moe_triton.SAME_CHIP``). Without any, full-precision weights use cuBLAS and int8 weights
+SBI-GeMM (one launch with its epilogue, or two with split-K; it won 29 of the 32 int8
+entries measured on the H100).
 Larger batches, and every CPU call, take cuBLAS / the reference.
 
 ``norm_linear`` is the decode step's residual add + RMSNorm + GEMM: one launch where the

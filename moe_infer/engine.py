@@ -216,6 +216,7 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> list[Completion]:
+        start = time.perf_counter()  # the completions' time to first token counts from here
         params = SamplingParams(temperature, top_k, top_p, seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
@@ -229,7 +230,6 @@ class Engine:
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         out = []
-        start = time.perf_counter()
         step = self.config.engine.max_batch_size  # larger requests run in several batches
         for lo in range(0, len(rows), step):
             out += self._generate_batch(rows[lo:lo + step], max_new_tokens, params, generator, start)
@@ -296,6 +296,7 @@ class Engine:
             if all(f is not None for f in finish) or t == max_new - 1:
                 break
             nxt = upcoming
+
         def gap(n):  # mean seconds between a row's n tokens after its first
             return (arrived[n - 1] - arrived[0]) / (n - 1) if n > 1 else None
 

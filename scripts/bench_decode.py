@@ -347,7 +347,7 @@ def peer_ms(engine, args, prompts_for: dict) -> tuple[dict, dict, str]:
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.eval()
     out, prefill, picked = {}, {}, {}
-    for b, prompts in prompts_for.items():
+    for key, prompts in prompts_for.items():
         ids = torch.tensor(prompts, device=device)
         # With a static cache generate() compiles the decoding forward itself where the model
         # allows it (torch.compile); timed with and without that, the faster one counts.
@@ -362,17 +362,17 @@ def peer_ms(engine, args, prompts_for: dict) -> tuple[dict, dict, str]:
                 two = statistics.median(_wall(lambda: run(2), device) for _ in range(args.reps))
                 full = statistics.median(_wall(lambda: run(args.new_tokens + 1), device) for _ in range(args.reps))
             ms = 1e3 * (full - two) / (args.new_tokens - 1)  # as per_token_ms
-            if b not in out or ms < out[b]:
-                out[b], prefill[b], picked[b] = ms, two - ms / 1e3, mode
+            if key not in out or ms < out[key]:
+                out[key], prefill[key], picked[key] = ms, two - ms / 1e3, mode
     del model
-    modes = ", ".join(f"{b}: {m}" for b, m in picked.items())
+    modes = ", ".join(f"{key}: {m}" for key, m in picked.items())
     return out, prefill, (f"transformers generate(), static cache, greedy; faster of auto-compile / no compile "
                           f"({modes})")
 
 
-def run_matrix(engine, args, batches, gen, copy_gbs) -> None:
-    """--prompt-lens: every (prompt length, batch) cell, the peer on --peer-batches, one table."""
-    lens = [int(v) for v in args.prompt_lens.split(",")]
+def run_matrix(engine, args, lens: list[int], batches: list[int], peer_cells: set | None, gen, copy_gbs) -> None:
+    """--prompt-lens: every (prompt length, batch) cell, the peer on ``peer_cells`` (None:
+    all), one table."""
     cells, prompts_for = [], {}
     for length in lens:
         for b in batches:
@@ -385,8 +385,7 @@ def run_matrix(engine, args, batches, gen, copy_gbs) -> None:
         engine._decoders = {}
         engine.model.to("meta")  # a second copy of a large model does not fit beside ours
         bc.empty_cache(engine.device)
-        chosen = ({tuple(int(v) for v in cell.split(":")) for cell in args.peer_cells.split(",")}
-                  if args.peer_cells else set(prompts_for))
+        chosen = peer_cells if peer_cells is not None else set(prompts_for)
         peer, prefill, peer_note = peer_ms(engine, args, {k: p for k, p in prompts_for.items() if k in chosen})
         for c in cells:
             key = (c["prompt_len"], c["batch"])
@@ -449,6 +448,16 @@ def main():
         args.batches, args.new_tokens, args.reps = "1,3", 8, 2
     if args.new_tokens < 2:
         ap.error(f"--new-tokens {args.new_tokens}: expected at least 2 (per token = 2 against N + 1 new tokens)")
+    try:
+        lens = [int(v) for v in args.prompt_lens.split(",")] if args.prompt_lens else []
+        peer_cells = {tuple(int(v) for v in cell.split(":", 1)) for cell in args.peer_cells.split(",")} \
+            if args.peer_cells else None
+    except ValueError:
+        ap.error(f"--prompt-lens {args.prompt_lens!r} / --peer-cells {args.peer_cells!r}: expected comma-separated "
+                 f"token counts / LEN:BATCH pairs, e.g. 128,2048 / 128:1,2048:8")
+    if any(n < 1 for n in lens) or any(len(c) != 2 for c in peer_cells or ()):
+        ap.error(f"--prompt-lens {args.prompt_lens!r} / --peer-cells {args.peer_cells!r}: expected positive token "
+                 f"counts / LEN:BATCH pairs")
     engine = moe_infer.load(args.model, device=args.device, progress=False, quantize=args.quantize)
     engine.eos = set()  # every timed run decodes its full number of tokens (random weights can hit EOS)
     fast = "graph" if engine.decode_mode == "graph" else "static"
@@ -457,9 +466,9 @@ def main():
     copy_gbs = bc.measure_copy_bandwidth(engine.device) if engine.device.type == "cuda" else None
     rows, prompts_for = [], {}
     batches = [int(b) for b in args.batches.split(",")]
-    if args.prompt_lens:
+    if lens:
         engine.decode_mode = fast
-        return run_matrix(engine, args, batches, gen, copy_gbs)
+        return run_matrix(engine, args, lens, batches, peer_cells, gen, copy_gbs)
     for b in batches:
         engine.config.engine.max_batch_size = max(engine.config.engine.max_batch_size, b)
         prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(b)]
