@@ -50,6 +50,8 @@ def test_table_ii_presets_match_the_paper():
     (with_change("parallel", tp=2, ep=4), r"parallel\.ep=4: expected ep \* expert_slicing \(4\) dividing"),
     (with_change("engine", max_seq_len=10 ** 6), r"engine\.max_seq_len=1000000: expected at most model\.max_position"),
     (with_change("engine", dtype="fp8"), r"engine\.dtype='fp8'"),
+    (with_change("engine", prefill_tokens=0), r"engine\.prefill_tokens=0: expected a positive number"),
+    (with_change("engine", prefill_tokens=2.5), r"engine\.prefill_tokens=2\.5: expected an integer"),
     ({**BASE, "model": {**BASE["model"], "num_heads": 4, "num_kv_heads": 2},
       "parallel": dict(tp=4, dp=1, ep=2)}, r"parallel\.pcc=True: expected false for this layout"),
     ({**with_change("parallel", dp=2, ep=2), "moe": {**BASE["moe"], "capacity_factor": 1.25}},
