@@ -25,6 +25,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=7",
+            "hypothesis>=6",  # property-based tests of the server's request parsing
             "transformers>=5.0",
             "mpi4py>=4",
             "mpich",  # an MPI runtime from PyPI (mpiexec) for the mpi-marked tests on CPU

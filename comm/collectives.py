@@ -4,6 +4,8 @@ Shape letters: N rows, H hidden.
 """
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.distributed as dist
 
@@ -68,3 +70,19 @@ def _comm_device(group: Group) -> torch.device:
     if dist.get_backend(group.group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def all_gather_json(obj, group: Group, device: torch.device | str = "cpu") -> list:
+    """Every rank's JSON-serialisable ``obj``, in group-rank order, as JSON bytes (nothing
+    received is unpickled). ``device``: where the bytes travel (a GPU for NCCL groups)."""
+    if group.size == 1:
+        return [obj]
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(group.size)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group.group)
+    width = max(int(n) for n in sizes)
+    padded = torch.zeros(width, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    parts = [torch.empty(width, dtype=torch.uint8, device=device) for _ in range(group.size)]
+    dist.all_gather(parts, padded, group=group.group)
+    return [json.loads(p[:int(n)].cpu().numpy().tobytes().decode()) for p, n in zip(parts, sizes)]

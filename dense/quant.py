@@ -48,13 +48,23 @@ class Int8Linear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
+def linear_targets(model: nn.Module, skip: tuple[str, ...] = ("router", "shared_gate"),
+                   min_out: int = 16) -> list[tuple[nn.Module, str]]:
+    """(parent, name) of the linear layers ``quantize_linears`` converts."""
+    return [(parent, name) for parent_name, parent in model.named_modules()
+            for name, child in parent.named_children()
+            if isinstance(child, LINEAR_TYPES) and child.weight.shape[0] >= min_out
+            and not any(s in f"{parent_name}.{name}".split(".") for s in skip)]
+
+
 def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("router", "shared_gate"),
-                     min_out: int = 16) -> int:
-    """Swaps the model's linear layers for ``Int8Linear`` in place; returns how many."""
-    targets = [(parent, name) for parent_name, parent in model.named_modules()
-               for name, child in parent.named_children()
-               if isinstance(child, LINEAR_TYPES) and child.weight.shape[0] >= min_out
-               and not any(s in f"{parent_name}.{name}".split(".") for s in skip)]
+                     min_out: int = 16, device: torch.device | None = None) -> int:
+    """Swaps the model's linear layers for ``Int8Linear`` in place (each moved to ``device``
+    first, when given); returns how many."""
+    targets = linear_targets(model, skip, min_out)
     for parent, name in targets:  # pairs, not modules: each full-precision weight is freed as it goes
-        setattr(parent, name, Int8Linear(getattr(parent, name)))
+        linear = getattr(parent, name)
+        if device is not None:
+            linear.to(device)
+        setattr(parent, name, Int8Linear(linear))
     return len(targets)

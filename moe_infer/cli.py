@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import sys
 
-import torch.distributed as dist
-
+from comm import shutdown
 from moe_infer import __version__
-from moe_infer.checkpoint import CheckpointError
 from moe_infer.config import ConfigError, ParallelConfig, preset_names
+from moe_infer.job import USER_ERRORS, Job, JobError
 
 EPILOG = """examples:
   moe-infer generate --prompt "Shall I compare thee to a summer's day?"
@@ -17,8 +16,10 @@ EPILOG = """examples:
   moe-infer generate --config tiny-moe --prompt-ids 1,2,3 --temperature 0.8 --top-p 0.9 --seed 1
   scripts/launch.sh -n 4 -- moe-infer generate --tp 2 --ep 2 --prompt "Let me not to the marriage of true minds"
   moe-infer presets
+  moe-infer serve --model olmoe-1b-7b --quantize int8 --port 8000
+  moe-infer serve --checkpoint ./Qwen3-30B-A3B --dtype bfloat16
 
-Without --config or --checkpoint, the embedded default model runs (a tiny Mixtral-format MoE
+Without --model or --checkpoint, the embedded default model runs (a tiny Mixtral-format MoE
 trained on the text in moe_infer/default_model/corpus.txt); CPU is fine.
 """
 
@@ -30,6 +31,27 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token ids, e.g. 1,2,3") from None
 
 
+def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
+    """The options that pick and place a model, the same for generate and serve."""
+    src = parser.add_argument_group("model")
+    names = ["--model"] if config_help is None else ["--model", "--config"]
+    src.add_argument(*names, dest="model", metavar="NAME|YAML",
+                     help=config_help or "a built-in preset (see `moe-infer presets`) or a model config YAML")
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="a Hugging Face checkpoint directory (config.json + *.safetensors); "
+                          "with --model, its engine/parallel settings apply")
+    src.add_argument("--device", help="cpu, cuda or cuda:N (default: the config's, else auto)")
+    src.add_argument("--quantize", choices=["int8"], help="weight-only int8 experts and linear layers")
+    src.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                     help="weight and activation dtype (default: bfloat16 on GPU, float32 on CPU)")
+    par = parser.add_argument_group("parallelism (launch with scripts/launch.sh -n N -- moe-infer ...)")
+    par.add_argument("--tp", type=int, help="tensor-parallel degree (heads and FFN columns split)")
+    par.add_argument("--ep", type=int, help="expert-parallel degree (experts placed across ranks)")
+    par.add_argument("--expert-slicing", type=int, help="ranks that split each expert's width")
+    par.add_argument("--pcc", action=argparse.BooleanOptionalAction, default=None,
+                     help="parallelism-coordinated all-to-all (default on; --no-pcc: naive baseline)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-infer", description="Mixture-of-experts inference: generate text with Hugging Face "
@@ -39,76 +61,55 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="continue one or more prompts",
-                         description="Continue prompts with a model; prints each prompt and its continuation.",
+                         description="Continue prompts with a model; prints each prompt and its continuation, "
+                                     "then one line of timings on stderr.",
                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = gen.add_argument_group("model")
-    src.add_argument("--config", metavar="NAME|YAML",
-                     help="a built-in preset (see `moe-infer presets`) or a YAML config file")
-    src.add_argument("--checkpoint", metavar="DIR",
-                     help="a Hugging Face checkpoint directory (config.json + *.safetensors); "
-                          "with --config, its engine/parallel settings apply")
-    src.add_argument("--device", help="cpu, cuda or cuda:N (default: the config's, else auto)")
-    src.add_argument("--quantize", choices=["int8"], help="weight-only int8 experts and linear layers")
-    src.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
-                     help="weight and activation dtype (default: bfloat16 on GPU, float32 on CPU)")
+    _model_options(gen, "a built-in preset (see `moe-infer presets`) or a model config YAML (--config is "
+                        "the same option)")
     inp = gen.add_argument_group("input")
     inp.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                      help="a prompt; repeat for a batch")
     inp.add_argument("--prompt-ids", action="append", default=[], type=_ids, metavar="IDS",
                      help="a prompt as comma-separated token ids (for models without a tokenizer)")
-    par = gen.add_argument_group("parallelism (launch with scripts/launch.sh -n N -- moe-infer ...)")
-    par.add_argument("--tp", type=int, help="tensor-parallel degree (heads and FFN columns split)")
-    par.add_argument("--ep", type=int, help="expert-parallel degree (experts placed across ranks)")
-    par.add_argument("--expert-slicing", type=int, help="ranks that split each expert's width")
-    par.add_argument("--pcc", action=argparse.BooleanOptionalAction, default=None,
-                     help="parallelism-coordinated all-to-all (default on; --no-pcc: naive baseline)")
     smp = gen.add_argument_group("sampling")
     smp.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: 64")
     smp.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     smp.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     smp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     smp.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    gen.add_argument("--quiet", action="store_true", help="no timing line on stderr")
 
-    sub.add_parser("presets", help="list the built-in configs")
+    sub.add_parser("presets", help="list the built-in configs with their sizes")
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                          description="Serves /v1/completions, /v1/chat/completions, /v1/models, /health and "
-                                     "/metrics. The YAML has the sections model (a preset name or config "
-                                     "YAML), checkpoint, parallel, engine and server; flags override the "
-                                     "server section. Under scripts/launch.sh, rank 0 serves HTTP.")
-    srv.add_argument("--config", metavar="YAML", help="serve config (default: the embedded model, defaults)")
-    srv.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    srv.add_argument("--port", type=int, help="port (default 8000)")
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
-    srv.add_argument("--model-name", help="the model id clients send (default: the config's name)")
+                                     "/metrics. --config takes a serve YAML (sections model, checkpoint, "
+                                     "parallel, engine, server), or a preset name or model YAML as --model "
+                                     "does; the flags override it. Under scripts/launch.sh, rank 0 serves HTTP.")
+    srv.add_argument("--config", metavar="YAML|NAME",
+                     help="a serve YAML, a preset name or a model YAML (default: the embedded model)")
+    _model_options(srv, None)
+    net = srv.add_argument_group("server")
+    net.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    net.add_argument("--port", type=int, help="port (default 8000)")
+    net.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    net.add_argument("--model-name", help="the model id clients send (default: the config's name)")
     return parser
 
 
-def _parallel(args) -> ParallelConfig | None:
-    """The layout from --tp / --ep / --expert-slicing / --pcc; the dense part's data
-    parallelism fills the ranks mpirun started."""
+def _parallel(args, ranks: int) -> ParallelConfig | None:
+    """The layout from --tp / --ep / --expert-slicing / --pcc; data parallelism of the dense
+    part fills the ranks the launcher started (all of them without layout flags)."""
     if all(v is None for v in (args.tp, args.ep, args.expert_slicing, args.pcc)):
-        return None
-    world = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+        return ParallelConfig(dp=ranks) if ranks > 1 else None
     tp = args.tp or 1
-    if world % tp:
-        raise ConfigError(f"--tp={tp}: expected a divisor of the {world} ranks this job runs")
-    return ParallelConfig(tp=tp, dp=world // tp, ep=args.ep or 1, expert_slicing=args.expert_slicing or 1,
+    if tp < 1 or ranks % tp:
+        raise ConfigError(f"--tp={tp}: expected a divisor of the {ranks} ranks this job runs")
+    return ParallelConfig(tp=tp, dp=ranks // tp, ep=args.ep or 1, expert_slicing=args.expert_slicing or 1,
                           pcc=True if args.pcc is None else args.pcc)
 
 
-def _generate(args) -> int:
-    from moe_infer.loader import load
-
-    if not args.prompt and not args.prompt_ids:
-        raise ValueError("no prompt: pass --prompt TEXT or --prompt-ids IDS")
-    engine = load(args.config, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
-                  parallel=_parallel(args), quantize=args.quantize)
-    prompts = args.prompt + args.prompt_ids
-    outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return 0  # every rank computed the same tokens; rank 0 prints them
+def _print_completions(prompts, outs):
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         if i:
             print()
@@ -116,27 +117,92 @@ def _generate(args) -> int:
             print(prompt + out.text)
         else:
             print(" ".join(map(str, prompt + out.token_ids)))
+
+
+def _generate(args, job: Job) -> int:
+    from moe_infer.loader import load
+
+    prompts = args.prompt + args.prompt_ids
+    if not prompts:
+        raise JobError("no prompt: pass --prompt TEXT or --prompt-ids IDS")
+    parallel = job.stage(_parallel, args, job.size)
+    engine = job.stage(load, args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
+                       parallel=parallel, quantize=args.quantize)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed)
+    job.stage(engine.check_request, prompts, **sampling)
+    outs = engine.generate(prompts, **sampling)
+    if job.leader:  # every rank holds every completion; one prints them
+        _print_completions(prompts, outs)
+        if not args.quiet:
+            sys.stdout.flush()
+            print(f"moe-infer: {engine.last_stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def _presets() -> int:
+    from moe_infer.config import load_preset
+    from moe_infer.memory import model_size
+
+    def count(n):
+        return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+    rows = [("preset", "total", "active", "bf16")]
+    for name in preset_names():
+        size = model_size(load_preset(name))
+        b = size.bf16_bytes()
+        rows.append((name, count(size.total), count(size.active), f"{b / 1e9:.1f} GB" if b >= 1e9
+                     else f"{b / 1e6:.1f} MB"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print(f"{r[0]:<{widths[0]}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(r[1:], widths[1:])))
+    print("\ntotal and active parameters (active: those one token uses, top_k of the routed experts); "
+          "bf16: the weights' size at 2 bytes a parameter")
+    return 0
+
+
+def _serve(args, job: Job) -> int:
+    try:
+        from moe_infer.server import build_engine, read_serve_config, serve
+    except ModuleNotFoundError as exc:
+        raise JobError(f"serve needs the server's packages ({exc.name} is missing): "
+                       f"pip install -e \".[serve]\"") from None
+    overrides = {"host": args.host, "port": args.port, "api_key": args.api_key, "model_name": args.model_name}
+    spec = job.stage(read_serve_config, args.config, overrides)
+    if args.model is not None:
+        spec.model = args.model
+    if args.checkpoint is not None:
+        spec.checkpoint = args.checkpoint
+    spec.engine.update({k: v for k, v in (("device", args.device), ("dtype", args.dtype),
+                                          ("quantize", args.quantize)) if v is not None})
+    parallel = job.stage(_parallel, args, job.size)
+    if parallel is not None:
+        spec.parallel = dataclasses.asdict(parallel)
+    engine = job.stage(build_engine, spec, progress=job.leader)
+    serve(spec, engine)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    job = Job()
     try:
         if args.command == "generate":
-            return _generate(args)
+            return _generate(args, job)
         if args.command == "serve":
-            from moe_infer.server import read_serve_config, serve
-
-            serve(read_serve_config(args.config, {"host": args.host, "port": args.port, "api_key": args.api_key,
-                                                  "model_name": args.model_name}))
-            return 0
+            return _serve(args, job)
         if args.command == "presets":
-            print("\n".join(preset_names()))
-            return 0
-    except (ConfigError, CheckpointError, ValueError) as exc:
-        print(f"moe-infer: error: {exc}", file=sys.stderr)
+            return _presets()
+    except JobError as exc:  # known on every rank: one prints it
+        if job.leader:
+            print(f"moe-infer: error: {exc}", file=sys.stderr)
         return 2
+    except USER_ERRORS as exc:  # this rank alone knows it
+        return job.fail(str(exc))
+    finally:
+        if job.size > 1:
+            shutdown()  # a rank that left early would make gloo end its peers
     parser.print_help()
     return 2
 

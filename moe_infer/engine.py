@@ -6,6 +6,7 @@ A batch of prompts is left-padded so every row writes the same cache slot each s
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
+from comm import ParallelGroups, all_gather_json
 from moe_infer.config import Config
 from moe_infer.model import Transformer
 from moe_infer.sampling import SamplingParams, sample
@@ -57,6 +59,36 @@ def prime_cuda_graphs(device: torch.device, count: int = GRAPH_PRIMERS) -> None:
             x.add_(1)
         graph.replay()
     torch.cuda.synchronize(device)
+
+
+@dataclass
+class GenerationStats:
+    """Host-clock totals of one ``generate()`` call (every replica's, with data parallelism)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0  # from each batch's start to its first tokens on the host
+    decode_s: float = 0.0  # from each batch's first tokens to its last
+    decoded_tokens: int = 0  # tokens after each row's first, made in decode_s
+    time_to_first_token_s: float | None = None  # from the call to the first batch's first tokens
+
+    def merge(self, other: "GenerationStats") -> "GenerationStats":
+        """Replicas that ran side by side: tokens add up, times are the slowest replica's."""
+        ttft = [t for t in (self.time_to_first_token_s, other.time_to_first_token_s) if t is not None]
+        return GenerationStats(self.prompt_tokens + other.prompt_tokens,
+                               self.generated_tokens + other.generated_tokens,
+                               max(self.prefill_s, other.prefill_s), max(self.decode_s, other.decode_s),
+                               self.decoded_tokens + other.decoded_tokens, min(ttft) if ttft else None)
+
+    def summary(self) -> str:
+        """One line: prompt tokens/s, time to first token, decode tokens/s."""
+        def rate(n, s):
+            return f"{n / s:,.1f} tokens/s" if s > 0 else "n/a"
+
+        ttft = "n/a" if self.time_to_first_token_s is None else f"{self.time_to_first_token_s * 1e3:,.1f} ms"
+        return (f"prompt {self.prompt_tokens} tokens at {rate(self.prompt_tokens, self.prefill_s)}, "
+                f"time to first token {ttft}, decode {self.decoded_tokens} tokens at "
+                f"{rate(self.decoded_tokens, self.decode_s)}")
 
 
 class StaticDecoder:
@@ -126,8 +158,17 @@ class Engine:
     SLOT_BUCKET = 64  # cache lengths of static decode steps are rounded up to a multiple of this
     MAX_DECODERS = 4  # captured (batch, slots) buckets kept; the oldest goes first
 
-    def __init__(self, model: Transformer, config: Config, tokenizer: Tokenizer | None = None):
+    def __init__(self, model: Transformer, config: Config, tokenizer: Tokenizer | None = None,
+                 groups: ParallelGroups | None = None):
         self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.groups = groups or ParallelGroups.single()
+        p_ = config.parallel
+        # Data-parallel replicas that hold every expert they route to (the experts spread
+        # over ranks of one replica at most) generate independently: generate() splits the
+        # prompts over them. Where the experts spread over several replicas, every replica
+        # runs every prompt, as their expert all-to-alls must meet.
+        self.split_prompts = self.groups.dp.size > 1 and p_.tp % (p_.ep * p_.expert_slicing) == 0
+        self.last_stats: GenerationStats | None = None  # the latest generate() call's
         p = model.embed.weight
         self.device, self.dtype = p.device, p.dtype
         self.eos = set(config.model.eos_token_ids)
@@ -213,10 +254,10 @@ class Engine:
 
     # ----------------------------------------------------------------- generation
 
-    @torch.no_grad()
-    def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> list[Completion]:
-        start = time.perf_counter()  # the completions' time to first token counts from here
+    def check_request(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
+                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
+        """Validates a ``generate`` call without running it -> (id lists, SamplingParams).
+        Raises ValueError naming the argument; it needs no other rank."""
         params = SamplingParams(temperature, top_k, top_p, seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
@@ -226,16 +267,42 @@ class Engine:
             if len(r) + max_new_tokens > limit:
                 raise ValueError(f"prompts[{i}]: {len(r)} prompt tokens + max_new_tokens="
                                  f"{max_new_tokens} exceed max_seq_len={limit}")
+        return rows, params
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> list[Completion]:
+        """Completions of ``prompts`` (strings or token-id lists), in order. With data-parallel
+        replicas that generate independently (``split_prompts``), each takes a contiguous
+        share of the prompts and every rank returns all the completions."""
+        start = time.perf_counter()  # the completions' time to first token counts from here
+        rows, params = self.check_request(prompts, max_new_tokens, temperature, top_k, top_p, seed)
+        lo, hi = 0, len(rows)
+        if self.split_prompts:
+            dp = self.groups.dp
+            lo, hi = dp.rank * len(rows) // dp.size, (dp.rank + 1) * len(rows) // dp.size
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        out = []
+        out, stats = [], GenerationStats()
         step = self.config.engine.max_batch_size  # larger requests run in several batches
-        for lo in range(0, len(rows), step):
-            out += self._generate_batch(rows[lo:lo + step], max_new_tokens, params, generator, start)
+        for b in range(lo, hi, step):
+            out += self._generate_batch(rows[b:min(hi, b + step)], max_new_tokens, params, generator, start, stats)
+        if self.split_prompts:
+            device = self.device if dist.get_backend() == "nccl" else "cpu"
+            shares = all_gather_json([[dataclasses.asdict(c) for c in out], dataclasses.asdict(stats)],
+                                     self.groups.dp, device)
+            out = [Completion(**c) for share, _ in shares for c in share]
+            stats = GenerationStats()
+            for _, s in shares:
+                stats = stats.merge(GenerationStats(**s))
+        self.last_stats = stats
         return out
 
-    def _generate_batch(self, rows, max_new, params, generator, start: float) -> list[Completion]:
+    def _generate_batch(self, rows, max_new, params, generator, start: float,
+                        stats: GenerationStats) -> list[Completion]:
+        began = time.perf_counter()
+        stats.prompt_tokens += sum(map(len, rows))
         b, width = len(rows), max(map(len, rows))
         slots = width + max_new
         decoder = None
@@ -299,6 +366,13 @@ class Engine:
 
         def gap(n):  # mean seconds between a row's n tokens after its first
             return (arrived[n - 1] - arrived[0]) / (n - 1) if n > 1 else None
+
+        stats.prefill_s += arrived[0] - began
+        stats.decode_s += arrived[-1] - arrived[0]
+        stats.generated_tokens += sum(map(len, generated))
+        stats.decoded_tokens += sum(max(0, len(g) - 1) for g in generated)
+        if stats.time_to_first_token_s is None:
+            stats.time_to_first_token_s = arrived[0] - start
 
         return [Completion(g, self.tokenizer.decode(g) if self.tokenizer else None, f or "length",
                            arrived[0] - start, gap(len(g)))

@@ -88,22 +88,35 @@ class Int8Experts(Experts):
         return {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale}
 
 
-def quantize_experts(model: nn.Module) -> nn.Module:
-    """Swaps every ``Experts`` module of ``model`` for its int8 version, in place."""
-    # (parent, name) pairs, not the modules: a list holding every bf16 Experts would keep
-    # them all alive until the end, and a model that fills the GPU has no room for that.
-    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is Experts]
-    for parent, name in targets:
-        setattr(parent, name, Int8Experts(getattr(parent, name)))  # the bf16 module is freed here
+def expert_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, name) of every full-precision ``Experts`` module of ``model``."""
+    # Pairs, not the modules: a list holding every bf16 Experts would keep them all alive
+    # until the end, and a model that fills the GPU has no room for that.
+    return [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is Experts]
+
+
+def quantize_experts(model: nn.Module, device: torch.device | None = None) -> nn.Module:
+    """Swaps every ``Experts`` module of ``model`` for its int8 version, in place; with
+    ``device``, each module moves there first (weights staged in host memory)."""
+    for parent, name in expert_targets(model):
+        experts = getattr(parent, name)
+        if device is not None:
+            experts.to(device)
+        setattr(parent, name, Int8Experts(experts))  # the full-precision module is freed here
     return model
 
 
-def quantize_model(model: nn.Module) -> nn.Module:
+def quantize_model(model: nn.Module, device: torch.device | None = None) -> nn.Module:
     """Weight-only int8 for the whole model, in place: the experts (``Int8Experts``) and
-    every dense linear layer but the router and gates (``dense.quant.Int8Linear``)."""
+    every dense linear layer but the router and gates (``dense.quant.Int8Linear``).
+
+    With ``device``, a model held in host memory is quantized there module by module and
+    then moved whole, so the device never holds more than one full-precision module."""
     from dense.quant import quantize_linears
 
-    quantize_experts(model)
-    quantize_linears(model)
+    quantize_experts(model, device)
+    quantize_linears(model, device=device)
+    if device is not None:
+        model.to(device)
     return model

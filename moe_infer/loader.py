@@ -13,6 +13,7 @@ from comm import ParallelGroups, bootstrap
 from moe_infer.checkpoint import load_checkpoint
 from moe_infer.config import Config, ConfigError, ParallelConfig, load_preset, load_yaml_config, preset_names
 from moe_infer.engine import Engine
+from moe_infer.memory import check_fits
 from moe_infer.hf import read_hf_config
 from moe_infer.model import Transformer
 from moe_infer.tokenizer import Tokenizer
@@ -112,11 +113,17 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
     if quantize is not None:  # "int8" (EngineConfig.quantize): weight-only int8 at load
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, quantize=quantize))
     groups, rank_device = _parallel_groups(cfg.parallel)
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+    progress = progress and (not multi or dist.get_rank() == 0)  # one progress bar per job
     dev = resolve_device(device if device is not None else (rank_device or cfg.engine.device))
     dt = resolve_dtype(dtype if dtype is not None else cfg.engine.dtype, dev)
+    # Before anything is allocated: ranks on a CPU host share its memory.
+    staged = check_fits(cfg, dt, dev, groups, dist.get_world_size() if multi and dev.type == "cpu" else 1)
     with torch.device("meta"):
         model = Transformer(cfg, groups)
-    _materialize(model, dev, dt)
+    # int8 whose full-precision weights do not fit on the GPU: load them into host memory
+    # and quantize onto the GPU one module at a time.
+    _materialize(model, torch.device("cpu") if staged else dev, dt)
     if cfg.checkpoint is not None:
         load_checkpoint(model, cfg, cfg.checkpoint, progress=progress)
     else:
@@ -124,7 +131,7 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
     if cfg.engine.quantize == "int8":  # bf16 / fp32 weights in, int8 weights on the device
         from moe_infer.experts import quantize_model
 
-        quantize_model(model)
+        quantize_model(model, dev if staged else None)
     model.eval()
     tokenizer = None
     if cfg.checkpoint is not None and (Path(cfg.checkpoint) / "tokenizer.json").is_file():
@@ -132,4 +139,4 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         if tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"{tokenizer.path}: {tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size={cfg.model.vocab_size}")
-    return Engine(model, cfg, tokenizer)
+    return Engine(model, cfg, tokenizer, groups)
