@@ -3,7 +3,8 @@ tensors comes from in the checkpoint's safetensors.
 
 Families: Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE. Per-expert tensors are
 stacked into ``w13 [E, 2F, H]`` (gate rows, then up rows) and ``w2 [E, H, F]``; q, k
-and v are concatenated into one ``qkv_proj``.
+and v are concatenated into one ``qkv_proj``. Each checkpoint tensor comes with the shape
+the config implies for it, so that a wrong one is named before anything is joined.
 """
 from __future__ import annotations
 
@@ -120,16 +121,34 @@ def read_hf_config(checkpoint_dir: str | Path) -> Config:
 
 # ------------------------------------------------------------------- tensor name plan
 
+Shape = tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class Source:
     """Checkpoint tensors that make one of ours: ``parts[i]`` are concatenated along dim 0,
-    and the results stacked along a new dim 0 when ``stacked`` (one entry per expert)."""
+    and the results stacked along a new dim 0 when ``stacked`` (one entry per expert).
+    ``shapes[i][j]`` is the whole shape the config implies for ``parts[i][j]``: the file
+    holds every tensor whole whatever slice a rank keeps, so it is checked before any read."""
 
     parts: tuple[tuple[str, ...], ...]
+    shapes: tuple[tuple[Shape, ...], ...]
     stacked: bool = False
+
+    def __post_init__(self):
+        if [len(g) for g in self.parts] != [len(g) for g in self.shapes]:
+            raise ValueError(f"Source {self.parts}: shapes {self.shapes} do not pair with the names")
 
     def names(self) -> list[str]:
         return [n for group in self.parts for n in group]
+
+    def expected(self) -> list[tuple[str, Shape]]:
+        """(checkpoint name, expected shape) for every tensor, in read order."""
+        return [pair for names, shapes in zip(self.parts, self.shapes) for pair in zip(names, shapes)]
+
+    def experts(self, first: int, end: int) -> Source:
+        """The per-expert source of experts first .. end - 1 only."""
+        return Source(self.parts[first:end], self.shapes[first:end], stacked=True)
 
     def describe(self) -> str:
         names = self.names()
@@ -138,8 +157,8 @@ class Source:
         return f"{names[0]!r} .. {names[-1]!r} ({len(names)} tensors)"
 
 
-def one(name: str) -> Source:
-    return Source(((name,),))
+def one(name: str, shape: Shape) -> Source:
+    return Source(((name,),), ((shape,),))
 
 
 def tensor_plan(cfg: Config, family: Family, our_names: list[str]) -> dict[str, list[Source]]:
@@ -152,43 +171,58 @@ def tensor_plan(cfg: Config, family: Family, our_names: list[str]) -> dict[str, 
 
 
 def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
-    top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-           "lm_head.weight": "lm_head.weight"}
+    m_cfg = cfg.model
+    h, v, d = m_cfg.hidden_size, m_cfg.vocab_size, m_cfg.head_dim
+    q, kv = m_cfg.num_heads * d, m_cfg.num_kv_heads * d  # q rows; k rows = v rows
+    top = {"embed.weight": ("model.embed_tokens.weight", (v, h)), "norm.weight": ("model.norm.weight", (h,)),
+           "lm_head.weight": ("lm_head.weight", (v, h))}
     if ours in top:
-        return [one(top[ours])]
+        return [one(*top[ours])]
     parts = ours.split(".")  # layers.{i}.<module path>.<weight|bias>
     i, rest = int(parts[1]), ".".join(parts[2:])
     p = f"model.layers.{i}."
-    attn = {"attn_norm.weight": "input_layernorm.weight",
-            "ffn_norm.weight": "post_attention_layernorm.weight",
-            "attn.o_proj.weight": "self_attn.o_proj.weight", "attn.o_proj.bias": "self_attn.o_proj.bias",
-            "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"}
+    attn = {"attn_norm.weight": ("input_layernorm.weight", (h,)),
+            "ffn_norm.weight": ("post_attention_layernorm.weight", (h,)),
+            "attn.o_proj.weight": ("self_attn.o_proj.weight", (h, q)),
+            "attn.o_proj.bias": ("self_attn.o_proj.bias", (h,))}
+    if rest in ("attn.q_norm.weight", "attn.k_norm.weight"):
+        norm = rest.split(".")[1]
+        # Over one head (Qwen3) or over all heads together (OLMoE).
+        width = d if m_cfg.qk_norm == "head" else (q if norm == "q_norm" else kv)
+        return [one(f"{p}self_attn.{norm}.weight", (width,))]
     if rest in attn:
-        return [one(p + attn[rest])]
+        name, shape = attn[rest]
+        return [one(p + name, shape)]
     if rest.startswith("attn.qkv_proj."):
         kind = rest.rsplit(".", 1)[1]
-        return [Source((tuple(f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"),))]
+        cols = (h,) if kind == "weight" else ()
+        return [Source((tuple(f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"),),
+                       (((q, *cols), (kv, *cols), (kv, *cols)),))]
     gate, up, down = fam.expert_names
     m = p + fam.moe_prefix + "."
-    e = cfg.moe.num_experts if cfg.moe else 0
+    e, f = (cfg.moe.num_experts, cfg.moe.expert_hidden) if cfg.moe else (0, 0)
     if rest == "ffn.router.weight":
-        return [one(m + "gate.weight")]
+        return [one(m + "gate.weight", (e, h))]
     if rest == "ffn.experts.w13":
         per_expert = Source(tuple((f"{m}experts.{j}.{gate}.weight", f"{m}experts.{j}.{up}.weight")
-                                  for j in range(e)), stacked=True)
-        return [per_expert, one(m + "experts.gate_up_proj")]
+                                  for j in range(e)), (((f, h), (f, h)),) * e, stacked=True)
+        return [per_expert, one(m + "experts.gate_up_proj", (e, 2 * f, h))]
     if rest == "ffn.experts.w2":
-        per_expert = Source(tuple((f"{m}experts.{j}.{down}.weight",) for j in range(e)), stacked=True)
-        return [per_expert, one(m + "experts.down_proj")]
+        per_expert = Source(tuple((f"{m}experts.{j}.{down}.weight",) for j in range(e)), (((h, f),),) * e,
+                            stacked=True)
+        return [per_expert, one(m + "experts.down_proj", (e, h, f))]
+    shared = cfg.moe.shared_experts * cfg.moe.shared_expert_hidden if cfg.moe else 0
     if rest == "ffn.shared.up_proj.weight":
-        return [Source(((m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight"),))]
+        return [Source(((m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight"),),
+                       (((shared, h), (shared, h)),))]
     if rest == "ffn.shared.down_proj.weight":
-        return [one(m + "shared_expert.down_proj.weight")]
+        return [one(m + "shared_expert.down_proj.weight", (h, shared))]
     if rest == "ffn.shared_gate.weight":
-        return [one(m + "shared_expert_gate.weight")]
+        return [one(m + "shared_expert_gate.weight", (1, h))]
     # A dense layer of an MoE model (Qwen2/3 mlp_only_layers).
     if rest == "ffn.up_proj.weight":
-        return [Source(((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),))]
+        width = m_cfg.ffn_hidden
+        return [Source(((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),), (((width, h), (width, h)),))]
     if rest == "ffn.down_proj.weight":
-        return [one(p + "mlp.down_proj.weight")]
+        return [one(p + "mlp.down_proj.weight", (h, m_cfg.ffn_hidden))]
     raise ConfigError(f"{ours}: no Hugging Face {fam.name} tensor maps to this parameter")

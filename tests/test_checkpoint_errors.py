@@ -1,5 +1,6 @@
 """Bad checkpoints fail with an error naming the file and the tensor; nothing is unpickled."""
 import json
+import re
 import shutil
 
 import pytest
@@ -48,13 +49,147 @@ def test_unexpected_tensor(copy):
         load(copy)
 
 
-def test_wrong_shape(copy):
-    def shrink(t):
-        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:-1]
-    edit_tensors(copy, shrink)
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensors 'model\.layers\.0\.self_attn\.q_proj\.weight' \+ "
-                                              r"'model\.layers\.0\.self_attn\.k_proj\.weight' \+ .* give layers\.0\.attn\.qkv_proj\.weight shape \[143, 72\], expected \[144, 72\]"):
+def shape_error(name, found, expected):
+    """The message for a checkpoint tensor of the wrong shape, as a regex."""
+    return (rf"model\.safetensors: tensor '{re.escape(name)}' has shape {re.escape(str(found))}, "
+            rf"expected {re.escape(str(expected))} from config\.json")
+
+
+@pytest.mark.parametrize("proj,found,expected", [("q", [71, 72], [72, 72]), ("k", [35, 72], [36, 72]),
+                                                  ("v", [35, 72], [36, 72])])
+def test_wrong_shape(copy, proj, found, expected):
+    """Each of q, k and v is checked alone, before they are concatenated into qkv_proj."""
+    name = f"model.layers.0.self_attn.{proj}_proj.weight"
+    edit_tensors(copy, lambda t: t.update({name: t[name][:-1]}))
+    with pytest.raises(CheckpointError, match=shape_error(name, found, expected)):
         load(copy)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """family -> a saved tiny checkpoint of it, written once per module."""
+    paths = {}
+
+    def get(family):
+        if family not in paths:
+            paths[family] = tmp_path_factory.mktemp(family)
+            save_hf_model(family, paths[family])
+        return paths[family]
+    return get
+
+
+def shrink_rows(t):
+    return t[:-1]
+
+
+def widen(t):
+    return torch.cat([t, t[:1]])
+
+
+def drop_column(t):
+    return t[:, :-1].contiguous()
+
+
+def transpose(t):
+    return t.T.contiguous()
+
+
+def flatten(t):
+    return t.flatten()
+
+
+BAD_SHAPES = [  # family, tensor, edit, found shape, expected shape
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w1.weight", shrink_rows, [39, 72], [40, 72]),
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.0.w3.weight", widen, [41, 72], [40, 72]),
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.4.w2.weight", transpose, [40, 72], [72, 40]),
+    ("mixtral", "model.layers.1.block_sparse_moe.gate.weight", flatten, [360], [5, 72]),
+    ("mixtral", "model.layers.1.self_attn.o_proj.weight", flatten, [5184], [72, 72]),
+    ("mixtral", "model.embed_tokens.weight", drop_column, [101, 71], [101, 72]),
+    ("qwen2_moe", "model.layers.2.mlp.experts.6.gate_proj.weight", drop_column, [20, 59], [20, 60]),
+    ("qwen2_moe", "model.layers.0.self_attn.k_proj.bias", shrink_rows, [59], [60]),
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert.up_proj.weight", shrink_rows, [35, 60], [36, 60]),
+    ("qwen2_moe", "model.layers.2.mlp.shared_expert.down_proj.weight", transpose, [36, 60], [60, 36]),
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight", flatten, [60], [1, 60]),
+    ("qwen2_moe", "model.layers.1.mlp.gate_proj.weight", widen, [45, 60], [44, 60]),
+    ("qwen3_moe", "model.layers.1.self_attn.q_norm.weight", widen, [11], [10]),
+    ("olmoe", "model.layers.1.mlp.experts.8.gate_proj.weight", shrink_rows, [27, 84], [28, 84]),
+    ("olmoe", "model.layers.0.mlp.experts.2.down_proj.weight", transpose, [28, 84], [84, 28]),
+    ("olmoe", "model.layers.0.self_attn.k_norm.weight", widen, [29], [28]),
+]
+
+
+@pytest.mark.parametrize("family,name,edit,found,expected", BAD_SHAPES,
+                         ids=[f"{b[0]}-{b[1].split('layers.')[-1]}-{b[2].__name__}" for b in BAD_SHAPES])
+def test_tensor_of_wrong_shape_is_named_before_any_concatenation(saved, tmp_path, family, name, edit, found,
+                                                                 expected):
+    """Expert, shared-expert, router, norm and dense tensors: the file, the checkpoint
+    tensor, what config.json implies and what the file holds, never a torch error from
+    stacking or concatenating them."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved(family), path)
+    edit_tensors(path, lambda t: t.update({name: edit(t[name])}))
+    with pytest.raises(CheckpointError, match=shape_error(name, found, expected)):
+        load(path)
+
+
+def test_transposed_tensor_is_hinted(copy):
+    name = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+    edit_tensors(copy, lambda t: t.update({name: transpose(t[name])}))
+    with pytest.raises(CheckpointError, match=re.escape("expected [72, 40] from config.json (transposed?)")):
+        load(copy)
+
+
+def test_fused_expert_layout_of_wrong_shape(copy):
+    """Experts already fused into one [E, 2F, H] tensor (transformers' in-memory layout)."""
+    def fuse(t):
+        m = "model.layers.0.block_sparse_moe.experts."
+        for kind, parts in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
+            t[m + kind] = torch.stack([torch.cat([t.pop(f"{m}{e}.{w}.weight") for w in parts]) for e in range(5)])
+        t[m + "gate_up_proj"] = t[m + "gate_up_proj"][:, :-1].contiguous()
+    edit_tensors(copy, fuse)
+    with pytest.raises(CheckpointError, match=shape_error("model.layers.0.block_sparse_moe.experts.gate_up_proj",
+                                                          [5, 79, 72], [5, 80, 72])):
+        load(copy)
+
+
+def non_finite_error(name, nan, inf):
+    return (rf"model\.safetensors: tensor '{re.escape(name)}' has {nan} NaN and {inf} infinite values; "
+            rf"expected finite weights")
+
+
+def test_nan_in_an_expert_tensor(copy):
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+
+    def poison(t):
+        t[name][7, 11] = float("nan")
+        t[name][0, 0] = float("nan")
+    edit_tensors(copy, poison)
+    with pytest.raises(CheckpointError, match=non_finite_error(name, 2, 0)):
+        load(copy)
+
+
+def test_inf_in_a_norm_weight(copy):
+    name = "model.layers.1.post_attention_layernorm.weight"
+
+    def poison(t):
+        t[name][5] = float("-inf")
+    edit_tensors(copy, poison)
+    with pytest.raises(CheckpointError, match=non_finite_error(name, 0, 1)):
+        load(copy)
+
+
+def test_values_beyond_the_model_dtype(copy, good):
+    """A float32 weight too large for float16 would turn into inf on the way in."""
+    name = "model.layers.0.self_attn.o_proj.weight"
+
+    def enlarge(t):
+        t[name][3, 4] = 1e6
+    edit_tensors(copy, enlarge)
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor '{re.escape(name)}' has values up to "
+                                              rf"1e\+06, beyond the range of torch\.float16"):
+        moe_infer.load(copy, device="cpu", dtype="float16", progress=False)
+    moe_infer.load(copy, device="cpu", dtype="float32", progress=False)  # finite in float32: fine
+    moe_infer.load(good, device="cpu", dtype="float16", progress=False)
 
 
 def test_wrong_dtype(copy):
@@ -130,14 +265,16 @@ def test_lazy_view_reads_the_same_values_as_the_whole_tensor(good):
 
     reader = _Reader(safetensors_files(good))
     p = "model.layers.1.self_attn."
-    qkv = Source(((p + "q_proj.weight", p + "k_proj.weight", p + "v_proj.weight"),))
+    qkv = Source(((p + "q_proj.weight", p + "k_proj.weight", p + "v_proj.weight"),),
+                 (((72, 72), (36, 72), (36, 72)),))
     full = torch.cat([reader.get(n) for n in qkv.parts[0]])
     lazy = _Lazy(qkv, reader)
     assert lazy.shape == full.shape and lazy.dim() == 2
     for index in [(slice(None),), (slice(60, 100),), (slice(70, 80), slice(5, 9)), (slice(None), slice(3, 30))]:
         torch.testing.assert_close(lazy[index], full[index], rtol=0, atol=0)
     m = "model.layers.0.block_sparse_moe.experts."
-    experts = Source(tuple((f"{m}{e}.w1.weight", f"{m}{e}.w3.weight") for e in range(5)), stacked=True)
+    experts = Source(tuple((f"{m}{e}.w1.weight", f"{m}{e}.w3.weight") for e in range(5)),
+                     (((40, 72), (40, 72)),) * 5, stacked=True)
     full = torch.stack([torch.cat([reader.get(n) for n in g]) for g in experts.parts])
     lazy = _Lazy(experts, reader)
     assert lazy.shape == full.shape
