@@ -227,3 +227,20 @@ def test_engine_splits_prompts_only_where_replicas_hold_their_experts():
                           (ParallelConfig(dp=2, ep=2), False), (ParallelConfig(tp=2, dp=3, ep=3, pcc=False), False)):
         cfg = dataclasses.replace(engine.config, parallel=layout)
         assert Engine(engine.model, cfg, None, memory._fake_groups(layout)).split_prompts is split, layout
+
+
+def test_one_ranks_error_prints_once_with_its_rank(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from hf_models import save_hf_model
+
+    save_hf_model("qwen3_moe", tmp_path)  # 6 experts: with --ep 2, rank 1 reads experts 3 to 5 alone
+    f = next(tmp_path.glob("*.safetensors"))
+    tensors = load_file(f)
+    name = next(n for n in tensors if ".experts.5." in n)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, f, metadata={"format": "pt"})
+    out = mpiexec(2, "generate", "--checkpoint", str(tmp_path), "--ep", "2", "--prompt-ids", "1,2,3")
+    assert out.returncode == 2
+    assert out.stderr.count(f"[rank 1] {f}: tensor {name!r} has 1 NaN") == 1, out.stderr
+    assert "rank 0" not in out.stderr and "Traceback" not in out.stderr
