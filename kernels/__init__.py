@@ -1,35 +1,82 @@
 """Kernels: each public op sits behind one function; ``*_ref`` is the plain-torch math it
 must match. Until a fast backend (Triton, CuPy) exists for an op on a device, the
 reference is what runs. This package depends on nothing else of ours.
+
+Only torch is needed to import it and to run every op on a CPU: the references live in
+``moe_ref`` and ``dense_ref``, and a GPU backend module (anything importing Triton or CuPy)
+is imported where a GPU path first runs it: inside the op's ``is_cuda`` branch, or at the
+first access of its ``kernels.<name>_triton`` attribute (``__getattr__`` below). On a GPU
+without Triton that import fails as it would at the top of a module, naming ``triton``.
 """
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+
 import torch
 
-from kernels.argmax import argmax_ref, argmax_triton
-from kernels.decode_context import decode_context_triton
-from kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from kernels.qkv_attention import fits as qkv_attention_fits, qkv_attention_ref, qkv_attention_triton
+from kernels.dense_ref import (argmax_ref, decode_attention_ref, qkv_attention_ref, qkv_decode_ref,
+                               qkv_decode_supported, rms_norm_ref, rms_norm_router_ref, sbi_linear_ref)
 from kernels.linear_select import dense_linear, norm_linear
-from kernels.norm import (ROUTER_MAX_ROWS, rms_norm_ref, rms_norm_router_ref, rms_norm_router_triton,
-                          rms_norm_triton)
-from kernels.qkv_decode import qkv_decode_ref, qkv_decode_supported, qkv_decode_triton
-from kernels.gating import _check_logits, grouped_topk_triton, topk_gating_triton
-from kernels.route import route_scatter_triton, route_triton
-from kernels.sbi_cuda import sbi_linear_cuda
-from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
-from kernels.moe_triton import (fused_moe_logits_triton, fused_moe_triton, grouped_ffn_triton, linear_triton,
-                                quantize_int8)
-from kernels.layout import dispatch_rows_triton, gather_rows_triton, scatter_rows_triton
-from kernels.maps import token_maps_triton
-from kernels.moe_ref import (ACTIVATIONS, TAG_INTS, dequantize_ref, dispatch_rows_ref, expert_ffn_ref, fused_moe_ref,
-                             gather_rows_ref, grouped_ffn_ref, grouped_topk_ref, row_pair_ref,
-                             scatter_rows_ref, token_maps_ref, topk_gating_ref)
+from kernels.moe_ref import (ACTIVATIONS, TAG_INTS, check_logits, dequantize_ref, dispatch_rows_ref, expert_ffn_ref,
+                             fused_moe_ref, gather_rows_ref, grouped_ffn_ref, grouped_topk_ref, quantize_int8,
+                             row_pair_ref, scatter_rows_ref, token_maps_ref, topk_gating_ref)
+
+# The GPU backends' names, by the module that defines them (kernels.<module>.<name>):
+# nothing imports those modules until a name is used.
+_BACKENDS = {
+    "argmax": ("argmax_triton",),
+    "decode_attention": ("decode_attention_triton",),
+    "decode_context": ("decode_context_triton",),
+    "gating": ("grouped_topk_triton", "topk_gating_triton"),
+    "layout": ("dispatch_rows_triton", "gather_rows_triton", "scatter_rows_triton"),
+    "maps": ("token_maps_triton",),
+    "moe_triton": ("fused_moe_logits_triton", "fused_moe_triton", "grouped_ffn_triton", "linear_triton"),
+    "norm": ("ROUTER_MAX_ROWS", "rms_norm_router_triton", "rms_norm_triton"),
+    "qkv_attention": ("qkv_attention_triton",),
+    "qkv_decode": ("qkv_decode_triton",),
+    "route": ("route_scatter_triton", "route_triton"),
+    "sbi_cuda": ("sbi_linear_cuda",),
+    "sbi_gemm": ("sbi_linear_triton",),
+}
+_BACKEND_OF = {name: module for module, names in _BACKENDS.items() for name in names}
+
+
+def __getattr__(name: str):
+    """``kernels.<name>`` of a GPU backend (PEP 562): its module is imported at the first
+    access, and the name is bound here so later accesses are plain lookups."""
+    if name not in _BACKEND_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"kernels.{_BACKEND_OF[name]}")
+    globals()[name] = value = getattr(module, name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_BACKEND_OF})
+
+
+class _Package(types.ModuleType):
+    """This package's module type. Importing a submodule binds it on its package under its
+    own name, and five backend modules are named as the op they implement (kernels/argmax.py
+    and ``kernels.argmax``). Imported after the ops are defined, at first use, they would
+    replace them: here the op keeps its name (``importlib.import_module("kernels.argmax")``
+    still returns the module, as before)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, types.ModuleType) and isinstance(self.__dict__.get(name), types.FunctionType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def topk_gating(logits, k, score="softmax", renormalize=True):
     """-> expert ids [T, k] int32, weights [T, k] float32 (see ``topk_gating_ref``)."""
     if logits.is_cuda:
+        from kernels.gating import topk_gating_triton
         return topk_gating_triton(logits, k, score, renormalize)
     return topk_gating_ref(logits, k, score, renormalize)
 
@@ -38,6 +85,7 @@ def route(logits, k, score="softmax", renormalize=True):
     """Gating and dropless maps together (one launch at decode sizes on a GPU):
     -> ids [T, k], weights [T, k], maps = (offsets [E + 1], rows [T, k], row_pair [T * k])."""
     if logits.is_cuda:
+        from kernels.route import route_triton
         return route_triton(logits, k, score, renormalize)
     ids, weights = topk_gating_ref(logits, k, score, renormalize)
     offsets, rows = token_maps_ref(ids, logits.shape[1])
@@ -48,6 +96,7 @@ def route_scatter(x, logits, k, score="softmax", renormalize=True):
     """``route`` plus the scatter of x [T, H] into the expert-major buffer (one launch at
     decode sizes on a GPU): -> ids, weights, maps, xs [T * k, H]."""
     if logits.is_cuda:
+        from kernels.route import route_scatter_triton
         return route_scatter_triton(x, logits, k, score, renormalize)
     ids, weights, maps = route(logits, k, score, renormalize)
     return ids, weights, maps, scatter_rows_ref(x, maps[1])
@@ -56,23 +105,30 @@ def route_scatter(x, logits, k, score="softmax", renormalize=True):
 def grouped_topk(logits, bias, k, n_group, topk_group, score="sigmoid", renormalize=True,
                  routed_scaling_factor=1.0):
     """DeepSeek-V3's bias-corrected grouped top-k (see ``grouped_topk_ref``)."""
-    fn = grouped_topk_triton if logits.is_cuda else grouped_topk_ref
-    return fn(logits, bias, k, n_group, topk_group, score, renormalize, routed_scaling_factor)
+    if logits.is_cuda:
+        from kernels.gating import grouped_topk_triton
+        return grouped_topk_triton(logits, bias, k, n_group, topk_group, score, renormalize, routed_scaling_factor)
+    return grouped_topk_ref(logits, bias, k, n_group, topk_group, score, renormalize, routed_scaling_factor)
 
 
 def token_maps(expert_ids, num_experts, capacity=None):
     """-> offsets [E + 1], rows [T, k] (see ``token_maps_ref``)."""
     if expert_ids.is_cuda:
+        from kernels.maps import token_maps_triton
         return token_maps_triton(expert_ids, num_experts, capacity)[:2]
     return token_maps_ref(expert_ids, num_experts, capacity)
 
 
 def scatter_rows(x, rows, out=None):
-    return scatter_rows_triton(x, rows, out) if x.is_cuda else scatter_rows_ref(x, rows, out)
+    if x.is_cuda:
+        from kernels.layout import scatter_rows_triton
+        return scatter_rows_triton(x, rows, out)
+    return scatter_rows_ref(x, rows, out)
 
 
 def gather_rows(ys, rows, weights, limit=None):
     if ys.is_cuda:
+        from kernels.layout import gather_rows_triton
         return gather_rows_triton(ys, rows, weights, limit)
     return gather_rows_ref(ys, rows, weights, limit)
 
@@ -81,12 +137,14 @@ def dispatch_rows(x, rows, expert_ids, experts_per_rank, out):
     """The expert-parallel send buffer, each row tagged with its local expert (see
     ``dispatch_rows_ref``)."""
     if x.is_cuda:
+        from kernels.layout import dispatch_rows_triton
         return dispatch_rows_triton(x, rows, expert_ids, experts_per_rank, out)
     return dispatch_rows_ref(x, rows, expert_ids, experts_per_rank, out)
 
 
 def grouped_ffn(xs, offsets, w13, w2, activation="silu", w13_scale=None, w2_scale=None):
     if xs.is_cuda:
+        from kernels.moe_triton import grouped_ffn_triton
         return grouped_ffn_triton(xs, offsets, w13, w2, activation, w13_scale, w2_scale)
     return grouped_ffn_ref(xs, offsets, dequantize_ref(w13, w13_scale, xs.dtype),
                            dequantize_ref(w2, w2_scale, xs.dtype), activation)
@@ -136,6 +194,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """
     _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale)
     if x.is_cuda:
+        from kernels.moe_triton import fused_moe_triton
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
                                 capacity, maps=maps)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity)
@@ -148,10 +207,11 @@ def fused_moe_logits(x: torch.Tensor, logits: torch.Tensor, k: int, w13: torch.T
     x [T, H] -> [T, H]. Where the tuning table chose the CUDA decode kernels, the gating
     runs inside them (no routing launch); otherwise ``route`` then ``fused_moe``."""
     _check_experts(x, w13, w2, activation, w13_scale, w2_scale)
-    _check_logits(logits, k, score)
+    check_logits(logits, k, score)
     if logits.shape[0] != x.shape[0] or logits.shape[1] != w2.shape[0]:
         raise ValueError(f"logits {list(logits.shape)}: expected [T={x.shape[0]}, E={w2.shape[0]}]")
     if x.is_cuda:
+        from kernels.moe_triton import fused_moe_logits_triton
         return fused_moe_logits_triton(x, logits, k, w13, w2, activation, score, renormalize, w13_scale, w2_scale)
     ids, weights = topk_gating_ref(logits, k, score, renormalize)
     return fused_moe(x, w13, w2, weights, ids, activation, w13_scale, w2_scale)
@@ -161,20 +221,26 @@ def decode_attention(q, k, v, visible, scale=None):
     """One query token per row over a KV cache: q [B, Hq, D], k / v [B, Hkv, S, D], visible
     [B, S] bool -> [B, Hq, D] (split over the keys on a GPU, GQA-aware)."""
     if q.is_cuda:
+        from kernels.decode_attention import decode_attention_triton
         return decode_attention_triton(q, k, v, visible, scale)
     return decode_attention_ref(q, k, v, visible, scale)
 
 
 def argmax(x):
     """x [B, V] -> [B] int64: first index of each row's maximum (split over the SMs on a GPU)."""
-    return argmax_triton(x) if x.is_cuda else argmax_ref(x)
+    if x.is_cuda:
+        from kernels.argmax import argmax_triton
+        return argmax_triton(x)
+    return argmax_ref(x)
 
 
 def rms_norm(x, weight, eps, residual=None):
     """RMSNorm over the last dimension in one launch on a GPU; with ``residual`` the add
     before it is fused too: -> norm(x + residual), x + residual."""
-    fn = rms_norm_triton if x.is_cuda else rms_norm_ref
-    return fn(x, weight, eps, residual)
+    if x.is_cuda:
+        from kernels.norm import rms_norm_triton
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
 
 
 def rms_norm_router(x, residual, norm_w, eps, router_w, gating=None):
@@ -182,8 +248,10 @@ def rms_norm_router(x, residual, norm_w, eps, router_w, gating=None):
     the new residual stream x + residual, and the router logits h @ router_w.T. ``gating``
     (k, score, renormalize): also the top-k table of those logits (as ``topk_gating``),
     ids [T, k] and weights [T, k], from the same launch."""
-    fn = rms_norm_router_triton if x.is_cuda else rms_norm_router_ref
-    return fn(x, residual, norm_w, eps, router_w, gating)
+    if x.is_cuda:
+        from kernels.norm import rms_norm_router_triton
+        return rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating)
+    return rms_norm_router_ref(x, residual, norm_w, eps, router_w, gating)
 
 
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
@@ -191,7 +259,10 @@ def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, c
     """The QKV epilogue of a decode step (qkv [B, W]) or a prefill (qkv [B, T, W]) in one
     launch on a GPU: q/k norms, clip, rotary, and the KV-cache append at slots ``slot`` ..
     -> q [B, Hq, T, D] (see ``qkv_decode_ref``)."""
-    fn = qkv_decode_triton if qkv.is_cuda else qkv_decode_ref
+    if qkv.is_cuda:
+        from kernels.qkv_decode import qkv_decode_triton as fn
+    else:
+        fn = qkv_decode_ref
     return fn(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm, q_norm_w,
               k_norm_w, eps, clip)
 
@@ -202,15 +273,26 @@ def qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot
     token per row, cache slot ``slot`` a 0-d tensor, additive mask ``bias`` of B x S): the
     QKV epilogue, the cache append and the attention in one launch on a GPU -> [B, Hq, D]
     (see ``qkv_attention_ref``)."""
-    fn = qkv_attention_triton if qkv.is_cuda else qkv_attention_ref
+    if qkv.is_cuda:
+        from kernels.qkv_attention import qkv_attention_triton as fn
+    else:
+        fn = qkv_attention_ref
     return fn(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin, qk_norm, q_norm_w,
               k_norm_w, eps, clip)
+
+
+def qkv_attention_fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> bool:
+    """Whether ``qkv_attention``'s one launch suits a decode step of B rows, Hq / Hkv heads,
+    head dim D and S cache slots on a GPU of ``sms`` SMs (``kernels.qkv_attention.fits``)."""
+    from kernels.qkv_attention import fits
+    return fits(b, hq, hkv, d, s, sms)
 
 
 def sbi_linear(x, w, scale=None, bias=None, residual=None, norm=None):
     """The small-batch GEMM with deep fusion: y = norm(x) @ W.T (+ bias) (+ residual), x [T, K]
     with T <= 64, W [N, K] (int8 with per-row ``scale``); ``norm`` = (kind, weight, bias, eps)."""
     if x.is_cuda:
+        from kernels.sbi_gemm import sbi_linear_triton
         return sbi_linear_triton(x, w, scale, bias, residual, norm)
     return sbi_linear_ref(x, w, scale, bias, residual, norm)
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dense_ref import argmax_ref  # noqa: F401 (the reference, importable beside its kernel)
 from kernels.pdl import pdl_enter, pdl_launch
 
 BLOCK = 4096
@@ -39,11 +40,6 @@ def _pick_kernel(max_ptr, idx_ptr, out_ptr, C, C_P: tl.constexpr, PDL: tl.conste
     m = tl.load(max_ptr + row * C + c, mask=c < C, other=float("-inf"))
     _, first = tl.max(m, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(out_ptr + row, tl.load(idx_ptr + row * C + first).to(tl.int64))
-
-
-def argmax_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [B, V] -> [B] int64, the first index of each row's maximum."""
-    return x.argmax(dim=-1)
 
 
 def argmax_triton(x: torch.Tensor) -> torch.Tensor:

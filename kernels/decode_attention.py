@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dense_ref import decode_attention_ref  # noqa: F401 (the reference, importable beside its kernel)
+
 
 @triton.jit
 def _split_kernel(
@@ -116,17 +118,3 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v
     _combine_kernel[(b, hq)](m, l, acc, out, d, out.stride(0), out.stride(1), hq, P=splits,
                              P_PAD=max(2, triton.next_power_of_2(splits)), D_PAD=d_pad, num_warps=1)
     return out
-
-
-def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                         scale: float | None = None) -> torch.Tensor:
-    """The same with torch's softmax, in float32 (float64 inputs stay float64):
-    q [B, Hq, D] -> [B, Hq, D]."""
-    b, hq, d = q.shape
-    g = hq // k.shape[1]
-    ct = torch.promote_types(q.dtype, torch.float32)
-    kk = k.to(ct).repeat_interleave(g, dim=1)  # [B, Hq, S, D]
-    vv = v.to(ct).repeat_interleave(g, dim=1)
-    scores = torch.einsum("bhd,bhsd->bhs", q.to(ct), kk) * (scale if scale is not None else d ** -0.5)
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv).to(q.dtype)

@@ -27,12 +27,9 @@ import triton.language as tl
 
 from kernels import pdl as pdl_mod
 from kernels.launcher import CachedLaunch
+from kernels.moe_ref import check_logits
 from kernels.pdl import pdl_enter, pdl_launch
 
-LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-SCORES = ("softmax", "sigmoid")
-MAX_EXPERTS = 1024  # a row of scores lives in registers: at most 4 rows a program at E = 1024
-MAX_K = 16  # the k rounds are unrolled
 TILE = 4096  # float32 scores a program holds: 16 rows of 256 experts, 64 rows of 64
 
 
@@ -258,20 +255,6 @@ def _grouped_topk_kernel(
     tl.store(weights_ptr + out, top_w, mask=out_ok)
 
 
-def _check_logits(logits: torch.Tensor, k: int, score: str) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"logits: expected [T, E], got shape {list(logits.shape)}")
-    if logits.dtype not in LOGIT_DTYPES:
-        raise ValueError(f"logits: expected one of {LOGIT_DTYPES}, got {logits.dtype}")
-    e = logits.shape[1]
-    if not 1 <= e <= MAX_EXPERTS:
-        raise ValueError(f"logits: expected 1 <= E <= {MAX_EXPERTS} experts, got E={e}")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(e, MAX_K):
-        raise ValueError(f"k={k!r}: expected an int with 1 <= k <= min(E={e}, {MAX_K})")
-    if score not in SCORES:
-        raise ValueError(f"score={score!r}: expected one of {SCORES}")
-
-
 def _block_t(t: int, tile_cols: int) -> int:
     """Rows per program: fill a TILE-element tile, but no more rows than there are tokens."""
     return max(1, min(64, TILE // tile_cols, triton.next_power_of_2(t)))
@@ -292,12 +275,12 @@ _CHECKED: set = set()  # (shape, dtype, k, type of k, score) whose checks passed
 
 
 def _check_logits_once(logits: torch.Tensor, k: int, score: str) -> None:
-    """``_check_logits``, skipped for a (shape, dtype, k, score) that passed before: what it
+    """``check_logits``, skipped for a (shape, dtype, k, score) that passed before: what it
     reads is all in that key. The type of k is in it too (True and 8.0 equal 1 and 8). The
     routing launches at decode sizes call this on every step, where the host time counts."""
     seen = (logits.shape, logits.dtype, k, type(k), score)
     if seen not in _CHECKED:
-        _check_logits(logits, k, score)
+        check_logits(logits, k, score)
         _CHECKED.add(seen)
 
 
@@ -363,7 +346,7 @@ def grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, n_grou
     """DeepSeek-V3 routing: ids [T, k] int32 (descending ``scores + bias``) and weights [T, k]
     float32 (unbiased scores, renormalised if asked, times ``routed_scaling_factor``); the
     same contract as ``grouped_topk_ref``."""
-    _check_logits(logits, k, score)
+    check_logits(logits, k, score)
     _check_grouped_args(logits, bias, k, n_group, topk_group, routed_scaling_factor)
     t, e = logits.shape
     ids, weights = _outputs(t, k, logits.device)

@@ -14,7 +14,8 @@ A device with no entry of its own for a shape and bucket takes one of the same c
 (``moe_triton.SAME_CHIP``). Without any, full-precision weights use cuBLAS and int8 weights
 SBI-GeMM (one launch with its epilogue, or two with split-K; it won 29 of the 32 int8
 entries measured on the H100).
-Larger batches, and every CPU call, take cuBLAS / the reference.
+Larger batches, and every CPU call, take cuBLAS / the reference. The GPU GEMMs (Triton,
+CuPy) are imported in the branches that run them, so a CPU-only install needs neither.
 
 ``norm_linear`` is the decode step's residual add + RMSNorm + GEMM: one launch where the
 table picked the CUDA SBI-GeMM with ``"norm": true`` (its prologue adds and normalises; set
@@ -30,10 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import sbi_cuda
-from kernels.moe_triton import linear_triton, table_entries
-from kernels.norm import rms_norm_ref, rms_norm_triton
-from kernels.sbi_gemm import sbi_linear_ref, sbi_linear_triton
+from kernels.dense_ref import rms_norm_ref, sbi_linear_ref
 
 TABLE_FILE = Path(__file__).with_name("configs") / "dense.json"
 SMALL_T = 16
@@ -52,6 +50,8 @@ def _table() -> dict:
 
 @functools.lru_cache(maxsize=4096)
 def _choice(device: torch.device, n: int, k: int, wdtype: torch.dtype, t: int) -> str | tuple:
+    from kernels.moe_triton import table_entries
+
     bucket = next(b for b in BUCKETS if b >= t)
     picked = next((e[str(bucket)] for e in table_entries(_table(), device, table_key(n, k, wdtype))
                    if str(bucket) in e), None)
@@ -78,12 +78,17 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError("weight: int8 needs its per-output-channel scale")
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not x.is_cuda or rows > SMALL_T or rows == 0:
-        if int8:
-            y = sbi_linear_ref(x, weight, scale) if not x.is_cuda else linear_triton(x, weight, scale)
-            return y + bias if bias is not None else y
-        return F.linear(x, weight, bias)
+        if not int8:
+            return F.linear(x, weight, bias)
+        if x.is_cuda:
+            from kernels.moe_triton import linear_triton
+            y = linear_triton(x, weight, scale)
+        else:
+            y = sbi_linear_ref(x, weight, scale)
+        return y + bias if bias is not None else y
     pick = choice(x.device, weight.shape[0], weight.shape[1], weight.dtype, rows)
     if isinstance(pick, dict):
+        from kernels import sbi_cuda
         try:
             y = sbi_cuda.sbi_linear_cuda(x.reshape(rows, x.shape[-1]), weight, scale, bias, config=pick)
             return y.view(*x.shape[:-1], weight.shape[0])
@@ -92,8 +97,10 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if pick == "cublas":
         return F.linear(x, weight, bias)
     if pick == "sbi":
+        from kernels.sbi_gemm import sbi_linear_triton
         x2 = x.reshape(rows, x.shape[-1])
         return sbi_linear_triton(x2, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
+    from kernels.moe_triton import linear_triton
     y = linear_triton(x, weight, scale)
     return y + bias if bias is not None else y
 
@@ -106,11 +113,16 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
     if x.is_cuda and 0 < rows <= SMALL_T and x.shape == residual.shape:
         pick = choice(x.device, weight.shape[0], weight.shape[1], weight.dtype, rows)
         if isinstance(pick, dict) and pick.get("norm"):
+            from kernels import sbi_cuda
             try:
                 y, s = sbi_cuda.sbi_norm_linear_cuda(x.reshape(rows, -1), residual.reshape(rows, -1),
                                                      ("rmsnorm", norm_weight, None, eps), weight, scale, bias, pick)
                 return y.view(*x.shape[:-1], weight.shape[0]), s.view(x.shape)
             except ValueError:  # operands the fused launch cannot take: the two launches
                 pass
-    h, s = (rms_norm_triton if x.is_cuda else rms_norm_ref)(x, norm_weight, eps, residual)
+    if x.is_cuda:
+        from kernels.norm import rms_norm_triton
+        h, s = rms_norm_triton(x, norm_weight, eps, residual)
+    else:
+        h, s = rms_norm_ref(x, norm_weight, eps, residual)
     return dense_linear(h, weight, bias, scale), s

@@ -10,7 +10,8 @@ N = T * k rows of the expert-major buffer.
   gather    ys [N, H], rows, weights -> out [T, H]  (weighted sum over the k slots)
 
 No one-hot tensors: the maps are a histogram and an exclusive prefix scan, and the
-scatter / gather are row copies. The fast kernels must match these functions.
+scatter / gather are row copies. The fast kernels must match these functions. Beside them:
+the gating operands' checks and the int8 weight quantizer, which every device shares.
 """
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ import torch
 import torch.nn.functional as F
 
 ACTIVATIONS = ("silu", "gelu")  # silu: SwiGLU, w13 holds gate rows then up rows; gelu: plain
+# The gating kernels' limits, checked on every device so that a CPU run refuses what a GPU would.
+LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SCORES = ("softmax", "sigmoid")
+MAX_EXPERTS = 1024  # a row of scores lives in registers: at most 4 rows a program at E = 1024
+MAX_K = 16  # the k rounds are unrolled
 
 
 def router_scores_ref(logits: torch.Tensor, score: str) -> torch.Tensor:
@@ -27,6 +33,21 @@ def router_scores_ref(logits: torch.Tensor, score: str) -> torch.Tensor:
     if score == "sigmoid":
         return logits.float().sigmoid()
     raise ValueError(f"score={score!r}: expected softmax or sigmoid")
+
+
+def check_logits(logits: torch.Tensor, k: int, score: str) -> None:
+    """The gating operands every device takes (ValueError naming the one that is not)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected [T, E], got shape {list(logits.shape)}")
+    if logits.dtype not in LOGIT_DTYPES:
+        raise ValueError(f"logits: expected one of {LOGIT_DTYPES}, got {logits.dtype}")
+    e = logits.shape[1]
+    if not 1 <= e <= MAX_EXPERTS:
+        raise ValueError(f"logits: expected 1 <= E <= {MAX_EXPERTS} experts, got E={e}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(e, MAX_K):
+        raise ValueError(f"k={k!r}: expected an int with 1 <= k <= min(E={e}, {MAX_K})")
+    if score not in SCORES:
+        raise ValueError(f"score={score!r}: expected one of {SCORES}")
 
 
 def topk_gating_ref(logits: torch.Tensor, k: int, score: str = "softmax",
@@ -181,6 +202,28 @@ def dequantize_ref(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dty
     if scale is None:
         return q
     return (q.float() * scale.float()[..., None]).to(dtype)
+
+
+def quantize_int8(w: torch.Tensor, max_elements: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8 with per-output-channel scales: w [E, N, K] -> (q int8, scale f32 [E, N]).
+
+    Symmetric: scale = max|w| / 127 per row, q = round(w / scale). Done in blocks of rows
+    of at most ``max_elements`` weights, in place on one float32 copy of the block, so the
+    temporaries stay small beside a large model's weights (one Mixtral expert alone holds
+    117M weights in w13)."""
+    if w.dim() != 3:
+        raise ValueError(f"w: expected expert weights [E, N, K], got shape {list(w.shape)}")
+    e, n, k = w.shape
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(e, n, dtype=torch.float32, device=w.device)
+    rows_w, rows_q, rows_s = w.contiguous().view(e * n, k), q.view(e * n, k), scale.view(e * n)
+    step = max(1, max_elements // max(k, 1))
+    for lo in range(0, e * n, step):
+        wf = rows_w[lo:lo + step].to(torch.float32, copy=True)  # a copy even from float32: worked in place
+        s = torch.linalg.vector_norm(wf, ord=float("inf"), dim=-1).clamp_(min=1e-12).div_(127.0)
+        rows_q[lo:lo + step] = wf.div_(s[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        rows_s[lo:lo + step] = s
+    return q, scale
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -22,6 +22,7 @@ from kernels.grouped_gemm import grouped_gemm
 from kernels.layout import combine_rows_triton
 from kernels.maps import token_maps_triton
 from kernels.moe_cuda import check as cuda_check, fused_moe_cuda, fused_moe_logits_cuda
+from kernels.moe_ref import quantize_int8  # noqa: F401 (importable from here, as before)
 from kernels.route import route_triton
 
 CONFIG_FILE = Path(__file__).with_name("configs") / "moe.json"
@@ -293,25 +294,3 @@ def linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None =
                        scale=None if scale is None else scale[None], out_dtype=a.dtype, pair_ids=ids)  # [S, T, N]
     out = out[0] if out.shape[0] == 1 else out.sum(0).to(a.dtype)
     return out.view(*x.shape[:-1], n)
-
-
-def quantize_int8(w: torch.Tensor, max_elements: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight-only int8 with per-output-channel scales: w [E, N, K] -> (q int8, scale f32 [E, N]).
-
-    Symmetric: scale = max|w| / 127 per row, q = round(w / scale). Done in blocks of rows
-    of at most ``max_elements`` weights, in place on one float32 copy of the block, so the
-    temporaries stay small beside a large model's weights (one Mixtral expert alone holds
-    117M weights in w13)."""
-    if w.dim() != 3:
-        raise ValueError(f"w: expected expert weights [E, N, K], got shape {list(w.shape)}")
-    e, n, k = w.shape
-    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-    scale = torch.empty(e, n, dtype=torch.float32, device=w.device)
-    rows_w, rows_q, rows_s = w.contiguous().view(e * n, k), q.view(e * n, k), scale.view(e * n)
-    step = max(1, max_elements // max(k, 1))
-    for lo in range(0, e * n, step):
-        wf = rows_w[lo:lo + step].to(torch.float32, copy=True)  # a copy even from float32: worked in place
-        s = torch.linalg.vector_norm(wf, ord=float("inf"), dim=-1).clamp_(min=1e-12).div_(127.0)
-        rows_q[lo:lo + step] = wf.div_(s[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        rows_s[lo:lo + step] = s
-    return q, scale

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dense_ref import rms_norm_ref, rms_norm_router_ref
 from kernels.gating import _check_logits_once, _outputs, _topk_table
-from kernels.moe_ref import topk_gating_ref
 from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
 
 MAX_FEATURES = 32768  # one program holds a whole row in registers up to this width
@@ -39,16 +39,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, H, eps,
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """norm(x) [.., H], or with ``residual``: (norm(x + residual), x + residual)."""
-    if residual is not None:
-        x = x + residual
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    out = weight * normed  # cast before scaling: the Llama-family order
-    return (out, x) if residual is not None else out
 
 
 def _rows(t: torch.Tensor, name: str, h: int) -> torch.Tensor:
@@ -179,15 +169,6 @@ ROUTER_MAX_ROWS = 16  # the fused norm + router launch is for decode steps
 # Where one step of the norm + router kernel covers H, its weights load before the PDL wait.
 # Read at each launch; scripts/diag_decode_ab.py --off router-preload.
 ROUTER_PRELOAD = True
-
-
-def rms_norm_router_ref(x, residual, norm_w, eps, router_w, gating: tuple | None = None):
-    """x, residual [T, H]; router_w [E, H] -> (h = norm(x + residual) [T, H], x + residual,
-    router logits h @ router_w.T [T, E] in the input dtype); with ``gating`` (k, score,
-    renormalize) also the top-k table of those logits (``topk_gating_ref``)."""
-    h, summed = rms_norm_ref(x, norm_w, eps, residual)
-    logits = h @ router_w.t()
-    return (h, summed, logits) if gating is None else (h, summed, logits, *topk_gating_ref(logits, *gating))
 
 
 def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | None = None):

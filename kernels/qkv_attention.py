@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dense_ref import QK_NORMS, check_qkv_attention, qkv_attention_ref  # noqa: F401 (the reference, importable here)
 from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
-from kernels.qkv_decode import (QK_NORMS, _check, _load_all, _load_heads, _norm_rotate, _norm_weights, _rstd_all,
-                                qkv_decode_ref, qkv_decode_supported)
+from kernels.qkv_decode import _load_all, _load_heads, _norm_rotate, _norm_weights, _rstd_all
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -242,41 +242,6 @@ def _block_s(s: int, d: int) -> int:
     return min(128 if d <= 128 else 64, max(16, triton.next_power_of_2(s)))
 
 
-def check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias) -> int:
-    """-> B. Raises ValueError naming the operand where the fused step cannot take it."""
-    b, t = _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, None)
-    if t != 1:
-        raise ValueError(f"qkv {list(qkv.shape)}: one token per row, [B, W]")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads}: expected a multiple of num_kv_heads {num_kv_heads}")
-    if not qkv_decode_supported(head_dim):
-        raise ValueError(f"head_dim {head_dim}: expected a power of two")
-    if not torch.is_tensor(slot) or slot.numel() != 1:
-        raise ValueError(f"slot: expected a one-element device tensor, got {slot!r}")
-    s = k_cache.shape[2]
-    if bias.shape[0] != b or bias.shape[-1] != s or bias.numel() != b * s or not bias.is_floating_point():
-        raise ValueError(f"bias {list(bias.shape)} {bias.dtype}: expected an additive float mask of B x S = {b} x {s}")
-    return b
-
-
-def qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
-                      qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None):
-    """qkv [B, (Hq + 2 Hkv) * D] of one token per row -> attention output [B, Hq, D]. Writes
-    k and v at cache slot ``slot`` (0-d tensor) of k_cache / v_cache [B, Hkv, S, D] (as
-    ``qkv_decode_ref``), then attends over the cache under the additive mask ``bias``
-    ([B, S], or any shape of B x S values, e.g. [B, 1, 1, S]), softmax in float32 or wider."""
-    b = check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias)
-    q = qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
-                       q_norm_w, k_norm_w, eps, clip)[:, :, 0]  # [B, Hq, D]
-    ct = torch.promote_types(q.dtype, torch.float32)
-    g = num_heads // num_kv_heads
-    kk = k_cache.to(ct).repeat_interleave(g, dim=1)  # [B, Hq, S, D]
-    vv = v_cache.to(ct).repeat_interleave(g, dim=1)
-    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-    scores = torch.einsum("bhd,bhsd->bhs", q.to(ct), kk) * scale + bias.reshape(b, 1, -1).to(ct)
-    return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv).to(q.dtype)
-
-
 def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
                          qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None,
                          splits: int | None = None):
@@ -286,7 +251,7 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
     previous kernel: no kernel of the same step may write them (a decode step's are written
     before it starts).
     ``splits``: P, a power of two (default ``default_splits``)."""
-    b = check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias)
+    b = check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias)
     if qk_norm not in QK_NORMS:
         raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
     hq, hkv, d, s = num_heads, num_kv_heads, head_dim, k_cache.shape[2]

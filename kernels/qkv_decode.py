@@ -18,11 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dense_ref import QK_NORMS, check_qkv, qkv_decode_ref, qkv_decode_supported
 from kernels.pdl import pdl_enter, pdl_launch
-
-from kernels.norm import rms_norm_ref
-
-QK_NORMS = {None: 0, "head": 1, "full": 2}
 
 
 @triton.jit
@@ -166,61 +163,10 @@ def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr, kc_
     tl.store(vc_ptr + b * stride_vb + hk[:, None] * stride_vh + slot * stride_vs + d[None, :], v.to(DT), mask=kv_ok)
 
 
-def _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm) -> tuple[int, int]:
-    """-> (B, T)."""
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dim() not in (2, 3) or qkv.shape[-1] != width:
-        raise ValueError(f"qkv {list(qkv.shape)}: expected [B, (Hq + 2 Hkv) * D = {width}] or [B, T, {width}]")
-    b, t = qkv.shape[0], qkv.shape[1] if qkv.dim() == 3 else 1
-    want = (b, num_kv_heads, k_cache.shape[2], head_dim)
-    if k_cache.dim() != 4 or tuple(k_cache.shape) != want or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache / v_cache {list(k_cache.shape)} / {list(v_cache.shape)}: expected {list(want)}")
-    if qk_norm not in QK_NORMS:
-        raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
-    return b, t
-
-
-def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
-                   qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
-    """qkv [B, (Hq + 2 Hkv) * D] of one token per row, or [B, T, ...] of T -> q [B, Hq, T, D];
-    writes k and v at cache slots ``slot`` .. ``slot + T - 1`` (``slot`` an int or 0-d
-    tensor) of k_cache / v_cache [B, Hkv, S, D]. cos, sin [B, D] or [B, T, D] rotary tables
-    (None: no rotation); ``qk_norm`` None / "head" (weights [D]) / "full" (weights
-    [Hq * D], [Hkv * D]); ``clip`` clamps q, k, v."""
-    b, t = _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
-    d = head_dim
-    norm = lambda x, w: rms_norm_ref(x, w, eps)  # noqa: E731
-    q, k, v = qkv.reshape(b, t, -1).split((num_heads * d, num_kv_heads * d, num_kv_heads * d), dim=-1)
-    if qk_norm == "full":
-        q, k = norm(q, q_norm_w), norm(k, k_norm_w)
-    if clip is not None:
-        q, k, v = (z.clamp(-clip, clip) for z in (q, k, v))
-    q, k, v = q.view(b, t, num_heads, d), k.view(b, t, num_kv_heads, d), v.view(b, t, num_kv_heads, d)
-    if qk_norm == "head":
-        q, k = norm(q, q_norm_w), norm(k, k_norm_w)
-    if cos is not None:
-        c, s = cos.reshape(b, t, 1, d), sin.reshape(b, t, 1, d)
-
-        def rotate(x):
-            x1, x2 = x.chunk(2, dim=-1)
-            return x * c + torch.cat((-x2, x1), dim=-1) * s
-        q, k = rotate(q), rotate(k)
-    first = slot.view(1) if torch.is_tensor(slot) else torch.tensor([slot], device=qkv.device)
-    slots = first + torch.arange(t, device=first.device)
-    k_cache.index_copy_(2, slots, k.transpose(1, 2).to(k_cache.dtype))
-    v_cache.index_copy_(2, slots, v.transpose(1, 2).to(v_cache.dtype))
-    return q.transpose(1, 2).contiguous()
-
-
-def qkv_decode_supported(head_dim: int) -> bool:
-    """The fused kernel needs a power-of-two head dim (every model in configs/ has one)."""
-    return head_dim >= 2 and head_dim & (head_dim - 1) == 0
-
-
 def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
                       qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
     """Same contract as ``qkv_decode_ref``; one launch, one program per token."""
-    b, t = _check(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
+    b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
     if not qkv_decode_supported(head_dim):
         return qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
                               q_norm_w, k_norm_w, eps, clip)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dense_ref import sbi_linear_ref  # noqa: F401 (the reference, importable beside its kernel)
 from kernels.pdl import pdl_enter, pdl_launch
 
 NORMS = {None: 0, "rmsnorm": 1, "layernorm": 2}
@@ -153,24 +154,3 @@ def sbi_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | No
             n, target.stride(0), target.stride(1), residual.stride(0) if residual is not None else 0, out.stride(0),
             S=split, BLOCK=block, HAS_BIAS=bias is not None, HAS_RES=residual is not None, **pdl_launch(target.device))
     return out
-
-
-def sbi_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-                   bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                   norm: tuple | None = None) -> torch.Tensor:
-    """The same in float32 (float64 inputs stay float64) with torch ops."""
-    ct = torch.promote_types(x.dtype, torch.float32)
-    a = x.to(ct)
-    if norm is not None:
-        kind, g, gb, eps = norm
-        if kind == "layernorm":
-            a = torch.nn.functional.layer_norm(a, (a.shape[-1],), g.to(ct), None if gb is None else gb.to(ct), eps)
-        else:
-            a = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * g.to(ct)
-    wf = w.to(ct) if scale is None else w.to(ct) * scale.to(ct)[:, None]
-    y = a @ wf.t()
-    if bias is not None:
-        y = y + bias.to(ct)
-    if residual is not None:
-        y = y + residual.to(ct)
-    return y.to(x.dtype)

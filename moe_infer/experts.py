@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 import kernels
-from kernels.moe_triton import pairs_from_ids
 
 _KERNEL_ACTIVATION = {"swiglu": "silu", "gelu": "gelu"}
 
@@ -60,7 +59,11 @@ class Experts(nn.Module):
     def pairs_from_ids(self, x: torch.Tensor, top_k: int) -> bool:
         """Whether ``fused`` (dropless, no maps) runs on x from the routing ids alone, so the
         router need not build the maps (``kernels.moe_triton.pairs_from_ids``; GPU only)."""
-        return x.is_cuda and pairs_from_ids(x, self.w13, self.w2, top_k, **self.scales())
+        if not x.is_cuda:
+            return False
+        from kernels.moe_triton import pairs_from_ids  # the GPU backend: Triton, imported at first use
+
+        return pairs_from_ids(x, self.w13, self.w2, top_k, **self.scales())
 
     def fused_logits(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, score: str,
                      renormalize: bool) -> torch.Tensor:

@@ -1,0 +1,164 @@
+"""Plain-torch references for the dense ops of the decode path: RMSNorm (with the MoE
+layer's router), greedy argmax, decode attention, the QKV epilogue and the small-batch
+GEMM. The Triton and CUDA kernels must match these functions, and they are what the ops in
+``kernels`` run on a CPU, so this module needs torch alone (as ``moe_ref`` does).
+
+Shape letters: B rows, T tokens per row, H features, E experts, V vocabulary, Hq / Hkv
+query / KV heads, D head dim, S cache slots, K in, N out.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.moe_ref import topk_gating_ref
+
+QK_NORMS = {None: 0, "head": 1, "full": 2}
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """norm(x) [.., H], or with ``residual``: (norm(x + residual), x + residual)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = weight * normed  # cast before scaling: the Llama-family order
+    return (out, x) if residual is not None else out
+
+
+def rms_norm_router_ref(x, residual, norm_w, eps, router_w, gating: tuple | None = None):
+    """x, residual [T, H]; router_w [E, H] -> (h = norm(x + residual) [T, H], x + residual,
+    router logits h @ router_w.T [T, E] in the input dtype); with ``gating`` (k, score,
+    renormalize) also the top-k table of those logits (``topk_gating_ref``)."""
+    h, summed = rms_norm_ref(x, norm_w, eps, residual)
+    logits = h @ router_w.t()
+    return (h, summed, logits) if gating is None else (h, summed, logits, *topk_gating_ref(logits, *gating))
+
+
+def argmax_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] -> [B] int64, the first index of each row's maximum."""
+    return x.argmax(dim=-1)
+
+
+def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                         scale: float | None = None) -> torch.Tensor:
+    """One query token per row over a KV cache with torch's softmax, in float32 (float64
+    inputs stay float64): q [B, Hq, D], k / v [B, Hkv, S, D], visible [B, S] bool
+    -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    g = hq // k.shape[1]
+    ct = torch.promote_types(q.dtype, torch.float32)
+    kk = k.to(ct).repeat_interleave(g, dim=1)  # [B, Hq, S, D]
+    vv = v.to(ct).repeat_interleave(g, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q.to(ct), kk) * (scale if scale is not None else d ** -0.5)
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv).to(q.dtype)
+
+
+def qkv_decode_supported(head_dim: int) -> bool:
+    """The fused kernel needs a power-of-two head dim (every model in configs/ has one)."""
+    return head_dim >= 2 and head_dim & (head_dim - 1) == 0
+
+
+def check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm) -> tuple[int, int]:
+    """The QKV epilogue's operand checks (ValueError naming the operand) -> (B, T)."""
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() not in (2, 3) or qkv.shape[-1] != width:
+        raise ValueError(f"qkv {list(qkv.shape)}: expected [B, (Hq + 2 Hkv) * D = {width}] or [B, T, {width}]")
+    b, t = qkv.shape[0], qkv.shape[1] if qkv.dim() == 3 else 1
+    want = (b, num_kv_heads, k_cache.shape[2], head_dim)
+    if k_cache.dim() != 4 or tuple(k_cache.shape) != want or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache / v_cache {list(k_cache.shape)} / {list(v_cache.shape)}: expected {list(want)}")
+    if qk_norm not in QK_NORMS:
+        raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
+    return b, t
+
+
+def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
+                   qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
+    """qkv [B, (Hq + 2 Hkv) * D] of one token per row, or [B, T, ...] of T -> q [B, Hq, T, D];
+    writes k and v at cache slots ``slot`` .. ``slot + T - 1`` (``slot`` an int or 0-d
+    tensor) of k_cache / v_cache [B, Hkv, S, D]. cos, sin [B, D] or [B, T, D] rotary tables
+    (None: no rotation); ``qk_norm`` None / "head" (weights [D]) / "full" (weights
+    [Hq * D], [Hkv * D]); ``clip`` clamps q, k, v."""
+    b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
+    d = head_dim
+    norm = lambda x, w: rms_norm_ref(x, w, eps)  # noqa: E731
+    q, k, v = qkv.reshape(b, t, -1).split((num_heads * d, num_kv_heads * d, num_kv_heads * d), dim=-1)
+    if qk_norm == "full":
+        q, k = norm(q, q_norm_w), norm(k, k_norm_w)
+    if clip is not None:
+        q, k, v = (z.clamp(-clip, clip) for z in (q, k, v))
+    q, k, v = q.view(b, t, num_heads, d), k.view(b, t, num_kv_heads, d), v.view(b, t, num_kv_heads, d)
+    if qk_norm == "head":
+        q, k = norm(q, q_norm_w), norm(k, k_norm_w)
+    if cos is not None:
+        c, s = cos.reshape(b, t, 1, d), sin.reshape(b, t, 1, d)
+
+        def rotate(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * c + torch.cat((-x2, x1), dim=-1) * s
+        q, k = rotate(q), rotate(k)
+    first = slot.view(1) if torch.is_tensor(slot) else torch.tensor([slot], device=qkv.device)
+    slots = first + torch.arange(t, device=first.device)
+    k_cache.index_copy_(2, slots, k.transpose(1, 2).to(k_cache.dtype))
+    v_cache.index_copy_(2, slots, v.transpose(1, 2).to(v_cache.dtype))
+    return q.transpose(1, 2).contiguous()
+
+
+def check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias) -> int:
+    """-> B. Raises ValueError naming the operand where the fused step cannot take it."""
+    b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, None)
+    if t != 1:
+        raise ValueError(f"qkv {list(qkv.shape)}: one token per row, [B, W]")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads}: expected a multiple of num_kv_heads {num_kv_heads}")
+    if not qkv_decode_supported(head_dim):
+        raise ValueError(f"head_dim {head_dim}: expected a power of two")
+    if not torch.is_tensor(slot) or slot.numel() != 1:
+        raise ValueError(f"slot: expected a one-element device tensor, got {slot!r}")
+    s = k_cache.shape[2]
+    if bias.shape[0] != b or bias.shape[-1] != s or bias.numel() != b * s or not bias.is_floating_point():
+        raise ValueError(f"bias {list(bias.shape)} {bias.dtype}: expected an additive float mask of B x S = {b} x {s}")
+    return b
+
+
+def qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
+                      qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None):
+    """qkv [B, (Hq + 2 Hkv) * D] of one token per row -> attention output [B, Hq, D]. Writes
+    k and v at cache slot ``slot`` (0-d tensor) of k_cache / v_cache [B, Hkv, S, D] (as
+    ``qkv_decode_ref``), then attends over the cache under the additive mask ``bias``
+    ([B, S], or any shape of B x S values, e.g. [B, 1, 1, S]), softmax in float32 or wider."""
+    b = check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias)
+    q = qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
+                       q_norm_w, k_norm_w, eps, clip)[:, :, 0]  # [B, Hq, D]
+    ct = torch.promote_types(q.dtype, torch.float32)
+    g = num_heads // num_kv_heads
+    kk = k_cache.to(ct).repeat_interleave(g, dim=1)  # [B, Hq, S, D]
+    vv = v_cache.to(ct).repeat_interleave(g, dim=1)
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    scores = torch.einsum("bhd,bhsd->bhs", q.to(ct), kk) * scale + bias.reshape(b, 1, -1).to(ct)
+    return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv).to(q.dtype)
+
+
+def sbi_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                   norm: tuple | None = None) -> torch.Tensor:
+    """y [T, N] = norm(x [T, K]) @ dequant(w [N, K]).T (+ bias [N]) (+ residual [T, N]),
+    computed in float32 (float64 inputs stay float64) with torch ops."""
+    ct = torch.promote_types(x.dtype, torch.float32)
+    a = x.to(ct)
+    if norm is not None:
+        kind, g, gb, eps = norm
+        if kind == "layernorm":
+            a = torch.nn.functional.layer_norm(a, (a.shape[-1],), g.to(ct), None if gb is None else gb.to(ct), eps)
+        else:
+            a = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * g.to(ct)
+    wf = w.to(ct) if scale is None else w.to(ct) * scale.to(ct)[:, None]
+    y = a @ wf.t()
+    if bias is not None:
+        y = y + bias.to(ct)
+    if residual is not None:
+        y = y + residual.to(ct)
+    return y.to(x.dtype)
