@@ -58,13 +58,15 @@ def linear_targets(model: nn.Module, skip: tuple[str, ...] = ("router", "shared_
 
 
 def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("router", "shared_gate"),
-                     min_out: int = 16, device: torch.device | None = None) -> int:
+                     min_out: int = 16, device: torch.device | None = None, prepare=None) -> int:
     """Swaps the model's linear layers for ``Int8Linear`` in place (each moved to ``device``
-    first, when given); returns how many."""
+    first, when given, then passed to ``prepare``); returns how many."""
     targets = linear_targets(model, skip, min_out)
     for parent, name in targets:  # pairs, not modules: each full-precision weight is freed as it goes
         linear = getattr(parent, name)
         if device is not None:
             linear.to(device)
+        if prepare is not None:
+            prepare(linear)
         setattr(parent, name, Int8Linear(linear))
     return len(targets)

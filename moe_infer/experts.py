@@ -99,27 +99,31 @@ def expert_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
             if type(child) is Experts]
 
 
-def quantize_experts(model: nn.Module, device: torch.device | None = None) -> nn.Module:
+def quantize_experts(model: nn.Module, device: torch.device | None = None, prepare=None) -> nn.Module:
     """Swaps every ``Experts`` module of ``model`` for its int8 version, in place; with
-    ``device``, each module moves there first (weights staged in host memory)."""
+    ``device``, each module moves there first (weights staged in host memory), and
+    ``prepare(module)`` runs before it is quantized."""
     for parent, name in expert_targets(model):
         experts = getattr(parent, name)
         if device is not None:
             experts.to(device)
+        if prepare is not None:
+            prepare(experts)
         setattr(parent, name, Int8Experts(experts))  # the full-precision module is freed here
     return model
 
 
-def quantize_model(model: nn.Module, device: torch.device | None = None) -> nn.Module:
+def quantize_model(model: nn.Module, device: torch.device | None = None, prepare=None) -> nn.Module:
     """Weight-only int8 for the whole model, in place: the experts (``Int8Experts``) and
     every dense linear layer but the router and gates (``dense.quant.Int8Linear``).
 
     With ``device``, a model held in host memory is quantized there module by module and
-    then moved whole, so the device never holds more than one full-precision module."""
+    then moved whole, so the device never holds more than one full-precision module;
+    ``prepare(module)`` runs on each module about to be quantized, once it is there."""
     from dense.quant import quantize_linears
 
-    quantize_experts(model, device)
-    quantize_linears(model, device=device)
+    quantize_experts(model, device, prepare)
+    quantize_linears(model, device=device, prepare=prepare)
     if device is not None:
         model.to(device)
     return model

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ from moe_infer.config import Config, ConfigError, ParallelConfig, load_preset, l
 from moe_infer.engine import Engine
 from moe_infer.memory import check_fits
 from moe_infer.hf import read_hf_config
-from moe_infer.model import Transformer
+from moe_infer.model import Transformer, init_random
 from moe_infer.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -124,14 +125,20 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
     # int8 whose full-precision weights do not fit on the GPU: load them into host memory
     # and quantize onto the GPU one module at a time.
     _materialize(model, torch.device("cpu") if staged else dev, dt)
+    prepare = None
     if cfg.checkpoint is not None:
         load_checkpoint(model, cfg, cfg.checkpoint, progress=progress)
+    elif staged:  # random values drawn on the GPU, each module as it arrives there
+        generator = torch.Generator(device=dev).manual_seed(cfg.engine.seed)
+        prepare = functools.partial(init_random, generator=generator)
     else:
         model.init_random(cfg.engine.seed)
     if cfg.engine.quantize == "int8":  # bf16 / fp32 weights in, int8 weights on the device
         from moe_infer.experts import quantize_model
 
-        quantize_model(model, dev if staged else None)
+        quantize_model(model, dev if staged else None, prepare)
+        if prepare is not None:
+            init_random(model, generator)  # what stayed in full precision (norms, embeddings, routers)
     model.eval()
     tokenizer = None
     if cfg.checkpoint is not None and (Path(cfg.checkpoint) / "tokenizer.json").is_file():

@@ -141,11 +141,19 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_random(self, seed: int):
         """Seeded random weights for configs without a checkpoint (GPT-2 style scales)."""
-        gen = torch.Generator(device=self.embed.weight.device).manual_seed(seed)
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif p.dim() == 1:  # norm scales
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+        init_random(self, torch.Generator(device=self.embed.weight.device).manual_seed(seed))
+
+
+@torch.no_grad()
+def init_random(module: nn.Module, generator: torch.Generator):
+    """GPT-2 style random values for the full-precision parameters of ``module`` (int8
+    ones, already quantized, stay): biases 0, norm scales 1, the rest N(0, 0.02)."""
+    for name, p in module.named_parameters():
+        if not p.is_floating_point():
+            continue
+        if name.endswith("bias"):
+            p.zero_()
+        elif p.dim() == 1:  # norm scales
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=generator)
