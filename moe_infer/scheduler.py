@@ -11,10 +11,17 @@ Each iteration of ``Scheduler.step`` is schedule / run / post-process:
 - run: one prefill forward over chunks of the admitted prompts (at most ``prefill_chunk``
   tokens a step, so long prompts do not stall the batch), then one decode forward for
   every running request whose prompt is cached (it joins the batch at the next step);
-- post-process: sample, detect EOS / stop strings / max_tokens (a finished request's blocks
-  go back), stream the text delta.
+- post-process: apply each request's logit processors (logit bias, the min_tokens EOS mask,
+  penalties), sample, detect EOS / stop strings / max_tokens (a finished request's blocks go
+  back), stream the text delta and any log-probabilities asked for. Everything the host
+  needs from a step comes back in one copy.
 
-``PagedRunner.forward`` is the only code that touches the model; on several ranks rank 0
+Log-probabilities are those of the raw model output (vLLM's default ``raw_logprobs``):
+log_softmax of the logits before logit bias, penalties, temperature, top-k and top-p. So a
+token sampled at temperature 1.5 reports how likely the model found it, not how likely the
+sampler was to draw it.
+
+``PagedRunner`` is the only code that touches the model; on several ranks rank 0
 broadcasts each step's rows so the others run the same forward (``follow``).
 """
 from __future__ import annotations
@@ -25,14 +32,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 import kernels
 
 from moe_infer.engine import Engine
-from moe_infer.sampling import SamplingParams, sample
+from moe_infer.sampling import SamplingParams, apply_penalties, sample
 
 
 @dataclass
@@ -56,6 +63,17 @@ class PagedRunner:
     @torch.no_grad()
     def forward(self, rows: list[Row]) -> torch.Tensor:
         """-> float32 logits [B, V] of each row's last new token."""
+        return self._run(rows, last_only=True)[:, -1].float()
+
+    @torch.no_grad()
+    def forward_all(self, rows: list[Row]) -> torch.Tensor:
+        """-> float32 logits [B, T, V] of every new token, each row's at the end (rows are
+        left-padded), for prompt log-probabilities: only steps that prefill a prompt whose
+        logprobs were asked for pay for the T x V rows. The LM head is replicated, so ranks
+        following with ``forward`` run the same layers."""
+        return self._run(rows, last_only=False).float()
+
+    def _run(self, rows: list[Row], last_only: bool) -> torch.Tensor:
         dev, bs = self.engine.device, self.block_size
         t = max(len(r.tokens) for r in rows)
         tokens, positions, valid, write = [], [], [], []
@@ -76,8 +94,48 @@ class PagedRunner:
         self.cache.set_step(torch.tensor(write, device=dev), read)
         positions = torch.tensor(positions, device=dev)
         ctx = self.model.paged_context(positions, torch.tensor(valid, device=dev), lens, s)
-        logits = self.model(torch.tensor(tokens, device=dev), ctx, self.cache, last_only=True)
-        return logits[:, -1].float()
+        return self.model(torch.tensor(tokens, device=dev), ctx, self.cache, last_only=last_only)
+
+
+class Logprob(NamedTuple):
+    """A token's log-probability under the raw model output, and the ``top`` most likely
+    tokens there as (id, logprob), most likely first (None for a prompt's first token)."""
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]] | None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
+    """logits [N, V], the tokens taken [N], top count k -> (logprob of each token [N],
+    top-k logprobs [N, k], their ids [N, k]), on the device."""
+    lp = logits.float().log_softmax(dim=-1)
+    top = lp.topk(k, dim=-1)
+    return lp.gather(-1, tokens[:, None])[:, 0], top.values, top.indices
+
+
+def _device(data: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list on the device without waiting for the work queued there: a blocking
+    copy (torch.tensor(..., device=...)) would synchronize the stream mid-step."""
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+
+def _pairs(ids: list, vals: list, row: int, k: int) -> list[tuple[int, float]]:
+    """Row ``row`` of flattened [N, k] top-k ids and logprobs -> [(id, logprob)]."""
+    return list(zip(map(int, ids[row * k:(row + 1) * k]), vals[row * k:(row + 1) * k]))
+
+
+def _to_host(parts: list[torch.Tensor]) -> list[list]:
+    """Several device tensors in one copy (one host sync): flattened into float64, which
+    holds token ids and float32 logprobs exactly, and split again."""
+    if len(parts) == 1:
+        return [parts[0].tolist()]
+    flat = torch.cat([t.reshape(-1).double() for t in parts]).tolist()
+    out, at = [], 0
+    for t in parts:
+        out.append(flat[at:at + t.numel()])
+        at += t.numel()
+    return out
 
 
 class QueueFull(Exception):
@@ -87,15 +145,23 @@ class QueueFull(Exception):
 @dataclass(eq=False)  # requests compare by identity
 class Request:
     """One sequence to generate. ``on_event(kind, data)`` is called from the engine thread:
-    ("token", {"text": delta, "token_id": id}) per token, then once ("done", {"finish_reason":
-    ..., "prompt_tokens": n, "completion_tokens": m}) or ("error", {"message": ...}) if the
-    forward failed."""
+    with ``prompt_logprobs`` first ("prompt", {"logprobs": [Logprob]}) with one entry per
+    prompt token (the first one's logprob is None); then ("token", {"text": delta, "token_id":
+    id, "logprob": Logprob | None}) per token, where a last one with token_id None flushes
+    held-back text; then once ("done", {"finish_reason": ..., "prompt_tokens": n,
+    "completion_tokens": m}), or ("error", {"message": ...}) if the forward failed.
+
+    ``max_tokens`` 0 (only with ``prompt_logprobs``) scores the prompt and generates nothing."""
 
     prompt: list[int]
     params: SamplingParams
     max_tokens: int
     on_event: Callable[[str, dict], None]
     stop: list[str] = field(default_factory=list)
+    min_tokens: int = 0  # EOS and stop strings cannot end it before this many tokens
+    ignore_eos: bool = False  # EOS is generated like any other token (vLLM)
+    logprobs: int | None = None  # each generated token's log-probability and the top-N; None: none
+    prompt_logprobs: int | None = None  # the same for the prompt tokens (echo)
     id: int = field(default_factory=itertools.count().__next__)
     # State, owned by the engine thread.
     generated: list[int] = field(default_factory=list)
@@ -104,6 +170,11 @@ class Request:
     pending: int | None = None  # the last sampled token, not yet in the cache
     text: str = ""  # decoded text of ``generated`` (stop strings cut it)
     sent: int = 0  # characters already streamed
+    stop_floor: int = 0  # stop strings match from this character of ``text`` on (min_tokens)
+    counts: torch.Tensor | None = None  # [V] each token's count in ``generated`` (penalties)
+    seen: torch.Tensor | None = None  # [V] bool: in the prompt or generated (repetition penalty)
+    bias: torch.Tensor | None = None  # [V] the logit bias, dense
+    prompt_lp: list = field(default_factory=list)  # per prefill chunk: device logprob tensors
     finish: str | None = None
     cancelled: bool = False
     arrived: float = field(default_factory=time.monotonic)
@@ -137,6 +208,9 @@ class Scheduler:
     def submit(self, req: Request):
         """Queues a request (thread-safe). Raises ValueError if it could never fit, QueueFull
         when the queue is at its bound."""
+        vocab = self.engine.config.model.vocab_size
+        if any(t >= vocab for t, _ in req.params.logit_bias):  # it would fail the whole batch's step
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         need = self.blocks_needed(len(req.prompt), req.max_tokens)
         total = self.runner.cache.num_blocks
         if need > total:
@@ -201,7 +275,15 @@ class Scheduler:
                 chunks.append((r, n))
                 budget -= n
         if chunks:
-            logits = self._forward([Row(r.prompt[r.cached:r.cached + n], r.cached, r.table) for r, n in chunks])
+            rows = [Row(r.prompt[r.cached:r.cached + n], r.cached, r.table) for r, n in chunks]
+            if any(r.prompt_logprobs is not None for r, _ in chunks):
+                full = self._forward(rows, all_positions=True)  # [B, T, V]
+                for (r, n), row_logits in zip(chunks, full):
+                    if r.prompt_logprobs is not None:
+                        self._score_prompt(r, row_logits[-n:], r.cached)
+                logits = full[:, -1]
+            else:
+                logits = self._forward(rows)
             for r, n in chunks:
                 r.cached += n
             done = [i for i, (r, _) in enumerate(chunks) if r.cached == len(r.prompt)]
@@ -218,10 +300,20 @@ class Scheduler:
             self._post_process(decoding, logits)
         self._report()
 
-    def _forward(self, rows: list[Row]) -> torch.Tensor:
+    def _forward(self, rows: list[Row], all_positions: bool = False) -> torch.Tensor:
+        """-> logits [B, V] of each row's last token ([B, T, V] of all with ``all_positions``)."""
         if self.broadcast is not None:
             self.broadcast(rows)
-        return self.runner.forward(rows)
+        return self.runner.forward_all(rows) if all_positions else self.runner.forward(rows)
+
+    def _score_prompt(self, r: Request, logits: torch.Tensor, start: int):
+        """Keeps, on the device, the logprobs of the prompt tokens that a chunk's logits
+        [n, V] (prompt positions start .. start + n - 1) predict: each position predicts the
+        next token; the last prompt position predicts the first generated one instead."""
+        targets = r.prompt[start + 1:start + 1 + len(logits)]
+        if targets:
+            ids = _device(targets, logits.device)
+            r.prompt_lp.append(token_logprobs(logits[:len(targets)], ids, r.prompt_logprobs))
 
     def _schedule(self):
         """Drops finished and cancelled requests (their blocks go back), then admits waiting
@@ -245,10 +337,16 @@ class Scheduler:
                 self.running.append(r)
 
     def _post_process(self, reqs: list[Request], logits: torch.Tensor):
-        tokens = self._sample(reqs, logits).tolist()  # the one host sync per step
+        tokens = self._sample(reqs, self._processed(reqs, logits))  # [B] on the device
+        # Logprobs come from ``logits`` as the model gave them, not the processed ones.
+        lp_rows = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+        scored = [r for r in reqs if r.prompt_logprobs is not None and r.last_token_at is None]
+        host = _to_host([tokens] + self._logprob_parts(reqs, lp_rows, scored, logits, tokens))  # the one sync
+        tokens = [int(t) for t in host[0]]
+        picked, prompt_scores = self._read_logprobs(reqs, lp_rows, scored, tokens, host[1:])
         now = time.monotonic()
         tok = self.engine.tokenizer
-        for r, t in zip(reqs, tokens):
+        for i, (r, t) in enumerate(zip(reqs, tokens)):
             if r.cancelled:
                 continue
             if self.metrics is not None:
@@ -257,27 +355,67 @@ class Scheduler:
                 else:
                     self.metrics.next_token(now - r.last_token_at)
             r.last_token_at = now
-            if t in self.engine.eos:
+            if id(r) in prompt_scores:
+                r.on_event("prompt", {"logprobs": prompt_scores[id(r)]})
+            if r.max_tokens == 0:  # scoring the prompt only
+                self._finish(r, "length")
+                continue
+            if t in self.engine.eos and not r.ignore_eos:  # min_tokens masked EOS while it applies
                 self._finish(r, "stop")
                 continue
             r.generated.append(t)
             r.pending = t
+            if r.counts is not None:  # penalty state, on the device, without a sync
+                r.counts[t] += 1
+                r.seen[t] = True
             if self.metrics is not None:
                 self.metrics.tokens(1)
             delta = ""
             if tok is not None:
                 r.text = tok.decode(r.generated)
-                cut = min((i for i in (r.text.find(s) for s in r.stop) if i >= 0), default=-1)
-                if cut >= 0:
+                if len(r.generated) < r.min_tokens:  # stop strings match only in later text
+                    r.stop_floor = len(r.text.rstrip("\ufffd"))
+                cut = min((c for c in (r.text.find(s, r.stop_floor) for s in r.stop) if c >= 0), default=-1)
+                if cut >= 0 and len(r.generated) >= r.min_tokens:
                     r.text = r.text[:cut]
                     self._emit_text(r, final=True)
                     self._finish(r, "stop")
                     continue
                 delta = self._emit_text(r, final=False)
-            r.on_event("token", {"text": delta, "token_id": t})
+            r.on_event("token", {"text": delta, "token_id": t, "logprob": picked.get(i)})
             if len(r.generated) >= r.max_tokens:
                 self._emit_text(r, final=True)
                 self._finish(r, "length")
+
+    def _logprob_parts(self, reqs, lp_rows: list[int], scored: list[Request], logits, tokens) -> list:
+        """Device tensors for the host copy: (logprob, top-k values, top-k ids) of the rows
+        ``lp_rows`` with k their largest top-N, then the same over the prompt of each request
+        in ``scored`` (whose prompt's logprobs travel with its first token)."""
+        parts = []
+        if lp_rows:
+            rows = _device(lp_rows, tokens.device)
+            parts += token_logprobs(logits[rows], tokens[rows], max(reqs[i].logprobs for i in lp_rows))
+        for r in scored:
+            chunks = r.prompt_lp or [token_logprobs(logits[:0], tokens[:0], r.prompt_logprobs)]  # 1-token prompt
+            parts += [torch.cat([c[j] for c in chunks]) for j in range(3)]
+            r.prompt_lp = []
+        return parts
+
+    def _read_logprobs(self, reqs, lp_rows: list[int], scored: list[Request], tokens: list[int], host: list):
+        """The host lists of ``_logprob_parts`` -> ({row: the Logprob of its token},
+        {id(request): the Logprobs of its prompt})."""
+        picked, prompt_scores = {}, {}
+        if lp_rows:
+            got, vals, ids = host[:3]
+            k = max(reqs[i].logprobs for i in lp_rows)
+            for j, i in enumerate(lp_rows):
+                picked[i] = Logprob(tokens[i], got[j], _pairs(ids, vals, j, k)[:reqs[i].logprobs])
+            host = host[3:]
+        for j, r in enumerate(scored):
+            got, vals, ids = host[3 * j:3 * j + 3]
+            prompt_scores[id(r)] = [Logprob(r.prompt[0], None, None)] + [
+                Logprob(t, got[m], _pairs(ids, vals, m, r.prompt_logprobs)) for m, t in enumerate(r.prompt[1:])]
+        return picked, prompt_scores
 
     def _emit_text(self, r: Request, final: bool) -> str:
         """The text not yet sent; while more may come, hold back what could still become a
@@ -290,7 +428,7 @@ class Scheduler:
                 end -= 1
         delta, r.sent = r.text[r.sent:end], max(r.sent, end)
         if final and delta:
-            r.on_event("token", {"text": delta, "token_id": None})
+            r.on_event("token", {"text": delta, "token_id": None, "logprob": None})
         return delta
 
     def _finish(self, r: Request, reason: str):
@@ -299,6 +437,43 @@ class Scheduler:
             self._release(r)
         r.on_event("done", {"finish_reason": reason, "prompt_tokens": len(r.prompt),
                             "completion_tokens": len(r.generated)})
+
+    def _processed(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """The logits to sample from, in vLLM's order: logit bias, EOS masked while a request
+        is short of min_tokens, then penalties; batched over the rows that use each, on the
+        device. The input itself when no request uses any."""
+        bias = [i for i, r in enumerate(reqs) if r.params.logit_bias]
+        no_eos = [i for i, r in enumerate(reqs) if len(r.generated) < r.min_tokens and not r.ignore_eos]
+        pen = [i for i, r in enumerate(reqs) if r.params.penalized]
+        if not (bias or no_eos or pen):
+            return logits
+        dev, vocab = logits.device, logits.shape[-1]
+        logits = logits.clone()
+        if bias:
+            for i in bias:
+                r = reqs[i]
+                if r.bias is None:
+                    ids, vals = zip(*r.params.logit_bias)
+                    r.bias = torch.zeros(vocab, device=dev).index_put_(
+                        (_device(list(ids), dev),), _device(list(vals), dev, torch.float32), accumulate=True)
+            logits.index_add_(0, _device(bias, dev), torch.stack([reqs[i].bias for i in bias]))
+        if no_eos and self.engine.eos:
+            eos = _device(sorted(self.engine.eos), dev)
+            logits[_device(no_eos, dev)[:, None], eos[None, :]] = float("-inf")
+        if pen:
+            for i in pen:
+                r = reqs[i]
+                if r.counts is None:  # made at the first token, so nothing is generated yet
+                    r.counts = torch.zeros(vocab, device=dev)
+                    r.seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+                    r.seen[_device(r.prompt, dev)] = True
+            p = _device([[reqs[i].params.presence_penalty, reqs[i].params.frequency_penalty,
+                          reqs[i].params.repetition_penalty] for i in pen], dev, torch.float32)  # [B', 3]
+            rows = _device(pen, dev)
+            penalized = apply_penalties(logits.index_select(0, rows), torch.stack([reqs[i].counts for i in pen]),
+                                        torch.stack([reqs[i].seen for i in pen]), p[:, 0:1], p[:, 1:2], p[:, 2:3])
+            logits.index_copy_(0, rows, penalized)
+        return logits
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
         greedy = all(r.params.greedy for r in reqs)

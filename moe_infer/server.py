@@ -3,16 +3,18 @@
     moe-infer serve --config serve.yaml [--host H] [--port P] [--api-key K]
 
 Endpoints: /v1/completions, /v1/chat/completions (streaming as server-sent events or not),
-/v1/models, /health, /metrics (Prometheus). Every error is an OpenAI-style body
-``{"error": {"message", "type", "param", "code"}}`` with a 4xx / 5xx status; the server
-keeps serving. On several ranks (started under mpirun) rank 0 serves HTTP and broadcasts
-each step to the others.
+/v1/models, /health, /metrics (Prometheus; every response counted by endpoint and status).
+Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``
+with a 4xx / 5xx status; the server keeps serving, over the same connection. Which
+request fields are implemented, accepted or refused: ``moe_infer.protocol``. On several
+ranks (started under mpirun) rank 0 serves HTTP and broadcasts each step to the others.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import logging
 import threading
 import time
 import uuid
@@ -25,14 +27,11 @@ from fastapi import FastAPI, Request as HttpRequest  # the serve extras install 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moe_infer import protocol
 from moe_infer.config import ConfigError, EngineConfig, ParallelConfig
 from moe_infer.engine import Engine
-from moe_infer.sampling import SamplingParams
-from moe_infer.scheduler import QueueFull, Request, Row, Scheduler, follow
-
-DEFAULT_CHAT_TEMPLATE = (  # when the checkpoint's tokenizer_config.json has none
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}")
+from moe_infer.protocol import ApiError, Handler
+from moe_infer.scheduler import Row, Scheduler, follow
 
 
 @dataclass
@@ -75,42 +74,63 @@ class ServeSpec:
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
+def _is_model_yaml(data: dict) -> bool:
+    """A model config YAML (as generate --model takes) rather than a serve YAML: its
+    ``model`` is a section, or it has the model-only keys."""
+    return isinstance(data.get("model"), dict) or "moe" in data or "name" in data
+
+
 def read_serve_config(path: str | Path | None, overrides: dict | None = None) -> ServeSpec:
-    """Reads a serve YAML; ``overrides`` (CLI flags) replace keys of its server section."""
+    """Reads ``path``: a serve YAML, or a preset name or model config YAML (served with the
+    default server settings). ``overrides`` (CLI flags) replace keys of the server section."""
     import yaml
 
+    from moe_infer.config import preset_names
+
     data = {}
-    if path is not None:
+    if path is not None and not Path(path).is_file() and str(path) in preset_names():
+        data = {"model": str(path)}
+    elif path is not None:
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
         except OSError as exc:
-            raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+            raise ConfigError(f"{path}: cannot read ({exc.strerror}); expected a serve YAML, a model "
+                              f"config YAML or a preset name") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML ({exc})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping with model / checkpoint / parallel / engine / server")
+        if _is_model_yaml(data):
+            data = {"model": str(path)}
     known = {f.name for f in dataclasses.fields(ServeSpec)}
     for key in data:
         if key not in known:
             raise ConfigError(f"{path}: unknown section {key!r} (expected one of {sorted(known)})")
+    for name in ("model", "checkpoint"):
+        if data.get(name) is not None and not isinstance(data[name], str):
+            raise ConfigError(f"{path}: {name}={data[name]!r}: expected a string")
+    for name in ("parallel", "engine", "server"):
+        if not isinstance(data.get(name) or {}, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {data[name]!r}")
     server = dict(data.get("server") or {})
     server.update({k: v for k, v in (overrides or {}).items() if v is not None})
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     for key in server:
         if key not in fields:
             raise ConfigError(f"server.{key}: unknown key (expected one of {sorted(fields)})")
-    for name in ("parallel", "engine"):
-        if not isinstance(data.get(name) or {}, dict):
-            raise ConfigError(f"{name}: expected a mapping, got {data[name]!r}")
     return ServeSpec(data.get("model"), data.get("checkpoint"), dict(data.get("parallel") or {}),
                      dict(data.get("engine") or {}), ServerConfig(**server))
 
 
 def build_engine(spec: ServeSpec, progress: bool = True) -> Engine:
+    """The engine a serve spec asks for; its parallel and engine sections are checked as a
+    model config's are (unknown keys and wrong types named)."""
     import moe_infer
+    from moe_infer.config import section_from_dict
 
-    parallel = ParallelConfig(**spec.parallel) if spec.parallel else None
+    parallel = section_from_dict(ParallelConfig, spec.parallel, "parallel") if spec.parallel else None
     e = spec.engine
+    section_from_dict(EngineConfig, e, "engine")  # names a bad key before anything loads
     engine = moe_infer.load(spec.model, checkpoint=spec.checkpoint, parallel=parallel, device=e.get("device"),
                             dtype=e.get("dtype"), progress=progress, quantize=e.get("quantize"))
     if e:
@@ -129,6 +149,8 @@ class Metrics:
 
         r = self.registry = CollectorRegistry()
         self.requests = Counter("moe_infer_requests", "HTTP generation requests by outcome", ["status"], registry=r)
+        self.responses = Counter("moe_infer_http_responses", "HTTP responses by endpoint and status",
+                                 ["endpoint", "status"], registry=r)
         self.generated = Counter("moe_infer_generated_tokens", "Tokens generated", registry=r)
         self.queue = Gauge("moe_infer_queue_depth", "Requests waiting for the running batch", registry=r)
         self.batch = Gauge("moe_infer_running_batch_size", "Sequences in the running batch", registry=r)
@@ -156,149 +178,9 @@ class Metrics:
 
 # --------------------------------------------------------------------------- requests
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
-        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             413: "invalid_request_error", 503: "server_overloaded"}.get(status, "server_error")
-
-
-def error_response(e: ApiError):
-    body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}
-    return JSONResponse(body, status_code=e.status, headers=e.headers)
-
-
-def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok or not lo <= v <= hi:
-        kind = "an integer" if integer else "a number"
-        raise ApiError(400, f"{name}={v!r}: expected {kind} in [{lo}, {hi}]", name)
-    return v
-
-
-class Handler:
-    """Turns validated OpenAI requests into scheduler requests and their answers."""
-
-    def __init__(self, engine: Engine, scheduler: Scheduler, cfg: ServerConfig, metrics: Metrics):
-        self.engine, self.scheduler, self.cfg, self.metrics = engine, scheduler, cfg, metrics
-        self.model_name = cfg.model_name or engine.config.name
-        self.chat_template = self._chat_template()
-
-    def _chat_template(self):
-        import jinja2
-
-        source = DEFAULT_CHAT_TEMPLATE
-        ckpt = self.engine.config.checkpoint
-        if ckpt is not None and (Path(ckpt) / "tokenizer_config.json").is_file():
-            tc = json.loads((Path(ckpt) / "tokenizer_config.json").read_text())
-            if isinstance(tc.get("chat_template"), str):
-                source = tc["chat_template"]
-        return jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(source)
-
-    # ----------------------------------------------------------------- parsing
-
-    def check_model(self, body: dict):
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "model",
-                           "model_not_found")
-
-    def sampling(self, body: dict) -> tuple[SamplingParams, int, int, list[str], bool]:
-        limit = self.engine.config.max_seq_len
-        max_tokens = _number(body, "max_tokens", self.cfg.default_max_tokens, 1, limit, integer=True)
-        if "max_completion_tokens" in body:
-            max_tokens = _number(body, "max_completion_tokens", max_tokens, 1, limit, integer=True)
-        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-        if top_p == 0:
-            raise ApiError(400, "top_p=0: expected a number in (0, 1]", "top_p")
-        top_k = _number(body, "top_k", 0, 0, self.engine.config.model.vocab_size, integer=True)
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ApiError(400, f"seed={seed!r}: expected an integer", "seed")
-        n = _number(body, "n", 1, 1, 16, integer=True)
-        stop = body.get("stop")
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-            raise ApiError(400, f"stop={body.get('stop')!r}: expected a non-empty string or a list of up to 4",
-                           "stop")
-        if stop and self.engine.tokenizer is None:
-            raise ApiError(400, "stop: this model has no tokenizer, so text stops cannot be matched", "stop")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, f"stream={stream!r}: expected true or false", "stream")
-        params = SamplingParams(float(temperature), int(top_k), float(top_p), seed)
-        return params, max_tokens, n, stop, stream
-
-    def prompts(self, body: dict) -> list[list[int]]:
-        if "prompt" not in body:
-            raise ApiError(400, "prompt: required", "prompt")
-        p = body["prompt"]
-        if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
-            p = [p]
-        if not isinstance(p, list) or not p or len(p) > 64:
-            raise ApiError(400, "prompt: expected a string, a list of token ids, or a list of up to 64 of them",
-                           "prompt")
-        try:
-            return self.engine.encode(p)
-        except ValueError as exc:
-            raise ApiError(400, str(exc).replace("prompts[", "prompt["), "prompt") from None
-
-    def chat_prompt(self, body: dict) -> list[int]:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise ApiError(400, "messages: expected a non-empty list of {role, content}", "messages")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ApiError(400, f"messages[{i}]: expected {{'role': str, 'content': str}}", "messages")
-        if self.engine.tokenizer is None:
-            raise ApiError(400, "messages: this model has no tokenizer; use /v1/completions with token ids",
-                           "messages")
-        text = self.chat_template.render(messages=msgs, add_generation_prompt=True, bos_token="", eos_token="")
-        ids = self.engine.tokenizer.encode(text)
-        if not ids:
-            raise ApiError(400, "messages: the chat template rendered an empty prompt", "messages")
-        return ids
-
-    # ----------------------------------------------------------------- generation
-
-    def submit(self, prompts: list[list[int]], params, max_tokens, n, stop, loop, queue) -> list[Request]:
-        limit = self.engine.config.max_seq_len
-        for i, p in enumerate(prompts):
-            if len(p) + max_tokens > limit:
-                raise ApiError(400, f"prompt[{i}]: {len(p)} tokens + max_tokens={max_tokens} exceed the context "
-                               f"length {limit}", "max_tokens" if len(p) < limit else "prompt",
-                               "context_length_exceeded")
-        reqs = []
-        for i, p in enumerate(prompts):
-            for j in range(n):
-                choice = i * n + j
-                seed = None if params.seed is None else params.seed + j
-                r = Request(p, dataclasses.replace(params, seed=seed), max_tokens,
-                            lambda kind, data, c=choice: loop.call_soon_threadsafe(queue.put_nowait, (c, kind, data)),
-                            stop)
-                reqs.append(r)
-        try:
-            for r in reqs:
-                self.scheduler.submit(r)
-        except QueueFull as exc:
-            for r in reqs:
-                self.scheduler.cancel(r)
-            raise ApiError(503, f"the server is at capacity ({exc}); retry later", None,
-                           headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
-        except ValueError as exc:
-            for r in reqs:
-                self.scheduler.cancel(r)
-            raise ApiError(400, str(exc), "max_tokens") from None
-        return reqs
+def error_response(e: ApiError) -> Response:
+    # json.dumps escapes non-ASCII, so a message quoting a client's odd text still encodes.
+    return Response(json.dumps(e.body()), status_code=e.status, headers=e.headers, media_type="application/json")
 
 
 def build_scheduler(engine: Engine, cfg: ServerConfig) -> Scheduler:
@@ -308,6 +190,39 @@ def build_scheduler(engine: Engine, cfg: ServerConfig) -> Scheduler:
     blocks = cfg.num_blocks or e.max_batch_size * -(-engine.config.max_seq_len // cfg.block_size)
     return Scheduler(engine, blocks, cfg.block_size, e.max_batch_size, cfg.max_queue,
                      prefill_chunk=cfg.prefill_chunk)
+
+
+class CountResponses:
+    """ASGI middleware: counts every HTTP response by endpoint and status (a path the app
+    does not serve counts as "other", so clients cannot grow the label set), and answers
+    an exception that escaped the app with a 500 OpenAI error body. Answering it here,
+    rather than in Starlette's outermost handler (which re-raises), keeps the client's
+    keep-alive connection usable."""
+
+    def __init__(self, app, metrics: Metrics, endpoints: set[str]):
+        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+        started = False
+
+        async def counted(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.responses.labels(endpoint=endpoint, status=str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception as exc:
+            if started:  # the answer is under way: only closing the connection can end it
+                raise
+            logging.getLogger(__name__).exception("internal error on %s", scope["path"])
+            await error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))(scope, receive,
+                                                                                                 counted)
 
 
 def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Scheduler | None = None):
@@ -340,11 +255,8 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
-        return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request, exc):
-        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       headers=exc.headers))
 
     def check_key(request: HttpRequest):
         if cfg.api_key is not None and request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
@@ -370,8 +282,13 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
         except json.JSONDecodeError as exc:
             raise ApiError(400, f"request body is not valid JSON ({exc.msg} at line {exc.lineno} column "
                                 f"{exc.colno})") from None
+        except RecursionError:
+            raise ApiError(400, f"request body: JSON nested deeper than {protocol.MAX_DEPTH} levels") from None
+        except ValueError as exc:  # e.g. an integer of more digits than Python converts
+            raise ApiError(400, f"request body is not valid JSON ({exc})") from None
         if not isinstance(body, dict):
             raise ApiError(400, f"request body: expected a JSON object, got {type(body).__name__}")
+        protocol.check_text(body)
         return body
 
     @app.get("/health")
@@ -392,49 +309,72 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
                                             "owned_by": "moe-infer"}]}
 
     async def generate(request: HttpRequest, chat: bool):
-        body = await read_body(request)
-        handler.check_model(body)
-        params, max_tokens, n, stop, stream = handler.sampling(body)
-        prompts = [handler.chat_prompt(body)] if chat else handler.prompts(body)
+        parsed = handler.parse(await read_body(request), chat)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        reqs = handler.submit(prompts, params, max_tokens, n, stop, loop, queue)
+        reqs = handler.submit(parsed, loop, queue)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": handler.model_name}
+        if parsed.include_usage:  # OpenAI: every chunk has the key, null until the last one
+            head["usage"] = None
         metrics.requests.labels(status="200").inc()
+        prompt_text = [parsed.texts[i // parsed.n] if parsed.echo else "" for i in range(len(reqs))]
+        offsets = [0] * len(reqs)  # completions' text_offset: where each choice's next token starts
 
-        def choice(index, text, finish, token_id=None):
+        def logprobs_of(index, entries):
+            if chat:
+                return {"content": protocol.chat_logprobs(entries, handler.token_text), "refusal": None}
+            out = protocol.completion_logprobs(entries, handler.token_text, offsets[index])
+            offsets[index] += sum(map(len, out["tokens"]))
+            return out
+
+        def usage(completion_tokens):
+            prompt_tokens = sum(map(len, parsed.prompts))
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens}
+
+        def choice(index, text, finish, token_id=None, logprobs=None):
             # token_ids (an extension, as vLLM has) lets clients of tokenizer-less models
             # see each token; OpenAI clients ignore it.
             ids = {"token_ids": [token_id]} if token_id is not None else {}
             if chat:
-                return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": finish, **ids}
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish, **ids}
+                return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                        "finish_reason": finish, **ids}
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, **ids}
 
-        if stream:
+        if parsed.stream:
             async def events():
+                def event(choices, **extra):
+                    return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n"
+
                 try:
-                    if chat:  # the role comes first, as OpenAI streams it
-                        for i in range(len(reqs)):
-                            first = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                          "finish_reason": None}]}
-                            yield f"data: {json.dumps(first)}\n\n"
-                    done = 0
+                    for i in range(len(reqs)):
+                        if chat:  # the role comes first, as OpenAI streams it
+                            yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}])
+                        elif parsed.echo and parsed.logprobs is None:  # else it comes with its logprobs
+                            yield event([choice(i, prompt_text[i], None)])
+                    done, completion_tokens = 0, 0
                     while done < len(reqs):
                         index, kind, data = await queue.get()
-                        if kind == "token":
+                        if kind == "prompt":
+                            yield event([choice(index, prompt_text[index], None, None,
+                                                logprobs_of(index, data["logprobs"]))])
+                        elif kind == "token":
+                            lp = data["logprob"] and logprobs_of(index, [data["logprob"]])
                             if data["text"] or data["token_id"] is not None:
-                                out = {**head, "choices": [choice(index, data["text"], None, data["token_id"])]}
-                                yield f"data: {json.dumps(out)}\n\n"
+                                yield event([choice(index, data["text"], None, data["token_id"], lp)])
                         elif kind == "error":  # the status is sent already: an error event ends it
                             err = {"message": data["message"], "type": "server_error", "param": None, "code": 500}
                             yield f"data: {json.dumps({'error': err})}\n\n"
                             return
                         else:
                             done += 1
-                            out = {**head, "choices": [choice(index, '', data['finish_reason'])]}
-                            yield f"data: {json.dumps(out)}\n\n"
+                            completion_tokens += data["completion_tokens"]
+                            yield event([choice(index, "", data["finish_reason"])])
+                    if parsed.include_usage:
+                        yield event([], usage=usage(completion_tokens))
                     yield "data: [DONE]\n\n"
                 finally:  # a client that went away frees its KV blocks at the next step
                     for r in reqs:
@@ -443,34 +383,38 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
-        texts, finish, usage = [""] * len(reqs), [None] * len(reqs), [0, 0]
+        texts, finish = list(prompt_text), [None] * len(reqs)
+        entries, completion_tokens = [[] for _ in reqs], 0
         try:
             done = 0
             while done < len(reqs):
                 index, kind, data = await queue.get()
-                if kind == "token":
+                if kind == "prompt":
+                    entries[index][:0] = data["logprobs"]
+                elif kind == "token":
                     texts[index] += data["text"]
+                    if data["logprob"] is not None:
+                        entries[index].append(data["logprob"])
                 elif kind == "error":
                     raise ApiError(500, f"generation failed: {data['message']}")
                 else:
                     done += 1
                     finish[index] = data["finish_reason"]
-                    usage[1] += data["completion_tokens"]
+                    completion_tokens += data["completion_tokens"]
         finally:
             for r in reqs:
                 if r.finish is None:
                     scheduler.cancel(r)
-        usage[0] = sum(len(r.prompt) for r in reqs[::n])
+        lps = [None if parsed.logprobs is None else logprobs_of(i, e) for i, e in enumerate(entries)]
         if chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": f}
-                       for i, (t, f) in enumerate(zip(texts, finish))]
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
+                        "finish_reason": f} for i, (t, f, lp) in enumerate(zip(texts, finish, lps))]
         else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                       for i, (t, f) in enumerate(zip(texts, finish))]
+            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                       for i, (t, f, lp) in enumerate(zip(texts, finish, lps))]
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": created, "model": handler.model_name, "choices": choices,
-                             "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1],
-                                       "total_tokens": usage[0] + usage[1]}})
+                             "usage": usage(completion_tokens)})
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest):
@@ -480,6 +424,8 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
     async def chat_completions(request: HttpRequest):
         return await generate(request, chat=True)
 
+    app.add_middleware(CountResponses, metrics=metrics,
+                       endpoints={r.path for r in app.routes if getattr(r, "path", None)})
     return app
 
 
@@ -508,12 +454,13 @@ def _row_channel():
     return send, receive
 
 
-def serve(spec: ServeSpec):
-    """Runs the server until interrupted; on several ranks, ranks > 0 follow rank 0's steps."""
+def serve(spec: ServeSpec, engine: Engine | None = None):
+    """Runs the server until interrupted (over ``engine``, else the one ``spec`` asks for);
+    on several ranks, ranks > 0 follow rank 0's steps."""
     import torch.distributed as dist
     import uvicorn
 
-    engine = build_engine(spec)
+    engine = engine or build_engine(spec)
     cfg = spec.server
     multi = dist.is_initialized() and dist.get_world_size() > 1
     scheduler = build_scheduler(engine, cfg)

@@ -306,6 +306,17 @@ def test_two_ranks_serve(tmp_path, engine, layout):
         outs = [httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0},
                            timeout=60).json()["choices"][0]["text"] for p in prompts]
         assert outs == [alone(engine, p, 12).text for p in prompts]
+        # Echo with logprobs: rank 0 alone computes every prompt position's logits; the
+        # follower runs the same layers and the server keeps answering.
+        out = httpx.post(url + "/v1/completions", json={"prompt": prompts[1], "max_tokens": 3, "temperature": 0,
+                                                        "echo": True, "logprobs": 1}, timeout=60).json()
+        ids = engine.encode(prompts[1])[0]
+        ref = engine.logits([ids])[0].log_softmax(-1)
+        got = out["choices"][0]["logprobs"]["token_logprobs"]
+        assert got[0] is None and got[1:len(ids)] == pytest.approx([ref[i - 1, ids[i]].item()
+                                                                    for i in range(1, len(ids))], abs=1e-3)
+        assert httpx.post(url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 12, "temperature": 0},
+                          timeout=60).json()["choices"][0]["text"] == outs[0]
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=30)
