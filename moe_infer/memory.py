@@ -122,16 +122,17 @@ def available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _layouts(cfg: Config, ranks: int):
-    """Layouts on ``ranks`` ranks that split the model as far as it goes: every rank
-    tensor-parallel, and the experts spread over all of them."""
+def _spread(cfg: Config, ranks: int) -> Config | None:
+    """``cfg`` on ``ranks`` ranks, split as far as it goes: every rank tensor-parallel and
+    the experts spread over all of them (None where the model does not split so)."""
     m, e = cfg.model, cfg.moe
     tp = ranks if m.num_heads % ranks == 0 and (m.num_kv_heads % ranks == 0 or ranks % m.num_kv_heads == 0) else 1
     ep = ranks if e is not None and e.num_experts % ranks == 0 else 1
     if tp == 1 and ep == 1:
         return None
     try:
-        return ParallelConfig(tp=tp, dp=ranks // tp, ep=ep, pcc=cfg.parallel.pcc)
+        layout = ParallelConfig(tp=tp, dp=ranks // tp, ep=ep, pcc=cfg.parallel.pcc)
+        return Config(cfg.model, cfg.moe, layout, cfg.engine, cfg.name, cfg.checkpoint)
     except ConfigError:
         return None
 
@@ -168,12 +169,12 @@ def check_fits(cfg: Config, dtype: torch.dtype, device: torch.device, groups: Pa
         if q.total * ranks_here <= have and (device.type == "cuda" or ranks_here == 1):
             hints.append(f"--quantize int8 ({q.total / GB:.1f} GB{per_rank})")
     for ranks in (2, 4, 8, 16, 32, 64) if device.type == "cuda" else ():  # CPU ranks share one host
-        layout = _layouts(cfg, ranks) if ranks > cfg.parallel.world_size else None
-        if layout is None:
+        spread = _spread(cfg, ranks) if ranks > cfg.parallel.world_size else None
+        if spread is None:
             continue
-        spread = Config(cfg.model, cfg.moe, layout, cfg.engine, cfg.name, cfg.checkpoint)
+        layout = spread.parallel
         n = memory_need(spread, dtype).total
-        if n <= have or ranks == 64:
+        if n <= have:
             flags = f"--tp {layout.tp}" + (f" --ep {layout.ep}" if layout.ep > 1 else "")
             hints.append(f"{ranks} ranks of one device each (scripts/launch.sh -n {ranks} -- moe-infer ... "
                          f"{flags}: {n / GB:.1f} GB per rank)")
