@@ -39,62 +39,8 @@ import torch
 import kernels
 
 from moe_infer.engine import Engine
+from moe_infer.runner import PagedRunner, Row
 from moe_infer.sampling import SamplingParams, apply_penalties, sample
-
-
-@dataclass
-class Row:
-    """One sequence's work in a forward: its new tokens, how many of its tokens the cache
-    already holds, and its block table."""
-
-    tokens: list[int]
-    start: int
-    table: list[int]
-
-
-class PagedRunner:
-    """Runs the model over a ``PagedKVCache``: rows of any lengths and cache depths."""
-
-    def __init__(self, engine: Engine, num_blocks: int, block_size: int):
-        self.engine, self.model = engine, engine.model
-        self.cache = self.model.make_paged_cache(num_blocks, block_size)
-        self.block_size = block_size
-
-    @torch.no_grad()
-    def forward(self, rows: list[Row]) -> torch.Tensor:
-        """-> float32 logits [B, V] of each row's last new token."""
-        return self._run(rows, last_only=True)[:, -1].float()
-
-    @torch.no_grad()
-    def forward_all(self, rows: list[Row]) -> torch.Tensor:
-        """-> float32 logits [B, T, V] of every new token, each row's at the end (rows are
-        left-padded), for prompt log-probabilities: only steps that prefill a prompt whose
-        logprobs were asked for pay for the T x V rows. The LM head is replicated, so ranks
-        following with ``forward`` run the same layers."""
-        return self._run(rows, last_only=False).float()
-
-    def _run(self, rows: list[Row], last_only: bool) -> torch.Tensor:
-        dev, bs = self.engine.device, self.block_size
-        t = max(len(r.tokens) for r in rows)
-        tokens, positions, valid, write = [], [], [], []
-        for r in rows:
-            pad = t - len(r.tokens)
-            tokens.append([0] * pad + r.tokens)
-            positions.append([0] * pad + list(range(r.start, r.start + len(r.tokens))))
-            valid.append([False] * pad + [True] * len(r.tokens))
-            write.append([self.cache.trash] * pad + self.cache.slots(r.table, r.start, r.start + len(r.tokens)))
-        s = max(r.start + len(r.tokens) for r in rows)  # keys of the longest row
-        lens = torch.tensor([r.start + len(r.tokens) for r in rows], device=dev)  # [B]
-        width = math.ceil(s / bs)
-        tables = torch.tensor([r.table[:width] + [0] * (width - len(r.table[:width])) for r in rows],
-                              device=dev)  # [B, blocks]
-        k = torch.arange(s, device=dev)
-        read = tables[:, k // bs] * bs + k % bs  # [B, S]
-        read = torch.where(k[None, :] < lens[:, None], read, self.cache.trash)
-        self.cache.set_step(torch.tensor(write, device=dev), read)
-        positions = torch.tensor(positions, device=dev)
-        ctx = self.model.paged_context(positions, torch.tensor(valid, device=dev), lens, s)
-        return self.model(torch.tensor(tokens, device=dev), ctx, self.cache, last_only=last_only)
 
 
 class Logprob(NamedTuple):
@@ -189,7 +135,7 @@ class Scheduler:
                         ("max_queue", max_queue), ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"server.{name}={v!r}: expected an integer >= 1")
-        self.engine, self.runner = engine, PagedRunner(engine, num_blocks, block_size)
+        self.engine, self.runner = engine, PagedRunner(engine, num_blocks, block_size, max_batch)
         self.block_size, self.max_batch, self.max_queue = block_size, max_batch, max_queue
         self.prefill_chunk = prefill_chunk
         self.free_blocks = list(range(num_blocks))

@@ -1,0 +1,166 @@
+"""The server's model runner over a paged KV cache, with the decode step captured in CUDA
+graphs.
+
+Shape letters: B rows this step, T new tokens per row (left-padded), S key slots per row,
+N blocks per row's table, V vocab.
+
+A forward takes rows of any lengths and cache depths (prefill chunks, and decode steps that
+fit no bucket) and runs eagerly. A decode step, one new token per row, runs as a
+``PagedDecodeStep`` of fixed shapes: B padded to a power of two, S to a power of two of at
+least ``MIN_KEYS``, its inputs in device buffers filled by one copy. On one GPU each
+(B, S) bucket is captured once in a CUDA graph and replayed, so the step costs one copy and
+one launch from the host, as ``Engine.generate`` decodes.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from moe_infer.engine import Engine, prime_cuda_graphs
+
+
+@dataclass
+class Row:
+    """One sequence's work in a forward: its new tokens, how many of its tokens the cache
+    already holds, and its block table."""
+
+    tokens: list[int]
+    start: int
+    table: list[int]
+
+
+class PagedDecodeStep:
+    """The decode step of at most ``batch`` rows over at most ``keys`` key slots each, with
+    fixed shapes. ``inputs`` [B, 3 + N] holds per row: the new token, its position (the
+    tokens cached before it), 1 for a real row or 0 for padding, then the block table.
+    With ``graph`` the step is captured once and replayed; otherwise it runs eagerly (the
+    same math, for CPU tests)."""
+
+    def __init__(self, runner: "PagedRunner", batch: int, keys: int, graph: bool, pool=None):
+        self.runner, self.batch, self.keys = runner, batch, keys
+        dev = runner.engine.device
+        self.blocks = keys // runner.block_size
+        self.inputs = torch.zeros(batch, 3 + self.blocks, dtype=torch.long, device=dev)
+        self.host = torch.zeros_like(self.inputs, device="cpu", pin_memory=dev.type == "cuda")
+        self.graph = None
+        if graph:
+            # Every row padding: the warm-up steps write only the cache's trash slot.
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # compiles every kernel outside the capture
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.out = self._step()
+
+    def _step(self) -> torch.Tensor:
+        cache, bs = self.runner.cache, self.runner.block_size
+        tokens, pos, real, tables = self.inputs[:, :1], self.inputs[:, 1:2], self.inputs[:, 2], self.inputs[:, 3:]
+        valid = real.bool()  # [B]
+        lens = (pos[:, 0] + 1) * real  # [B] keys after this step (0: padding)
+        write = tables.gather(1, pos // bs) * bs + pos % bs  # [B, 1]
+        write = torch.where(valid[:, None], write, cache.trash)
+        k = torch.arange(self.keys, device=tokens.device)
+        read = tables[:, k // bs] * bs + k % bs  # [B, S]
+        read = torch.where(k[None, :] < lens[:, None], read, cache.trash)
+        cache.set_step(write, read)
+        model = self.runner.model
+        ctx = model.paged_context(pos, valid[:, None], lens, self.keys)
+        return model(tokens, ctx, cache, last_only=True)[:, -1].float()
+
+    def run(self, rows: list[Row]) -> torch.Tensor:
+        """-> float32 logits [len(rows), V]."""
+        h = self.host.numpy()  # the pinned buffer itself
+        h.fill(0)
+        for i, r in enumerate(rows):
+            blocks = r.table[:self.blocks]
+            h[i, :3] = r.tokens[0], r.start, 1
+            h[i, 3:3 + len(blocks)] = blocks
+        self.inputs.copy_(self.host, non_blocking=True)
+        if self.graph is None:
+            return self._step()[:len(rows)]
+        self.graph.replay()
+        return self.out[:len(rows)]
+
+
+class PagedRunner:
+    """Runs the model over a ``PagedKVCache``: rows of any lengths and cache depths. Decode
+    steps go through ``PagedDecodeStep`` where ``static`` (on one GPU with CUDA graphs: the
+    engine's ``decode_mode`` is "graph")."""
+
+    MIN_KEYS = 64  # the smallest key bucket of a decode step
+    MAX_STEPS = 16  # captured (batch, keys) buckets kept; the least recently used goes first
+
+    def __init__(self, engine: Engine, num_blocks: int, block_size: int, max_batch: int):
+        self.engine, self.model = engine, engine.model
+        self.cache = self.model.make_paged_cache(num_blocks, block_size)
+        self.block_size, self.max_batch = block_size, max_batch
+        self.max_keys = -(-engine.config.max_seq_len // block_size) * block_size
+        self.graph = engine.decode_mode == "graph"
+        self.static = self.graph  # CPU tests set it to run the fixed-shape step eagerly
+        self._steps: OrderedDict[tuple[int, int], PagedDecodeStep] = OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle() if self.graph else None  # one pool: steps never overlap
+
+    def step_for(self, batch: int, keys: int) -> PagedDecodeStep | None:
+        """The fixed-shape decode step of the bucket holding ``batch`` rows of at most
+        ``keys`` keys (None where none fits)."""
+        b = 1 << (batch - 1).bit_length()
+        if b > 1 << (self.max_batch - 1).bit_length() or keys > self.max_keys:
+            return None
+        s = min(max(self.MIN_KEYS, 1 << (keys - 1).bit_length()), self.max_keys)
+        s = -(-s // self.block_size) * self.block_size
+        key = (b, s)
+        if key not in self._steps:
+            if len(self._steps) >= self.MAX_STEPS:
+                self._steps.popitem(last=False)
+            if self.graph and not self.engine._primed:
+                prime_cuda_graphs(self.engine.device, self.engine.graph_primers)
+                self.engine._primed = True
+            self._steps[key] = PagedDecodeStep(self, b, s, self.graph, self._pool)
+        self._steps.move_to_end(key)
+        return self._steps[key]
+
+    @torch.no_grad()
+    def forward(self, rows: list[Row]) -> torch.Tensor:
+        """-> float32 logits [B, V] of each row's last new token."""
+        if self.static and all(len(r.tokens) == 1 for r in rows):
+            step = self.step_for(len(rows), max(r.start + 1 for r in rows))
+            if step is not None:
+                return step.run(rows)
+        return self._run(rows, last_only=True)[:, -1].float()
+
+    @torch.no_grad()
+    def forward_all(self, rows: list[Row]) -> torch.Tensor:
+        """-> float32 logits [B, T, V] of every new token, each row's at the end (rows are
+        left-padded), for prompt log-probabilities: only steps that prefill a prompt whose
+        logprobs were asked for pay for the T x V rows. The LM head is replicated, so ranks
+        following with ``forward`` run the same layers."""
+        return self._run(rows, last_only=False).float()
+
+    def _run(self, rows: list[Row], last_only: bool) -> torch.Tensor:
+        dev, bs = self.engine.device, self.block_size
+        t = max(len(r.tokens) for r in rows)
+        tokens, positions, valid, write = [], [], [], []
+        for r in rows:
+            pad = t - len(r.tokens)
+            tokens.append([0] * pad + r.tokens)
+            positions.append([0] * pad + list(range(r.start, r.start + len(r.tokens))))
+            valid.append([False] * pad + [True] * len(r.tokens))
+            write.append([self.cache.trash] * pad + self.cache.slots(r.table, r.start, r.start + len(r.tokens)))
+        s = max(r.start + len(r.tokens) for r in rows)  # keys of the longest row
+        lens = torch.tensor([r.start + len(r.tokens) for r in rows], device=dev)  # [B]
+        width = math.ceil(s / bs)
+        tables = torch.tensor([r.table[:width] + [0] * (width - len(r.table[:width])) for r in rows],
+                              device=dev)  # [B, blocks]
+        k = torch.arange(s, device=dev)
+        read = tables[:, k // bs] * bs + k % bs  # [B, S]
+        read = torch.where(k[None, :] < lens[:, None], read, self.cache.trash)
+        self.cache.set_step(torch.tensor(write, device=dev), read)
+        positions = torch.tensor(positions, device=dev)
+        ctx = self.model.paged_context(positions, torch.tensor(valid, device=dev), lens, s)
+        return self.model(torch.tensor(tokens, device=dev), ctx, self.cache, last_only=last_only)
