@@ -104,6 +104,8 @@ def main():
     ap.add_argument("--rates", default="2,8,32,inf", help="requests per second, comma list (inf: all at once)")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prefill-chunk", type=int, default=ServerConfig.prefill_chunk,
+                    help="prompt tokens prefilled per server step (server.prefill_chunk)")
     ap.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, few requests")
     args = ap.parse_args()
     if args.smoke:
@@ -131,6 +133,7 @@ def main():
 
     blocks = args.max_batch * -(-max_len // args.block_size)
     app = create_app(engine, ServerConfig(block_size=args.block_size, num_blocks=blocks,
+                                          prefill_chunk=args.prefill_chunk,
                                           max_queue=args.requests + 8))
     server, thread, url = start_server(app)
     asyncio.run(run_rate(url, prompts, args.max_tokens, float("inf"), 0))  # warm-up: the whole workload
@@ -144,6 +147,7 @@ def main():
             itl = [x for r in res for x in r["itl"]]
             rows.append({"rate": rate_text, "requests": len(res), "tokens": tokens, "wall_s": wall,
                          "tokens_per_s": tokens / wall, "requests_per_s": len(res) / wall,
+                         "vs_offline": (tokens / wall) / (offline_tokens / offline_s),
                          "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
                          "itl_ms": {q: 1e3 * pct(itl, q) for q in (50, 90, 99)},
                          "itl_mean_ms": 1e3 * statistics.fmean(itl) if itl else float("nan")})
@@ -156,12 +160,13 @@ def main():
     print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {engine.dtype}")
     print(f"model {args.model}: H={m.hidden_size} layers={m.num_layers} vocab={m.vocab_size}, random weights | "
           f"{args.requests} requests, prompts {lo}-{hi} tokens, {args.max_tokens} new tokens each, "
-          f"max batch {args.max_batch}, KV blocks {blocks} x {args.block_size}")
+          f"max batch {args.max_batch}, KV blocks {blocks} x {args.block_size}, prefill chunk {args.prefill_chunk}")
     print(f"offline generate(): {offline_tokens} tokens in {offline_s:.2f} s = {offline_tokens / offline_s:.1f} "
           "tokens/s (same prompts, batches of max batch, no server)")
-    cols = ["rate req/s", "tokens/s", "req/s", "TTFT p50 ms", "TTFT p90", "TTFT p99", "ITL p50 ms", "ITL p90",
+    cols = ["rate req/s", "tokens/s", "x offline", "req/s", "TTFT p50 ms", "TTFT p90", "TTFT p99", "ITL p50 ms", "ITL p90",
             "ITL p99", "wall s"]
-    print(bc.format_table(cols, [[r["rate"], f"{r['tokens_per_s']:.1f}", f"{r['requests_per_s']:.2f}",
+    print(bc.format_table(cols, [[r["rate"], f"{r['tokens_per_s']:.1f}", f"{r['vs_offline']:.3f}",
+                                  f"{r['requests_per_s']:.2f}",
                                   *(f"{r['ttft_ms'][q]:.1f}" for q in (50, 90, 99)),
                                   *(f"{r['itl_ms'][q]:.1f}" for q in (50, 90, 99)), f"{r['wall_s']:.2f}"]
                                  for r in rows]))
