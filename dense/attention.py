@@ -179,12 +179,17 @@ class PagedKVCache:
         read_slots [B, S]: slots of the keys each row attends to, in token order."""
         self.write_slots, self.read_slots = write_slots, read_slots
 
-    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """k, v [B, KV heads, T, D] -> this row's keys and values [B, KV heads, S, D]."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Stores k, v [B, KV heads, T, D] at the step's write slots."""
         b, h, t, d = k.shape
         slots = self.write_slots.reshape(-1)
         self.k[layer].index_copy_(0, slots, k.transpose(1, 2).reshape(b * t, h, d))
         self.v[layer].index_copy_(0, slots, v.transpose(1, 2).reshape(b * t, h, d))
+
+    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """k, v [B, KV heads, T, D] -> this row's keys and values [B, KV heads, S, D],
+        gathered into a copy (prefill; a decode step reads the pool in place instead)."""
+        self.write(layer, k, v)
         return self.k[layer][self.read_slots].transpose(1, 2), self.v[layer][self.read_slots].transpose(1, 2)
 
 
@@ -276,6 +281,14 @@ class Attention(nn.Module):
                                         cache.k[layer], cache.v[layer], ctx.start, ctx.attn_mask, ctx.cos, ctx.sin,
                                         *self._epilogue())  # [B, Hq, D]
             return self.o_proj(out.view(b, 1, -1))
+        if t == 1 and type(cache) is PagedKVCache:
+            # A paged decode step: its keys are read where they lie in the pool, not
+            # gathered row by row into a copy first.
+            q, k, v = self._unfused(qkv, ctx, None, layer)  # [B, heads, 1, D]
+            cache.write(layer, k, v)
+            out = kernels.paged_decode_attention(q[:, :, 0], cache.k[layer], cache.v[layer], cache.read_slots,
+                                                 ctx.attn_mask[:, 0, 0])  # [B, Hq, D]
+            return self.o_proj(out.reshape(b, 1, -1))
         fused = self._fused_decode(qkv, ctx, cache, layer)
         if fused is not None:
             q, k, v = fused

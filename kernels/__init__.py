@@ -16,8 +16,8 @@ import types
 
 import torch
 
-from kernels.dense_ref import (argmax_ref, decode_attention_ref, qkv_attention_ref, qkv_decode_ref,
-                               qkv_decode_supported, rms_norm_ref, rms_norm_router_ref, sbi_linear_ref)
+from kernels.dense_ref import (argmax_ref, decode_attention_ref, paged_decode_attention_ref, qkv_attention_ref,
+                               qkv_decode_ref, qkv_decode_supported, rms_norm_ref, rms_norm_router_ref, sbi_linear_ref)
 from kernels.linear_select import dense_linear, norm_linear
 from kernels.moe_ref import (ACTIVATIONS, TAG_INTS, check_logits, dequantize_ref, dispatch_rows_ref, expert_ffn_ref,
                              fused_moe_ref, gather_rows_ref, grouped_ffn_ref, grouped_topk_ref, quantize_int8,
@@ -27,7 +27,7 @@ from kernels.moe_ref import (ACTIVATIONS, TAG_INTS, check_logits, dequantize_ref
 # nothing imports those modules until a name is used.
 _BACKENDS = {
     "argmax": ("argmax_triton",),
-    "decode_attention": ("decode_attention_triton",),
+    "decode_attention": ("decode_attention_triton", "paged_decode_attention_triton"),
     "decode_context": ("decode_context_triton",),
     "gating": ("grouped_topk_triton", "topk_gating_triton"),
     "layout": ("dispatch_rows_triton", "gather_rows_triton", "scatter_rows_triton"),
@@ -226,6 +226,16 @@ def decode_attention(q, k, v, visible, scale=None):
     return decode_attention_ref(q, k, v, visible, scale)
 
 
+def paged_decode_attention(q, k, v, slots, visible, scale=None):
+    """``decode_attention`` over a paged cache: k / v pools [N, Hkv, D], slots [B, S] int64
+    the pool row of each row's key s, visible [B, S] bool -> [B, Hq, D]. A GPU reads the keys
+    in place, without gathering them into a copy."""
+    if q.is_cuda:
+        from kernels.decode_attention import paged_decode_attention_triton
+        return paged_decode_attention_triton(q, k, v, slots, visible, scale)
+    return paged_decode_attention_ref(q, k, v, slots, visible, scale)
+
+
 def argmax(x):
     """x [B, V] -> [B] int64: first index of each row's maximum (split over the SMs on a GPU)."""
     if x.is_cuda:
@@ -299,6 +309,7 @@ def sbi_linear(x, w, scale=None, bias=None, residual=None, norm=None):
 
 __all__ = [
     "decode_attention", "decode_attention_ref", "decode_attention_triton",
+    "paged_decode_attention", "paged_decode_attention_ref", "paged_decode_attention_triton",
     "argmax", "argmax_ref", "argmax_triton", "decode_context_triton",
     "rms_norm", "rms_norm_ref", "rms_norm_triton", "ROUTER_MAX_ROWS",
     "rms_norm_router", "rms_norm_router_ref", "rms_norm_router_triton",

@@ -23,14 +23,16 @@ from kernels.dense_ref import decode_attention_ref  # noqa: F401 (the reference,
 @triton.jit
 def _split_kernel(
     q_ptr,  # [B, Hq, D]
-    k_ptr, v_ptr,  # [B, Hkv, S, D] (any strides but D contiguous)
+    k_ptr, v_ptr,  # [B, Hkv, S, D] (any strides but D contiguous); PAGED: a pool [N, Hkv, D]
+    slot_ptr,  # PAGED: [B, S] int64, the pool row of each row's key s (else unused)
     mask_ptr,  # [B, S] int8: 1 where the key is visible
     m_ptr, l_ptr,  # [B, Hq, P] float32 out: running max and sum of each split
     acc_ptr,  # [B, Hq, P, D] float32 out: unnormalised weighted values
     S, D, scale,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_mb,
+    stride_slb,
     G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_LEN: tl.constexpr, P: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, P: tl.constexpr, PAGED: tl.constexpr,
 ):
     b, h, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, G_PAD)
@@ -48,14 +50,18 @@ def _split_kernel(
         visible = tl.load(mask_ptr + b * stride_mb + s, mask=s < S, other=0) != 0
         if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no K/V reads
             kv_ok = visible[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + b * stride_kb + h * stride_kh + s[:, None] * stride_ks + d[None, :],
+            if PAGED:  # key s of row b lives in pool row slot[b, s]: read in place, no gathered copy
+                rows = tl.load(slot_ptr + b * stride_slb + s, mask=visible, other=0)
+            else:
+                rows = s
+            k = tl.load(k_ptr + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + d[None, :],
                         mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_S, D]
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BLOCK_S]
             scores = tl.where(visible[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             w = tl.exp(scores - m_new[:, None])
-            v = tl.load(v_ptr + b * stride_vb + h * stride_vh + s[:, None] * stride_vs + d[None, :],
+            v = tl.load(v_ptr + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + d[None, :],
                         mask=kv_ok, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v[None, :, :], axis=1)
             l = l * alpha + tl.sum(w, axis=1)
@@ -98,6 +104,31 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v
     if hq % hkv or v.shape != k.shape or visible.shape != (b, s) or k.shape[0] != b:
         raise ValueError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, visible {list(visible.shape)}: "
                          "expected [B, Hq, D], [B, Hkv, S, D] twice with Hkv dividing Hq, and [B, S]")
+    strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    return _launch(q, k, v, None, visible, hkv, s, strides, scale, splits, block_s)
+
+
+def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                                  visible: torch.Tensor, scale: float | None = None, splits: int | None = None,
+                                  block_s: int = 32) -> torch.Tensor:
+    """Decode attention over a paged cache, read in place: q [B, Hq, D], k / v pools
+    [N, Hkv, D], slots [B, S] int64 (the pool row of each row's key s), visible [B, S] bool
+    -> out [B, Hq, D]."""
+    b, hq, d = q.shape
+    _, hkv, _ = k.shape
+    s = slots.shape[1]
+    if hq % hkv or v.shape != k.shape or visible.shape != (b, s) or slots.shape[0] != b:
+        raise ValueError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, slots {list(slots.shape)}, "
+                         f"visible {list(visible.shape)}: expected [B, Hq, D], [N, Hkv, D] twice with Hkv dividing "
+                         "Hq, and [B, S] twice")
+    if slots.dtype != torch.int64 or slots.stride(1) != 1:
+        raise ValueError(f"slots: expected contiguous int64 rows, got {slots.dtype} with strides {slots.stride()}")
+    strides = (0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0))
+    return _launch(q, k, v, slots, visible, hkv, s, strides, scale, splits, block_s)
+
+
+def _launch(q, k, v, slots, visible, hkv, s, strides, scale, splits, block_s) -> torch.Tensor:
+    b, hq, d = q.shape
     g = hq // hkv
     if splits is None:
         target = 264 if q.is_cuda else 4  # about two programs per SM of an H100
@@ -109,11 +140,12 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v
     l = torch.empty_like(m)
     acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     d_pad = triton.next_power_of_2(d)
+    paged = slots is not None
     _split_kernel[(b, hkv, splits)](
-        q, k, v, mask, m, l, acc, s, d, scale if scale is not None else 1.0 / math.sqrt(d),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask.stride(0), G=g, G_PAD=max(2, triton.next_power_of_2(g)), D_PAD=d_pad, BLOCK_S=block_s,
-        SPLIT_LEN=split_len, P=splits, num_warps=4)
+        q, k, v, slots if paged else mask, mask, m, l, acc, s, d, scale if scale is not None else 1.0 / math.sqrt(d),
+        q.stride(0), q.stride(1), *strides, mask.stride(0), slots.stride(0) if paged else 0,
+        G=g, G_PAD=max(2, triton.next_power_of_2(g)), D_PAD=d_pad, BLOCK_S=block_s,
+        SPLIT_LEN=split_len, P=splits, PAGED=paged, num_warps=4)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     _combine_kernel[(b, hq)](m, l, acc, out, d, out.stride(0), out.stride(1), hq, P=splits,
                              P_PAD=max(2, triton.next_power_of_2(splits)), D_PAD=d_pad, num_warps=1)

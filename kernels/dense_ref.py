@@ -56,6 +56,15 @@ def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visi
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv).to(q.dtype)
 
 
+def paged_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                               visible: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """``decode_attention_ref`` over a paged cache: k / v pools [N, Hkv, D], slots [B, S] the
+    pool row of each row's key s -> [B, Hq, D]."""
+    hidden = ~visible[:, :, None, None]  # [B, S, 1, 1]: whatever a hidden slot holds is never read
+    kk, vv = k[slots].masked_fill(hidden, 0), v[slots].masked_fill(hidden, 0)  # [B, S, Hkv, D]
+    return decode_attention_ref(q, kk.transpose(1, 2), vv.transpose(1, 2), visible, scale)
+
+
 def qkv_decode_supported(head_dim: int) -> bool:
     """The fused kernel needs a power-of-two head dim (every model in configs/ has one)."""
     return head_dim >= 2 and head_dim & (head_dim - 1) == 0

@@ -54,3 +54,39 @@ def test_decode_attention_reads_strided_caches_and_rejects_bad_shapes():
     assert rel(out, decode_attention_ref(q, k, v, visible)) < 1e-5
     with pytest.raises(ValueError, match=r"Hkv dividing Hq"):
         decode_attention_triton(q, k[:, :1].expand(2, 3, 20, 16), v, visible)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,hq,hkv,s,d,block", [(1, 4, 4, 5, 16, 4), (3, 8, 2, 37, 24, 8), (4, 6, 1, 130, 16, 16)])
+@pytest.mark.parametrize("splits", [1, 4, None])
+def test_paged_decode_attention_reads_the_pool_in_place(device, dtype, b, hq, hkv, s, d, block, splits):
+    """Each row's keys in scattered blocks of a shared pool (as PagedKVCache holds them),
+    rows of different lengths, hidden slots pointing at a trash row: the same result as
+    the dense reference over the keys gathered in order."""
+    from kernels.decode_attention import paged_decode_attention_triton
+    from kernels.dense_ref import paged_decode_attention_ref
+
+    gen = torch.Generator().manual_seed(b * s + d)
+    blocks = -(-s // block)
+    n = b * blocks * block + 1  # the last pool row takes what nothing should read
+    k = torch.randn(n, hkv, d, generator=gen).to(device, dtype)
+    v = torch.randn(n, hkv, d, generator=gen).to(device, dtype)
+    k[-1], v[-1] = float("nan"), float("nan")  # a read of the trash row would poison the output
+    q = torch.randn(b, hq, d, generator=gen).to(device, dtype)
+    order = torch.randperm(b * blocks, generator=gen).view(b, blocks)  # each row's block table
+    pos = torch.arange(s)
+    slots = order[:, pos // block] * block + pos % block  # [B, S]
+    lens = torch.randint(1, s + 1, (b,), generator=gen)
+    visible = pos[None, :] < lens[:, None]
+    slots = torch.where(visible, slots, n - 1).to(device)
+    visible = visible.to(device)
+    out = paged_decode_attention_triton(q, k, v, slots, visible, splits=splits)
+    ref = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible)
+    assert out.shape == q.shape and out.dtype == dtype and not out.isnan().any()
+    assert rel(out, ref) < TOL[dtype]
+    kd, vd = (t.double().nan_to_num()[slots].transpose(1, 2) for t in (k, v))
+    dense = decode_attention_ref(q.double(), kd, vd, visible)
+    assert rel(ref, dense) < 1e-12
+    with pytest.raises(ValueError, match=r"slots: expected contiguous int64"):
+        paged_decode_attention_triton(q, k, v, slots.int(), visible)
