@@ -94,7 +94,7 @@ class PagedRunner:
     engine's ``decode_mode`` is "graph")."""
 
     MIN_KEYS = 64  # the smallest key bucket of a decode step
-    MAX_STEPS = 16  # captured (batch, keys) buckets kept; the least recently used goes first
+    MAX_STEPS = 64  # captured (batch, keys) buckets kept (every one of a 64-row, 4096-key server); LRU
 
     def __init__(self, engine: Engine, num_blocks: int, block_size: int, max_batch: int):
         self.engine, self.model = engine, engine.model

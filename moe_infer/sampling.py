@@ -101,3 +101,37 @@ def sample(logits: torch.Tensor, params: SamplingParams,
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits [B, V], each row with its own parameters -> token ids [B], batched on the
+    device with no host sync: one sort for every sampled row's top-k and top-p, then an
+    exponential race (argmax of probs / Exp(1) noise, a draw from probs). A row with a
+    generator draws its noise from it alone, so a seeded request samples the same tokens
+    whatever else shares its batch; the other rows share one draw."""
+    ids = kernels.argmax(logits)  # greedy rows keep these
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return ids
+    dev, vocab = logits.device, logits.shape[-1]
+    picked = [params[i] for i in rows]
+    knobs = torch.tensor([[p.temperature, p.top_k or vocab, p.top_p] for p in picked]).to(dev, non_blocking=True)
+    index = torch.tensor(rows).to(dev, non_blocking=True)
+    x = logits.index_select(0, index).float() / knobs[:, 0:1]  # [R, V]
+    x, order = x.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=dev)
+    x = x.masked_fill(rank[None, :] >= knobs[:, 1:2], float("-inf"))  # top-k (0: every token)
+    probs = x.softmax(dim=-1)
+    # Drop a token once the mass before it already reaches top_p (the first always stays).
+    x = x.masked_fill(probs.cumsum(dim=-1) - probs >= knobs[:, 2:3], float("-inf"))
+    probs = x.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    shared = [j for j, i in enumerate(rows) if generators[i] is None]
+    if shared:
+        noise.exponential_()  # one draw for every row without a seed
+    for j, i in enumerate(rows):
+        if generators[i] is not None:
+            noise[j].exponential_(generator=generators[i])
+    choice = (probs / noise).argmax(dim=-1, keepdim=True)  # [R, 1], a position in the sorted row
+    return ids.index_copy(0, index, order.gather(1, choice)[:, 0])

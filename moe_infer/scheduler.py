@@ -36,11 +36,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-import kernels
 
 from moe_infer.engine import Engine
 from moe_infer.runner import PagedRunner, Row
-from moe_infer.sampling import SamplingParams, apply_penalties, sample
+from moe_infer.sampling import SamplingParams, apply_penalties, sample_rows
 
 
 class Logprob(NamedTuple):
@@ -422,10 +421,8 @@ class Scheduler:
         return logits
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        greedy = all(r.params.greedy for r in reqs)
-        if greedy:
-            return kernels.argmax(logits)
-        return torch.cat([sample(logits[i:i + 1], r.params, r.generator) for i, r in enumerate(reqs)])
+        """Each request's next token by its own sampling parameters, batched on the device."""
+        return sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs])
 
     def _report(self):
         if self.metrics is not None:
