@@ -74,3 +74,13 @@ def test_scheduler_through_the_fixed_shape_step_matches_generate(engine):
     for r, p in zip(reqs, prompts):
         assert r.generated == engine.generate([p], max_new_tokens=12)[0].token_ids[:len(r.generated)]
         assert r.finish in ("stop", "length")
+
+
+def test_step_rows_travel_as_one_int64_tensor():
+    pytest.importorskip("fastapi")
+    from moe_infer.server import pack_rows, unpack_rows
+
+    rows = [Row([1, 2, 3], 0, [5, 6]), Row([9], 17, [1, 2, 3, 4]), Row([7, 7], 4, [0])]
+    packed = pack_rows(rows)
+    assert packed.dtype == torch.int64 and packed.dim() == 1
+    assert unpack_rows(packed) == rows and unpack_rows(pack_rows(None)) is None
