@@ -73,8 +73,8 @@ def replay_ms(engine, batch: int, slot: int | None = None) -> float | None:
     to back at ``slot`` (default: the last slot generate() used), with no host loop in
     between (the per-token figure also holds the host's share and the gap between
     replays). None without a graph.
-    The first two CUDA graphs a process makes replay 2-2.6% slower than later ones (OLMoE
-    and Qwen3-30B-A3B on an H100, diag_capture_order.py); the engine makes two one-kernel
+    The first two CUDA graphs a process makes replay 2-2.6% slower than later ones (measured
+    on OLMoE and Qwen3-30B-A3B); the engine makes two one-kernel
     graphs before its first decode step's, so this capture is the process's third."""
     decoder = captured_decoder(engine, batch)
     if decoder is None:

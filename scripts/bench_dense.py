@@ -236,8 +236,8 @@ def main():
 
 def write_table(device, dtype, gemm):
     """Merges this run's winners into kernels/configs/dense.json (per device kind). An
-    entry with a "pinned" reason stays: it was chosen by timing the decode step itself
-    (``diag_decode_ab.py --dense-entry``), where a kernel shares DRAM with its neighbours."""
+    entry with a "pinned" reason stays: it was chosen by timing the decode step itself,
+    where a kernel shares DRAM with its neighbours."""
     import json
 
     from kernels import linear_select as sel

@@ -6,7 +6,7 @@ merges them into kernels/configs/moe.json (nothing is tuned while serving).
 The up GEMM is tuned first with the default down configuration, then the down GEMM with
 the best up configuration; each candidate is timed as device time: several input sets
 replayed in one CUDA graph, median over replays. An entry with a "pinned" reason was chosen
-by timing the decode step itself (``diag_decode_ab.py --moe-entry``) and stays (``merge``).
+by timing the decode step itself and stays (``merge``).
 """
 from __future__ import annotations
 
@@ -215,8 +215,8 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
 
 def merge(table: dict, key: str, entries: dict) -> None:
     """This run's winners of ``key`` into its table entries, keeping the T buckets not re-tuned
-    and those with a "pinned" reason: chosen by timing the decode step itself
-    (``diag_decode_ab.py --moe-entry``), where the experts share DRAM with their neighbours."""
+    and those with a "pinned" reason: chosen by timing the decode step itself,
+    where the experts share DRAM with their neighbours."""
     for bucket, entry in entries.items():
         old = table.get(bucket)
         if isinstance(old, dict) and "pinned" in old:

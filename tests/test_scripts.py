@@ -66,7 +66,6 @@ def test_bench_decode_table_of_prompt_lengths_and_batches():
 
 MULTI_RANK = {  # run under scripts/launch.sh with 2 ranks (gloo)
     "bench_ep": (["--device", "cpu", "--smoke", "--no-json"], "PCC / naive"),
-    "diag_ep": (["--hidden", "64", "--tokens", "8", "--reps", "2"], "whole combine"),
 }
 
 
@@ -114,33 +113,6 @@ def test_dense_table_writer_keeps_pinned_entries(tmp_path, monkeypatch):
     assert written["N64:K32:int8"] == {"1": "sbi", "2": "sbi"}
 
 
-def test_diag_decode_ab_table_entries(monkeypatch):
-    """--dense-entry / --moe-entry replace one entry of a table in the process, and --alternate
-    puts back what they replaced; a malformed one is refused with the expected form named."""
-    from kernels import linear_select as sel
-    from kernels import moe_triton
-    diag = _script("diag_decode_ab")
-    dense, moe = {"cpu": {"N64:K32:bfloat16": {"2": "sbi"}}}, {}
-    monkeypatch.setattr(sel, "_table", lambda: dense)
-    monkeypatch.setattr(moe_triton, "_tuned", lambda: moe)
-    cfg = {"backend": "cuda", "bn": 2, "warps": 4, "unroll": 1, "split_k": 1}
-    edits = [diag.table_entry("dense", f"N64:K32:bfloat16/1={json.dumps(cfg)}"),
-             diag.table_entry("dense", 'N64:K32:bfloat16/2="cublas"'),
-             diag.table_entry("moe", 'up:E8:N64:K32:bfloat16:k2/1={"backend": "cuda", "bn": 8}')]
-    saved = {}
-    diag.set_entries(edits, True, saved)
-    assert dense["cpu"]["N64:K32:bfloat16"] == {"1": cfg, "2": "cublas"}
-    assert moe["cpu"]["up:E8:N64:K32:bfloat16:k2"] == {"1": {"backend": "cuda", "bn": 8}}
-    diag.set_entries(edits, False, saved)
-    assert dense["cpu"]["N64:K32:bfloat16"] == {"2": "sbi"} and moe["cpu"]["up:E8:N64:K32:bfloat16:k2"] == {}
-    for kind, bad, says in (("dense", "N64:K32:bfloat16/3=\"sbi\"", "BUCKET one of"),
-                            ("dense", "N64:K32:bfloat16/1={bn", "not JSON"),
-                            ("dense", "N64:K32:bfloat16/1", "KEY/BUCKET"),
-                            ("moe", "up:E8:N64:K32:bfloat16:k2/17={}", "BUCKET one of")):
-        with pytest.raises(SystemExit, match=says):
-            diag.table_entry(kind, bad)
-
-
 def test_tune_moe_large_t_candidates_try_short_last_tiles():
     """At large T the tuner also times 128-row tiles with sub_m 2, and every candidate is
     one grouped_gemm accepts (bm / sub_m >= 16)."""
@@ -162,89 +134,6 @@ def test_tune_moe_keeps_pinned_and_untuned_buckets(capsys):
     tune_moe.merge(table, "down:E8:N64:K32:int8:k2", {"1": {"backend": "cuda", "bn": 4}, "2": "new"})
     assert table == {"1": pinned, "2": "new", "16": "untouched"}
     assert "kept down:E8:N64:K32:int8:k2 T 1 (decode step A/B)" in capsys.readouterr().out
-
-
-def test_diag_decode_ab_switches_a_built_model():
-    """--alternate sets each switch on the built model's modules (every instance of a class,
-    or the module) and restores it; switches read only at construction are not offered."""
-    import importlib
-
-    import moe_infer
-    from moe_infer import moe_layer
-
-    qkv_attention = importlib.import_module("kernels.qkv_attention")  # the module, not the package's function
-
-    diag = _script("diag_decode_ab")
-    net = moe_infer.load("tiny-moe", device="cpu", progress=False).model
-    layers = [m for m in net.modules() if isinstance(m, moe_layer.MoELayer)]
-    assert layers and not any(m.route_in_experts for m in layers)
-    assert diag.set_switches(net, ["route-in", "preload-kv"], True) == {"route-in": True, "preload-kv": False}
-    assert all(m.route_in_experts for m in layers) and qkv_attention.PRELOAD_KV is False
-    diag.set_switches(net, ["route-in", "preload-kv"], False)
-    assert not any(m.route_in_experts for m in layers) and qkv_attention.PRELOAD_KV is True
-    assert "moe-cuda" not in diag.SWITCHES and set(diag.SWITCHES) <= set(diag.OFF + diag.ON)
-
-
-def test_diag_decode_ab_variants_file(tmp_path, monkeypatch):
-    """--variants reads named variants (table entries and switches) from a JSON file, in its
-    order, and refuses a malformed one with the variant and what was expected named."""
-    from kernels import linear_select as sel
-    from kernels import moe_triton
-    diag = _script("diag_decode_ab")
-    dense, moe = {"cpu": {}}, {}
-    monkeypatch.setattr(sel, "_table", lambda: dense)
-    monkeypatch.setattr(moe_triton, "_tuned", lambda: moe)
-    cfg = {"backend": "cuda", "bn": 2, "warps": 4, "unroll": 1, "split_k": 1}
-    path = tmp_path / "v.json"
-    path.write_text(json.dumps({"o bn 2": {"dense": {"N64:K32:bfloat16/1": cfg}},
-                                "route in": {"switch": ["route-in"],
-                                             "moe": {"up:E8:N64:K32:bfloat16:k2/1": {"bn": 8}}}}))
-    variants = diag.load_variants(str(path))
-    assert [(name, parts, len(edits)) for name, parts, edits in variants] == [("o bn 2", [], 1),
-                                                                            ("route in", ["route-in"], 1)]
-    (entries, bucket, entry), = variants[0][2]
-    assert bucket == "1" and entry == cfg and entries is dense["cpu"]["N64:K32:bfloat16"]
-    for bad, says in (({"base": {}}, "other than 'base'"), ({"x": {"dense": {}, "bogus": 1}}, "expected keys"),
-                      ({"x": {"switch": ["nope"]}}, "switches are"), ([], "JSON object"),
-                      ({"x": {"dense": {"N64:K32:bfloat16/3": "sbi"}}}, "BUCKET one of")):
-        path.write_text(json.dumps(bad))
-        with pytest.raises(SystemExit, match=says):
-            diag.load_variants(str(path))
-
-
-def test_diag_moe_ab_variants_file(tmp_path):
-    """diag_moe_ab.py reads {shape: {dtype: {name: {up/down}}}} and refuses anything else
-    with the shape, dtype or variant named."""
-    diag = _script("diag_moe_ab")
-    path = tmp_path / "v.json"
-    good = {"dsmoe": {"int8": {"up bn 8": {"up": {"backend": "cuda", "bn": 8, "warps": 4, "unroll": 1}}},
-                      "bf16": {}}}
-    path.write_text(json.dumps(good))
-    assert diag.load_variants(str(path)) == good
-    for bad, says in (({"gpt": {}}, "expected one of"), ({"dsmoe": {"fp8": {}}}, "bf16|int8"),
-                      ({"dsmoe": {"int8": {"x": {"up": {}, "gate": {}}}}}, "'up' and/or 'down'"),
-                      ({"dsmoe": {"int8": {"table": {"up": {}}}}}, "other than 'table'"), ([], "object of shapes")):
-        path.write_text(json.dumps(bad))
-        with pytest.raises(SystemExit, match=says):
-            diag.load_variants(str(path))
-    # A variant's configuration: the table's where absent, the table's changed with "from_table".
-    table = {"backend": "cuda", "bn": 4, "warps": 4, "unroll": 1, "pipe": True}
-    assert diag.merged(None, table) is table
-    assert diag.merged({"from_table": True, "warps": 8, "row_groups": 2}, table) == dict(table, warps=8, row_groups=2)
-    assert diag.merged({"backend": "cuda", "bn": 8}, table) == {"backend": "cuda", "bn": 8}
-
-
-def test_diag_hop_kernel_compiles_and_chain_value():
-    """diag_hop.py's kernel compiles for sm_90 in each hand-off mode and weight unroll (NVRTC
-    with ptxas, no GPU), and the value its check expects follows the kernels' recurrence."""
-    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the test extras install cupy and NVRTC")
-    from kernels import cuda_common
-
-    hop = _script("diag_hop")
-    for mode in hop.MODES.values():
-        for unroll in (0, 1, 4):
-            cuda_common.compile_check(hop.SOURCE, ("-std=c++17", f"-DMODE={mode}", f"-DUNROLL={unroll}"))
-    assert hop.chain_value(2.0, 0) == 2.0 and hop.chain_value(2.0, 1) == 2.0 and hop.chain_value(0.0, 2) == 1.5
 
 
 def test_bench_moe_checks_at_each_check_token_count(capsys):
