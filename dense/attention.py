@@ -18,12 +18,6 @@ from dense.norm import RMSNorm, ShardedRMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
 from dense.rotary import Rotary, apply_rotary
 
-# A static decode step's context (positions, mask, rotary rows) as one launch on a GPU
-# (kernels.decode_context) instead of about twenty small torch launches;
-# scripts/diag_decode_ab.py --off fused-context measures what that is worth.
-FUSED_DECODE_CONTEXT = True
-
-
 def _rotary(rotary: Rotary | None, positions: torch.Tensor, dtype: torch.dtype):
     """cos, sin [B, T, D] for the query positions (None, None for learned positions)."""
     return rotary(positions, dtype) if rotary is not None else (None, None)
@@ -75,8 +69,9 @@ class StepContext:
         over all S slots of the cache with a mask: every shape is fixed, so the step can be
         captured in a CUDA graph and replayed for any slot. key_valid, key_positions [B, S].
         On a GPU, with ``tables`` (``rotary.table`` over the S slots) where there is a
-        rotary, the whole context is one launch (``kernels.decode_context``)."""
-        if key_valid.is_cuda and FUSED_DECODE_CONTEXT and (rotary is None) == (tables is None):
+        rotary, the whole context is one launch (``kernels.decode_context``) instead of
+        about twenty small torch launches."""
+        if key_valid.is_cuda and (rotary is None) == (tables is None):
             positions, bias, cos, sin = kernels.decode_context_triton(slot, key_valid, key_positions, dtype, tables,
                                                                       sliding_window)
             return cls(positions, bias, cos, sin, slot)
@@ -236,7 +231,7 @@ class Attention(nn.Module):
         self.fusable = kernels.qkv_decode_supported(d) and not (cfg.qk_norm == "full" and tp.size > 1)
         # A static-shape decode step (the graph path) runs the epilogue and the attention in
         # one launch (kernels.qkv_attention) where the cache is short enough for it
-        # (kernels.qkv_attention_fits). scripts/diag_decode_ab.py --off fused-attention.
+        # (kernels.qkv_attention_fits).
         self.fused_attention = True
 
     def _epilogue(self) -> tuple:

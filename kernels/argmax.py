@@ -3,8 +3,8 @@
 Shape letters: B rows, V vocabulary, C chunks of BLOCK columns.
 
 torch's argmax reduces a row of a decode step's logits (B of them, V ~ 50-150k) in one
-block per row: on an H100 it took 14 µs of a 1.6 ms OLMoE step. Here each of C programs
-per row finds its chunk's maximum and the first index that holds it, and a second launch
+block per row, a measurable part of a small model's decode step on a GPU with many
+SMs. Here each of C programs per row finds its chunk's maximum and the first index that holds it, and a second launch
 picks the first chunk with the row maximum: the smallest index of the maximum, as torch
 returns it. NaN counts as larger than any number (torch's rule too).
 """

@@ -9,13 +9,10 @@ it reads anything an earlier kernel wrote (a no-op without PDL), and may load we
 which no kernel writes, before that: the first weight loads of a step then overlap the
 previous kernel's tail.
 
-Two launch-time switches (module attributes, read at each launch and compiled in as
-macros, so an A/B run can flip them inside one process): ``pdl.EARLY_TRIGGER`` (each
-kernel lets the next launch before its own wait; see ``kernels/pdl.py``) and
-``L2_PREFETCH``: before its wait, a GEMM block asks L2 for every weight line it will
-read (``prefetch_l2``), meant to fill the memory system's idle time under the small
-kernels before it. Off: the decode step measured 0.08 ms slower with it (0.17 ms with an
-``evict_last`` hint), as the prefetch competes with the kernel still running.
+Each kernel lets the next launch before its own wait (the early trigger, see
+``kernels/pdl.py``; the ``PDL_EARLY`` macro), unless its options pin the late trigger.
+Asking L2 for a block's weight lines before its wait was measured slower in the decode
+step: the prefetch competes with the kernel still running.
 """
 from __future__ import annotations
 
@@ -25,17 +22,11 @@ import functools
 import numpy as np
 import torch
 
-from kernels import pdl
 from kernels.pdl import pdl_on
-
-L2_PREFETCH = False  # measured slower (see docs/performance.md); diag_decode_ab.py --on l2-prefetch
 
 COMMON = r"""
 #ifndef PDL_EARLY
 #define PDL_EARLY 0
-#endif
-#ifndef L2PF
-#define L2PF 0
 #endif
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -75,20 +66,6 @@ __device__ __forceinline__ void pin(T*& v) {
   asm volatile("" : "+l"(v));
 }
 __device__ __forceinline__ void pin(u32& v) { asm volatile("" : "+r"(v)); }
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {  // one line into L2, no register
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
-
-// Lines [0, bytes) of `rows` rows `pitch` bytes apart from `base`, spread over the block's
-// threads (L2PF only): called before the wait, for the weights a block will stream.
-__device__ __forceinline__ void prefetch_rows(const char* base, int rows, size_t pitch, size_t bytes) {
-#if L2PF
-  const int lines = (int)((bytes + 127) / 128);
-  for (int i = threadIdx.x; i < rows * lines; i += blockDim.x)
-    prefetch_l2(base + (size_t)(i / lines) * pitch + (size_t)(i % lines) * 128);
-#endif
-}
 
 __device__ __forceinline__ u32x4 load_stream(const void* p) {  // weights: read once
   u32x4 r;
@@ -381,9 +358,9 @@ def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tupl
     """Launches kernel ``name`` on the current stream of ``device``; with PDL where
     ``kernels.pdl`` turns it on. ``args`` are numpy scalars (pointers as np.uint64);
     ``shared``: bytes of dynamic shared memory (at most 48 KiB)."""
-    opts = tuple(opts) + (f"-DL2PF={int(L2_PREFETCH)}",)
+    opts = tuple(opts)
     if not any(o.startswith("-DPDL_EARLY=") for o in opts):  # a kernel may pin the late trigger
-        opts += (f"-DPDL_EARLY={int(pdl.EARLY_TRIGGER)}",)
+        opts += ("-DPDL_EARLY=1",)
     _, handle = function(device.index, source, name, opts)
     grid = tuple(grid) + (1,) * (3 - len(grid))
     attr = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)

@@ -15,9 +15,8 @@ expert index, as torch.topk does; ``kernels.moe_ref`` holds the reference math.
 
 bf16 and fp16 logits (the decode step's router writes bf16) are ranked as one int32 key per
 expert (``_topk_keys``): a round is then one integer max, a single warp instruction on the
-GPU, where a float max and an index argmin are two chains of shuffles. In the batch-1 decode
-step that took the step 1.1-1.2% (OLMoE) and 1.4-1.5% (Qwen3-30B-A3B) off on an H100
-(docs/performance.md, twentieth session).
+GPU, where a float max and an index argmin are two chains of shuffles; the batch-1 decode
+step measured faster with it (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl as pdl_mod
 from kernels.launcher import CachedLaunch
 from kernels.moe_ref import check_logits
 from kernels.pdl import pdl_enter, pdl_launch
@@ -262,10 +260,8 @@ def _block_t(t: int, tile_cols: int) -> int:
 
 def _outputs(t: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A top-k table's outputs, ids [T, k] int32 and weights [T, k] float32: two allocations.
-    On two of three H100 hosts they cost less host time than views of one (9.1 against
-    11.5 µs; the third measured 8.6 against 6.5), and the whole call was faster in every
-    alternating round there (``scripts/diag_route_eager.py --parts``). These launches run on
-    every eager decode step."""
+    They measured less host time than views of one on most hosts, and the whole call was
+    faster there. These launches run on every eager decode step."""
     return (torch.empty(t, k, dtype=torch.int32, device=device),
             torch.empty(t, k, dtype=torch.float32, device=device))
 
@@ -299,8 +295,7 @@ def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
     ids, weights = _outputs(t, k, dev)
     if t == 0:
         return ids, weights
-    key = (dev.type, dev.index, t, e, k, score, renormalize, logits.dtype, logits.stride(), logits.data_ptr() % 16,
-           pdl_mod.EARLY_TRIGGER)
+    key = (dev.type, dev.index, t, e, k, score, renormalize, logits.dtype, logits.stride(), logits.data_ptr() % 16)
 
     def plan():
         block_e = triton.next_power_of_2(e)

@@ -3,8 +3,8 @@ whose host cost is the whole cost in eager mode (routing at decode sizes).
 
 ``kernel[grid](...)`` binds the arguments, computes the specialization (each pointer's
 16-byte alignment, each integer's value class) and hashes the cache key on every call:
-20-31 µs of host time on the H100 machine, against 8.5-11.6 µs for the compiled kernel's
-own launcher (``scripts/diag_launch.py``). ``CachedLaunch`` calls the JIT once per key
+measured at two to three times the host time of the compiled kernel's own launcher.
+``CachedLaunch`` calls the JIT once per key
 that the caller names, keeps the compiled kernel it returns, and launches that directly
 afterwards.
 

@@ -8,12 +8,12 @@ winner per device, weight shape, weight dtype and row bucket:
 - "sbi": ``kernels.sbi_linear``, SBI-GeMM in Triton;
 - {"backend": "cuda", bn, warps, unroll, split_k}: SBI-GeMM in CUDA C++
   (``kernels.sbi_cuda``) with the launch configuration that measured fastest. One with a
-  "pinned" reason was chosen by timing the decode step itself (``diag_decode_ab.py
-  --dense-entry``); the table writer leaves it in place.
+  "pinned" reason was chosen by timing the decode step itself; the table writer leaves it
+  in place.
 A device with no entry of its own for a shape and bucket takes one of the same chip's
 (``moe_triton.SAME_CHIP``). Without any, full-precision weights use cuBLAS and int8 weights
-SBI-GeMM (one launch with its epilogue, or two with split-K; it won 29 of the 32 int8
-entries measured on the H100).
+SBI-GeMM (one launch with its epilogue, or two with split-K; it won nearly every int8
+entry measured).
 Larger batches, and every CPU call, take cuBLAS / the reference. The GPU GEMMs (Triton,
 CuPy) are imported in the branches that run them, so a CPU-only install needs neither.
 

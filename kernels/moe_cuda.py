@@ -29,9 +29,7 @@ too. Measured slower in the decode step than the gating launch, so the model doe
 The down kernel loads the ids (or computes them) and its first weights before waiting
 for the up kernel (PDL): the ids or logits come from a kernel before the up GEMM, which
 has completed once every up block has passed its own wait, the condition for the down
-grid to start (the up kernel never takes ``pdl.EARLY_TRIGGER``'s early trigger). With
-``cuda_common.L2_PREFETCH`` the down blocks then also send the rest of their weights to
-L2 before the wait.
+grid to start (the up kernel never takes the early trigger, see ``kernels/pdl.py``).
 
 Compile-time parameters: BN, WARPS, U, INT8, DT (0 bf16, 1 fp16), GATED (SiLU gate * up,
 else GeLU), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials),
@@ -49,8 +47,7 @@ second step's right after the wait), RG (``row_groups``: the block's warps split
 into RG groups, each group over all of K, so a thread's arithmetic after the wait is
 shorter; chosen for DS-MoE's int8 down kernel at T = 1). The MMA kernels halve the
 instructions a weight again, but at T = 1 they measured slower than ``unit`` for the small
-shapes on the H100, and for Mixtral in the H200's decode step, where ``unit`` took the
-int8 step 10% down (docs/performance.md, twenty-seventh session). The products on the
+shapes and for Mixtral's decode step (docs/performance.md). The products on the
 tensor cores in the streaming layout (each lane's own 16 bytes of two rows as A, its own
 activations as B's column, only D's diagonal read) measured slower too, and were removed.
 
@@ -58,12 +55,11 @@ At decode sizes a block is one short chain of dependent memory round trips (expe
 weights, reduction) in a grid of one or two waves, so the kernels are latency-bound
 (Nsight Compute: the wait on global loads is the top stall). Anything a block loads that
 no kernel writes (the int8 scales) is therefore loaded beside its first weights, never
-after them (docs/performance.md, thirteenth session). For the same reason what a block can
+after them (docs/performance.md). For the same reason what a block can
 compute before its PDL wait (the up kernel's row offsets, 32-bit, and its token row; the
 down kernel's second step of rows) is computed there and pinned, so that after the wait
 only what depends on the kernel before stands between it and the weight loads; and the
-down kernel finds a position's slot by a float reciprocal, not an integer division
-(twenty-sixth session).
+down kernel finds a position's slot by a float reciprocal, not an integer division.
 """
 from __future__ import annotations
 
@@ -307,7 +303,7 @@ def compile_all(arch: str = "sm_90") -> int:
     for i, (int8, dt, gated) in enumerate(itertools.product((False, True), DTYPES.values(), (False, True))):
         up, down = UP_CANDIDATES[i % len(UP_CANDIDATES)], DOWN_CANDIDATES[i % len(DOWN_CANDIDATES)]
         route = dict(route=i % 3, renorm=i % 2 == 0, e_lanes=1 + i % 8, logits_f32=i % 4 < 2)
-        launch_flags = (f"-DL2PF={i % 2}", f"-DPDL_EARLY={i // 2 % 2}")  # what ``launch`` adds
+        launch_flags = (f"-DPDL_EARLY={i // 2 % 2}",)  # what ``launch`` adds, or a kernel pins
         min_blocks = MIN_BLOCKS[i % len(MIN_BLOCKS)] if i % 2 else 1
         groups = 2 if i % 3 == 2 else 1  # every candidate has 4 or 8 warps and an even number of rows
         compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, ids64=i % 2 == 0,

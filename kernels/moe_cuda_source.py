@@ -163,17 +163,6 @@ __device__ __forceinline__ void token_experts(const void* __restrict__ ids, int 
   __syncthreads();
 }
 
-// A down block's weights from its split [k_lo, k_hi) of the reduction (slot s's F columns
-// at s F) sent to L2 before the wait (L2PF only: cuda_common.L2_PREFETCH).
-__device__ __forceinline__ void prefetch_block(const void* __restrict__ w2, const long long* expert, int k_lo,
-                                               int k_hi, int F, int H, int n0, int bytes) {
-  for (int s = k_lo / F; s * F < k_hi; ++s) {
-    const int lo = max(k_lo, s * F) - s * F, hi = min(k_hi, (s + 1) * F) - s * F;
-    prefetch_rows((const char*)w2 + (((size_t)expert[s] * H + n0) * F + lo) * bytes, min(BN, H - n0),
-                  (size_t)F * bytes, (size_t)(hi - lo) * bytes);
-  }
-}
-
 // A down block's outputs, rows n0 .. n0 + BN of token t: each the sum of its row group's
 // warps' partials (part, filled and synchronised), as float32 split-K partials (PARTIAL) or
 // in x's dtype.
@@ -331,7 +320,6 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   };
   int kb = k_lo + group_tid() * WVEC;
   load_step(wv, slot, kb);
-  prefetch_block(w2, expert, k_lo, k_hi, F, H, n0, W_BYTES);  // the rest of its weights on the way to L2
 #if INT8
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
   token_scales(scale, expert, topk, sc, n0, H, UNIT_SCALE);
@@ -536,7 +524,6 @@ moe_down_mma(const u16* __restrict__ h, const void* __restrict__ w2, const float
   };
   int kb = k_lo + warp * MMA_CHUNK;
   load_step(kb);
-  prefetch_block(w2, expert, k_lo, k_hi, F, H, n0, 1);  // the rest of its weights on the way to L2
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
   token_scales(scale, expert, topk, sc, n0, H, MMA_SCALE);
   grid_dep_enter();  // h is the up kernel's output

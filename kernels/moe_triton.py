@@ -28,7 +28,7 @@ from kernels.route import route_triton
 CONFIG_FILE = Path(__file__).with_name("configs") / "moe.json"
 NUM_SMS_DEFAULT = 132  # H100 SXM; only shapes the split-K heuristic
 # Up to this many (token, slot) pairs the GEMMs group pairs themselves (no maps kernel).
-# At 32, the 32-row int8 tiles ran 1.6-1.9x slower on the H100.
+# At 32, the 32-row int8 tiles measured slower.
 FROM_IDS_PAIRS = 16
 
 
@@ -45,11 +45,10 @@ def device_key(device: torch.device) -> str:
 
 # Devices of one chip (the same SMs, caches and instructions; the H200 has faster and more
 # memory). Where a device's table has no entry for a shape and row bucket, the first of
-# these that has one lends it before the heuristic. On the H200 (2026-11-26), OLMoE-1B-7B's
-# batch-1 decode took 1.091 ms a token on the heuristic and 0.809 on the H100's entries
-# (int8 1.007 -> 0.597); with only the dense layers back on the heuristic, the step replayed
-# 20-50% slower (OLMoE, Qwen3-30B-A3B, bf16 and int8); entries the H200 chose for itself
-# alone (bench_dense, tune_moe) were slower in the step than the lent ones but one.
+# these that has one lends it before the heuristic: the decode step measured much faster on
+# the lent entries than on the heuristic (MoE and dense layers alike), and entries a device
+# chose for itself alone (bench_dense, tune_moe) were mostly slower in the step than the
+# lent ones.
 SAME_CHIP = {"NVIDIA_H200": ("NVIDIA_H100_80GB_HBM3",), "NVIDIA_H100_80GB_HBM3": ("NVIDIA_H200",)}
 
 

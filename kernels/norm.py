@@ -166,9 +166,6 @@ def _router_blocks(t: int, h: int, e: int) -> tuple[int, int, int]:
 
 
 ROUTER_MAX_ROWS = 16  # the fused norm + router launch is for decode steps
-# Where one step of the norm + router kernel covers H, its weights load before the PDL wait.
-# Read at each launch; scripts/diag_decode_ab.py --off router-preload.
-ROUTER_PRELOAD = True
 
 
 def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | None = None):
@@ -195,11 +192,12 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | N
     if gating is not None:
         ids, weights = _outputs(t, k, x.device)
     bt, be, bk = _router_blocks(t, h, e)
+    # ONE: where one K step covers H, the router weights load before the PDL wait.
     _rms_norm_router_kernel[(triton.cdiv(e, be),)](
         x, residual, norm_w, router_w, out_h, summed, logits, t, h, e, eps, x.stride(0), residual.stride(0),
         router_w.stride(0), ids, weights, ticket_counters(x.device, 1, "rms_norm_router"),
         BT=bt, BE=be, BK=bk, K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
-        E_ALL=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(k, 1)), ONE=ROUTER_PRELOAD and bk >= h,
+        E_ALL=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(k, 1)), ONE=bk >= h,
         num_warps=4,
         **pdl_launch(x.device))
     return (out_h, summed, logits) if gating is None else (out_h, summed, logits, ids, weights)

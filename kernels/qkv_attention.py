@@ -206,17 +206,13 @@ def _qkv_attention_kernel(
 
 
 MAX_KEYS = 128  # cache slots one program may have to walk (its share of S)
-# Where P blocks of keys cover the cache, each program loads its block before the PDL wait.
-# Read at each launch; scripts/diag_decode_ab.py --off preload-kv.
-PRELOAD_KV = True
 
 
 def default_splits(b: int, hkv: int, s: int, block_s: int, sms: int) -> int:
     """P: a power of two, at most 64, no more doubling once P blocks cover S; doubled while the
     grid has fewer than two programs per SM or a split would walk more than ``MAX_KEYS``
     slots. A program walks its keys one block after another, so long contexts need many
-    splits (measured: OLMoE at batch 8 with 2048-token prompts, P = 2, was 45% slower per
-    token than SDPA)."""
+    splits (with too few, long prompts at batch 8 measured much slower than SDPA)."""
     p = 1
     while p < 64 and p * block_s < s and (b * hkv * p < 2 * sms or -(-s // p) > MAX_KEYS):
         p *= 2
@@ -227,10 +223,9 @@ def fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> bool:
     """Whether the one-launch kernel suits this step: every split walks at most
     ``MAX_KEYS`` slots, in a grid of at most one program per SM (every program recomputes
     the row's q / k prologue, so a larger grid costs more than the launch it saves), and the
-    head dim is at least 16 (a tensor-core product's). Measured on OLMoE (H100, ms per
-    token, one launch against the epilogue launch and SDPA, with the kernel's first
-    version): batch 1 with a 192-slot cache 1.186 / 1.253 (128 programs); batch 8, same
-    cache 4.253 / 4.080 (512); batch 1 with a 2176-slot cache 1.728 / 1.462 (1024)."""
+    head dim is at least 16 (a tensor-core product's). Against the epilogue launch and
+    SDPA, the one launch measured faster with a grid of about one program per SM and
+    slower with several per SM (a larger batch, or a long cache)."""
     p = default_splits(b, hkv, s, _block_s(s, d), sms)
     return d >= 16 and -(-s // p) <= MAX_KEYS and b * hkv * p <= sms
 
@@ -265,7 +260,8 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
         splits = default_splits(b, hkv, s, block_s, sms)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits={splits}: expected a power of two")
-    pre_kv = PRELOAD_KV and splits * block_s >= s
+    # Where P blocks of keys cover the cache, each program loads its block before the PDL wait.
+    pre_kv = splits * block_s >= s
     if not splits * block_s >= s:  # the splits walk their keys in steps: smaller blocks, fewer registers
         block_s = min(block_s, 64)
     if qkv.stride(1) != 1:

@@ -119,8 +119,6 @@ sbi_gemm(const u16* __restrict__ x, const void* __restrict__ w, const float* __r
   };
   int kb = k_lo + tid * WVEC;
   load_into(wv, kb);  // weights are no kernel's output: in flight before the wait
-  prefetch_rows(w_rows + (size_t)k_lo * W_BYTES, min(BN, N - n0), (size_t)stride_w * W_BYTES,
-                (size_t)(k_hi - k_lo) * W_BYTES);  // and the rest of them on the way to L2
   float2 consts = column_consts(scale, bias, n0, N);
 #if NORM
   // The norm's weights are no kernel's output either. RESIDENT (one K split, K <= U * STEP:
@@ -500,7 +498,7 @@ def compile_all(arch: str = "sm_90") -> int:
     for i, (tp, int8, dt) in enumerate(itertools.product((1, 2, 4, 8, 16), (False, True), DTYPES.values())):
         bn, warps, unroll = tiles[i % len(tiles)]
         norm = i % len(NORMS)
-        launch_flags = (f"-DL2PF={i // 2 % 2}", f"-DPDL_EARLY={i // 4 % 2}")  # what ``launch`` adds
+        launch_flags = (f"-DPDL_EARLY={i // 4 % 2}",)  # what ``launch`` adds, or a kernel pins
         compile_check(SOURCE, options(tp, bn, warps, unroll, int8, dt, norm, i % 2 == 1, norm == 1 and i % 4 < 2,
                                       i % 3 == 0, int8 and i % 8 < 4, pipe=i % 5 < 2) + launch_flags, arch,
                       "sbi_cuda.cu")
@@ -510,6 +508,6 @@ def compile_all(arch: str = "sm_90") -> int:
             (1, False, 0, 1, True, True, 1, 8), (1, True, 1, 2, False, False, 2, 4), (2, False, 1, 1, True, False, 2, 4),
             (4, False, 0, 2, False, True, 1, 8)):
         compile_check(SOURCE, options(tp, 4, warps, unroll, int8, dt, norm, False, norm_res, persist, int8, True)
-                      + ("-DL2PF=0", f"-DPDL_EARLY={int(persist)}"), arch, "sbi_cuda.cu")
+                      + (f"-DPDL_EARLY={int(persist)}",), arch, "sbi_cuda.cu")
         count += 1
     return count

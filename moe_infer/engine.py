@@ -34,13 +34,11 @@ class Completion:
     inter_token_s: float | None = None
 
 
-# The first two CUDA graphs a process instantiates replay slower than the later ones. On an
-# H100 (driver 580.159.04, CUDA 13, torch 2.11) OLMoE-1B-7B's batch-1 decode step replayed in
-# 0.946 ms as the process's first or second graph and in 0.926 ms as its third or later, the
-# same kernels in the same order on the same addresses; two one-kernel graphs made and dropped
-# before it gave the fast time, and a third added nothing (scripts/diag_capture_order.py,
-# 2026-11-25). The graphs and their memory were the same; the cause lies below torch, most
-# likely in the driver.
+# The first two CUDA graphs a process instantiates measured slower in replay than the later
+# ones: the same decode step (the same kernels in the same order on the same addresses)
+# replayed faster as the process's third graph or later. Two one-kernel graphs made and
+# dropped before it gave the fast time, and a third added nothing. The graphs and their
+# memory were the same, so the cause lies below torch.
 GRAPH_PRIMERS = 2
 
 
@@ -314,7 +312,7 @@ class Engine:
             slots = min(-(-slots // self.SLOT_BUCKET) * self.SLOT_BUCKET, max(slots, self.config.max_seq_len))
             decoder = self.decoder(bucket, slots)
         pad = torch.tensor([width - len(r) for r in rows], device=self.device)  # [B]
-        left = np.zeros((len(rows), width), np.int64)  # left-padded ids; numpy fills it 6x faster than torch.tensor
+        left = np.zeros((len(rows), width), np.int64)  # left-padded ids; numpy fills it faster than torch.tensor
         for i, r in enumerate(rows):
             left[i, width - len(r):] = r
         tokens = torch.from_numpy(left).to(self.device)

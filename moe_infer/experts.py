@@ -65,14 +65,6 @@ class Experts(nn.Module):
 
         return pairs_from_ids(x, self.w13, self.w2, top_k, **self.scales())
 
-    def fused_logits(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, score: str,
-                     renormalize: bool) -> torch.Tensor:
-        """Tokens x [T, H] and their router logits [T, E] -> the weighted sum of their top-k
-        experts' outputs [T, H], dropless; at decode sizes the gating runs inside the
-        experts' kernels (``kernels.fused_moe_logits``)."""
-        return kernels.fused_moe_logits(x, logits, top_k, self.w13, self.w2, self.activation, score, renormalize,
-                                        **self.scales())
-
 
 class Int8Experts(Experts):
     """Weight-only int8 experts: int8 w13 / w2 with per-output-channel float32 scales."""

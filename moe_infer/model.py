@@ -13,7 +13,6 @@ from dense import MLP, Attention, KVCache, PagedKVCache, Rotary, StepContext, ma
 from dense.norm import RMSNorm
 from dense.parallel_linear import Linear
 from moe_infer.config import Config
-from moe_infer.gating import Routing
 from moe_infer.moe_layer import MoELayer
 
 
@@ -36,10 +35,8 @@ class Block(nn.Module):
         # (Attention.forward_normed -> kernels.norm_linear) where the dense table's entry
         # for the QKV weights is the CUDA SBI-GeMM with "norm"; elsewhere norm_linear makes
         # the two launches. Every GEMM block recomputes the norm, in one round trip after
-        # its wait. Only Qwen3-30B-A3B's bf16 entry has it (its batch-1 step 1-1.5% faster);
-        # OLMoE's bf16 step and both int8 steps measured slower with it (H100,
-        # docs/performance.md, nineteenth session). scripts/diag_decode_ab.py --off norm-in-qkv.
-        self.norm_in_qkv = True
+        # its wait. The tables give "norm" only to the entries where the decode step
+        # measured faster with it (see kernels.linear_select).
         # A parallel block also feeds the normed input to its FFN, so it keeps the norm's output.
         self.norm_fusable = isinstance(self.attn_norm, RMSNorm) and not self.parallel
 
@@ -51,7 +48,7 @@ class Block(nn.Module):
         if pending is None:
             h = self.attn_norm(x)
             a = self.attn(h, ctx, cache, self.index)
-        elif self.norm_in_qkv and self.norm_fusable:  # the add and the norm inside the QKV GEMM's launch
+        elif self.norm_fusable:  # the add and the norm inside the QKV GEMM's launch
             a, x = self.attn.forward_normed(pending, x, self.attn_norm, ctx, cache, self.index)
         else:
             h, x = self.attn_norm(pending, residual=x)
@@ -61,13 +58,9 @@ class Block(nn.Module):
         if self.fused_router and a.is_cuda and a.numel() <= kernels.ROUTER_MAX_ROWS * a.shape[-1]:
             # Decode: the add, the norm and the router GEMM in one launch.
             shape = a.shape
-            rows = a.view(-1, shape[-1])
-            gating = self.ffn.gating_in_router(rows)  # the top-k table from the same launch
-            out = kernels.rms_norm_router(rows, x.view(-1, shape[-1]), self.ffn_norm.weight, self.ffn_norm.eps,
-                                          self.ffn.router.weight, gating)
-            h, x, logits = out[:3]
-            routing = Routing(*out[3:]) if gating is not None else None
-            return x.view(shape), self.ffn(h.view(shape), router_logits=logits, routing=routing)
+            h, x, logits = kernels.rms_norm_router(a.view(-1, shape[-1]), x.view(-1, shape[-1]), self.ffn_norm.weight,
+                                                   self.ffn_norm.eps, self.ffn.router.weight)
+            return x.view(shape), self.ffn(h.view(shape), router_logits=logits)
         h, x = self.ffn_norm(a, residual=x)
         return x, self.ffn(h)
 

@@ -12,7 +12,7 @@ from comm import ParallelGroups
 from dense.mlp import MLP
 from moe_infer.dispatch import ExpertParallelDispatcher, LocalDispatcher
 from moe_infer.experts import Experts
-from moe_infer.gating import Router, Routing
+from moe_infer.gating import Router
 
 
 class MoELayer(nn.Module):
@@ -25,18 +25,6 @@ class MoELayer(nn.Module):
         # with expert parallelism the maps are built per destination rank instead.
         self.router = Router(h, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.score, moe_cfg.renormalize,
                              with_maps=moe_cfg.capacity_factor is None and ep * es == 1)
-        # Given router logits (the decode step's norm + router launch), a local dropless
-        # layer could gate inside the experts' kernels (kernels.fused_moe_logits). Off: it
-        # measured slower in the decode step (OLMoE, H100: 1.316 against 1.265 ms/token),
-        # as every up block pays the top-k before its first load while the routing
-        # launch's latency hides under PDL. scripts/diag_decode_ab.py --on route-in.
-        self.route_in_experts = False
-        # The top-k table from the norm + router launch's last program (one launch fewer a
-        # layer) where the experts need no maps. Off: measured no faster in the decode step
-        # (OLMoE, H100, graph replay 1.190 against 1.176-1.177 ms without), as the last
-        # program's top-k runs after every other program, where the gating launch's own
-        # latency hid under PDL. scripts/diag_decode_ab.py --on topk-in-router.
-        self.topk_in_router = False
         self.local_dropless = moe_cfg.capacity_factor is None and ep * es == 1
         self._maps_at: dict = {}  # _maps_needed's answers
         ep_index = groups.ep.rank // es
@@ -68,29 +56,13 @@ class MoELayer(nn.Module):
             needed = self._maps_at[key] = not self.experts.pairs_from_ids(x, self.router.top_k)
         return needed
 
-    def gating_in_router(self, x: torch.Tensor) -> tuple | None:
-        """(k, score, renormalize) where the decode step's norm + router launch should also
-        compute the top-k table for this layer (``kernels.rms_norm_router``'s ``gating``):
-        the experts run from the ids alone and ``topk_in_router`` is on. Else None."""
-        if not self.topk_in_router or self.route_in_experts or self._maps_needed(x):
-            return None
-        r = self.router
-        return r.top_k, r.score, r.renormalize
-
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None,
-                routing: Routing | None = None) -> torch.Tensor:
-        """x [..., H] -> [..., H]. ``router_logits``: already computed; ``routing``: the top-k
-        table already computed too (``gating_in_router``)."""
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]. ``router_logits``: already computed (the decode step's
+        norm + router launch)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
-        if routing is not None:
-            out = self.dispatcher.run(x, routing, self.experts)  # [T, H]
-        elif router_logits is not None and self.route_in_experts and self.local_dropless:
-            r = self.router
-            out = self.experts.fused_logits(x, router_logits, r.top_k, r.score, r.renormalize)  # [T, H]
-        else:
-            routing = self.router(x, router_logits, maps=self._maps_needed(x))
-            out = self.dispatcher.run(x, routing, self.experts)  # [T, H]
+        routing = self.router(x, router_logits, maps=self._maps_needed(x))
+        out = self.dispatcher.run(x, routing, self.experts)  # [T, H]
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:

@@ -318,71 +318,17 @@ def test_argmax_rejects_empty_rows():
         kernels.argmax_triton(torch.empty(2, 0))
 
 
-@pytest.mark.gpu
-def test_topk_in_router_launch_gives_the_separate_gating_launch_step():
-    """The top-k table from the norm + router launch (MoELayer.topk_in_router, off by
-    default: measured no faster) and from a gating launch of its own give the embedded
-    model the same greedy tokens, graph and eager: the table is computed from the same
-    rounded logits either way."""
-    import moe_infer
-    from moe_infer.moe_layer import MoELayer
-
-    engine = moe_infer.load(device="cuda", progress=False)
-    prompts = ["Shall I compare thee to a summer's day?", "That time of year thou mayst in me behold"]
-    layers = [m for m in engine.model.modules() if isinstance(m, MoELayer)]
-    assert layers and not any(m.topk_in_router for m in layers)
-    runs = {}
-    for on in (True, False):
-        for m in layers:
-            m.topk_in_router = on
-        engine._decoders.clear()  # captured graphs hold the old path
-        for mode in ("graph", "eager"):
-            engine.decode_mode = mode
-            runs[on, mode] = [o.token_ids for o in engine.generate(prompts, max_new_tokens=12)]
-    assert len({tuple(map(tuple, r)) for r in runs.values()}) == 1, runs
-
-
-@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_switched_fusions_still_compute_the_same_step(device):
-    """The attention norm inside the QKV GEMM (Block.norm_in_qkv, on by default) switched off
-    and the gating inside the MoE kernels (MoELayer.route_in_experts, off by default: measured
-    slower) switched on: the embedded model's decode gives the same greedy tokens and close
-    logits."""
-    import moe_infer
-    from moe_infer.model import Block
-    from moe_infer.moe_layer import MoELayer
-
-    engine = moe_infer.load(device=device, progress=False)
-    prompts = ["Shall I compare thee to a summer's day?", "That time of year thou mayst in me behold"]
-    ids = [engine.tokenizer.encode(p) for p in prompts]
-    base = [o.token_ids for o in engine.generate(prompts, max_new_tokens=12)]
-    base_logits = engine.logits(ids)
-    switched = [m for m in engine.model.modules() if isinstance(m, (Block, MoELayer))]
-    assert any(isinstance(m, MoELayer) for m in switched)
-    for m in switched:
-        if isinstance(m, Block):
-            assert m.norm_in_qkv
-            m.norm_in_qkv = False
-        else:
-            m.route_in_experts = True
-    engine._decoders.clear()  # captured graphs hold the old path
-    assert [o.token_ids for o in engine.generate(prompts, max_new_tokens=12)] == base
-    logits = engine.logits(ids)
-    assert ((logits - base_logits).norm() / base_logits.norm()).item() < (1e-6 if device == "cpu" else 2e-2)
-
-
 @pytest.mark.parametrize("device,dtype", BACKENDS)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("rope", [True, False])
-def test_decode_context_in_one_launch_equals_the_torch_context(device, dtype, window, rope, monkeypatch):
-    """kernels.decode_context_triton against StepContext.decode_static's torch ops: the rows'
-    positions, the additive mask (left padding, a sliding window, a padding row that sees
-    only itself) and the rotary rows looked up in Rotary.table, for several slots."""
-    from dense import attention
+def test_decode_context_in_one_launch_equals_the_torch_context(device, dtype, window, rope):
+    """kernels.decode_context_triton against StepContext.decode_static's torch ops (on CPU
+    tensors, where it never takes the one launch): the rows' positions, the additive mask
+    (left padding, a sliding window, a padding row that sees only itself) and the rotary
+    rows looked up in Rotary.table, for several slots."""
     from dense.attention import StepContext
     from dense.rotary import Rotary
 
-    monkeypatch.setattr(attention, "FUSED_DECODE_CONTEXT", False)  # the reference: torch's ops
     b, s = 4, 37
     pad = torch.tensor([0, 3, 11, 36])  # the last row is all padding before slot 36
     slots = torch.arange(s)
@@ -392,13 +338,14 @@ def test_decode_context_in_one_launch_equals_the_torch_context(device, dtype, wi
     tables = rotary.table(s, dtype, torch.device(device)) if rope else None
     for slot in (0, 7, 20, 36):
         slot_t = torch.tensor(slot, device=device)
-        ref = StepContext.decode_static(slot_t, key_valid, positions, rotary, dtype, window)
+        ref = StepContext.decode_static(slot_t.cpu(), key_valid.cpu(), positions.cpu(), rotary, dtype, window)
         pos, bias, cos, sin = kernels.decode_context_triton(slot_t, key_valid, positions, dtype, tables, window)
-        assert torch.equal(pos, ref.positions) and bias.dtype == dtype and torch.equal(bias, ref.attn_mask)
+        assert torch.equal(pos.cpu(), ref.positions) and bias.dtype == dtype
+        assert torch.equal(bias.cpu(), ref.attn_mask)
         if rope:
             assert cos.shape == ref.cos.shape == (b, 1, 16)
-            torch.testing.assert_close(cos, ref.cos, rtol=0, atol=TOL[dtype] / 10)
-            torch.testing.assert_close(sin, ref.sin, rtol=0, atol=TOL[dtype] / 10)
+            torch.testing.assert_close(cos.cpu(), ref.cos, rtol=0, atol=TOL[dtype] / 10)
+            torch.testing.assert_close(sin.cpu(), ref.sin, rtol=0, atol=TOL[dtype] / 10)
         else:
             assert cos is None and sin is None and ref.cos is None
     if rope:  # positions past the tables read nothing outside them: zero rows
@@ -456,7 +403,7 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("bk,k,one,pdl", [(2048, 8, 1, 2), (512, 0, 0, 1)])
+@pytest.mark.parametrize("bk,k,one,pdl", [(2048, 8, 1, 2), (512, 0, 0, 2)])
 def test_rms_norm_router_compiles_for_hopper(bk, k, one, pdl):
     """The norm + router kernel's whole Triton compile for sm_90 (tests.hopper): one step
     over H with the weights loaded before the wait (ONE), and the loop over H in steps."""
@@ -482,7 +429,7 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("qk_norm,pdl", [(0, 0), (1, 2), (2, 1)])
+@pytest.mark.parametrize("qk_norm,pdl", [(0, 0), (1, 2), (2, 2)])
 def test_qkv_decode_compiles_for_hopper(qk_norm, pdl):
     """The QKV epilogue kernel's whole Triton compile for sm_90 (tests.hopper), with each
     q / k norm."""

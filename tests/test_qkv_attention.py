@@ -140,7 +140,7 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv", [(1, 16, 2, 2, 1), (8, 1, 1, 1, 0), (4, 4, 0, 0, 1)])
+@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv", [(1, 16, 2, 2, 1), (8, 1, 1, 2, 0), (4, 4, 0, 0, 1)])
 def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv):
     """The whole Triton compile for sm_90 (tests.hopper)."""
     out = compile_in_subprocess(_COMPILE, g, splits, qk_norm, pdl, pre_kv)
