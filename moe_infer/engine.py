@@ -89,6 +89,21 @@ class GenerationStats:
                 f"{rate(self.decoded_tokens, self.decode_s)}")
 
 
+def capture(step, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Runs ``step()`` twice on a side stream (every kernel compiled and loaded outside the
+    capture), then captures it in a CUDA graph -> (graph, the outputs its replays rewrite)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out
+
+
 class StaticDecoder:
     """The decode step with fixed shapes for one (batch, cache slots) bucket: its own KV
     cache and input buffers, the slot as a device tensor. ``graph=True`` captures the step
@@ -106,15 +121,7 @@ class StaticDecoder:
         self.tables = model.rotary_tables(slots)  # rotary rows looked up by position each step
         self.graph = None
         if graph:
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # compiles every kernel outside the capture
-                for _ in range(2):
-                    self._step()
-            torch.cuda.current_stream(dev).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = self._step()
+            self.graph, self.out = capture(self._step, dev)
 
     def _step(self):
         ctx = self.model.static_decode_context(self.slot, self.key_valid, self.positions, self.tables)

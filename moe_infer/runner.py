@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_infer.engine import Engine, prime_cuda_graphs
+from moe_infer.engine import Engine, capture, prime_cuda_graphs
 
 
 @dataclass
@@ -46,17 +46,8 @@ class PagedDecodeStep:
         self.inputs = torch.zeros(batch, 3 + self.blocks, dtype=torch.long, device=dev)
         self.host = torch.zeros_like(self.inputs, device="cpu", pin_memory=dev.type == "cuda")
         self.graph = None
-        if graph:
-            # Every row padding: the warm-up steps write only the cache's trash slot.
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # compiles every kernel outside the capture
-                for _ in range(2):
-                    self._step()
-            torch.cuda.current_stream(dev).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.out = self._step()
+        if graph:  # every row padding: the warm-up steps write only the cache's trash slot
+            self.graph, self.out = capture(self._step, dev, pool)
 
     def _step(self) -> torch.Tensor:
         cache, bs = self.runner.cache, self.runner.block_size
