@@ -85,31 +85,18 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tens
 
 def sample(logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [B, V] -> token ids [B], without a host sync."""
-    if params.greedy:
-        return kernels.argmax(logits)
-    logits = logits.float() / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token once the mass before it already reaches top_p (the first always stays).
-        drop = probs.cumsum(dim=-1) - probs >= params.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """logits [B, V] -> token ids [B], every row by ``params``, the noise drawn from
+    ``generator``; without a host sync (``sample_rows`` with one set of parameters)."""
+    return sample_rows(logits, [params] * logits.shape[0], [None] * logits.shape[0], shared=generator)
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                shared: torch.Generator | None = None) -> torch.Tensor:
     """logits [B, V], each row with its own parameters -> token ids [B], batched on the
     device with no host sync: one sort for every sampled row's top-k and top-p, then an
     exponential race (argmax of probs / Exp(1) noise, a draw from probs). A row with a
     generator draws its noise from it alone, so a seeded request samples the same tokens
-    whatever else shares its batch; the other rows share one draw."""
+    whatever else shares its batch; the other rows share one draw (from ``shared``)."""
     ids = kernels.argmax(logits)  # greedy rows keep these
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -127,9 +114,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     x = x.masked_fill(probs.cumsum(dim=-1) - probs >= knobs[:, 2:3], float("-inf"))
     probs = x.softmax(dim=-1)
     noise = torch.empty_like(probs)
-    shared = [j for j, i in enumerate(rows) if generators[i] is None]
-    if shared:
-        noise.exponential_()  # one draw for every row without a seed
+    if any(generators[i] is None for i in rows):
+        noise.exponential_(generator=shared)  # one draw for every row without a generator of its own
     for j, i in enumerate(rows):
         if generators[i] is not None:
             noise[j].exponential_(generator=generators[i])
