@@ -169,10 +169,15 @@ class PagedKVCache:
         bs = self.block_size
         return [table[i // bs] * bs + i % bs for i in range(start, stop)]
 
-    def set_step(self, write_slots: torch.Tensor, read_slots: torch.Tensor):
-        """write_slots [B, T]: slot of each new token (``trash`` for padding);
-        read_slots [B, S]: slots of the keys each row attends to, in token order."""
-        self.write_slots, self.read_slots = write_slots, read_slots
+    def set_step(self, write_slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, num_keys: int):
+        """write_slots [B, T]: slot of each new token (``trash`` for padding); tables [B, N]
+        each row's block table, lens [B] its tokens after the step: the keys each row
+        attends to are its first ``num_keys`` slots in token order (``trash`` past its length)."""
+        bs = self.block_size
+        k = torch.arange(num_keys, device=tables.device)
+        read = tables[:, k // bs] * bs + k % bs  # [B, S]
+        self.write_slots = write_slots
+        self.read_slots = torch.where(k[None, :] < lens[:, None], read, self.trash)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Stores k, v [B, KV heads, T, D] at the step's write slots."""

@@ -56,10 +56,7 @@ class PagedDecodeStep:
         lens = (pos[:, 0] + 1) * real  # [B] keys after this step (0: padding)
         write = tables.gather(1, pos // bs) * bs + pos % bs  # [B, 1]
         write = torch.where(valid[:, None], write, cache.trash)
-        k = torch.arange(self.keys, device=tokens.device)
-        read = tables[:, k // bs] * bs + k % bs  # [B, S]
-        read = torch.where(k[None, :] < lens[:, None], read, cache.trash)
-        cache.set_step(write, read)
+        cache.set_step(write, tables, lens, self.keys)
         model = self.runner.model
         ctx = model.paged_context(pos, valid[:, None], lens, self.keys)
         return model(tokens, ctx, cache, last_only=True)[:, -1].float()
@@ -148,10 +145,7 @@ class PagedRunner:
         width = math.ceil(s / bs)
         tables = torch.tensor([r.table[:width] + [0] * (width - len(r.table[:width])) for r in rows],
                               device=dev)  # [B, blocks]
-        k = torch.arange(s, device=dev)
-        read = tables[:, k // bs] * bs + k % bs  # [B, S]
-        read = torch.where(k[None, :] < lens[:, None], read, self.cache.trash)
-        self.cache.set_step(torch.tensor(write, device=dev), read)
+        self.cache.set_step(torch.tensor(write, device=dev), tables, lens, s)
         positions = torch.tensor(positions, device=dev)
         ctx = self.model.paged_context(positions, torch.tensor(valid, device=dev), lens, s)
         return self.model(torch.tensor(tokens, device=dev), ctx, self.cache, last_only=last_only)
