@@ -118,10 +118,10 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
     progress = progress and (not multi or dist.get_rank() == 0)  # one progress bar per job
     dev = resolve_device(device if device is not None else (rank_device or cfg.engine.device))
     dt = resolve_dtype(dtype if dtype is not None else cfg.engine.dtype, dev)
-    # Before anything is allocated: ranks on a CPU host share its memory.
-    staged = check_fits(cfg, dt, dev, groups, dist.get_world_size() if multi and dev.type == "cpu" else 1)
     with torch.device("meta"):
         model = Transformer(cfg, groups)
+    # Before anything is allocated: ranks on a CPU host share its memory.
+    staged = check_fits(cfg, dt, dev, model, dist.get_world_size() if multi and dev.type == "cpu" else 1)
     # int8 whose full-precision weights do not fit on the GPU: load them into host memory
     # and quantize onto the GPU one module at a time.
     _materialize(model, torch.device("cpu") if staged else dev, dt)

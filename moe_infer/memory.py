@@ -59,12 +59,12 @@ def _fake_groups(parallel: ParallelConfig) -> ParallelGroups:
                           group(parallel.dp))
 
 
-def meta_model(cfg: Config, groups: ParallelGroups | None = None):
+def meta_model(cfg: Config):
     """The model as rank 0 of ``cfg.parallel`` builds it, on the meta device."""
     from moe_infer.model import Transformer
 
     with torch.device("meta"):
-        return Transformer(cfg, groups or _fake_groups(cfg.parallel))
+        return Transformer(cfg, _fake_groups(cfg.parallel))
 
 
 def model_size(cfg: Config) -> ModelSize:
@@ -80,15 +80,15 @@ def model_size(cfg: Config) -> ModelSize:
     return ModelSize(total, active)
 
 
-def memory_need(cfg: Config, dtype: torch.dtype, groups: ParallelGroups | None = None,
-                int8: bool | None = None) -> MemoryNeed:
-    """Bytes rank 0 of ``cfg.parallel`` (or of ``groups``) needs for weights of ``dtype`` and
-    the KV cache of one ``max_seq_len`` sequence; ``int8`` defaults to ``cfg.engine.quantize``."""
+def memory_need(cfg: Config, dtype: torch.dtype, model=None, int8: bool | None = None) -> MemoryNeed:
+    """Bytes a rank needs for weights of ``dtype`` and the KV cache of one ``max_seq_len``
+    sequence: the rank that built ``model`` (only its shapes are read; by default rank 0 of
+    ``cfg.parallel``, on the meta device). ``int8`` defaults to ``cfg.engine.quantize``."""
     from dense.quant import linear_targets
     from moe_infer.experts import expert_targets
 
     int8 = cfg.engine.quantize == "int8" if int8 is None else int8
-    model = meta_model(cfg, groups)
+    model = model if model is not None else meta_model(cfg)
     size = dtype.itemsize
     stored = {}  # id(parameter) -> bytes when int8 replaces it
     staging = 0
@@ -137,21 +137,21 @@ def _spread(cfg: Config, ranks: int) -> Config | None:
         return None
 
 
-def check_fits(cfg: Config, dtype: torch.dtype, device: torch.device, groups: ParallelGroups,
-               ranks_here: int = 1) -> bool:
+def check_fits(cfg: Config, dtype: torch.dtype, device: torch.device, model, ranks_here: int = 1) -> bool:
     """Raises ``ConfigError`` (one line: needed, available, what would fit) unless the
-    weights and one full-length sequence's KV cache fit in the device's free memory;
-    ``ranks_here`` ranks share it (CPU ranks share the host's memory).
+    weights of ``model`` (this rank's, on the meta device) and one full-length sequence's KV
+    cache fit in the device's free memory; ``ranks_here`` ranks share it (CPU ranks share
+    the host's memory).
 
     Returns whether an int8 model must be staged: loaded in full precision into host
     memory and quantized onto the GPU module by module, because its full-precision
     weights do not fit on the GPU (they are what the direct path loads first)."""
     have = available_bytes(device)
-    full = memory_need(cfg, dtype, groups, int8=False)
+    full = memory_need(cfg, dtype, model, int8=False)
     if full.total * ranks_here <= have:
         return False
     if cfg.engine.quantize == "int8" and device.type == "cuda":
-        need = memory_need(cfg, dtype, groups)
+        need = memory_need(cfg, dtype, model)
         host = available_bytes(torch.device("cpu"))
         if need.total + need.staging <= have and full.weights * ranks_here <= host:
             return True
@@ -165,7 +165,7 @@ def check_fits(cfg: Config, dtype: torch.dtype, device: torch.device, groups: Pa
     per_rank = " per rank" if cfg.parallel.world_size > 1 else ""
     hints = []
     if cfg.engine.quantize != "int8":
-        q = memory_need(cfg, dtype, groups, int8=True)
+        q = memory_need(cfg, dtype, model, int8=True)
         if q.total * ranks_here <= have and (device.type == "cuda" or ranks_here == 1):
             hints.append(f"--quantize int8 ({q.total / GB:.1f} GB{per_rank})")
     for ranks in (2, 4, 8, 16, 32, 64) if device.type == "cuda" else ():  # CPU ranks share one host

@@ -155,24 +155,24 @@ def test_too_large_fails_before_allocating_with_what_would_fit(monkeypatch):
     cfg = load_preset("olmoe-1b-7b")
     full = memory.memory_need(cfg, torch.bfloat16).total
     int8 = memory.memory_need(cfg, torch.bfloat16, int8=True).total
-    groups = memory._fake_groups(cfg.parallel)
+    model = memory.meta_model(cfg)
     monkeypatch.setattr(memory, "available_bytes", lambda device: (full + int8) // 2)
     with pytest.raises(ConfigError, match=r"it would fit with --quantize int8 \(7\.\d GB\), or 2 ranks of one "
                                           r"device each \(scripts/launch.sh -n 2 -- moe-infer \.\.\. --tp 2 --ep 2"):
-        memory.check_fits(cfg, torch.bfloat16, torch.device("cuda"), groups)
+        memory.check_fits(cfg, torch.bfloat16, torch.device("cuda"), model)
 
 
 def test_int8_that_fits_only_quantized_is_staged_through_host_memory(monkeypatch):
     cfg = load_preset("olmoe-1b-7b")
     cfg.engine.quantize = "int8"
-    groups = memory._fake_groups(cfg.parallel)
+    model = memory.meta_model(cfg)
     full = memory.memory_need(cfg, torch.bfloat16, int8=False).total
     need = memory.memory_need(cfg, torch.bfloat16)
     assert need.weights < full / 1.8 and 0 < need.staging < need.weights
     monkeypatch.setattr(memory, "available_bytes", lambda device: full if device.type == "cpu" else full - 1)
-    assert memory.check_fits(cfg, torch.bfloat16, torch.device("cuda"), groups) is True
+    assert memory.check_fits(cfg, torch.bfloat16, torch.device("cuda"), model) is True
     monkeypatch.setattr(memory, "available_bytes", lambda device: full + 1)
-    assert memory.check_fits(cfg, torch.bfloat16, torch.device("cuda"), groups) is False
+    assert memory.check_fits(cfg, torch.bfloat16, torch.device("cuda"), model) is False
 
 
 def test_quantize_model_moves_module_by_module():
