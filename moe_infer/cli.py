@@ -130,8 +130,8 @@ def _generate(args, job: Job) -> int:
                        parallel=parallel, quantize=args.quantize)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
-    job.stage(engine.check_request, prompts, **sampling)
-    outs = engine.generate(prompts, **sampling)
+    rows, _ = job.stage(engine.check_request, prompts, **sampling)
+    outs = engine.generate(rows, **sampling)  # the token ids: the prompts are not encoded again
     if job.leader:  # every rank holds every completion; one prints them
         _print_completions(prompts, outs)
         if not args.quiet:

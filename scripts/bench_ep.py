@@ -31,6 +31,7 @@ from comm import ParallelGroups, bootstrap, shutdown  # noqa: E402
 from dense import Attention, KVCache, MLP, StepContext  # noqa: E402
 from moe_infer.config import ModelConfig, MoEConfig, ParallelConfig  # noqa: E402
 from moe_infer.dispatch import ExpertParallelDispatcher  # noqa: E402
+from moe_infer.engine import capture  # noqa: E402
 from moe_infer.moe_layer import MoELayer  # noqa: E402
 
 SHAPES = {  # name: H, F, E, k
@@ -143,15 +144,7 @@ def dense_case(tp_size: int, device, dtype, reps: int, hidden: int, heads: int, 
         eager_us, _ = timed(step, device, reps)
         row = {"tp": tp_size, "eager_us": eager_us}
         if device.type == "cuda":  # the layer as decode replays it: one CUDA graph, NCCL inside
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+            graph, _ = capture(step, device)
             row["graph_us"], _ = timed(graph.replay, device, reps)
     weights = sum(p.numel() * p.element_size() for p in list(attn.parameters()) + list(mlp.parameters()))
     row["weight_bytes_per_rank"] = weights
