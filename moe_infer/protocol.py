@@ -15,6 +15,8 @@ import dataclasses
 import functools
 import json
 import reprlib
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -268,6 +270,29 @@ class Parsed:
     ignore_eos: bool
 
 
+class Outbox:
+    """Events from the engine thread to the queues of one event loop, handed over in
+    batches: the loop is woken once for everything posted since it last ran, not once per
+    token of every stream."""
+
+    def __init__(self, loop):
+        self.loop, self.items, self.lock, self.armed = loop, [], threading.Lock(), False
+
+    def post(self, queue, item):
+        with self.lock:
+            self.items.append((queue, item))
+            if self.armed:
+                return
+            self.armed = True
+        self.loop.call_soon_threadsafe(self._hand_over)
+
+    def _hand_over(self):
+        with self.lock:
+            items, self.items, self.armed = self.items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class Handler:
     """Turns validated OpenAI requests into scheduler requests and their answers."""
 
@@ -276,6 +301,12 @@ class Handler:
         self.model_name = cfg.model_name or engine.config.name
         self.chat_template = self._chat_template()
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
+        self.outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> Outbox
+
+    def _outbox(self, loop) -> Outbox:
+        if loop not in self.outboxes:
+            self.outboxes[loop] = Outbox(loop)
+        return self.outboxes[loop]
 
     def _chat_template(self):
         import jinja2
@@ -411,14 +442,14 @@ class Handler:
                 raise ApiError(400, f"prompt[{i}]: {len(p)} tokens + max_tokens={parsed.max_tokens} exceed the "
                                f"context length {limit}", "max_tokens" if len(p) < limit else "prompt",
                                "context_length_exceeded")
-        reqs = []
+        reqs, outbox = [], self._outbox(loop)
         seed = parsed.params.seed
         for i, p in enumerate(parsed.prompts):
             for j in range(n):
                 choice = i * n + j
                 r = Request(p, dataclasses.replace(parsed.params, seed=None if seed is None else seed + j),
                             parsed.max_tokens,
-                            lambda kind, data, c=choice: loop.call_soon_threadsafe(queue.put_nowait, (c, kind, data)),
+                            lambda kind, data, c=choice: outbox.post(queue, (c, kind, data)),
                             parsed.stop, min_tokens=parsed.min_tokens, ignore_eos=parsed.ignore_eos,
                             logprobs=parsed.logprobs, prompt_logprobs=parsed.logprobs if parsed.echo else None)
                 reqs.append(r)

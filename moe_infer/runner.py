@@ -30,12 +30,14 @@ class Row:
     tokens: list[int]
     start: int
     table: list[int]
+    src: int = -1  # >= 0: the last new token is ``PagedRunner.prev[src]`` (sampled on the device)
 
 
 class PagedDecodeStep:
     """The decode step of at most ``batch`` rows over at most ``keys`` key slots each, with
-    fixed shapes. ``inputs`` [B, 3 + N] holds per row: the new token, its position (the
-    tokens cached before it), 1 for a real row or 0 for padding, then the block table.
+    fixed shapes. ``inputs`` [B, 4 + N] holds per row: the new token, its position (the
+    tokens cached before it), 1 for a real row or 0 for padding, the index in
+    ``runner.prev`` to take the token from instead (-1: none), then the block table.
     With ``graph`` the step is captured once and replayed; otherwise it runs eagerly (the
     same math, for CPU tests)."""
 
@@ -43,7 +45,7 @@ class PagedDecodeStep:
         self.runner, self.batch, self.keys = runner, batch, keys
         dev = runner.engine.device
         self.blocks = keys // runner.block_size
-        self.inputs = torch.zeros(batch, 3 + self.blocks, dtype=torch.long, device=dev)
+        self.inputs = torch.zeros(batch, 4 + self.blocks, dtype=torch.long, device=dev)
         self.host = torch.zeros_like(self.inputs, device="cpu", pin_memory=dev.type == "cuda")
         self.graph = None
         if graph:  # every row padding: the warm-up steps write only the cache's trash slot
@@ -51,7 +53,9 @@ class PagedDecodeStep:
 
     def _step(self) -> torch.Tensor:
         cache, bs = self.runner.cache, self.runner.block_size
-        tokens, pos, real, tables = self.inputs[:, :1], self.inputs[:, 1:2], self.inputs[:, 2], self.inputs[:, 3:]
+        tokens, pos, real, src, tables = (self.inputs[:, :1], self.inputs[:, 1:2], self.inputs[:, 2],
+                                          self.inputs[:, 3:4], self.inputs[:, 4:])
+        tokens = torch.where(src >= 0, self.runner.prev[src.clamp(min=0)], tokens)
         valid = real.bool()  # [B]
         lens = (pos[:, 0] + 1) * real  # [B] keys after this step (0: padding)
         write = tables.gather(1, pos // bs) * bs + pos % bs  # [B, 1]
@@ -67,8 +71,8 @@ class PagedDecodeStep:
         h.fill(0)
         for i, r in enumerate(rows):
             blocks = r.table[:self.blocks]
-            h[i, :3] = r.tokens[0], r.start, 1
-            h[i, 3:3 + len(blocks)] = blocks
+            h[i, :4] = r.tokens[0], r.start, 1, r.src
+            h[i, 4:4 + len(blocks)] = blocks
         self.inputs.copy_(self.host, non_blocking=True)
         if self.graph is None:
             return self._step()[:len(rows)]
@@ -93,6 +97,9 @@ class PagedRunner:
         self.static = self.graph  # CPU tests set it to run the fixed-shape step eagerly
         self._steps: OrderedDict[tuple[int, int], PagedDecodeStep] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.graph else None  # one pool: steps never overlap
+        # The tokens sampled by the last step, which the next one feeds without a trip
+        # through the host (``Row.src``): the scheduler writes them.
+        self.prev = torch.zeros(max_batch, dtype=torch.long, device=engine.device)
 
     def step_for(self, batch: int, keys: int) -> PagedDecodeStep | None:
         """The fixed-shape decode step of the bucket holding ``batch`` rows of at most
@@ -141,11 +148,21 @@ class PagedRunner:
             valid.append([False] * pad + [True] * len(r.tokens))
             write.append([self.cache.trash] * pad + self.cache.slots(r.table, r.start, r.start + len(r.tokens)))
         s = max(r.start + len(r.tokens) for r in rows)  # keys of the longest row
-        lens = torch.tensor([r.start + len(r.tokens) for r in rows], device=dev)  # [B]
+        lens = to_device([r.start + len(r.tokens) for r in rows], dev)  # [B]
         width = math.ceil(s / bs)
-        tables = torch.tensor([r.table[:width] + [0] * (width - len(r.table[:width])) for r in rows],
-                              device=dev)  # [B, blocks]
-        self.cache.set_step(torch.tensor(write, device=dev), tables, lens, s)
-        positions = torch.tensor(positions, device=dev)
-        ctx = self.model.paged_context(positions, torch.tensor(valid, device=dev), lens, s)
-        return self.model(torch.tensor(tokens, device=dev), ctx, self.cache, last_only=last_only)
+        tables = to_device([r.table[:width] + [0] * (width - len(r.table[:width])) for r in rows], dev)  # [B, N]
+        self.cache.set_step(to_device(write, dev), tables, lens, s)
+        ctx = self.model.paged_context(to_device(positions, dev), to_device(valid, dev), lens, s)
+        tokens = to_device(tokens, dev)
+        fed = [(i, r.src) for i, r in enumerate(rows) if r.src >= 0]
+        if fed:
+            at, src = to_device(fed, dev).T
+            tokens[at, -1] = self.prev[src]
+        return self.model(tokens, ctx, self.cache, last_only=last_only)
+
+
+def to_device(data: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list on the device without waiting for the work queued there: a blocking
+    copy (torch.tensor(..., device=...)) would synchronize the stream, and the host could
+    no longer prepare one step while the device runs the one before."""
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)

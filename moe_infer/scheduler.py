@@ -3,18 +3,29 @@
 Shape letters: B rows this step, T new tokens per row (left-padded), S key slots per row,
 V vocab.
 
-Each iteration of ``Scheduler.step`` is schedule / run / post-process:
+Each iteration of ``Scheduler.step`` is schedule / launch / deliver:
 - schedule: drop finished and cancelled requests (a cancelled one's blocks go back here, a
   finished one's already went back when it finished, before its client was told), then
   admit waiting requests while the batch has room and the free blocks cover each one's
   prompt + max_tokens (reserved at admission, so a running request never runs out);
-- run: one prefill forward over chunks of the admitted prompts (at most ``prefill_chunk``
-  tokens a step, so long prompts do not stall the batch), then one decode forward for
-  every running request whose prompt is cached (it joins the batch at the next step);
-- post-process: apply each request's logit processors (logit bias, the min_tokens EOS mask,
-  penalties), sample, detect EOS / stop strings / max_tokens (a finished request's blocks go
-  back), stream the text delta and any log-probabilities asked for. Everything the host
-  needs from a step comes back in one copy.
+- launch: one prefill forward over chunks of the admitted prompts (at most
+  ``prefill_chunk`` tokens a step, so long prompts do not stall the batch), then one decode
+  forward for every running request whose prompt is cached (it joins the batch at the next
+  step); then each request's logit processors (logit bias, the min_tokens EOS mask,
+  penalties) and sampling, all queued on the device. Everything the host needs from the
+  step starts its way back in one copy;
+- deliver: read the previous step's tokens, detect EOS / stop strings / max_tokens (a
+  finished request's blocks go back), stream the text delta and any log-probabilities
+  asked for.
+
+On one rank the host delivers step k while the device runs step k + 1: step k + 1 feeds
+each row the token step k sampled straight from the device (``PagedRunner.prev``), so the
+host's work per token (detokenizing, stop strings, streaming) hides behind the device's.
+A request that step k ends (EOS, a stop string) has already joined step k + 1: that row's
+token is dropped, and its KV write lands in the blocks it reserved (a request never feeds
+a token past ``max_tokens``), before any later step can reuse them. Under mpirun rank 0
+delivers each step before it launches the next, so that every row's token is known on the
+host and can be broadcast.
 
 Log-probabilities are those of the raw model output (vLLM's default ``raw_logprobs``):
 log_softmax of the logits before logit bias, penalties, temperature, top-k and top-p. So a
@@ -22,7 +33,7 @@ token sampled at temperature 1.5 reports how likely the model found it, not how 
 sampler was to draw it.
 
 ``PagedRunner`` is the only code that touches the model; on several ranks rank 0
-broadcasts each step's rows so the others run the same forward (``follow``).
+broadcasts each step's rows so the others run the same forward (``moe_infer.ranks``).
 """
 from __future__ import annotations
 
@@ -36,10 +47,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-
 from moe_infer.engine import Engine
-from moe_infer.runner import PagedRunner, Row
+from moe_infer.runner import PagedRunner, Row, to_device
 from moe_infer.sampling import SamplingParams, apply_penalties, sample_rows
+from moe_infer.tokenizer import decode_delta
 
 
 class Logprob(NamedTuple):
@@ -59,28 +70,42 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
     return lp.gather(-1, tokens[:, None])[:, 0], top.values, top.indices
 
 
-def _device(data: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host list on the device without waiting for the work queued there: a blocking
-    copy (torch.tensor(..., device=...)) would synchronize the stream mid-step."""
-    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
-
-
 def _pairs(ids: list, vals: list, row: int, k: int) -> list[tuple[int, float]]:
     """Row ``row`` of flattened [N, k] top-k ids and logprobs -> [(id, logprob)]."""
     return list(zip(map(int, ids[row * k:(row + 1) * k]), vals[row * k:(row + 1) * k]))
 
 
-def _to_host(parts: list[torch.Tensor]) -> list[list]:
-    """Several device tensors in one copy (one host sync): flattened into float64, which
-    holds token ids and float32 logprobs exactly, and split again."""
-    if len(parts) == 1:
-        return [parts[0].tolist()]
-    flat = torch.cat([t.reshape(-1).double() for t in parts]).tolist()
-    out, at = [], 0
-    for t in parts:
-        out.append(flat[at:at + t.numel()])
-        at += t.numel()
-    return out
+class _Sampled(NamedTuple):
+    """One step's sampled tokens and log-probabilities on their way to the host: every part
+    flattened into float64 (which holds token ids and float32 logprobs exactly) in one copy."""
+
+    reqs: list  # [Request], one per row
+    lp_rows: list[int]  # rows whose token logprobs were asked for
+    scored: list  # [Request] whose prompt logprobs come with this token
+    host: torch.Tensor  # the flat values (pinned on a GPU, the copy maybe still running)
+    sizes: list[int]  # each part's length in ``host``
+    ready: torch.cuda.Event | None  # recorded after the copy (None on a CPU)
+
+    @staticmethod
+    def start(reqs, lp_rows, scored, parts: list[torch.Tensor]) -> "_Sampled":
+        flat = torch.cat([t.reshape(-1).double() for t in parts])
+        if flat.device.type != "cuda":
+            return _Sampled(reqs, lp_rows, scored, flat, [t.numel() for t in parts], None)
+        host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Sampled(reqs, lp_rows, scored, host, [t.numel() for t in parts], ready)
+
+    def values(self) -> list[list]:
+        """Waits for the copy -> the parts as host lists."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        flat, out, at = self.host.tolist(), [], 0
+        for n in self.sizes:
+            out.append(flat[at:at + n])
+            at += n
+        return out
 
 
 class QueueFull(Exception):
@@ -112,8 +137,10 @@ class Request:
     generated: list[int] = field(default_factory=list)
     table: list[int] = field(default_factory=list)
     cached: int = 0  # tokens of this sequence in the KV cache
-    pending: int | None = None  # the last sampled token, not yet in the cache
+    sampled: int = 0  # tokens sampled, delivered or not (``generated`` holds the delivered ones)
+    src: int = -1  # the row of its last sampled token in ``PagedRunner.prev``
     text: str = ""  # decoded text of ``generated`` (stop strings cut it)
+    detok: tuple[int, int] = (0, 0)  # ``decode_delta``'s (prefix, read) over ``generated``
     sent: int = 0  # characters already streamed
     stop_floor: int = 0  # stop strings match from this character of ``text`` on (min_tokens)
     counts: torch.Tensor | None = None  # [V] each token's count in ``generated`` (penalties)
@@ -144,6 +171,7 @@ class Scheduler:
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.broadcast: Callable[[list[Row]], None] | None = None  # set on multi-rank jobs
+        self.inflight: _Sampled | None = None  # the step launched, not yet delivered
 
     # ----------------------------------------------------------------- from the server
 
@@ -185,7 +213,7 @@ class Scheduler:
         """The engine thread: iterate while there is work, sleep on the condition otherwise."""
         while not stop.is_set():
             with self.lock:
-                while not stop.is_set() and not self.waiting and not self.running:
+                while not stop.is_set() and not self.waiting and not self.running and self.inflight is None:
                     self.wake.wait(timeout=0.5)
             if not stop.is_set():
                 try:
@@ -202,6 +230,7 @@ class Scheduler:
                     r.on_event("error", {"message": message})
                 self._release(r)
             self.running = []
+            self.inflight = None
 
     def _release(self, r: Request):
         """Gives a request's KV blocks back (under the lock)."""
@@ -210,10 +239,24 @@ class Scheduler:
 
     def step(self):
         self._schedule()
+        launched = self._launch()
+        if self.inflight is not None:  # the device is busy with ``launched`` meanwhile
+            self._deliver(self.inflight)
+            self.inflight = None
+        if launched is not None:
+            if self.broadcast is None:
+                self.inflight = launched
+            else:
+                self._deliver(launched)
+        self._report()
+
+    def _launch(self) -> _Sampled | None:
+        """Queues one step's forwards and sampling on the device -> its results on their way
+        to the host (None if no row ran)."""
         # Prefill in chunks of at most prefill_chunk tokens a step (over all prefilling
         # requests, oldest first), so a long prompt cannot stall the running batch's next
         # token for long; a request samples its first token when its last chunk is cached.
-        budget, chunks = self.prefill_chunk, []
+        budget, chunks, groups = self.prefill_chunk, [], []
         for r in self.running:
             if r.finish is None and r.cached < len(r.prompt) and budget > 0:
                 n = min(budget, len(r.prompt) - r.cached)
@@ -233,17 +276,21 @@ class Scheduler:
                 r.cached += n
             done = [i for i, (r, _) in enumerate(chunks) if r.cached == len(r.prompt)]
             if done:
-                self._post_process([chunks[i][0] for i in done], logits[done])
-        prefilled = {id(r) for r, _ in chunks}
-        decoding = [r for r in self.running
-                    if r.finish is None and r.pending is not None and id(r) not in prefilled]
+                groups.append(([chunks[i][0] for i in done], logits[done]))
+        # Every request with a sampled token to feed, delivered or not; never past max_tokens.
+        decoding = [r for r in self.running if r.finish is None and not r.cancelled and 0 < r.sampled < r.max_tokens]
         if decoding:
-            rows = [Row([r.pending], r.cached, r.table) for r in decoding]
+            on_device = self.broadcast is None
+            rows = [Row([0], r.cached, r.table, r.src) if on_device else Row([r.generated[-1]], r.cached, r.table)
+                    for r in decoding]
             logits = self._forward(rows)
             for r in decoding:
                 r.cached += 1
-            self._post_process(decoding, logits)
-        self._report()
+            groups.append((decoding, logits))
+        if not groups:
+            return None
+        reqs = [r for g, _ in groups for r in g]
+        return self._sample_step(reqs, groups[0][1] if len(groups) == 1 else torch.cat([x for _, x in groups]))
 
     def _forward(self, rows: list[Row], all_positions: bool = False) -> torch.Tensor:
         """-> logits [B, V] of each row's last token ([B, T, V] of all with ``all_positions``)."""
@@ -257,7 +304,7 @@ class Scheduler:
         next token; the last prompt position predicts the first generated one instead."""
         targets = r.prompt[start + 1:start + 1 + len(logits)]
         if targets:
-            ids = _device(targets, logits.device)
+            ids = to_device(targets, logits.device)
             r.prompt_lp.append(token_logprobs(logits[:len(targets)], ids, r.prompt_logprobs))
 
     def _schedule(self):
@@ -281,18 +328,35 @@ class Scheduler:
                 r.table, self.free_blocks = self.free_blocks[:need], self.free_blocks[need:]
                 self.running.append(r)
 
-    def _post_process(self, reqs: list[Request], logits: torch.Tensor):
+    def _sample_step(self, reqs: list[Request], logits: torch.Tensor) -> _Sampled:
+        """Samples each row's next token on the device: into ``runner.prev`` for the next
+        step to feed, into the penalty state, and on its way to the host with the logprobs
+        asked for (taken from ``logits`` as the model gave them, not the processed ones)."""
         tokens = self._sample(reqs, self._processed(reqs, logits))  # [B] on the device
-        # Logprobs come from ``logits`` as the model gave them, not the processed ones.
+        self.runner.prev[:len(reqs)].copy_(tokens)
         lp_rows = [i for i, r in enumerate(reqs) if r.logprobs is not None]
-        scored = [r for r in reqs if r.prompt_logprobs is not None and r.last_token_at is None]
-        host = _to_host([tokens] + self._logprob_parts(reqs, lp_rows, scored, logits, tokens))  # the one sync
-        tokens = [int(t) for t in host[0]]
-        picked, prompt_scores = self._read_logprobs(reqs, lp_rows, scored, tokens, host[1:])
+        scored = [r for r in reqs if r.prompt_logprobs is not None and r.sampled == 0]
+        for i, r in enumerate(reqs):
+            r.src, r.sampled = i, r.sampled + 1
+            if r.counts is not None:  # penalty state, on the device
+                r.counts.index_add_(0, tokens[i:i + 1], self._one(r.counts))
+                r.seen.index_fill_(0, tokens[i:i + 1], True)
+        return _Sampled.start(reqs, lp_rows, scored,
+                              [tokens] + self._logprob_parts(reqs, lp_rows, scored, logits, tokens))
+
+    @staticmethod
+    def _one(like: torch.Tensor) -> torch.Tensor:
+        return torch.ones(1, dtype=like.dtype, device=like.device)
+
+    def _deliver(self, step: _Sampled):
+        """The host's part of a step: tokens to requests, text and events to clients."""
+        host = step.values()
+        reqs, tokens = step.reqs, [int(t) for t in host[0]]
+        picked, prompt_scores = self._read_logprobs(reqs, step.lp_rows, step.scored, tokens, host[1:])
         now = time.monotonic()
         tok = self.engine.tokenizer
         for i, (r, t) in enumerate(zip(reqs, tokens)):
-            if r.cancelled:
+            if r.cancelled or r.finish is not None:  # ended while this step ran: its token is dropped
                 continue
             if self.metrics is not None:
                 if r.last_token_at is None:
@@ -306,20 +370,18 @@ class Scheduler:
                 self._finish(r, "length")
                 continue
             if t in self.engine.eos and not r.ignore_eos:  # min_tokens masked EOS while it applies
+                self._flush_text(r)
                 self._finish(r, "stop")
                 continue
             r.generated.append(t)
-            r.pending = t
-            if r.counts is not None:  # penalty state, on the device, without a sync
-                r.counts[t] += 1
-                r.seen[t] = True
             if self.metrics is not None:
                 self.metrics.tokens(1)
             delta = ""
             if tok is not None:
-                r.text = tok.decode(r.generated)
+                added, *r.detok = decode_delta(tok, r.generated, *r.detok)
+                r.text += added
                 if len(r.generated) < r.min_tokens:  # stop strings match only in later text
-                    r.stop_floor = len(r.text.rstrip("\ufffd"))
+                    r.stop_floor = len(r.text)
                 cut = min((c for c in (r.text.find(s, r.stop_floor) for s in r.stop) if c >= 0), default=-1)
                 if cut >= 0 and len(r.generated) >= r.min_tokens:
                     r.text = r.text[:cut]
@@ -329,7 +391,7 @@ class Scheduler:
                 delta = self._emit_text(r, final=False)
             r.on_event("token", {"text": delta, "token_id": t, "logprob": picked.get(i)})
             if len(r.generated) >= r.max_tokens:
-                self._emit_text(r, final=True)
+                self._flush_text(r)
                 self._finish(r, "length")
 
     def _logprob_parts(self, reqs, lp_rows: list[int], scored: list[Request], logits, tokens) -> list:
@@ -338,7 +400,7 @@ class Scheduler:
         in ``scored`` (whose prompt's logprobs travel with its first token)."""
         parts = []
         if lp_rows:
-            rows = _device(lp_rows, tokens.device)
+            rows = to_device(lp_rows, tokens.device)
             parts += token_logprobs(logits[rows], tokens[rows], max(reqs[i].logprobs for i in lp_rows))
         for r in scored:
             chunks = r.prompt_lp or [token_logprobs(logits[:0], tokens[:0], r.prompt_logprobs)]  # 1-token prompt
@@ -361,6 +423,14 @@ class Scheduler:
             prompt_scores[id(r)] = [Logprob(r.prompt[0], None, None)] + [
                 Logprob(t, got[m], _pairs(ids, vals, m, r.prompt_logprobs)) for m, t in enumerate(r.prompt[1:])]
         return picked, prompt_scores
+
+    def _flush_text(self, r: Request):
+        """Sends the text still held back (an incomplete character, a possible stop string's
+        start): the request ends."""
+        if self.engine.tokenizer is not None:
+            added, *r.detok = decode_delta(self.engine.tokenizer, r.generated, *r.detok, final=True)
+            r.text += added
+        self._emit_text(r, final=True)
 
     def _emit_text(self, r: Request, final: bool) -> str:
         """The text not yet sent; while more may come, hold back what could still become a
@@ -388,7 +458,7 @@ class Scheduler:
         is short of min_tokens, then penalties; batched over the rows that use each, on the
         device. The input itself when no request uses any."""
         bias = [i for i, r in enumerate(reqs) if r.params.logit_bias]
-        no_eos = [i for i, r in enumerate(reqs) if len(r.generated) < r.min_tokens and not r.ignore_eos]
+        no_eos = [i for i, r in enumerate(reqs) if r.sampled < r.min_tokens and not r.ignore_eos]
         pen = [i for i, r in enumerate(reqs) if r.params.penalized]
         if not (bias or no_eos or pen):
             return logits
@@ -400,21 +470,21 @@ class Scheduler:
                 if r.bias is None:
                     ids, vals = zip(*r.params.logit_bias)
                     r.bias = torch.zeros(vocab, device=dev).index_put_(
-                        (_device(list(ids), dev),), _device(list(vals), dev, torch.float32), accumulate=True)
-            logits.index_add_(0, _device(bias, dev), torch.stack([reqs[i].bias for i in bias]))
+                        (to_device(list(ids), dev),), to_device(list(vals), dev, torch.float32), accumulate=True)
+            logits.index_add_(0, to_device(bias, dev), torch.stack([reqs[i].bias for i in bias]))
         if no_eos and self.engine.eos:
-            eos = _device(sorted(self.engine.eos), dev)
-            logits[_device(no_eos, dev)[:, None], eos[None, :]] = float("-inf")
+            eos = to_device(sorted(self.engine.eos), dev)
+            logits[to_device(no_eos, dev)[:, None], eos[None, :]] = float("-inf")
         if pen:
             for i in pen:
                 r = reqs[i]
                 if r.counts is None:  # made at the first token, so nothing is generated yet
                     r.counts = torch.zeros(vocab, device=dev)
                     r.seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
-                    r.seen[_device(r.prompt, dev)] = True
-            p = _device([[reqs[i].params.presence_penalty, reqs[i].params.frequency_penalty,
+                    r.seen[to_device(r.prompt, dev)] = True
+            p = to_device([[reqs[i].params.presence_penalty, reqs[i].params.frequency_penalty,
                           reqs[i].params.repetition_penalty] for i in pen], dev, torch.float32)  # [B', 3]
-            rows = _device(pen, dev)
+            rows = to_device(pen, dev)
             penalized = apply_penalties(logits.index_select(0, rows), torch.stack([reqs[i].counts for i in pen]),
                                         torch.stack([reqs[i].seen for i in pen]), p[:, 0:1], p[:, 1:2], p[:, 2:3])
             logits.index_copy_(0, rows, penalized)
@@ -428,9 +498,3 @@ class Scheduler:
         if self.metrics is not None:
             with self.lock:
                 self.metrics.state(len(self.waiting), len(self.running), self.blocks_in_use)
-
-
-def follow(runner: PagedRunner, receive: Callable[[], list[Row] | None]):
-    """Ranks other than 0: run every step rank 0 broadcasts, until it sends None."""
-    while (rows := receive()) is not None:
-        runner.forward(rows)

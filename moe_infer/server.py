@@ -22,7 +22,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from fastapi import FastAPI, Request as HttpRequest  # the serve extras install these
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,7 +30,8 @@ from moe_infer import protocol
 from moe_infer.config import ConfigError, EngineConfig, ParallelConfig
 from moe_infer.engine import Engine
 from moe_infer.protocol import ApiError, Handler
-from moe_infer.scheduler import Row, Scheduler, follow
+from moe_infer.ranks import follow, row_channel
+from moe_infer.scheduler import Scheduler
 
 
 @dataclass
@@ -357,22 +357,29 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
                             yield event([choice(i, prompt_text[i], None)])
                     done, completion_tokens = 0, 0
                     while done < len(reqs):
-                        index, kind, data = await queue.get()
-                        if kind == "prompt":
-                            yield event([choice(index, prompt_text[index], None, None,
-                                                logprobs_of(index, data["logprobs"]))])
-                        elif kind == "token":
-                            lp = data["logprob"] and logprobs_of(index, [data["logprob"]])
-                            if data["text"] or data["token_id"] is not None:
-                                yield event([choice(index, data["text"], None, data["token_id"], lp)])
-                        elif kind == "error":  # the status is sent already: an error event ends it
-                            err = {"message": data["message"], "type": "server_error", "param": None, "code": 500}
-                            yield f"data: {json.dumps({'error': err})}\n\n"
-                            return
-                        else:
-                            done += 1
-                            completion_tokens += data["completion_tokens"]
-                            yield event([choice(index, "", data["finish_reason"])])
+                        # Everything queued goes out in one write: a busy server sends each
+                        # client its tokens per step, not one send per token.
+                        items, out = [await queue.get()], []
+                        while not queue.empty():
+                            items.append(queue.get_nowait())
+                        for index, kind, data in items:
+                            if kind == "prompt":
+                                out.append(event([choice(index, prompt_text[index], None, None,
+                                                         logprobs_of(index, data["logprobs"]))]))
+                            elif kind == "token":
+                                lp = data["logprob"] and logprobs_of(index, [data["logprob"]])
+                                if data["text"] or data["token_id"] is not None:
+                                    out.append(event([choice(index, data["text"], None, data["token_id"], lp)]))
+                            elif kind == "error":  # the status is sent already: an error event ends it
+                                err = {"message": data["message"], "type": "server_error", "param": None,
+                                       "code": 500}
+                                yield "".join(out) + f"data: {json.dumps({'error': err})}\n\n"
+                                return
+                            else:
+                                done += 1
+                                completion_tokens += data["completion_tokens"]
+                                out.append(event([choice(index, "", data["finish_reason"])]))
+                        yield "".join(out)
                     if parsed.include_usage:
                         yield event([], usage=usage(completion_tokens))
                     yield "data: [DONE]\n\n"
@@ -431,53 +438,6 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
 
 # --------------------------------------------------------------------------- launch
 
-def pack_rows(rows: list[Row] | None) -> torch.Tensor:
-    """A step's rows as one int64 tensor: the row count (-1: stop), then per row its token
-    count, start and table length, then every row's tokens and tables."""
-    if rows is None:
-        return torch.tensor([-1])
-    head = [len(rows)] + [v for r in rows for v in (len(r.tokens), r.start, len(r.table))]
-    return torch.tensor(head + [t for r in rows for t in r.tokens] + [b for r in rows for b in r.table])
-
-
-def unpack_rows(data: torch.Tensor) -> list[Row] | None:
-    values = data.tolist()
-    n = values[0]
-    if n < 0:
-        return None
-    rows, at = [], 1 + 3 * n
-    heads = [values[1 + 3 * i:4 + 3 * i] for i in range(n)]
-    for count, start, _ in heads:
-        rows.append(Row(values[at:at + count], start, []))
-        at += count
-    for row, (_, _, blocks) in zip(rows, heads):
-        row.table = values[at:at + blocks]
-        at += blocks
-    return rows
-
-
-def _row_channel():
-    """(send, receive) of each step's rows from rank 0 over torch.distributed, as one
-    device tensor (on the GPU under NCCL) after its size."""
-    import torch.distributed as dist
-
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-    def send(rows):
-        data = pack_rows(rows).to(dev)
-        dist.broadcast(torch.tensor([data.numel()], device=dev), src=0)
-        dist.broadcast(data, src=0)
-
-    def receive():
-        size = torch.empty(1, dtype=torch.int64, device=dev)
-        dist.broadcast(size, src=0)
-        data = torch.empty(int(size), dtype=torch.int64, device=dev)
-        dist.broadcast(data, src=0)
-        return unpack_rows(data.cpu())
-
-    return send, receive
-
-
 def serve(spec: ServeSpec, engine: Engine | None = None):
     """Runs the server until interrupted (over ``engine``, else the one ``spec`` asks for);
     on several ranks, ranks > 0 follow rank 0's steps."""
@@ -489,7 +449,7 @@ def serve(spec: ServeSpec, engine: Engine | None = None):
     multi = dist.is_initialized() and dist.get_world_size() > 1
     scheduler = build_scheduler(engine, cfg)
     if multi:
-        send, receive = _row_channel()
+        send, receive = row_channel()
         if dist.get_rank() != 0:
             follow(scheduler.runner, receive)
             return

@@ -6,19 +6,22 @@ request rate, beside the offline ``generate()`` throughput of the same requests.
     python scripts/bench_serve.py --model qwen3-30b-a3b --requests 64 --rates 2,8,inf
     python scripts/bench_serve.py --smoke                 # tiny-moe on the CPU, end to end
 
-The server runs in this process (uvicorn on a loopback port, its engine thread beside it);
-clients stream /v1/completions with token-id prompts, arriving as a Poisson process at
-each rate (inf: all at once). Every request asks for exactly ``--max-tokens`` tokens
+The server runs in this process (uvicorn on a loopback port, its engine thread beside it),
+as ``moe-infer serve`` runs it; the clients run in a process of their own, as a user's
+clients would, and stream /v1/completions with token-id prompts, arriving as a Poisson
+process at each rate (inf: all at once). Every request asks for exactly ``--max-tokens`` tokens
 (``ignore_eos`` is not an OpenAI field, so random-weight models may stop early at EOS;
 the tokens actually generated are counted). TTFT is arrival to the first streamed token;
-ITL the gaps between a request's streamed tokens. Writes
-bench/results/serve-<device>-<date>.json.
+ITL the gaps between a request's streamed tokens. Their references, measured in the same
+run through ``generate()``: the decode step at the server's largest batch (ITL) and one
+prefill of the median prompt (TTFT). Writes bench/results/serve-<device>-<date>.json.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import socket
 import statistics
@@ -87,6 +90,39 @@ async def run_rate(url, prompts, max_tokens, rate, seed):
     return res, wall
 
 
+def _client(url, prompts, max_tokens, rate, seed, conn):
+    conn.send(asyncio.run(run_rate(url, prompts, max_tokens, rate, seed)))
+
+
+def clients(url, prompts, max_tokens, rate, seed):
+    """``run_rate`` in a process of its own: the clients' JSON parsing must not take the
+    server's interpreter lock."""
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_client, args=(url, prompts, max_tokens, rate, seed, send), daemon=True)
+    proc.start()
+    out = recv.recv()
+    proc.join()
+    return out
+
+
+def reference_times(engine, prompts, batch: int) -> tuple[float, float]:
+    """-> (seconds of one decode step at ``batch`` rows, seconds to prefill the median
+    prompt alone and sample its first token), through generate()."""
+    def run(p, n):
+        bc.synchronize(engine.device)
+        t0 = time.perf_counter()
+        engine.generate(p, max_new_tokens=n)
+        bc.synchronize(engine.device)
+        return time.perf_counter() - t0
+
+    rows = prompts[:batch]
+    short, long = (statistics.median(run(rows, n) for _ in range(3)) for n in (8, 40))
+    median = sorted(prompts, key=len)[len(prompts) // 2]
+    prefill = statistics.median(run([median], 1) for _ in range(5))
+    return (long - short) / 32, prefill
+
+
 def pct(values, q):
     if not values:
         return float("nan")
@@ -130,18 +166,19 @@ def main():
     bc.synchronize(engine.device)
     offline_s = time.perf_counter() - t0
     offline_tokens = sum(len(o.token_ids) for o in outs)  # as streamed: an EOS is not a token
+    step_s, prefill_s = reference_times(engine, prompts, args.max_batch)
 
     blocks = args.max_batch * -(-max_len // args.block_size)
     app = create_app(engine, ServerConfig(block_size=args.block_size, num_blocks=blocks,
                                           prefill_chunk=args.prefill_chunk,
                                           max_queue=args.requests + 8))
     server, thread, url = start_server(app)
-    asyncio.run(run_rate(url, prompts, args.max_tokens, float("inf"), 0))  # warm-up: the whole workload
+    clients(url, prompts, args.max_tokens, float("inf"), 0)  # warm-up: the whole workload
     rows = []
     try:
         for rate_text in args.rates.split(","):
             rate = float(rate_text)
-            res, wall = asyncio.run(run_rate(url, prompts, args.max_tokens, rate, 1))
+            res, wall = clients(url, prompts, args.max_tokens, rate, 1)
             tokens = sum(r["tokens"] for r in res)
             ttft = [r["ttft"] for r in res if r["ttft"] is not None]
             itl = [x for r in res for x in r["itl"]]
@@ -150,7 +187,8 @@ def main():
                          "vs_offline": (tokens / wall) / (offline_tokens / offline_s),
                          "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
                          "itl_ms": {q: 1e3 * pct(itl, q) for q in (50, 90, 99)},
-                         "itl_mean_ms": 1e3 * statistics.fmean(itl) if itl else float("nan")})
+                         "itl_mean_ms": 1e3 * statistics.fmean(itl) if itl else float("nan"),
+                         "itl_p50_vs_step": pct(itl, 50) / step_s, "ttft_p50_vs_prefill": pct(ttft, 50) / prefill_s})
     finally:
         server.should_exit = True
         thread.join(timeout=30)
@@ -163,16 +201,21 @@ def main():
           f"max batch {args.max_batch}, KV blocks {blocks} x {args.block_size}, prefill chunk {args.prefill_chunk}")
     print(f"offline generate(): {offline_tokens} tokens in {offline_s:.2f} s = {offline_tokens / offline_s:.1f} "
           "tokens/s (same prompts, batches of max batch, no server)")
-    cols = ["rate req/s", "tokens/s", "x offline", "req/s", "TTFT p50 ms", "TTFT p90", "TTFT p99", "ITL p50 ms", "ITL p90",
-            "ITL p99", "wall s"]
+    print(f"references through generate(): decode step at batch {args.max_batch} {1e3 * step_s:.2f} ms, "
+          f"prefill of the median prompt {1e3 * prefill_s:.1f} ms")
+    cols = ["rate req/s", "tokens/s", "x offline", "req/s", "TTFT p50 ms", "TTFT p90", "TTFT p99", "TTFT/prefill",
+            "ITL p50 ms", "ITL p90", "ITL p99", "ITL/step", "wall s"]
     print(bc.format_table(cols, [[r["rate"], f"{r['tokens_per_s']:.1f}", f"{r['vs_offline']:.3f}",
                                   f"{r['requests_per_s']:.2f}",
                                   *(f"{r['ttft_ms'][q]:.1f}" for q in (50, 90, 99)),
-                                  *(f"{r['itl_ms'][q]:.1f}" for q in (50, 90, 99)), f"{r['wall_s']:.2f}"]
+                                  f"{r['ttft_p50_vs_prefill']:.2f}",
+                                  *(f"{r['itl_ms'][q]:.1f}" for q in (50, 90, 99)),
+                                  f"{r['itl_p50_vs_step']:.2f}", f"{r['wall_s']:.2f}"]
                                  for r in rows]))
     if not args.smoke:
         bc.write_results("serve", engine.device, {"run": run, "model": args.model, "args": vars(args),
-                                                  "offline": {"tokens": offline_tokens, "seconds": offline_s},
+                                                  "offline": {"tokens": offline_tokens, "seconds": offline_s,
+                                                              "decode_step_s": step_s, "median_prefill_s": prefill_s},
                                                   "rates": rows})
 
 

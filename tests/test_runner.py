@@ -78,9 +78,67 @@ def test_scheduler_through_the_fixed_shape_step_matches_generate(engine):
 
 def test_step_rows_travel_as_one_int64_tensor():
     pytest.importorskip("fastapi")
-    from moe_infer.server import pack_rows, unpack_rows
+    from moe_infer.ranks import pack_rows, unpack_rows
 
     rows = [Row([1, 2, 3], 0, [5, 6]), Row([9], 17, [1, 2, 3, 4]), Row([7, 7], 4, [0])]
     packed = pack_rows(rows)
     assert packed.dtype == torch.int64 and packed.dim() == 1
     assert unpack_rows(packed) == rows and unpack_rows(pack_rows(None)) is None
+
+
+def _serve_all(scheduler, reqs):
+    for r in reqs:
+        scheduler.submit(r)
+    while scheduler.waiting or scheduler.running or scheduler.inflight is not None:
+        scheduler.step()
+
+
+def test_requests_ending_while_the_next_step_runs_leave_the_rest_exact():
+    """On one rank the next step is launched before the host reads this one's tokens, so a
+    request that a stop string or max_tokens ends has already joined it: its extra token
+    must be dropped and its KV write must hurt nobody. Every request's events match what
+    the host-synchronous schedule (the mpirun one) gives, and the texts match generate()."""
+    engine = moe_infer.load("default", progress=False)
+    prompts = ["Shall I compare thee", "When in disgrace with fortune", "Let me", "From fairest creatures",
+               "Look in thy glass", "Music to hear"]
+    stops = [[], [" the"], [], ["e"], [], [","]]
+    lengths = [14, 20, 5, 18, 1, 9]
+
+    def run(pipelined: bool):
+        scheduler = Scheduler(engine, num_blocks=40, block_size=8, max_batch=3)
+        scheduler.runner.static = True
+        if not pipelined:
+            scheduler.broadcast = lambda rows: None  # as rank 0 of an mpirun job
+        events = [[] for _ in prompts]
+        reqs = [Request(engine.encode(p)[0], SamplingParams(), n, lambda k, d, i=i: events[i].append((k, d)), stop=s)
+                for i, (p, s, n) in enumerate(zip(prompts, stops, lengths))]
+        _serve_all(scheduler, reqs)
+        assert scheduler.blocks_in_use == 0 and not scheduler.running
+        return events
+
+    pipelined, synchronous = run(True), run(False)
+    assert pipelined == synchronous
+    for p, s, n, ev in zip(prompts, stops, lengths, pipelined):
+        assert [k for k, _ in ev].count("done") == 1 and ev[-1][0] == "done"
+        text = "".join(d["text"] for k, d in ev if k == "token")
+        full = engine.generate([p], max_new_tokens=n)[0].text
+        cut = min((full.find(x) for x in s if x in full), default=-1)
+        assert text == (full[:cut] if cut >= 0 else full), p
+        assert ev[-1][1]["finish_reason"] == ("stop" if cut >= 0 else "length")
+
+
+def test_incremental_detokenizing_equals_a_full_decode():
+    from moe_infer.tokenizer import decode_delta
+
+    tok = moe_infer.load("default", progress=False).tokenizer
+    rng = random.Random(3)
+    text = "Shall I — compare thee to a ßummer’s day? 夏の日 🌞 naïve"
+    for trial in range(20):
+        ids = tok.encode(text) if trial == 0 else [rng.randrange(tok.vocab_size) for _ in range(40)]
+        got, state = "", (0, 0)
+        for n in range(1, len(ids) + 1):
+            added, *state = decode_delta(tok, ids[:n], *state)
+            got += added
+            assert tok.decode(ids[:n]).startswith(got)
+        got += decode_delta(tok, ids, *state, final=True)[0]
+        assert got == tok.decode(ids)

@@ -1,0 +1,63 @@
+"""Serving under mpirun: rank 0 runs the scheduler and broadcasts each step's rows as one
+int64 device tensor; every other rank runs the same forward (tensor- and expert-parallel
+layers need every rank in each collective)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from moe_infer.runner import PagedRunner, Row
+
+
+def pack_rows(rows: list[Row] | None) -> torch.Tensor:
+    """A step's rows as one int64 tensor: the row count (-1: stop), then per row its token
+    count, start and table length, then every row's tokens and tables."""
+    if rows is None:
+        return torch.tensor([-1])
+    head = [len(rows)] + [v for r in rows for v in (len(r.tokens), r.start, len(r.table))]
+    return torch.tensor(head + [t for r in rows for t in r.tokens] + [b for r in rows for b in r.table])
+
+
+def unpack_rows(data: torch.Tensor) -> list[Row] | None:
+    values = data.tolist()
+    n = values[0]
+    if n < 0:
+        return None
+    rows, at = [], 1 + 3 * n
+    heads = [values[1 + 3 * i:4 + 3 * i] for i in range(n)]
+    for count, start, _ in heads:
+        rows.append(Row(values[at:at + count], start, []))
+        at += count
+    for row, (_, _, blocks) in zip(rows, heads):
+        row.table = values[at:at + blocks]
+        at += blocks
+    return rows
+
+
+def row_channel():
+    """(send, receive) of each step's rows from rank 0 over torch.distributed, as one
+    device tensor (on the GPU under NCCL) after its size."""
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def send(rows):
+        data = pack_rows(rows).to(dev)
+        dist.broadcast(torch.tensor([data.numel()], device=dev), src=0)
+        dist.broadcast(data, src=0)
+
+    def receive():
+        size = torch.empty(1, dtype=torch.int64, device=dev)
+        dist.broadcast(size, src=0)
+        data = torch.empty(int(size), dtype=torch.int64, device=dev)
+        dist.broadcast(data, src=0)
+        return unpack_rows(data.cpu())
+
+    return send, receive
+
+
+def follow(runner: PagedRunner, receive: Callable[[], list[Row] | None]):
+    """Ranks other than 0: run every step rank 0 broadcasts, until it sends None."""
+    while (rows := receive()) is not None:
+        runner.forward(rows)
