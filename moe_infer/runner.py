@@ -14,7 +14,6 @@ one launch from the host, as ``Engine.generate`` decodes.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +85,6 @@ class PagedRunner:
     engine's ``decode_mode`` is "graph")."""
 
     MIN_KEYS = 64  # the smallest key bucket of a decode step
-    MAX_STEPS = 64  # captured (batch, keys) buckets kept (every one of a 64-row, 4096-key server); LRU
 
     def __init__(self, engine: Engine, num_blocks: int, block_size: int, max_batch: int):
         self.engine, self.model = engine, engine.model
@@ -95,7 +93,7 @@ class PagedRunner:
         self.max_keys = -(-engine.config.max_seq_len // block_size) * block_size
         self.graph = engine.decode_mode == "graph"
         self.static = self.graph  # CPU tests set it to run the fixed-shape step eagerly
-        self._steps: OrderedDict[tuple[int, int], PagedDecodeStep] = OrderedDict()
+        self._steps: dict[tuple[int, int], PagedDecodeStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graph else None  # one pool: steps never overlap
         # The tokens sampled by the last step, which the next one feeds without a trip
         # through the host (``Row.src``): the scheduler writes them.
@@ -111,14 +109,28 @@ class PagedRunner:
         s = -(-s // self.block_size) * self.block_size
         key = (b, s)
         if key not in self._steps:
-            if len(self._steps) >= self.MAX_STEPS:
-                self._steps.popitem(last=False)
             if self.graph and not self.engine._primed:
                 prime_cuda_graphs(self.engine.device, self.engine.graph_primers)
                 self.engine._primed = True
             self._steps[key] = PagedDecodeStep(self, b, s, self.graph, self._pool)
-        self._steps.move_to_end(key)
         return self._steps[key]
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (rows, keys) decode step bucket: powers of two up to ``max_batch`` rows and
+        from ``MIN_KEYS`` up to ``max_keys`` keys."""
+        def powers(lo, hi):
+            out = [lo]
+            while out[-1] < hi:
+                out.append(min(2 * out[-1], hi))
+            return out
+        return [(b, k) for k in powers(self.MIN_KEYS, self.max_keys) for b in powers(1, self.max_batch)]
+
+    def capture_all(self):
+        """Makes every decode step bucket now, so that no request waits for a capture while
+        it is served (the server calls it before it takes requests)."""
+        if self.static:
+            for batch, keys in self.buckets():
+                self.step_for(batch, keys)
 
     @torch.no_grad()
     def forward(self, rows: list[Row]) -> torch.Tensor:
