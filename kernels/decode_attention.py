@@ -93,6 +93,56 @@ def _combine_kernel(
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+@triton.jit
+def _paged_split_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr, v_ptr,  # pools [N, Hkv, D] (D contiguous)
+    slot_ptr,  # [B, S] int64: the pool row of each row's key s
+    mask_ptr,  # [B, S] int8: 1 where the key is visible
+    m_ptr, l_ptr, acc_ptr,  # as _split_kernel's
+    S, D, scale,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_mb, stride_slb,
+    G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, P: tl.constexpr,
+):
+    """_split_kernel over a paged pool, its two products on the tensor cores: the G query
+    heads padded to G_PAD >= 16 rows make [G_PAD, D] x [D, BLOCK_S] and [G_PAD, BLOCK_S] x
+    [BLOCK_S, D] dots, where the broadcast-and-sum form kept [G, BLOCK_S, D] products in
+    registers. Keys are gathered row by row through the slots, read in place."""
+    b, h, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok, d_ok = g < G, d < D
+    heads = h * G + g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * scale  # [G_PAD, D]
+    m = tl.full([G_PAD], -1e30, tl.float32)  # finite: a block with no visible key leaves it as it was
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    lo = p * SPLIT_LEN
+    for s0 in range(lo, lo + SPLIT_LEN, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        visible = tl.load(mask_ptr + b * stride_mb + s, mask=s < S, other=0) != 0
+        if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no K/V reads
+            rows = tl.load(slot_ptr + b * stride_slb + s, mask=visible, other=0)
+            kv_ok = visible[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + h * stride_kh + rows[:, None] * stride_kn + d[None, :], mask=kv_ok,
+                        other=0.0).to(tl.float32)  # [BLOCK_S, D]
+            v = tl.load(v_ptr + h * stride_vh + rows[:, None] * stride_vn + d[None, :], mask=kv_ok,
+                        other=0.0).to(tl.float32)
+            scores = tl.where(visible[None, :], tl.dot(q, tl.trans(k)), float("-inf"))  # [G_PAD, BLOCK_S]
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(scores - m_new[:, None])
+            acc = acc * alpha[:, None] + tl.dot(w, v)
+            l = l * alpha + tl.sum(w, axis=1)
+            m = m_new
+    row = (b * (tl.num_programs(1) * G) + heads) * P + p
+    tl.store(m_ptr + row, tl.where(l > 0, m, float("-inf")), mask=g_ok)  # -inf: the combine weighs it 0
+    tl.store(l_ptr + row, l, mask=g_ok)
+    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+
+
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
                             scale: float | None = None, splits: int | None = None,
                             block_s: int = 32) -> torch.Tensor:
@@ -123,8 +173,20 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                          "Hq, and [B, S] twice")
     if slots.dtype != torch.int64 or slots.stride(1) != 1:
         raise ValueError(f"slots: expected contiguous int64 rows, got {slots.dtype} with strides {slots.stride()}")
-    strides = (0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0))
-    return _launch(q, k, v, slots, visible, hkv, s, strides, scale, splits, block_s)
+    g = hq // hkv
+    if splits is None:  # short splits: many programs in flight hide the gathered loads' latency
+        splits = min(16, 1 << (triton.cdiv(s, block_s).bit_length() - 1))
+    split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
+    mask = visible.to(torch.int8)
+    m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+    _paged_split_kernel[(b, hkv, splits)](
+        q, k, v, slots, mask, m, l, acc, s, d, scale if scale is not None else 1.0 / math.sqrt(d),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0), slots.stride(0),
+        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D_PAD=triton.next_power_of_2(d), BLOCK_S=block_s,
+        SPLIT_LEN=split_len, P=splits, num_warps=2)
+    return _combine(m, l, acc, q.dtype)
 
 
 def _launch(q, k, v, slots, visible, hkv, s, strides, scale, splits, block_s) -> torch.Tensor:
@@ -149,4 +211,13 @@ def _launch(q, k, v, slots, visible, hkv, s, strides, scale, splits, block_s) ->
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     _combine_kernel[(b, hq)](m, l, acc, out, d, out.stride(0), out.stride(1), hq, P=splits,
                              P_PAD=max(2, triton.next_power_of_2(splits)), D_PAD=d_pad, num_warps=1)
+    return out
+
+
+def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The splits' partial results [B, Hq, P] (m, l) and [B, Hq, P, D] (acc) -> [B, Hq, D]."""
+    b, hq, splits, d = acc.shape
+    out = torch.empty(b, hq, d, dtype=dtype, device=acc.device)
+    _combine_kernel[(b, hq)](m, l, acc, out, d, out.stride(0), out.stride(1), hq, P=splits,
+                             P_PAD=max(2, triton.next_power_of_2(splits)), D_PAD=triton.next_power_of_2(d), num_warps=1)
     return out
