@@ -103,12 +103,13 @@ def _paged_split_kernel(
     S, D, scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_mb, stride_slb,
     G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_LEN: tl.constexpr, P: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr,
 ):
     """_split_kernel over a paged pool, its two products on the tensor cores: the G query
     heads padded to G_PAD >= 16 rows make [G_PAD, D] x [D, BLOCK_S] and [G_PAD, BLOCK_S] x
     [BLOCK_S, D] dots, where the broadcast-and-sum form kept [G, BLOCK_S, D] products in
-    registers. Keys are gathered row by row through the slots, read in place."""
+    registers. Keys are gathered row by row through the slots, read in place. A float32
+    cache takes full-precision dots (IEEE); bf16 and fp16 values are exact in TF32."""
     b, h, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -130,11 +131,18 @@ def _paged_split_kernel(
                         other=0.0).to(tl.float32)  # [BLOCK_S, D]
             v = tl.load(v_ptr + h * stride_vh + rows[:, None] * stride_vn + d[None, :], mask=kv_ok,
                         other=0.0).to(tl.float32)
-            scores = tl.where(visible[None, :], tl.dot(q, tl.trans(k)), float("-inf"))  # [G_PAD, BLOCK_S]
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G_PAD, BLOCK_S]
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(visible[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             w = tl.exp(scores - m_new[:, None])
-            acc = acc * alpha[:, None] + tl.dot(w, v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(w, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(w, v)
             l = l * alpha + tl.sum(w, axis=1)
             m = m_new
     row = (b * (tl.num_programs(1) * G) + heads) * P + p
@@ -185,7 +193,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         q, k, v, slots, mask, m, l, acc, s, d, scale if scale is not None else 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0), slots.stride(0),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D_PAD=triton.next_power_of_2(d), BLOCK_S=block_s,
-        SPLIT_LEN=split_len, P=splits, num_warps=2)
+        SPLIT_LEN=split_len, P=splits, IEEE=k.dtype == torch.float32, num_warps=2)
     return _combine(m, l, acc, q.dtype)
 
 
