@@ -13,7 +13,9 @@ setup(
     python_requires=">=3.10",
     packages=["moe_infer", "moe_infer.configs", "dense", "comm", "kernels"],
     package_dir={"moe_infer.configs": "configs"},
-    package_data={"moe_infer": ["default_model/*"], "moe_infer.configs": ["*.yaml"], "kernels": ["configs/*.json"]},
+    # kernels/cuda: the CUDA C++ sources, compiled at run time (kernels.cuda_common.cuda_source)
+    package_data={"moe_infer": ["default_model/*"], "moe_infer.configs": ["*.yaml"],
+                  "kernels": ["tables/*.json", "cuda/*.cu", "cuda/*.cuh"]},
     install_requires=[
         "torch>=2.4",
         "numpy",

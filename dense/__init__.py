@@ -1,7 +1,8 @@
 """The dense transformer backbone: norms, rotary positions, attention with a KV cache, MLP.
 
 Modules take a ``moe_infer.config.ModelConfig``-shaped object (duck-typed: this package
-imports nothing from ``moe_infer``) and a per-step ``StepContext``.
+imports nothing from ``moe_infer``), the user's ``kernels.options.KernelOptions`` at
+construction, and a per-step ``StepContext``.
 """
 from dense.attention import Attention, KVCache, PagedKVCache, StepContext
 from dense.mlp import MLP

@@ -17,6 +17,7 @@ from comm import Group
 from dense.norm import RMSNorm, ShardedRMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
 from dense.rotary import Rotary, apply_rotary
+from kernels.options import KernelOptions
 
 def _rotary(rotary: Rotary | None, positions: torch.Tensor, dtype: torch.dtype):
     """cos, sin [B, T, D] for the query positions (None, None for learned positions)."""
@@ -64,16 +65,16 @@ class StepContext:
     @classmethod
     def decode_static(cls, slot: torch.Tensor, key_valid: torch.Tensor, key_positions: torch.Tensor,
                       rotary: Rotary | None, dtype: torch.dtype, sliding_window: int | None = None,
-                      tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> "StepContext":
+                      tables: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = True) -> "StepContext":
         """One decode token per row at cache slot ``slot`` (a 0-d device tensor), attending
         over all S slots of the cache with a mask: every shape is fixed, so the step can be
         captured in a CUDA graph and replayed for any slot. key_valid, key_positions [B, S].
         On a GPU, with ``tables`` (``rotary.table`` over the S slots) where there is a
         rotary, the whole context is one launch (``kernels.decode_context``) instead of
-        about twenty small torch launches."""
+        about twenty small torch launches, with PDL where ``pdl`` asks for it (``kernels.pdl``)."""
         if key_valid.is_cuda and (rotary is None) == (tables is None):
             positions, bias, cos, sin = kernels.decode_context_triton(slot, key_valid, key_positions, dtype, tables,
-                                                                      sliding_window)
+                                                                      sliding_window, pdl)
             return cls(positions, bias, cos, sin, slot)
         b, s = key_valid.shape
         k_slot = torch.arange(s, device=key_valid.device)  # [S]
@@ -199,9 +200,10 @@ class Attention(nn.Module):
     ranks when there are fewer KV heads than ranks. The output projection is row-parallel
     (one all-reduce); the KV cache holds only this rank's KV heads."""
 
-    def __init__(self, cfg, tp: Group | None = None):
+    def __init__(self, cfg, tp: Group | None = None, options: KernelOptions = KernelOptions()):
         super().__init__()
         tp = tp or Group.alone()
+        self.options = options
         d = cfg.head_dim
         self.head_dim = d
         self.num_heads = cfg.num_heads // tp.size
@@ -215,7 +217,7 @@ class Attention(nn.Module):
         q_width, kv_width = self.num_heads * d, self.num_kv_heads * d
         self.split = (q_width, kv_width, kv_width)
         # One fused projection for q, k and v: one weight read per step.
-        self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * kv_width, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * kv_width, bias=cfg.qkv_bias, options=options)
         q_total, kv_total = cfg.num_heads * d, cfg.num_kv_heads * d
 
         def pick(full):  # this rank's q rows, then its k rows, then its v rows
@@ -223,10 +225,10 @@ class Attention(nn.Module):
             return torch.cat([full[q_first * d:q_first * d + q_width], full[k0:k0 + kv_width],
                               full[v0:v0 + kv_width]])
         self.qkv_proj.shard_fns = {"weight": pick, "bias": pick}
-        self.o_proj = RowParallelLinear(q_total, cfg.hidden_size, cfg.out_bias, tp)
+        self.o_proj = RowParallelLinear(q_total, cfg.hidden_size, cfg.out_bias, tp, options)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "head":  # Qwen3: over each head's D values
-            self.q_norm, self.k_norm = RMSNorm(d, cfg.norm_eps), RMSNorm(d, cfg.norm_eps)
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.norm_eps, options), RMSNorm(d, cfg.norm_eps, options)
         elif cfg.qk_norm == "full":  # OLMoE: over all heads together, so across ranks
             self.q_norm = ShardedRMSNorm(q_width, q_total, cfg.norm_eps, tp, q_first * d)
             self.k_norm = ShardedRMSNorm(kv_width, kv_total, cfg.norm_eps, tp, kv_first * d, replicas)
@@ -234,10 +236,6 @@ class Attention(nn.Module):
         # The fused decode kernel covers power-of-two head dims, and an all-heads q/k norm
         # only when this rank holds all heads (otherwise the norm needs an all-reduce).
         self.fusable = kernels.qkv_decode_supported(d) and not (cfg.qk_norm == "full" and tp.size > 1)
-        # A static-shape decode step (the graph path) runs the epilogue and the attention in
-        # one launch (kernels.qkv_attention) where the cache is short enough for it
-        # (kernels.qkv_attention_fits).
-        self.fused_attention = True
 
     def _epilogue(self) -> tuple:
         """The fused kernels' q / k norm, its weights and eps, and the clip."""
@@ -255,7 +253,7 @@ class Attention(nn.Module):
         if not (self.fusable and qkv.is_cuda and type(cache) is KVCache):
             return None
         q = kernels.qkv_decode(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cache.k[layer],
-                               cache.v[layer], ctx.start, ctx.cos, ctx.sin, *self._epilogue())
+                               cache.v[layer], ctx.start, ctx.cos, ctx.sin, *self._epilogue(), pdl=self.options.pdl)
         if ctx.causal:
             return q, cache.k[layer, :, :, :t], cache.v[layer, :, :, :t]
         return (q, *cache.visible(layer, ctx.start, t))
@@ -273,13 +271,16 @@ class Attention(nn.Module):
 
     def _attend(self, qkv: torch.Tensor, ctx: StepContext, cache: KVCache | None, layer: int) -> torch.Tensor:
         b, t, _ = qkv.shape
-        if (self.fused_attention and self.fusable and qkv.is_cuda and t == 1 and type(cache) is KVCache
-                and torch.is_tensor(ctx.start) and ctx.attn_mask.is_floating_point()
+        # A static-shape decode step (the graph path) runs the epilogue and the attention in
+        # one launch (kernels.qkv_attention) where the options ask for it and the cache is
+        # short enough (kernels.qkv_attention_fits); otherwise the epilogue launch, then SDPA.
+        if (self.options.fused_decode_attention and self.fusable and qkv.is_cuda and t == 1
+                and type(cache) is KVCache and torch.is_tensor(ctx.start) and ctx.attn_mask.is_floating_point()
                 and kernels.qkv_attention_fits(b, self.num_heads, self.num_kv_heads, self.head_dim, cache.max_len,
                                                torch.cuda.get_device_properties(qkv.device).multi_processor_count)):
             out = kernels.qkv_attention(qkv.reshape(b, -1), self.num_heads, self.num_kv_heads, self.head_dim,
                                         cache.k[layer], cache.v[layer], ctx.start, ctx.attn_mask, ctx.cos, ctx.sin,
-                                        *self._epilogue())  # [B, Hq, D]
+                                        *self._epilogue(), pdl=self.options.pdl)  # [B, Hq, D]
             return self.o_proj(out.view(b, 1, -1))
         if t == 1 and type(cache) is PagedKVCache and self.num_heads <= 2 * self.num_kv_heads:
             # A paged decode step: its keys are read where they lie in the pool, not

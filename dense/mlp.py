@@ -7,6 +7,7 @@ from torch import nn
 
 from comm import Group
 from dense.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from kernels.options import KernelOptions
 
 
 class MLP(nn.Module):
@@ -16,13 +17,13 @@ class MLP(nn.Module):
     column-parallel (its gate and up slices), the down projection row-parallel (one all-reduce)."""
 
     def __init__(self, hidden: int, width: int, activation: str, bias: bool = False,
-                 tp: Group | None = None):
+                 tp: Group | None = None, options: KernelOptions = KernelOptions()):
         super().__init__()
         tp = tp or Group.alone()
         self.activation = activation
         gated = activation == "swiglu"
-        self.up_proj = ColumnParallelLinear(hidden, 2 * width if gated else width, bias, tp)
-        self.down_proj = RowParallelLinear(width, hidden, bias, tp)
+        self.up_proj = ColumnParallelLinear(hidden, 2 * width if gated else width, bias, tp, options)
+        self.down_proj = RowParallelLinear(width, hidden, bias, tp, options)
         if gated:  # this rank's gate rows and its up rows, not a block of the fused [2F, H]
             n = width // tp.size
             pick = lambda full: torch.cat([full[tp.rank * n:(tp.rank + 1) * n],  # noqa: E731

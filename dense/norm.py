@@ -9,16 +9,17 @@ from torch import nn
 
 import kernels
 from comm import Group, all_reduce
+from kernels.options import KernelOptions
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, options: KernelOptions = KernelOptions()):
         super().__init__()
-        self.eps = eps
+        self.eps, self.options = eps, options
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+        return kernels.rms_norm(x, self.weight, self.eps, residual, pdl=self.options.pdl)
 
 
 class LayerNorm(nn.Module):
@@ -36,8 +37,8 @@ class LayerNorm(nn.Module):
         return (y, x) if residual is not None else y
 
 
-def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    return RMSNorm(dim, eps) if kind == "rmsnorm" else LayerNorm(dim, eps)
+def make_norm(kind: str, dim: int, eps: float, options: KernelOptions = KernelOptions()) -> nn.Module:
+    return RMSNorm(dim, eps, options) if kind == "rmsnorm" else LayerNorm(dim, eps)
 
 
 class ShardedRMSNorm(nn.Module):

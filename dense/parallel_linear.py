@@ -12,18 +12,24 @@ from torch import nn
 
 from comm import Group, all_reduce
 from kernels import dense_linear, norm_linear
+from kernels.options import KernelOptions
 
 
 class Linear(nn.Linear):
     """An unsplit linear layer whose GEMM is picked per shape (``kernels.dense_linear``)."""
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 options: KernelOptions = KernelOptions()):
+        super().__init__(in_features, out_features, bias)
+        self.options = options
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias, pdl=self.options.pdl)
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """s = x + residual, then this layer on ``norm`` (an RMSNorm) of s -> (y, s); at
         decode sizes one launch (``kernels.norm_linear``)."""
-        return norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        return norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, pdl=self.options.pdl)
 
 
 def _split(total: int, group: Group, what: str) -> int:
@@ -35,9 +41,10 @@ def _split(total: int, group: Group, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """x [N, I] -> this rank's O / P output columns; no communication."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: Group):
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: Group,
+                 options: KernelOptions = KernelOptions()):
         super().__init__()
-        self.group = group
+        self.group, self.options = group, options
         local = _split(out_features, group, "out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.empty(local)) if bias else None
@@ -50,16 +57,17 @@ class ColumnParallelLinear(nn.Module):
         self.shard_fns = {"weight": shard, "bias": shard}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias, pdl=self.options.pdl)
 
 
 class RowParallelLinear(nn.Module):
     """This rank's I / P input columns -> the full [N, O], summed over the group by one
     all-reduce; the bias is added once, after it."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: Group):
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: Group,
+                 options: KernelOptions = KernelOptions()):
         super().__init__()
-        self.group = group
+        self.group, self.options = group, options
         local = _split(in_features, group, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
@@ -69,5 +77,5 @@ class RowParallelLinear(nn.Module):
         self.shard_fns = {"weight": lambda full: full[:, first:first + local]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(dense_linear(x, self.weight), self.group)
+        y = all_reduce(dense_linear(x, self.weight, pdl=self.options.pdl), self.group)
         return y + self.bias if self.bias is not None else y

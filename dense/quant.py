@@ -15,6 +15,7 @@ from torch import nn
 import kernels
 from comm import Group, all_reduce
 from dense.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from kernels.options import KernelOptions
 
 LINEAR_TYPES = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 
@@ -29,17 +30,20 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale[0])  # [O] float32
         self.bias = linear.bias
         self.reduce: Group | None = linear.group if isinstance(linear, RowParallelLinear) else None
+        # The layer it replaces carries the model's options (a plain nn.Linear: the defaults).
+        self.options: KernelOptions = getattr(linear, "options", KernelOptions())
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._finish(kernels.dense_linear(x, self.weight, scale=self.scale))
+        return self._finish(kernels.dense_linear(x, self.weight, scale=self.scale, pdl=self.options.pdl))
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``Linear.normed``: s = x + residual, this layer on rmsnorm(s) -> (y, s)."""
-        y, s = kernels.norm_linear(x, residual, norm.weight, norm.eps, self.weight, scale=self.scale)
+        y, s = kernels.norm_linear(x, residual, norm.weight, norm.eps, self.weight, scale=self.scale,
+                                   pdl=self.options.pdl)
         return self._finish(y), s
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ def _pick_kernel(max_ptr, idx_ptr, out_ptr, C, C_P: tl.constexpr, PDL: tl.conste
     tl.store(out_ptr + row, tl.load(idx_ptr + row * C + first).to(tl.int64))
 
 
-def argmax_triton(x: torch.Tensor) -> torch.Tensor:
+def argmax_triton(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"x {list(x.shape)}: expected [B, V] logits with V >= 1")
     b, v = x.shape
@@ -53,6 +53,8 @@ def argmax_triton(x: torch.Tensor) -> torch.Tensor:
     idx = torch.empty(b, c, dtype=torch.int32, device=x.device)
     out = torch.empty(b, dtype=torch.int64, device=x.device)
     if b:
-        _chunk_max_kernel[(b, c)](x, maxes, idx, v, c, x.stride(0), BLOCK=BLOCK, num_warps=8, **pdl_launch(x.device))
-        _pick_kernel[(b,)](maxes, idx, out, c, C_P=triton.next_power_of_2(c), num_warps=1, **pdl_launch(maxes.device))
+        _chunk_max_kernel[(b, c)](x, maxes, idx, v, c, x.stride(0), BLOCK=BLOCK, num_warps=8,
+                                  **pdl_launch(x.device, pdl))
+        _pick_kernel[(b,)](maxes, idx, out, c, C_P=triton.next_power_of_2(c), num_warps=1,
+                           **pdl_launch(maxes.device, pdl))
     return out

@@ -50,7 +50,7 @@ def _decode_context_kernel(slot_ptr, valid_ptr, kpos_ptr, cos_tab_ptr, sin_tab_p
 
 def decode_context_triton(slot: torch.Tensor, key_valid: torch.Tensor, key_positions: torch.Tensor,
                           dtype: torch.dtype, tables: tuple[torch.Tensor, torch.Tensor] | None,
-                          sliding_window: int | None = None):
+                          sliding_window: int | None = None, pdl: bool = True):
     """slot: 0-d int64; key_valid [B, S] bool; key_positions [B, S] int64; ``tables``: the
     rotary (cos, sin) [L, D] in ``dtype`` for positions 0 .. L - 1 (None: learned
     positions). -> (positions [B, 1], bias [B, 1, 1, S] in ``dtype``, cos, sin [B, 1, D] or
@@ -78,5 +78,5 @@ def decode_context_triton(slot: torch.Tensor, key_valid: torch.Tensor, key_posit
             slot, key_valid.contiguous(), key_positions.contiguous(), cos_tab, sin_tab, positions, bias, cos, sin,
             s, d, length, sliding_window or 0, HAS_WINDOW=sliding_window is not None, ROTARY=tables is not None,
             BLOCK_S=min(BLOCK_S, triton.next_power_of_2(s)), BLOCK_D=triton.next_power_of_2(d), num_warps=4,
-            **pdl_launch(dev))
+            **pdl_launch(dev, pdl))
     return positions, bias, (cos if tables is not None else None), (sin if tables is not None else None)

@@ -281,7 +281,7 @@ def _check_logits_once(logits: torch.Tensor, k: int, score: str) -> None:
 
 
 def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
-                       renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       renormalize: bool = True, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the router scores: ids [T, k] int32 (descending score) and weights [T, k]
     float32; the same contract as ``topk_gating_ref``.
 
@@ -295,7 +295,8 @@ def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
     ids, weights = _outputs(t, k, dev)
     if t == 0:
         return ids, weights
-    key = (dev.type, dev.index, t, e, k, score, renormalize, logits.dtype, logits.stride(), logits.data_ptr() % 16)
+    key = (dev.type, dev.index, t, e, k, score, renormalize, pdl, logits.dtype, logits.stride(),
+           logits.data_ptr() % 16)
 
     def plan():
         block_e = triton.next_power_of_2(e)
@@ -305,7 +306,7 @@ def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
         warps = 1 if block_t * block_e <= 1024 else 4
         return (triton.cdiv(t, block_t),), dict(K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
                                                 BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
-                                                num_warps=warps, **pdl_launch(dev))
+                                                num_warps=warps, **pdl_launch(dev, pdl))
 
     _gating(key, (logits, ids, weights, t, e, logits.stride(0), logits.stride(1)), plan, dev)
     return ids, weights
@@ -337,7 +338,7 @@ def _check_grouped_args(logits: torch.Tensor, bias: torch.Tensor, k: int, n_grou
 
 def grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
                         topk_group: int, score: str = "sigmoid", renormalize: bool = True,
-                        routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                        routed_scaling_factor: float = 1.0, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing: ids [T, k] int32 (descending ``scores + bias``) and weights [T, k]
     float32 (unbiased scores, renormalised if asked, times ``routed_scaling_factor``); the
     same contract as ``grouped_topk_ref``."""
@@ -356,5 +357,5 @@ def grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, n_grou
         K=k, N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
         SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
         BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_S=block_s,
-        BLOCK_K=triton.next_power_of_2(k), num_warps=4, **pdl_launch(logits.device))
+        BLOCK_K=triton.next_power_of_2(k), num_warps=4, **pdl_launch(logits.device, pdl))
     return ids, weights

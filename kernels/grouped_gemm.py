@@ -223,7 +223,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
                  cfg: dict, *, num_rows: int, topk: int, a_from_tokens: bool, gated: bool,
                  act: str = "none", scale: torch.Tensor | None = None,
                  pair_weights: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                 pair_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 pair_ids: torch.Tensor | None = None, pdl: bool) -> torch.Tensor:
     """Runs one expert GEMM; returns [S, num_rows, N_OUT] (S = cfg["split_k"]).
 
     ``cfg`` holds the launch configuration: bm, bn, bk, split_k, num_warps, num_stages, and
@@ -265,5 +265,5 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
         A_FROM_TOKENS=a_from_tokens, GATED=gated, ACT=act, ROW_WEIGHT=pair_weights is not None,
         INT8_W=int8, UPCAST=a.device.type == "cpu" or a.dtype == torch.float32,
         IEEE=a.dtype == torch.float32, FROM_IDS=from_ids, EVEN_K=k % (split * cfg["bk"]) == 0, W_TMA=tma,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(a.device))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(a.device, pdl))
     return out

@@ -72,7 +72,8 @@ def _block_h(h: int) -> int:
     return min(1024, triton.next_power_of_2(h))
 
 
-def scatter_rows_triton(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def scatter_rows_triton(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None,
+                        pdl: bool = True) -> torch.Tensor:
     """x [T, H], rows [T, k] -> xs [T * k, H]. Buffer rows past ``offsets[E]`` (there are
     some only when capacity dropped pairs) are not written: nothing reads them, and
     skipping the fill saves a launch on the decode path. ``out`` may be a view whose rows
@@ -85,12 +86,12 @@ def scatter_rows_triton(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor |
     bh = _block_h(x.shape[1])
     _scatter_kernel[(t, triton.cdiv(x.shape[1], bh))](
         x, rows.reshape(-1).contiguous(), xs, rows, rows, x.shape[1], x.stride(0), xs.stride(0), 1,
-        K=k, BLOCK_H=bh, TAG=False, ES=1, **pdl_launch(x.device))
+        K=k, BLOCK_H=bh, TAG=False, ES=1, **pdl_launch(x.device, pdl))
     return xs
 
 
 def dispatch_rows_triton(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, experts_per_rank: int,
-                         out: torch.Tensor) -> torch.Tensor:
+                         out: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """The send buffer of an expert-parallel all-to-all, in one launch: x [T, H] to rows
     ``rows`` [T, k * es] of ``out`` [N, H + pad] (es rows per pair, one per expert slice),
     and into column H of each written row, read as an integer of the element's width
@@ -109,7 +110,7 @@ def dispatch_rows_triton(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.
     _scatter_kernel[(t, triton.cdiv(h, bh))](
         x, rows.reshape(-1).contiguous(), out, expert_ids.to(torch.int32).contiguous(),
         out.view(TAG_INTS[out.element_size()]), h, x.stride(0), out.stride(0), experts_per_rank,
-        K=units, BLOCK_H=bh, TAG=True, ES=units // expert_ids.shape[1], **pdl_launch(x.device))
+        K=units, BLOCK_H=bh, TAG=True, ES=units // expert_ids.shape[1], **pdl_launch(x.device, pdl))
     return out
 
 
@@ -121,7 +122,8 @@ def _check_out(out: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def combine_rows_triton(ys: torch.Tensor, rows: torch.Tensor | None, weights: torch.Tensor | None,
-                        out_dtype: torch.dtype, topk: int | None = None, limit: int | None = None) -> torch.Tensor:
+                        out_dtype: torch.dtype, topk: int | None = None, limit: int | None = None, *,
+                        pdl: bool) -> torch.Tensor:
     """ys [S, N, H] (partials) -> out [T, H] = sum over slots and partials of w * ys.
     ``rows=None``: buffer row t * topk + j holds pair (t, j). Rows at or past ``limit``
     (default N) add nothing."""
@@ -134,15 +136,16 @@ def combine_rows_triton(ys: torch.Tensor, rows: torch.Tensor | None, weights: to
     w = weights.reshape(-1).float().contiguous() if weights is not None else rows
     _gather_kernel[(t, triton.cdiv(h, bh))](
         ys, rows, w, out, h, ys.stride(0), ys.stride(1), out.stride(0), ys.shape[1] if limit is None else limit,
-        K=k, S=s, HAS_W=weights is not None, BLOCK_H=bh, IDENTITY=identity, **pdl_launch(ys.device))
+        K=k, S=s, HAS_W=weights is not None, BLOCK_H=bh, IDENTITY=identity,
+        **pdl_launch(ys.device, pdl))
     return out
 
 
 def gather_rows_triton(ys: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
-                       limit: int | None = None) -> torch.Tensor:
+                       limit: int | None = None, pdl: bool = True) -> torch.Tensor:
     """out[t] = sum_j weights[t, j] * ys[rows[t, j]], accumulated in float32 (``gather_rows_ref``)."""
     if weights.shape != rows.shape:
         raise ValueError(f"weights {list(weights.shape)}: expected the shape of rows {list(rows.shape)}")
     if limit is not None and not 0 <= limit <= ys.shape[0]:
         raise ValueError(f"limit={limit}: expected 0..{ys.shape[0]} (the rows of ys)")
-    return combine_rows_triton(ys.contiguous().unsqueeze(0), rows, weights, ys.dtype, limit=limit)
+    return combine_rows_triton(ys.contiguous().unsqueeze(0), rows, weights, ys.dtype, limit=limit, pdl=pdl)

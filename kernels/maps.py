@@ -151,7 +151,7 @@ def _maps_rows_kernel(
     tl.store(row_pair_ptr + row, i, mask=kept)
 
 
-def token_maps_triton(expert_ids: torch.Tensor, num_experts: int, capacity: int | None = None
+def token_maps_triton(expert_ids: torch.Tensor, num_experts: int, capacity: int | None = None, pdl: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """expert_ids [T, k] -> offsets [E + 1], rows [T, k], row_pair [T * k] (all int32)."""
     if expert_ids.dim() != 2:
@@ -168,19 +168,19 @@ def token_maps_triton(expert_ids: torch.Tensor, num_experts: int, capacity: int 
     if n <= SMALL_PAIRS:
         _maps_small_kernel[(1,)](ids, offsets, rows, row_pair, n, cap, E=num_experts, E_PAD=e_pad,
                                  BLOCK=max(16, triton.next_power_of_2(n)), HAS_CAP=capacity is not None,
-                                 **pdl_launch(ids.device))
+                                 **pdl_launch(ids.device, pdl))
     else:
         blocks = triton.cdiv(n, BLOCK_PAIRS)
         counts = torch.empty(blocks, e_pad, dtype=torch.int32, device=dev)
         rank = torch.empty(n, dtype=torch.int32, device=dev)
         kept = torch.empty(e_pad, dtype=torch.int32, device=dev)
         _maps_count_kernel[(blocks,)](ids, counts, rank, n, E=num_experts, E_PAD=e_pad, BLOCK=BLOCK_PAIRS,
-                                      **pdl_launch(ids.device))
+                                      **pdl_launch(ids.device, pdl))
         e_block = min(e_pad, SCAN_EXPERTS)
         _maps_scan_kernel[(e_pad // e_block,)](counts, kept, blocks, cap, E=num_experts, E_PAD=e_pad,
                                                E_BLOCK=e_block, CHUNK=SCAN_CHUNK, HAS_CAP=capacity is not None,
-                                               **pdl_launch(counts.device))
+                                               **pdl_launch(counts.device, pdl))
         _maps_rows_kernel[(blocks,)](ids, counts, rank, kept, offsets, rows, row_pair, n, cap, E=num_experts,
                                      E_PAD=e_pad, BLOCK=BLOCK_PAIRS, HAS_CAP=capacity is not None,
-                                     **pdl_launch(ids.device))
+                                     **pdl_launch(ids.device, pdl))
     return offsets, rows.view(expert_ids.shape), row_pair

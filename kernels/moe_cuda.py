@@ -1,5 +1,6 @@
-"""The MoE experts at decode sizes in CUDA C++ (compiled through CuPy): two kernels, no
-maps, no combine launch. Same contract as ``kernels.fused_moe`` for T <= MAX_T tokens.
+"""The MoE experts at decode sizes in CUDA C++ (``kernels/cuda/moe.cu``, compiled through
+CuPy): two kernels, no maps, no combine launch. Same contract as ``kernels.fused_moe`` for
+T <= MAX_T tokens.
 
 Shape letters: T tokens, H hidden, E experts, k slots, F expert width, P = T * k pairs
 (pair p is slot p % k of token p // k).
@@ -21,35 +22,24 @@ to each other) has the pairs that share an expert read the same rows at about th
 time, so the second read tends to come from L2. The Triton grouped GEMM, which groups
 pairs by expert, is used unless the tuning table chose this for that T.
 
-With router logits instead of ids (``fused_moe_logits_cuda``) both kernels compute the
-top-k gating themselves, each block for its token (at most 256 experts; bf16 / fp16 logits
-ranked as int32 keys, ``kernels.moe_route_source``): the routing kernel before them is gone
-too. Measured slower in the decode step than the gating launch, so the model does not use it.
-
-The down kernel loads the ids (or computes them) and its first weights before waiting
-for the up kernel (PDL): the ids or logits come from a kernel before the up GEMM, which
-has completed once every up block has passed its own wait, the condition for the down
-grid to start (the up kernel never takes the early trigger, see ``kernels/pdl.py``).
+The down kernel loads the ids and its first weights before waiting for the up kernel
+(PDL): the ids come from a kernel before the up GEMM, which has completed once every up
+block has passed its own wait, the condition for the down grid to start (the up kernel
+never takes the early trigger, see ``kernels/pdl.py``).
 
 Compile-time parameters: BN, WARPS, U, INT8, DT (0 bf16, 1 fp16), GATED (SiLU gate * up,
 else GeLU), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials),
-ROUTE (0 ids given, 1 softmax, 2 sigmoid of the logits), RENORM, E_LANES (ceil(E / 32)),
-LOGITS_F32 (float32 logits, else the activations' dtype), PAIR_MAJOR (grid: pairs / tokens
-fastest, else column tiles fastest), MINB (the registers are capped so that MINB blocks
-fit on an SM), UNIT (int8 widened by one byte permute a weight, its offset cancelled once
-per 16 activations: about a third fewer instructions, relative error about 1e-4 against
-1e-7; the tuner picks it for the small experts at T = 1),
-MMA (int8 only: ``moe_up_mma`` / ``moe_down_mma`` on the tensor cores, cuda_common's mma
-helpers; H and F multiples of 64), H16 (the up kernel writes h as f16 times ACT_F16, the
-operand of an MMA down kernel), PIPE (``moe_down``, a down entry's ``pipe``: two weight
-buffers, each step's loads issued before the arithmetic of the step before it, the
-second step's right after the wait), RG (``row_groups``: the block's warps split its rows
-into RG groups, each group over all of K, so a thread's arithmetic after the wait is
-shorter; chosen for DS-MoE's int8 down kernel at T = 1). The MMA kernels halve the
-instructions a weight again, but at T = 1 they measured slower than ``unit`` for the small
-shapes and for Mixtral's decode step (docs/performance.md). The products on the
-tensor cores in the streaming layout (each lane's own 16 bytes of two rows as A, its own
-activations as B's column, only D's diagonal read) measured slower too, and were removed.
+PAIR_MAJOR (grid: pairs / tokens fastest, else column tiles fastest), MINB (the registers
+are capped so that MINB blocks fit on an SM), UNIT (int8 widened by one byte permute a
+weight, its offset cancelled once per 16 activations: about a third fewer instructions,
+relative error about 1e-4 against 1e-7; the tuner picks it for the small experts at
+T = 1), PIPE (``moe_down``, a down entry's ``pipe``: two weight buffers, each step's loads
+issued before the arithmetic of the step before it, the second step's right after the
+wait), RG (``row_groups``: the block's warps split its rows into RG groups, each group
+over all of K, so a thread's arithmetic after the wait is shorter; chosen for DS-MoE's
+int8 down kernel at T = 1). int8 kernels on the tensor cores (mma m16n8k16) halve the
+instructions a weight again, but at T = 1 they measured slower than ``unit`` for the
+small shapes and for Mixtral's decode step, and were removed.
 
 At decode sizes a block is one short chain of dependent memory round trips (expert id,
 weights, reduction) in a grid of one or two waves, so the kernels are latency-bound
@@ -64,77 +54,61 @@ down kernel finds a position's slot by a float reciprocal, not an integer divisi
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from kernels.cuda_common import DTYPES, compile_check, launch, ptr
-from kernels.moe_cuda_source import SOURCE
+from kernels.cuda_common import DTYPES, compile_check, cuda_source, launch, ptr
+from kernels.tuning import MoeCuda
+
+SOURCE = cuda_source("moe.cu")  # kernels moe_up and moe_down, and common.cuh's splitk_reduce
 
 MAX_T = 16
 MAX_K = 16
-MAX_E = 256  # routing in the kernels: E / 32 scores a lane
-ROUTE_SCORES = {"softmax": 1, "sigmoid": 2}
 
 
 # Launch configurations tried by the tuning script (the table stores the winner per shape
 # and T): bn outputs per block, warps, unroll (loads per row in flight), split_k (down),
 # pair_major (the grid order; absent: column tiles fastest). The pair-major ones are tried
 # only past T = 1 (``candidates``), where pairs can share an expert.
-UP_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u)
+UP_CANDIDATES = [MoeCuda(bn=bn, warps=w, unroll=u)
                  for bn, w, u in ((2, 4, 2), (4, 4, 1), (4, 4, 2), (8, 4, 1), (2, 8, 2), (4, 8, 1))]
-DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s)
+DOWN_CANDIDATES = [MoeCuda(bn=bn, warps=w, unroll=u, split_k=s)
                    for (bn, w, u), s in itertools.product(((2, 4, 4), (4, 4, 2), (4, 4, 4), (8, 4, 2), (4, 8, 2)),
                                                           (1, 2))]
 
 # The down kernel with two weight buffers (``pipe``): register room for two steps, so
 # unroll 1 or 2.
-PIPE_DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=u, split_k=s, pipe=True)
+PIPE_DOWN_CANDIDATES = [MoeCuda(bn=bn, warps=w, unroll=u, split_k=s, pipe=True)
                         for (bn, w, u), s in itertools.product(((4, 4, 1), (8, 4, 1), (4, 8, 1), (2, 4, 2)), (1, 2))]
 
 # The down kernel with row groups (``row_groups``: the block's warps split its rows, each
 # group over all of K), two weight buffers.
-ROW_GROUP_DOWN_CANDIDATES = [dict(backend="cuda", bn=bn, warps=w, unroll=1, split_k=1, pipe=True, row_groups=g)
+ROW_GROUP_DOWN_CANDIDATES = [MoeCuda(bn=bn, warps=w, unroll=1, split_k=1, pipe=True, row_groups=g)
                              for bn, w, g in ((4, 8, 2), (8, 16, 4))]
-
-# The int8 kernels on the tensor cores (``mma``): bn a multiple of 8 (gated up) or 16.
-MMA_UP_CANDIDATES = [dict(backend="cuda", mma=True, bn=bn, warps=w, unroll=u)
-                     for bn, w, u in ((8, 4, 2), (8, 4, 4), (8, 4, 8), (16, 4, 1), (16, 4, 2), (16, 4, 4), (8, 8, 2),
-                                      (32, 4, 1), (8, 2, 4), (16, 2, 2))]
-MMA_DOWN_CANDIDATES = [dict(backend="cuda", mma=True, bn=bn, warps=w, unroll=u, split_k=s)
-                       for (bn, w, u), s in itertools.product(((16, 4, 2), (16, 4, 4), (16, 4, 8), (32, 4, 2),
-                                                               (32, 4, 4), (16, 8, 2), (32, 4, 1), (16, 2, 4)),
-                                                              (1, 2))]
 
 MIN_BLOCKS = (4, 5, 6, 8)  # register caps tried (``min_blocks``): more blocks, more loads in flight an SM
 
 
-def candidates(phase: str, t: int, int8: bool = False, h: int | None = None, f: int | None = None,
-               gated: bool = True) -> list[dict]:
+def candidates(phase: str, t: int, int8: bool = False) -> list[MoeCuda]:
     """The CUDA launch configurations the tuning script times for ``phase`` at T = t: the
     base ones, each also with its registers capped for ``min_blocks`` blocks an SM (the
     int8 kernels use 100-180 registers uncapped, so two or three blocks an SM hold all
     the loads in flight), for int8 each also widening with one byte permute a weight
     (``unit``); the down kernel also with two weight buffers (``pipe``), some of them with
-    row groups (``row_groups``); then the
-    tensor-core kernels (``mma``, where H = h and F = f allow them; they need no cap), and
-    past T = 1 each in the pair-major grid."""
+    row groups (``row_groups``); and past T = 1 each in the pair-major grid."""
     base = UP_CANDIDATES if phase == "up" else DOWN_CANDIDATES + PIPE_DOWN_CANDIDATES + ROW_GROUP_DOWN_CANDIDATES
-    base = base + ([dict(c, unit=True) for c in base] if int8 else [])
-    base = base + [dict(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
-    if int8 and h is not None:  # 50-110 registers: uncapped
-        mma = MMA_UP_CANDIDATES if phase == "up" else MMA_DOWN_CANDIDATES
-        base = base + [c for c in mma if mma_check(phase, c, h, f, gated) is None]
-    return base + ([dict(c, pair_major=True) for c in base] if t > 1 else [])
+    base = base + ([replace(c, unit=True) for c in base] if int8 else [])
+    base = base + [replace(c, min_blocks=m) for c in base for m in MIN_BLOCKS]
+    return base + ([replace(c, pair_major=True) for c in base] if t > 1 else [])
 
 
-def default_configs(t: int, h: int, sms: int) -> tuple[dict, dict]:
+def default_configs(t: int, h: int, sms: int) -> tuple[MoeCuda, MoeCuda]:
     """(up, down) launch configurations when the table has none for this shape."""
-    up = dict(backend="cuda", bn=4, warps=4, unroll=2)
-    down = dict(backend="cuda", bn=4, warps=4, unroll=4, split_k=1)
-    if -(-h // down["bn"]) * t < 2 * sms:  # too few blocks: split the k * F reduction
-        down["split_k"] = 2
-    return up, down
+    bn = 4
+    split = 2 if -(-h // bn) * t < 2 * sms else 1  # too few blocks: split the k * F reduction
+    return MoeCuda(bn=bn, warps=4, unroll=2), MoeCuda(bn=bn, warps=4, unroll=4, split_k=split)
 
 
 def check(x, w13, w2, topk, w13_scale=None, w2_scale=None) -> str | None:
@@ -166,133 +140,84 @@ def check(x, w13, w2, topk, w13_scale=None, w2_scale=None) -> str | None:
     return None
 
 
-def check_logits(logits: torch.Tensor, x: torch.Tensor, e: int, score: str) -> str | None:
-    """Why the kernels cannot route from these router logits (None: they can)."""
-    if score not in ROUTE_SCORES:
-        return f"score={score!r}: expected one of {tuple(ROUTE_SCORES)}"
-    t = x.shape[0]
-    if logits.dtype not in (torch.float32, x.dtype) or not logits.is_contiguous() or tuple(logits.shape) != (t, e):
-        return f"logits {list(logits.shape)} {logits.dtype}: expected contiguous float32 or {x.dtype} [{t}, {e}]"
-    if e > MAX_E:
-        return f"E = {e}: at most {MAX_E} experts"
-    return None
-
-
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
-            ids64: bool = False, route: int = 0, renorm: bool = False, e_lanes: int = 1,
-            logits_f32: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
-            mma: bool = False, h16: bool = False, pipe: bool = False, row_groups: int = 1) -> tuple:
+            ids64: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
+            pipe: bool = False, row_groups: int = 1) -> tuple:
     return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
-            f"-DPARTIAL={int(partial)}", f"-DROUTE={route}", f"-DRENORM={int(renorm)}", f"-DE_LANES={e_lanes}",
-            f"-DLOGITS_F32={int(logits_f32)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
-            f"-DMMA={int(mma)}", f"-DH16={int(h16)}", f"-DPIPE={int(pipe)}",
-            f"-DRG={row_groups}")
+            f"-DPARTIAL={int(partial)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
+            f"-DPIPE={int(pipe)}", f"-DRG={row_groups}")
 
 
-def mma_check(phase: str, cfg: dict, h: int, f: int, gated: bool = True) -> str | None:
-    """Why the tensor-core kernels (``mma``) cannot run configuration ``cfg`` of ``phase`` on
-    H, F (None: they can); int8 weights only (``check``)."""
-    tile = 8 if phase == "up" and gated else 16
-    if h % 64 or f % 64 or h > 24576:
-        return f"H = {h}, F = {f}: the mma kernels need multiples of 64 and H <= 24576"
-    if cfg["bn"] % tile:
-        return f"{phase} bn = {cfg['bn']}: the mma kernels need a multiple of {tile}"
-    return None
-
-
-def row_groups_check(phase: str, cfg: dict, gated: bool = True) -> str | None:
+def row_groups_check(phase: str, cfg: MoeCuda, gated: bool = True) -> str | None:
     """Why configuration ``cfg`` of ``phase`` cannot split its block into ``row_groups``
-    (None: it can): whole warps and whole rows a group, and not the mma kernels."""
-    g = cfg.get("row_groups", 1)
-    rows = cfg["bn"] * (2 if phase == "up" and gated else 1)
-    if not isinstance(g, int) or g < 1 or cfg["warps"] % g or rows % g:
-        return (f"{phase} row_groups = {g!r}: expected a positive int dividing warps = {cfg['warps']} and the "
+    (None: it can): whole warps and whole rows a group."""
+    g = cfg.row_groups
+    rows = cfg.bn * (2 if phase == "up" and gated else 1)
+    if cfg.warps % g or rows % g:
+        return (f"{phase} row_groups = {g!r}: expected a positive int dividing warps = {cfg.warps} and the "
                 f"block's {rows} rows")
-    if g > 1 and cfg.get("mma"):
-        return f"{phase} row_groups = {g}: the mma kernels take no row groups"
     return None
 
 
 def fused_moe_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, activation: str = "silu", w13_scale: torch.Tensor | None = None,
                    w2_scale: torch.Tensor | None = None,
-                   configs: tuple[dict | None, dict | None] | None = None) -> torch.Tensor:
+                   configs: tuple[MoeCuda | None, MoeCuda | None] | None = None, pdl: bool = True) -> torch.Tensor:
     """``kernels.fused_moe`` for T <= MAX_T tokens (dropless); ``configs`` are the (up, down)
-    launch configurations (None: ``default_configs``). Raises ValueError naming the
+    launch configurations (``kernels.tuning.MoeCuda``; None: ``default_configs``). Raises ValueError naming the
     operand where the kernels cannot take it (``check``)."""
     why = check(x, w13, w2, topk_ids.shape[1], w13_scale, w2_scale)
     if why is not None:
         raise ValueError(f"fused_moe_cuda: {why}")
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     pair_w = topk_weights.reshape(-1).float().contiguous()  # [P]
-    route = dict(ids64=ids.dtype == torch.int64)
-    return _experts(x, w13, w2, ids, pair_w, topk_ids.shape[1], route, activation, w13_scale, w2_scale, configs)
+    return _experts(x, w13, w2, ids, pair_w, topk_ids.shape[1], activation, w13_scale, w2_scale, configs, pdl)
 
 
-def fused_moe_logits_cuda(x: torch.Tensor, logits: torch.Tensor, topk: int, w13: torch.Tensor, w2: torch.Tensor,
-                          activation: str = "silu", score: str = "softmax", renormalize: bool = True,
-                          w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                          configs: tuple[dict | None, dict | None] | None = None) -> torch.Tensor:
-    """Top-k gating of ``logits`` [T, E] (as ``kernels.route``) and the experts, in the same
-    two launches. Raises ValueError naming the operand where the kernels cannot take it."""
-    e = w2.shape[0]
-    why = check(x, w13, w2, topk, w13_scale, w2_scale) or check_logits(logits, x, e, score)
-    if why is not None:
-        raise ValueError(f"fused_moe_logits_cuda: {why}")
-    route = dict(route=ROUTE_SCORES[score], renorm=renormalize, e_lanes=-(-e // 32),
-                 logits_f32=logits.dtype == torch.float32)
-    return _experts(x, w13, w2, logits, None, topk, route, activation, w13_scale, w2_scale, configs)
-
-
-def _experts(x, w13, w2, ids, pair_w, topk, route: dict, activation, w13_scale, w2_scale, configs) -> torch.Tensor:
-    """The two launches (and the split-K sum); ``ids`` are the pairs' experts, or the
-    router logits where ``route`` says so."""
+def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, configs, pdl: bool) -> torch.Tensor:
+    """The two launches (and the split-K sum); ``ids`` [P] are the pairs' experts, ``pair_w``
+    [P] their combine weights."""
     t, h = x.shape
-    e, f = w2.shape[0], w2.shape[2]
+    f = w2.shape[2]
     up, down = configs if configs is not None else (None, None)
     if up is None or down is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         default_up, default_down = default_configs(t, h, sms)
         up, down = up or default_up, down or default_down
-    int8, gated, dt = w13.dtype == torch.int8, activation == "silu", DTYPES[x.dtype]
-    up_mma, down_mma = up.get("mma", False), down.get("mma", False)
+    int8, gated, dt, ids64 = w13.dtype == torch.int8, activation == "silu", DTYPES[x.dtype], ids.dtype == torch.int64
     for phase, cfg in (("up", up), ("down", down)):
-        why = cfg.get("mma") and (mma_check(phase, cfg, h, f, gated) if int8 else f"{phase} mma: int8 weights only")
-        why = why or row_groups_check(phase, cfg, gated)
+        why = row_groups_check(phase, cfg, gated)
         if why:
             raise ValueError(f"fused_moe_cuda: {why}")
-    hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F] (f16 bits for an mma down)
+    hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
-    up_major = up.get("pair_major", False)
-    up_opts = options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, pair_major=up_major,
-                      min_blocks=up.get("min_blocks", 1), unit=up.get("unit", False), mma=up_mma, h16=down_mma,
-                      row_groups=up.get("row_groups", 1), **route) + ("-DPDL_EARLY=0",)
-    up_grid = (-(-f // up["bn"]), t * topk)
-    launch(x.device, SOURCE, "moe_up_mma" if up_mma else "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
-           up["warps"] * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
-                              np.int32(f), np.int32(topk), np.int64(x.stride(0)), np.int32(e)),
-           shared=2 * h if up_mma else 0)
-    step = down["warps"] * (64 if down_mma else 32 * (16 if int8 else 8))
+    up_major = up.pair_major
+    up_opts = options(up.bn, up.warps, up.unroll, int8, dt, gated, False, ids64=ids64, pair_major=up_major,
+                      min_blocks=up.min_blocks, unit=up.unit, row_groups=up.row_groups) + ("-DPDL_EARLY=0",)
+    up_grid = (-(-f // up.bn), t * topk)
+    launch(x.device, SOURCE, "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
+           up.warps * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
+                              np.int32(f), np.int32(topk), np.int64(x.stride(0))), pdl=pdl)
+    step = down.warps * 32 * (16 if int8 else 8)
     length = topk * f
-    k_span = -(-length // (down["split_k"] * step)) * step
+    k_span = -(-length // (down.split_k * step)) * step
     split = -(-length // k_span)  # no empty splits
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     target = out if split == 1 else torch.empty(split, t, h, dtype=torch.float32, device=x.device)
-    down_major = down.get("pair_major", False)
-    opts = options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, split > 1, pair_major=down_major,
-                   min_blocks=down.get("min_blocks", 1), unit=down.get("unit", False), mma=down_mma,
-                   pipe=down.get("pipe", False), row_groups=down.get("row_groups", 1), **route)
-    down_grid = (-(-h // down["bn"]), split, t)
-    launch(x.device, SOURCE, "moe_down_mma" if down_mma else "moe_down", opts,
-           down_grid[::-1] if down_major else down_grid, down["warps"] * 32,
+    down_major = down.pair_major
+    opts = options(down.bn, down.warps, down.unroll, int8, dt, gated, split > 1, ids64=ids64,
+                   pair_major=down_major, min_blocks=down.min_blocks, unit=down.unit, pipe=down.pipe,
+                   row_groups=down.row_groups)
+    down_grid = (-(-h // down.bn), split, t)
+    launch(x.device, SOURCE, "moe_down", opts, down_grid[::-1] if down_major else down_grid, down.warps * 32,
            (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(ids), ptr(target), np.int32(h), np.int32(f), np.int32(topk),
-            np.int32(k_span), np.int64(out.stride(0)), np.int32(e)))
+            np.int32(k_span), np.int64(out.stride(0))), pdl=pdl)
     if split > 1:
         launch(x.device, SOURCE, "splitk_reduce", opts, (-(-h // 256), t), 256,
                (ptr(target), ptr(None), ptr(None), ptr(out), np.int32(split), np.int32(t), np.int32(h),
-                np.int64(0), np.int64(out.stride(0))))
+                np.int64(0), np.int64(out.stride(0))), pdl=pdl)
     return out
 
 
@@ -302,26 +227,16 @@ def compile_all(arch: str = "sm_90") -> int:
     count = 0
     for i, (int8, dt, gated) in enumerate(itertools.product((False, True), DTYPES.values(), (False, True))):
         up, down = UP_CANDIDATES[i % len(UP_CANDIDATES)], DOWN_CANDIDATES[i % len(DOWN_CANDIDATES)]
-        route = dict(route=i % 3, renorm=i % 2 == 0, e_lanes=1 + i % 8, logits_f32=i % 4 < 2)
         launch_flags = (f"-DPDL_EARLY={i // 2 % 2}",)  # what ``launch`` adds, or a kernel pins
         min_blocks = MIN_BLOCKS[i % len(MIN_BLOCKS)] if i % 2 else 1
         groups = 2 if i % 3 == 2 else 1  # every candidate has 4 or 8 warps and an even number of rows
-        compile_check(SOURCE, options(up["bn"], up["warps"], up["unroll"], int8, dt, gated, False, ids64=i % 2 == 0,
+        compile_check(SOURCE, options(up.bn, up.warps, up.unroll, int8, dt, gated, False, ids64=i % 2 == 0,
                                       pair_major=i % 2 == 1, min_blocks=min_blocks, unit=i % 4 == 1,
-                                      row_groups=groups, **route)
+                                      row_groups=groups)
                       + launch_flags, arch, "moe_cuda.cu")
-        compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
+        compile_check(SOURCE, options(down.bn, down.warps, down.unroll, int8, dt, gated, i % 4 < 2,
                                       ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks,
-                                      unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups, **route)
+                                      unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups)
                       + launch_flags, arch, "moe_cuda.cu")
         count += 2
-        if int8:  # the tensor-core kernels, the up one writing f16 for them or not
-            up, down = MMA_UP_CANDIDATES[i % len(MMA_UP_CANDIDATES)], MMA_DOWN_CANDIDATES[i % len(MMA_DOWN_CANDIDATES)]
-            compile_check(SOURCE, options(16 if not gated else up["bn"], up["warps"], up["unroll"], int8, dt, gated,
-                                          False, ids64=i % 2 == 0, pair_major=i % 2 == 1, min_blocks=min_blocks,
-                                          mma=True, h16=i % 4 < 2, **route) + launch_flags, arch, "moe_cuda.cu")
-            compile_check(SOURCE, options(down["bn"], down["warps"], down["unroll"], int8, dt, gated, i % 4 < 2,
-                                          ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks, mma=True,
-                                          **route) + launch_flags, arch, "moe_cuda.cu")
-            count += 2
     return count

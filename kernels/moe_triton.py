@@ -2,71 +2,38 @@
 activation fused), down GEMM (combine weights fused), combine.
 
 Shape letters: T tokens, H hidden, E experts, k slots, F expert width, N = T * k rows.
-Launch configurations come from ``kernels/configs/moe.json`` (written by
-``scripts/tune_moe.py``), looked up per device, shape and T; nothing is tuned while serving.
-An entry is a Triton tile configuration, or names another path in ``backend``: ``cuda``
-(the CUDA decode kernels, small T), ``grouped_mm`` (the down GEMM by ``torch._grouped_mm``,
-bf16 at large T) or ``dequant`` (int8 experts widened to the activations' dtype first, then
-that dtype's entries; large T).
+Launch configurations come from the moe tables (``kernels.tuning``, written by
+``scripts/tune_moe.py``), looked up per device, weight dtype, shape and T; nothing is tuned
+while serving. An entry is a Triton tile configuration (``MoeTriton``), or another path:
+``MoeCuda`` (the CUDA decode kernels, small T), ``MoeGroupedMm`` (the down GEMM by
+``torch._grouped_mm``, bf16 at large T) or ``MoeDequant`` (int8 experts widened to the
+activations' dtype first, then that dtype's entries; large T).
 """
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 import triton
 
+from kernels import tuning
 from kernels.grouped_gemm import grouped_gemm
 from kernels.layout import combine_rows_triton
 from kernels.maps import token_maps_triton
-from kernels.moe_cuda import check as cuda_check, fused_moe_cuda, fused_moe_logits_cuda
+from kernels.moe_cuda import check as cuda_check, fused_moe_cuda
 from kernels.moe_ref import quantize_int8  # noqa: F401 (importable from here, as before)
-from kernels.route import route_triton
+from kernels.tuning import MoeCuda, MoeDequant, MoeEntry, MoeGroupedMm, MoeTriton
 
-CONFIG_FILE = Path(__file__).with_name("configs") / "moe.json"
-NUM_SMS_DEFAULT = 132  # H100 SXM; only shapes the split-K heuristic
 # Up to this many (token, slot) pairs the GEMMs group pairs themselves (no maps kernel).
 # At 32, the 32-row int8 tiles measured slower.
 FROM_IDS_PAIRS = 16
 
 
-@functools.lru_cache(maxsize=None)
-def _tuned() -> dict:
-    return json.loads(CONFIG_FILE.read_text()) if CONFIG_FILE.is_file() else {}
-
-
-def device_key(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    return torch.cuda.get_device_name(device).replace(" ", "_")
-
-
-# Devices of one chip (the same SMs, caches and instructions; the H200 has faster and more
-# memory). Where a device's table has no entry for a shape and row bucket, the first of
-# these that has one lends it before the heuristic: the decode step measured much faster on
-# the lent entries than on the heuristic (MoE and dense layers alike), and entries a device
-# chose for itself alone (bench_dense, tune_moe) were mostly slower in the step than the
-# lent ones.
-SAME_CHIP = {"NVIDIA_H200": ("NVIDIA_H100_80GB_HBM3",), "NVIDIA_H100_80GB_HBM3": ("NVIDIA_H200",)}
-
-
-def table_entries(table: dict, device: torch.device, key: str) -> list[dict]:
-    """``table``'s entries (row bucket -> choice) for shape ``key``: the device's own, then
-    those of the other devices of its chip (``SAME_CHIP``)."""
-    name = device_key(device)
-    return [entry for dev in (name, *SAME_CHIP.get(name, ())) if (entry := table.get(dev, {}).get(key))]
-
-
-def shape_key(phase: str, e: int, n: int, k: int, wdtype: torch.dtype, topk: int) -> str:
-    """phase up/down, E, output rows of W, reduction K, weight dtype, top-k."""
-    return f"{phase}:E{e}:N{n}:K{k}:{str(wdtype).removeprefix('torch.')}:k{topk}"
-
-
 def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: int,
-                   elem_bytes: int = 2) -> dict:
-    """A reasonable launch configuration when the tuning table has no entry."""
+                   elem_bytes: int = 2) -> MoeTriton:
+    """A reasonable launch configuration when the tuning tables have no entry (``sms``:
+    the device's SM count, ``tuning.sm_count``)."""
     rows_per_expert = max(1, t * topk // e) if t * topk >= e else 1
     bm = min(128, max(16, triton.next_power_of_2(min(rows_per_expert, t))))
     if bm <= 32:  # bandwidth-bound: wide K steps, many loads in flight
@@ -80,37 +47,26 @@ def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: i
         tiles = min(e, t * topk) * triton.cdiv(n, cfg["bn"])
         while tiles * split < 2 * sms and k // (split * 2) >= 512 and split < 8:
             split *= 2
-    cfg["split_k"] = split
-    return cfg
+    return MoeTriton(split_k=split, **cfg)
 
 
 @functools.lru_cache(maxsize=4096)  # per call this is on the decode path: keep it a lookup
 def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: int,
-                  wdtype: torch.dtype, topk: int, elem_bytes: int = 2) -> dict:
-    # Entries are keyed by T buckets: take the smallest bucket >= t, the device's own where
-    # it has that bucket, else a same-chip device's. Past the largest one the regime may
-    # have changed (bandwidth- to compute-bound): use the heuristic.
-    best = None
-    for table in table_entries(_tuned(), device, shape_key(phase, e, n, k, wdtype, topk)):
-        pick = min((int(b) for b in table if int(b) >= t), default=None)
-        if pick is not None and (best is None or pick < best[0]):
-            best = pick, table[str(pick)]
-    return best[1] if best else default_config(phase, t, e, n, k, topk, _sms(device), elem_bytes)
+                  wdtype: torch.dtype, topk: int, elem_bytes: int = 2) -> MoeEntry:
+    """The moe table's entry for this GEMM at T = t (``tuning.Tables.lookup``: the smallest
+    bucket >= t of the device's own entries and its chip's), else ``default_config``."""
+    return tuning.TABLES.lookup(
+        "moe", tuning.device_name(device), tuning.dtype_name(wdtype), tuning.moe_shape(phase, e, n, k, topk), t,
+        lambda: default_config(phase, t, e, n, k, topk, tuning.sm_count(device), elem_bytes))
 
 
-def _sms(device: torch.device) -> int:
-    """The device's SM count (the heuristic's grid sizes), or a default off the GPU."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
-        else NUM_SMS_DEFAULT
-
-
-def triton_entry(cfg: dict, phase: str, device: torch.device, t: int, e: int, n: int, k: int, topk: int,
-                 elem_bytes: int = 2) -> dict:
+def triton_entry(cfg: MoeEntry, phase: str, device: torch.device, t: int, e: int, n: int, k: int, topk: int,
+                 elem_bytes: int = 2) -> MoeTriton:
     """``cfg`` where the Triton grouped GEMM can run it; an entry naming another path (the
     CUDA decode kernels, the int8 dequantizing path) gives way to the heuristic."""
-    if cfg.get("backend") not in ("cuda", "dequant"):
+    if isinstance(cfg, MoeTriton):
         return cfg
-    return default_config(phase, t, e, n, k, topk, _sms(device), elem_bytes)
+    return default_config(phase, t, e, n, k, topk, tuning.sm_count(device), elem_bytes)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -119,13 +75,13 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return torch.mul(q, scale[..., None], out=torch.empty(q.shape, dtype=dtype, device=q.device))
 
 
-def grouped_mm_ok(cfg: dict, a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a GEMM whose launch configuration names ``backend: grouped_mm`` can take
+def grouped_mm_ok(cfg: MoeEntry, a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a GEMM whose launch configuration is a ``MoeGroupedMm`` can take
     ``torch._grouped_mm``: weights in the activations' dtype (not int8), 16-byte aligned
     rows, and on CUDA a Hopper or later GPU with bf16 (the CPU takes any float dtype: the
     interpreter tests run this path). Otherwise the Triton kernel runs with the table's
     tile sizes."""
-    if cfg.get("backend") != "grouped_mm" or a.dtype != w.dtype or not a.is_floating_point():
+    if not isinstance(cfg, MoeGroupedMm) or a.dtype != w.dtype or not a.is_floating_point():
         return False
     if a.is_cuda and (a.dtype != torch.bfloat16 or torch.cuda.get_device_capability(a.device)[0] < 9):
         return False
@@ -133,17 +89,17 @@ def grouped_mm_ok(cfg: dict, a: torch.Tensor, w: torch.Tensor) -> bool:
         and a.stride(1) == 1 and w.is_contiguous()
 
 
-def _table_configs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int) -> tuple[dict, dict]:
+def _table_configs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int) -> tuple[MoeEntry, MoeEntry]:
     """The (up, down) launch configurations of the table (or the heuristic) for x [T, H]."""
     (t, h), (e, _, f) = x.shape, w2.shape
     return (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, x.element_size()),
             launch_config("down", x.device, t, e, h, f, w2.dtype, topk, x.element_size()))
 
 
-def _cuda_pair(up_cfg: dict, down_cfg: dict) -> tuple[dict, dict | None]:
+def _cuda_pair(up_cfg: MoeCuda, down_cfg: MoeEntry) -> tuple[MoeCuda, MoeCuda | None]:
     """The CUDA kernels' configurations: the down entry only if the table chose CUDA there
     too (else the CUDA default, as the two kernels come as a pair)."""
-    return up_cfg, down_cfg if down_cfg.get("backend") == "cuda" else None
+    return up_cfg, down_cfg if isinstance(down_cfg, MoeCuda) else None
 
 
 def pairs_from_ids(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int,
@@ -154,7 +110,7 @@ def pairs_from_ids(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: i
     maps, no scatter and no gather: x is read by pair inside the up GEMM and the slots are
     summed inside the down GEMM (the benchmark times routing accordingly)."""
     up_cfg = _table_configs(x, w13, w2, topk)[0]
-    if up_cfg.get("backend") == "cuda" and x.is_cuda:
+    if isinstance(up_cfg, MoeCuda) and x.is_cuda:
         if cuda_check(x, w13, w2, topk, w13_scale, w2_scale) is None:
             return True
     return x.shape[0] * topk <= FROM_IDS_PAIRS
@@ -163,31 +119,31 @@ def pairs_from_ids(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: i
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
                      w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                     capacity: int | None = None, configs: tuple[dict, dict] | None = None,
-                     maps: tuple | None = None) -> torch.Tensor:
+                     capacity: int | None = None, configs: tuple[MoeEntry, MoeEntry] | None = None,
+                     maps: tuple | None = None, pdl: bool = True) -> torch.Tensor:
     """Same contract as ``kernels.fused_moe``; ``configs`` overrides the (up, down) launch
-    configurations (the tuning script uses it); ``maps`` are (offsets, rows, row_pair)
-    already built from ``topk_ids`` (``kernels.route``)."""
+    configurations (``kernels.tuning`` entries; the tuning script uses it); ``maps`` are
+    (offsets, rows, row_pair) already built from ``topk_ids`` (``kernels.route``)."""
     t, h = x.shape
     e, topk = w2.shape[0], topk_ids.shape[1]
     f = w2.shape[2]
     n = t * topk
     size = x.element_size()
     up_cfg, down_cfg = configs if configs is not None else _table_configs(x, w13, w2, topk)
-    if up_cfg.get("backend") == "dequant" and w13_scale is not None:
+    if isinstance(up_cfg, MoeDequant) and w13_scale is not None:
         # Large T, where the table says so: the int8 experts widened to x's dtype in one pass,
         # then x's own GEMMs and table entries. Widening every tile inside the tensor-core
         # GEMM costs more there than the bytes it saves. Holds one layer's experts in x's
         # dtype for the call.
         return fused_moe_triton(x, dequantize_int8(w13, w13_scale, x.dtype), dequantize_int8(w2, w2_scale, x.dtype),
-                                topk_weights, topk_ids, activation, capacity=capacity, maps=maps)
-    if up_cfg.get("backend") == "cuda":
+                                topk_weights, topk_ids, activation, capacity=capacity, maps=maps, pdl=pdl)
+    if isinstance(up_cfg, MoeCuda):
         # Where the table chose the CUDA decode kernels (small T, measured faster). No pair
         # is dropped when each expert can keep T pairs: an expert appears once per token.
         if capacity is None or capacity >= t:
             try:
                 return fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
-                                      _cuda_pair(up_cfg, down_cfg))
+                                      _cuda_pair(up_cfg, down_cfg), pdl)
             except ValueError:  # operands those kernels cannot take (fp32, odd widths): Triton
                 pass
     # The CUDA kernels come as a pair behind the CUDA up kernel: a CUDA entry left over
@@ -200,76 +156,35 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if maps is None and capacity is None and n <= FROM_IDS_PAIRS:
         pair_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         bm = max(16, triton.next_power_of_2(n))
-        up_cfg, down_cfg = dict(up_cfg, bm=max(bm, up_cfg["bm"])), dict(down_cfg, bm=max(bm, down_cfg["bm"]))
+        up_cfg, down_cfg = replace(up_cfg, bm=max(bm, up_cfg.bm)), replace(down_cfg, bm=max(bm, down_cfg.bm))
         offsets = rows = row_pair = None
     else:
-        offsets, rows, row_pair = maps if maps is not None else token_maps_triton(topk_ids, e, capacity)
+        offsets, rows, row_pair = maps if maps is not None else token_maps_triton(topk_ids, e, capacity, pdl)
     x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (padded all-to-all rows)
-    hidden = grouped_gemm(x, w13, offsets, row_pair, up_cfg, num_rows=n, topk=topk,
+    hidden = grouped_gemm(x, w13, offsets, row_pair, up_cfg.kernel_args(), num_rows=n, topk=topk,
                           a_from_tokens=True, gated=activation == "silu",
                           act="gelu" if activation == "gelu" else "none", scale=w13_scale,
-                          pair_ids=pair_ids)[0]  # [N, F]
+                          pair_ids=pair_ids, pdl=pdl)[0]  # [N, F]
     if pair_ids is None and grouped_mm_ok(down_cfg, hidden, w2):
         # Large T, where the table says so: the down GEMM by torch's grouped GEMM (CUTLASS)
         # over the expert-major rows; the combine weights move into the combine.
         ys = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets[1:])  # [N, H], buffer rows
-        return combine_rows_triton(ys[None], rows, topk_weights, x.dtype, topk)
+        return combine_rows_triton(ys[None], rows, topk_weights, x.dtype, topk, pdl=pdl)
     # Without split-K each weighted pair row is stored in x's dtype (half the bytes written
     # and read again at large T; the sum over slots is still float32); split-K partials
     # stay float32.
-    partial = grouped_gemm(hidden, w2, offsets, row_pair, down_cfg, num_rows=n, topk=topk,
+    partial = grouped_gemm(hidden, w2, offsets, row_pair, down_cfg.kernel_args(), num_rows=n, topk=topk,
                            a_from_tokens=False, gated=False, scale=w2_scale,
                            pair_weights=topk_weights.reshape(-1).float().contiguous(),
-                           out_dtype=x.dtype, pair_ids=pair_ids)  # [S, N, H], already weighted
-    return combine_rows_triton(partial, rows, None, x.dtype, topk)
-
-
-def fused_moe_logits_triton(x: torch.Tensor, logits: torch.Tensor, topk: int, w13: torch.Tensor, w2: torch.Tensor,
-                            activation: str = "silu", score: str = "softmax", renormalize: bool = True,
-                            w13_scale: torch.Tensor | None = None,
-                            w2_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as ``kernels.fused_moe_logits``: the CUDA decode kernels with the gating
-    inside where the table chose them for this T, else the routing launch and the experts."""
-    up_cfg, down_cfg = _table_configs(x, w13, w2, topk)
-    if up_cfg.get("backend") == "cuda":
-        try:
-            return fused_moe_logits_cuda(x, logits, topk, w13, w2, activation, score, renormalize, w13_scale,
-                                         w2_scale, _cuda_pair(up_cfg, down_cfg))
-        except ValueError:  # operands the CUDA kernels cannot take: the routing launch first
-            pass
-    ids, weights, maps = route_triton(logits, topk, score, renormalize)
-    return fused_moe_triton(x, w13, w2, weights, ids, activation, w13_scale, w2_scale, maps=maps)
-
-
-def grouped_ffn_triton(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                       activation: str = "silu", w13_scale: torch.Tensor | None = None,
-                       w2_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The experts on an already dispatched buffer xs [N, H] (``grouped_ffn_ref``)."""
-    n, h = xs.shape
-    e = w2.shape[0]
-    identity = torch.arange(n, dtype=torch.int32, device=xs.device)  # buffer row i holds "pair" i
-    size = xs.element_size()
-    up_cfg = launch_config("up", xs.device, n, e, w13.shape[1], h, w13.dtype, 1, size)
-    if up_cfg.get("backend") == "dequant" and w13_scale is not None:  # as in fused_moe_triton
-        return grouped_ffn_triton(xs, offsets, dequantize_int8(w13, w13_scale, xs.dtype),
-                                  dequantize_int8(w2, w2_scale, xs.dtype), activation)
-    # Entries for the fused layer's other kernels (the CUDA decode pair at a top-1 shape's
-    # small T) give way to the Triton default here: these rows are already dispatched.
-    up_cfg = triton_entry(up_cfg, "up", xs.device, n, e, w13.shape[1], h, 1, size)
-    down_cfg = triton_entry(launch_config("down", xs.device, n, e, h, w2.shape[2], w2.dtype, 1, size), "down",
-                            xs.device, n, e, h, w2.shape[2], 1, size)
-    hidden = grouped_gemm(xs, w13, offsets, identity, up_cfg, num_rows=n, topk=1, a_from_tokens=False,
-                          gated=activation == "silu", act="gelu" if activation == "gelu" else "none",
-                          scale=w13_scale)[0]
-    ys = grouped_gemm(hidden, w2, offsets, identity, down_cfg, num_rows=n, topk=1, a_from_tokens=False,
-                      gated=False, scale=w2_scale, out_dtype=torch.float32)
-    return ys.sum(0).to(xs.dtype) if ys.shape[0] > 1 else ys[0].to(xs.dtype)
+                           out_dtype=x.dtype, pair_ids=pair_ids, pdl=pdl)  # [S, N, H], already weighted
+    return combine_rows_triton(partial, rows, None, x.dtype, topk, pdl=pdl)
 
 
 _ROW_TABLES: dict = {}  # (rows, device) -> the pair ids / segment offsets of one dense GEMM
 
 
-def linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+def linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None = None,
+                  pdl: bool = True) -> torch.Tensor:
     """x [..., K] @ W.T -> [..., N] in x's dtype, W = q [N, K] (bf16 / fp16 / fp32, or int8
     dequantised with per-row ``scale`` [N]): the grouped GEMM with one group, int8 widened
     in registers and the scale applied in the epilogue; split-K (deterministic) when the
@@ -288,8 +203,9 @@ def linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None =
         _ROW_TABLES[key] = ids, offsets
     ids, offsets = _ROW_TABLES[key]
     if ids is not None:
-        cfg = dict(cfg, bm=max(cfg["bm"], 16, triton.next_power_of_2(t)))
-    out = grouped_gemm(a, q[None], offsets, None, cfg, num_rows=t, topk=1, a_from_tokens=False, gated=False,
-                       scale=None if scale is None else scale[None], out_dtype=a.dtype, pair_ids=ids)  # [S, T, N]
+        cfg = replace(cfg, bm=max(cfg.bm, 16, triton.next_power_of_2(t)))
+    out = grouped_gemm(a, q[None], offsets, None, cfg.kernel_args(), num_rows=t, topk=1, a_from_tokens=False,
+                       gated=False, scale=None if scale is None else scale[None], out_dtype=a.dtype, pair_ids=ids,
+                       pdl=pdl)  # [S, T, N]
     out = out[0] if out.shape[0] == 1 else out.sum(0).to(a.dtype)
     return out.view(*x.shape[:-1], n)

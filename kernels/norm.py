@@ -48,7 +48,8 @@ def _rows(t: torch.Tensor, name: str, h: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                    pdl: bool = True):
     """Same contract as ``rms_norm_ref``; one launch, one program per row."""
     h = x.shape[-1]
     if weight.shape != (h,):
@@ -68,7 +69,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         block = triton.next_power_of_2(h)
         _rms_norm_kernel[(rows,)](x2, r2, weight, out.view(-1, h), s2, h, eps, x2.stride(0), r2.stride(0),
                                   h, h, BLOCK_H=block, HAS_RES=residual is not None,
-                                  num_warps=max(1, min(16, block // 512)), **pdl_launch(x2.device))
+                                  num_warps=max(1, min(16, block // 512)), **pdl_launch(x2.device, pdl))
     return (out, summed) if residual is not None else out
 
 
@@ -168,7 +169,7 @@ def _router_blocks(t: int, h: int, e: int) -> tuple[int, int, int]:
 ROUTER_MAX_ROWS = 16  # the fused norm + router launch is for decode steps
 
 
-def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | None = None):
+def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | None = None, pdl: bool = True):
     """Same contract as ``rms_norm_router_ref`` for T <= 16 rows in one launch: the MoE
     layer's norm (with the residual add) and its router GEMM, which for a decode step is a
     few hundred KB of weights, too little for cuBLAS to spread over the SMs. ``gating``
@@ -199,5 +200,5 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | N
         BT=bt, BE=be, BK=bk, K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
         E_ALL=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(k, 1)), ONE=bk >= h,
         num_warps=4,
-        **pdl_launch(x.device))
+        **pdl_launch(x.device, pdl))
     return (out_h, summed, logits) if gating is None else (out_h, summed, logits, ids, weights)

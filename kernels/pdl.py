@@ -9,7 +9,8 @@ tail, which is what a decode step of ~200 short kernels loses most between launc
 Contract for every kernel launched here with PDL (``PDL=True``): call ``pdl_enter`` first,
 in every program, before reading anything an earlier kernel wrote, and before any early
 return. (A kernel that could finish without waiting would let the next one see its own
-predecessor unfinished.) ``MOE_INFER_PDL=0`` turns it off, for A/B runs.
+predecessor unfinished.) Each launch site takes ``pdl`` from its caller (the layer's
+``KernelOptions.pdl``, which the engine config sets): False launches plainly, for A/B runs.
 
 Early trigger (always, where PDL is on): each kernel lets the next one launch before its
 own wait, not after it. That is still safe: kernel n + 1 waits for kernel n to complete,
@@ -25,37 +26,33 @@ kernel before it always triggers after its wait.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 
-OFF = {"PDL": 0}
-
-
 @functools.lru_cache(maxsize=None)
-def _launch(device_type: str, index: int | None) -> dict:
-    if device_type != "cuda" or os.environ.get("MOE_INFER_PDL", "1") == "0":
-        return OFF
-    index = index if index is not None else torch.cuda.current_device()
-    return {"PDL": 1, "launch_pdl": True} if torch.cuda.get_device_capability(index)[0] >= 9 else OFF
+def _hopper_or_later(index: int) -> bool:
+    """Whether CUDA device ``index`` has compute capability 9.0 or later (a fact of the
+    hardware, asked once per device)."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_on(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL (as ``pdl_launch`` decides)."""
-    return _launch(device.type, device.index)["PDL"] > 0
+def pdl_on(device: torch.device, pdl: bool) -> bool:
+    """Whether a kernel on ``device`` launches with PDL: the caller asks for it (``pdl``,
+    from ``KernelOptions``) and the device is a CUDA GPU of compute capability 9.0 or later."""
+    if not pdl or device.type != "cuda":
+        return False
+    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_launch(device: torch.device) -> dict:
+def pdl_launch(device: torch.device, pdl: bool) -> dict:
     """Keyword arguments for a Triton launch on ``device``: the kernel's ``PDL`` constexpr,
-    and the launch option where PDL is on: a CUDA GPU of compute capability 9.0 or later,
-    unless ``MOE_INFER_PDL=0`` (read once per process and device). The CPU interpreter
-    takes no launch options. ``PDL`` is 0 (off) or 2 (on, with the early trigger: let the
-    next kernel launch, then wait)."""
-    kw = _launch(device.type, device.index)
-    return {**kw, "PDL": 2} if kw["PDL"] else kw
+    and the launch option where PDL is on (``pdl_on``). The CPU interpreter takes no launch
+    options. ``PDL`` is 0 (off) or 2 (on, with the early trigger: let the next kernel
+    launch, then wait)."""
+    return {"PDL": 2, "launch_pdl": True} if pdl_on(device, pdl) else {"PDL": 0}
 
 
 @triton.jit

@@ -239,7 +239,7 @@ def _block_s(s: int, d: int) -> int:
 
 def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
                          qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None,
-                         splits: int | None = None):
+                         splits: int | None = None, pdl: bool = True):
     """Same contract as ``qkv_attention_ref``, in one launch. The mask must leave each row's
     own slot visible (``StepContext.decode_static`` does) and hide every slot after it.
     Under PDL, ``slot`` and the cache's slots before it may be read before the wait for the
@@ -286,5 +286,5 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
         QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, BLOCK_S=block_s, P=splits,
         P_CHUNK=min(splits, 4), PRE_KV=pre_kv,
         UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, num_warps=4 if block_s * d <= 4096 else 8,
-        **pdl_launch(qkv.device))
+        **pdl_launch(qkv.device, pdl))
     return out

@@ -164,7 +164,7 @@ def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr, kc_
 
 
 def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
-                      qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
+                      qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, pdl=True):
     """Same contract as ``qkv_decode_ref``; one launch, one program per token."""
     b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
     if not qkv_decode_supported(head_dim):
@@ -187,5 +187,5 @@ def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), HQ=num_heads, HKV=num_kv_heads, HQ_P=triton.next_power_of_2(num_heads),
         HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim, QK_NORM=QK_NORMS[qk_norm],
-        CLIP=clip is not None, ROPE=rope, SLOT_PTR=slot_t, num_warps=4, **pdl_launch(qkv.device))
+        CLIP=clip is not None, ROPE=rope, SLOT_PTR=slot_t, num_warps=4, **pdl_launch(qkv.device, pdl))
     return q

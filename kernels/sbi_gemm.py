@@ -122,7 +122,7 @@ def sbi_config(t: int, n: int, k: int, sms: int) -> dict:
 
 def sbi_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                      norm: tuple | None = None, config: dict | None = None) -> torch.Tensor:
+                      norm: tuple | None = None, config: dict | None = None, pdl: bool = True) -> torch.Tensor:
     """y [T, N] = norm(x [T, K]) @ dequant(w [N, K]).T (+ bias [N]) (+ residual [T, N]), in x's
     dtype. ``norm`` is (kind, weight [K], bias [K] or None, eps), kind "rmsnorm" or "layernorm"."""
     t, k = x.shape
@@ -146,11 +146,12 @@ def sbi_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | No
         BT=cfg["bt"], BN=cfg["bn"], BK=cfg["bk"], SPLIT_K=split, NORM=NORMS[kind], INT8_W=w.dtype == torch.int8,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         UPCAST=x.device.type == "cpu" or x.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(x.device))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(x.device, pdl))
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _reduce_kernel[(t, triton.cdiv(n, block))](
             target, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
             n, target.stride(0), target.stride(1), residual.stride(0) if residual is not None else 0, out.stride(0),
-            S=split, BLOCK=block, HAS_BIAS=bias is not None, HAS_RES=residual is not None, **pdl_launch(target.device))
+            S=split, BLOCK=block, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+            **pdl_launch(target.device, pdl))
     return out

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from kernels.options import KernelOptions
+
 
 class ConfigError(ValueError):
     """A configuration key has a value the system cannot run with."""
@@ -177,19 +179,31 @@ class EngineConfig:
     # prefill stay bounded (a 47B MoE's expert activations for 64 prompts of 2048 tokens
     # in one forward would take over 20 GB beside its weights).
     prefill_tokens: int = 16384
+    # Decode-path kernels launch with programmatic dependent launch on GPUs that have it
+    # (compute capability 9.0 or later): each may start while the one before finishes and
+    # waits for it before reading. false: plain launches, the baseline of an A/B run.
+    pdl: bool = True
+    # A static decode step runs its attention (QKV epilogue, cache append, attention) in one
+    # launch where it fits. false: the epilogue launch, then SDPA.
+    fused_decode_attention: bool = True
 
     def __post_init__(self):
         s = "engine"
         if self.quantize is not None:
             _check_choice(s, self, "quantize", ("int8",))
-        if not isinstance(self.cuda_graphs, bool):
-            _fail(f"{s}.cuda_graphs", self.cuda_graphs, "true or false")
+        for name in ("cuda_graphs", "pdl", "fused_decode_attention"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(f"{s}.{name}", getattr(self, name), "true or false")
         if self.max_seq_len is not None:
             _check_positive(s, self, "max_seq_len")
         _check_positive(s, self, "max_batch_size", "prefill_tokens")
         _check_choice(s, self, "dtype", ("auto", "float32", "float16", "bfloat16"))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             _fail(f"{s}.device", self.device, "auto, cpu, cuda or cuda:N")
+
+    def kernel_options(self) -> KernelOptions:
+        """The options the model hands to every layer that launches kernels."""
+        return KernelOptions(pdl=self.pdl, fused_decode_attention=self.fused_decode_attention)
 
 
 @dataclass

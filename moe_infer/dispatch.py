@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels.options import KernelOptions
 from comm import ParallelGroups, all_reduce, all_to_all, exchange_counts
 
 
@@ -51,8 +52,9 @@ class ExpertParallelDispatcher:
     """
 
     def __init__(self, num_experts: int, top_k: int, ep: int, expert_slicing: int,
-                 groups: ParallelGroups, pcc: bool):
+                 groups: ParallelGroups, pcc: bool, options: KernelOptions = KernelOptions()):
         self.e_local, self.top_k, self.ep, self.es = num_experts // ep, top_k, ep, expert_slicing
+        self.pdl = options.pdl
         self.groups = groups
         tp = groups.tp.size
         self.pcc = pcc and tp > 1
@@ -88,7 +90,7 @@ class ExpertParallelDispatcher:
         group = self.group
         # [T, k * es] unit -> destination (index_select takes the int32 ids as they are)
         dest = self.table(x.device).index_select(0, routing.expert_ids.reshape(-1)).reshape(t, -1)
-        offsets, rows = kernels.token_maps(dest, group.size + 1)  # units grouped by destination
+        offsets, rows = kernels.token_maps(dest, group.size + 1, pdl=self.pdl)  # units grouped by destination
         send, recv = exchange_counts(offsets[1:-1] - offsets[:-2], group)
         n = sum(send)
         self.sent_pairs = n
@@ -96,7 +98,7 @@ class ExpertParallelDispatcher:
         # padding column holds the expert id's bits (the all-to-all only copies bytes, and
         # NCCL moves no 16-bit integers).
         payload = torch.empty(dest.numel(), h + PAD, dtype=x.dtype, device=x.device)
-        kernels.dispatch_rows(x, rows, routing.expert_ids, self.e_local, payload)
+        kernels.dispatch_rows(x, rows, routing.expert_ids, self.e_local, payload, pdl=self.pdl)
         received, _ = all_to_all(payload[:n], send, group, recv_counts=recv)
         weights = routing.weights.float()
         if self.es > 1:  # every slice returns a partial sum with the pair's weight
@@ -117,7 +119,7 @@ class ExpertParallelDispatcher:
         kernel's weighted sum per token, accumulated in float32 (+ under PCC the all-reduce
         of the TP ranks' partial sums)."""
         back, _ = all_to_all(y, sent.recv_counts, sent.group, recv_counts=sent.send_counts)
-        out = kernels.gather_rows(back, sent.rows, sent.weight, limit=sent.sent_rows)
+        out = kernels.gather_rows(back, sent.rows, sent.weight, limit=sent.sent_rows, pdl=self.pdl)
         if self.pcc:
             all_reduce(out, self.groups.tp)  # each TP rank combined only its share of pairs
         return out

@@ -126,7 +126,7 @@ class StaticDecoder:
     def _step(self):
         ctx = self.model.static_decode_context(self.slot, self.key_valid, self.positions, self.tables)
         logits = self.model(self.tokens, ctx, self.cache, last_only=True)[:, -1]
-        return logits, kernels.argmax(logits)
+        return logits, kernels.argmax(logits, pdl=self.model.options.pdl)
 
     def run(self, tokens: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [batch] written at ``slot`` -> (logits [batch, V], greedy ids [batch])."""
@@ -339,7 +339,7 @@ class Engine:
         def pick(logits, greedy):  # -> the next ids [len(rows)], on the device
             if greedy is not None and params.greedy:
                 return greedy  # the argmax the graph computed
-            nxt = sample(logits[:b], params, generator)  # [b]: padding rows draw nothing
+            nxt = sample(logits[:b], params, generator, pdl=self.model.options.pdl)  # [b]: padding rows draw nothing
             return torch.cat([nxt, nxt[:1].expand(len(rows) - b)]) if len(rows) > b else nxt
 
         generated = [[] for _ in range(b)]

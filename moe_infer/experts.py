@@ -1,6 +1,6 @@
-"""Step 4: the experts' weights and the grouped FFN over the expert-major buffer.
+"""Step 4: the experts' weights, run by the fused MoE kernels (``Experts.fused``).
 
-Shape letters: E experts, H hidden, F expert width, N buffer rows, T tokens, k slots.
+Shape letters: E experts, H hidden, F expert width, T tokens, k slots.
 ``Int8Experts`` is the weight-only int8 variant, swapped in by ``quantize_experts``.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.options import KernelOptions
 
 _KERNEL_ACTIVATION = {"swiglu": "silu", "gelu": "gelu"}
 
@@ -21,8 +22,10 @@ class Experts(nn.Module):
     matching columns of w2), so its outputs are partial sums."""
 
     def __init__(self, num_experts: int, hidden: int, width: int, activation: str,
-                 ep_rank: int = 0, ep: int = 1, slice_rank: int = 0, slices: int = 1):
+                 ep_rank: int = 0, ep: int = 1, slice_rank: int = 0, slices: int = 1,
+                 options: KernelOptions = KernelOptions()):
         super().__init__()
+        self.options = options
         e, f = num_experts // ep, width // slices
         gated = activation == "swiglu"
         self.w13 = nn.Parameter(torch.empty(e, 2 * f if gated else f, hidden))
@@ -46,15 +49,11 @@ class Experts(nn.Module):
     def scales(self) -> dict:
         return {}
 
-    def forward(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Dispatched rows xs [N, H] grouped by ``offsets`` -> [N, H]."""
-        return kernels.grouped_ffn(xs, offsets, self.w13, self.w2, self.activation, **self.scales())
-
     def fused(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
               capacity: int | None = None, maps: tuple | None = None) -> torch.Tensor:
         """Tokens x [T, H] -> weighted sum of their experts' outputs [T, H], in one pass."""
         return kernels.fused_moe(x, self.w13, self.w2, weights, expert_ids, self.activation,
-                                 capacity=capacity, maps=maps, **self.scales())
+                                 capacity=capacity, maps=maps, pdl=self.options.pdl, **self.scales())
 
     def pairs_from_ids(self, x: torch.Tensor, top_k: int) -> bool:
         """Whether ``fused`` (dropless, no maps) runs on x from the routing ids alone, so the
@@ -71,7 +70,7 @@ class Int8Experts(Experts):
 
     def __init__(self, experts: Experts):
         nn.Module.__init__(self)
-        self.activation, self.expert_range = experts.activation, experts.expert_range
+        self.activation, self.expert_range, self.options = experts.activation, experts.expert_range, experts.options
         q13, s13 = kernels.quantize_int8(experts.w13.detach())
         q2, s2 = kernels.quantize_int8(experts.w2.detach())
         self.w13 = nn.Parameter(q13, requires_grad=False)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.options import KernelOptions
 
 
 @dataclass
@@ -25,11 +26,12 @@ class Router(nn.Module):
     """x [T, H] -> Routing. No one-hot tensors."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, score: str, renormalize: bool,
-                 with_maps: bool = True):
+                 with_maps: bool = True, options: KernelOptions = KernelOptions()):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.top_k, self.score, self.renormalize = top_k, score, renormalize
         self.with_maps = with_maps  # dropless maps built in the gating launch
+        self.options = options
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None, maps: bool = True) -> Routing:
         """``logits`` [T, E]: already computed (by the fused norm + router launch). ``maps``
@@ -37,5 +39,5 @@ class Router(nn.Module):
         if logits is None:
             logits = x @ self.weight.t()  # [T, E]
         if self.with_maps and maps:
-            return Routing(*kernels.route(logits, self.top_k, self.score, self.renormalize))
-        return Routing(*kernels.topk_gating(logits, self.top_k, self.score, self.renormalize))
+            return Routing(*kernels.route(logits, self.top_k, self.score, self.renormalize, pdl=self.options.pdl))
+        return Routing(*kernels.topk_gating(logits, self.top_k, self.score, self.renormalize, pdl=self.options.pdl))

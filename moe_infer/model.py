@@ -12,24 +12,25 @@ from comm import ParallelGroups
 from dense import MLP, Attention, KVCache, PagedKVCache, Rotary, StepContext, make_norm
 from dense.norm import RMSNorm
 from dense.parallel_linear import Linear
+from kernels.options import KernelOptions
 from moe_infer.config import Config
 from moe_infer.moe_layer import MoELayer
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, index: int, groups: ParallelGroups):
+    def __init__(self, cfg: Config, index: int, groups: ParallelGroups, options: KernelOptions):
         super().__init__()
         m = cfg.model
         self.parallel = m.parallel_block
-        self.attn_norm = make_norm(m.norm, m.hidden_size, m.norm_eps)
-        self.attn = Attention(m, groups.tp)
+        self.attn_norm = make_norm(m.norm, m.hidden_size, m.norm_eps, options)
+        self.attn = Attention(m, groups.tp, options)
         # A parallel block feeds the same normed input to attention and FFN.
-        self.ffn_norm = None if self.parallel else make_norm(m.norm, m.hidden_size, m.norm_eps)
+        self.ffn_norm = None if self.parallel else make_norm(m.norm, m.hidden_size, m.norm_eps, options)
         if cfg.is_moe_layer(index):
-            self.ffn = MoELayer(m, cfg.moe, cfg.parallel, groups)
+            self.ffn = MoELayer(m, cfg.moe, cfg.parallel, groups, options)
         else:
-            self.ffn = MLP(m.hidden_size, m.ffn_hidden, m.activation, bias=m.mlp_bias, tp=groups.tp)
-        self.index = index
+            self.ffn = MLP(m.hidden_size, m.ffn_hidden, m.activation, bias=m.mlp_bias, tp=groups.tp, options=options)
+        self.index, self.options = index, options
         self.fused_router = isinstance(self.ffn, MoELayer) and isinstance(self.ffn_norm, RMSNorm)
         # The attention norm and its residual add run inside the QKV GEMM's launch
         # (Attention.forward_normed -> kernels.norm_linear) where the dense table's entry
@@ -59,7 +60,7 @@ class Block(nn.Module):
             # Decode: the add, the norm and the router GEMM in one launch.
             shape = a.shape
             h, x, logits = kernels.rms_norm_router(a.view(-1, shape[-1]), x.view(-1, shape[-1]), self.ffn_norm.weight,
-                                                   self.ffn_norm.eps, self.ffn.router.weight)
+                                                   self.ffn_norm.eps, self.ffn.router.weight, pdl=self.options.pdl)
             return x.view(shape), self.ffn(h.view(shape), router_logits=logits)
         h, x = self.ffn_norm(a, residual=x)
         return x, self.ffn(h)
@@ -68,20 +69,21 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """The model as one rank holds it: ``groups`` (built once from ``cfg.parallel``) decide
     which heads, FFN columns and experts live here; embeddings, norms and the LM head are
-    replicated."""
+    replicated. The kernel options of ``cfg.engine`` reach every layer that launches kernels."""
 
     def __init__(self, cfg: Config, groups: ParallelGroups | None = None):
         super().__init__()
         m = cfg.model
         self.cfg = cfg
         groups = groups or ParallelGroups.single()
+        self.options = options = cfg.engine.kernel_options()
         self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
         self.pos_embed = nn.Embedding(m.max_position, m.hidden_size) if m.positions == "learned" else None
         self.rotary = Rotary(m.head_dim, m.rope_theta) if m.positions == "rope" else None
-        self.layers = nn.ModuleList(Block(cfg, i, groups) for i in range(m.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, groups, options) for i in range(m.num_layers))
         self.num_kv_heads = self.layers[0].attn.num_kv_heads  # on this rank
-        self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps)
-        self.lm_head = None if m.tied_embeddings else Linear(m.hidden_size, m.vocab_size, bias=False)
+        self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps, options)
+        self.lm_head = None if m.tied_embeddings else Linear(m.hidden_size, m.vocab_size, bias=False, options=options)
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         m = self.cfg.model
@@ -103,7 +105,7 @@ class Transformer(nn.Module):
     def static_decode_context(self, slot: torch.Tensor, key_valid: torch.Tensor, key_positions: torch.Tensor,
                               tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepContext:
         return StepContext.decode_static(slot, key_valid, key_positions, self.rotary, self.embed.weight.dtype,
-                                         self.cfg.model.sliding_window, tables)
+                                         self.cfg.model.sliding_window, tables, self.options.pdl)
 
     def paged_context(self, positions: torch.Tensor, query_valid: torch.Tensor,
                       context_lens: torch.Tensor, num_keys: int) -> StepContext:

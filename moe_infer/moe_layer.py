@@ -10,13 +10,15 @@ from torch import nn
 
 from comm import ParallelGroups
 from dense.mlp import MLP
+from kernels.options import KernelOptions
 from moe_infer.dispatch import ExpertParallelDispatcher, LocalDispatcher
 from moe_infer.experts import Experts
 from moe_infer.gating import Router
 
 
 class MoELayer(nn.Module):
-    def __init__(self, model_cfg, moe_cfg, parallel=None, groups: ParallelGroups | None = None):
+    def __init__(self, model_cfg, moe_cfg, parallel=None, groups: ParallelGroups | None = None,
+                 options: KernelOptions = KernelOptions()):
         super().__init__()
         h = model_cfg.hidden_size
         groups = groups or ParallelGroups.single()
@@ -24,15 +26,15 @@ class MoELayer(nn.Module):
         # With a capacity the maps depend on it: the dispatcher builds them, not the router;
         # with expert parallelism the maps are built per destination rank instead.
         self.router = Router(h, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.score, moe_cfg.renormalize,
-                             with_maps=moe_cfg.capacity_factor is None and ep * es == 1)
+                             with_maps=moe_cfg.capacity_factor is None and ep * es == 1, options=options)
         self.local_dropless = moe_cfg.capacity_factor is None and ep * es == 1
         self._maps_at: dict = {}  # _maps_needed's answers
         ep_index = groups.ep.rank // es
         self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation,
-                               ep_index, ep, groups.ep.rank % es, es)
+                               ep_index, ep, groups.ep.rank % es, es, options)
         if ep * es > 1:
             self.dispatcher = ExpertParallelDispatcher(moe_cfg.num_experts, moe_cfg.top_k, ep, es, groups,
-                                                       parallel.pcc)
+                                                       parallel.pcc, options)
         else:
             self.dispatcher = LocalDispatcher(moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.capacity_factor)
         self.shared = None
@@ -40,7 +42,7 @@ class MoELayer(nn.Module):
         if moe_cfg.shared_experts:
             # n shared experts of width F are one MLP of width n * F: the sum is the same.
             width = moe_cfg.shared_experts * moe_cfg.shared_expert_hidden
-            self.shared = MLP(h, width, model_cfg.activation, tp=groups.tp)
+            self.shared = MLP(h, width, model_cfg.activation, tp=groups.tp, options=options)
             if moe_cfg.shared_expert_gate:
                 self.shared_gate = nn.Linear(h, 1, bias=False)
 

@@ -222,7 +222,7 @@ def token_bytes(text: str) -> list[int]:
 
 
 def completion_logprobs(entries, text_of, offset: int = 0) -> dict:
-    """Legacy completions ``logprobs`` of scheduler ``Logprob`` entries: top_logprobs maps
+    """Legacy completions ``logprobs`` of ``moe_infer.outputs.Logprob`` entries: top_logprobs maps
     token text -> logprob over the top N and the token itself (up to N + 1, as OpenAI);
     text_offset is where each token's text starts, the lengths of earlier tokens' texts
     added to ``offset``."""
@@ -243,7 +243,7 @@ def completion_logprobs(entries, text_of, offset: int = 0) -> dict:
 
 
 def chat_logprobs(entries, text_of) -> list[dict]:
-    """Chat ``logprobs.content`` items of scheduler ``Logprob`` entries."""
+    """Chat ``logprobs.content`` items of ``moe_infer.outputs.Logprob`` entries."""
     def item(t, lp):
         text = text_of(t)
         return {"token": text, "logprob": lp, "bytes": token_bytes(text)}

@@ -133,6 +133,16 @@ class PagedRunner:
                 self.step_for(batch, keys)
 
     @torch.no_grad()
+    def warm_up(self, widths: list[int]):
+        """A prefill forward of one row of each width, so that the kernels compile for those
+        sizes now instead of while a request waits. It writes into the first blocks: call it
+        before any sequence holds one (a sequence writes its slots before it reads them)."""
+        for t in widths:
+            need = -(-t // self.block_size)
+            if t <= self.max_keys and need <= self.cache.num_blocks:
+                self._run([Row([0] * t, 0, list(range(need)))], last_only=True)
+
+    @torch.no_grad()
     def forward(self, rows: list[Row]) -> torch.Tensor:
         """-> float32 logits [B, V] of each row's last new token."""
         if self.static and all(len(r.tokens) == 1 for r in rows):

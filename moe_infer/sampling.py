@@ -84,20 +84,20 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tens
 
 
 def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           generator: torch.Generator | None = None, *, pdl: bool = True) -> torch.Tensor:
     """logits [B, V] -> token ids [B], every row by ``params``, the noise drawn from
     ``generator``; without a host sync (``sample_rows`` with one set of parameters)."""
-    return sample_rows(logits, [params] * logits.shape[0], [None] * logits.shape[0], shared=generator)
+    return sample_rows(logits, [params] * logits.shape[0], [None] * logits.shape[0], shared=generator, pdl=pdl)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                shared: torch.Generator | None = None) -> torch.Tensor:
+                shared: torch.Generator | None = None, *, pdl: bool = True) -> torch.Tensor:
     """logits [B, V], each row with its own parameters -> token ids [B], batched on the
     device with no host sync: one sort for every sampled row's top-k and top-p, then an
     exponential race (argmax of probs / Exp(1) noise, a draw from probs). A row with a
     generator draws its noise from it alone, so a seeded request samples the same tokens
     whatever else shares its batch; the other rows share one draw (from ``shared``)."""
-    ids = kernels.argmax(logits)  # greedy rows keep these
+    ids = kernels.argmax(logits, pdl=pdl)  # greedy rows keep these
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return ids

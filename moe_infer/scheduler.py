@@ -43,69 +43,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
 from moe_infer.engine import Engine
+from moe_infer.outputs import Logprob, Sampled, token_logprobs, top_pairs
 from moe_infer.runner import PagedRunner, Row, to_device
 from moe_infer.sampling import SamplingParams, apply_penalties, sample_rows
 from moe_infer.tokenizer import decode_delta
-
-
-class Logprob(NamedTuple):
-    """A token's log-probability under the raw model output, and the ``top`` most likely
-    tokens there as (id, logprob), most likely first (None for a prompt's first token)."""
-
-    token_id: int
-    logprob: float | None
-    top: list[tuple[int, float]] | None
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
-    """logits [N, V], the tokens taken [N], top count k -> (logprob of each token [N],
-    top-k logprobs [N, k], their ids [N, k]), on the device."""
-    lp = logits.float().log_softmax(dim=-1)
-    top = lp.topk(k, dim=-1)
-    return lp.gather(-1, tokens[:, None])[:, 0], top.values, top.indices
-
-
-def _pairs(ids: list, vals: list, row: int, k: int) -> list[tuple[int, float]]:
-    """Row ``row`` of flattened [N, k] top-k ids and logprobs -> [(id, logprob)]."""
-    return list(zip(map(int, ids[row * k:(row + 1) * k]), vals[row * k:(row + 1) * k]))
-
-
-class _Sampled(NamedTuple):
-    """One step's sampled tokens and log-probabilities on their way to the host: every part
-    flattened into float64 (which holds token ids and float32 logprobs exactly) in one copy."""
-
-    reqs: list  # [Request], one per row
-    lp_rows: list[int]  # rows whose token logprobs were asked for
-    scored: list  # [Request] whose prompt logprobs come with this token
-    host: torch.Tensor  # the flat values (pinned on a GPU, the copy maybe still running)
-    sizes: list[int]  # each part's length in ``host``
-    ready: torch.cuda.Event | None  # recorded after the copy (None on a CPU)
-
-    @staticmethod
-    def start(reqs, lp_rows, scored, parts: list[torch.Tensor]) -> "_Sampled":
-        flat = torch.cat([t.reshape(-1).double() for t in parts])
-        if flat.device.type != "cuda":
-            return _Sampled(reqs, lp_rows, scored, flat, [t.numel() for t in parts], None)
-        host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return _Sampled(reqs, lp_rows, scored, host, [t.numel() for t in parts], ready)
-
-    def values(self) -> list[list]:
-        """Waits for the copy -> the parts as host lists."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        flat, out, at = self.host.tolist(), [], 0
-        for n in self.sizes:
-            out.append(flat[at:at + n])
-            at += n
-        return out
 
 
 class QueueFull(Exception):
@@ -171,7 +117,7 @@ class Scheduler:
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.broadcast: Callable[[list[Row]], None] | None = None  # set on multi-rank jobs
-        self.inflight: _Sampled | None = None  # the step launched, not yet delivered
+        self.inflight: Sampled | None = None  # the step launched, not yet delivered
 
     # ----------------------------------------------------------------- from the server
 
@@ -202,6 +148,14 @@ class Scheduler:
         with self.lock:
             req.cancelled = True
             self.wake.notify()
+
+    def warm_up(self):
+        """Before the first request, on a GPU: every decode bucket captured, and the kernels
+        compiled for prefills of each power-of-two width up to ``prefill_chunk``."""
+        self.runner.capture_all()
+        if self.engine.device.type == "cuda":
+            widths = [1 << i for i in range(self.prefill_chunk.bit_length())]
+            self.runner.warm_up(widths + [self.prefill_chunk] * (widths[-1] != self.prefill_chunk))
 
     @property
     def blocks_in_use(self) -> int:
@@ -250,7 +204,7 @@ class Scheduler:
                 self._deliver(launched)
         self._report()
 
-    def _launch(self) -> _Sampled | None:
+    def _launch(self) -> Sampled | None:
         """Queues one step's forwards and sampling on the device -> its results on their way
         to the host (None if no row ran)."""
         # Prefill in chunks of at most prefill_chunk tokens a step (over all prefilling
@@ -328,7 +282,7 @@ class Scheduler:
                 r.table, self.free_blocks = self.free_blocks[:need], self.free_blocks[need:]
                 self.running.append(r)
 
-    def _sample_step(self, reqs: list[Request], logits: torch.Tensor) -> _Sampled:
+    def _sample_step(self, reqs: list[Request], logits: torch.Tensor) -> Sampled:
         """Samples each row's next token on the device: into ``runner.prev`` for the next
         step to feed, into the penalty state, and on its way to the host with the logprobs
         asked for (taken from ``logits`` as the model gave them, not the processed ones)."""
@@ -341,14 +295,14 @@ class Scheduler:
             if r.counts is not None:  # penalty state, on the device
                 r.counts.index_add_(0, tokens[i:i + 1], self._one(r.counts))
                 r.seen.index_fill_(0, tokens[i:i + 1], True)
-        return _Sampled.start(reqs, lp_rows, scored,
+        return Sampled.start(reqs, lp_rows, scored,
                               [tokens] + self._logprob_parts(reqs, lp_rows, scored, logits, tokens))
 
     @staticmethod
     def _one(like: torch.Tensor) -> torch.Tensor:
         return torch.ones(1, dtype=like.dtype, device=like.device)
 
-    def _deliver(self, step: _Sampled):
+    def _deliver(self, step: Sampled):
         """The host's part of a step: tokens to requests, text and events to clients."""
         host = step.values()
         reqs, tokens = step.reqs, [int(t) for t in host[0]]
@@ -416,12 +370,12 @@ class Scheduler:
             got, vals, ids = host[:3]
             k = max(reqs[i].logprobs for i in lp_rows)
             for j, i in enumerate(lp_rows):
-                picked[i] = Logprob(tokens[i], got[j], _pairs(ids, vals, j, k)[:reqs[i].logprobs])
+                picked[i] = Logprob(tokens[i], got[j], top_pairs(ids, vals, j, k)[:reqs[i].logprobs])
             host = host[3:]
         for j, r in enumerate(scored):
             got, vals, ids = host[3 * j:3 * j + 3]
             prompt_scores[id(r)] = [Logprob(r.prompt[0], None, None)] + [
-                Logprob(t, got[m], _pairs(ids, vals, m, r.prompt_logprobs)) for m, t in enumerate(r.prompt[1:])]
+                Logprob(t, got[m], top_pairs(ids, vals, m, r.prompt_logprobs)) for m, t in enumerate(r.prompt[1:])]
         return picked, prompt_scores
 
     def _flush_text(self, r: Request):
@@ -492,7 +446,8 @@ class Scheduler:
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Each request's next token by its own sampling parameters, batched on the device."""
-        return sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        return sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs],
+                           pdl=self.engine.model.options.pdl)
 
     def _report(self):
         if self.metrics is not None:

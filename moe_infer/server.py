@@ -235,7 +235,7 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
 
     @asynccontextmanager
     async def lifespan(app):
-        scheduler.runner.capture_all()  # before the first request: none waits for a capture
+        scheduler.warm_up()  # before the first request: none waits for a capture or a compile
         stop = threading.Event()
         thread = threading.Thread(target=scheduler.run, args=(stop,), name="moe-infer-engine", daemon=True)
         thread.start()

@@ -123,7 +123,7 @@ def floor_bytes(engine, batch: int, context: int) -> int:
 # Kernel name patterns -> the part of the step they belong to (first match wins; the
 # fused norm + router launch counts as routing).
 PARTS = [
-    ("MoE routing", ("_topk_gating_kernel", "_grouped_topk_kernel", "_route_scatter_kernel", "_maps_",
+    ("MoE routing", ("_topk_gating_kernel", "_grouped_topk_kernel", "_route_kernel", "_maps_",
                      "_rms_norm_router_kernel")),
     ("MoE experts", ("_grouped_gemm_kernel", "_gather_kernel", "_scatter_kernel", "moe_up", "moe_down")),
     ("norms", ("_rms_norm_kernel", "layer_norm", "LayerNorm")),
@@ -540,7 +540,7 @@ def main():
         print(f"\ndecode step at batch {profile['batch']}: {profile['step_ms']:.3f} ms per token, kernels busy "
               f"{profile['kernel_busy_ms']:.3f} ms (the rest: gaps between kernels, the host)")
         if profile["kernel_busy_ms"] > profile["step_ms"]:
-            print("kernels overlap: under programmatic dependent launch (MOE_INFER_PDL) a kernel starts before the "
+            print("kernels overlap: under programmatic dependent launch (engine.pdl) a kernel starts before the "
                   "one before it ends and waits for it, so its time below includes that wait")
         print(bc.format_table(["part", "µs/step", "launches", "floor MB", "%copy"],
                               [[r["part"], f"{r['us_per_step']:.1f}", f"{r['launches_per_step']:.0f}",

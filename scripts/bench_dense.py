@@ -39,7 +39,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 import kernels  # noqa: E402
-from kernels import moe_triton  # noqa: E402
+from kernels import tuning  # noqa: E402
 from moe_infer.loader import resolve_config  # noqa: E402
 
 MODELS = "mixtral-8x7b,qwen3-30b-a3b,gpt-j-6b,gpt-neox-20b,gpt-13b"
@@ -103,7 +103,7 @@ def best_cuda(time, inputs, t, n, k, sms, int8):
 
 def gemm_rows(models, tokens, device, dtype, copies, copy_gbs):
     rows, time = [], timer(device, copies)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    sms = tuning.sm_count(device)
     copy_same = {}  # bytes moved -> µs of a device copy moving them
 
     def same_bytes(nbytes):
@@ -190,7 +190,8 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-attention", action="store_true", help="only the GEMM shapes")
     ap.add_argument("--write-table", action="store_true",
-                    help="store the fastest GEMM per shape and row bucket in kernels/configs/dense.json")
+                    help="store the fastest GEMM per shape and row bucket in the device's linear tables, "
+                         "kernels/tables/linear-<device>-<dtype>.json")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -234,32 +235,37 @@ def main():
         write_table(device, dtype, gemm)
 
 
-def write_table(device, dtype, gemm):
-    """Merges this run's winners into kernels/configs/dense.json (per device kind). An
-    entry with a "pinned" reason stays: it was chosen by timing the decode step itself,
-    where a kernel shares DRAM with its neighbours."""
-    import json
-
+def write_table(device, dtype, gemm, root=tuning.TABLES_DIR):
+    """Merges this run's winners into the device's linear tables under ``root``, one per
+    weight dtype (``kernels.tuning``). A ``pinned`` entry stays: it was chosen by timing the
+    decode step itself, where a kernel shares DRAM with its neighbours."""
     from kernels import linear_select as sel
 
-    table = json.loads(sel.TABLE_FILE.read_text()) if sel.TABLE_FILE.is_file() else {}
-    mine = table.setdefault(moe_triton.device_key(device), {})
+    dev_name = tuning.device_name(device)
+    tables = {}  # weight dtype -> shape -> T bucket -> entry
+    for wdtype in (dtype, torch.int8):
+        path = tuning.table_path(root, "linear", dev_name, tuning.dtype_name(wdtype))
+        old = tuning.load_table(path).entries if path.is_file() else {}
+        tables[wdtype] = {shape: dict(buckets) for shape, buckets in old.items()}
+    kinds = dict(cublas=tuning.LinearCublas, triton=tuning.LinearTriton, sbi=tuning.LinearSbi)
     for r in gemm:
-        bucket = str(next(b for b in sel.BUCKETS if b >= r["T"]))
+        bucket = next(b for b in sel.BUCKETS if b >= r["T"])
         full = {"cublas": r["cublas_us"], "triton": r["ours_us"], "sbi": r["sbi_us"], "cuda": r["cuda_us"]}
         int8 = {"triton": r["ours_int8_us"], "sbi": r["sbi_int8_us"], "cuda": r["cuda_int8_us"]}
         for wdtype, times, cfg in ((dtype, full, r["cuda_cfg"]), (torch.int8, int8, r["cuda_int8_cfg"])):
             times = {name: us for name, us in times.items() if us is not None}
             pick = min(times, key=times.get)
-            entry = dict(cfg, backend="cuda") if pick == "cuda" else pick
-            entries = mine.setdefault(sel.table_key(r["N"], r["K"], wdtype), {})
-            if isinstance(entries.get(bucket), dict) and "pinned" in entries[bucket]:
-                print(f"kept {sel.table_key(r['N'], r['K'], wdtype)} T {bucket} ({entries[bucket]['pinned']}); "
-                      f"this run's pick: {entry}")
+            entry = tuning.LinearCuda(**cfg) if pick == "cuda" else kinds[pick]()
+            shape = tuning.linear_shape(r["N"], r["K"])
+            entries = tables[wdtype].setdefault(shape, {})
+            if bucket in entries and entries[bucket].pinned:
+                print(f"kept {shape} {tuning.dtype_name(wdtype)} T {bucket} (pinned); this run's pick: {entry}")
                 continue
             entries[bucket] = entry
-    sel.TABLE_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {sel.TABLE_FILE}")
+    for wdtype, entries in tables.items():
+        if entries:
+            table = tuning.Table("linear", dev_name, tuning.dtype_name(wdtype), entries)
+            print(f"wrote {tuning.write_table(root, table)}")
 
 
 if __name__ == "__main__":

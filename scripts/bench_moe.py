@@ -6,8 +6,8 @@ For every model shape and token count T it times our fused MoE (bf16, and int8 w
 from ``kernels.quantize_int8``), a Hugging Face style per-expert loop,
 ``torch._grouped_mm`` after a sort, and the GShard / DeepSpeed-v1 one-hot einsum; the
 routing part as the layer runs it at that T (at decode sizes the gating launch alone, the
-experts reading the pairs from the ids; past them gating, maps and scatter, then gather)
-eagerly and as a CUDA graph. Graph times are per call, from one graph that replays every
+experts reading the pairs from the ids; past them gating and maps) eagerly and as a CUDA
+graph. Graph times are per call, from one graph that replays every
 input set (as a decode-step graph would hold the layer). Weight bytes read and FLOPs are
 set against the copy bandwidth and bf16 matmul rate measured at the start. The %mm column
 uses the matmul rate sustained in a long graph (``bench_common.measure_matmul_tflops``): the
@@ -297,17 +297,14 @@ def routing_fn(shape: MoeShape, inp: MoeInputs, weights: dict) -> tuple[Callable
     with the CUDA decode kernels, or few pairs) it is the gating launch alone
     (``kernels.topk_gating``, what the model's router then calls): no maps, and no scatter
     or gather to time, as the up GEMM reads x by pair and the down GEMM sums the slots.
-    Otherwise gating, maps and scatter (one launch at decode sizes), then gather (the
-    identity stands in for the experts)."""
+    Otherwise gating and maps (``kernels.route``, one launch at decode sizes), what the
+    router calls before the experts, which read x in place through the maps and combine
+    the slots themselves."""
     if pairs_from_ids(inp.x, weights["w13"], weights["w2"], shape.topk):
         return (lambda i: kernels.topk_gating(i.logits, shape.topk, score="softmax", renormalize=shape.renormalize),
                 "gating")
-
-    def run(i: MoeInputs) -> torch.Tensor:
-        ids, w, (_, rows, _), xs = kernels.route_scatter(i.x, i.logits, shape.topk, score="softmax",
-                                                         renormalize=shape.renormalize)
-        return kernels.gather_rows(xs, rows, w)
-    return run, "route_scatter+gather"
+    return (lambda i: kernels.route(i.logits, shape.topk, score="softmax", renormalize=shape.renormalize),
+            "gating+maps")
 
 
 def ours_fn(shape: MoeShape, w13, w2, s13=None, s2=None) -> Callable[[MoeInputs], torch.Tensor]:

@@ -1,30 +1,31 @@
 """Chooses the fused-MoE launch configurations per shape and T on the GPU it runs on, and
-merges them into kernels/configs/moe.json (nothing is tuned while serving).
+merges them into that GPU's moe tables, kernels/tables/moe-<device>-<dtype>.json (one per
+weight dtype; ``kernels.tuning``, docs/tuning.md). Nothing is tuned while serving.
 
-    PYTHONPATH=. python scripts/tune_moe.py [--shapes mixtral,qwen3] [--tokens 1,8,64] [--out FILE]
+    PYTHONPATH=. python scripts/tune_moe.py [--shapes mixtral,qwen3] [--tokens 1,8,64] [--out DIR]
 
 The up GEMM is tuned first with the default down configuration, then the down GEMM with
 the best up configuration; each candidate is timed as device time: several input sets
-replayed in one CUDA graph, median over replays. An entry with a "pinned" reason was chosen
-by timing the decode step itself and stays (``merge``).
+replayed in one CUDA graph, median over replays. A ``pinned`` entry was chosen by timing
+the decode step itself and stays (``merge``).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
-from kernels import moe_cuda  # noqa: E402
+from kernels import moe_cuda, tuning  # noqa: E402
+from kernels.moe_triton import default_config, fused_moe_triton, launch_config  # noqa: E402
+from kernels.tuning import MoeCuda, MoeDequant, MoeEntry, MoeGroupedMm, MoeTriton  # noqa: E402
 from moe_infer.engine import prime_cuda_graphs  # noqa: E402
-from kernels.moe_triton import (CONFIG_FILE, default_config, device_key, fused_moe_triton, launch_config,  # noqa: E402
-                                shape_key)
 
 SHAPES = {  # name: H, F, E, k, activation
     "mixtral": (4096, 14336, 8, 2, "silu"),
@@ -35,27 +36,27 @@ SHAPES = {  # name: H, F, E, k, activation
 TOKENS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384]
 WARM_S = 0.03  # seconds of replays before each candidate's timed ones
 CUDA_TOKENS = moe_cuda.MAX_T  # up to this T the CUDA decode kernels (moe_cuda) compete too
-DEQUANT = {"backend": "dequant"}  # past it, for int8, the experts widened to bf16 before bf16's GEMMs
+DEQUANT = MoeDequant()  # past it, for int8, the experts widened to bf16 before bf16's GEMMs
+DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}  # --tokens / --int8-tokens: the weights' dtype
 
 
 def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, shape: tuple, up_backend: str | None = None,
-               stored: dict | None = None, sms: int = 132) -> list[dict]:
+               stored: MoeEntry | None = None, *, sms: int) -> list[MoeEntry]:
     """The Triton search space, plus the CUDA up kernel at small T and, for int8 past it,
     the dequantizing path (``DEQUANT``: the experts widened to bf16, then bf16's entries for
-    both GEMMs). The down GEMM is searched within the chosen up GEMM's backend
-    (``up_backend``): the two come as a pair.
+    both GEMMs). The down GEMM is searched within the chosen up GEMM's kind
+    (``up_backend``, the up entry's ``kind``): the two come as a pair.
     With ``stored`` (``--cuda-only``), the table's entry stands for the Triton space. The
     heuristic that runs where the table has no entry (``default_config`` on ``sms`` SMs)
     competes too, so a tuned entry is never slower than none (OLMoE int8 at T = 256 had
     chosen 235 µs over the heuristic's 217)."""
     h, f, _, _, act = shape
     if phase == "down" and up_backend == "cuda":
-        found = moe_cuda.candidates("down", t, wdtype == "int8", h, f, act == "silu")
-        return ([stored] if stored and stored.get("backend") == "cuda" else []) + found
+        found = moe_cuda.candidates("down", t, wdtype == "int8")
+        return ([stored] if isinstance(stored, MoeCuda) else []) + found
     if phase == "down" and up_backend == "dequant":  # the pair: bf16's own entries run both GEMMs
         return [DEQUANT]
-    extra = (moe_cuda.candidates("up", t, wdtype == "int8", h, f, act == "silu")
-             if phase == "up" and t <= CUDA_TOKENS else [])
+    extra = moe_cuda.candidates("up", t, wdtype == "int8") if phase == "up" and t <= CUDA_TOKENS else []
     if phase == "up" and wdtype == "int8" and t > CUDA_TOKENS:
         extra = [DEQUANT]  # int8 widened to bf16 first, then bf16's GEMMs (kernels.moe_triton)
     if stored is not None:
@@ -66,7 +67,7 @@ def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, shape: tuple,
     return found + ([fallback] if fallback not in found else []) + extra
 
 
-def triton_candidates(phase: str, t: int, topk: int, e: int, wdtype: str) -> list[dict]:
+def triton_candidates(phase: str, t: int, topk: int, e: int, wdtype: str) -> list[MoeTriton]:
     """A small search space per regime (each new configuration costs a compile)."""
     rows = max(1, t * topk // e)
     if t <= 16 or rows <= 16:  # bandwidth-bound: one 16-row tile per expert
@@ -87,14 +88,14 @@ def triton_candidates(phase: str, t: int, topk: int, e: int, wdtype: str) -> lis
         # Weight tiles by pointer loads or by TMA (a recompile). 128-row tiles also come with
         # sub_m 2: an expert's last tile at 64 rows where they fit (a recompile; 32 rows, on the
         # Ampere-style MMA, measured slower).
-        cands = [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=1, **({"group_m": g} if g else {}),
-                      **tma, **sub)
-                 for bm, bn, bk, w, st in grid for tma in ({}, {"tma": True}) for g in (None, 4, 16)
-                 for sub in ({}, {"sub_m": 2}) if bm == 128 or not sub]
+        cands = [MoeTriton(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=1, group_m=g, tma=tma,
+                           sub_m=sub)
+                 for bm, bn, bk, w, st in grid for tma in (False, True) for g in (0, 4, 16)
+                 for sub in (1, 2) if bm == 128 or sub == 1]
         if phase == "down" and wdtype == "bf16":
-            cands.append(dict(cands[-1], backend="grouped_mm"))
+            cands.append(MoeGroupedMm(**asdict(cands[-1])))
         return cands
-    return [dict(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=sp)
+    return [MoeTriton(bm=bm, bn=bn, bk=bk, num_warps=w, num_stages=st, split_k=sp)
             for bm, bn, bk, w, st in grid for sp in splits]
 
 
@@ -143,18 +144,18 @@ def expert_weights(name: str, wdtype: str, dev: torch.device, gen: torch.Generat
     return w13, w2, dict(w13_scale=s13, w2_scale=s2)
 
 
-def companion_down(up: dict) -> dict:
+def companion_down(up: MoeCuda) -> MoeCuda:
     """The CUDA down configuration a CUDA up candidate is timed with while the best down so
     far is Triton's: the CUDA kernels run as a pair, and the CUDA default down is neither
     pair-major nor one-permute, which hid what such an up kernel is worth (Qwen3 int8 at
     T = 8: 92.9 µs as a unit pair-major pair, against 103.0 µs for the table's Triton pair)."""
-    return dict(backend="cuda", bn=4, warps=4, unroll=2, split_k=1,
-                **{k: True for k in ("unit", "pair_major") if up.get(k)})
+    return MoeCuda(bn=4, warps=4, unroll=2, split_k=1, unit=up.unit, pair_major=up.pair_major)
 
 
 def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: bool = False,
-               verbose: bool = False, only: str | None = None) -> dict:
-    """The best (up, down) configurations per T. ``cuda_only``: the table's current entries
+               verbose: bool = False, only: str | None = None) -> dict[str, dict[int, MoeEntry]]:
+    """The best (up, down) configurations per T, by shape key (``tuning.moe_shape``) and
+    T. ``cuda_only``: the table's current entries
     stand in for the Triton search; ``only``: of the candidates, time those with this
     option set (and the table's entry)."""
     h, f, e, topk, act = SHAPES[name]
@@ -162,7 +163,7 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
     gen = torch.Generator(device=dev).manual_seed(0)
     w13, w2, scales = expert_weights(name, wdtype, dev, gen)
     rows13 = w13.shape[1]
-    table: dict[str, dict] = {}
+    table: dict[str, dict[int, MoeEntry]] = {}
     for t in tokens:
         # Several input sets per graph, so the active experts' weights are not served from L2.
         sets = max(1, min(8, 4096 // t))
@@ -172,8 +173,8 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
             ids, w = kernels.topk_gating_ref(torch.randn(t, e, device=dev, generator=gen), topk)
             inputs.append((x, w, ids))
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        wd = torch.int8 if wdtype == "int8" else torch.bfloat16
-        keys = {"up": shape_key("up", e, rows13, h, wd, topk), "down": shape_key("down", e, h, f, wd, topk)}
+        wd = DTYPES[wdtype]
+        keys = {"up": tuning.moe_shape("up", e, rows13, h, topk), "down": tuning.moe_shape("down", e, h, f, topk)}
         stored = {phase: launch_config(phase, dev, t, e, *((rows13, h) if phase == "up" else (h, f)), wd, topk)
                   for phase in keys} if cuda_only else {}
         best_up = stored.get("up") or default_config("up", t, e, rows13, h, topk, sms)
@@ -181,10 +182,9 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
         r = max(3, min(reps, int(2e5 / max(1, t * topk * h * f / 1e6))))
         for phase in ("up", "down"):
             results = []
-            found = candidates(phase, t, topk, e, wdtype, SHAPES[name], best_up.get("backend"), stored.get(phase),
-                               sms)
-            for cfg in [c for c in found if only is None or c.get(only) or c is stored.get(phase)]:
-                down = best_down if cfg.get("backend") != "cuda" or best_down.get("backend") == "cuda" \
+            found = candidates(phase, t, topk, e, wdtype, SHAPES[name], best_up.kind, stored.get(phase), sms=sms)
+            for cfg in [c for c in found if only is None or getattr(c, only, False) or c is stored.get(phase)]:
+                down = best_down if not isinstance(cfg, MoeCuda) or isinstance(best_down, MoeCuda) \
                     else companion_down(cfg)
                 pair = (cfg, down) if phase == "up" else (best_up, cfg)
                 fns = [lambda x=x, w=w, ids=ids: fused_moe_triton(x, w13, w2, w, ids, act, configs=pair, **scales)
@@ -197,9 +197,9 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
                 results.append((us, cfg))
                 if verbose:
                     print(f"  {name} {wdtype} T={t} {phase} {us:9.1f} us  {cfg}", flush=True)
-            if not results and phase == "down" and best_up.get("backend") == "cuda":
+            if not results and phase == "down" and isinstance(best_up, MoeCuda):
                 # ``only`` left no CUDA down to time: keep the pair the up kernel won with.
-                results = [(float("nan"), best_down if best_down.get("backend") == "cuda" else companion_down(best_up))]
+                results = [(float("nan"), best_down if isinstance(best_down, MoeCuda) else companion_down(best_up))]
             us, cfg = min(results, key=lambda p: p[0])
             if phase == "up":
                 best_up = cfg
@@ -208,19 +208,19 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
             print(f"{name:8s} {wdtype:5s} T={t:6d} {phase:4s} {us:9.1f} us  {cfg}", flush=True)
             if stored.get(phase) and results and results[0][1] is stored[phase]:
                 print(f"{'':8s} {'':5s} {'':8s} {phase:4s} {results[0][0]:9.1f} us  (the table's entry)", flush=True)
-        table.setdefault(keys["up"], {})[str(t)] = best_up
-        table.setdefault(keys["down"], {})[str(t)] = best_down
+        table.setdefault(keys["up"], {})[t] = best_up
+        table.setdefault(keys["down"], {})[t] = best_down
     return table
 
 
-def merge(table: dict, key: str, entries: dict) -> None:
-    """This run's winners of ``key`` into its table entries, keeping the T buckets not re-tuned
-    and those with a "pinned" reason: chosen by timing the decode step itself,
-    where the experts share DRAM with their neighbours."""
+def merge(table: dict[int, MoeEntry], key: str, entries: dict[int, MoeEntry]) -> None:
+    """This run's winners of ``key`` into its table entries (T bucket -> entry), keeping the
+    T buckets not re-tuned and the ``pinned`` entries: chosen by timing the decode step
+    itself, where the experts share DRAM with their neighbours."""
     for bucket, entry in entries.items():
         old = table.get(bucket)
-        if isinstance(old, dict) and "pinned" in old:
-            print(f"kept {key} T {bucket} ({old['pinned']}); this run's pick: {entry}")
+        if old is not None and old.pinned:
+            print(f"kept {key} T {bucket} (pinned); this run's pick: {entry}")
         else:
             table[bucket] = entry
 
@@ -234,26 +234,33 @@ def main():
     ap.add_argument("--cuda-only", action="store_true",
                     help="time the CUDA decode kernels (and, for int8 past T = 16, the dequantizing path) "
                          "against the table's current entries only")
-    ap.add_argument("--only", help="time only the candidates with this option set (e.g. mma), and the table's entry")
-    ap.add_argument("--out", type=Path, default=CONFIG_FILE)
+    ap.add_argument("--only", help="time only the candidates with this option set (e.g. pipe), and the table's entry")
+    ap.add_argument("--out", type=Path, default=tuning.TABLES_DIR,
+                    help="the tables' directory (default kernels/tables): writes moe-<device>-<dtype>.json there")
     ap.add_argument("--verbose", action="store_true", help="print every candidate's time")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_moe.py needs a CUDA GPU")
     start = time.time()
-    data = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    prime_cuda_graphs(torch.device("cuda", torch.cuda.current_device()))  # the first graphs replay slower
-    mine = data.setdefault(device_key(torch.device("cuda")), {})
+    device = torch.device("cuda", torch.cuda.current_device())
+    prime_cuda_graphs(device)  # the first graphs replay slower
+    dev_name = tuning.device_name(device)
+    tables = {}  # weight dtype -> shape -> T bucket -> entry: this device's tables, merged into
+    for wdtype, dtype in DTYPES.items():
+        path = tuning.table_path(args.out, "moe", dev_name, tuning.dtype_name(dtype))
+        old = tuning.load_table(path).entries if path.is_file() else {}
+        tables[wdtype] = {shape: dict(buckets) for shape, buckets in old.items()}
+    tokens = {wdtype: toks for wdtype, toks in (("bf16", args.tokens), ("int8", args.int8_tokens)) if toks}
     for name in args.shapes.split(","):
-        for wdtype, toks in (("bf16", args.tokens), ("int8", args.int8_tokens)):
-            if toks:
-                for key, entries in tune_shape(name, [int(t) for t in toks.split(",")], wdtype, args.reps,
-                                                     args.cuda_only, args.verbose, args.only).items():
-                    merge(mine.setdefault(key, {}), key, entries)
+        for wdtype, toks in tokens.items():
+            for key, entries in tune_shape(name, [int(t) for t in toks.split(",")], wdtype, args.reps,
+                                           args.cuda_only, args.verbose, args.only).items():
+                merge(tables[wdtype].setdefault(key, {}), key, entries)
         torch.cuda.empty_cache()
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(data, indent=1, sort_keys=True))  # after every shape
-    print(f"wrote {args.out} in {time.time() - start:.0f} s")
+        for wdtype in tokens:  # after every shape
+            table = tuning.Table("moe", dev_name, tuning.dtype_name(DTYPES[wdtype]), tables[wdtype])
+            print(f"wrote {tuning.write_table(args.out, table)}")
+    print(f"done in {time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 import pytest
 import yaml
 
-from moe_infer.config import ConfigError, config_from_dict, load_preset, load_yaml_config, preset_names
+from kernels.options import KernelOptions
+from moe_infer.config import (ConfigError, EngineConfig, config_from_dict, load_preset, load_yaml_config,
+                              preset_names)
 
 BASE = {
     "model": dict(vocab_size=128, hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2, ffn_hidden=64),
@@ -52,6 +54,8 @@ def test_table_ii_presets_match_the_paper():
     (with_change("engine", dtype="fp8"), r"engine\.dtype='fp8'"),
     (with_change("engine", prefill_tokens=0), r"engine\.prefill_tokens=0: expected a positive number"),
     (with_change("engine", prefill_tokens=2.5), r"engine\.prefill_tokens=2\.5: expected an integer"),
+    (with_change("engine", pdl="off"), r"engine\.pdl='off': expected true or false"),
+    (with_change("engine", fused_decode_attention=0), r"engine\.fused_decode_attention=0: expected true or false"),
     ({**BASE, "model": {**BASE["model"], "num_heads": 4, "num_kv_heads": 2},
       "parallel": dict(tp=4, dp=1, ep=2)}, r"parallel\.pcc=True: expected false for this layout"),
     ({**with_change("parallel", dp=2, ep=2), "moe": {**BASE["moe"], "capacity_factor": 1.25}},
@@ -64,6 +68,19 @@ def test_bad_config_fails_with_one_line_naming_the_key(data, match):
     with pytest.raises(ConfigError, match=match) as info:
         config_from_dict(data)
     assert "\n" not in str(info.value)
+
+
+def test_kernel_options_come_from_the_engine_section():
+    """``engine: {pdl, fused_decode_attention}`` (both on by default) fill the options the
+    model hands its layers; a non-boolean built in code fails naming the key."""
+    assert config_from_dict(BASE).engine.kernel_options() == KernelOptions(pdl=True, fused_decode_attention=True)
+    cfg = config_from_dict(with_change("engine", pdl=False, fused_decode_attention=False))
+    assert cfg.engine.kernel_options() == KernelOptions(pdl=False, fused_decode_attention=False)
+    assert config_from_dict(with_change("engine", pdl=False)).engine.kernel_options() == KernelOptions(pdl=False)
+    with pytest.raises(ConfigError, match=r"^engine\.pdl='no': expected true or false$"):
+        EngineConfig(pdl="no")
+    with pytest.raises(ConfigError, match=r"^engine\.fused_decode_attention=1: expected true or false$"):
+        EngineConfig(fused_decode_attention=1)
 
 
 def test_missing_required_key_is_named():

@@ -135,16 +135,18 @@ def test_qkv_decode_rejects_bad_shapes():
         qkv_decode_triton(torch.randn(1, 64), 4, 2, 8, kc, kc.clone(), 0, qk_norm="layer")
 
 
-def _gpu_attention(qk_norm: str, seed: int):
-    """A bf16 attention block on the GPU (GQA 8 / 2, D = 64) with random weights."""
+def _gpu_attention(qk_norm: str, seed: int, options=None):
+    """A bf16 attention block on the GPU (GQA 8 / 2, D = 64) with random weights (the same
+    for a seed, whatever the ``KernelOptions``)."""
     from types import SimpleNamespace
 
     from dense.attention import Attention
+    from kernels.options import KernelOptions
 
     cfg = SimpleNamespace(head_dim=64, num_heads=8, num_kv_heads=2, hidden_size=256, qkv_bias=False,
                           out_bias=False, qk_norm=qk_norm, norm_eps=1e-6, clip_qkv=None)
     torch.manual_seed(seed)
-    attn = Attention(cfg).cuda().to(torch.bfloat16)
+    attn = Attention(cfg, options=options or KernelOptions()).cuda().to(torch.bfloat16)
     with torch.no_grad():
         for p in attn.parameters():
             p.normal_(1.0 if p.dim() == 1 else 0.0, 0.05)
@@ -189,14 +191,19 @@ def test_attention_fused_decode_equals_unfused(qk_norm):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qk_norm", ["none", "head", "full"])
-def test_attention_one_launch_equals_epilogue_then_sdpa(qk_norm):
+def test_attention_one_launch_equals_epilogue_then_sdpa(qk_norm, monkeypatch):
     """A static decode step through the module: kernels.qkv_attention (one launch) against
-    the QKV epilogue launch then SDPA (fused_attention off), as the graph decode runs them;
-    same output, same cache, with left padding in the mask."""
+    the QKV epilogue launch then SDPA (the option ``fused_decode_attention`` off), as the
+    graph decode runs them; same output, same cache, with left padding in the mask."""
     from dense.attention import KVCache, StepContext
     from dense.rotary import Rotary
+    from kernels.options import KernelOptions
 
-    attn = _gpu_attention(qk_norm, seed=2)
+    attns = [_gpu_attention(qk_norm, seed=2, options=KernelOptions(fused_decode_attention=fused))
+             for fused in (True, False)]
+    attns[1].load_state_dict(attns[0].state_dict())
+    calls, real = [], kernels.qkv_attention
+    monkeypatch.setattr(kernels, "qkv_attention", lambda *a, **k: calls.append(k) or real(*a, **k))
     b, s = 3, 128
     x = torch.randn(b, 1, 256, device="cuda", dtype=torch.bfloat16)
     key_valid = torch.arange(s, device="cuda")[None, :] >= torch.tensor([0, 4, 30], device="cuda")[:, None]
@@ -205,11 +212,13 @@ def test_attention_one_launch_equals_epilogue_then_sdpa(qk_norm):
     ctx = StepContext.decode_static(slot, key_valid, positions, Rotary(64, 10000.0), torch.bfloat16)
     caches = [KVCache(1, b, 2, s, 64, torch.bfloat16, "cuda") for _ in range(2)]
     caches[1].k.copy_(caches[0].k.normal_()), caches[1].v.copy_(caches[0].v.normal_())
-    outs = []
+    outs, launches = [], []
     with torch.no_grad():
-        for fused, cache in zip((True, False), caches):
-            attn.fused_attention = fused
+        for attn, cache in zip(attns, caches):
+            before = len(calls)
             outs.append(attn(x, ctx, cache, 0))
+            launches.append(len(calls) - before)
+    assert launches == [1, 0]  # the one launch only where the option allows it
     assert outs[0].shape == outs[1].shape == (b, 1, 256)
     assert rel(outs[0], outs[1]) < 1e-2
     assert rel(caches[0].k, caches[1].k) < 1e-3 and rel(caches[0].v, caches[1].v) == 0.0

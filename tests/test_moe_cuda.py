@@ -3,6 +3,7 @@ Hopper with no GPU (CI); unsupported operands are named, and a table entry namin
 falls back to Triton there; on a GPU, every configuration, dtype and activation against
 the float64 reference, and the same numbers replayed from a CUDA graph."""
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ import torch
 from kernels import fused_moe_ref, fused_moe_triton, quantize_int8
 from kernels import moe_cuda
 from kernels import moe_triton
+from kernels import tuning
+from kernels.tuning import MoeCuda
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
@@ -45,7 +48,7 @@ def checked_problem(dtype, t, h, f, e, k, activation, seed, int8, ids_dtype=torc
 def test_source_compiles_for_hopper():
     # NVRTC runs ptxas too, so inline PTX, the lambdas and register allocation are checked.
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the test extras install cupy and NVRTC")
-    assert moe_cuda.compile_all("sm_90") == 24
+    assert moe_cuda.compile_all("sm_90") == 16
 
 
 def test_check_names_what_the_kernels_cannot_take():
@@ -57,27 +60,11 @@ def test_check_names_what_the_kernels_cannot_take():
     assert "w13 [2, 65536, 32768]: expected under 4 GiB an expert" in moe_cuda.check(x16, big, w2_16, 1)
     with pytest.raises(ValueError, match=r"fused_moe_cuda: .*CUDA device"):
         moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, "silu")
-    logits = torch.randn(1, 4)
-    assert "score='top1'" in moe_cuda.check_logits(logits, x, 4, "top1")
-    assert "float32 or torch.bfloat16 [1, 4]" in moe_cuda.check_logits(logits.half(), x, 4, "softmax")
-    assert "at most 256 experts" in moe_cuda.check_logits(torch.randn(1, 300), x, 300, "softmax")
-    assert moe_cuda.check_logits(logits, x, 4, "sigmoid") is None
-    # The tensor-core kernels: H and F multiples of 64, tiles of 8 (gated up) or 16 columns.
-    assert "multiples of 64" in moe_cuda.mma_check("up", dict(bn=8), 528, 1024)
-    assert "multiple of 16" in moe_cuda.mma_check("up", dict(bn=8), 2048, 768, gated=False)
-    assert "down bn = 8" in moe_cuda.mma_check("down", dict(bn=8), 2048, 768)
-    assert moe_cuda.mma_check("up", dict(bn=8), 2048, 768) is None
-    mma = [c for c in moe_cuda.candidates("up", 1, True, 2048, 768, False) if c.get("mma")]
-    assert mma and all(c["bn"] % 16 == 0 for c in mma)
     assert "row_groups = 3: expected a positive int dividing warps = 8 and the block's 8 rows" in \
-        moe_cuda.row_groups_check("up", dict(bn=4, warps=8, row_groups=3))
-    assert "dividing warps = 4 and the block's 2 rows" in moe_cuda.row_groups_check("down", dict(bn=2, warps=4,
-                                                                                                 row_groups=4))
-    assert "mma kernels take no row groups" in moe_cuda.row_groups_check("up", dict(bn=8, warps=4, row_groups=2,
-                                                                                    mma=True))
-    assert moe_cuda.row_groups_check("up", dict(bn=4, warps=8, row_groups=2), gated=False) is None
-    assert not any(c.get("mma") for c in moe_cuda.candidates("down", 1, False, 2048, 768)
-                   + moe_cuda.candidates("down", 1, True, 2048, 96))
+        moe_cuda.row_groups_check("up", MoeCuda(bn=4, warps=8, unroll=1, row_groups=3))
+    assert "dividing warps = 4 and the block's 2 rows" in moe_cuda.row_groups_check(
+        "down", MoeCuda(bn=2, warps=4, unroll=1, row_groups=4))
+    assert moe_cuda.row_groups_check("up", MoeCuda(bn=4, warps=8, unroll=1, row_groups=2), gated=False) is None
 
 
 @pytest.mark.interp
@@ -87,7 +74,7 @@ def test_table_entry_falls_back_to_triton_where_cuda_cannot_run():
     # entry beside a Triton up entry (the CUDA kernels come as a pair).
     x, w13, w2, ids, w = problem("cpu", torch.float32, 1, 64, 48, 6, 2, "silu", 1)
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
-    triton_up = moe_triton.default_config("up", 1, 6, 96, 64, 2, moe_triton.NUM_SMS_DEFAULT)
+    triton_up = moe_triton.default_config("up", 1, 6, 96, 64, 2, tuning.sm_count(x.device))
     for configs in [(moe_cuda.UP_CANDIDATES[0], moe_cuda.DOWN_CANDIDATES[0]), (triton_up, moe_cuda.DOWN_CANDIDATES[0])]:
         out = fused_moe_triton(x, w13, w2, w, ids, "silu", configs=configs)
         assert rel(out, ref) < TOL[torch.float32], configs
@@ -111,23 +98,13 @@ def test_matches_reference(dtype, t, h, f, e, k, activation, int8):
     # with their registers capped, some widening int8 by one permute; past T = 1 also the
     # pair-major grid, in both kernels and in each one alone.
     pairs = list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.DOWN_CANDIDATES))
-    pairs += [(dict(up, min_blocks=m), dict(down, min_blocks=m)) for m, (up, down) in zip(moe_cuda.MIN_BLOCKS,
-                                                                                      pairs[2:])]
-    pairs += [(dict(up, unit=True), dict(down, unit=True)) for up, down in pairs[1:4]]  # int8: one permute a weight
+    pairs += [(replace(up, min_blocks=m), replace(down, min_blocks=m)) for m, (up, down) in zip(moe_cuda.MIN_BLOCKS,
+                                                                                            pairs[2:])]
+    pairs += [(replace(up, unit=True), replace(down, unit=True)) for up, down in pairs[1:4]]  # int8: one permute
     if t > 1:
-        major = [(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in pairs[::2]]
+        major = [(replace(up, pair_major=True), replace(down, pair_major=True)) for up, down in pairs[::2]]
         pairs += major + [(major[0][0], pairs[1][1]), (pairs[2][0], major[1][1])]
     pairs += list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.PIPE_DOWN_CANDIDATES))  # two weight buffers in the down kernel
-    if int8:  # the tensor-core kernels, both, and each beside the other kind (its h in f16 or not)
-        mma = list(zip(moe_cuda.MMA_UP_CANDIDATES[::2], moe_cuda.MMA_DOWN_CANDIDATES[::3]))
-        mma = [(dict(up, bn=16) if activation == "gelu" else up, down) for up, down in mma]
-        mma += [(mma[0][0], pairs[0][1]), (pairs[1][0], mma[1][1]), (dict(mma[2][0], min_blocks=8), mma[2][1])]
-        if moe_cuda.mma_check("up", mma[0][0], h, f) or moe_cuda.mma_check("down", mma[0][1], h, f):
-            with pytest.raises(ValueError, match="multiples of 64"):
-                moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, mma[0])
-        else:
-            pairs += mma + ([(dict(up, pair_major=True), dict(down, pair_major=True)) for up, down in mma[:2]]
-                            if t > 1 else [])
     for up, down in pairs:
         out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, (up, down))
         assert out.shape == (t, h) and out.dtype == dtype
@@ -144,11 +121,11 @@ def test_row_groups_match_reference(t, h, f, e, k, activation, int8):
     # 4 warps (with and without two weight buffers, the down kernel split or not), 4 of 2
     # (one row a thread in the down kernel), 3 of 2 (6 warps).
     x, w13, w2, ids, w, s13, s2, ref = checked_problem(torch.bfloat16, t, h, f, e, k, activation, t * 7 + e, int8)
-    up = dict(backend="cuda", bn=4, warps=8, unroll=1, row_groups=2, unit=int8)
-    down = dict(backend="cuda", bn=4, warps=8, unroll=1, split_k=1, row_groups=2, unit=int8)
-    pairs = [(up, down), (dict(up, unroll=2), dict(down, pipe=True)), (up, dict(down, split_k=2, unroll=2)),
-             (dict(up, warps=8, row_groups=4), dict(down, warps=8, row_groups=4, pipe=True)),
-             (dict(up, bn=6, warps=6, row_groups=3), dict(down, bn=6, warps=6, row_groups=3, min_blocks=4))]
+    up = MoeCuda(bn=4, warps=8, unroll=1, row_groups=2, unit=int8)
+    down = MoeCuda(bn=4, warps=8, unroll=1, split_k=1, row_groups=2, unit=int8)
+    pairs = [(up, down), (replace(up, unroll=2), replace(down, pipe=True)), (up, replace(down, split_k=2, unroll=2)),
+             (replace(up, warps=8, row_groups=4), replace(down, warps=8, row_groups=4, pipe=True)),
+             (replace(up, bn=6, warps=6, row_groups=3), replace(down, bn=6, warps=6, row_groups=3, min_blocks=4))]
     for cfg in pairs:
         out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, activation, s13, s2, cfg)
         assert rel(out, ref) < TOL[torch.bfloat16], cfg
@@ -161,7 +138,7 @@ def test_split_k_and_odd_widths():
     x, w13, w2, ids, w = problem("cuda", torch.bfloat16, 1, 1040, 200, 12, 3, "silu", 5)
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
     for split, pipe in itertools.product((1, 2, 3, 5), (False, True)):
-        down = dict(backend="cuda", bn=2, warps=4, unroll=1, split_k=split, pipe=pipe)
+        down = MoeCuda(bn=2, warps=4, unroll=1, split_k=split, pipe=pipe)
         out = moe_cuda.fused_moe_cuda(x, w13, w2, w, ids, "silu", configs=(None, down))
         assert rel(out, ref) < TOL[torch.bfloat16], (split, pipe)
 
@@ -179,7 +156,7 @@ def test_unsupported_operands_fall_back_in_fused_moe():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("int8", [False, True])
-def test_graph_replay_and_table_routing(int8, monkeypatch):
+def test_graph_replay_and_table_routing(int8, monkeypatch, tmp_path):
     # Captured in a CUDA graph (as in the decode step) the two launches replay to the eager
     # result for new inputs; a table entry naming the CUDA backend routes fused_moe there.
     x, w13, w2, ids, w = problem("cuda", torch.bfloat16, 1, 2048, 1024, 64, 8, "silu", 7)
@@ -205,115 +182,13 @@ def test_graph_replay_and_table_routing(int8, monkeypatch):
     graph.replay()
     torch.testing.assert_close(out, run(), rtol=0, atol=0)
     assert not torch.equal(out, eager)
-    key = moe_triton.device_key(x.device)
-    table = {key: {moe_triton.shape_key("up", 64, 2048, 2048, w13.dtype, 8): {"1": configs[0]},
-                   moe_triton.shape_key("down", 64, 2048, 1024, w2.dtype, 8): {"1": configs[1]}}}
-    monkeypatch.setattr(moe_triton, "_tuned", lambda: table)
+    tuning.write_table(tmp_path, tuning.Table("moe", tuning.device_name(x.device), tuning.dtype_name(w13.dtype), {
+        tuning.moe_shape("up", 64, 2048, 2048, 8): {1: configs[0]},
+        tuning.moe_shape("down", 64, 2048, 1024, 8): {1: configs[1]}}))
+    monkeypatch.setattr(tuning, "TABLES", tuning.Tables(tmp_path))
     moe_triton.launch_config.cache_clear()
     try:
         routed = fused_moe_triton(x, w13, w2, w, ids, "silu", **scales)
     finally:
         moe_triton.launch_config.cache_clear()
     torch.testing.assert_close(routed, run(), rtol=0, atol=0)
-
-
-def test_fused_moe_logits_on_cpu_and_its_errors():
-    # The reference path: gating then the experts; bad logits are named.
-    import kernels
-
-    x, w13, w2, _, _ = problem("cpu", torch.float32, 3, 64, 32, 6, 2, "silu", 9)
-    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(9))
-    ids, w = kernels.topk_gating_ref(logits, 2, "sigmoid", False)
-    ref = fused_moe_ref(x, w13, w2, w, ids, "silu")
-    out = kernels.fused_moe_logits(x, logits, 2, w13, w2, "silu", "sigmoid", False)
-    torch.testing.assert_close(out, ref)
-    with pytest.raises(ValueError, match=r"logits \[3, 5\]: expected \[T=3, E=6\]"):
-        kernels.fused_moe_logits(x, logits[:, :5], 2, w13, w2)
-    with pytest.raises(ValueError, match="k=7"):
-        kernels.fused_moe_logits(x, logits, 7, w13, w2)
-    with pytest.raises(ValueError, match="activation='relu'"):
-        kernels.fused_moe_logits(x, logits, 2, w13, w2, "relu")
-
-
-GATING_CASES = [  # t, e, k, score, renormalize, logits dtype (each combination is a compile)
-    (1, 8, 2, "softmax", True, torch.float32), (1, 60, 4, "sigmoid", True, torch.bfloat16),
-    (1, 128, 8, "softmax", True, torch.bfloat16), (3, 256, 8, "softmax", False, torch.float32),
-    (2, 64, 1, "sigmoid", False, torch.float32), (1, 64, 8, "softmax", True, torch.bfloat16),
-    # bf16 logits take the integer-key rounds: without renormalisation too (OLMoE), k = 1
-    # (DS-MoE), sigmoid, and E past 32 lanes' worth at several tokens
-    (1, 64, 8, "softmax", False, torch.bfloat16), (3, 128, 1, "softmax", False, torch.bfloat16),
-    (2, 200, 6, "sigmoid", False, torch.bfloat16), (4, 256, 8, "softmax", False, torch.bfloat16),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t,e,k,score,renormalize,logits_dtype", GATING_CASES)
-def test_gating_inside_the_kernels(t, e, k, score, renormalize, logits_dtype):
-    # Routing from the logits in both kernels gives the gating reference's experts and
-    # weights: the output matches gating then the experts.
-    from kernels import topk_gating_ref
-
-    h, f = 512, 256
-    x, w13, w2, _, _ = problem("cuda", torch.bfloat16, t, h, f, e, k, "silu", e + k)
-    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(e * k)).to("cuda", logits_dtype)
-    ids, w = topk_gating_ref(logits.float(), k, score, renormalize)
-    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
-    out = moe_cuda.fused_moe_logits_cuda(x, logits, k, w13, w2, "silu", score, renormalize)
-    assert rel(out, ref) < TOL[torch.bfloat16]
-    q13, s13 = quantize_int8(w13)
-    q2, s2 = quantize_int8(w2)
-    out8 = moe_cuda.fused_moe_logits_cuda(x, logits, k, q13, q2, "silu", score, renormalize, s13, s2,
-                                          (moe_cuda.UP_CANDIDATES[3], moe_cuda.DOWN_CANDIDATES[5]))
-    ref8 = fused_moe_ref(x.double(), q13, q2, w.double(), ids, "silu", s13, s2)
-    assert rel(out8, ref8) < TOL[torch.bfloat16]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t,e,k,score,renormalize,dtype", [
-    (1, 64, 8, "softmax", False, torch.bfloat16), (3, 128, 8, "softmax", True, torch.bfloat16),
-    (2, 60, 4, "sigmoid", True, torch.float16), (1, 33, 3, "sigmoid", False, torch.float16),
-])
-def test_gating_inside_the_kernels_breaks_ties_by_index(t, e, k, score, renormalize, dtype):
-    # 16-bit logits from a small set of values (exact ties everywhere, -0 beside +0): the
-    # kernels route each slot to the k largest with ties to the lower expert index, as a
-    # stable descending sort, in both the activations' dtypes.
-    h, f = 256, 128
-    x, w13, w2, _, _ = problem("cuda", dtype, t, h, f, e, k, "silu", e + k)
-    gen = torch.Generator().manual_seed(e * 10 + k)
-    values = torch.tensor([-2.5, -1.0, -0.0, 0.0, 0.5, 1.0, 3.0])
-    logits = values[torch.randint(0, len(values), (t, e), generator=gen)].to(dtype)
-    ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
-    scores = torch.softmax(logits.float(), -1) if score == "softmax" else torch.sigmoid(logits.float())
-    w = scores.gather(1, ids)
-    if renormalize:
-        w = w / w.sum(-1, keepdim=True)
-    ref = fused_moe_ref(x.double().cpu(), w13.double().cpu(), w2.double().cpu(), w.double(), ids.int(), "silu")
-    out = moe_cuda.fused_moe_logits_cuda(x, logits.cuda(), k, w13, w2, "silu", score, renormalize)
-    assert rel(out.cpu(), ref) < TOL[dtype]
-
-
-@pytest.mark.gpu
-def test_fused_moe_logits_follows_the_table(monkeypatch):
-    # A CUDA table entry: the gating runs in the kernels (bit for bit the direct call);
-    # logits the kernels cannot take (E > 256) go through the routing launch instead.
-    import kernels
-
-    for e in (64, 300):
-        x, w13, w2, _, _ = problem("cuda", torch.bfloat16, 1, 256, 128, e, 4, "silu", e)
-        logits = torch.randn(1, e, generator=torch.Generator().manual_seed(1)).to("cuda")
-        configs = (moe_cuda.UP_CANDIDATES[0], moe_cuda.DOWN_CANDIDATES[0])
-        table = {moe_triton.device_key(x.device): {
-            moe_triton.shape_key("up", e, 256, 256, w13.dtype, 4): {"1": configs[0]},
-            moe_triton.shape_key("down", e, 256, 128, w2.dtype, 4): {"1": configs[1]}}}
-        monkeypatch.setattr(moe_triton, "_tuned", lambda: table)
-        moe_triton.launch_config.cache_clear()
-        try:
-            out = kernels.fused_moe_logits(x, logits, 4, w13, w2)
-        finally:
-            moe_triton.launch_config.cache_clear()
-        ids, w = kernels.topk_gating_ref(logits, 4)
-        if e <= moe_cuda.MAX_E:
-            direct = moe_cuda.fused_moe_logits_cuda(x, logits, 4, w13, w2, configs=configs)
-            torch.testing.assert_close(out, direct, rtol=0, atol=0)
-        ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
-        assert rel(out, ref) < TOL[torch.bfloat16]

@@ -1,6 +1,7 @@
 """Triton MoE kernels against their references: on CPU under the interpreter (small shapes)
 and on a GPU (the sizes the issue names). Tolerances are relative norm errors."""
 import importlib
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import kernels
 from kernels import (TAG_INTS, dispatch_rows_ref, dispatch_rows_triton, fused_moe_ref, fused_moe_triton,
                      gather_rows_ref, gather_rows_triton, quantize_int8, scatter_rows_ref, scatter_rows_triton,
                      token_maps_ref, token_maps_triton)
+from kernels.tuning import MoeCuda, MoeDequant, MoeGroupedMm, MoeTriton
 
 # fp32 multiplies exactly (ieee dot); half types round the FFN's hidden activations.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
@@ -168,8 +170,8 @@ def test_tile_order_does_not_change_results(device):
     _, x, w13, w2, ids, w = small_problem(device, 9, t=40, h=48, f=40, e=e, k=2, dtype=torch.float32)
     ref = fused_moe_ref(x.cpu().double(), w13.cpu().double(), w2.cpu().double(), w.cpu().double(), ids.cpu())
     outs = []
-    for group_m in (None, 1, 3):
-        cfg = dict(bm=16, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1, group_m=group_m)
+    for group_m in (0, 1, 3):
+        cfg = MoeTriton(bm=16, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1, group_m=group_m)
         outs.append(fused_moe_triton(x, w13, w2, w, ids, configs=(cfg, cfg), maps=token_maps_triton(ids, e)))
         assert rel(outs[-1].cpu(), ref) < 1e-5
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
@@ -199,13 +201,13 @@ def test_short_last_tiles(device, activation, wdtype):
     maps = token_maps_triton(ids, len(counts))
     outs = []
     for sub_m in (1, 2, 4):
-        cfg = dict(bm=64, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1, group_m=2, sub_m=sub_m)
+        cfg = MoeTriton(bm=64, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1, group_m=2, sub_m=sub_m)
         outs.append(fused_moe_triton(x, w13, w2, w, ids, activation, configs=(cfg, cfg), maps=maps, **scales))
         assert rel(outs[-1].cpu(), ref) < (TOL[dtype] if device == "cuda" else 1e-5)
     # Same products, same order along K: only the tile height changed.
     assert all(rel(o.cpu(), outs[0].cpu()) < (1e-2 if device == "cuda" else 1e-6) for o in outs[1:])
     with pytest.raises(ValueError, match="sub_m"):
-        fused_moe_triton(x, w13, w2, w, ids, activation, configs=(dict(cfg, bm=32), cfg), maps=maps, **scales)
+        fused_moe_triton(x, w13, w2, w, ids, activation, configs=(replace(cfg, bm=32), cfg), maps=maps, **scales)
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
@@ -220,10 +222,11 @@ def test_weight_tiles_by_tma(device, wdtype):
     if wdtype == "int8":
         (w13, s13), (w2, s2) = quantize_int8(w13), quantize_int8(w2)
         scales = dict(w13_scale=s13, w2_scale=s2)
-    ptr = dict(bm=16, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1, group_m=2)
-    tma = dict(ptr, tma=True)
-    assert kernels.grouped_gemm.tma_ok(w13, tma) and not kernels.grouped_gemm.tma_ok(w13, ptr)
-    assert kernels.grouped_gemm.tma_ok(w2, tma) == (w2.shape[-1] * w2.element_size() % 16 == 0)
+    ptr = MoeTriton(bm=16, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1, group_m=2)
+    tma = replace(ptr, tma=True)
+    tma_ok = kernels.grouped_gemm.tma_ok
+    assert tma_ok(w13, tma.kernel_args()) and not tma_ok(w13, ptr.kernel_args())
+    assert kernels.grouped_gemm.tma_ok(w2, tma.kernel_args()) == (w2.shape[-1] * w2.element_size() % 16 == 0)
     maps = token_maps_triton(ids, e)
     out_ptr = fused_moe_triton(x, w13, w2, w, ids, configs=(ptr, ptr), maps=maps, **scales)
     out_tma = fused_moe_triton(x, w13, w2, w, ids, configs=(tma, tma), maps=maps, **scales)
@@ -241,8 +244,8 @@ def test_down_gemm_by_grouped_mm(device, capacity):
     # A table entry may send the large-T down GEMM to torch._grouped_mm; the combine then
     # applies the weights. Same result as the reference, dropped pairs included.
     dtype, x, w13, w2, ids, w = small_problem(device, 11, t=30, h=32, f=24, e=5, k=2)
-    up = dict(bm=16, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1)
-    down = dict(up, backend="grouped_mm")
+    up = MoeTriton(bm=16, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1)
+    down = MoeGroupedMm(**asdict(up))
     assert kernels.moe_triton.grouped_mm_ok(down, x, w2)
     out = fused_moe_triton(x, w13, w2, w, ids, capacity=capacity, configs=(up, down))
     ref = fused_moe_ref(x.cpu().double(), w13.cpu().double(), w2.cpu().double(), w.cpu().double(), ids.cpu(),
@@ -259,18 +262,13 @@ def test_down_gemm_by_grouped_mm(device, capacity):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
-def test_capacity_and_grouped_ffn(device):
+def test_capacity_drops_pairs_as_the_reference(device):
     e = 4
     _, x, w13, w2, ids, w = small_problem(device, 5, t=24, h=20, f=12, e=e, k=2, dtype=torch.float32)
     out = fused_moe_triton(x, w13, w2, w, ids, capacity=5)
     ref = fused_moe_ref(x.cpu().double(), w13.cpu().double(), w2.cpu().double(), w.cpu().double(), ids.cpu(),
                         capacity=5)
     assert rel(out.cpu(), ref) < 1e-5
-    offsets, rows, _ = token_maps_triton(ids, e)
-    xs = scatter_rows_triton(x, rows)
-    ys = kernels.grouped_ffn_triton(xs, offsets, w13, w2)
-    assert rel(ys.cpu(), kernels.grouped_ffn_ref(xs.cpu().double(), offsets.cpu(), w13.cpu().double(),
-                                                 w2.cpu().double())) < 1e-5
 
 
 @pytest.mark.gpu
@@ -380,69 +378,42 @@ def test_route_through_the_cached_launcher():
         assert torch.equal(ids.cpu(), ref_ids) and torch.equal(offsets.cpu(), ref_offsets)
         assert torch.equal(rows.cpu(), ref_rows) and torch.equal(row_pair.cpu(), kernels.row_pair_ref(ref_rows))
         torch.testing.assert_close(w.cpu(), ref_w)
-        sizes.append(len(route_mod._route_scatter.cache))
+        sizes.append(len(route_mod._route.cache))
     assert sizes[1] == sizes[0] and sizes[3] == sizes[2] and sizes[4] == sizes[3] + 1, sizes
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,e,k,h", [(1, 8, 2, 37), (3, 60, 4, 130), (16, 128, 8, 64), (40, 64, 8, 33)])
-def test_route_scatter(device, dtype, t, e, k, h):
-    """Gating, maps and scatter in one launch (decode sizes) equal the references in turn."""
-    gen = torch.Generator().manual_seed(t + e + h)
-    logits = torch.randn(t, e, generator=gen)
-    x = torch.randn(t, h, generator=gen).to(dtype)
-    ids, w, (offsets, rows, row_pair), xs = kernels.route_scatter_triton(x.to(device), logits.to(device), k)
-    ref_ids, ref_w = kernels.topk_gating_ref(logits, k)
-    ref_offsets, ref_rows = token_maps_ref(ref_ids, e)
-    assert torch.equal(ids.cpu(), ref_ids) and torch.equal(rows.cpu(), ref_rows)
-    assert torch.equal(offsets.cpu(), ref_offsets) and torch.equal(row_pair.cpu(), kernels.row_pair_ref(ref_rows))
-    torch.testing.assert_close(w.cpu(), ref_w)
-    assert torch.equal(xs.cpu(), scatter_rows_ref(x, ref_rows))  # a copy: exact
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
-def test_dequant_entry_widens_int8_experts_first(device, monkeypatch):
+def test_dequant_entry_widens_int8_experts_first(device):
     """A "dequant" table entry (int8 at large T) widens the experts to x's dtype in one
     pass and runs x's own GEMMs: the result equals the reference on the dequantized
-    weights, in the fused layer and in the grouped FFN of dispatched rows. The grouped FFN
-    also gives way to the Triton default where the table names the CUDA decode kernels."""
+    weights."""
     from kernels import moe_triton
 
     e = 4
     dtype, x, w13, w2, ids, w = small_problem(device, 11, t=24, h=32, f=16, e=e, k=2)
     (q13, s13), (q2, s2) = quantize_int8(w13), quantize_int8(w2)
     assert torch.equal(moe_triton.dequantize_int8(q13, s13, dtype), kernels.dequantize_ref(q13, s13, dtype))
-    dequant = {"backend": "dequant"}
+    dequant = MoeDequant()
     out = fused_moe_triton(x, q13, q2, w, ids, "silu", s13, s2, configs=(dequant, dequant))
     ref = fused_moe_ref(x.cpu().double(), q13.cpu(), q2.cpu(), w.cpu().double(), ids.cpu(), "silu", s13.cpu(),
                         s2.cpu())
     assert rel(out.cpu(), ref) < TOL[dtype]
-    offsets, rows, _ = token_maps_triton(ids, e)
-    xs = scatter_rows_triton(x, rows)
-    w13d, w2d = (kernels.dequantize_ref(q, s, dtype).cpu().double() for q, s in ((q13, s13), (q2, s2)))
-    ffn_ref = kernels.grouped_ffn_ref(xs.cpu().double(), offsets.cpu(), w13d, w2d)
-    for entry in (dequant, {"backend": "cuda", "bn": 4, "warps": 4, "unroll": 1}):
-        monkeypatch.setattr(moe_triton, "launch_config", lambda *a, entry=entry, **k: entry)
-        ys = kernels.grouped_ffn_triton(xs, offsets, q13, q2, "silu", s13, s2)
-        assert rel(ys.cpu(), ffn_ref) < TOL[dtype], entry
 
 
-def test_launch_config_takes_a_same_chip_entry_before_the_heuristic(monkeypatch):
+def test_launch_config_takes_a_same_chip_entry_before_the_heuristic(monkeypatch, tmp_path):
     """The smallest bucket >= T among the device's own entries and those of a device of the
-    same chip (moe_triton.SAME_CHIP), the own one at a tie; past them all, the heuristic."""
-    from kernels import moe_triton
+    same chip (kernels.tuning.SAME_CHIP), the own one at a tie; past them all, the heuristic."""
+    from kernels import moe_triton, tuning
 
-    own, lent = {"backend": "cuda", "bn": 2}, {"backend": "cuda", "bn": 8}
-    key = moe_triton.shape_key("up", 8, 64, 32, torch.bfloat16, 2)
-    monkeypatch.setattr(moe_triton, "device_key", lambda d: "A")
-    monkeypatch.setattr(moe_triton, "SAME_CHIP", {"A": ("B",)})
-    monkeypatch.setattr(moe_triton, "_tuned", lambda: {"A": {key: {"1": own, "16": own}},
-                                                       "B": {key: {"1": lent, "8": lent}}, "C": {key: {"64": own}}})
+    own, lent = MoeCuda(bn=2, warps=4, unroll=1), MoeCuda(bn=8, warps=4, unroll=1)
+    key = tuning.moe_shape("up", 8, 64, 32, 2)
+    for device, entries in (("cpu", {1: own, 16: own}), ("b", {1: lent, 8: lent}), ("c", {64: own})):
+        tuning.write_table(tmp_path, tuning.Table("moe", device, "bfloat16", {key: entries}))
+    monkeypatch.setattr(tuning, "TABLES", tuning.Tables(tmp_path, chips=(("cpu", "b"),)))
     moe_triton.launch_config.cache_clear()
     try:
         pick = lambda t: moe_triton.launch_config("up", torch.device("cpu"), t, 8, 64, 32, torch.bfloat16, 2)  # noqa: E731
         assert pick(1) == own and pick(2) == lent and pick(8) == lent and pick(9) == own
-        assert pick(17) == moe_triton.default_config("up", 17, 8, 64, 32, 2, moe_triton.NUM_SMS_DEFAULT)  # not C's
+        assert pick(17) == moe_triton.default_config("up", 17, 8, 64, 32, 2, tuning.sm_count(torch.device("cpu")))
     finally:
         moe_triton.launch_config.cache_clear()

@@ -5,7 +5,6 @@ import torch
 from torch import nn
 
 import kernels
-from kernels import moe_triton
 import moe_infer
 from comm import Group
 from dense.parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -61,39 +60,44 @@ def test_quantize_int8_in_blocks_leaves_its_input_alone(dtype):
     assert ((q.double() * s.double()[..., None] - wf).abs() <= s.double()[..., None] / 2 + 1e-6).all()
 
 
-def test_dense_linear_routes_by_the_table(monkeypatch):
+def test_dense_linear_routes_by_the_table(monkeypatch, tmp_path):
     """Without a table entry: cuBLAS for full-precision weights, SBI-GeMM for int8; an
     entry picks SBI-GeMM (Triton, or CUDA with a launch configuration) or linear_triton per
     shape and row bucket; every pick gives the
     same numbers (CPU tensors here take the reference, so the choice is checked directly)."""
     from kernels import linear_select as dl
+    from kernels import tuning
+    from kernels.tuning import LinearCublas, LinearCuda, LinearSbi, LinearTriton
 
     q = torch.zeros(4, 8, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"int8 needs its per-output-channel scale"):
         kernels.dense_linear(torch.randn(2, 8), q)
     dev = torch.device("cuda", 0)
-    monkeypatch.setattr(moe_triton, "device_key", lambda d: "H")
-    dl._choice.cache_clear()
-    cuda = {"backend": "cuda", "bn": 4, "warps": 4, "unroll": 2, "split_k": 2}
-    monkeypatch.setattr(dl, "_table", lambda: {"H": {"N30:K40:bfloat16": {"1": "sbi", "4": "triton", "8": cuda},
-                                                     "N30:K40:int8": {"16": "cublas"}}})
-    assert dl.choice(dev, 30, 40, torch.bfloat16, 1) == "sbi"
-    assert dl.choice(dev, 30, 40, torch.bfloat16, 3) == "triton"  # bucket 4
-    assert dl.choice(dev, 30, 40, torch.bfloat16, 16) == "cublas"  # no entry
-    assert dl.choice(dev, 30, 40, torch.int8, 9) == "sbi"  # cuBLAS cannot take int8 weights
-    assert dl.choice(dev, 31, 40, torch.int8, 1) == "sbi"  # no entry
+    monkeypatch.setattr(tuning, "device_name", lambda d: "h")
+    cuda = LinearCuda(bn=4, warps=4, unroll=2, split_k=2)
+    tuning.write_table(tmp_path, tuning.Table("linear", "h", "bfloat16", {
+        "N30:K40": {1: LinearSbi(), 4: LinearTriton(), 8: cuda}}))
+    tuning.write_table(tmp_path, tuning.Table("linear", "h", "int8", {"N30:K40": {8: LinearTriton()}}))
+    monkeypatch.setattr(tuning, "TABLES", tuning.Tables(tmp_path))
+    dl.choice.cache_clear()
+    assert dl.choice(dev, 30, 40, torch.bfloat16, 1) == LinearSbi()
+    assert dl.choice(dev, 30, 40, torch.bfloat16, 3) == LinearTriton()  # bucket 4
+    assert dl.choice(dev, 30, 40, torch.bfloat16, 16) == LinearCublas()  # no entry
+    assert dl.choice(dev, 30, 40, torch.int8, 9) == LinearSbi()  # past the largest bucket: the heuristic
+    assert dl.choice(dev, 31, 40, torch.int8, 1) == LinearSbi()  # no entry
     assert dl.choice(dev, 30, 40, torch.bfloat16, 5) == cuda  # the CUDA kernel with its launch configuration
     # A device of the same chip lends an entry for a shape and bucket this one lacks.
-    monkeypatch.setattr(moe_triton, "SAME_CHIP", {"H": ("H2",)})
-    monkeypatch.setattr(dl, "_table", lambda: {"H": {"N30:K40:bfloat16": {"1": "sbi"}},
-                                               "H2": {"N30:K40:bfloat16": {"1": "triton", "8": cuda},
-                                                      "N64:K40:int8": {"2": "triton"}}})
-    dl._choice.cache_clear()
-    assert dl.choice(dev, 30, 40, torch.bfloat16, 1) == "sbi"  # its own first
+    root = tmp_path / "chip"
+    tuning.write_table(root, tuning.Table("linear", "h", "bfloat16", {"N30:K40": {1: LinearSbi()}}))
+    tuning.write_table(root, tuning.Table("linear", "h2", "bfloat16", {"N30:K40": {1: LinearTriton(), 8: cuda}}))
+    tuning.write_table(root, tuning.Table("linear", "h2", "int8", {"N64:K40": {2: LinearTriton()}}))
+    monkeypatch.setattr(tuning, "TABLES", tuning.Tables(root, chips=(("h", "h2"),)))
+    dl.choice.cache_clear()
+    assert dl.choice(dev, 30, 40, torch.bfloat16, 1) == LinearSbi()  # its own first
     assert dl.choice(dev, 30, 40, torch.bfloat16, 8) == cuda
-    assert dl.choice(dev, 64, 40, torch.int8, 2) == "triton"
-    assert dl.choice(dev, 64, 40, torch.int8, 16) == "sbi"  # no one's entry
-    dl._choice.cache_clear()
+    assert dl.choice(dev, 64, 40, torch.int8, 2) == LinearTriton()
+    assert dl.choice(dev, 64, 40, torch.int8, 16) == LinearSbi()  # no one's entry
+    dl.choice.cache_clear()
     x, w, b = torch.randn(2, 3, 40), torch.randn(30, 40), torch.randn(30)
     torch.testing.assert_close(kernels.dense_linear(x, w, b), x @ w.t() + b)
 

@@ -80,6 +80,24 @@ def test_scheduler_through_the_fixed_shape_step_matches_generate():
         assert r.finish in ("stop", "length")
 
 
+def test_prefill_warm_up_leaves_the_cache_as_requests_need_it():
+    """The server's start-up prefills (one per width, so that kernels compile before any
+    request waits) write into free blocks; requests served after them get generate()'s
+    tokens."""
+    engine = moe_infer.load("tiny-moe", device="cpu", progress=False)
+    scheduler = Scheduler(engine, num_blocks=24, block_size=8, max_batch=4)
+    widths = []
+    run = scheduler.runner._run
+    scheduler.runner._run = lambda rows, last_only: widths.append(len(rows[0].tokens)) or run(rows, last_only)
+    scheduler.runner.warm_up([1, 64, 96, 10_000])  # the last fits no cache: skipped
+    assert widths == [1, 64, 96]
+    prompts = [[5, 9, 2, 7], [11, 3] * 20]
+    reqs = [Request(p, SamplingParams(), 10, lambda *a: None) for p in prompts]
+    _serve_all(scheduler, reqs)
+    for r, p in zip(reqs, prompts):
+        assert r.generated == engine.generate([p], max_new_tokens=10)[0].token_ids[:len(r.generated)]
+
+
 def test_step_rows_travel_as_one_int64_tensor():
     pytest.importorskip("fastapi")
     from moe_infer.ranks import pack_rows, unpack_rows

@@ -1,6 +1,7 @@
 """Batched per-row sampling (the server's): each row draws from its own temperature / top-k
 / top-p distribution, greedy rows take the argmax, and a seeded row's draws do not depend
 on the rest of its batch."""
+import pytest
 import torch
 
 from moe_infer.sampling import SamplingParams, sample_rows
@@ -48,3 +49,17 @@ def test_a_seeded_row_samples_the_same_whatever_shares_its_batch():
             for _ in range(20)]
     seq2 = [int(sample_rows(logits[1:2], [p], [g2])[0]) for _ in range(20)]
     assert seq1 == seq2
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_sampling_passes_the_kernel_options_pdl_to_its_argmax(monkeypatch, pdl):
+    import kernels
+
+    from moe_infer.sampling import sample
+
+    seen, real = [], kernels.argmax
+    monkeypatch.setattr(kernels, "argmax", lambda x, *, pdl=True: seen.append(pdl) or real(x))
+    logits = torch.randn(3, 11)
+    sample(logits, SamplingParams(), pdl=pdl)
+    sample_rows(logits, [SamplingParams(temperature=1.0, seed=1)] * 3, [None] * 3, pdl=pdl)
+    assert seen == [pdl, pdl]

@@ -1,6 +1,8 @@
 """SBI-GeMM in CUDA C++ (CuPy / NVRTC): the source compiles for Hopper with no GPU (CI);
 unsupported operands are named; on a GPU, every prologue / epilogue / split against the
 torch reference, and the same numbers replayed from a CUDA graph."""
+import re
+
 import pytest
 import torch
 
@@ -27,6 +29,18 @@ def test_source_compiles_for_hopper():
     # NVRTC runs ptxas too, so inline PTX and register allocation are checked here.
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the test extras install cupy and NVRTC")
     assert sbi_cuda.compile_all("sm_90") == 24
+
+
+def test_sources_reach_nvrtc_as_one_text():
+    # kernels/cuda/*.cu include common.cuh; cuda_source pastes it in, so the text handed to
+    # NVRTC (and hashed by CuPy's compile cache) holds every helper and no #include.
+    from kernels import cuda_common, moe_cuda
+
+    common = (cuda_common.CUDA_DIR / "common.cuh").read_text()
+    for name, source in (("sbi.cu", sbi_cuda.SOURCE), ("moe.cu", moe_cuda.SOURCE)):
+        assert source == cuda_common.cuda_source(name)
+        assert common in source and "splitk_reduce" in source
+        assert not re.search(r"^\s*#\s*include", source, re.M), name
 
 
 def test_check_names_what_the_kernel_cannot_take():
@@ -80,10 +94,11 @@ def test_matches_reference(dtype, t, k, n, norm, int8, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("int8", [False, True])
-def test_graph_replay_and_dense_linear(int8, monkeypatch):
+def test_graph_replay_and_dense_linear(int8, monkeypatch, tmp_path):
     # Captured in a CUDA graph (the decode step is) the launches replay to the eager result;
     # a table entry naming the CUDA kernel routes dense_linear there.
     from kernels import linear_select as dl
+    from kernels import tuning
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(4, 2048, generator=gen).to("cuda", torch.bfloat16)
@@ -103,13 +118,14 @@ def test_graph_replay_and_dense_linear(int8, monkeypatch):
     graph.replay()
     torch.testing.assert_close(out, sbi_cuda.sbi_linear_cuda(x, w, scale, config=cfg), rtol=0, atol=0)
     assert not torch.equal(out, eager)
-    monkeypatch.setattr(dl, "_table", lambda: {dl.device_key(x.device): {
-        dl.table_key(3000, 2048, w.dtype): {"4": dict(cfg, backend="cuda")}}})
-    dl._choice.cache_clear()
+    tuning.write_table(tmp_path, tuning.Table("linear", tuning.device_name(x.device), tuning.dtype_name(w.dtype),
+                                              {tuning.linear_shape(3000, 2048): {4: tuning.LinearCuda(**cfg)}}))
+    monkeypatch.setattr(tuning, "TABLES", tuning.Tables(tmp_path))
+    dl.choice.cache_clear()
     try:
         routed = kernels.dense_linear(x, w, scale=scale)
     finally:
-        dl._choice.cache_clear()
+        dl.choice.cache_clear()
     torch.testing.assert_close(routed, sbi_cuda.sbi_linear_cuda(x, w, scale, config=cfg), rtol=0, atol=0)
 
 
@@ -170,11 +186,12 @@ def test_norm_linear_cuda_matches_add_norm_gemm(dtype, t, k, n, int8):
 
 
 @pytest.mark.gpu
-def test_norm_linear_follows_the_table(monkeypatch):
-    # A CUDA entry with "norm": one launch, equal to the direct call; a CUDA entry without
+def test_norm_linear_follows_the_table(monkeypatch, tmp_path):
+    # A CUDA entry with norm set: one launch, equal to the direct call; a CUDA entry without
     # it, or none, the norm launch and dense_linear, equal to the fused result within bf16
     # rounding of the normed input.
     from kernels import linear_select as dl
+    from kernels import tuning
 
     gen = torch.Generator().manual_seed(6)
     x, r = (torch.randn(1, 1, 2048, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
@@ -184,15 +201,17 @@ def test_norm_linear_follows_the_table(monkeypatch):
     unfused, s_unfused = kernels.norm_linear(x, r, g, 1e-6, w)
     direct, _ = sbi_cuda.sbi_norm_linear_cuda(x[0], r[0], ("rmsnorm", g, None, 1e-6), w, config=cfg)
     for fuse in (True, False):
-        entry = dict(cfg, backend="cuda", **({"norm": True} if fuse else {}))
-        monkeypatch.setattr(dl, "_table", lambda: {dl.device_key(x.device): {
-            dl.table_key(3072, 2048, w.dtype): {"1": entry}}})
-        dl._choice.cache_clear()
+        entry = tuning.LinearCuda(**cfg, norm=fuse)
+        root = tmp_path / str(fuse)
+        tuning.write_table(root, tuning.Table("linear", tuning.device_name(x.device), tuning.dtype_name(w.dtype),
+                                              {tuning.linear_shape(3072, 2048): {1: entry}}))
+        monkeypatch.setattr(tuning, "TABLES", tuning.Tables(root))
+        dl.choice.cache_clear()
         try:
             fused, s = kernels.norm_linear(x, r, g, 1e-6, w)
             two = kernels.dense_linear(kernels.rms_norm(x, g, 1e-6, r)[0], w)
         finally:
-            dl._choice.cache_clear()
+            dl.choice.cache_clear()
         torch.testing.assert_close(fused[0] if fuse else fused, direct if fuse else two, rtol=0, atol=0)
         torch.testing.assert_close(s, s_unfused, rtol=0, atol=0)
         assert rel(fused, unfused) < 1e-2

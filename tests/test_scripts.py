@@ -2,7 +2,6 @@
 GPU session's scarce device time is not lost to a script that no longer starts. Their
 numbers here mean nothing; only that each prints its table and exits 0."""
 import importlib
-import json
 import os
 import shutil
 import subprocess
@@ -91,49 +90,53 @@ def _script(name):
         del sys.path[:2]
 
 
-def test_dense_table_writer_keeps_pinned_entries(tmp_path, monkeypatch):
-    """bench_dense --write-table replaces an entry with this run's winner unless the entry
-    carries a "pinned" reason (chosen by timing the decode step itself)."""
+def test_dense_table_writer_keeps_pinned_entries(tmp_path):
+    """bench_dense --write-table replaces an entry of the device's linear tables with this
+    run's winner unless the entry is pinned (chosen by timing the decode step itself)."""
     import torch
 
-    from kernels import linear_select as sel
+    from kernels import tuning
     bench_dense = _script("bench_dense")
-    pinned = {"backend": "cuda", "bn": 4, "warps": 8, "unroll": 2, "split_k": 1, "pinned": "decode step A/B"}
-    table = {"cpu": {"N64:K32:bfloat16": {"1": pinned, "2": "cublas"}, "N64:K32:int8": {"1": "triton"}}}
-    path = tmp_path / "dense.json"
-    path.write_text(json.dumps(table))
-    monkeypatch.setattr(sel, "TABLE_FILE", path)
+    pinned = tuning.LinearCuda(bn=4, warps=8, unroll=2, split_k=1, pinned=True)
+    tuning.write_table(tmp_path, tuning.Table("linear", "cpu", "bfloat16", {"N64:K32": {1: pinned,
+                                                                                        2: tuning.LinearCublas()}}))
+    tuning.write_table(tmp_path, tuning.Table("linear", "cpu", "int8", {"N64:K32": {1: tuning.LinearTriton()},
+                                                                        "N8:K8": {4: tuning.LinearTriton()}}))
     cfg = {"bn": 2, "warps": 4, "unroll": 1, "split_k": 1}
     rows = [dict(T=t, N=64, K=32, cublas_us=9.0, ours_us=8.0, sbi_us=7.0, cuda_us=3.0, ours_int8_us=6.0,
                  sbi_int8_us=2.0, cuda_int8_us=4.0, cuda_cfg=cfg, cuda_int8_cfg=cfg) for t in (1, 2)]
-    bench_dense.write_table(torch.device("cpu"), torch.bfloat16, rows)
-    written = json.loads(path.read_text())["cpu"]
-    assert written["N64:K32:bfloat16"]["1"] == pinned
-    assert written["N64:K32:bfloat16"]["2"] == dict(cfg, backend="cuda")
-    assert written["N64:K32:int8"] == {"1": "sbi", "2": "sbi"}
+    bench_dense.write_table(torch.device("cpu"), torch.bfloat16, rows, root=tmp_path)
+    bf16 = tuning.load_table(tmp_path / "linear-cpu-bfloat16.json").entries
+    int8 = tuning.load_table(tmp_path / "linear-cpu-int8.json").entries
+    assert bf16 == {"N64:K32": {1: pinned, 2: tuning.LinearCuda(**cfg)}}
+    assert int8 == {"N64:K32": {1: tuning.LinearSbi(), 2: tuning.LinearSbi()}, "N8:K8": {4: tuning.LinearTriton()}}
 
 
 def test_tune_moe_large_t_candidates_try_short_last_tiles():
     """At large T the tuner also times 128-row tiles with sub_m 2, and every candidate is
     one grouped_gemm accepts (bm / sub_m >= 16)."""
     tune_moe = _script("tune_moe")
+    from dataclasses import replace
+
     cands = tune_moe.triton_candidates("up", 4096, 8, 64, "bf16")
-    subs = [c for c in cands if c.get("sub_m")]
-    assert subs and all(c["bm"] == 128 and c["sub_m"] == 2 for c in subs)
-    assert len(cands) == len({json.dumps(c, sort_keys=True) for c in cands})  # no duplicates
-    assert {json.dumps({k: v for k, v in c.items() if k != "sub_m"}, sort_keys=True) for c in subs} <= \
-        {json.dumps(c, sort_keys=True) for c in cands if not c.get("sub_m")}
+    subs = [c for c in cands if c.sub_m > 1]
+    assert subs and all(c.bm == 128 and c.sub_m == 2 for c in subs)
+    assert len(cands) == len(set(cands))  # no duplicates
+    assert {replace(c, sub_m=1) for c in subs} <= {c for c in cands if c.sub_m == 1}
 
 
 def test_tune_moe_keeps_pinned_and_untuned_buckets(capsys):
     """The tuner's merge replaces the buckets it timed, keeps the others, and keeps an entry
     pinned by a decode-step A/B whatever this run picked (saying so)."""
     tune_moe = _script("tune_moe")
-    pinned = {"backend": "cuda", "bn": 8, "pinned": "decode step A/B"}
-    table = {"1": pinned, "2": "old", "16": "untouched"}
-    tune_moe.merge(table, "down:E8:N64:K32:int8:k2", {"1": {"backend": "cuda", "bn": 4}, "2": "new"})
-    assert table == {"1": pinned, "2": "new", "16": "untouched"}
-    assert "kept down:E8:N64:K32:int8:k2 T 1 (decode step A/B)" in capsys.readouterr().out
+    from kernels.tuning import MoeCuda
+
+    pinned, old, untouched, new = (MoeCuda(bn=8, warps=4, unroll=1, pinned=True), MoeCuda(bn=2, warps=4, unroll=1),
+                                   MoeCuda(bn=16, warps=4, unroll=1), MoeCuda(bn=4, warps=4, unroll=2))
+    table = {1: pinned, 2: old, 16: untouched}
+    tune_moe.merge(table, "down:E8:N64:K32:k2", {1: MoeCuda(bn=4, warps=4, unroll=1), 2: new})
+    assert table == {1: pinned, 2: new, 16: untouched}
+    assert "kept down:E8:N64:K32:k2 T 1 (pinned)" in capsys.readouterr().out
 
 
 def test_bench_moe_checks_at_each_check_token_count(capsys):
@@ -163,8 +166,11 @@ def test_tune_moe_times_the_heuristic_beside_its_search_space():
     for phase, n, k in (("up", 2048, 2048), ("down", 2048, 1024)):
         found = tune_moe.candidates(phase, 256, 8, 64, "int8", tune_moe.SHAPES["olmoe"], sms=132)
         assert default_config(phase, 256, 64, n, k, 8, 132) in found
-    assert tune_moe.candidates("up", 256, 8, 64, "int8", tune_moe.SHAPES["olmoe"],
-                               stored={"bm": 16}) == [{"bm": 16}, tune_moe.DEQUANT]
+    from kernels.tuning import MoeTriton
+
+    stored = MoeTriton(bm=16, bn=64, bk=128, num_warps=4, num_stages=3, split_k=1)
+    assert tune_moe.candidates("up", 256, 8, 64, "int8", tune_moe.SHAPES["olmoe"], stored=stored,
+                               sms=132) == [stored, tune_moe.DEQUANT]
 
 
 def test_tune_moe_offers_the_dequantizing_path_for_int8_at_large_t():
@@ -172,8 +178,12 @@ def test_tune_moe_offers_the_dequantizing_path_for_int8_at_large_t():
     down GEMM behind it is part of that path; bf16 and small T never get it."""
     tune_moe = _script("tune_moe")
     olmoe = tune_moe.SHAPES["olmoe"]
-    assert tune_moe.DEQUANT in tune_moe.candidates("up", 1024, 8, 64, "int8", olmoe)
-    assert tune_moe.DEQUANT in tune_moe.candidates("up", 1024, 8, 64, "int8", olmoe, stored={"bm": 64})
-    assert tune_moe.candidates("down", 1024, 8, 64, "int8", olmoe, up_backend="dequant") == [tune_moe.DEQUANT]
-    assert tune_moe.DEQUANT not in tune_moe.candidates("up", 1024, 8, 64, "bf16", olmoe)
-    assert tune_moe.DEQUANT not in tune_moe.candidates("up", 16, 8, 64, "int8", olmoe)
+    from kernels.tuning import MoeTriton
+
+    stored = MoeTriton(bm=64, bn=64, bk=64, num_warps=8, num_stages=3, split_k=1)
+    assert tune_moe.DEQUANT in tune_moe.candidates("up", 1024, 8, 64, "int8", olmoe, sms=132)
+    assert tune_moe.DEQUANT in tune_moe.candidates("up", 1024, 8, 64, "int8", olmoe, stored=stored, sms=132)
+    assert tune_moe.candidates("down", 1024, 8, 64, "int8", olmoe, up_backend="dequant", sms=132) == \
+        [tune_moe.DEQUANT]
+    assert tune_moe.DEQUANT not in tune_moe.candidates("up", 1024, 8, 64, "bf16", olmoe, sms=132)
+    assert tune_moe.DEQUANT not in tune_moe.candidates("up", 16, 8, 64, "int8", olmoe, sms=132)

@@ -1,14 +1,9 @@
-"""The CUDA C++ source of the MoE decode kernels (``kernels.moe_cuda``, whose docstring
-describes the kernels and their compile-time parameters): the register-streaming up and down
-kernels, the int8 widening helpers they share, and the tensor-core (MMA) kernels; the top-k
-routing inside them (ROUTE) is ``kernels.moe_route_source``. Compiled through NVRTC by
-``kernels.cuda_common.launch``."""
-from __future__ import annotations
+// The MoE decode kernels of kernels/moe_cuda.py, whose docstring describes them and their
+// compile-time parameters: moe_up (h = act(x @ w13[e].T) times the pair's combine weight)
+// and moe_down (out = the sum over a token's slots of w2[e] @ h, the combine inside the
+// reduction); split-K partials are summed by common.cuh's splitk_reduce.
+#include "common.cuh"
 
-from kernels.cuda_common import COMMON
-from kernels.moe_route_source import ROUTE_SOURCE
-
-SOURCE = COMMON + r"""
 #define ROWS_PER_F (GATED ? 2 : 1)  // rows of w13 per column of h
 #define ROWS (ROWS_PER_F * BN)
 #define MAX_K 16
@@ -16,13 +11,6 @@ SOURCE = COMMON + r"""
 #define MINB 1  // blocks an SM the registers must allow (ptxas caps them to fit)
 #endif
 
-#define LOGIT_BYTES (LOGITS_F32 ? 4 : 2)
-#ifndef H16
-#define H16 0
-#endif
-#ifndef MMA
-#define MMA 0
-#endif
 #ifndef PIPE
 #define PIPE 0  // moe_down: two weight buffers, the next step in flight during this one's arithmetic
 #endif
@@ -32,9 +20,6 @@ SOURCE = COMMON + r"""
 #define WPG (WARPS / RG)         // warps a row group
 #define GSTEP (WPG * 32 * WVEC)  // a row group's step along K
 static_assert(WARPS % RG == 0, "whole warps a row group");
-#if MMA && RG > 1
-#error "the mma kernels take no row groups"
-#endif
 
 // A thread's row group and its place in it.
 __device__ __forceinline__ int row_group() { return RG == 1 ? 0 : (int)threadIdx.x / (WPG * 32); }
@@ -51,16 +36,6 @@ __device__ __forceinline__ float group_total(float (*part)[NV], int j) {
   return v;
 }
 
-// An up kernel's output: in the activations' dtype, or (H16: for an MMA down kernel) as f16
-// times ACT_F16, the operand that kernel's tensor cores take.
-__device__ __forceinline__ u16 out_h(float v) {
-#if H16
-  return f16_bits(v);
-#else
-  return to_act(v);
-#endif
-}
-
 __device__ __forceinline__ long long id_at(const void* ids, int p) {
 #if IDS64
   return ((const long long*)ids)[p];
@@ -69,10 +44,9 @@ __device__ __forceinline__ long long id_at(const void* ids, int p) {
 #endif
 }
 
-""" + ROUTE_SOURCE + r"""
 // An up kernel's block: pair p and first column n0 from the grid (up_tile, before the wait),
-// then, after the PDL wait (the ids or logits are an earlier kernel's output), the pair's
-// expert e and combine weight: given, or routed from its token's logits (up_expert).
+// then, after the PDL wait (the ids and weights are an earlier kernel's output), the pair's
+// expert e and combine weight (up_expert).
 struct UpBlock {
   int p, n0;
   long long e;
@@ -89,28 +63,10 @@ __device__ __forceinline__ UpBlock up_tile() {
   return b;
 }
 
-__device__ __forceinline__ void up_expert(UpBlock& b, const void* __restrict__ ids, const float* __restrict__ pair_w,
-                                          int topk, int E) {
+__device__ __forceinline__ void up_expert(UpBlock& b, const void* __restrict__ ids, const float* __restrict__ pair_w) {
   grid_dep_enter();
-#if ROUTE && LOGITS_F32
-  int top[MAX_K];
-  float top_w[MAX_K];
-  route_token((const char*)ids + (size_t)(b.p / topk) * E * LOGIT_BYTES, E, topk, top, top_w);
-  b.e = top[b.p % topk];
-  b.weight = top_w[b.p % topk];
-#elif ROUTE
-  route_slot((const char*)ids + (size_t)(b.p / topk) * E * LOGIT_BYTES, E, topk, b.p % topk, &b.e, &b.weight);
-#else
   b.e = id_at(ids, b.p);
   b.weight = pair_w[b.p];
-#endif
-}
-
-__device__ __forceinline__ UpBlock up_block(const void* __restrict__ ids, const float* __restrict__ pair_w, int topk,
-                                            int E) {
-  UpBlock b = up_tile();
-  up_expert(b, ids, pair_w, topk, E);
-  return b;
 }
 
 // An int8 up kernel's scales for output column n0 + tid (thread tid < BN <= THREADS: the one
@@ -148,18 +104,8 @@ __device__ __forceinline__ DownBlock down_block(int F, int topk, int k_span) {
 }
 
 // Token t's k experts into expert (the down kernels), in shared memory.
-__device__ __forceinline__ void token_experts(const void* __restrict__ ids, int t, int topk, int E, long long* expert) {
-#if ROUTE && LOGITS_F32
-  int top[MAX_K];
-  float top_w[MAX_K];
-  route_token((const char*)ids + (size_t)t * E * LOGIT_BYTES, E, topk, top, top_w);
-  if (threadIdx.x == 0)
-    for (int i = 0; i < topk; ++i) expert[i] = top[i];
-#elif ROUTE
-  if (threadIdx.x < 32) route_experts((const char*)ids + (size_t)t * E * LOGIT_BYTES, E, topk, expert);
-#else
+__device__ __forceinline__ void token_experts(const void* __restrict__ ids, int t, int topk, long long* expert) {
   for (int i = threadIdx.x; i < topk; i += THREADS) expert[i] = id_at(ids, t * topk + i);
-#endif
   __syncthreads();
 }
 
@@ -197,10 +143,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
        const void* __restrict__ w13,     // [E, 2F, H] gate rows then up rows ([E, F, H] for GeLU)
        const float* __restrict__ scale,  // [E, 2F] int8 per-row scales
-       const void* __restrict__ ids,     // [P] expert of each pair (ROUTE: [T, E] router logits)
-       const float* __restrict__ pair_w, // [P] combine weight of each pair (ROUTE: unused)
+       const void* __restrict__ ids,     // [P] expert of each pair (int32, IDS64: int64)
+       const float* __restrict__ pair_w, // [P] combine weight of each pair
        u16* __restrict__ h,              // [P, F] out
-       int H, int F, int topk, long long stride_x, int E) {
+       int H, int F, int topk, long long stride_x) {
   const int tid = threadIdx.x;
   UpBlock blk = up_tile();
   const int p = blk.p, n0 = blk.n0;
@@ -220,7 +166,7 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
     pin(row_off[i]);
   }
   pin(xr);
-  up_expert(blk, ids, pair_w, topk, E);  // waits: x and the ids are earlier kernels' outputs
+  up_expert(blk, ids, pair_w);  // waits: x and the ids are earlier kernels' outputs
   const long long e = blk.e;
   const float weight = blk.weight;
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
@@ -268,7 +214,7 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
 #else
     const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
 #endif
-    h[(size_t)p * F + n] = out_h(v * weight);
+    h[(size_t)p * F + n] = to_act(v * weight);
   }
 }
 
@@ -276,14 +222,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up)
          const void* __restrict__ w2,      // [E, H, F]
          const float* __restrict__ scale,  // [E, H] int8 per-row scales
-         const void* __restrict__ ids,     // [P] expert of each pair (ROUTE: [T, E] router logits)
+         const void* __restrict__ ids,     // [P] expert of each pair (int32, IDS64: int64)
          void* __restrict__ out,           // [T, H] (PARTIAL: float32 [S, T, H])
-         int H, int F, int topk, int k_span, long long stride_o, int E) {
+         int H, int F, int topk, int k_span, long long stride_o) {
   const DownBlock blk = down_block(F, topk, k_span);
   const int t = blk.t, n0 = blk.n0, tokens = blk.tokens, k_lo = blk.k_lo, k_hi = blk.k_hi;
   const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
   __shared__ long long expert[MAX_K];
-  token_experts(ids, t, topk, E, expert);
+  token_experts(ids, t, topk, expert);
 
   // A thread's rows are its row group's: n0 + r0 + i, i < RR.
   constexpr int RR = BN / RG;
@@ -380,193 +326,3 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   warps_to_shared<RR>(acc, part);
   store_down(part, out, t, n0, H, tokens, stride_o);
 }
-
-#if INT8 && MMA
-// The int8 kernels on the tensor cores (cuda_common's mma helpers; H and F multiples of 64).
-// A block's warps split the reduction into 64-long chunks (warp w takes chunks w, w + WARPS,
-// ...; U of them loaded before the first is used); each warp multiplies its chunks by
-// every 16-row tile of the block. Only column 0 of the mma is a real operand (the pair's
-// token or h row): lanes g > 0 give zeros. The products of the offset (mma_offset) are
-// exact, so the offset cancels to float32 rounding.
-#define MMA_STEP (WARPS * MMA_CHUNK)
-#define UP_TILES (ROWS / 16)  // moe_up_mma: gated, BN a multiple of 8; GeLU, of 16
-
-#if ROWS % 16 == 0
-// moe_up's contract. BN columns as UP_TILES tiles: gated, tile m has gate rows n0 + 8 m + g and
-// up rows F + n0 + 8 m + g (the same column in rows g and g + 8); GeLU, rows n0 + 16 m + ...
-// The pair's token row moves to shared memory once, as f16, for every warp's B operands.
-extern "C" __global__ void __launch_bounds__(THREADS, MINB)
-moe_up_mma(const u16* __restrict__ x, const void* __restrict__ w13, const float* __restrict__ scale,
-           const void* __restrict__ ids, const float* __restrict__ pair_w, u16* __restrict__ h,
-           int H, int F, int topk, long long stride_x, int E) {
-  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
-  const UpBlock blk = up_block(ids, pair_w, topk, E);  // waits: x and the ids are earlier kernels' outputs
-  const int p = blk.p, n0 = blk.n0;
-  const long long e = blk.e;
-  const float weight = blk.weight;
-  const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H;
-  const float2 sc = up_scales(scale, e, n0, F);
-  const char* rows[UP_TILES][2];  // this lane's rows g and g + 8 of each tile (null: past F)
-#pragma unroll
-  for (int m = 0; m < UP_TILES; ++m)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int n = GATED ? n0 + 8 * m + g : n0 + 16 * m + 8 * r + g;
-      rows[m][r] = n < F ? w_e + ((size_t)(GATED && r ? F + n : n) * H + 16 * q) : nullptr;
-    }
-  u32x4 wv[U][UP_TILES][2];
-  auto load_step = [&](int kb) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int m = 0; m < UP_TILES; ++m)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int k = kb + u * MMA_STEP;
-          wv[u][m][r] = k < H && rows[m][r] ? load_stream(rows[m][r] + k) : zero4();
-        }
-  };
-  int kb = warp * MMA_CHUNK;
-  load_step(kb);
-
-  extern __shared__ __align__(16) u32 xs[];  // [H / 2] the token's row, f16 pairs times ACT_F16
-  const u16* xr = x + (size_t)(p / topk) * stride_x;
-  for (int i = tid * 8; i < H; i += THREADS * 8) {
-    float a[8];
-    load_act8(xr + i, a);
-    u32x4 v;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v.v[j] = f16x2(a[2 * j], a[2 * j + 1]);
-    *(u32x4*)(xs + i / 2) = v;
-  }
-  __syncthreads();
-
-  float acc[UP_TILES][2];  // rows g and g + 8 of each tile, column 0
-#pragma unroll
-  for (int m = 0; m < UP_TILES; ++m) acc[m][0] = acc[m][1] = 0.f;
-  for (; kb < H; kb += U * MMA_STEP) {
-    u32 b[U][8];  // every chunk's activations first: no chunk waits on another's
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = kb + u * MMA_STEP + 16 * q;
-      if (g == 0 && k < H)
-        words8(b[u], *(const u32x4*)(xs + k / 2), *(const u32x4*)(xs + k / 2 + 4));
-      else
-        words8(b[u], zero4(), zero4());  // past H the weights are zeros too
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float off[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_offset(off, b[u]);
-#pragma unroll
-      for (int m = 0; m < UP_TILES; ++m) mma_add(acc[m], off, wv[u][m][0], wv[u][m][1], b[u], 1.f, 1.f);
-    }
-    if (kb + U * MMA_STEP < H) load_step(kb + U * MMA_STEP);
-  }
-
-  __shared__ float part[WARPS][ROWS];  // [warp][16 m + row of the tile]
-  if (q == 0)
-#pragma unroll
-    for (int m = 0; m < UP_TILES; ++m) {
-      part[warp][16 * m + g] = acc[m][0];
-      part[warp][16 * m + 8 + g] = acc[m][1];
-    }
-  __syncthreads();
-  for (int o = tid; o < BN; o += THREADS) {
-    const int n = n0 + o;
-    if (n >= F) continue;
-#if GATED
-    const int row = 16 * (o / 8) + o % 8;
-    const float gate = warps_total<ROWS>(part, row) * sc.x * MMA_SCALE;
-    const float up = warps_total<ROWS>(part, row + 8) * sc.y * MMA_SCALE;
-    const float v = gate / (1.f + __expf(-gate)) * up;
-#else
-    const float z = warps_total<ROWS>(part, o) * sc.x * MMA_SCALE;
-    const float v = 0.5f * z * (1.f + erff(z * 0.70710678118654752f));
-#endif
-    h[(size_t)p * F + n] = out_h(v * weight);
-  }
-}
-
-#endif
-
-#if BN % 16 == 0
-// moe_down's contract, with h from an up kernel compiled H16 (f16 times ACT_F16). Tile m
-// has rows n0 + 16 m + g and + 8; each chunk lies in one slot (F a multiple of 64), whose
-// expert's scales weigh the chunk's sums before they join the float32 accumulators.
-extern "C" __global__ void __launch_bounds__(THREADS, MINB)
-moe_down_mma(const u16* __restrict__ h, const void* __restrict__ w2, const float* __restrict__ scale,
-             const void* __restrict__ ids, void* __restrict__ out, int H, int F, int topk, int k_span,
-             long long stride_o, int E) {
-  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, q = tid % 4;
-  const DownBlock blk = down_block(F, topk, k_span);
-  const int t = blk.t, n0 = blk.n0, tokens = blk.tokens, k_lo = blk.k_lo, k_hi = blk.k_hi;
-  const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
-  __shared__ long long expert[MAX_K];
-  token_experts(ids, t, topk, E, expert);
-
-  u32x4 wv[U][BN / 16][2];
-  int slot[U];
-  auto load_step = [&](int kb) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = kb + u * MMA_STEP;
-      slot[u] = k < k_hi ? k / F : 0;
-      const char* base = (const char*)w2 + (size_t)expert[slot[u]] * H * F + (k - slot[u] * F) + 16 * q;
-#pragma unroll
-      for (int m = 0; m < BN / 16; ++m)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int n = n0 + 16 * m + 8 * r + g;
-          wv[u][m][r] = k < k_hi && n < H ? load_stream(base + (size_t)n * F) : zero4();
-        }
-    }
-  };
-  int kb = k_lo + warp * MMA_CHUNK;
-  load_step(kb);
-  __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
-  token_scales(scale, expert, topk, sc, n0, H, MMA_SCALE);
-  grid_dep_enter();  // h is the up kernel's output
-
-  u32 bv[U][8];  // the chunks' activations, loaded with the weights of the same step
-  const u16* ht = h + (size_t)t * len + 16 * q;
-  auto load_b = [&](int kb) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = kb + u * MMA_STEP;
-      if (g == 0 && k < k_hi)
-        words8(bv[u], load_cached(ht + k), load_cached(ht + k + 8));
-      else
-        words8(bv[u], zero4(), zero4());  // past k_hi the weights are zeros too
-    }
-  };
-  load_b(kb);
-  float acc[BN / 16][2];
-#pragma unroll
-  for (int m = 0; m < BN / 16; ++m) acc[m][0] = acc[m][1] = 0.f;
-  for (; kb < k_hi; kb += U * MMA_STEP) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float off[4] = {0.f, 0.f, 0.f, 0.f};
-      mma_offset(off, bv[u]);
-#pragma unroll
-      for (int m = 0; m < BN / 16; ++m)
-        mma_add(acc[m], off, wv[u][m][0], wv[u][m][1], bv[u], sc[slot[u]][16 * m + g], sc[slot[u]][16 * m + 8 + g]);
-    }
-    load_step(kb + U * MMA_STEP);
-    load_b(kb + U * MMA_STEP);
-  }
-
-  __shared__ float part[WARPS][BN];
-  if (q == 0)
-#pragma unroll
-    for (int m = 0; m < BN / 16; ++m) {
-      part[warp][16 * m + g] = acc[m][0];
-      part[warp][16 * m + 8 + g] = acc[m][1];
-    }
-  __syncthreads();
-  store_down(part, out, t, n0, H, tokens, stride_o);
-}
-#endif
-#endif
-"""

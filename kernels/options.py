@@ -1,0 +1,26 @@
+"""The kernel options a user may set, as one object that layers take at construction.
+
+The engine fills a ``KernelOptions`` from its config (``engine: {pdl, fused_decode_attention}``)
+and the model hands it to every layer that launches kernels; a layer passes ``pdl`` on to
+each kernel call. Nothing in ``kernels/`` or ``dense/`` reads the environment for these: an
+A/B comparison builds two option objects (two engine configs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    # Decode-path kernels launch with programmatic dependent launch where the GPU has it
+    # (compute capability 9.0 or later; see kernels/pdl.py). False: plain launches.
+    pdl: bool = True
+    # A static-shape decode step runs its attention (QKV epilogue, cache append, attention)
+    # in one launch where it fits (kernels.qkv_attention). False: the epilogue launch, then SDPA.
+    fused_decode_attention: bool = True
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, bool):
+                raise ValueError(f"KernelOptions.{f.name}={value!r}: expected True or False")
