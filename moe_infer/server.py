@@ -346,8 +346,12 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
 
         if parsed.stream:
             async def events():
+                prefix = f"data: {json.dumps(head)[:-1]}, \"choices\": "  # the same text for every chunk
+
                 def event(choices, **extra):
-                    return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n"
+                    if extra:
+                        return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n"
+                    return f"{prefix}{json.dumps(choices)}}}\n\n"
 
                 try:
                     for i in range(len(reqs)):
