@@ -11,7 +11,8 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["moe_infer", "moe_infer.configs", "dense", "comm", "kernels"],
+    packages=["moe_infer", "moe_infer.configs", "dense", "comm", "kernels", "kernels.argmax", "kernels.attention",
+              "kernels.layout", "kernels.linear", "kernels.moe", "kernels.norm", "kernels.routing"],
     package_dir={"moe_infer.configs": "configs"},
     # kernels/cuda: the CUDA C++ sources, compiled at run time (kernels.cuda_common.cuda_source)
     package_data={"moe_infer": ["default_model/*"], "moe_infer.configs": ["*.yaml"],

@@ -17,6 +17,7 @@ from comm import Group
 from dense.norm import RMSNorm, ShardedRMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
 from dense.rotary import Rotary, apply_rotary
+from kernels.attention import decode_context, qkv_attention_fits, qkv_decode_supported
 from kernels.options import KernelOptions
 
 def _rotary(rotary: Rotary | None, positions: torch.Tensor, dtype: torch.dtype):
@@ -70,11 +71,11 @@ class StepContext:
         over all S slots of the cache with a mask: every shape is fixed, so the step can be
         captured in a CUDA graph and replayed for any slot. key_valid, key_positions [B, S].
         On a GPU, with ``tables`` (``rotary.table`` over the S slots) where there is a
-        rotary, the whole context is one launch (``kernels.decode_context``) instead of
+        rotary, the whole context is one launch (``kernels.attention.decode_context``) instead of
         about twenty small torch launches, with PDL where ``pdl`` asks for it (``kernels.pdl``)."""
         if key_valid.is_cuda and (rotary is None) == (tables is None):
-            positions, bias, cos, sin = kernels.decode_context_triton(slot, key_valid, key_positions, dtype, tables,
-                                                                      sliding_window, pdl)
+            positions, bias, cos, sin = decode_context(slot, key_valid, key_positions, dtype, tables, sliding_window,
+                                                       pdl)
             return cls(positions, bias, cos, sin, slot)
         b, s = key_valid.shape
         k_slot = torch.arange(s, device=key_valid.device)  # [S]
@@ -235,7 +236,7 @@ class Attention(nn.Module):
         self.clip_qkv = cfg.clip_qkv
         # The fused decode kernel covers power-of-two head dims, and an all-heads q/k norm
         # only when this rank holds all heads (otherwise the norm needs an all-reduce).
-        self.fusable = kernels.qkv_decode_supported(d) and not (cfg.qk_norm == "full" and tp.size > 1)
+        self.fusable = qkv_decode_supported(d) and not (cfg.qk_norm == "full" and tp.size > 1)
 
     def _epilogue(self) -> tuple:
         """The fused kernels' q / k norm, its weights and eps, and the clip."""
@@ -273,11 +274,11 @@ class Attention(nn.Module):
         b, t, _ = qkv.shape
         # A static-shape decode step (the graph path) runs the epilogue and the attention in
         # one launch (kernels.qkv_attention) where the options ask for it and the cache is
-        # short enough (kernels.qkv_attention_fits); otherwise the epilogue launch, then SDPA.
+        # short enough (kernels.attention.qkv_attention_fits); otherwise the epilogue launch, then SDPA.
         if (self.options.fused_decode_attention and self.fusable and qkv.is_cuda and t == 1
                 and type(cache) is KVCache and torch.is_tensor(ctx.start) and ctx.attn_mask.is_floating_point()
-                and kernels.qkv_attention_fits(b, self.num_heads, self.num_kv_heads, self.head_dim, cache.max_len,
-                                               torch.cuda.get_device_properties(qkv.device).multi_processor_count)):
+                and qkv_attention_fits(b, self.num_heads, self.num_kv_heads, self.head_dim, cache.max_len,
+                                       torch.cuda.get_device_properties(qkv.device).multi_processor_count)):
             out = kernels.qkv_attention(qkv.reshape(b, -1), self.num_heads, self.num_kv_heads, self.head_dim,
                                         cache.k[layer], cache.v[layer], ctx.start, ctx.attn_mask, ctx.cos, ctx.sin,
                                         *self._epilogue(), pdl=self.options.pdl)  # [B, Hq, D]

@@ -1,4 +1,4 @@
-"""What the CUDA C++ kernels (``sbi_cuda``, ``moe_cuda``) share: their sources in
+"""What the CUDA C++ kernels (``kernels.linear.sbi_cuda``, ``kernels.moe.cuda``) share: their sources in
 ``kernels/cuda/`` (``cuda_source``), whose ``common.cuh`` holds the device helpers for
 streaming 16-byte weight vectors, bf16 / fp16 / int8 conversions and warp sums and the
 split-K reduction kernel; compilation through CuPy (NVRTC); and a launcher that can start

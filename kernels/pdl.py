@@ -20,7 +20,7 @@ the next kernel's blocks become resident (as far as the SMs have room) while the
 before is still running, and have their first weight loads in flight before they wait
 (the decode step measured clearly faster with it). What it gives up: a kernel may not
 read, before its wait, what the kernel two back wrote, unless the kernel between keeps
-the late trigger. Only ``moe_cuda``'s down kernel does so (the routing ids), and the up
+the late trigger. Only ``kernels.moe.cuda``'s down kernel does so (the routing ids), and the up
 kernel before it always triggers after its wait.
 """
 from __future__ import annotations

@@ -76,7 +76,7 @@ class Entry:
 
 @dataclass(frozen=True, kw_only=True)
 class MoeTriton(Entry):
-    """The Triton grouped GEMM (``kernels.grouped_gemm``): bm x bn output tiles, bk deep."""
+    """The Triton grouped GEMM (``kernels.moe.grouped_gemm``): bm x bn output tiles, bk deep."""
     kind: ClassVar[str] = "triton"
     bm: int
     bn: int
@@ -95,7 +95,7 @@ class MoeTriton(Entry):
                              f"got sub_m={self.sub_m}, bm={self.bm}")
 
     def kernel_args(self) -> dict:
-        """The launch configuration as ``kernels.grouped_gemm`` takes it."""
+        """The launch configuration as ``kernels.moe.grouped_gemm`` takes it."""
         return dict(bm=self.bm, bn=self.bn, bk=self.bk, num_warps=self.num_warps, num_stages=self.num_stages,
                     split_k=self.split_k, group_m=self.group_m, sub_m=self.sub_m, tma=self.tma)
 
@@ -103,14 +103,14 @@ class MoeTriton(Entry):
 @dataclass(frozen=True, kw_only=True)
 class MoeGroupedMm(MoeTriton):
     """The down GEMM by ``torch._grouped_mm`` (bf16 on Hopper or later, large T) where it
-    takes the operands (``moe_triton.grouped_mm_ok``); elsewhere the Triton kernel with
+    takes the operands (``kernels.moe.triton.grouped_mm_ok``); elsewhere the Triton kernel with
     these tiles."""
     kind: ClassVar[str] = "grouped_mm"
 
 
 @dataclass(frozen=True, kw_only=True)
 class MoeCuda(Entry):
-    """The CUDA decode kernels (``kernels.moe_cuda``, T <= 16); they run as a pair, an up
+    """The CUDA decode kernels (``kernels.moe.cuda``, T <= 16); they run as a pair, an up
     entry's kernel with the down entry's where that is CUDA too."""
     kind: ClassVar[str] = "cuda"
     bn: int  # outputs per block
@@ -139,7 +139,7 @@ class LinearCublas(Entry):
 
 @dataclass(frozen=True, kw_only=True)
 class LinearTriton(Entry):
-    """``kernels.linear_triton``: the grouped GEMM with one group (its tiles from the moe table)."""
+    """``kernels.moe.triton.linear_triton``: the grouped GEMM with one group (its tiles from the moe table)."""
     kind: ClassVar[str] = "triton"
 
 
@@ -151,7 +151,7 @@ class LinearSbi(Entry):
 
 @dataclass(frozen=True, kw_only=True)
 class LinearCuda(Entry):
-    """SBI-GeMM in CUDA C++ (``kernels.sbi_cuda``) with this launch configuration."""
+    """SBI-GeMM in CUDA C++ (``kernels.linear.sbi_cuda``) with this launch configuration."""
     kind: ClassVar[str] = "cuda"
     bn: int  # outputs per block
     warps: int
@@ -163,7 +163,7 @@ class LinearCuda(Entry):
     norm: bool = False  # ``norm_linear``: the residual add and RMSNorm inside the launch
 
     def kernel_args(self) -> dict:
-        """The launch configuration as ``kernels.sbi_cuda`` takes it."""
+        """The launch configuration as ``kernels.linear.sbi_cuda`` takes it."""
         return dict(bn=self.bn, warps=self.warps, unroll=self.unroll, split_k=self.split_k, persist=self.persist,
                     unit=self.unit, pipe=self.pipe)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels.layout.reference import TAG_INTS
 from kernels.options import KernelOptions
 from comm import ParallelGroups, all_reduce, all_to_all, exchange_counts
 
@@ -103,7 +104,7 @@ class ExpertParallelDispatcher:
         weights = routing.weights.float()
         if self.es > 1:  # every slice returns a partial sum with the pair's weight
             weights = weights.repeat_interleave(self.es, dim=1)
-        ints = kernels.TAG_INTS[x.element_size()]
+        ints = TAG_INTS[x.element_size()]
         return Sent(received[:, :h], received.view(ints)[:, h:h + 1], recv, send, rows, weights, group)
 
     @staticmethod

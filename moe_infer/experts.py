@@ -57,10 +57,10 @@ class Experts(nn.Module):
 
     def pairs_from_ids(self, x: torch.Tensor, top_k: int) -> bool:
         """Whether ``fused`` (dropless, no maps) runs on x from the routing ids alone, so the
-        router need not build the maps (``kernels.moe_triton.pairs_from_ids``; GPU only)."""
+        router need not build the maps (``kernels.moe.triton.pairs_from_ids``; GPU only)."""
         if not x.is_cuda:
             return False
-        from kernels.moe_triton import pairs_from_ids  # the GPU backend: Triton, imported at first use
+        from kernels.moe.triton import pairs_from_ids  # the GPU backend: Triton, imported at first use
 
         return pairs_from_ids(x, self.w13, self.w2, top_k, **self.scales())
 

@@ -12,6 +12,7 @@ from comm import ParallelGroups
 from dense import MLP, Attention, KVCache, PagedKVCache, Rotary, StepContext, make_norm
 from dense.norm import RMSNorm
 from dense.parallel_linear import Linear
+from kernels.norm import ROUTER_MAX_ROWS
 from kernels.options import KernelOptions
 from moe_infer.config import Config
 from moe_infer.moe_layer import MoELayer
@@ -37,7 +38,7 @@ class Block(nn.Module):
         # for the QKV weights is the CUDA SBI-GeMM with "norm"; elsewhere norm_linear makes
         # the two launches. Every GEMM block recomputes the norm, in one round trip after
         # its wait. The tables give "norm" only to the entries where the decode step
-        # measured faster with it (see kernels.linear_select).
+        # measured faster with it (see kernels.linear.select).
         # A parallel block also feeds the normed input to its FFN, so it keeps the norm's output.
         self.norm_fusable = isinstance(self.attn_norm, RMSNorm) and not self.parallel
 
@@ -56,7 +57,7 @@ class Block(nn.Module):
             a = self.attn(h, ctx, cache, self.index)
         if self.parallel:
             return x, a + self.ffn(h)
-        if self.fused_router and a.is_cuda and a.numel() <= kernels.ROUTER_MAX_ROWS * a.shape[-1]:
+        if self.fused_router and a.is_cuda and a.numel() <= ROUTER_MAX_ROWS * a.shape[-1]:
             # Decode: the add, the norm and the router GEMM in one launch.
             shape = a.shape
             h, x, logits = kernels.rms_norm_router(a.view(-1, shape[-1]), x.view(-1, shape[-1]), self.ffn_norm.weight,

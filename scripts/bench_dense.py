@@ -2,9 +2,9 @@
 """Dense decode kernels against their torch baselines, measured in one run:
 
 1. small-batch GEMM (T = 1..16 rows) at the linear-layer shapes of the presets: cuBLAS
-   (``torch.matmul``, bf16) against ``kernels.linear_triton`` (the grouped GEMM, one group),
-   SBI-GeMM in Triton (``kernels.sbi_linear_triton``) and SBI-GeMM in CUDA C++
-   (``kernels.sbi_linear_cuda``, the fastest of a few launch configurations), each with
+   (``torch.matmul``, bf16) against ``kernels.moe.triton.linear_triton`` (the grouped GEMM, one group),
+   SBI-GeMM in Triton (``kernels.sbi_linear``) and SBI-GeMM in CUDA C++
+   (``kernels.linear.sbi_cuda.sbi_linear_cuda``, the fastest of a few launch configurations), each with
    bf16 and int8 weights; time in a CUDA graph (device time, no launch gaps), weight GB/s
    and percent of the copy bandwidth measured at the start. Beside them, a device copy
    that moves the same bytes (half read, half written), timed the same way: the share of
@@ -74,7 +74,9 @@ def cuda_candidates(t: int, n: int, k: int, sms: int, int8: bool) -> list[dict]:
     the loads in flight per row (at most 32 16-byte loads a thread). A candidate whose
     last load of a step always lies past its split of K is left out: it only costs
     registers (one load a row covers K = 2048 with 8 warps, and 64 registers drop to 40)."""
-    base = kernels.sbi_cuda.sbi_cuda_config(t, n, k, sms, int8)
+    from kernels.linear.sbi_cuda import sbi_cuda_config  # CuPy: imported where a GPU run needs it
+
+    base = sbi_cuda_config(t, n, k, sms, int8)
     bns = (2, 4, 8) if t <= 2 else (1, 2, 4)
     splits = sorted({max(1, base["split_k"] // 2), base["split_k"], base["split_k"] * 2})
     unrolls = sorted({1, max(1, base["unroll"] // 2), base["unroll"], base["unroll"] * 2})
@@ -91,8 +93,10 @@ def best_cuda(time, inputs, t, n, k, sms, int8):
     if inputs[0][0].device.type != "cuda":
         return None, None
 
+    from kernels.linear.sbi_cuda import sbi_linear_cuda
+
     def timed(cfgs):
-        return [(time(lambda x, w, s, c=cfg: kernels.sbi_linear_cuda(x, w, s, config=c), inputs), cfg)
+        return [(time(lambda x, w, s, c=cfg: sbi_linear_cuda(x, w, s, config=c), inputs), cfg)
                 for cfg in cfgs]
     plain = sorted(timed(cuda_candidates(t, n, k, sms, int8)), key=lambda p: p[0])
     if int8:  # the eight fastest also widening int8 with one byte permute a weight
@@ -102,6 +106,8 @@ def best_cuda(time, inputs, t, n, k, sms, int8):
 
 
 def gemm_rows(models, tokens, device, dtype, copies, copy_gbs):
+    from kernels.moe.triton import linear_triton  # Triton: imported where a run needs it
+
     rows, time = [], timer(device, copies)
     sms = tuning.sm_count(device)
     copy_same = {}  # bytes moved -> µs of a device copy moving them
@@ -124,14 +130,14 @@ def gemm_rows(models, tokens, device, dtype, copies, copy_gbs):
             for t in tokens:
                 xs = [torch.randn(t, k, device=device, dtype=dtype) for _ in range(copies)]
                 cublas = time(lambda x, w: x @ w.t(), list(zip(xs, ws)))
-                ours = time(lambda x, w: kernels.linear_triton(x, w), list(zip(xs, ws)))
-                ours8 = time(lambda x, q, s: kernels.linear_triton(x, q, s), [(x, q, s) for x, (q, s) in zip(xs, qs)])
+                ours = time(lambda x, w: linear_triton(x, w), list(zip(xs, ws)))
+                ours8 = time(lambda x, q, s: linear_triton(x, q, s), [(x, q, s) for x, (q, s) in zip(xs, qs)])
                 sbi = time(lambda x, w: kernels.sbi_linear(x, w), list(zip(xs, ws)))
                 sbi8 = time(lambda x, q, s: kernels.sbi_linear(x, q, s), [(x, q, s) for x, (q, s) in zip(xs, qs)])
                 cuda, cuda_cfg = best_cuda(time, [(x, w, None) for x, w in zip(xs, ws)], t, n, k, sms, False)
                 cuda8, cuda8_cfg = best_cuda(time, [(x, q, s) for x, (q, s) in zip(xs, qs)], t, n, k, sms, True)
                 wb, qb = n * k * ws[0].element_size(), n * k + 4 * n
-                err = ((kernels.linear_triton(xs[0], qs[0][0], qs[0][1]).double() - xs[0].double() @ ws[0].double().t())
+                err = ((linear_triton(xs[0], qs[0][0], qs[0][1]).double() - xs[0].double() @ ws[0].double().t())
                        .norm() / (xs[0].double() @ ws[0].double().t()).norm()).item()
                 row = {"model": model, "layer": layer, "K": k, "N": n, "T": t, "cublas_us": cublas, "ours_us": ours,
                        "ours_int8_us": ours8, "sbi_us": sbi, "sbi_int8_us": sbi8, "cuda_us": cuda,
@@ -239,7 +245,7 @@ def write_table(device, dtype, gemm, root=tuning.TABLES_DIR):
     """Merges this run's winners into the device's linear tables under ``root``, one per
     weight dtype (``kernels.tuning``). A ``pinned`` entry stays: it was chosen by timing the
     decode step itself, where a kernel shares DRAM with its neighbours."""
-    from kernels import linear_select as sel
+    from kernels.linear import select as sel
 
     dev_name = tuning.device_name(device)
     tables = {}  # weight dtype -> shape -> T bucket -> entry

@@ -43,7 +43,8 @@ if not torch.cuda.is_available():  # before triton is imported: CPU Triton runs 
 
 import bench_common as bc  # noqa: E402
 import kernels  # noqa: E402
-from kernels.moe_triton import pairs_from_ids  # noqa: E402
+from kernels.moe.reference import fused_moe_ref  # noqa: E402
+from kernels.moe.triton import pairs_from_ids  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,14 +218,14 @@ def rel_errors(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def reference_fp32(inp: MoeInputs, w13, w2, activation, s13=None, s2=None) -> torch.Tensor:
-    """kernels.fused_moe_ref in float32 over only the experts hit (the full float32 copy
+    """fused_moe_ref in float32 over only the experts hit (the full float32 copy
     of a 128-expert shape would take 17 GB). With scales, the dequantized int8 weights."""
     hit = inp.ids.unique()  # sorted
     ids = torch.searchsorted(hit, inp.ids).to(torch.int32)  # renumbered 0..len(hit)-1
     w13, w2 = w13[hit].float(), w2[hit].float()
     if s13 is not None:
         w13, w2 = w13 * s13[hit, :, None], w2 * s2[hit, :, None]
-    return kernels.fused_moe_ref(inp.x.float(), w13, w2, inp.weights, ids, activation)
+    return fused_moe_ref(inp.x.float(), w13, w2, inp.weights, ids, activation)
 
 
 # --- measuring -------------------------------------------------------------------------
@@ -322,7 +323,7 @@ def baseline_fn(name: str, shape: MoeShape, w13, w2) -> Callable[[MoeInputs], to
 
 def check_shape(shape: MoeShape, weights: dict, baselines: list[str], device, gen,
                 check_tokens=CHECK_TOKENS) -> list[dict]:
-    """Ours and each baseline once against kernels.fused_moe_ref in float32 at each T of
+    """Ours and each baseline once against fused_moe_ref in float32 at each T of
     ``check_tokens`` (at large T the table's tensor-core configurations run)."""
     return [row for t in check_tokens for row in check_at(shape, weights, baselines, device, gen, t)]
 

@@ -22,8 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
-from kernels import moe_cuda, tuning  # noqa: E402
-from kernels.moe_triton import default_config, fused_moe_triton, launch_config  # noqa: E402
+from kernels import tuning  # noqa: E402
+from kernels.moe import cuda as moe_cuda  # noqa: E402
+from kernels.moe.triton import default_config, fused_moe_triton, launch_config  # noqa: E402
+from kernels.routing.reference import topk_gating_ref  # noqa: E402
 from kernels.tuning import MoeCuda, MoeDequant, MoeEntry, MoeGroupedMm, MoeTriton  # noqa: E402
 from moe_infer.engine import prime_cuda_graphs  # noqa: E402
 
@@ -58,7 +60,7 @@ def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, shape: tuple,
         return [DEQUANT]
     extra = moe_cuda.candidates("up", t, wdtype == "int8") if phase == "up" and t <= CUDA_TOKENS else []
     if phase == "up" and wdtype == "int8" and t > CUDA_TOKENS:
-        extra = [DEQUANT]  # int8 widened to bf16 first, then bf16's GEMMs (kernels.moe_triton)
+        extra = [DEQUANT]  # int8 widened to bf16 first, then bf16's GEMMs (kernels.moe.triton)
     if stored is not None:
         return [stored] + extra
     found = triton_candidates(phase, t, topk, e, wdtype)
@@ -170,7 +172,7 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
         inputs = []
         for _ in range(sets):
             x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
-            ids, w = kernels.topk_gating_ref(torch.randn(t, e, device=dev, generator=gen), topk)
+            ids, w = topk_gating_ref(torch.randn(t, e, device=dev, generator=gen), topk)
             inputs.append((x, w, ids))
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         wd = DTYPES[wdtype]

@@ -79,29 +79,38 @@ GPU_NAME_FAILS = '''
 import kernels
 
 try:
-    kernels.topk_gating_triton
+    from kernels.routing.gating import topk_gating_triton  # noqa: F401
 except ModuleNotFoundError as e:
     assert e.name == "triton", e
     print("backend import fails by name")
 else:
-    raise AssertionError("kernels.topk_gating_triton resolved without Triton")
+    raise AssertionError("kernels.routing.gating imported without Triton")
 '''
 
-# Run in a child that has Triton: importing kernels loads no backend; importing one later
-# leaves the op of the same name in place (kernels/argmax.py and kernels.argmax).
+# Run in a child that has Triton: importing kernels loads no backend; importing every
+# backend module later leaves each package's ops in place (the package kernels/argmax/ and
+# the op kernels.argmax share a name, and so would a backend module named as its op).
 LATE_BACKENDS = '''
 import importlib
+import pkgutil
 import sys
 import types
 
 import kernels
 
 assert "triton" not in sys.modules, "importing kernels imported triton"
-for op in ("argmax", "decode_attention", "qkv_attention", "qkv_decode", "route"):
-    module = importlib.import_module(f"kernels.{op}")
-    assert "triton" in sys.modules and module.__name__ == f"kernels.{op}"
-    assert isinstance(getattr(kernels, op), types.FunctionType), f"kernels.{op} is now {getattr(kernels, op)!r}"
-assert kernels.argmax_triton is sys.modules["kernels.argmax"].argmax_triton
+ops = {"kernels": kernels.__all__}
+for info in pkgutil.walk_packages(kernels.__path__, "kernels."):
+    module = importlib.import_module(info.name)
+    assert module.__name__ == info.name
+    if info.ispkg:
+        ops[info.name] = module.__all__
+assert "triton" in sys.modules and "kernels.argmax.triton" in sys.modules and "kernels.routing.route_triton" in sys.modules
+for package, names in ops.items():
+    for op in names:
+        value = getattr(sys.modules[package], op)
+        assert isinstance(value, types.FunctionType), f"{package}.{op} is now {value!r}"
+assert kernels.argmax is sys.modules["kernels.argmax"].argmax
 print("late backends ok")
 '''
 
@@ -154,7 +163,7 @@ def test_gpu_backend_without_triton_fails_by_name(tmp_path):
     out, attempts = run_cpu_only(tmp_path, [sys.executable, "-c", GPU_NAME_FAILS])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "backend import fails by name" in out.stdout
-    assert attempts == ["triton from kernels/gating.py"]
+    assert attempts == ["triton from kernels/routing/gating.py"]
 
 
 def test_gpu_backends_load_at_first_use_and_keep_the_ops_names():

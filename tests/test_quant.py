@@ -9,6 +9,7 @@ import moe_infer
 from comm import Group
 from dense.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from dense.quant import Int8Linear, quantize_linears
+from kernels.linear.reference import sbi_linear_ref
 from moe_infer.config import ConfigError, EngineConfig
 from moe_infer.experts import Int8Experts
 
@@ -29,18 +30,20 @@ def rel(a, b):
 def test_linear_int8_kernel_matches_its_reference(device, dtype, t, k, n):
     """Small T takes the maps-free path (one row tile), larger T the segment path; narrow
     outputs split K. Compared with the dequantised reference in float64."""
+    from kernels.moe.triton import linear_triton
+
     gen = torch.Generator().manual_seed(t + k + n)
     x = torch.randn(2, t, k, generator=gen).to(device, dtype)  # leading dims are kept
     w = torch.randn(n, k, generator=gen)
     q, s = kernels.quantize_int8(w[None])
     q, s = q[0].to(device), s[0].to(device)
-    out = kernels.linear_triton(x, q, s)
+    out = linear_triton(x, q, s)
     ref = x.double() @ (q.double() * s.double()[:, None]).t()
     assert out.shape == (2, t, n) and out.dtype == dtype
     assert rel(out, ref) < TOL[dtype]
     wd = w.to(device, dtype)  # the same GEMM on full-precision weights
-    assert rel(kernels.linear_triton(x, wd), x.double() @ wd.double().t()) < TOL[dtype]
-    assert rel(kernels.sbi_linear_ref(x.cpu(), q.cpu(), s.cpu()), ref.cpu()) < TOL[dtype]
+    assert rel(linear_triton(x, wd), x.double() @ wd.double().t()) < TOL[dtype]
+    assert rel(sbi_linear_ref(x.cpu(), q.cpu(), s.cpu()), ref.cpu()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -65,7 +68,7 @@ def test_dense_linear_routes_by_the_table(monkeypatch, tmp_path):
     entry picks SBI-GeMM (Triton, or CUDA with a launch configuration) or linear_triton per
     shape and row bucket; every pick gives the
     same numbers (CPU tensors here take the reference, so the choice is checked directly)."""
-    from kernels import linear_select as dl
+    from kernels.linear import select as dl
     from kernels import tuning
     from kernels.tuning import LinearCublas, LinearCuda, LinearSbi, LinearTriton
 

@@ -161,7 +161,7 @@ def test_tune_moe_times_the_heuristic_beside_its_search_space():
     """The configuration that runs where the table has no entry is a candidate too, so a
     tuned entry cannot be slower than having none."""
     tune_moe = _script("tune_moe")
-    from kernels.moe_triton import default_config
+    from kernels.moe.triton import default_config
 
     for phase, n, k in (("up", 2048, 2048), ("down", 2048, 1024)):
         found = tune_moe.candidates(phase, 256, 8, 64, "int8", tune_moe.SHAPES["olmoe"], sms=132)

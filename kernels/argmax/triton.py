@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense_ref import argmax_ref  # noqa: F401 (the reference, importable beside its kernel)
 from kernels.pdl import pdl_enter, pdl_launch
 
 BLOCK = 4096

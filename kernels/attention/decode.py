@@ -8,6 +8,10 @@ One token per row. Program (b, kv head, split) reads its share of that KV head's
 values once for all G query heads (GQA / MQA aware) and keeps a running max, sum and
 weighted value sum in float32 (flash-decoding); the combine kernel merges the P splits.
 Masked-off key blocks (past the current slot, padding) are skipped, not just zeroed.
+
+Two split kernels: ``_split_kernel`` over a dense cache [B, Hkv, S, D], and
+``_paged_split_kernel`` over the server's paged pool [N, Hkv, D], reading each row's keys
+in place through its slots with both products on the tensor cores.
 """
 from __future__ import annotations
 
@@ -17,22 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense_ref import decode_attention_ref  # noqa: F401 (the reference, importable beside its kernel)
-
 
 @triton.jit
 def _split_kernel(
     q_ptr,  # [B, Hq, D]
-    k_ptr, v_ptr,  # [B, Hkv, S, D] (any strides but D contiguous); PAGED: a pool [N, Hkv, D]
-    slot_ptr,  # PAGED: [B, S] int64, the pool row of each row's key s (else unused)
+    k_ptr, v_ptr,  # [B, Hkv, S, D] (any strides but D contiguous)
     mask_ptr,  # [B, S] int8: 1 where the key is visible
     m_ptr, l_ptr,  # [B, Hq, P] float32 out: running max and sum of each split
     acc_ptr,  # [B, Hq, P, D] float32 out: unnormalised weighted values
     S, D, scale,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_mb,
-    stride_slb,
     G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_LEN: tl.constexpr, P: tl.constexpr, PAGED: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, P: tl.constexpr,
 ):
     b, h, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, G_PAD)
@@ -50,18 +50,14 @@ def _split_kernel(
         visible = tl.load(mask_ptr + b * stride_mb + s, mask=s < S, other=0) != 0
         if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no K/V reads
             kv_ok = visible[:, None] & d_ok[None, :]
-            if PAGED:  # key s of row b lives in pool row slot[b, s]: read in place, no gathered copy
-                rows = tl.load(slot_ptr + b * stride_slb + s, mask=visible, other=0)
-            else:
-                rows = s
-            k = tl.load(k_ptr + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + d[None, :],
+            k = tl.load(k_ptr + b * stride_kb + h * stride_kh + s[:, None] * stride_ks + d[None, :],
                         mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_S, D]
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BLOCK_S]
             scores = tl.where(visible[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             w = tl.exp(scores - m_new[:, None])
-            v = tl.load(v_ptr + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + d[None, :],
+            v = tl.load(v_ptr + b * stride_vb + h * stride_vh + s[:, None] * stride_vs + d[None, :],
                         mask=kv_ok, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v[None, :, :], axis=1)
             l = l * alpha + tl.sum(w, axis=1)
@@ -162,8 +158,22 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v
     if hq % hkv or v.shape != k.shape or visible.shape != (b, s) or k.shape[0] != b:
         raise ValueError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, visible {list(visible.shape)}: "
                          "expected [B, Hq, D], [B, Hkv, S, D] twice with Hkv dividing Hq, and [B, S]")
-    strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
-    return _launch(q, k, v, None, visible, hkv, s, strides, scale, splits, block_s)
+    g = hq // hkv
+    if splits is None:
+        target = 264 if q.is_cuda else 4  # about two programs per SM of an H100
+        splits = min(triton.next_power_of_2(max(1, target // (b * hkv))), triton.cdiv(s, block_s))
+        splits = 1 << (splits.bit_length() - 1)
+    split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
+    mask = visible.to(torch.int8)
+    m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+    _split_kernel[(b, hkv, splits)](
+        q, k, v, mask, m, l, acc, s, d, scale if scale is not None else 1.0 / math.sqrt(d),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        mask.stride(0), G=g, G_PAD=max(2, triton.next_power_of_2(g)), D_PAD=triton.next_power_of_2(d),
+        BLOCK_S=block_s, SPLIT_LEN=split_len, P=splits, num_warps=4)
+    return _combine(m, l, acc, q.dtype)
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -195,31 +205,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D_PAD=triton.next_power_of_2(d), BLOCK_S=block_s,
         SPLIT_LEN=split_len, P=splits, IEEE=k.dtype == torch.float32, num_warps=2)
     return _combine(m, l, acc, q.dtype)
-
-
-def _launch(q, k, v, slots, visible, hkv, s, strides, scale, splits, block_s) -> torch.Tensor:
-    b, hq, d = q.shape
-    g = hq // hkv
-    if splits is None:
-        target = 264 if q.is_cuda else 4  # about two programs per SM of an H100
-        splits = min(triton.next_power_of_2(max(1, target // (b * hkv))), triton.cdiv(s, block_s))
-        splits = 1 << (splits.bit_length() - 1)
-    split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
-    mask = visible.to(torch.int8)
-    m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-    d_pad = triton.next_power_of_2(d)
-    paged = slots is not None
-    _split_kernel[(b, hkv, splits)](
-        q, k, v, slots if paged else mask, mask, m, l, acc, s, d, scale if scale is not None else 1.0 / math.sqrt(d),
-        q.stride(0), q.stride(1), *strides, mask.stride(0), slots.stride(0) if paged else 0,
-        G=g, G_PAD=max(2, triton.next_power_of_2(g)), D_PAD=d_pad, BLOCK_S=block_s,
-        SPLIT_LEN=split_len, P=splits, PAGED=paged, num_warps=4)
-    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    _combine_kernel[(b, hq)](m, l, acc, out, d, out.stride(0), out.stride(1), hq, P=splits,
-                             P_PAD=max(2, triton.next_power_of_2(splits)), D_PAD=d_pad, num_warps=1)
-    return out
 
 
 def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

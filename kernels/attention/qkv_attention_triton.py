@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense_ref import QK_NORMS, check_qkv_attention, qkv_attention_ref  # noqa: F401 (the reference, importable here)
+from kernels.attention.reference import QK_NORMS, check_qkv_attention
 from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
-from kernels.qkv_decode import _load_all, _load_heads, _norm_rotate, _norm_weights, _rstd_all
+from kernels.attention.qkv_decode_triton import _load_all, _load_heads, _norm_rotate, _norm_weights, _rstd_all
 
 NEG_INF = tl.constexpr(float("-inf"))
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense_ref import QK_NORMS, check_qkv, qkv_decode_ref, qkv_decode_supported
+from kernels.attention.reference import QK_NORMS, check_qkv, qkv_decode_ref, qkv_decode_supported
 from kernels.pdl import pdl_enter, pdl_launch
 
 

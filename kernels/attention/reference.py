@@ -1,10 +1,10 @@
-"""Plain-torch references for the dense ops of the decode path: RMSNorm (with the MoE
-layer's router), greedy argmax, decode attention, the QKV epilogue and the small-batch
-GEMM. The Triton and CUDA kernels must match these functions, and they are what the ops in
-``kernels`` run on a CPU, so this module needs torch alone (as ``moe_ref`` does).
+"""Plain-torch references for the attention ops of the decode path: decode attention
+(over a contiguous or a paged KV cache), the QKV epilogue and the QKV epilogue with the
+attention in one step. The Triton kernels must match these functions, and they are what
+the ops in ``kernels.attention`` run on a CPU, so this module needs torch alone.
 
-Shape letters: B rows, T tokens per row, H features, E experts, V vocabulary, Hq / Hkv
-query / KV heads, D head dim, S cache slots, K in, N out.
+Shape letters: B rows, T tokens per row, Hq / Hkv query / KV heads, D head dim, S cache
+slots, N pool rows of a paged cache.
 """
 from __future__ import annotations
 
@@ -12,33 +12,9 @@ import math
 
 import torch
 
-from kernels.moe_ref import topk_gating_ref
+from kernels.norm.reference import rms_norm_ref
 
 QK_NORMS = {None: 0, "head": 1, "full": 2}
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """norm(x) [.., H], or with ``residual``: (norm(x + residual), x + residual)."""
-    if residual is not None:
-        x = x + residual
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    out = weight * normed  # cast before scaling: the Llama-family order
-    return (out, x) if residual is not None else out
-
-
-def rms_norm_router_ref(x, residual, norm_w, eps, router_w, gating: tuple | None = None):
-    """x, residual [T, H]; router_w [E, H] -> (h = norm(x + residual) [T, H], x + residual,
-    router logits h @ router_w.T [T, E] in the input dtype); with ``gating`` (k, score,
-    renormalize) also the top-k table of those logits (``topk_gating_ref``)."""
-    h, summed = rms_norm_ref(x, norm_w, eps, residual)
-    logits = h @ router_w.t()
-    return (h, summed, logits) if gating is None else (h, summed, logits, *topk_gating_ref(logits, *gating))
-
-
-def argmax_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [B, V] -> [B] int64, the first index of each row's maximum."""
-    return x.argmax(dim=-1)
 
 
 def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
@@ -149,25 +125,3 @@ def qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, 
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     scores = torch.einsum("bhd,bhsd->bhs", q.to(ct), kk) * scale + bias.reshape(b, 1, -1).to(ct)
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv).to(q.dtype)
-
-
-def sbi_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-                   bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                   norm: tuple | None = None) -> torch.Tensor:
-    """y [T, N] = norm(x [T, K]) @ dequant(w [N, K]).T (+ bias [N]) (+ residual [T, N]),
-    computed in float32 (float64 inputs stay float64) with torch ops."""
-    ct = torch.promote_types(x.dtype, torch.float32)
-    a = x.to(ct)
-    if norm is not None:
-        kind, g, gb, eps = norm
-        if kind == "layernorm":
-            a = torch.nn.functional.layer_norm(a, (a.shape[-1],), g.to(ct), None if gb is None else gb.to(ct), eps)
-        else:
-            a = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * g.to(ct)
-    wf = w.to(ct) if scale is None else w.to(ct) * scale.to(ct)[:, None]
-    y = a @ wf.t()
-    if bias is not None:
-        y = y + bias.to(ct)
-    if residual is not None:
-        y = y + residual.to(ct)
-    return y.to(x.dtype)

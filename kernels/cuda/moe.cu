@@ -1,4 +1,4 @@
-// The MoE decode kernels of kernels/moe_cuda.py, whose docstring describes them and their
+// The MoE decode kernels of kernels/moe/cuda.py, whose docstring describes them and their
 // compile-time parameters: moe_up (h = act(x @ w13[e].T) times the pair's combine weight)
 // and moe_down (out = the sum over a token's slots of w2[e] @ h, the combine inside the
 // reduction); split-K partials are summed by common.cuh's splitk_reduce.

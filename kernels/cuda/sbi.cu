@@ -1,5 +1,5 @@
 // SBI-GeMM, the small-batch GEMM y = norm(x) @ W.T (+ bias) (+ residual) for T <= 16 rows:
-// kernel sbi_gemm of kernels/sbi_cuda.py, whose docstring describes it and its compile-time
+// kernel sbi_gemm of kernels/linear/sbi_cuda.py, whose docstring describes it and its compile-time
 // parameters (TP, BN, WARPS, U, INT8, DT, NORM, PARTIAL, NORM_RES, PERSIST, UNIT, RESIDENT,
 // PIPE); split-K partials are summed by common.cuh's splitk_reduce.
 #include "common.cuh"

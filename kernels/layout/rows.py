@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_ref import TAG_INTS
+from kernels.layout.reference import TAG_INTS
 from kernels.pdl import pdl_enter, pdl_launch
 
 

@@ -1,7 +1,7 @@
 """SBI-GeMM in CUDA C++ (``kernels/cuda/sbi.cu``), compiled at run time through CuPy
 (NVRTC): the small-batch GEMM of DeepSpeed-Inference III-C, y = norm(x) @ W.T (+ bias)
 (+ residual), x [T, K] with T <= 16, W [N, K] bf16 / fp16 or int8 with per-output-channel
-scales. Same contract as ``kernels.sbi_gemm.sbi_linear_triton``.
+scales. Same contract as ``kernels.linear.sbi_triton.sbi_linear_triton``.
 
 The paper's three parts, as built here:
 - Tiling (III-C1). A block of WARPS warps owns BN output channels; grid.y splits K when
@@ -28,7 +28,7 @@ Compile-time parameters (macros): TP (rows, padded to 1, 2, 4, 8, 16), BN, WARPS
 INT8, DT (0 bf16, 1 fp16), NORM (0 none, 1 RMSNorm, 2 LayerNorm), PARTIAL (write float32
 split-K partials), NORM_RES (``sbi_norm_linear_cuda``: a residual stream is added to x
 before the norm, rounded as the unfused add stores it, and block (0, 0) writes the sum),
-PERSIST, UNIT (int8 widened by one byte permute a weight, as ``kernels.moe_cuda``'s: a
+PERSIST, UNIT (int8 widened by one byte permute a weight, as ``kernels.moe.cuda``'s: a
 third fewer instructions, relative error about 1e-4), RESIDENT (with a norm, where the
 block's whole K is one step: its normed activations stay in registers for every column
 tile; ``resident``), PIPE (a table entry's ``pipe``: two weight buffers, each step's loads
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from kernels.cuda_common import DTYPES, compile_check, cuda_source, launch, ptr
-from kernels.sbi_gemm import NORMS
+from kernels.linear.sbi_triton import NORMS
 
 SOURCE = cuda_source("sbi.cu")  # kernel sbi_gemm, and common.cuh's splitk_reduce
 

@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense_ref import sbi_linear_ref  # noqa: F401 (the reference, importable beside its kernel)
 from kernels.pdl import pdl_enter, pdl_launch
 
 NORMS = {None: 0, "rmsnorm": 1, "layernorm": 2}

@@ -4,9 +4,9 @@ At decode sizes (at most ``SMALL_T`` rows) on a GPU, the linear tables (``kernel
 written by ``scripts/bench_dense.py --write-table``, nothing is timed while serving) name the
 winner per device, weight dtype, weight shape and row bucket:
 - ``LinearCublas``: ``torch.nn.functional.linear`` (full-precision weights only);
-- ``LinearTriton``: ``kernels.linear_triton``, the grouped GEMM with one group;
+- ``LinearTriton``: ``kernels.moe.triton.linear_triton``, the grouped GEMM with one group;
 - ``LinearSbi``: ``kernels.sbi_linear``, SBI-GeMM in Triton;
-- ``LinearCuda``: SBI-GeMM in CUDA C++ (``kernels.sbi_cuda``) with the launch configuration
+- ``LinearCuda``: SBI-GeMM in CUDA C++ (``kernels.linear.sbi_cuda``) with the launch configuration
   that measured fastest. A ``pinned`` one was chosen by timing the decode step itself; the
   table writer leaves it in place.
 The lookup is ``tuning.Tables.lookup``'s (a same-chip device's entry where the device has
@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import tuning
-from kernels.dense_ref import rms_norm_ref, sbi_linear_ref
+from kernels.linear.reference import sbi_linear_ref
+from kernels.norm.reference import rms_norm_ref
 from kernels.tuning import LinearCublas, LinearCuda, LinearEntry, LinearSbi
 
 SMALL_T = 16
@@ -58,14 +59,14 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if not int8:
             return F.linear(x, weight, bias)
         if x.is_cuda:
-            from kernels.moe_triton import linear_triton
+            from kernels.moe.triton import linear_triton
             y = linear_triton(x, weight, scale, pdl)
         else:
             y = sbi_linear_ref(x, weight, scale)
         return y + bias if bias is not None else y
     pick = choice(x.device, weight.shape[0], weight.shape[1], weight.dtype, rows)
     if isinstance(pick, LinearCuda):
-        from kernels import sbi_cuda
+        from kernels.linear import sbi_cuda
         try:
             y = sbi_cuda.sbi_linear_cuda(x.reshape(rows, x.shape[-1]), weight, scale, bias, config=pick.kernel_args(),
                                          pdl=pdl)
@@ -75,10 +76,10 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if isinstance(pick, LinearCublas):
         return F.linear(x, weight, bias)
     if isinstance(pick, LinearSbi):
-        from kernels.sbi_gemm import sbi_linear_triton
+        from kernels.linear.sbi_triton import sbi_linear_triton
         x2 = x.reshape(rows, x.shape[-1])
         return sbi_linear_triton(x2, weight, scale, bias, pdl=pdl).view(*x.shape[:-1], weight.shape[0])
-    from kernels.moe_triton import linear_triton
+    from kernels.moe.triton import linear_triton
     y = linear_triton(x, weight, scale, pdl)
     return y + bias if bias is not None else y
 
@@ -91,7 +92,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
     if x.is_cuda and 0 < rows <= SMALL_T and x.shape == residual.shape:
         pick = choice(x.device, weight.shape[0], weight.shape[1], weight.dtype, rows)
         if isinstance(pick, LinearCuda) and pick.norm:
-            from kernels import sbi_cuda
+            from kernels.linear import sbi_cuda
             try:
                 y, s = sbi_cuda.sbi_norm_linear_cuda(x.reshape(rows, -1), residual.reshape(rows, -1),
                                                      ("rmsnorm", norm_weight, None, eps), weight, scale, bias,
@@ -100,7 +101,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tens
             except ValueError:  # operands the fused launch cannot take: the two launches
                 pass
     if x.is_cuda:
-        from kernels.norm import rms_norm_triton
+        from kernels.norm.triton import rms_norm_triton
         h, s = rms_norm_triton(x, norm_weight, eps, residual, pdl)
     else:
         h, s = rms_norm_ref(x, norm_weight, eps, residual)

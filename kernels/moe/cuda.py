@@ -13,7 +13,7 @@ Shape letters: T tokens, H hidden, E experts, k slots, F expert width, P = T * k
   F columns back to back (k * F long), so the combine is the GEMM's own sum. int8 scales
   differ per expert, so each 16-byte vector's dot product is scaled before it is added.
 
-Both stream weights as SBI-GeMM does (``kernels.sbi_cuda``: 16-byte loads along the
+Both stream weights as SBI-GeMM does (``kernels.linear.sbi_cuda``: 16-byte loads along the
 reduction, U loads per row in flight, warp-shuffle then one shared-memory reduction).
 Weights are read once per pair, not once per expert: at T = 1 the k experts are
 distinct, so that is each active byte once. Past T = 1 pairs share experts; the

@@ -18,11 +18,10 @@ import torch
 import triton
 
 from kernels import tuning
-from kernels.grouped_gemm import grouped_gemm
-from kernels.layout import combine_rows_triton
-from kernels.maps import token_maps_triton
-from kernels.moe_cuda import check as cuda_check, fused_moe_cuda
-from kernels.moe_ref import quantize_int8  # noqa: F401 (importable from here, as before)
+from kernels.layout.maps import token_maps_triton
+from kernels.layout.rows import combine_rows_triton
+from kernels.moe.cuda import check as cuda_check, fused_moe_cuda
+from kernels.moe.grouped_gemm import grouped_gemm
 from kernels.tuning import MoeCuda, MoeDequant, MoeEntry, MoeGroupedMm, MoeTriton
 
 # Up to this many (token, slot) pairs the GEMMs group pairs themselves (no maps kernel).

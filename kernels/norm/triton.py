@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dense_ref import rms_norm_ref, rms_norm_router_ref
-from kernels.gating import _check_logits_once, _outputs, _topk_table
+from kernels.norm import ROUTER_MAX_ROWS
+from kernels.norm.reference import rms_norm_ref, rms_norm_router_ref
+from kernels.routing.gating import _check_logits_once, _outputs, _topk_table
 from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
 
 MAX_FEATURES = 32768  # one program holds a whole row in registers up to this width
@@ -164,9 +165,6 @@ def _router_blocks(t: int, h: int, e: int) -> tuple[int, int, int]:
     bt, be = triton.next_power_of_2(max(t, 1)), max(1, min(4, triton.next_power_of_2(e) // 16))
     bk = max(32, min(triton.next_power_of_2(h), 8192 // (bt * be)))
     return bt, be, bk
-
-
-ROUTER_MAX_ROWS = 16  # the fused norm + router launch is for decode steps
 
 
 def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | None = None, pdl: bool = True):

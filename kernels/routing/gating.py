@@ -11,7 +11,7 @@ Each program owns BLOCK_T rows of logits and keeps them in registers from load t
 the k rounds of max/argmax and the renormalisation never touch memory. Logits are converted
 to float32 right after the load (the interpreter computes bf16 arithmetic wrongly, and router
 scores want float32 anyway). ids come out in descending score order and ties go to the lowest
-expert index, as torch.topk does; ``kernels.moe_ref`` holds the reference math.
+expert index, as torch.topk does; ``kernels.routing.reference`` holds the reference math.
 
 bf16 and fp16 logits (the decode step's router writes bf16) are ranked as one int32 key per
 expert (``_topk_keys``): a round is then one integer max, a single warp instruction on the
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.launcher import CachedLaunch
-from kernels.moe_ref import check_logits
+from kernels.routing.reference import check_logits
 from kernels.pdl import pdl_enter, pdl_launch
 
 TILE = 4096  # float32 scores a program holds: 16 rows of 256 experts, 64 rows of 64

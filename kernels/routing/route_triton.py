@@ -15,16 +15,16 @@ import triton.language as tl
 
 from kernels.pdl import pdl_enter, pdl_launch
 
-from kernels.gating import _check_logits_once, _topk_table, topk_gating_triton
+from kernels.routing.gating import _check_logits_once, _topk_table, topk_gating_triton
 from kernels.launcher import CachedLaunch
-from kernels.maps import SMALL_PAIRS, _maps_block, token_maps_triton
+from kernels.layout.maps import SMALL_PAIRS, _maps_block, token_maps_triton
 
 
 @triton.jit
 def _route_kernel(
     logits_ptr,  # [T, E] router logits
     ids_ptr, weights_ptr,  # [T, K] int32 / float32 out
-    offsets_ptr, rows_ptr, row_pair_ptr,  # maps out, as kernels.maps writes them
+    offsets_ptr, rows_ptr, row_pair_ptr,  # maps out, as kernels.layout.maps writes them
     T, E, stride_lt, stride_le,
     K: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,

@@ -1,16 +1,295 @@
-"""The fused decode attention (QKV epilogue + attention + split combine in one launch)
-against its float64 reference: GQA 1, 3 (padded to 4) and 4, MQA, each q/k norm, clip,
-rotary or none, one split or several (the in-kernel combine), a short context in a long
-cache and one that fills it, padding and a sliding window in the mask; repeated calls
-(the split counters reset); on CPU under the interpreter and on a GPU."""
+"""Attention on the decode path (``kernels.attention``) against its float64 references, on
+CPU under the interpreter and on a GPU, and the kernels' Triton compiles for sm_90
+(tests.hopper):
+- split-K decode attention, also against torch's SDPA: GQA ratios 1, 4 and 6 (MQA), odd
+  head dims, ragged visible keys (left padding, a current slot), one or several splits,
+  over a contiguous cache and over a paged pool read in place;
+- the QKV epilogue (q/k norms, clip, rotary, KV-cache append) of a decode step and of a
+  prefill;
+- a static decode step's context (positions, mask, rotary rows) in one launch, against
+  StepContext's torch ops;
+- the fused decode attention (QKV epilogue + attention + split combine in one launch):
+  GQA 1, 3 (padded to 4) and 4, MQA, each q/k norm, clip, rotary or none, one split or
+  several (the in-kernel combine), a short context in a long cache and one that fills it,
+  padding and a sliding window in the mask; repeated calls (the split counters reset)."""
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kernels.qkv_attention import default_splits, fits, qkv_attention_ref, qkv_attention_triton
+from kernels.attention.context import decode_context_triton
+from kernels.attention.decode import decode_attention_triton, paged_decode_attention_triton
+from kernels.attention.qkv_attention_triton import default_splits, fits, qkv_attention_triton
+from kernels.attention.qkv_decode_triton import qkv_decode_triton
+from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, qkv_attention_ref,
+                                         qkv_decode_ref)
 from tests.hopper import compile_in_subprocess
-from tests.test_fused_decode import BACKENDS, TOL, _qkv_case, rel
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # the QKV epilogue, fused attention
+BACKENDS = [
+    pytest.param("cpu", torch.float32, id="interp-fp32", marks=pytest.mark.interp),
+    pytest.param("cpu", torch.bfloat16, id="interp-bf16", marks=pytest.mark.interp),
+    pytest.param("cuda", torch.bfloat16, id="gpu-bf16", marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.float16, id="gpu-fp16", marks=pytest.mark.gpu),
+]
+DECODE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # decode attention
+CPU = pytest.param("cpu", id="interp", marks=pytest.mark.interp)
+GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def case(device, dtype, b, hq, hkv, s, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, d, generator=gen).to(device, dtype)
+    k = torch.randn(b, hkv, s, d, generator=gen).to(device, dtype)
+    v = torch.randn(b, hkv, s, d, generator=gen).to(device, dtype)
+    # Row i: left padding, then visible keys up to its current slot; later slots hidden.
+    slot = torch.randint(0, s, (b,), generator=gen)
+    pad = (torch.rand(b, generator=gen) * slot.float()).long()
+    pos = torch.arange(s)
+    visible = (pos[None, :] >= pad[:, None]) & (pos[None, :] <= slot[:, None])
+    return q, k, v, visible.to(device)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("b,hq,hkv,s,d", [(1, 4, 4, 1, 16), (3, 8, 2, 37, 24), (2, 6, 1, 130, 16)])
+@pytest.mark.parametrize("splits", [1, 4, None])
+def test_decode_attention_matches_reference(device, dtype, b, hq, hkv, s, d, splits):
+    q, k, v, visible = case(device, dtype, b, hq, hkv, s, d, seed=s + d)
+    out = decode_attention_triton(q, k, v, visible, splits=splits)
+    ref = decode_attention_ref(q.double(), k.double(), v.double(), visible)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert rel(out, ref) < DECODE_TOL[dtype]
+    sdpa = F.scaled_dot_product_attention(q.double()[:, :, None], k.double(), v.double(),
+                                          attn_mask=visible[:, None, None, :], enable_gqa=hq != hkv)[:, :, 0]
+    assert rel(ref, sdpa) < 1e-12
+
+
+def test_decode_attention_reads_strided_caches_and_rejects_bad_shapes():
+    """The cache of one layer is a view of [layers, B, Hkv, S, D]; a wider cache than the
+    visible keys is the static decode step's case."""
+    q, k, v, visible = case("cpu", torch.float32, 2, 4, 2, 20, 16, seed=1)
+    big_k = torch.zeros(3, 2, 2, 20, 16)
+    big_k[1] = k
+    out = decode_attention_triton(q, big_k[1], v, visible, splits=2)
+    assert rel(out, decode_attention_ref(q, k, v, visible)) < 1e-5
+    with pytest.raises(ValueError, match=r"Hkv dividing Hq"):
+        decode_attention_triton(q, k[:, :1].expand(2, 3, 20, 16), v, visible)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,hq,hkv,s,d,block", [(1, 4, 4, 5, 16, 4), (3, 8, 2, 37, 24, 8), (4, 6, 1, 130, 16, 16)])
+@pytest.mark.parametrize("splits", [1, 4, None])
+def test_paged_decode_attention_reads_the_pool_in_place(device, dtype, b, hq, hkv, s, d, block, splits):
+    """Each row's keys in scattered blocks of a shared pool (as PagedKVCache holds them),
+    rows of different lengths, hidden slots pointing at a trash row: the same result as
+    the dense reference over the keys gathered in order."""
+    gen = torch.Generator().manual_seed(b * s + d)
+    blocks = -(-s // block)
+    n = b * blocks * block + 1  # the last pool row takes what nothing should read
+    k = torch.randn(n, hkv, d, generator=gen).to(device, dtype)
+    v = torch.randn(n, hkv, d, generator=gen).to(device, dtype)
+    k[-1], v[-1] = float("nan"), float("nan")  # a read of the trash row would poison the output
+    q = torch.randn(b, hq, d, generator=gen).to(device, dtype)
+    order = torch.randperm(b * blocks, generator=gen).view(b, blocks)  # each row's block table
+    pos = torch.arange(s)
+    slots = order[:, pos // block] * block + pos % block  # [B, S]
+    lens = torch.randint(1, s + 1, (b,), generator=gen)
+    visible = pos[None, :] < lens[:, None]
+    slots = torch.where(visible, slots, n - 1).to(device)
+    visible = visible.to(device)
+    out = paged_decode_attention_triton(q, k, v, slots, visible, splits=splits)
+    ref = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible)
+    assert out.shape == q.shape and out.dtype == dtype and not out.isnan().any()
+    assert rel(out, ref) < DECODE_TOL[dtype]
+    kd, vd = (t.double().nan_to_num()[slots].transpose(1, 2) for t in (k, v))
+    dense = decode_attention_ref(q.double(), kd, vd, visible)
+    assert rel(ref, dense) < 1e-12
+    with pytest.raises(ValueError, match=r"slots: expected contiguous int64"):
+        paged_decode_attention_triton(q, k, v, slots.int(), visible)
+
+
+def _qkv_case(device, dtype, b, hq, hkv, d, s, qk_norm, rope, seed):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(b, (hq + 2 * hkv) * d, generator=gen) * 2).to(device, dtype)
+    kc = torch.randn(b, hkv, s, d, generator=gen).to(device, dtype)
+    vc = torch.randn(b, hkv, s, d, generator=gen).to(device, dtype)
+    pos = torch.randint(0, 500, (b, 1), generator=gen).float()
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    ang = torch.cat([pos * inv, pos * inv], dim=-1)
+    cos, sin = (ang.cos().to(device, dtype), ang.sin().to(device, dtype)) if rope else (None, None)
+    qw = kw = None
+    if qk_norm == "head":
+        qw, kw = ((torch.rand(d, generator=gen) + 0.5).to(device, dtype) for _ in range(2))
+    elif qk_norm == "full":
+        qw = (torch.rand(hq * d, generator=gen) + 0.5).to(device, dtype)
+        kw = (torch.rand(hkv * d, generator=gen) + 0.5).to(device, dtype)
+    return qkv, kc, vc, cos, sin, qw, kw
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("b,hq,hkv,d", [(1, 4, 4, 16), (3, 6, 2, 32), (2, 5, 1, 64)])
+@pytest.mark.parametrize("qk_norm", [None, "head", "full"])
+@pytest.mark.parametrize("rope,clip,tensor_slot", [(True, None, True), (True, 1.5, False), (False, None, False)])
+def test_qkv_decode_matches_reference(device, dtype, b, hq, hkv, d, qk_norm, rope, clip, tensor_slot):
+    s, slot = 9, 6
+    qkv, kc, vc, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, s, qk_norm, rope, b * hq + d)
+    slot_arg = torch.tensor(slot, device=device) if tensor_slot else slot
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = qkv_decode_triton(qkv, hq, hkv, d, kc, vc, slot_arg, cos, sin, qk_norm, qw, kw, 1e-6, clip)
+    up = lambda z: None if z is None else z.double()  # noqa: E731
+    kr, vr = kc2.double(), vc2.double()
+    qr = qkv_decode_ref(qkv.double(), hq, hkv, d, kr, vr, slot, up(cos), up(sin), qk_norm, up(qw), up(kw), 1e-6,
+                        clip)
+    assert q.shape == (b, hq, 1, d) and q.dtype == dtype
+    # Norm and rotation round to the dtype at each step, as the torch modules do: against the
+    # float64 math that is a few roundings of error; against the same ops in the dtype, less
+    # (on a GPU; the interpreter's bf16 casts truncate rather than round).
+    loose, tight = (2 * TOL[dtype], TOL[dtype] / 2) if device == "cuda" else (3 * TOL[dtype], 3 * TOL[dtype])
+    assert rel(q, qr) < loose and rel(kc[:, :, slot], kr[:, :, slot]) < loose
+    kd, vd = kc2.clone(), vc2.clone()
+    qd = qkv_decode_ref(qkv, hq, hkv, d, kd, vd, slot, cos, sin, qk_norm, qw, kw, 1e-6, clip)
+    assert rel(q, qd) < tight and rel(kc[:, :, slot], kd[:, :, slot]) < tight
+    assert rel(vc[:, :, slot], vr[:, :, slot]) < TOL[dtype]
+    others = [i for i in range(s) if i != slot]  # the append touches the one slot only
+    assert torch.equal(kc[:, :, others], kc2[:, :, others]) and torch.equal(vc[:, :, others], vc2[:, :, others])
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("qk_norm", [None, "head", "full"])
+def test_qkv_epilogue_of_a_prefill(device, dtype, qk_norm):
+    """T tokens per row (a prefill): one program per token, each at its own position and
+    cache slot; q comes back [B, Hq, T, D]."""
+    b, t, hq, hkv, d, s, slot = 2, 5, 4, 2, 16, 9, 3
+    qkv, kc, vc, _, _, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, s, qk_norm, False, 7)
+    gen = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(b, t, qkv.shape[1], generator=gen) * 2).to(device, dtype)
+    pos = torch.arange(slot, slot + t).float()[None, :, None].expand(b, t, 1)
+    ang = pos * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = (z.to(device, dtype) for z in (torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()))
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = qkv_decode_triton(qkv, hq, hkv, d, kc, vc, slot, cos, sin, qk_norm, qw, kw, 1e-6, 1.5)
+    up = lambda z: None if z is None else z.double()  # noqa: E731
+    kr, vr = kc2.double(), vc2.double()
+    qr = qkv_decode_ref(qkv.double(), hq, hkv, d, kr, vr, slot, up(cos), up(sin), qk_norm, up(qw), up(kw), 1e-6,
+                        1.5)
+    assert q.shape == (b, hq, t, d) and qr.shape == q.shape
+    tol = 2 * TOL[dtype] if device == "cuda" else 3 * TOL[dtype]
+    new = slice(slot, slot + t)
+    assert rel(q, qr) < tol and rel(kc[:, :, new], kr[:, :, new]) < tol and rel(vc[:, :, new], vr[:, :, new]) < tol
+    others = [i for i in range(s) if not slot <= i < slot + t]
+    assert torch.equal(kc[:, :, others], kc2[:, :, others]) and torch.equal(vc[:, :, others], vc2[:, :, others])
+    # Token by token through the decode form gives the same q.
+    kd, vd = kc2.clone(), vc2.clone()
+    for i in range(t):
+        qi = qkv_decode_triton(qkv[:, i].contiguous(), hq, hkv, d, kd, vd, slot + i, cos[:, i], sin[:, i], qk_norm,
+                               qw, kw, 1e-6, 1.5)
+        assert torch.equal(qi[:, :, 0], q[:, :, i])
+    assert torch.equal(kd, kc) and torch.equal(vd, vc)
+
+
+def test_qkv_decode_rejects_bad_shapes():
+    kc = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"qkv \[1, 40\]: expected \[B, \(Hq \+ 2 Hkv\) \* D = 64\]"):
+        qkv_decode_triton(torch.randn(1, 40), 4, 2, 8, kc, kc.clone(), 0)
+    with pytest.raises(ValueError, match=r"k_cache / v_cache"):
+        qkv_decode_triton(torch.randn(1, 64), 4, 2, 8, torch.zeros(1, 3, 4, 8), kc, 0)
+    with pytest.raises(ValueError, match=r"qk_norm='layer'"):
+        qkv_decode_triton(torch.randn(1, 64), 4, 2, 8, kc, kc.clone(), 0, qk_norm="layer")
+
+
+_COMPILE_QKV_DECODE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.attention.qkv_decode_triton import _qkv_decode_kernel as kernel
+
+qk_norm, pdl = (int(v) for v in sys.argv[1:])
+const = dict(HQ=16, HKV=4, HQ_P=16, HKV_P=4, D=128, QK_NORM=qk_norm, CLIP=True, ROPE=True, SLOT_PTR=True, PDL=pdl)
+types = {"slot_ptr": "*i64", "slot": "i64", "T": "i32", "eps": "fp32", "clip": "fp32"}
+sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
+       for n in kernel.arg_names}
+compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print("cubin bytes", len(compiled.asm["cubin"]))
+"""
+
+
+@pytest.mark.parametrize("qk_norm,pdl", [(0, 0), (1, 2), (2, 2)])
+def test_qkv_decode_compiles_for_hopper(qk_norm, pdl):
+    """The QKV epilogue kernel's whole Triton compile for sm_90 (tests.hopper), with each
+    q / k norm."""
+    assert int(compile_in_subprocess(_COMPILE_QKV_DECODE, qk_norm, pdl).split()[-1]) > 0
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("rope", [True, False])
+def test_decode_context_in_one_launch_equals_the_torch_context(device, dtype, window, rope):
+    """decode_context_triton against StepContext.decode_static's torch ops (on CPU
+    tensors, where it never takes the one launch): the rows' positions, the additive mask
+    (left padding, a sliding window, a padding row that sees only itself) and the rotary
+    rows looked up in Rotary.table, for several slots."""
+    from dense.attention import StepContext
+    from dense.rotary import Rotary
+
+    b, s = 4, 37
+    pad = torch.tensor([0, 3, 11, 36])  # the last row is all padding before slot 36
+    slots = torch.arange(s)
+    key_valid = (slots[None, :] >= pad[:, None]).to(device)
+    positions = (slots[None, :] - pad[:, None]).clamp(min=0).to(device)
+    rotary = Rotary(16, 10000.0) if rope else None
+    tables = rotary.table(s, dtype, torch.device(device)) if rope else None
+    for slot in (0, 7, 20, 36):
+        slot_t = torch.tensor(slot, device=device)
+        ref = StepContext.decode_static(slot_t.cpu(), key_valid.cpu(), positions.cpu(), rotary, dtype, window)
+        pos, bias, cos, sin = decode_context_triton(slot_t, key_valid, positions, dtype, tables, window)
+        assert torch.equal(pos.cpu(), ref.positions) and bias.dtype == dtype
+        assert torch.equal(bias.cpu(), ref.attn_mask)
+        if rope:
+            assert cos.shape == ref.cos.shape == (b, 1, 16)
+            torch.testing.assert_close(cos.cpu(), ref.cos, rtol=0, atol=TOL[dtype] / 10)
+            torch.testing.assert_close(sin.cpu(), ref.sin, rtol=0, atol=TOL[dtype] / 10)
+        else:
+            assert cos is None and sin is None and ref.cos is None
+    if rope:  # positions past the tables read nothing outside them: zero rows
+        short = (tables[0][:10], tables[1][:10])
+        _, _, cos, sin = decode_context_triton(torch.tensor(20, device=device), key_valid, positions, dtype,
+                                                       short)
+        assert not cos[:2].any() and not sin[:2].any() and cos[2:].any()  # positions 20, 17 | 9, 0
+    with pytest.raises(ValueError, match="0-d int64"):
+        decode_context_triton(torch.tensor([3], device=device), key_valid, positions, dtype, tables)
+    with pytest.raises(ValueError, match="bool and int64"):
+        decode_context_triton(torch.tensor(3, device=device), key_valid.long(), positions, dtype, tables)
+
+
+_COMPILE_CONTEXT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.attention.context import _decode_context_kernel as kernel
+
+window, rotary, pdl = (int(v) for v in sys.argv[1:])
+const = dict(HAS_WINDOW=window, ROTARY=rotary, BLOCK_S=1024, BLOCK_D=128, PDL=pdl)
+types = {"slot_ptr": "*i64", "valid_ptr": "*i1", "kpos_ptr": "*i64", "pos_ptr": "*i64", "S": "i32", "D": "i32",
+         "L": "i32", "window": "i32"}
+sig = {n: "constexpr" if n in const else types.get(n, "*bf16") for n in kernel.arg_names}
+compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print("cubin bytes", len(compiled.asm["cubin"]))
+"""
+
+
+@pytest.mark.parametrize("window,rotary,pdl", [(1, 1, 2), (0, 0, 0)])
+def test_decode_context_compiles_for_hopper(window, rotary, pdl):
+    """The decode-context kernel's whole Triton compile for sm_90 (tests.hopper)."""
+    assert int(compile_in_subprocess(_COMPILE_CONTEXT, window, rotary, pdl).split()[-1]) > 0
 
 
 def _mask(b, s, slot, dtype, device, gen, window=None):
@@ -120,12 +399,12 @@ def test_default_splits_fill_the_gpu_and_bound_each_split():
     assert not fits(1, 4, 4, 8, 64, 132)  # a head dim below a tensor-core product's 16
 
 
-_COMPILE = """
+_COMPILE_QKV_ATTENTION = """
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.qkv_attention import _qkv_attention_kernel as kernel
+from kernels.attention.qkv_attention_triton import _qkv_attention_kernel as kernel
 
 g, splits, qk_norm, pdl, pre_kv = (int(v) for v in sys.argv[1:])
 hkv, d = 4, 128
@@ -143,5 +422,5 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 @pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv", [(1, 16, 2, 2, 1), (8, 1, 1, 2, 0), (4, 4, 0, 0, 1)])
 def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv):
     """The whole Triton compile for sm_90 (tests.hopper)."""
-    out = compile_in_subprocess(_COMPILE, g, splits, qk_norm, pdl, pre_kv)
+    out = compile_in_subprocess(_COMPILE_QKV_ATTENTION, g, splits, qk_norm, pdl, pre_kv)
     assert int(out.split()[-1]) > 0

@@ -2,7 +2,7 @@
 runs once per key, later calls go to the compiled launcher with the arguments in the
 kernel's parameter order, the plan is not worked out again, and a set launch hook sends
 every call back through the JIT. The real kernel behind it is tested on the GPU
-(tests/test_moe_kernels.py::test_route_through_the_cached_launcher)."""
+(tests/kernels/test_routing.py::test_route_through_the_cached_launcher)."""
 import torch
 
 from kernels import launcher

@@ -1,16 +1,21 @@
-"""SBI-GeMM in CUDA C++ (CuPy / NVRTC): the source compiles for Hopper with no GPU (CI);
-unsupported operands are named; on a GPU, every prologue / epilogue / split against the
-torch reference, and the same numbers replayed from a CUDA graph."""
+"""The dense linear layers (``kernels.linear``). SBI-GeMM in Triton against the torch
+reference: RMSNorm and LayerNorm prologues, bias and residual epilogues, int8 weights, one
+split or several; on CPU under the interpreter and on a GPU. SBI-GeMM in CUDA C++ (CuPy /
+NVRTC): the source compiles for Hopper with no GPU (CI); unsupported operands are named; on
+a GPU, every prologue / epilogue / split against the torch reference, and the same numbers
+replayed from a CUDA graph. ``dense_linear`` and ``norm_linear`` follow the linear tables."""
 import re
 
 import pytest
 import torch
 
 import kernels
-from kernels import sbi_cuda
-from kernels.sbi_gemm import sbi_linear_ref
+from kernels.linear import sbi_cuda
+from kernels.linear.reference import sbi_linear_ref
+from kernels.linear.sbi_triton import sbi_config, sbi_linear_triton
 
-TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+TRITON_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # the CUDA kernels (GPU only)
 
 
 def rel(a, b):
@@ -25,6 +30,46 @@ def maybe_int8(w, int8):
     return q[0], s[0]
 
 
+@pytest.mark.parametrize("device,dtype", [
+    pytest.param("cpu", torch.float32, id="interp-fp32", marks=pytest.mark.interp),
+    pytest.param("cpu", torch.bfloat16, id="interp-bf16", marks=pytest.mark.interp),
+    pytest.param("cuda", torch.bfloat16, id="gpu-bf16", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("t,k,n", [(1, 200, 24), (3, 97, 70), (16, 64, 130)])
+@pytest.mark.parametrize("norm", [None, "rmsnorm", "layernorm"])
+@pytest.mark.parametrize("int8,split", [(False, 1), (True, 1), (False, 2), (True, 4)])
+def test_sbi_linear_matches_reference(device, dtype, t, k, n, norm, int8, split):
+    gen = torch.Generator().manual_seed(t * 31 + k + n)
+    x = (torch.randn(t, k, generator=gen) * 2 + 0.5).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
+    scale = None
+    if int8:
+        q, s = kernels.quantize_int8(w[None])
+        w, scale = q[0], s[0]
+    bias = torch.randn(n, generator=gen).to(device, dtype)
+    residual = torch.randn(t, n, generator=gen).to(device, dtype)
+    nrm = None
+    if norm:
+        g = (torch.rand(k, generator=gen) + 0.5).to(device, dtype)
+        gb = torch.randn(k, generator=gen).to(device, dtype) if norm == "layernorm" else None
+        nrm = (norm, g, gb, 1e-5)
+    cfg = dict(sbi_config(t, n, k, 132), split_k=split, bn=32, bk=32)
+    out = sbi_linear_triton(x, w, scale, bias, residual, nrm, config=cfg)
+    d = lambda z: None if z is None else z.double()  # noqa: E731
+    ref = sbi_linear_ref(x.double(), w if int8 else w.double(), d(scale), bias.double(), residual.double(),
+                         None if nrm is None else (norm, g.double(), d(gb), 1e-5))
+    assert out.shape == (t, n) and out.dtype == dtype
+    assert rel(out, ref) < TRITON_TOL[dtype]
+
+
+def test_sbi_linear_defaults_and_limits():
+    x, w = torch.randn(2, 40), torch.randn(30, 40)
+    torch.testing.assert_close(sbi_linear_triton(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"at most 64 rows"):
+        sbi_linear_triton(torch.randn(65, 40), w)
+    cfg = sbi_config(1, 4096, 14336, 132)  # a narrow output and a long K: split until SMs are busy
+    assert cfg["split_k"] > 1 and cfg["bt"] == 16
+
+
 def test_source_compiles_for_hopper():
     # NVRTC runs ptxas too, so inline PTX and register allocation are checked here.
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the test extras install cupy and NVRTC")
@@ -34,7 +79,8 @@ def test_source_compiles_for_hopper():
 def test_sources_reach_nvrtc_as_one_text():
     # kernels/cuda/*.cu include common.cuh; cuda_source pastes it in, so the text handed to
     # NVRTC (and hashed by CuPy's compile cache) holds every helper and no #include.
-    from kernels import cuda_common, moe_cuda
+    from kernels import cuda_common
+    from kernels.moe import cuda as moe_cuda
 
     common = (cuda_common.CUDA_DIR / "common.cuh").read_text()
     for name, source in (("sbi.cu", sbi_cuda.SOURCE), ("moe.cu", moe_cuda.SOURCE)):
@@ -97,7 +143,7 @@ def test_matches_reference(dtype, t, k, n, norm, int8, cfg):
 def test_graph_replay_and_dense_linear(int8, monkeypatch, tmp_path):
     # Captured in a CUDA graph (the decode step is) the launches replay to the eager result;
     # a table entry naming the CUDA kernel routes dense_linear there.
-    from kernels import linear_select as dl
+    from kernels.linear import select as dl
     from kernels import tuning
 
     gen = torch.Generator().manual_seed(3)
@@ -190,7 +236,7 @@ def test_norm_linear_follows_the_table(monkeypatch, tmp_path):
     # A CUDA entry with norm set: one launch, equal to the direct call; a CUDA entry without
     # it, or none, the norm launch and dense_linear, equal to the fused result within bf16
     # rounding of the normed input.
-    from kernels import linear_select as dl
+    from kernels.linear import select as dl
     from kernels import tuning
 
     gen = torch.Generator().manual_seed(6)

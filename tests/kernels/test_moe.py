@@ -1,15 +1,17 @@
-"""Triton MoE kernels against their references: on CPU under the interpreter (small shapes)
-and on a GPU (the sizes the issue names). Tolerances are relative norm errors."""
-import importlib
+"""The MoE experts (``kernels.moe``): the Triton path against its references, on CPU under the
+interpreter (small shapes) and on a GPU (the sizes the issue names), and the references
+against a per-token loop. Tolerances are relative norm errors."""
 from dataclasses import asdict, replace
 
 import pytest
 import torch
 
-import kernels
-from kernels import (TAG_INTS, dispatch_rows_ref, dispatch_rows_triton, fused_moe_ref, fused_moe_triton,
-                     gather_rows_ref, gather_rows_triton, quantize_int8, scatter_rows_ref, scatter_rows_triton,
-                     token_maps_ref, token_maps_triton)
+from kernels.layout.maps import token_maps_triton
+from kernels.moe import fused_moe, grouped_gemm
+from kernels.moe import triton as moe_triton
+from kernels.moe.reference import dequantize_ref, expert_ffn_ref, fused_moe_ref, grouped_ffn_ref, quantize_int8
+from kernels.moe.triton import fused_moe_triton
+from kernels.routing.reference import topk_gating_ref
 from kernels.tuning import MoeCuda, MoeDequant, MoeGroupedMm, MoeTriton
 
 # fp32 multiplies exactly (ieee dot); half types round the FFN's hidden activations.
@@ -33,75 +35,6 @@ def weights(e, h, f, activation, dtype, device, gen):
     w13 = torch.randn(e, rows, h, generator=gen) / h ** 0.5
     w2 = torch.randn(e, h, f, generator=gen) / f ** 0.5
     return w13.to(device, dtype), w2.to(device, dtype)
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("t,e,k,cap", [(1, 8, 2, None), (3, 5, 2, None), (33, 7, 3, None), (60, 6, 2, 4),
-                                       (511, 60, 4, None), (700, 9, 3, 100), (2100, 12, 4, 800)])
-def test_token_maps(device, t, e, k, cap):
-    gen = torch.Generator().manual_seed(t + e)
-    ids, _ = routing(t, e, k, device, gen)
-    offsets, rows, row_pair = token_maps_triton(ids, e, cap)
-    ref_offsets, ref_rows = token_maps_ref(ids.cpu(), e, cap)
-    assert torch.equal(offsets.cpu(), ref_offsets) and torch.equal(rows.cpu(), ref_rows)
-    kept = ref_rows.flatten() >= 0
-    assert torch.equal(row_pair.cpu()[ref_rows.flatten()[kept].long()], torch.arange(t * k)[kept].int())
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("t,h,k", [(1, 7, 1), (5, 33, 2), (33, 130, 4)])
-def test_scatter_gather(device, dtype, t, h, k):
-    gen = torch.Generator().manual_seed(h)
-    x = torch.randn(t, h, generator=gen).to(device, dtype)
-    ids, w = routing(t, 6, k, device, gen)
-    _, rows = token_maps_ref(ids.cpu(), 6)
-    rows = rows.to(device)
-    xs = scatter_rows_triton(x, rows)
-    assert torch.equal(xs.cpu(), scatter_rows_ref(x.cpu(), rows.cpu()))  # a copy: exact
-    padded = torch.full((t * k, h + 9), 7.0, device=device, dtype=dtype)  # rows of a padded send buffer
-    scatter_rows_triton(x, rows, out=padded[:, 1:h + 1])
-    assert torch.equal(padded[:, 1:h + 1], xs) and (padded[:, 0] == 7).all() and (padded[:, h + 1:] == 7).all()
-    with pytest.raises(ValueError, match=r"out \[.*\] torch\.\w+: expected"):
-        scatter_rows_triton(x, rows, out=padded[:, :h - 1 or 1].t())
-    back = gather_rows_triton(xs, rows, torch.full((t, k), 1.0 / k, device=device))
-    torch.testing.assert_close(back.cpu().float(), x.cpu().float(), rtol=1e-3 if dtype != torch.float32 else 1e-6,
-                               atol=1e-3 if dtype != torch.float32 else 1e-6)
-    out = gather_rows_triton(xs, rows, w)
-    assert rel(out.cpu(), gather_rows_ref(xs.cpu().double(), rows.cpu(), w.cpu().double())) < TOL[dtype]
-
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,h,e,k,es,ranks", [(1, 7, 8, 2, 1, 4), (5, 33, 6, 2, 2, 3), (33, 130, 12, 3, 1, 2)])
-def test_dispatch_rows(device, dtype, t, h, e, k, es, ranks):
-    """The expert-parallel send buffer: rows grouped by destination rank, each tagged with
-    its local expert in the integer column after H; then the gather with a row limit (rows
-    past it were never sent) leaves those units out."""
-    gen = torch.Generator().manual_seed(t * h + es)
-    x = torch.randn(t, h, generator=gen).to(device, dtype)
-    ids, w = routing(t, e, k, device, gen)
-    per_rank = e // ranks
-    dest = (ids // per_rank).repeat_interleave(es, dim=1)  # [T, k * es]
-    _, rows = token_maps_ref(dest.cpu(), ranks)
-    rows = rows.to(device)
-    out = torch.full((t * k * es, h + 16), 3.0, device=device, dtype=dtype)
-    expected = dispatch_rows_ref(x.cpu(), rows.cpu(), ids.cpu(), per_rank, out.cpu().clone())
-    dispatch_rows_triton(x, rows, ids, per_rank, out)
-    assert torch.equal(out.cpu(), expected)  # copies and integer tags: exact
-    tags = out.view(TAG_INTS[out.element_size()])[:, h].cpu().long()
-    flat_rows = rows.reshape(-1).cpu().long()
-    assert torch.equal(tags[flat_rows], (ids.cpu().long() % per_rank).repeat_interleave(es, dim=1).reshape(-1))
-    with pytest.raises(ValueError, match=r"out \[.*\] torch\.\w+: expected a contiguous"):
-        dispatch_rows_triton(x, rows, ids, per_rank, out[:, :h])
-    limit = t * k * es // 2
-    ww = w.repeat_interleave(es, dim=1)
-    got = gather_rows_triton(out[:limit, :h].contiguous(), rows, ww, limit=limit)
-    ref = gather_rows_ref(out[:, :h].cpu().double(), torch.where(rows.cpu() < limit, rows.cpu(), -1),
-                          ww.cpu().double())
-    assert rel(got.cpu(), ref) < TOL[dtype]
-    assert torch.allclose(gather_rows_ref(out[:limit, :h].cpu().double(), rows.cpu(), ww.cpu().double(), limit), ref)
 
 
 INTERP_CASES = [(1, 40, 24, 4, 2, "silu"), (3, 33, 20, 5, 2, "silu"), (33, 48, 16, 7, 3, "gelu"),
@@ -224,9 +157,9 @@ def test_weight_tiles_by_tma(device, wdtype):
         scales = dict(w13_scale=s13, w2_scale=s2)
     ptr = MoeTriton(bm=16, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1, group_m=2)
     tma = replace(ptr, tma=True)
-    tma_ok = kernels.grouped_gemm.tma_ok
+    tma_ok = grouped_gemm.tma_ok
     assert tma_ok(w13, tma.kernel_args()) and not tma_ok(w13, ptr.kernel_args())
-    assert kernels.grouped_gemm.tma_ok(w2, tma.kernel_args()) == (w2.shape[-1] * w2.element_size() % 16 == 0)
+    assert grouped_gemm.tma_ok(w2, tma.kernel_args()) == (w2.shape[-1] * w2.element_size() % 16 == 0)
     maps = token_maps_triton(ids, e)
     out_ptr = fused_moe_triton(x, w13, w2, w, ids, configs=(ptr, ptr), maps=maps, **scales)
     out_tma = fused_moe_triton(x, w13, w2, w, ids, configs=(tma, tma), maps=maps, **scales)
@@ -246,7 +179,7 @@ def test_down_gemm_by_grouped_mm(device, capacity):
     dtype, x, w13, w2, ids, w = small_problem(device, 11, t=30, h=32, f=24, e=5, k=2)
     up = MoeTriton(bm=16, bn=16, bk=16, num_warps=4, num_stages=2, split_k=1)
     down = MoeGroupedMm(**asdict(up))
-    assert kernels.moe_triton.grouped_mm_ok(down, x, w2)
+    assert moe_triton.grouped_mm_ok(down, x, w2)
     out = fused_moe_triton(x, w13, w2, w, ids, capacity=capacity, configs=(up, down))
     ref = fused_moe_ref(x.cpu().double(), w13.cpu().double(), w2.cpu().double(), w.cpu().double(), ids.cpu(),
                         capacity=capacity)
@@ -254,7 +187,7 @@ def test_down_gemm_by_grouped_mm(device, capacity):
     # int8 weights cannot take it: the Triton kernel runs with the entry's tile sizes.
     q13, s13 = quantize_int8(w13)
     q2, s2 = quantize_int8(w2)
-    assert not kernels.moe_triton.grouped_mm_ok(down, x, q2)
+    assert not moe_triton.grouped_mm_ok(down, x, q2)
     out8 = fused_moe_triton(x, q13, q2, w, ids, "silu", s13, s2, capacity=capacity, configs=(up, down))
     ref8 = fused_moe_ref(x.cpu().double(), q13.cpu(), q2.cpu(), w.cpu().double(), ids.cpu(), "silu", s13.cpu(),
                          s2.cpu(), capacity=capacity)
@@ -274,7 +207,7 @@ def test_capacity_drops_pairs_as_the_reference(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 3, 16, 40])
 def test_moe_layer_routes_without_maps_where_experts_take_ids(t):
-    """Where the experts run from the routing ids (kernels.moe_triton.pairs_from_ids) the
+    """Where the experts run from the routing ids (kernels.moe.triton.pairs_from_ids) the
     layer's router launches the gating alone; the output equals the layer routed with maps
     (the router forced to build them), and both equal the float64 reference."""
     from moe_infer.config import MoEConfig, ModelConfig
@@ -294,7 +227,7 @@ def test_moe_layer_routes_without_maps_where_experts_take_ids(t):
         layer._maps_at = {key: True for key in layer._maps_at}
         with_maps = layer(x)
         assert torch.equal(out, with_maps), t
-        ids, w = kernels.topk_gating_ref((x @ layer.router.weight.t()).float(), 8)  # the router's logits
+        ids, w = topk_gating_ref((x @ layer.router.weight.t()).float(), 8)  # the router's logits
         ref = fused_moe_ref(x.double(), layer.experts.w13.double(), layer.experts.w2.double(), w.double(), ids,
                             "silu")
         assert rel(out, ref) < 2e-2
@@ -329,70 +262,14 @@ def test_moe_layer_in_cuda_graph_matches_eager():
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("t,e,k,score", [(1, 8, 2, "softmax"), (3, 60, 4, "sigmoid"), (16, 128, 8, "softmax"),
-                                         (5, 7, 3, "softmax"), (40, 64, 8, "softmax")])
-def test_route_matches_gating_then_maps(device, t, e, k, score):
-    """Gating and maps in one launch (or two, past the one-program size) equal the two
-    references run one after the other."""
-    gen = torch.Generator().manual_seed(t * e)
-    logits = torch.randn(t, e, generator=gen)
-    ids, w, (offsets, rows, row_pair) = kernels.route_triton(logits.to(device), k, score)
-    ref_ids, ref_w = kernels.topk_gating_ref(logits, k, score)
-    ref_offsets, ref_rows = token_maps_ref(ref_ids, e)
-    assert torch.equal(ids.cpu(), ref_ids) and torch.equal(offsets.cpu(), ref_offsets)
-    assert torch.equal(rows.cpu(), ref_rows)
-    torch.testing.assert_close(w.cpu(), ref_w)
-    assert torch.equal(row_pair.cpu(), kernels.row_pair_ref(ref_rows))
-
-
-@pytest.mark.interp
-def test_route_checks_still_refuse_after_a_good_call():
-    """The one-launch path skips its checks for a (shape, dtype, k, score) seen before; a
-    bool or float k equal to a seen k must still be refused."""
-    logits = torch.randn(2, 8)
-    kernels.route_triton(logits, 1)
-    for bad in (True, 1.0):
-        with pytest.raises(ValueError, match="expected an int"):
-            kernels.route_triton(logits, bad)
-    with pytest.raises(ValueError, match="score="):
-        kernels.route_triton(logits, 1, "top1")
-
-
-@pytest.mark.gpu
-def test_route_through_the_cached_launcher():
-    """After the first call the one-launch routing skips the JIT (kernels.launcher): new
-    logits, then logits that are a strided, unaligned view (a new key: another compile),
-    each equal the references, and repeated keys add no cache entries."""
-    route_mod = importlib.import_module("kernels.route")  # kernels.route is the function
-
-    e, k = 64, 8
-    gen = torch.Generator().manual_seed(11)
-    wide = torch.randn(4, 3 * e + 1, generator=gen).cuda()
-    cases = [torch.randn(2, e, generator=gen).cuda(), torch.randn(2, e, generator=gen).cuda(), wide[1:3, 1:1 + e],
-             wide[0:2, 2:2 + e], torch.randn(2, e, generator=gen).bfloat16().cuda()]  # [3]: [2]'s offset mod 16
-    sizes = []
-    for logits in cases:
-        ids, w, (offsets, rows, row_pair) = kernels.route_triton(logits, k)
-        ref_ids, ref_w = kernels.topk_gating_ref(logits.cpu().float(), k)
-        ref_offsets, ref_rows = token_maps_ref(ref_ids, e)
-        assert torch.equal(ids.cpu(), ref_ids) and torch.equal(offsets.cpu(), ref_offsets)
-        assert torch.equal(rows.cpu(), ref_rows) and torch.equal(row_pair.cpu(), kernels.row_pair_ref(ref_rows))
-        torch.testing.assert_close(w.cpu(), ref_w)
-        sizes.append(len(route_mod._route.cache))
-    assert sizes[1] == sizes[0] and sizes[3] == sizes[2] and sizes[4] == sizes[3] + 1, sizes
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
 def test_dequant_entry_widens_int8_experts_first(device):
     """A "dequant" table entry (int8 at large T) widens the experts to x's dtype in one
     pass and runs x's own GEMMs: the result equals the reference on the dequantized
     weights."""
-    from kernels import moe_triton
-
     e = 4
     dtype, x, w13, w2, ids, w = small_problem(device, 11, t=24, h=32, f=16, e=e, k=2)
     (q13, s13), (q2, s2) = quantize_int8(w13), quantize_int8(w2)
-    assert torch.equal(moe_triton.dequantize_int8(q13, s13, dtype), kernels.dequantize_ref(q13, s13, dtype))
+    assert torch.equal(moe_triton.dequantize_int8(q13, s13, dtype), dequantize_ref(q13, s13, dtype))
     dequant = MoeDequant()
     out = fused_moe_triton(x, q13, q2, w, ids, "silu", s13, s2, configs=(dequant, dequant))
     ref = fused_moe_ref(x.cpu().double(), q13.cpu(), q2.cpu(), w.cpu().double(), ids.cpu(), "silu", s13.cpu(),
@@ -403,7 +280,7 @@ def test_dequant_entry_widens_int8_experts_first(device):
 def test_launch_config_takes_a_same_chip_entry_before_the_heuristic(monkeypatch, tmp_path):
     """The smallest bucket >= T among the device's own entries and those of a device of the
     same chip (kernels.tuning.SAME_CHIP), the own one at a tie; past them all, the heuristic."""
-    from kernels import moe_triton, tuning
+    from kernels import tuning
 
     own, lent = MoeCuda(bn=2, warps=4, unroll=1), MoeCuda(bn=8, warps=4, unroll=1)
     key = tuning.moe_shape("up", 8, 64, 32, 2)
@@ -417,3 +294,53 @@ def test_launch_config_takes_a_same_chip_entry_before_the_heuristic(monkeypatch,
         assert pick(17) == moe_triton.default_config("up", 17, 8, 64, 32, 2, tuning.sm_count(torch.device("cpu")))
     finally:
         moe_triton.launch_config.cache_clear()
+
+
+def loop_moe(x, w13, w2, weights, ids, activation):
+    """Hugging Face eager style: every token, every slot, one expert at a time, float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            y = expert_ffn_ref(x[t:t + 1].double(), w13[e].double(), w2[e].double(), activation)
+            out[t] += weights[t, j].double() * y[0]
+    return out
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("t,h,f,e,k", [(1, 31, 12, 4, 2), (3, 48, 20, 5, 1), (33, 24, 16, 9, 3)])
+def test_fused_moe_ref_matches_per_token_loop(activation, t, h, f, e, k):
+    torch.manual_seed(t * h)
+    rows13 = 2 * f if activation == "silu" else f
+    x = torch.randn(t, h)
+    w13, w2 = torch.randn(e, rows13, h) / h ** 0.5, torch.randn(e, h, f) / f ** 0.5
+    ids, weights = topk_gating_ref(torch.randn(t, e), k)
+    out = fused_moe(x, w13, w2, weights, ids, activation)
+    torch.testing.assert_close(out.double(), loop_moe(x, w13, w2, weights, ids, activation),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_ffn_skips_experts_without_rows():
+    torch.manual_seed(1)
+    xs = torch.randn(4, 8)
+    offsets = torch.tensor([0, 0, 4, 4], dtype=torch.int32)  # only expert 1 has rows
+    w13, w2 = torch.randn(3, 10, 8), torch.randn(3, 8, 5)
+    w13[0] = float("nan")  # would poison the result if expert 0 ran
+    ys = grouped_ffn_ref(xs, offsets, w13, w2)
+    torch.testing.assert_close(ys, expert_ffn_ref(xs, w13[1], w2[1]))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(activation="relu"), "activation"),
+    (dict(x=torch.randn(2, 3, 8)), "x: expected"),
+    (dict(w2=torch.randn(4, 9, 6)), "w13"),
+    (dict(topk_ids=torch.zeros(3, 2, dtype=torch.int32)), "topk_ids"),
+    (dict(topk_ids=torch.zeros(2, 2)), "int32 or int64"),
+])
+def test_fused_moe_rejects_bad_arguments(bad, match):
+    args = dict(x=torch.randn(2, 8), w13=torch.randn(4, 12, 8), w2=torch.randn(4, 8, 6),
+                topk_weights=torch.rand(2, 2), topk_ids=torch.zeros(2, 2, dtype=torch.int32),
+                activation="silu")
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        fused_moe(**args)

@@ -1,4 +1,4 @@
-"""The MoE decode kernels in CUDA C++ (``kernels.moe_cuda``): the source compiles for
+"""The MoE decode kernels in CUDA C++ (``kernels.moe.cuda``): the source compiles for
 Hopper with no GPU (CI); unsupported operands are named, and a table entry naming them
 falls back to Triton there; on a GPU, every configuration, dtype and activation against
 the float64 reference, and the same numbers replayed from a CUDA graph."""
@@ -8,10 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels import fused_moe_ref, fused_moe_triton, quantize_int8
-from kernels import moe_cuda
-from kernels import moe_triton
 from kernels import tuning
+from kernels.moe import cuda as moe_cuda
+from kernels.moe import triton as moe_triton
+from kernels.moe.reference import fused_moe_ref, quantize_int8
+from kernels.moe.triton import fused_moe_triton
 from kernels.tuning import MoeCuda
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}

@@ -1,4 +1,5 @@
-"""Triton top-k gating kernels against their plain-torch references (kernels/moe_ref.py).
+"""Routing (``kernels.routing``): the Triton top-k gating kernels, and gating with the maps in
+one launch (``route_triton``), against their plain-torch references (kernels/routing/reference.py).
 
 On CPU the kernels run under the Triton interpreter (conftest sets TRITON_INTERPRET=1), at
 ~1.5 ms a program plus the cost of the tile, so the shape lists below are picked, not a grid.
@@ -10,12 +11,16 @@ even break exact ties by index at E = 256, so exact ties must not reach the comp
 import pytest
 import torch
 
-from kernels.gating import grouped_topk_triton, topk_gating_triton
-from kernels.moe_ref import grouped_topk_ref, topk_gating_ref
+from kernels.layout.reference import row_pair_ref, token_maps_ref
+from kernels.routing.gating import grouped_topk_triton, topk_gating_triton
+from kernels.routing.reference import grouped_topk_ref, topk_gating_ref
+from kernels.routing.route_triton import route_triton
 
 MARGIN = 1e-5
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interp), pytest.param("cuda", marks=pytest.mark.gpu)]
+CPU = pytest.param("cpu", id="interp", marks=pytest.mark.interp)
+GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
 
 
 def _scores(logits, score):
@@ -248,7 +253,7 @@ def test_gating_through_the_cached_launcher():
     """After the first call the gating launch skips the JIT (kernels.launcher): new logits,
     a strided unaligned view (a new key), bf16 logits, each equal the reference; repeated
     keys add no cache entries."""
-    from kernels import gating
+    from kernels.routing import gating
 
     e, k = 64, 6
     gen = torch.Generator().manual_seed(5)
@@ -264,3 +269,71 @@ def test_gating_through_the_cached_launcher():
         torch.testing.assert_close(w.cpu(), ref_w)
         sizes.append(len(gating._gating.cache))
     assert sizes[1] == sizes[0] and sizes[3] == sizes[2] and sizes[4] == sizes[3] + 1, sizes
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("t,e,k,score", [(1, 8, 2, "softmax"), (3, 60, 4, "sigmoid"), (16, 128, 8, "softmax"),
+                                         (5, 7, 3, "softmax"), (40, 64, 8, "softmax")])
+def test_route_matches_gating_then_maps(device, t, e, k, score):
+    """Gating and maps in one launch (or two, past the one-program size) equal the two
+    references run one after the other."""
+    gen = torch.Generator().manual_seed(t * e)
+    logits = torch.randn(t, e, generator=gen)
+    ids, w, (offsets, rows, row_pair) = route_triton(logits.to(device), k, score)
+    ref_ids, ref_w = topk_gating_ref(logits, k, score)
+    ref_offsets, ref_rows = token_maps_ref(ref_ids, e)
+    assert torch.equal(ids.cpu(), ref_ids) and torch.equal(offsets.cpu(), ref_offsets)
+    assert torch.equal(rows.cpu(), ref_rows)
+    torch.testing.assert_close(w.cpu(), ref_w)
+    assert torch.equal(row_pair.cpu(), row_pair_ref(ref_rows))
+
+
+@pytest.mark.interp
+def test_route_checks_still_refuse_after_a_good_call():
+    """The one-launch path skips its checks for a (shape, dtype, k, score) seen before; a
+    bool or float k equal to a seen k must still be refused."""
+    logits = torch.randn(2, 8)
+    route_triton(logits, 1)
+    for bad in (True, 1.0):
+        with pytest.raises(ValueError, match="expected an int"):
+            route_triton(logits, bad)
+    with pytest.raises(ValueError, match="score="):
+        route_triton(logits, 1, "top1")
+
+
+@pytest.mark.gpu
+def test_route_through_the_cached_launcher():
+    """After the first call the one-launch routing skips the JIT (kernels.launcher): new
+    logits, then logits that are a strided, unaligned view (a new key: another compile),
+    each equal the references, and repeated keys add no cache entries."""
+    import kernels.routing.route_triton as route_mod
+
+    e, k = 64, 8
+    gen = torch.Generator().manual_seed(11)
+    wide = torch.randn(4, 3 * e + 1, generator=gen).cuda()
+    cases = [torch.randn(2, e, generator=gen).cuda(), torch.randn(2, e, generator=gen).cuda(), wide[1:3, 1:1 + e],
+             wide[0:2, 2:2 + e], torch.randn(2, e, generator=gen).bfloat16().cuda()]  # [3]: [2]'s offset mod 16
+    sizes = []
+    for logits in cases:
+        ids, w, (offsets, rows, row_pair) = route_triton(logits, k)
+        ref_ids, ref_w = topk_gating_ref(logits.cpu().float(), k)
+        ref_offsets, ref_rows = token_maps_ref(ref_ids, e)
+        assert torch.equal(ids.cpu(), ref_ids) and torch.equal(offsets.cpu(), ref_offsets)
+        assert torch.equal(rows.cpu(), ref_rows) and torch.equal(row_pair.cpu(), row_pair_ref(ref_rows))
+        torch.testing.assert_close(w.cpu(), ref_w)
+        sizes.append(len(route_mod._route.cache))
+    assert sizes[1] == sizes[0] and sizes[3] == sizes[2] and sizes[4] == sizes[3] + 1, sizes
+
+
+@pytest.mark.parametrize("score,renorm", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+def test_topk_gating_matches_dense_scores(score, renorm):
+    torch.manual_seed(0)
+    logits = torch.randn(9, 7)
+    ids, w = topk_gating_ref(logits, 3, score, renorm)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    picked = scores.gather(1, ids.long())
+    assert (picked.min(1).values[:, None] >= scores.masked_fill(
+        torch.zeros_like(scores, dtype=torch.bool).scatter(1, ids.long(), True), -1)).all()
+    expect = picked / picked.sum(-1, keepdim=True) if renorm else picked
+    torch.testing.assert_close(w, expect)

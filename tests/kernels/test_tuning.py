@@ -162,7 +162,8 @@ def test_the_kernels_read_their_entries_through_the_lookup(tmp_path, monkeypatch
     """moe_triton.launch_config and linear_select.choice return typed entries: the table's,
     else their heuristics (on a CPU device: the Triton tiles for one SM, cuBLAS / SBI-GeMM)."""
     pytest.importorskip("triton")
-    from kernels import linear_select, moe_triton
+    from kernels.linear import select as linear_select
+    from kernels.moe import triton as moe_triton
 
     cpu = torch.device("cpu")
     assert tuning.device_name(cpu) == "cpu" and tuning.sm_count(cpu) == 1

@@ -1,0 +1,90 @@
+"""Attention on the decode path: one query token per row over a KV cache (contiguous or
+paged), the QKV epilogue after the QKV GEMM (q / k norms, clip, rotary, the KV-cache
+append), and a static decode step's epilogue and attention in one launch; also a static
+decode step's shared inputs (positions, mask, rotary rows) in one launch.
+
+Shape letters: B rows, T tokens per row, Hq / Hkv query / KV heads, D head dim, S cache
+slots, N pool rows of a paged cache, W = (Hq + 2 Hkv) * D the QKV width.
+
+Backends: a CPU tensor runs the plain-torch reference (``reference.py``); a CUDA tensor
+runs the Triton kernels, imported at that first call: ``decode.py`` (decode attention,
+split over the keys), ``qkv_decode_triton.py`` (the epilogue), ``qkv_attention_triton.py``
+(epilogue and attention in one launch, where ``qkv_attention_fits``) and ``context.py``
+(``decode_context``, which has no torch twin here: ``dense.attention.StepContext`` builds
+the same tensors with torch ops where it does not call it). No module here is named as an
+op of this package: importing it would rebind the package's attribute of that name from
+the function to the module.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, qkv_attention_ref,
+                                         qkv_decode_ref, qkv_decode_supported)
+
+
+def decode_attention(q, k, v, visible, scale=None):
+    """One query token per row over a KV cache: q [B, Hq, D], k / v [B, Hkv, S, D], visible
+    [B, S] bool -> [B, Hq, D] (split over the keys on a GPU, GQA-aware)."""
+    if q.is_cuda:
+        from kernels.attention.decode import decode_attention_triton
+        return decode_attention_triton(q, k, v, visible, scale)
+    return decode_attention_ref(q, k, v, visible, scale)
+
+
+def paged_decode_attention(q, k, v, slots, visible, scale=None):
+    """``decode_attention`` over a paged cache: k / v pools [N, Hkv, D], slots [B, S] int64
+    the pool row of each row's key s, visible [B, S] bool -> [B, Hq, D]. A GPU reads the keys
+    in place, without gathering them into a copy."""
+    if q.is_cuda:
+        from kernels.attention.decode import paged_decode_attention_triton
+        return paged_decode_attention_triton(q, k, v, slots, visible, scale)
+    return paged_decode_attention_ref(q, k, v, slots, visible, scale)
+
+
+def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
+               qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, *, pdl=True):
+    """The QKV epilogue of a decode step (qkv [B, W]) or a prefill (qkv [B, T, W]) in one
+    launch on a GPU: q/k norms, clip, rotary, and the KV-cache append at slots ``slot`` ..
+    -> q [B, Hq, T, D] (see ``qkv_decode_ref``)."""
+    if qkv.is_cuda:
+        from kernels.attention.qkv_decode_triton import qkv_decode_triton
+        return qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
+                                 q_norm_w, k_norm_w, eps, clip, pdl)
+    return qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm, q_norm_w,
+                          k_norm_w, eps, clip)
+
+
+def qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
+                  qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, *, pdl=True):
+    """A static-shape decode step's attention from the QKV GEMM's output qkv [B, W] (one
+    token per row, cache slot ``slot`` a 0-d tensor, additive mask ``bias`` of B x S): the
+    QKV epilogue, the cache append and the attention in one launch on a GPU -> [B, Hq, D]
+    (see ``qkv_attention_ref``)."""
+    if qkv.is_cuda:
+        from kernels.attention.qkv_attention_triton import qkv_attention_triton
+        return qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin,
+                                    qk_norm, q_norm_w, k_norm_w, eps, clip, pdl=pdl)
+    return qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin, qk_norm,
+                             q_norm_w, k_norm_w, eps, clip)
+
+
+def qkv_attention_fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> bool:
+    """Whether ``qkv_attention``'s one launch suits a decode step of B rows, Hq / Hkv heads,
+    head dim D and S cache slots on a GPU of ``sms`` SMs (``kernels.attention.qkv_attention_triton.fits``)."""
+    from kernels.attention.qkv_attention_triton import fits
+    return fits(b, hq, hkv, d, s, sms)
+
+
+def decode_context(slot: torch.Tensor, key_valid: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype,
+                   tables: tuple[torch.Tensor, torch.Tensor] | None, sliding_window: int | None = None,
+                   pdl: bool = True):
+    """A static decode step's positions [B, 1], additive mask [B, 1, 1, S] and rotary cos /
+    sin [B, 1, D] (None without ``tables``) in one launch (``kernels.attention.context``;
+    its Triton module is imported at the first call)."""
+    from kernels.attention.context import decode_context_triton
+    return decode_context_triton(slot, key_valid, key_positions, dtype, tables, sliding_window, pdl)
+
+
+__all__ = ["decode_attention", "paged_decode_attention", "qkv_decode", "qkv_attention", "decode_context",
+           "qkv_attention_fits", "qkv_decode_supported"]

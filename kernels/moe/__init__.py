@@ -1,0 +1,74 @@
+"""The MoE experts on one device: x [T, H] and a routing table -> the weighted sum of each
+token's k experts' outputs [T, H] (DeepSpeed-Inference V-C: maps, scatter, the grouped
+expert GEMMs, gather), and the int8 weight quantizer the experts' int8 form uses.
+
+Shape letters: T tokens, H hidden, E experts, k slots per token, F expert width,
+N = T * k rows of the expert-major buffer.
+
+Backends: a CPU tensor runs the plain-torch reference (``reference.py``); a CUDA tensor
+runs ``triton.py`` (imported at that first call), which picks per device, weight dtype,
+shape and T from the moe tables (``kernels.tuning``): the Triton grouped GEMMs
+(``grouped_gemm.py``) with the maps and combine of ``kernels.layout``, the CUDA C++ decode
+kernels (``cuda.py``, compiled through CuPy, small T), the down GEMM by
+``torch._grouped_mm``, or int8 experts widened first.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.moe.reference import ACTIVATIONS, fused_moe_ref, quantize_int8
+
+
+def _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale):
+    _check_experts(x, w13, w2, activation, w13_scale, w2_scale)
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {list(topk_ids.shape)} / topk_weights "
+                         f"{list(topk_weights.shape)}: expected both [T={x.shape[0]}, k]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids: expected int32 or int64, got {topk_ids.dtype}")
+
+
+def _check_experts(x, w13, w2, activation, w13_scale, w2_scale):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [T, H], got shape {list(x.shape)}")
+    h = x.shape[1]
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w13 / w2: expected [E, 2F, H] / [E, H, F], got "
+                         f"{list(w13.shape)} / {list(w2.shape)}")
+    e, f = w2.shape[0], w2.shape[2]
+    rows13 = 2 * f if activation == "silu" else f
+    if tuple(w13.shape) != (e, rows13, h) or w2.shape[1] != h:
+        raise ValueError(f"w13 {list(w13.shape)} / w2 {list(w2.shape)}: expected "
+                         f"[E, {'2F' if activation == 'silu' else 'F'}, H={h}] / [E, H={h}, F]")
+    for name, w, s in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+        if (w.dtype == torch.int8) != (s is not None):
+            raise ValueError(f"{name}_scale: expected per-channel scales exactly when {name} is int8")
+        if s is not None and tuple(s.shape) != tuple(w.shape[:2]):
+            raise ValueError(f"{name}_scale {list(s.shape)}: expected {list(w.shape[:2])}")
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              capacity: int | None = None, maps: tuple | None = None, *, pdl: bool = True) -> torch.Tensor:
+    """MoE expert computation on one device: x [T, H] -> [T, H].
+
+    w13 [E, 2F, H] holds each expert's gate rows then up rows (Hugging Face / vLLM layout;
+    [E, F, H] for the plain GeLU experts of GPT-style models), w2 [E, H, F]. int8 weights
+    come with per-output-channel scales ``w13_scale [E, 2F]``, ``w2_scale [E, H]``
+    (``quantize_int8``). ``capacity`` drops pairs past that many per expert (None: dropless).
+    ``maps`` (from ``route``) saves recomputing the maps of ``topk_ids`` on a GPU. ``pdl``: the
+    GPU kernels launch with programmatic dependent launch where the device has it
+    (``kernels.pdl``; every op here takes it).
+    """
+    _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale)
+    if x.is_cuda:
+        from kernels.moe.triton import fused_moe_triton
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
+                                capacity, maps=maps, pdl=pdl)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity)
+
+
+__all__ = ["fused_moe", "quantize_int8"]

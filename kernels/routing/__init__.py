@@ -1,0 +1,47 @@
+"""Routing: router logits [T, E] -> the token-to-expert table (DeepSpeed-Inference V-C,
+step 1), and with ``route`` also the dropless maps of that table (step 2).
+
+Shape letters: T tokens, E experts, k slots per token.
+
+Backends: a CPU tensor runs the plain-torch reference (``reference.py``); a CUDA tensor
+runs the Triton kernels, imported at that first call: ``gating.py`` (top-k and DeepSeek-V3's
+grouped top-k, one launch each) and ``route_triton.py`` (gating and maps in one launch at
+decode sizes, else the gating launch followed by the maps of ``kernels.layout.maps``; not
+``route.py``, whose import would rebind ``kernels.routing.route`` from the op to the module).
+"""
+from __future__ import annotations
+
+from kernels.layout.reference import row_pair_ref, token_maps_ref
+from kernels.routing.reference import grouped_topk_ref, topk_gating_ref
+
+
+def topk_gating(logits, k, score="softmax", renormalize=True, *, pdl=True):
+    """-> expert ids [T, k] int32, weights [T, k] float32 (see ``topk_gating_ref``)."""
+    if logits.is_cuda:
+        from kernels.routing.gating import topk_gating_triton
+        return topk_gating_triton(logits, k, score, renormalize, pdl)
+    return topk_gating_ref(logits, k, score, renormalize)
+
+
+def route(logits, k, score="softmax", renormalize=True, *, pdl=True):
+    """Gating and dropless maps together (one launch at decode sizes on a GPU):
+    -> ids [T, k], weights [T, k], maps = (offsets [E + 1], rows [T, k], row_pair [T * k])."""
+    if logits.is_cuda:
+        from kernels.routing.route_triton import route_triton
+        return route_triton(logits, k, score, renormalize, pdl)
+    ids, weights = topk_gating_ref(logits, k, score, renormalize)
+    offsets, rows = token_maps_ref(ids, logits.shape[1])
+    return ids, weights, (offsets, rows, row_pair_ref(rows))
+
+
+def grouped_topk(logits, bias, k, n_group, topk_group, score="sigmoid", renormalize=True,
+                 routed_scaling_factor=1.0, *, pdl=True):
+    """DeepSeek-V3's bias-corrected grouped top-k (see ``grouped_topk_ref``)."""
+    if logits.is_cuda:
+        from kernels.routing.gating import grouped_topk_triton
+        return grouped_topk_triton(logits, bias, k, n_group, topk_group, score, renormalize, routed_scaling_factor,
+                                   pdl)
+    return grouped_topk_ref(logits, bias, k, n_group, topk_group, score, renormalize, routed_scaling_factor)
+
+
+__all__ = ["topk_gating", "grouped_topk", "route"]

@@ -1,0 +1,81 @@
+"""Plain-torch references for routing (DeepSpeed-Inference V-C, step 1): router logits ->
+the token-to-expert table. The gating kernels (``kernels.routing.gating``) must match these
+functions, and they are what ``kernels.topk_gating`` / ``kernels.grouped_topk`` run on a
+CPU. Beside them: the gating operands' checks, which every device shares.
+
+Shape letters: T tokens, E experts, k slots per token, G expert groups.
+
+  topk_gating   logits [T, E]           -> expert_ids [T, k] int32, weights [T, k] float32
+  grouped_topk  logits [T, E], bias [E] -> expert_ids [T, k] int32, weights [T, k] float32
+"""
+from __future__ import annotations
+
+import torch
+
+# The gating kernels' limits, checked on every device so that a CPU run refuses what a GPU would.
+LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SCORES = ("softmax", "sigmoid")
+MAX_EXPERTS = 1024  # a row of scores lives in registers: at most 4 rows a program at E = 1024
+MAX_K = 16  # the k rounds are unrolled
+
+
+def router_scores_ref(logits: torch.Tensor, score: str) -> torch.Tensor:
+    """float32 router scores [T, E]: softmax over experts, or an independent sigmoid each."""
+    if score == "softmax":
+        return logits.float().softmax(dim=-1)
+    if score == "sigmoid":
+        return logits.float().sigmoid()
+    raise ValueError(f"score={score!r}: expected softmax or sigmoid")
+
+
+def check_logits(logits: torch.Tensor, k: int, score: str) -> None:
+    """The gating operands every device takes (ValueError naming the one that is not)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected [T, E], got shape {list(logits.shape)}")
+    if logits.dtype not in LOGIT_DTYPES:
+        raise ValueError(f"logits: expected one of {LOGIT_DTYPES}, got {logits.dtype}")
+    e = logits.shape[1]
+    if not 1 <= e <= MAX_EXPERTS:
+        raise ValueError(f"logits: expected 1 <= E <= {MAX_EXPERTS} experts, got E={e}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(e, MAX_K):
+        raise ValueError(f"k={k!r}: expected an int with 1 <= k <= min(E={e}, {MAX_K})")
+    if score not in SCORES:
+        raise ValueError(f"score={score!r}: expected one of {SCORES}")
+
+
+def topk_gating_ref(logits: torch.Tensor, k: int, score: str = "softmax",
+                    renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the router scores: ids [T, k] int32 and weights [T, k] float32."""
+    scores = router_scores_ref(logits, score)  # [T, E]
+    weights, ids = torch.topk(scores, k, dim=-1)  # [T, k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights
+
+
+def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
+                     topk_group: int, score: str = "sigmoid", renormalize: bool = True,
+                     routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: ids [T, k] int32 and weights [T, k] float32.
+
+    ``choice = scores + bias`` picks the experts (the bias is the e_score_correction_bias); the
+    E experts form ``n_group`` contiguous groups, a group's score is the sum of its two best
+    choices (its only one for groups of one expert), and only the ``topk_group`` best groups
+    stay eligible. ids are in descending choice order; the weights are the unbiased scores at
+    those ids, renormalised if asked, then multiplied by ``routed_scaling_factor``.
+    """
+    scores = router_scores_ref(logits, score)  # [T, E]
+    t, e = scores.shape
+    if e % n_group:
+        raise ValueError(f"n_group={n_group}: expected a divisor of E={e}")
+    choice = (scores + bias.float()).view(t, n_group, e // n_group)  # [T, G, E / G]
+    group_score = choice.topk(min(2, e // n_group), dim=-1).values.sum(dim=-1)  # [T, G]
+    kept = group_score.topk(topk_group, dim=-1).indices  # [T, topk_group]
+    dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, kept, False)
+    # -inf, not 0 as in some ports: a negative bias can push a kept expert's choice below 0.
+    choice = choice.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(t, e)
+    ids = torch.topk(choice, k, dim=-1).indices  # [T, k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights * routed_scaling_factor

@@ -1,0 +1,122 @@
+"""RMSNorm (``kernels.norm``) against its torch reference: alone, with the residual add in
+front, and as the MoE layer's entry (the add, the norm and the router GEMM, with or without
+the top-k table from the same launch); on CPU under the interpreter and on a GPU; and the
+norm + router kernel's Triton compile for sm_90 (tests.hopper)."""
+import pytest
+import torch
+
+from kernels.norm.reference import rms_norm_ref, rms_norm_router_ref
+from kernels.norm.triton import rms_norm_router_triton, rms_norm_triton
+from kernels.routing.gating import topk_gating_triton
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+BACKENDS = [
+    pytest.param("cpu", torch.float32, id="interp-fp32", marks=pytest.mark.interp),
+    pytest.param("cpu", torch.bfloat16, id="interp-bf16", marks=pytest.mark.interp),
+    pytest.param("cuda", torch.bfloat16, id="gpu-bf16", marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.float16, id="gpu-fp16", marks=pytest.mark.gpu),
+]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("shape", [(1, 64), (3, 1, 200), (5, 4096), (2, 3, 33)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(device, dtype, shape, with_residual):
+    gen = torch.Generator().manual_seed(sum(shape) + with_residual)
+    x = (torch.randn(shape, generator=gen) * 3 + 0.5).to(device, dtype)
+    r = torch.randn(shape, generator=gen).to(device, dtype) if with_residual else None
+    w = (torch.rand(shape[-1], generator=gen) + 0.5).to(device, dtype)
+    out = rms_norm_triton(x, w, 1e-5, r)
+    ref = rms_norm_ref(x.double(), w.double(), 1e-5, None if r is None else r.double())
+    if with_residual:
+        (out, summed), (ref, ref_sum) = out, ref
+        assert summed.dtype == dtype and rel(summed, ref_sum) < TOL[dtype]
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel(out, ref) < TOL[dtype]
+
+
+def test_rms_norm_rejects_mismatched_shapes():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"weight \[7\]: expected \[8\]"):
+        rms_norm_triton(x, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError, match=r"residual \[2, 4\]: expected x's shape \[2, 8\]"):
+        rms_norm_triton(x, torch.ones(8), 1e-6, torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("t,h,e", [(1, 64, 8), (3, 200, 20), (16, 256, 64)])
+def test_rms_norm_router_matches_reference(device, dtype, t, h, e):
+    gen = torch.Generator().manual_seed(t + h + e)
+    x = (torch.randn(t, h, generator=gen) * 2).to(device, dtype)
+    r = torch.randn(t, h, generator=gen).to(device, dtype)
+    nw = (torch.rand(h, generator=gen) + 0.5).to(device, dtype)
+    rw = (torch.randn(e, h, generator=gen) / h ** 0.5).to(device, dtype)
+    out_h, summed, logits = rms_norm_router_triton(x, r, nw, 1e-5, rw)
+    ref_h, ref_sum, ref_logits = rms_norm_router_ref(x.double(), r.double(), nw.double(), 1e-5, rw.double())
+    assert out_h.dtype == summed.dtype == logits.dtype == dtype and logits.shape == (t, e)
+    assert rel(summed, ref_sum) < TOL[dtype] and rel(out_h, ref_h) < TOL[dtype]
+    assert rel(logits, ref_logits) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("t,h,e,k,score,renorm", [(1, 64, 8, 2, "softmax", True), (3, 200, 20, 4, "sigmoid", False),
+                                                 (16, 256, 64, 8, "softmax", False), (2, 128, 128, 8, "softmax", True)])
+def test_rms_norm_router_with_gating(device, dtype, t, h, e, k, score, renorm):
+    """The top-k table from the norm + router launch (its last program, by ticket) equals
+    the gating kernel run on the logits the same launch wrote; twice in a row, so the
+    ticket counter is seen to reset. A k over E is refused like the gating refuses it."""
+    gen = torch.Generator().manual_seed(t * h + e)
+    for _ in range(2):
+        x = (torch.randn(t, h, generator=gen) * 2).to(device, dtype)
+        r = torch.randn(t, h, generator=gen).to(device, dtype)
+        nw = (torch.rand(h, generator=gen) + 0.5).to(device, dtype)
+        rw = (torch.randn(e, h, generator=gen) / h ** 0.5).to(device, dtype)
+        out_h, summed, logits, ids, w = rms_norm_router_triton(x, r, nw, 1e-5, rw, (k, score, renorm))
+        plain = rms_norm_router_triton(x, r, nw, 1e-5, rw)
+        for a, b in zip((out_h, summed, logits), plain):
+            assert torch.equal(a, b)
+        # The gating kernel on the same logits: the same table, ties included (bf16 logits
+        # tie often; torch.topk on CPU need not break ties by index).
+        ref_ids, ref_w = topk_gating_triton(logits, k, score, renorm)
+        assert ids.shape == (t, k) and ids.dtype == torch.int32 and w.dtype == torch.float32
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(w, ref_w)
+    with pytest.raises(ValueError, match="expected an int with 1 <= k"):
+        rms_norm_router_triton(x, r, nw, 1e-5, rw, (e + 1, score, renorm))
+
+
+def test_rms_norm_router_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"router weight \[4, 7\]: expected \[T, H\], \[T, H\], \[H\], \[E, H\]"):
+        rms_norm_router_triton(torch.randn(2, 8), torch.randn(2, 8), torch.ones(8), 1e-6, torch.randn(4, 7))
+
+
+_COMPILE_ROUTER = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.norm.triton import _rms_norm_router_kernel as kernel
+
+bk, k, one, pdl = (int(v) for v in sys.argv[1:])
+const = dict(BT=1, BE=4, BK=bk, K=k, SOFTMAX=True, RENORMALIZE=False, E_ALL=64, BLOCK_K=max(k, 1), ONE=bool(one),
+             PDL=pdl)
+types = {"ids_ptr": "*i32", "weights_ptr": "*fp32", "count_ptr": "*i32", "T": "i32", "H": "i32", "E": "i32",
+         "eps": "fp32"}
+sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
+       for n in kernel.arg_names}
+compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print("cubin bytes", len(compiled.asm["cubin"]))
+"""
+
+
+@pytest.mark.parametrize("bk,k,one,pdl", [(2048, 8, 1, 2), (512, 0, 0, 2)])
+def test_rms_norm_router_compiles_for_hopper(bk, k, one, pdl):
+    """The norm + router kernel's whole Triton compile for sm_90 (tests.hopper): one step
+    over H with the weights loaded before the wait (ONE), and the loop over H in steps."""
+    from tests.hopper import compile_in_subprocess
+
+    assert int(compile_in_subprocess(_COMPILE_ROUTER, bk, k, one, pdl).split()[-1]) > 0
