@@ -1,7 +1,8 @@
 """RMSNorm and LayerNorm, computed in float32 and cast back, as the reference models do.
 
-Both take an optional ``residual``: ``norm(x, residual=r)`` returns (norm(x + r), x + r),
-so a block adds its residual and normalises in one step (one launch for RMSNorm on a GPU)."""
+``norm(x)`` returns norm(x); ``norm.add_and_norm(x, r)`` returns (norm(x + r), x + r), so a
+block adds its residual and normalises in one step (one launch for RMSNorm on a GPU): two
+methods, each with one return type."""
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,13 @@ class RMSNorm(nn.Module):
         self.eps, self.options = eps, options
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return kernels.rms_norm(x, self.weight, self.eps, residual, pdl=self.options.pdl)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps, pdl=self.options.pdl)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + residual), x + residual)."""
+        y, s = kernels.rms_norm(x, self.weight, self.eps, residual, pdl=self.options.pdl)
+        return y, s
 
 
 class LayerNorm(nn.Module):
@@ -29,12 +35,14 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-        y = nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(),
-                                     self.bias.float(), self.eps).to(x.dtype)
-        return (y, x) if residual is not None else y
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(),
+                                        self.bias.float(), self.eps).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + residual), x + residual)."""
+        s = x + residual
+        return self(s), s
 
 
 def make_norm(kind: str, dim: int, eps: float, options: KernelOptions = KernelOptions()) -> nn.Module:

@@ -53,17 +53,18 @@ class Block(nn.Module):
         elif self.norm_fusable:  # the add and the norm inside the QKV GEMM's launch
             a, x = self.attn.forward_normed(pending, x, self.attn_norm, ctx, cache, self.index)
         else:
-            h, x = self.attn_norm(pending, residual=x)
+            h, x = self.attn_norm.add_and_norm(pending, x)
             a = self.attn(h, ctx, cache, self.index)
         if self.parallel:
             return x, a + self.ffn(h)
         if self.fused_router and a.is_cuda and a.numel() <= ROUTER_MAX_ROWS * a.shape[-1]:
             # Decode: the add, the norm and the router GEMM in one launch.
             shape = a.shape
-            h, x, logits = kernels.rms_norm_router(a.view(-1, shape[-1]), x.view(-1, shape[-1]), self.ffn_norm.weight,
-                                                   self.ffn_norm.eps, self.ffn.router.weight, pdl=self.options.pdl)
+            h, x, logits, _, _ = kernels.rms_norm_router(a.view(-1, shape[-1]), x.view(-1, shape[-1]),
+                                                         self.ffn_norm.weight, self.ffn_norm.eps,
+                                                         self.ffn.router.weight, pdl=self.options.pdl)
             return x.view(shape), self.ffn(h.view(shape), router_logits=logits)
-        h, x = self.ffn_norm(a, residual=x)
+        h, x = self.ffn_norm.add_and_norm(a, x)
         return x, self.ffn(h)
 
 
@@ -129,7 +130,7 @@ class Transformer(nn.Module):
             x, pending = layer(x, ctx, cache, pending)
         if last_only:  # generation needs only the last slot: skip T - 1 rows of the LM head
             x, pending = x[:, -1:], (pending[:, -1:] if pending is not None else None)
-        x = self.norm(x) if pending is None else self.norm(pending, residual=x)[0]
+        x = self.norm(x) if pending is None else self.norm.add_and_norm(pending, x)[0]
         if self.lm_head is None:  # tied: the embedding table (kept in full precision) is the head
             return x @ self.embed.weight.t()
         return self.lm_head(x)

@@ -87,8 +87,12 @@ def sbi_cuda_config(t: int, n: int, k: int, sms: int, int8: bool) -> dict:
     return dict(bn=bn, warps=warps, unroll=unroll, split_k=split)
 
 
-def check(x: torch.Tensor, w: torch.Tensor, scale=None, bias=None, residual=None, norm=None) -> str | None:
-    """Why the CUDA version cannot take these operands (None: it can)."""
+def supports(x: torch.Tensor, w: torch.Tensor, scale=None, bias=None, residual=None, norm=None,
+             x_residual=None) -> str | None:
+    """Why the CUDA version cannot take operands of these shapes, dtypes and devices (None:
+    it can); ``x_residual``: the residual stream of ``sbi_norm_linear_cuda``. It reads
+    nothing else, so a caller may keep its answer per (device, dtypes, shapes)
+    (``kernels.linear.select``); ``layout`` checks the addresses and strides."""
     t, k = x.shape if x.dim() == 2 else (None, None)
     if x.dim() != 2 or w.dim() != 2 or w.shape[1] != k:
         return f"x {list(x.shape)} / w {list(w.shape)}: expected [T, K] and [N, K]"
@@ -98,27 +102,61 @@ def check(x: torch.Tensor, w: torch.Tensor, scale=None, bias=None, residual=None
         return f"x {list(x.shape)}: 1 to {MAX_T} rows"
     if w.dtype not in (x.dtype, torch.int8) or (w.dtype == torch.int8) != (scale is not None):
         return f"w {w.dtype}: expected {x.dtype}, or int8 with its per-row scale"
-    vec = 16 if w.dtype == torch.int8 else 8
-    if k % vec or x.stride(1) != 1 or w.stride(1) != 1:
-        return f"K = {k}: expected a multiple of {vec} with unit stride along K"
-    for name, z, row in (("x", x, x.stride(0)), ("w", w, w.stride(0))):
-        if z.data_ptr() % 16 or row * z.element_size() % 16:
-            return f"{name}: rows must start on 16-byte boundaries"
+    vec = 16 if w.dtype == torch.int8 else 8  # elements of one 16-byte weight load
+    if k % vec:
+        return f"K = {k}: expected a multiple of {vec}"
     n = w.shape[0]
-    if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (n,) or not scale.is_contiguous()):
-        return f"scale {list(scale.shape)} {scale.dtype}: expected contiguous float32 [{n}]"
+    if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (n,)):
+        return f"scale {list(scale.shape)} {scale.dtype}: expected float32 [{n}]"
     for name, z, shape in (("bias", bias, (n,)), ("residual", residual, (t, n))):
-        if z is not None and (z.dtype != x.dtype or tuple(z.shape) != shape or z.stride(-1) != 1):
-            return f"{name} {list(z.shape)} {z.dtype}: expected {x.dtype} {list(shape)} with unit stride"
+        if z is not None and (z.dtype != x.dtype or tuple(z.shape) != shape):
+            return f"{name} {list(z.shape)} {z.dtype}: expected {x.dtype} {list(shape)}"
     if norm is not None:
         kind, g, gb, _ = norm
-        if kind not in ("rmsnorm", "layernorm") or g.dtype != x.dtype or not g.is_contiguous() or g.data_ptr() % 16:
-            return f"norm {kind!r}: expected rmsnorm / layernorm with a contiguous, aligned {x.dtype} weight"
-        if kind == "layernorm" and (gb is None or gb.dtype != x.dtype or gb.data_ptr() % 16):
-            return "norm: layernorm needs an aligned bias in the activations' dtype"
+        if kind not in ("rmsnorm", "layernorm") or g.dtype != x.dtype:
+            return f"norm {kind!r}: expected rmsnorm / layernorm with a {x.dtype} weight"
+        if kind == "layernorm" and (gb is None or gb.dtype != x.dtype):
+            return "norm: layernorm needs a bias in the activations' dtype"
+    if x_residual is not None:
+        if norm is None or norm[0] != "rmsnorm":
+            return f"norm {None if norm is None else norm[0]!r}: the residual add is fused before an RMSNorm only"
+        if x_residual.dtype != x.dtype or tuple(x_residual.shape) != tuple(x.shape):
+            return f"x_residual {list(x_residual.shape)} {x_residual.dtype}: expected {x.dtype} {list(x.shape)}"
     if not (x.is_cuda and w.device == x.device):
         return f"x / w on {x.device} / {w.device}: expected one CUDA device"
     return None
+
+
+def layout(x: torch.Tensor, w: torch.Tensor, scale=None, bias=None, residual=None, norm=None,
+           x_residual=None) -> str | None:
+    """Why the kernel cannot read these operands where they lie (None: it can): unit stride
+    along K, 16-byte aligned rows and vectors. A view can change these from call to call,
+    so they are checked at each call (a few integer tests); ``supports`` must have passed."""
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        return f"x / w strides {x.stride()} / {w.stride()}: expected unit stride along K"
+    for name, z, row in (("x", x, x.stride(0)), ("w", w, w.stride(0))):
+        if z.data_ptr() % 16 or row * z.element_size() % 16:
+            return f"{name}: rows must start on 16-byte boundaries"
+    if scale is not None and not scale.is_contiguous():
+        return "scale: expected contiguous"
+    for name, z in (("bias", bias), ("residual", residual)):
+        if z is not None and z.stride(-1) != 1:
+            return f"{name}: expected unit stride"
+    if norm is not None:
+        kind, g, gb, _ = norm
+        if not g.is_contiguous() or g.data_ptr() % 16 or (kind == "layernorm" and gb.data_ptr() % 16):
+            return f"norm {kind!r}: expected a contiguous weight (and layernorm bias) on 16-byte boundaries"
+    if x_residual is not None and (not x_residual.is_contiguous() or x_residual.data_ptr() % 16):
+        return "x_residual: expected contiguous, on a 16-byte boundary"
+    return None
+
+
+def check(x: torch.Tensor, w: torch.Tensor, scale=None, bias=None, residual=None, norm=None,
+          x_residual=None) -> str | None:
+    """Why the CUDA version cannot take these operands (None: it can): ``supports``, then
+    ``layout``."""
+    return (supports(x, w, scale, bias, residual, norm, x_residual)
+            or layout(x, w, scale, bias, residual, norm, x_residual))
 
 
 def sbi_linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
@@ -130,7 +168,7 @@ def sbi_linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None
     why = check(x, w, scale, bias, residual, norm)
     if why is not None:
         raise ValueError(f"sbi_linear_cuda: {why}")
-    return _run(x, w, scale, bias, residual, norm, config, pdl)[0]
+    return run(x, w, scale, bias, residual, norm, config, pdl)[0]
 
 
 def sbi_norm_linear_cuda(x: torch.Tensor, x_residual: torch.Tensor, norm: tuple, w: torch.Tensor,
@@ -140,20 +178,17 @@ def sbi_norm_linear_cuda(x: torch.Tensor, x_residual: torch.Tensor, norm: tuple,
     to x's dtype, as the unfused add stores it), y = rmsnorm(s) @ dequant(w).T (+ bias)
     -> (y [T, N], s [T, K]). ``norm`` is ("rmsnorm", weight [K], None, eps). Raises
     ValueError naming the operand where the kernel cannot take it."""
-    why = check(x, w, scale, bias, None, norm)
-    if why is None and norm[0] != "rmsnorm":
-        why = f"norm {norm[0]!r}: the residual add is fused before an RMSNorm only"
-    if why is None and (x_residual.dtype != x.dtype or tuple(x_residual.shape) != tuple(x.shape)
-                        or not x_residual.is_contiguous() or x_residual.data_ptr() % 16):
-        why = f"x_residual {list(x_residual.shape)}: expected contiguous, aligned {x.dtype} {list(x.shape)}"
+    why = check(x, w, scale, bias, None, norm, x_residual)
     if why is not None:
         raise ValueError(f"sbi_norm_linear_cuda: {why}")
-    return _run(x, w, scale, bias, None, norm, config, pdl, x_residual)
+    return run(x, w, scale, bias, None, norm, config, pdl, x_residual)
 
 
-def _run(x, w, scale, bias, residual, norm, config, pdl: bool,
-         x_residual=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The launch(es) of sbi_linear_cuda / sbi_norm_linear_cuda: -> (y, x + x_residual or None)."""
+def run(x, w, scale, bias, residual, norm, config, pdl: bool,
+        x_residual=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The launch(es) of sbi_linear_cuda / sbi_norm_linear_cuda without their operand
+    checks, for callers that made them (``check``, or ``supports`` once per key and then
+    ``layout``: ``kernels.linear.select``): -> (y, x + x_residual or None)."""
     t, k = x.shape
     n = w.shape[0]
     int8 = w.dtype == torch.int8

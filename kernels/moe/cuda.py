@@ -111,9 +111,11 @@ def default_configs(t: int, h: int, sms: int) -> tuple[MoeCuda, MoeCuda]:
     return MoeCuda(bn=bn, warps=4, unroll=2), MoeCuda(bn=bn, warps=4, unroll=4, split_k=split)
 
 
-def check(x, w13, w2, topk, w13_scale=None, w2_scale=None) -> str | None:
-    """Why these kernels cannot take the operands (None: they can). The shapes themselves
-    were checked by ``kernels.fused_moe``."""
+def supports(x, w13, w2, topk, w13_scale=None, w2_scale=None, configs=None, activation="silu") -> str | None:
+    """Why these kernels cannot take operands of these shapes, dtypes and devices, or run the
+    (up, down) ``configs`` (None: they can). It reads nothing else, so a caller may keep its
+    answer per key (``kernels.moe.triton.cuda_reason``); ``layout`` checks the addresses and
+    strides. The shapes themselves were checked by ``kernels.fused_moe``."""
     t, h = x.shape
     f = w2.shape[2]
     if w13[0].numel() * w13.element_size() >= 2 ** 32:  # moe_up's row offsets are 32-bit
@@ -127,17 +129,36 @@ def check(x, w13, w2, topk, w13_scale=None, w2_scale=None) -> str | None:
     int8 = w13.dtype == torch.int8
     if w13.dtype != w2.dtype or w13.dtype not in (x.dtype, torch.int8):
         return f"w13 / w2 {w13.dtype} / {w2.dtype}: expected both {x.dtype}, or both int8"
-    vec = 16 if int8 else 8
+    vec = 16 if int8 else 8  # elements of one 16-byte weight load
     if h % vec or f % vec:
         return f"H = {h}, F = {f}: expected multiples of {vec}"
+    if int8 and not w13_scale.dtype == w2_scale.dtype == torch.float32:
+        return f"w13_scale / w2_scale {w13_scale.dtype} / {w2_scale.dtype}: expected float32"
+    for phase, cfg in zip(("up", "down"), configs or (None, None)):
+        why = row_groups_check(phase, cfg, activation == "silu") if cfg is not None else None
+        if why:
+            return why
+    return None
+
+
+def layout(x, w13, w2, w13_scale=None, w2_scale=None) -> str | None:
+    """Why the kernels cannot read these operands where they lie (None: they can):
+    contiguous 16-byte aligned weights, x's rows on 16-byte boundaries. A view can change
+    these from call to call, so they are checked at each call; ``supports`` must have passed."""
     if not (w13.is_contiguous() and w2.is_contiguous()) or w13.data_ptr() % 16 or w2.data_ptr() % 16:
         return "w13 / w2: expected contiguous weights on 16-byte boundaries"
     if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16:
         return "x: expected unit stride along H and rows on 16-byte boundaries"
-    if int8 and not (w13_scale.dtype == w2_scale.dtype == torch.float32
-                     and w13_scale.is_contiguous() and w2_scale.is_contiguous()):
-        return "w13_scale / w2_scale: expected contiguous float32"
+    if w13.dtype == torch.int8 and not (w13_scale.is_contiguous() and w2_scale.is_contiguous()):
+        return "w13_scale / w2_scale: expected contiguous"
     return None
+
+
+def check(x, w13, w2, topk, w13_scale=None, w2_scale=None, configs=None, activation="silu") -> str | None:
+    """Why these kernels cannot take the operands or run ``configs`` (None: they can):
+    ``supports``, then ``layout``."""
+    return (supports(x, w13, w2, topk, w13_scale, w2_scale, configs, activation)
+            or layout(x, w13, w2, w13_scale, w2_scale))
 
 
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
@@ -166,10 +187,18 @@ def fused_moe_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
                    configs: tuple[MoeCuda | None, MoeCuda | None] | None = None, pdl: bool = True) -> torch.Tensor:
     """``kernels.fused_moe`` for T <= MAX_T tokens (dropless); ``configs`` are the (up, down)
     launch configurations (``kernels.tuning.MoeCuda``; None: ``default_configs``). Raises ValueError naming the
-    operand where the kernels cannot take it (``check``)."""
-    why = check(x, w13, w2, topk_ids.shape[1], w13_scale, w2_scale)
+    operand or configuration the kernels cannot take (``check``)."""
+    why = check(x, w13, w2, topk_ids.shape[1], w13_scale, w2_scale, configs, activation)
     if why is not None:
         raise ValueError(f"fused_moe_cuda: {why}")
+    return run(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, configs, pdl)
+
+
+def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        activation: str, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+        configs: tuple[MoeCuda | None, MoeCuda | None] | None, pdl: bool) -> torch.Tensor:
+    """``fused_moe_cuda`` without its checks, for callers that made them (``check``, or
+    ``supports`` once per key and then ``layout``: ``kernels.moe.triton``)."""
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     pair_w = topk_weights.reshape(-1).float().contiguous()  # [P]
     return _experts(x, w13, w2, ids, pair_w, topk_ids.shape[1], activation, w13_scale, w2_scale, configs, pdl)
@@ -186,10 +215,6 @@ def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, con
         default_up, default_down = default_configs(t, h, sms)
         up, down = up or default_up, down or default_down
     int8, gated, dt, ids64 = w13.dtype == torch.int8, activation == "silu", DTYPES[x.dtype], ids.dtype == torch.int64
-    for phase, cfg in (("up", up), ("down", down)):
-        why = row_groups_check(phase, cfg, gated)
-        if why:
-            raise ValueError(f"fused_moe_cuda: {why}")
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.

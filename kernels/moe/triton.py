@@ -20,7 +20,7 @@ import triton
 from kernels import tuning
 from kernels.layout.maps import token_maps_triton
 from kernels.layout.rows import combine_rows_triton
-from kernels.moe.cuda import check as cuda_check, fused_moe_cuda
+from kernels.moe import cuda as moe_cuda
 from kernels.moe.grouped_gemm import grouped_gemm
 from kernels.tuning import MoeCuda, MoeDequant, MoeEntry, MoeGroupedMm, MoeTriton
 
@@ -101,6 +101,31 @@ def _cuda_pair(up_cfg: MoeCuda, down_cfg: MoeEntry) -> tuple[MoeCuda, MoeCuda | 
     return up_cfg, down_cfg if isinstance(down_cfg, MoeCuda) else None
 
 
+_MISSING = object()
+_CUDA_SUPPORT: dict = {}  # what moe_cuda.supports reads (see cuda_reason) -> its answer
+
+
+def _sig(z: torch.Tensor | None) -> tuple | None:
+    return None if z is None else (z.dtype, tuple(z.shape), z.device)
+
+
+def cuda_reason(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int, activation: str,
+                w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+                configs: tuple[MoeCuda, MoeCuda | None]) -> str | None:
+    """Why the CUDA decode kernels cannot run these operands with these (up, down)
+    ``configs`` (None: they can). ``moe_cuda.supports`` runs once per key of what it reads
+    (device, dtypes, shapes, k, activation, configs: one layer at one T), so a decode step
+    only looks its answer up; ``moe_cuda.layout`` (addresses and strides) runs every call."""
+    key = (_sig(x), _sig(w13), _sig(w2), topk, activation, None if w13_scale is None else w13_scale.dtype,
+           None if w2_scale is None else w2_scale.dtype, configs)
+    why = _CUDA_SUPPORT.get(key, _MISSING)
+    if why is _MISSING:
+        if len(_CUDA_SUPPORT) > 4096:  # bounded: the keys are a model's layer shapes times T <= MAX_T
+            _CUDA_SUPPORT.clear()
+        why = _CUDA_SUPPORT[key] = moe_cuda.supports(x, w13, w2, topk, w13_scale, w2_scale, configs, activation)
+    return why or moe_cuda.layout(x, w13, w2, w13_scale, w2_scale)
+
+
 def pairs_from_ids(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int,
                    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> bool:
     """Whether ``fused_moe_triton`` (dropless, no maps given) runs the experts from the
@@ -110,7 +135,7 @@ def pairs_from_ids(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: i
     summed inside the down GEMM (the benchmark times routing accordingly)."""
     up_cfg = _table_configs(x, w13, w2, topk)[0]
     if isinstance(up_cfg, MoeCuda) and x.is_cuda:
-        if cuda_check(x, w13, w2, topk, w13_scale, w2_scale) is None:
+        if moe_cuda.check(x, w13, w2, topk, w13_scale, w2_scale) is None:
             return True
     return x.shape[0] * topk <= FROM_IDS_PAIRS
 
@@ -136,15 +161,13 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         # dtype for the call.
         return fused_moe_triton(x, dequantize_int8(w13, w13_scale, x.dtype), dequantize_int8(w2, w2_scale, x.dtype),
                                 topk_weights, topk_ids, activation, capacity=capacity, maps=maps, pdl=pdl)
-    if isinstance(up_cfg, MoeCuda):
-        # Where the table chose the CUDA decode kernels (small T, measured faster). No pair
-        # is dropped when each expert can keep T pairs: an expert appears once per token.
-        if capacity is None or capacity >= t:
-            try:
-                return fused_moe_cuda(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
-                                      _cuda_pair(up_cfg, down_cfg), pdl)
-            except ValueError:  # operands those kernels cannot take (fp32, odd widths): Triton
-                pass
+    if isinstance(up_cfg, MoeCuda) and (capacity is None or capacity >= t):
+        # Where the table chose the CUDA decode kernels (small T, measured faster) and they
+        # can take the operands (not fp32, odd widths: then Triton). No pair is dropped when
+        # each expert can keep T pairs: an expert appears once per token.
+        pair = _cuda_pair(up_cfg, down_cfg)
+        if cuda_reason(x, w13, w2, topk, activation, w13_scale, w2_scale, pair) is None:
+            return moe_cuda.run(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, pair, pdl)
     # The CUDA kernels come as a pair behind the CUDA up kernel: a CUDA entry left over
     # here (not taken, or a CUDA down beside a Triton up) gives way to the Triton default.
     up_cfg = triton_entry(up_cfg, "up", x.device, t, e, w13.shape[1], h, topk, size)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.norm import ROUTER_MAX_ROWS
-from kernels.norm.reference import rms_norm_ref, rms_norm_router_ref
+from kernels.norm.reference import RouterEntry, rms_norm_ref, rms_norm_router_ref
 from kernels.routing.gating import _check_logits_once, _outputs, _topk_table
 from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
 
@@ -172,7 +172,7 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | N
     layer's norm (with the residual add) and its router GEMM, which for a decode step is a
     few hundred KB of weights, too little for cuBLAS to spread over the SMs. ``gating``
     (k, score, renormalize): the top-k table of the logits too, from the same launch
-    (-> h, sum, logits, ids [T, k] int32, weights [T, k] float32)."""
+    (-> RouterEntry)."""
     t, h = x.shape
     e = router_w.shape[0]
     if residual.shape != x.shape or tuple(norm_w.shape) != (h,) or router_w.shape[1] != h:
@@ -199,4 +199,4 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | N
         E_ALL=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(k, 1)), ONE=bk >= h,
         num_warps=4,
         **pdl_launch(x.device, pdl))
-    return (out_h, summed, logits) if gating is None else (out_h, summed, logits, ids, weights)
+    return RouterEntry(out_h, summed, logits, *((ids, weights) if gating is not None else ()))

@@ -99,7 +99,9 @@ def test_check_names_what_the_kernel_cannot_take():
     q = torch.zeros(30, 64, dtype=torch.int8)
     assert "int8 with its per-row scale" in sbi_cuda.check(x, q)
     assert "multiple of 16" in sbi_cuda.check(x[:, :56], q[:, :56], torch.ones(30))
-    assert "16-byte boundaries" in sbi_cuda.check(torch.randn(2, 72, dtype=torch.bfloat16)[:, 1:65], w)
+    # Addresses and strides are ``layout``'s (``check`` runs ``supports`` first, whose last
+    # test is the device: on the CPU that is the reason it gives).
+    assert "16-byte boundaries" in sbi_cuda.layout(torch.randn(2, 72, dtype=torch.bfloat16)[:, 1:65], w)
     assert "residual [2, 31]" in sbi_cuda.check(x, w, residual=torch.randn(2, 31, dtype=torch.bfloat16))
     assert "scale [29]" in sbi_cuda.check(x, q, torch.ones(29))
     with pytest.raises(ValueError, match=r"sbi_linear_cuda: .*CUDA device"):
@@ -202,6 +204,75 @@ def test_norm_linear_cuda_names_what_it_cannot_take():
     g = torch.ones(64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA device"):
         sbi_cuda.sbi_norm_linear_cuda(x, x, ("rmsnorm", g, None, 1e-6), w)
+
+
+def test_supports_and_layout_name_the_reason():
+    # What shapes, dtypes and devices decide (``supports``, kept per key by the selection)
+    # and what addresses and strides decide (``layout``, every call), each with its reason.
+    x, w = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(30, 64, dtype=torch.bfloat16)
+    g = torch.ones(64, dtype=torch.bfloat16)
+    assert sbi_cuda.supports(x[:, :60], w[:, :60]) == "K = 60: expected a multiple of 8"
+    assert "CUDA device" in sbi_cuda.supports(x, w)
+    assert "RMSNorm only" in sbi_cuda.supports(x, w, norm=("layernorm", g, g, 1e-6), x_residual=x)
+    assert "x_residual [1, 64]" in sbi_cuda.supports(x, w, norm=("rmsnorm", g, None, 1e-6), x_residual=x[:1])
+    assert sbi_cuda.layout(x, w) is None
+    assert "unit stride along K" in sbi_cuda.layout(torch.randn(64, 2, dtype=torch.bfloat16).t(), w)
+    assert "w: rows must start on 16-byte boundaries" in sbi_cuda.layout(x[:, :56], w[:, 4:60])
+    every_other_row = torch.randn(4, 64, dtype=torch.bfloat16)[::2]
+    assert "x_residual: expected contiguous" in sbi_cuda.layout(x, w, norm=("rmsnorm", g, None, 1e-6),
+                                                                x_residual=every_other_row)
+
+
+def _cuda_table(monkeypatch, tmp_path, n, k, entry):
+    """A linear table for the CPU whose (n, k) entry at T <= 16 is ``entry``; the choice and
+    support caches emptied."""
+    from kernels import tuning
+    from kernels.linear import select
+
+    tuning.write_table(tmp_path, tuning.Table("linear", "cpu", "bfloat16", {tuning.linear_shape(n, k): {16: entry}}))
+    monkeypatch.setattr(tuning, "TABLES", tuning.Tables(tmp_path))
+    monkeypatch.setattr(select, "_CUDA_SUPPORT", {})
+    select.choice.cache_clear()
+
+
+def test_selection_takes_the_next_backend_where_cuda_says_no(monkeypatch, tmp_path):
+    # A CUDA table entry whose kernel cannot take the operands gives way to SBI-GeMM in
+    # Triton, asked up front (no exception); where it can, the entry itself runs.
+    from kernels.linear import select
+    from kernels.tuning import LinearCuda, LinearSbi
+
+    entry = LinearCuda(bn=4, warps=4, unroll=2, split_k=1)
+    try:
+        _cuda_table(monkeypatch, tmp_path, 30, 60, entry)
+        x, w = torch.randn(2, 60, dtype=torch.bfloat16), torch.randn(30, 60, dtype=torch.bfloat16)
+        assert select.cuda_reason(x, w, None, None) == "K = 60: expected a multiple of 8"
+        assert select.backend(x, w) == LinearSbi()
+        _cuda_table(monkeypatch, tmp_path, 30, 64, entry)
+        x, w = torch.randn(2, 72, dtype=torch.bfloat16), torch.randn(30, 64, dtype=torch.bfloat16)
+        monkeypatch.setattr(sbi_cuda, "supports", lambda *args: None)  # as on a GPU: the shapes fit
+        assert select.backend(x[:, :64], w) == entry
+        assert select.backend(x[:, 1:65], w) == LinearSbi()  # misaligned rows: layout says no
+    finally:
+        select.choice.cache_clear()
+
+
+def test_support_is_decided_once_per_key(monkeypatch):
+    # sbi_cuda.supports runs once per (device, dtypes, shapes); layout every call.
+    from kernels.linear import select
+
+    calls = []
+    real = sbi_cuda.supports
+    monkeypatch.setattr(sbi_cuda, "supports", lambda *args: calls.append(args[0].shape) or real(*args))
+    monkeypatch.setattr(select, "_CUDA_SUPPORT", {})
+    x, w = torch.randn(3, 72, dtype=torch.bfloat16), torch.randn(30, 64, dtype=torch.bfloat16)
+    g = torch.ones(64, dtype=torch.bfloat16)
+    for _ in range(3):
+        assert "CUDA device" in select.cuda_reason(x[:2, :64], w, None, None)
+    assert len(calls) == 1
+    select.cuda_reason(x[:, :64], w, None, None)  # another T: another key
+    select.cuda_reason(x[:2, :64], w, None, None, ("rmsnorm", g, None, 1e-6), x[:2, 8:])  # the fused norm's
+    select.cuda_reason(x[:2, :64], w, None, None, ("rmsnorm", g, None, 1e-6), x[:2, 8:])
+    assert len(calls) == 3
 
 
 @pytest.mark.gpu

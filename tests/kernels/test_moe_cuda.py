@@ -81,6 +81,43 @@ def test_table_entry_falls_back_to_triton_where_cuda_cannot_run():
         assert rel(out, ref) < TOL[torch.float32], configs
 
 
+def test_supports_and_layout_name_the_reason():
+    # Shapes, dtypes, devices and the configurations' row groups are ``supports``' (kept per
+    # key by the selection); addresses and strides ``layout``'s (every call).
+    x, w13, w2, ids, w = problem("cpu", torch.bfloat16, 2, 64, 32, 4, 2, "silu", 0)
+    assert "CUDA device" in moe_cuda.supports(x, w13, w2, 2)
+    assert moe_cuda.layout(x, w13, w2) is None
+    wide = torch.randn(2, 72, dtype=torch.bfloat16)
+    assert "x: expected unit stride along H and rows on 16-byte boundaries" in moe_cuda.layout(wide[:, 1:65], w13, w2)
+    assert "w13 / w2: expected contiguous" in moe_cuda.layout(x, w13.transpose(1, 2), w2)
+    (q13, s13), (q2, s2) = quantize_int8(w13), quantize_int8(w2)
+    assert "w13_scale / w2_scale: expected contiguous" in moe_cuda.layout(x, q13, q2, s13.t().contiguous().t(), s2)
+
+
+@pytest.mark.interp
+def test_selection_asks_the_kernels_once_per_key(monkeypatch):
+    # A CUDA entry the kernels cannot take (here: the CPU) runs the Triton kernels without
+    # an exception raised on the way; the support is decided once per key, then looked up.
+    x, w13, w2, ids, w = problem("cpu", torch.float32, 1, 64, 48, 6, 2, "silu", 2)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
+    reasons = []
+    real = moe_cuda.supports
+    monkeypatch.setattr(moe_cuda, "supports", lambda *args: reasons.append(real(*args)) or reasons[-1])
+    monkeypatch.setattr(moe_triton, "_CUDA_SUPPORT", {})
+
+    def never(*args):
+        raise AssertionError("the CUDA kernels ran on operands they cannot take")
+    monkeypatch.setattr(moe_cuda, "run", never)
+    configs = (moe_cuda.UP_CANDIDATES[0], moe_cuda.DOWN_CANDIDATES[0])
+    for _ in range(3):
+        out = fused_moe_triton(x, w13, w2, w, ids, "silu", configs=configs)
+        assert rel(out, ref) < TOL[torch.float32]
+    assert len(reasons) == 1 and "CUDA device" in reasons[0]
+    assert moe_triton.cuda_reason(x, w13, w2, 2, "silu", None, None, configs) == reasons[0]
+    moe_triton.cuda_reason(x, w13, w2, 2, "silu", None, None, (configs[0], None))  # other configurations
+    assert len(reasons) == 2
+
+
 GPU_CASES = [  # t, h, f, e, k, activation
     (1, 4096, 1408, 8, 2, "silu"), (1, 2048, 768, 128, 8, "silu"), (1, 528, 1008, 16, 1, "gelu"),
     (2, 272, 144, 60, 4, "silu"), (3, 2048, 1024, 64, 8, "silu"), (16, 256, 96, 7, 1, "gelu"),
@@ -150,6 +187,11 @@ def test_unsupported_operands_fall_back_in_fused_moe():
     x, w13, w2, ids, w = problem("cuda", torch.float32, 1, 256, 96, 8, 2, "silu", 6)
     assert "bf16 or fp16" in moe_cuda.check(x, w13, w2, 2)
     configs = (moe_cuda.UP_CANDIDATES[1], moe_cuda.DOWN_CANDIDATES[1])
+    # A configuration the kernels cannot run is a reason too (row groups dividing the block).
+    x16 = x.bfloat16()
+    odd = (MoeCuda(bn=4, warps=8, unroll=1, row_groups=3), None)
+    assert "row_groups = 3" in moe_cuda.supports(x16, w13.bfloat16(), w2.bfloat16(), 2, configs=odd)
+    assert moe_cuda.supports(x16, w13.bfloat16(), w2.bfloat16(), 2, configs=configs) is None
     out = fused_moe_triton(x, w13, w2, w, ids, "silu", configs=configs)
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, "silu")
     assert rel(out, ref) < TOL[torch.float32]

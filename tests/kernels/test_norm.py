@@ -1,7 +1,8 @@
 """RMSNorm (``kernels.norm``) against its torch reference: alone, with the residual add in
 front, and as the MoE layer's entry (the add, the norm and the router GEMM, with or without
 the top-k table from the same launch); on CPU under the interpreter and on a GPU; and the
-norm + router kernel's Triton compile for sm_90 (tests.hopper)."""
+norm + router kernel's Triton compile for sm_90 (tests.hopper); ``dense.norm``'s modules
+return one type per method."""
 import pytest
 import torch
 
@@ -39,6 +40,28 @@ def test_rms_norm_matches_reference(device, dtype, shape, with_residual):
     assert rel(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_norm_modules_return_one_type_per_method(kind):
+    # dense.norm: norm(x) is a tensor, norm.add_and_norm(x, r) the pair (norm(x + r), x + r);
+    # no flag changes what one method returns.
+    from dense.norm import make_norm
+
+    gen = torch.Generator().manual_seed(5)
+    x, r = torch.randn(3, 40, generator=gen), torch.randn(3, 40, generator=gen)
+    norm = make_norm(kind, 40, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=gen)
+        y = norm(x)
+        pair = norm.add_and_norm(x, r)
+    assert isinstance(y, torch.Tensor) and isinstance(pair, tuple) and len(pair) == 2
+    torch.testing.assert_close(pair[1], x + r, rtol=0, atol=0)
+    torch.testing.assert_close(pair[0], norm(x + r), rtol=0, atol=0)
+    if kind == "rmsnorm":
+        torch.testing.assert_close(y, rms_norm_ref(x, norm.weight, 1e-6))
+    with pytest.raises(TypeError):
+        norm(x, residual=r)
+
+
 def test_rms_norm_rejects_mismatched_shapes():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"weight \[7\]: expected \[8\]"):
@@ -55,8 +78,10 @@ def test_rms_norm_router_matches_reference(device, dtype, t, h, e):
     r = torch.randn(t, h, generator=gen).to(device, dtype)
     nw = (torch.rand(h, generator=gen) + 0.5).to(device, dtype)
     rw = (torch.randn(e, h, generator=gen) / h ** 0.5).to(device, dtype)
-    out_h, summed, logits = rms_norm_router_triton(x, r, nw, 1e-5, rw)
-    ref_h, ref_sum, ref_logits = rms_norm_router_ref(x.double(), r.double(), nw.double(), 1e-5, rw.double())
+    out_h, summed, logits, ids, weights = rms_norm_router_triton(x, r, nw, 1e-5, rw)
+    ref_h, ref_sum, ref_logits, *no_table = rms_norm_router_ref(x.double(), r.double(), nw.double(), 1e-5,
+                                                                rw.double())
+    assert ids is None and weights is None and no_table == [None, None]  # one return type, with or without gating
     assert out_h.dtype == summed.dtype == logits.dtype == dtype and logits.shape == (t, e)
     assert rel(summed, ref_sum) < TOL[dtype] and rel(out_h, ref_h) < TOL[dtype]
     assert rel(logits, ref_logits) < 2 * TOL[dtype]
