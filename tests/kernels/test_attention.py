@@ -25,6 +25,7 @@ from kernels.attention.qkv_decode_triton import qkv_decode_triton
 from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, qkv_attention_ref,
                                          qkv_decode_ref)
 from tests.hopper import compile_in_subprocess
+from tests.kernels.common import CPU, GPU, rel
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # the QKV epilogue, fused attention
 BACKENDS = [
@@ -34,12 +35,6 @@ BACKENDS = [
     pytest.param("cuda", torch.float16, id="gpu-fp16", marks=pytest.mark.gpu),
 ]
 DECODE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # decode attention
-CPU = pytest.param("cpu", id="interp", marks=pytest.mark.interp)
-GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def case(device, dtype, b, hq, hkv, s, d, seed):

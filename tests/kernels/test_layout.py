@@ -7,21 +7,10 @@ import torch
 from kernels.layout.maps import token_maps_triton
 from kernels.layout.reference import TAG_INTS, dispatch_rows_ref, gather_rows_ref, scatter_rows_ref, token_maps_ref
 from kernels.layout.rows import dispatch_rows_triton, gather_rows_triton, scatter_rows_triton
+from tests.kernels.common import CPU, GPU, rel, routing
 
 # The gather's weighted sums round to the dtype (float32 accumulation).
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
-CPU = pytest.param("cpu", id="interp", marks=pytest.mark.interp)
-GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def routing(t, e, k, device, gen):
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
-    weights = torch.rand(t, k, generator=gen)
-    return ids.to(device), weights.to(device)
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])

@@ -13,13 +13,10 @@ import kernels
 from kernels.linear import sbi_cuda
 from kernels.linear.reference import sbi_linear_ref
 from kernels.linear.sbi_triton import sbi_config, sbi_linear_triton
+from tests.kernels.common import rel
 
 TRITON_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # the CUDA kernels (GPU only)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def maybe_int8(w, int8):

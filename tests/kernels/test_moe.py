@@ -13,21 +13,10 @@ from kernels.moe.reference import dequantize_ref, expert_ffn_ref, fused_moe_ref,
 from kernels.moe.triton import fused_moe_triton
 from kernels.routing.reference import topk_gating_ref
 from kernels.tuning import MoeCuda, MoeDequant, MoeGroupedMm, MoeTriton
+from tests.kernels.common import CPU, GPU, rel, routing
 
 # fp32 multiplies exactly (ieee dot); half types round the FFN's hidden activations.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
-CPU = pytest.param("cpu", id="interp", marks=pytest.mark.interp)
-GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def routing(t, e, k, device, gen):
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
-    weights = torch.rand(t, k, generator=gen)
-    return ids.to(device), weights.to(device)
 
 
 def weights(e, h, f, activation, dtype, device, gen):

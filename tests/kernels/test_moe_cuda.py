@@ -14,12 +14,9 @@ from kernels.moe import triton as moe_triton
 from kernels.moe.reference import fused_moe_ref, quantize_int8
 from kernels.moe.triton import fused_moe_triton
 from kernels.tuning import MoeCuda
+from tests.kernels.common import rel
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def problem(device, dtype, t, h, f, e, k, activation, seed, ids_dtype=torch.int32):

@@ -15,12 +15,11 @@ from kernels.layout.reference import row_pair_ref, token_maps_ref
 from kernels.routing.gating import grouped_topk_triton, topk_gating_triton
 from kernels.routing.reference import grouped_topk_ref, topk_gating_ref
 from kernels.routing.route_triton import route_triton
+from tests.kernels.common import CPU, GPU
 
 MARGIN = 1e-5
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 DEVICES = [pytest.param("cpu", marks=pytest.mark.interp), pytest.param("cuda", marks=pytest.mark.gpu)]
-CPU = pytest.param("cpu", id="interp", marks=pytest.mark.interp)
-GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
 
 
 def _scores(logits, score):
