@@ -16,7 +16,8 @@ setup(
     package_dir={"moe_infer.configs": "configs"},
     # kernels/cuda: the CUDA C++ sources, compiled at run time (kernels.cuda_common.cuda_source)
     package_data={"moe_infer": ["default_model/*"], "moe_infer.configs": ["*.yaml"],
-                  "kernels": ["tables/*.json", "cuda/*.cu", "cuda/*.cuh"]},
+                  "kernels": ["cuda/*.cuh"], "kernels.moe": ["tables/*.json", "*.cu"],
+                  "kernels.linear": ["tables/*.json", "*.cu"]},
     install_requires=[
         "torch>=2.4",
         "numpy",

@@ -14,7 +14,7 @@ its GPU backends (Triton; CUDA C++ compiled through CuPy):
   argmax     argmax
 
 Shared by them: ``options`` (what a user may set), ``pdl`` (programmatic dependent launch),
-``tuning`` (the typed tables in ``tables/``), ``launcher`` (cached Triton launches),
+``tuning`` (the typed tables in each operator's ``tables/``), ``launcher`` (cached Triton launches),
 ``cuda_common`` (the CUDA C++ sources in ``cuda/``, compilation and launch).
 
 Only torch is needed to import this package and to run every op on a CPU: an op runs its

@@ -27,16 +27,22 @@ import torch
 
 from kernels.pdl import pdl_on
 
-CUDA_DIR = Path(__file__).with_name("cuda")  # the .cu / .cuh sources, packaged beside this module
+KERNELS_DIR = Path(__file__).parent  # each operator's .cu sources in its package
+CUDA_DIR = KERNELS_DIR / "cuda"  # the headers they share (.cuh)
 _INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.M)
 
 
-def cuda_source(name: str) -> str:
-    """The text of ``kernels/cuda/<name>`` with each ``#include "file"`` line replaced by that
-    file's text (recursively): one self-contained program. NVRTC then needs no include path,
-    and CuPy's compile cache, keyed by the source text and options, sees every change to an
-    included file (it does not read the files an ``-I`` path would pull in)."""
-    return _INCLUDE.sub(lambda m: cuda_source(m.group(1)), (CUDA_DIR / name).read_text())
+def cuda_source(path: str) -> str:
+    """The text of ``kernels/<path>`` (e.g. "moe/moe.cu") with each ``#include "file"`` line
+    replaced by the text of ``kernels/cuda/<file>`` (recursively): one self-contained
+    program. NVRTC then needs no include path, and CuPy's compile cache, keyed by the source
+    text and options, sees every change to an included file (it does not read the files an
+    ``-I`` path would pull in)."""
+    return _included(KERNELS_DIR / path)
+
+
+def _included(file: Path) -> str:
+    return _INCLUDE.sub(lambda m: _included(CUDA_DIR / m.group(1)), file.read_text())
 
 
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}

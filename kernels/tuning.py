@@ -3,7 +3,8 @@ entries, and the one lookup the kernels use. Nothing is tuned while serving: the
 written offline (``scripts/tune_moe.py``, ``scripts/bench_dense.py --write-table``); how to
 tune a new GPU, and each kind's fields, are in docs/tuning.md.
 
-A table is ``kernels/tables/<op>-<device>-<dtype>.json`` (``table_path``):
+A table is ``kernels/<op>/tables/<device>-<dtype>.json``, in its operator's package
+(``table_path``):
 - op: ``moe`` (the fused MoE layer's up and down GEMMs, and ``linear_triton``'s one-group
   GEMM) or ``linear`` (the dense linear layer at decode sizes);
 - device: ``torch.cuda.get_device_name`` lower-cased, each run of other characters a ``-``
@@ -37,7 +38,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-TABLES_DIR = Path(__file__).with_name("tables")
+TABLES_DIR = Path(__file__).parent  # the kernels package: each operator's tables in <op>/tables/
 DTYPES = ("bfloat16", "float16", "float32", "int8")
 
 # Devices built on one chip (the same SMs, caches and instructions; they differ in memory
@@ -211,7 +212,8 @@ def sm_count(device: torch.device) -> int:
 
 
 def table_path(root: Path, op: str, device: str, dtype: str) -> Path:
-    return Path(root) / f"{op}-{device}-{dtype}.json"
+    """Where (op, device, dtype)'s table lives under ``root`` (``TABLES_DIR``: the kernels package)."""
+    return Path(root) / op / "tables" / f"{device}-{dtype}.json"
 
 
 @dataclass(frozen=True)
@@ -323,10 +325,10 @@ def load_table(path: Path) -> Table:
         table = Table(op, data["device"], data["dtype"], parsed)
     except TableError as exc:
         raise TableError(f"{path}: {exc}") from None
-    expected = table_path(path.parent, op, table.device, table.dtype).name
-    if path.name != expected:
+    expected = table_path(path.parents[2], op, table.device, table.dtype)
+    if path.parts[-3:] != expected.parts[-3:]:
         raise TableError(f"{path}: its op, device and dtype ({op}, {table.device}, {table.dtype}) name the file "
-                         f"{expected}")
+                         f"{Path(*expected.parts[-3:])}")
     return table
 
 

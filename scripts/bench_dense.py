@@ -197,7 +197,7 @@ def main():
     ap.add_argument("--no-attention", action="store_true", help="only the GEMM shapes")
     ap.add_argument("--write-table", action="store_true",
                     help="store the fastest GEMM per shape and row bucket in the device's linear tables, "
-                         "kernels/tables/linear-<device>-<dtype>.json")
+                         "kernels/linear/tables/<device>-<dtype>.json")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -1,5 +1,5 @@
 """Chooses the fused-MoE launch configurations per shape and T on the GPU it runs on, and
-merges them into that GPU's moe tables, kernels/tables/moe-<device>-<dtype>.json (one per
+merges them into that GPU's moe tables, kernels/moe/tables/<device>-<dtype>.json (one per
 weight dtype; ``kernels.tuning``, docs/tuning.md). Nothing is tuned while serving.
 
     PYTHONPATH=. python scripts/tune_moe.py [--shapes mixtral,qwen3] [--tokens 1,8,64] [--out DIR]
@@ -238,7 +238,8 @@ def main():
                          "against the table's current entries only")
     ap.add_argument("--only", help="time only the candidates with this option set (e.g. pipe), and the table's entry")
     ap.add_argument("--out", type=Path, default=tuning.TABLES_DIR,
-                    help="the tables' directory (default kernels/tables): writes moe-<device>-<dtype>.json there")
+                    help="the kernels package to write into (default: this tree's kernels/): writes "
+                         "<out>/moe/tables/<device>-<dtype>.json")
     ap.add_argument("--verbose", action="store_true", help="print every candidate's time")
     args = ap.parse_args()
     if not torch.cuda.is_available():

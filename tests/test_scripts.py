@@ -106,8 +106,8 @@ def test_dense_table_writer_keeps_pinned_entries(tmp_path):
     rows = [dict(T=t, N=64, K=32, cublas_us=9.0, ours_us=8.0, sbi_us=7.0, cuda_us=3.0, ours_int8_us=6.0,
                  sbi_int8_us=2.0, cuda_int8_us=4.0, cuda_cfg=cfg, cuda_int8_cfg=cfg) for t in (1, 2)]
     bench_dense.write_table(torch.device("cpu"), torch.bfloat16, rows, root=tmp_path)
-    bf16 = tuning.load_table(tmp_path / "linear-cpu-bfloat16.json").entries
-    int8 = tuning.load_table(tmp_path / "linear-cpu-int8.json").entries
+    bf16 = tuning.load_table(tmp_path / "linear" / "tables" / "cpu-bfloat16.json").entries
+    int8 = tuning.load_table(tmp_path / "linear" / "tables" / "cpu-int8.json").entries
     assert bf16 == {"N64:K32": {1: pinned, 2: tuning.LinearCuda(**cfg)}}
     assert int8 == {"N64:K32": {1: tuning.LinearSbi(), 2: tuning.LinearSbi()}, "N8:K8": {4: tuning.LinearTriton()}}
 

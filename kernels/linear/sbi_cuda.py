@@ -1,4 +1,4 @@
-"""SBI-GeMM in CUDA C++ (``kernels/cuda/sbi.cu``), compiled at run time through CuPy
+"""SBI-GeMM in CUDA C++ (``kernels/linear/sbi.cu``), compiled at run time through CuPy
 (NVRTC): the small-batch GEMM of DeepSpeed-Inference III-C, y = norm(x) @ W.T (+ bias)
 (+ residual), x [T, K] with T <= 16, W [N, K] bf16 / fp16 or int8 with per-output-channel
 scales. Same contract as ``kernels.linear.sbi_triton.sbi_linear_triton``.
@@ -45,7 +45,7 @@ import torch
 from kernels.cuda_common import DTYPES, compile_check, cuda_source, launch, ptr
 from kernels.linear.sbi_triton import NORMS
 
-SOURCE = cuda_source("sbi.cu")  # kernel sbi_gemm, and common.cuh's splitk_reduce
+SOURCE = cuda_source("linear/sbi.cu")  # kernel sbi_gemm, and common.cuh's splitk_reduce
 
 MAX_T = 16
 

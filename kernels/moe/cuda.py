@@ -1,4 +1,4 @@
-"""The MoE experts at decode sizes in CUDA C++ (``kernels/cuda/moe.cu``, compiled through
+"""The MoE experts at decode sizes in CUDA C++ (``kernels/moe/moe.cu``, compiled through
 CuPy): two kernels, no maps, no combine launch. Same contract as ``kernels.fused_moe`` for
 T <= MAX_T tokens.
 
@@ -62,7 +62,7 @@ import torch
 from kernels.cuda_common import DTYPES, compile_check, cuda_source, launch, ptr
 from kernels.tuning import MoeCuda
 
-SOURCE = cuda_source("moe.cu")  # kernels moe_up and moe_down, and common.cuh's splitk_reduce
+SOURCE = cuda_source("moe/moe.cu")  # kernels moe_up and moe_down, and common.cuh's splitk_reduce
 
 MAX_T = 16
 MAX_K = 16

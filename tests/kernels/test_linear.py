@@ -74,13 +74,13 @@ def test_source_compiles_for_hopper():
 
 
 def test_sources_reach_nvrtc_as_one_text():
-    # kernels/cuda/*.cu include common.cuh; cuda_source pastes it in, so the text handed to
+    # kernels/moe/moe.cu and kernels/linear/sbi.cu include kernels/cuda/common.cuh; cuda_source pastes it in, so the text handed to
     # NVRTC (and hashed by CuPy's compile cache) holds every helper and no #include.
     from kernels import cuda_common
     from kernels.moe import cuda as moe_cuda
 
     common = (cuda_common.CUDA_DIR / "common.cuh").read_text()
-    for name, source in (("sbi.cu", sbi_cuda.SOURCE), ("moe.cu", moe_cuda.SOURCE)):
+    for name, source in (("linear/sbi.cu", sbi_cuda.SOURCE), ("moe/moe.cu", moe_cuda.SOURCE)):
         assert source == cuda_common.cuda_source(name)
         assert common in source and "splitk_reduce" in source
         assert not re.search(r"^\s*#\s*include", source, re.M), name

@@ -20,6 +20,7 @@ UP = "up:E8:N64:K32:k2"
 def write(root: Path, op: str, device: str, dtype: str, entries: dict, header: dict | None = None) -> Path:
     """A table file at (op, device, dtype)'s path; ``header`` overrides what the file says."""
     path = tuning.table_path(root, op, device, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"op": op, "device": device, "dtype": dtype, "entries": entries, **(header or {})}))
     return path
 
@@ -67,6 +68,7 @@ def test_a_bad_linear_table_names_what_does_not_fit(tmp_path, entries, message):
 
 def test_a_bad_file_is_named(tmp_path):
     path = tuning.table_path(tmp_path, "moe", "gpu-a", "int8")
+    path.parent.mkdir(parents=True)
     path.write_text("{not json")
     with pytest.raises(TableError, match=f"^{path}: not JSON"):
         tuning.load_table(path)
@@ -83,7 +85,7 @@ def test_a_bad_file_is_named(tmp_path):
     with pytest.raises(TableError, match="device 'NVIDIA H200': expected a name like"):
         tuning.load_table(path)
     write(tmp_path, "moe", "gpu-a", "int8", {}, {"device": "gpu-b"})
-    with pytest.raises(TableError, match=r"\(moe, gpu-b, int8\) name the file moe-gpu-b-int8.json"):
+    with pytest.raises(TableError, match=r"\(moe, gpu-b, int8\) name the file moe/tables/gpu-b-int8.json"):
         tuning.load_table(path)
 
 
@@ -95,7 +97,7 @@ def test_entries_round_trip_through_the_file_format(tmp_path):
                                4096: MoeGroupedMm(bm=128, bn=256, bk=64, num_warps=8, num_stages=4, split_k=1,
                                                   group_m=16, sub_m=2, tma=True)}}
     path = tuning.write_table(tmp_path, tuning.Table("moe", "gpu-a", "int8", entries))
-    assert path == tmp_path / "moe-gpu-a-int8.json"
+    assert path == tmp_path / "moe" / "tables" / "gpu-a-int8.json"
     assert tuning.load_table(path).entries == entries
     # One line an entry: its kind, the fields without a default, the others where they differ.
     assert '   "2": {"kind": "cuda", "bn": 2, "warps": 4, "unroll": 2},' in path.read_text().splitlines()
@@ -154,7 +156,7 @@ def test_each_fallback_is_logged_once_per_shape_and_device(tmp_path, caplog):
 
 def test_a_bad_table_fails_at_its_first_lookup(tmp_path):
     write(tmp_path, "moe", "a", "bfloat16", {UP: {"1": dict(TRITON, bm=-16)}})
-    with pytest.raises(TableError, match=r"moe-a-bfloat16.json: up:E8:N64:K32:k2 T 1: triton entry field 'bm'"):
+    with pytest.raises(TableError, match=r"moe/tables/a-bfloat16.json: up:E8:N64:K32:k2 T 1: triton entry field 'bm'"):
         tuning.Tables(tmp_path).lookup("moe", "a", "bfloat16", UP, 1, LinearSbi)
 
 
@@ -188,10 +190,10 @@ def test_the_kernels_read_their_entries_through_the_lookup(tmp_path, monkeypatch
 
 
 def test_every_shipped_table_loads():
-    paths = sorted(tuning.TABLES_DIR.glob("*.json"))
-    assert paths, f"no tables in {tuning.TABLES_DIR}"
+    paths = sorted(tuning.TABLES_DIR.glob("*/tables/*.json"))
+    assert paths, f"no tables under {tuning.TABLES_DIR}"
     for path in paths:
         assert tuning.load_table(path).entries, path  # load_table raises naming what does not fit
-    assert {p.name for p in paths} >= {"moe-nvidia-h100-80gb-hbm3-bfloat16.json", "moe-nvidia-h100-80gb-hbm3-int8.json",
-                                        "linear-nvidia-h100-80gb-hbm3-bfloat16.json",
-                                        "linear-nvidia-h100-80gb-hbm3-int8.json"}
+    assert {"/".join(p.parts[-3:]) for p in paths} >= {
+        "moe/tables/nvidia-h100-80gb-hbm3-bfloat16.json", "moe/tables/nvidia-h100-80gb-hbm3-int8.json",
+        "linear/tables/nvidia-h100-80gb-hbm3-bfloat16.json", "linear/tables/nvidia-h100-80gb-hbm3-int8.json"}
