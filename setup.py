@@ -14,7 +14,8 @@ setup(
     packages=["moe_infer", "moe_infer.configs", "dense", "comm", "kernels", "kernels.argmax", "kernels.attention",
               "kernels.layout", "kernels.linear", "kernels.moe", "kernels.norm", "kernels.routing"],
     package_dir={"moe_infer.configs": "configs"},
-    # kernels/cuda: the CUDA C++ sources, compiled at run time (kernels.cuda_common.cuda_source)
+    # CUDA C++ sources (each operator's .cu, the shared header in kernels/cuda/) compile at run time
+    # (kernels.cuda_common.cuda_source); tuning tables sit in their operator's tables/
     package_data={"moe_infer": ["default_model/*"], "moe_infer.configs": ["*.yaml"],
                   "kernels": ["cuda/*.cuh"], "kernels.moe": ["tables/*.json", "*.cu"],
                   "kernels.linear": ["tables/*.json", "*.cu"]},
