@@ -89,7 +89,7 @@ class Request:
     detok: tuple[int, int] = (0, 0)  # ``decode_delta``'s (prefix, read) over ``generated``
     sent: int = 0  # characters already streamed
     stop_floor: int = 0  # stop strings match from this character of ``text`` on (min_tokens)
-    counts: torch.Tensor | None = None  # [V] each token's count in ``generated`` (penalties)
+    counts: torch.Tensor | None = None  # [V] each token's count among those sampled (penalties)
     seen: torch.Tensor | None = None  # [V] bool: in the prompt or generated (repetition penalty)
     bias: torch.Tensor | None = None  # [V] the logit bias, dense
     prompt_lp: list = field(default_factory=list)  # per prefill chunk: device logprob tensors
@@ -151,9 +151,10 @@ class Scheduler:
 
     def warm_up(self):
         """Before the first request, on a GPU: every decode bucket captured, and the kernels
-        compiled for prefills of each power-of-two width up to ``prefill_chunk``."""
+        compiled for prefills of each power-of-two width up to ``prefill_chunk``. Not on
+        several ranks: a forward there needs every rank, and the others wait for steps."""
         self.runner.capture_all()
-        if self.engine.device.type == "cuda":
+        if self.engine.device.type == "cuda" and self.broadcast is None:
             widths = [1 << i for i in range(self.prefill_chunk.bit_length())]
             self.runner.warm_up(widths + [self.prefill_chunk] * (widths[-1] != self.prefill_chunk))
 
