@@ -5,6 +5,13 @@ import torch
 
 CPU = pytest.param("cpu", id="interp", marks=pytest.mark.interp)
 GPU = pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)
+# (device, dtype): the interpreter in float32 and bf16, the GPU in its half types.
+BACKENDS = [
+    pytest.param("cpu", torch.float32, id="interp-fp32", marks=pytest.mark.interp),
+    pytest.param("cpu", torch.bfloat16, id="interp-bf16", marks=pytest.mark.interp),
+    pytest.param("cuda", torch.bfloat16, id="gpu-bf16", marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.float16, id="gpu-fp16", marks=pytest.mark.gpu),
+]
 
 
 def rel(a, b):

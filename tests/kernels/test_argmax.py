@@ -5,13 +5,7 @@ import pytest
 import torch
 
 from kernels.argmax.triton import argmax_triton
-
-BACKENDS = [
-    pytest.param("cpu", torch.float32, id="interp-fp32", marks=pytest.mark.interp),
-    pytest.param("cpu", torch.bfloat16, id="interp-bf16", marks=pytest.mark.interp),
-    pytest.param("cuda", torch.bfloat16, id="gpu-bf16", marks=pytest.mark.gpu),
-    pytest.param("cuda", torch.float16, id="gpu-fp16", marks=pytest.mark.gpu),
-]
+from tests.kernels.common import BACKENDS
 
 
 @pytest.mark.parametrize("device,dtype", BACKENDS)

@@ -25,15 +25,9 @@ from kernels.attention.qkv_decode_triton import qkv_decode_triton
 from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, qkv_attention_ref,
                                          qkv_decode_ref)
 from tests.hopper import compile_in_subprocess
-from tests.kernels.common import CPU, GPU, rel
+from tests.kernels.common import BACKENDS, CPU, GPU, rel
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # the QKV epilogue, fused attention
-BACKENDS = [
-    pytest.param("cpu", torch.float32, id="interp-fp32", marks=pytest.mark.interp),
-    pytest.param("cpu", torch.bfloat16, id="interp-bf16", marks=pytest.mark.interp),
-    pytest.param("cuda", torch.bfloat16, id="gpu-bf16", marks=pytest.mark.gpu),
-    pytest.param("cuda", torch.float16, id="gpu-fp16", marks=pytest.mark.gpu),
-]
 DECODE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # decode attention
 
 

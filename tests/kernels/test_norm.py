@@ -9,15 +9,9 @@ import torch
 from kernels.norm.reference import rms_norm_ref, rms_norm_router_ref
 from kernels.norm.triton import rms_norm_router_triton, rms_norm_triton
 from kernels.routing.gating import topk_gating_triton
-from tests.kernels.common import rel
+from tests.kernels.common import BACKENDS, rel
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-BACKENDS = [
-    pytest.param("cpu", torch.float32, id="interp-fp32", marks=pytest.mark.interp),
-    pytest.param("cpu", torch.bfloat16, id="interp-bf16", marks=pytest.mark.interp),
-    pytest.param("cuda", torch.bfloat16, id="gpu-bf16", marks=pytest.mark.gpu),
-    pytest.param("cuda", torch.float16, id="gpu-fp16", marks=pytest.mark.gpu),
-]
 
 
 @pytest.mark.parametrize("device,dtype", BACKENDS)
