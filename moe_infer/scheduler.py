@@ -333,7 +333,7 @@ class Scheduler:
                 self.metrics.tokens(1)
             delta = ""
             if tok is not None:
-                added, *r.detok = decode_delta(tok, r.generated, *r.detok)
+                added, r.detok = decode_delta(tok, r.generated, r.detok)
                 r.text += added
                 if len(r.generated) < r.min_tokens:  # stop strings match only in later text
                     r.stop_floor = len(r.text)
@@ -383,7 +383,7 @@ class Scheduler:
         """Sends the text still held back (an incomplete character, a possible stop string's
         start): the request ends."""
         if self.engine.tokenizer is not None:
-            added, *r.detok = decode_delta(self.engine.tokenizer, r.generated, *r.detok, final=True)
+            added, r.detok = decode_delta(self.engine.tokenizer, r.generated, r.detok, final=True)
             r.text += added
         self._emit_text(r, final=True)
 

@@ -28,15 +28,17 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
 
-def decode_delta(tokenizer, ids: list[int], prefix: int, read: int, final: bool = False) -> tuple[str, int, int]:
-    """Incremental detokenizing: the text that ``ids[read:]`` adds, decoding only a short
-    window from ``prefix`` (so a token costs the same at any length), and the next
-    (prefix, read). Decoding a window rather than the new tokens alone keeps what depends
+def decode_delta(tokenizer, ids: list[int], at: tuple[int, int],
+                 final: bool = False) -> tuple[str, tuple[int, int]]:
+    """Incremental detokenizing, ``at`` = (prefix, read): the text that ``ids[read:]`` adds,
+    decoding only a short window from ``prefix`` (so a token costs the same at any length),
+    and the next (prefix, read). Decoding a window rather than the new tokens alone keeps what depends
     on the tokens before (a leading space, a UTF-8 character split over tokens) as a full
     decode has it; text ending in an incomplete character waits for the next token unless
     ``final``."""
+    prefix, read = at
     before = tokenizer.decode(ids[prefix:read])
     text = tokenizer.decode(ids[prefix:])
     if len(text) > len(before) and (final or not text.endswith("\ufffd")):
-        return text[len(before):], read, len(ids)
-    return "", prefix, read
+        return text[len(before):], (read, len(ids))
+    return "", at

@@ -159,10 +159,10 @@ def test_incremental_detokenizing_equals_a_full_decode():
         ids = tok.encode(text) if trial == 0 else [rng.randrange(tok.vocab_size) for _ in range(40)]
         got, state = "", (0, 0)
         for n in range(1, len(ids) + 1):
-            added, *state = decode_delta(tok, ids[:n], *state)
+            added, state = decode_delta(tok, ids[:n], state)
             got += added
             assert tok.decode(ids[:n]).startswith(got)
-        got += decode_delta(tok, ids, *state, final=True)[0]
+        got += decode_delta(tok, ids, state, final=True)[0]
         assert got == tok.decode(ids)
 
 
