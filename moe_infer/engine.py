@@ -1,8 +1,11 @@
-"""The generation engine: prefill, then decode into a preallocated KV cache.
+"""The generation engine: prompts in, completions out, through the model runner
+(``moe_infer.runner``) that the server's scheduler drives too.
 
-Shape letters: B batch, L prompt slots (longest prompt), S cache slots, V vocab.
-A batch of prompts is left-padded so every row writes the same cache slot each step;
-``key_valid`` masks the padding and positions are counted per row.
+Shape letters: B batch, V vocab.
+A batch of prompts gets blocks of the runner's paged KV cache (each row its prompt and
+``max_new_tokens``), prefills in forwards of at most ``engine.prefill_tokens`` tokens, then
+decodes one token per row a step: on one GPU a captured CUDA graph per (rows, keys)
+bucket, the greedy argmax inside it, one host sync per step.
 """
 from __future__ import annotations
 
@@ -10,14 +13,15 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import kernels
 from comm import ParallelGroups, all_gather_json
 from moe_infer.config import Config
+from moe_infer.graphs import GRAPH_PRIMERS
 from moe_infer.model import Transformer
+from moe_infer.runner import PagedRunner, Row
 from moe_infer.sampling import SamplingParams, sample
 from moe_infer.tokenizer import Tokenizer
 
@@ -32,31 +36,6 @@ class Completion:
     # between its later tokens (None with fewer than two).
     time_to_first_token_s: float | None = None
     inter_token_s: float | None = None
-
-
-# The first two CUDA graphs a process instantiates measured slower in replay than the later
-# ones: the same decode step (the same kernels in the same order on the same addresses)
-# replayed faster as the process's third graph or later. Two one-kernel graphs made and
-# dropped before it gave the fast time, and a third added nothing. The graphs and their
-# memory were the same, so the cause lies below torch.
-GRAPH_PRIMERS = 2
-
-
-def prime_cuda_graphs(device: torch.device, count: int = GRAPH_PRIMERS) -> None:
-    """Captures, replays and drops ``count`` one-kernel CUDA graphs on ``device``, so the
-    graphs captured after them are the process's third and later."""
-    x = torch.zeros(32, device=device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        x.add_(1)  # the kernel loaded outside the capture
-    torch.cuda.current_stream(device).wait_stream(side)
-    for _ in range(count):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            x.add_(1)
-        graph.replay()
-    torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -89,55 +68,6 @@ class GenerationStats:
                 f"{rate(self.decoded_tokens, self.decode_s)}")
 
 
-def capture(step, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Runs ``step()`` twice on a side stream (every kernel compiled and loaded outside the
-    capture), then captures it in a CUDA graph -> (graph, the outputs its replays rewrite)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = step()
-    return graph, out
-
-
-class StaticDecoder:
-    """The decode step with fixed shapes for one (batch, cache slots) bucket: its own KV
-    cache and input buffers, the slot as a device tensor. ``graph=True`` captures the step
-    (every layer, and the greedy argmax) once in a CUDA graph and replays it; otherwise it
-    runs the same step eagerly (how CPU tests check the math)."""
-
-    def __init__(self, model: Transformer, batch: int, slots: int, graph: bool):
-        dev = model.embed.weight.device
-        self.model, self.batch, self.slots = model, batch, slots
-        self.cache = model.make_cache(batch, slots)
-        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self.slot = torch.zeros((), dtype=torch.long, device=dev)
-        self.key_valid = torch.zeros(batch, slots, dtype=torch.bool, device=dev)
-        self.positions = torch.zeros(batch, slots, dtype=torch.long, device=dev)
-        self.tables = model.rotary_tables(slots)  # rotary rows looked up by position each step
-        self.graph = None
-        if graph:
-            self.graph, self.out = capture(self._step, dev)
-
-    def _step(self):
-        ctx = self.model.static_decode_context(self.slot, self.key_valid, self.positions, self.tables)
-        logits = self.model(self.tokens, ctx, self.cache, last_only=True)[:, -1]
-        return logits, kernels.argmax(logits, pdl=self.model.options.pdl)
-
-    def run(self, tokens: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [batch] written at ``slot`` -> (logits [batch, V], greedy ids [batch])."""
-        self.tokens[:, 0].copy_(tokens)
-        self.slot.fill_(slot)
-        if self.graph is None:
-            return self._step()
-        self.graph.replay()
-        return self.out
-
-
 class _HostIds:
     """Token ids [B] on their way to the host: ``send`` queues the copy (into pinned memory
     on a GPU) and returns; ``receive`` waits for that copy alone, not for what the stream
@@ -160,8 +90,7 @@ class _HostIds:
 
 
 class Engine:
-    SLOT_BUCKET = 64  # cache lengths of static decode steps are rounded up to a multiple of this
-    MAX_DECODERS = 4  # captured (batch, slots) buckets kept; the oldest goes first
+    BLOCK_SIZE = 16  # tokens per block of generate()'s paged KV cache
 
     def __init__(self, model: Transformer, config: Config, tokenizer: Tokenizer | None = None,
                  groups: ParallelGroups | None = None):
@@ -181,20 +110,21 @@ class Engine:
         # step run eagerly; "eager": shapes grow with the cache (any device, any layout).
         single = not (dist.is_initialized() and dist.get_world_size() > 1)
         self.decode_mode = "graph" if p.is_cuda and single and config.engine.cuda_graphs else "eager"
-        self._decoders: dict[tuple[int, int], StaticDecoder] = {}
         self.graph_primers = GRAPH_PRIMERS  # graphs made before the first decode step's (0: none)
         self._primed = False
+        self.runner: PagedRunner | None = None  # generate()'s, made at the first call
 
-    def decoder(self, batch: int, slots: int) -> StaticDecoder:
-        key = (batch, slots)
-        if key not in self._decoders:
-            if len(self._decoders) >= self.MAX_DECODERS:
-                del self._decoders[next(iter(self._decoders))]
-            if self.decode_mode == "graph" and not self._primed:
-                prime_cuda_graphs(self.device, self.graph_primers)
-                self._primed = True
-            self._decoders[key] = StaticDecoder(self.model, batch, slots, self.decode_mode == "graph")
-        return self._decoders[key]
+    def runner_for(self, blocks: int) -> PagedRunner:
+        """generate()'s runner with a cache of at least ``blocks`` blocks. The cache grows in
+        powers of two; a new one drops the old one first, and with it the captured steps
+        (they hold the old cache's addresses)."""
+        r, batch = self.runner, self.config.engine.max_batch_size
+        graph = self.decode_mode == "graph"
+        if r is None or r.cache.num_blocks < blocks or r.max_batch < batch or r.graph != graph:
+            self.runner = None
+            r = self.runner = PagedRunner(self, 1 << (blocks - 1).bit_length(), self.BLOCK_SIZE, batch)
+        r.static = self.decode_mode != "eager"
+        return r
 
     # ----------------------------------------------------------------- inputs
 
@@ -308,58 +238,38 @@ class Engine:
                         stats: GenerationStats) -> list[Completion]:
         began = time.perf_counter()
         stats.prompt_tokens += sum(map(len, rows))
-        b, width = len(rows), max(map(len, rows))
-        slots = width + max_new
-        decoder = None
-        if self.decode_mode != "eager" and max_new > 1:
-            # Fixed shapes: the batch padded to a power of two (copies of row 0, dropped
-            # below), the cache to a multiple of SLOT_BUCKET; one decoder per bucket.
-            bucket = 1 << (b - 1).bit_length()
-            rows = rows + [rows[0]] * (bucket - b)
-            slots = min(-(-slots // self.SLOT_BUCKET) * self.SLOT_BUCKET, max(slots, self.config.max_seq_len))
-            decoder = self.decoder(bucket, slots)
-        pad = torch.tensor([width - len(r) for r in rows], device=self.device)  # [B]
-        left = np.zeros((len(rows), width), np.int64)  # left-padded ids; numpy fills it faster than torch.tensor
-        for i, r in enumerate(rows):
-            left[i, width - len(r):] = r
-        tokens = torch.from_numpy(left).to(self.device)
-        slot = torch.arange(slots, device=self.device)
-        key_valid = slot[None, :] >= pad[:, None]  # [B, S]: padding slots never attend
-        positions = (slot[None, :] - pad[:, None]).clamp(min=0)  # [B, S]
-        if decoder is not None:
-            decoder.key_valid.copy_(key_valid)
-            decoder.positions.copy_(positions)
-            cache = decoder.cache
-        else:
-            cache = self.model.make_cache(len(rows), slots)
+        b, bs = len(rows), self.BLOCK_SIZE
+        need = [-(-(len(r) + max_new) // bs) for r in rows]
+        runner = self.runner_for(sum(need))
+        tables, at = [], 0
+        for n in need:
+            tables.append(list(range(at, at + n)))
+            at += n
 
-        logits = self._prefill(tokens, key_valid[:, :width], positions[:, :width], cache,
-                               [len(r) == width for r in rows])
+        logits = self._prefill(runner, rows, tables)
 
-        def pick(logits, greedy):  # -> the next ids [len(rows)], on the device
-            if greedy is not None and params.greedy:
-                return greedy  # the argmax the graph computed
-            nxt = sample(logits[:b], params, generator, pdl=self.model.options.pdl)  # [b]: padding rows draw nothing
-            return torch.cat([nxt, nxt[:1].expand(len(rows) - b)]) if len(rows) > b else nxt
+        def pick(logits, greedy):  # -> the next ids [b], on the device
+            if params.greedy:
+                return greedy
+            return sample(logits, params, generator, pdl=self.model.options.pdl)
 
         generated = [[] for _ in range(b)]
         finish = [None] * b
         arrived = []  # host clock as each step's ids reach the host
-        host = _HostIds(len(rows), self.device)
-        nxt = pick(logits, None)
+        host = _HostIds(b, self.device)
+        nxt = pick(logits, kernels.argmax(logits, pdl=self.model.options.pdl) if params.greedy else None)
         for t in range(max_new):
             host.send(nxt)
             if t < max_new - 1:
                 # Step t + 1 is queued before token t reaches the host, so the GPU never
-                # waits for this loop. After the last EOS it is one wasted step.
-                s = width + t
-                if decoder is not None:
-                    upcoming = pick(*decoder.run(nxt, s))
-                else:
-                    upcoming = pick(self._decode(nxt, s, key_valid[:, :s + 1], positions[:, :s + 1], cache), None)
+                # waits for this loop. After the last EOS it is one wasted step. Each row
+                # feeds the token just picked from the device (``Row.src``).
+                runner.prev[:b].copy_(nxt)
+                upcoming = pick(*runner.decode([Row([0], len(r) + t, tab, i)
+                                                for i, (r, tab) in enumerate(zip(rows, tables))]))
             ids = host.receive()  # the one host sync per token
             arrived.append(time.perf_counter())
-            for i, tok in enumerate(ids[:b]):
+            for i, tok in enumerate(ids):
                 if finish[i] is None:
                     if tok in self.eos:
                         finish[i] = "stop"
@@ -383,28 +293,30 @@ class Engine:
                            arrived[0] - start, gap(len(g)))
                 for g, f in zip(generated, finish)]
 
-    def _prefill(self, tokens, key_valid, positions, cache, full: list[bool]) -> torch.Tensor:
-        """tokens [B, L] -> logits of the last prompt slot [B, V], in forwards of at most
-        ``engine.prefill_tokens`` tokens: groups of whole rows, or a row alone in pieces of
-        its prompt where one row is longer than that (a piece attends over the slots its
-        earlier pieces cached). ``full[i]``: row i has no padding; a group of such rows
-        from slot 0 runs plain causal attention."""
-        b, width = tokens.shape
+    def _prefill(self, runner: PagedRunner, rows: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
+        """Caches the prompts ``rows`` in their blocks -> float32 logits of each one's last
+        token [B, V], in forwards of at most ``engine.prefill_tokens`` tokens (the padded
+        width of a forward times its rows): consecutive prompts together while they fit, a
+        longer one alone in pieces (a piece attends over what its earlier pieces cached)."""
         budget = self.config.engine.prefill_tokens
-        group, piece = max(1, budget // width), min(width, budget)
-        out = []
-        for r0 in range(0, b, group):
-            r1 = min(b, r0 + group)
-            rows = cache.rows(r0, r1)
-            for a in range(0, width, piece):
-                e = min(width, a + piece)
-                ctx = self.model.context(positions[r0:r1, a:e], key_valid[r0:r1, :e], positions[r0:r1, :e],
-                                         start=a, no_padding=all(full[r0:r1]))
-                logits = self.model(tokens[r0:r1, a:e], ctx, rows, last_only=True)[:, -1]
-            out.append(logits)  # the last piece's: the row's last prompt slot
-        return out[0] if len(out) == 1 else torch.cat(out)
+        out = [None] * len(rows)
+        group: list[int] = []
 
-    def _decode(self, tokens, slot: int, key_valid, positions, cache) -> torch.Tensor:
-        """tokens [B] written at cache slot ``slot`` -> next logits [B, V]."""
-        ctx = self.model.context(positions[:, slot:slot + 1], key_valid, positions, start=slot)
-        return self.model(tokens[:, None], ctx, cache, last_only=True)[:, -1]
+        def run(group):
+            logits = runner.forward([Row(rows[i], 0, tables[i]) for i in group])
+            for j, i in enumerate(group):
+                out[i] = logits[j]
+
+        for i, r in enumerate(rows):
+            if len(r) > budget:  # alone, in pieces
+                for a in range(0, len(r), budget):
+                    logits = runner.forward([Row(r[a:a + budget], a, tables[i])])
+                out[i] = logits[0]
+                continue
+            if group and (len(group) + 1) * max(len(r), *(len(rows[j]) for j in group)) > budget:
+                run(group)
+                group = []
+            group.append(i)
+        if group:
+            run(group)
+        return torch.stack(out)

@@ -12,6 +12,7 @@ from comm import ParallelGroups
 from dense import MLP, Attention, KVCache, PagedKVCache, Rotary, StepContext, make_norm
 from dense.norm import RMSNorm
 from dense.parallel_linear import Linear
+from kernels.attention.reference import paged_decode_context_ref
 from kernels.norm import ROUTER_MAX_ROWS
 from kernels.options import KernelOptions
 from moe_infer.config import Config
@@ -113,6 +114,22 @@ class Transformer(nn.Module):
                       context_lens: torch.Tensor, num_keys: int) -> StepContext:
         return StepContext.paged(positions, query_valid, context_lens, num_keys, self.rotary,
                                  self.embed.weight.dtype, self.cfg.model.sliding_window)
+
+    def paged_decode_context(self, inputs: torch.Tensor, prev: torch.Tensor, cache: PagedKVCache, num_keys: int,
+                             tables: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, StepContext]:
+        """A fixed-shape paged decode step's inputs [B, 4 + N] (``moe_infer.runner.
+        PagedDecodeStep``) -> (tokens [B, 1], its StepContext), the cache's write and read
+        slots set for the step: one launch on a GPU (``kernels.attention.paged_context``),
+        the same values through torch ops elsewhere. ``tables``: ``rotary_tables(num_keys)``."""
+        args = (inputs, prev, cache.block_size, num_keys, cache.trash, self.embed.weight.dtype, tables,
+                self.cfg.model.sliding_window)
+        if inputs.is_cuda:
+            from kernels.attention.paged_context import paged_decode_context_triton
+            c = paged_decode_context_triton(*args, pdl=self.options.pdl)
+        else:
+            c = paged_decode_context_ref(*args)
+        cache.write_slots, cache.read_slots = c["write"], c["read"]
+        return c["tokens"], StepContext(c["positions"], c["mask"], c["cos"], c["sin"], 0)
 
     def context(self, positions: torch.Tensor, key_valid: torch.Tensor,
                 key_positions: torch.Tensor, start: int, no_padding: bool = False) -> StepContext:

@@ -1,5 +1,5 @@
-"""The server's model runner over a paged KV cache, with the decode step captured in CUDA
-graphs.
+"""The model runner behind both ``Engine.generate`` and the server's scheduler: the model's
+forward over a paged KV cache, with the decode step captured in CUDA graphs.
 
 Shape letters: B rows this step, T new tokens per row (left-padded), S key slots per row,
 N blocks per row's table, V vocab.
@@ -9,16 +9,22 @@ fit no bucket) and runs eagerly. A decode step, one new token per row, runs as a
 ``PagedDecodeStep`` of fixed shapes: B padded to a power of two, S to a power of two of at
 least ``MIN_KEYS``, its inputs in device buffers filled by one copy. On one GPU each
 (B, S) bucket is captured once in a CUDA graph and replayed, so the step costs one copy and
-one launch from the host, as ``Engine.generate`` decodes.
+one launch from the host. The step also takes each row's greedy token (the argmax) inside
+the graph, so greedy decoding costs one copy to the host a step.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from moe_infer.engine import Engine, capture, prime_cuda_graphs
+import kernels
+from moe_infer.graphs import capture, prime_cuda_graphs
+
+if TYPE_CHECKING:
+    from moe_infer.engine import Engine
 
 
 @dataclass
@@ -46,26 +52,19 @@ class PagedDecodeStep:
         self.blocks = keys // runner.block_size
         self.inputs = torch.zeros(batch, 4 + self.blocks, dtype=torch.long, device=dev)
         self.host = torch.zeros_like(self.inputs, device="cpu", pin_memory=dev.type == "cuda")
+        self.tables = runner.model.rotary_tables(keys)  # rotary rows looked up by position each step
         self.graph = None
         if graph:  # every row padding: the warm-up steps write only the cache's trash slot
             self.graph, self.out = capture(self._step, dev, pool)
 
-    def _step(self) -> torch.Tensor:
-        cache, bs = self.runner.cache, self.runner.block_size
-        tokens, pos, real, src, tables = (self.inputs[:, :1], self.inputs[:, 1:2], self.inputs[:, 2],
-                                          self.inputs[:, 3:4], self.inputs[:, 4:])
-        tokens = torch.where(src >= 0, self.runner.prev[src.clamp(min=0)], tokens)
-        valid = real.bool()  # [B]
-        lens = (pos[:, 0] + 1) * real  # [B] keys after this step (0: padding)
-        write = tables.gather(1, pos // bs) * bs + pos % bs  # [B, 1]
-        write = torch.where(valid[:, None], write, cache.trash)
-        cache.set_step(write, tables, lens, self.keys)
-        model = self.runner.model
-        ctx = model.paged_context(pos, valid[:, None], lens, self.keys)
-        return model(tokens, ctx, cache, last_only=True)[:, -1].float()
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        model, cache = self.runner.model, self.runner.cache
+        tokens, ctx = model.paged_decode_context(self.inputs, self.runner.prev, cache, self.keys, self.tables)
+        logits = model(tokens, ctx, cache, last_only=True)[:, -1]
+        return logits.float(), kernels.argmax(logits, pdl=model.options.pdl)
 
-    def run(self, rows: list[Row]) -> torch.Tensor:
-        """-> float32 logits [len(rows), V]."""
+    def run(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (float32 logits [len(rows), V], greedy ids [len(rows)])."""
         h = self.host.numpy()  # the pinned buffer itself
         h.fill(0)
         for i, r in enumerate(rows):
@@ -73,16 +72,20 @@ class PagedDecodeStep:
             h[i, :4] = r.tokens[0], r.start, 1, r.src
             h[i, 4:4 + len(blocks)] = blocks
         self.inputs.copy_(self.host, non_blocking=True)
+        n = len(rows)
         if self.graph is None:
-            return self._step()[:len(rows)]
-        self.graph.replay()
-        return self.out[:len(rows)]
+            logits, ids = self._step()
+        else:
+            self.graph.replay()
+            logits, ids = self.out
+        return logits[:n], ids[:n]
 
 
 class PagedRunner:
     """Runs the model over a ``PagedKVCache``: rows of any lengths and cache depths. Decode
-    steps go through ``PagedDecodeStep`` where ``static`` (on one GPU with CUDA graphs: the
-    engine's ``decode_mode`` is "graph")."""
+    steps go through ``PagedDecodeStep`` where ``static``: captured in CUDA graphs where the
+    engine's ``decode_mode`` is "graph" (one GPU), run eagerly with the same fixed shapes
+    where it is "static" (how CPU tests check the graph's math)."""
 
     MIN_KEYS = 64  # the smallest key bucket of a decode step
 
@@ -92,12 +95,12 @@ class PagedRunner:
         self.block_size, self.max_batch = block_size, max_batch
         self.max_keys = -(-engine.config.max_seq_len // block_size) * block_size
         self.graph = engine.decode_mode == "graph"
-        self.static = self.graph  # CPU tests set it to run the fixed-shape step eagerly
+        self.static = engine.decode_mode in ("graph", "static")
         self._steps: dict[tuple[int, int], PagedDecodeStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graph else None  # one pool: steps never overlap
         # The tokens sampled by the last step, which the next one feeds without a trip
-        # through the host (``Row.src``): the scheduler writes them.
-        self.prev = torch.zeros(max_batch, dtype=torch.long, device=engine.device)
+        # through the host (``Row.src``): its caller writes them.
+        self.prev = torch.zeros(1 << (max_batch - 1).bit_length(), dtype=torch.long, device=engine.device)
 
     def step_for(self, batch: int, keys: int) -> PagedDecodeStep | None:
         """The fixed-shape decode step of the bucket holding ``batch`` rows of at most
@@ -145,11 +148,19 @@ class PagedRunner:
     @torch.no_grad()
     def forward(self, rows: list[Row]) -> torch.Tensor:
         """-> float32 logits [B, V] of each row's last new token."""
+        return self.decode(rows)[0]
+
+    @torch.no_grad()
+    def decode(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (float32 logits [B, V] of each row's last new token, its greedy ids [B]). A
+        step of one new token per row that fits a bucket replays its fixed-shape step (the
+        argmax taken inside it); any other runs eagerly."""
         if self.static and all(len(r.tokens) == 1 for r in rows):
             step = self.step_for(len(rows), max(r.start + 1 for r in rows))
             if step is not None:
                 return step.run(rows)
-        return self._run(rows, last_only=True)[:, -1].float()
+        logits = self._run(rows, last_only=True)[:, -1]
+        return logits.float(), kernels.argmax(logits, pdl=self.model.options.pdl)
 
     @torch.no_grad()
     def forward_all(self, rows: list[Row]) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from moe_infer.engine import prime_cuda_graphs
+from moe_infer.graphs import prime_cuda_graphs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
@@ -151,7 +151,7 @@ _PRIMED: set[int] = set()  # CUDA devices whose first (slower-replaying) graphs 
 
 def prime_graphs(device: torch.device | str) -> None:
     """Once per device and process: the first CUDA graphs a process makes replay slower
-    than later ones (``moe_infer.engine.prime_cuda_graphs``), so one-kernel graphs take
+    than later ones (``moe_infer.graphs.prime_cuda_graphs``), so one-kernel graphs take
     those places before anything is timed."""
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()

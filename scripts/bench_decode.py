@@ -74,20 +74,26 @@ def replay_ms(engine, batch: int, slot: int | None = None) -> float | None:
     between (the per-token figure also holds the host's share and the gap between
     replays). None without a graph.
     The first two CUDA graphs a process makes replay 2-2.6% slower than later ones (measured
-    on OLMoE and Qwen3-30B-A3B); the engine makes two one-kernel
-    graphs before its first decode step's, so this capture is the process's third."""
-    decoder = captured_decoder(engine, batch)
-    if decoder is None:
+    on OLMoE and Qwen3-30B-A3B); the runner makes two one-kernel graphs before its first
+    decode step's, so this capture is the process's third."""
+    step = captured_decoder(engine, batch, slot)
+    if step is None:
         return None
     if slot is not None:
-        decoder.slot.fill_(slot)
-    return bc.time_fn(decoder.graph.replay, warmup=3, reps=50, device=engine.device) / 1e3
+        step.inputs[:, 1].fill_(slot)  # every row's position; padding rows still write the trash slot
+    return bc.time_fn(step.graph.replay, warmup=3, reps=50, device=engine.device) / 1e3
 
 
-def captured_decoder(engine, batch: int):
-    """The smallest captured decode step holding ``batch`` rows; None without one."""
-    decoders = [d for d in engine._decoders.values() if d.graph is not None and d.batch >= batch]
-    return min(decoders, key=lambda d: d.batch) if decoders else None
+def captured_decoder(engine, batch: int, slot: int | None = None):
+    """The captured decode step of the smallest batch bucket holding ``batch`` rows: the
+    one of the largest key bucket (the last generate() used), or with ``slot`` the smallest
+    one whose keys reach past it; None without one."""
+    runner = engine.runner
+    steps = [s for s in (runner._steps.values() if runner is not None else ())
+             if s.graph is not None and s.batch >= batch and (slot is None or s.keys > slot)]
+    if not steps:
+        return None
+    return min(steps, key=lambda s: (s.batch, s.keys if slot is not None else -s.keys))
 
 
 def captured_step(engine, batch: int):
@@ -286,7 +292,7 @@ def matrix_cell(engine, prompt_len: int, batch: int, new_tokens: int, reps: int,
     vocab = engine.config.model.vocab_size
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
     prompts_for[(prompt_len, batch)] = prompts
-    engine._decoders.clear()  # one bucket's KV cache on the device at a time
+    engine.runner = None  # one cell's KV cache on the device at a time
     bc.empty_cache(engine.device)
     engine.config.engine.max_batch_size = max(engine.config.engine.max_batch_size, batch)
     engine.generate(prompts, max_new_tokens=new_tokens)  # warm-up
@@ -382,7 +388,7 @@ def run_matrix(engine, args, lens: list[int], batches: list[int], peer_cells: se
     mm = bc.measure_matmul_tflops(engine.device) if engine.device.type == "cuda" else None
     peer_note = "not run (--peer)"
     if args.peer:
-        engine._decoders = {}
+        engine.runner = None
         engine.model.to("meta")  # a second copy of a large model does not fit beside ours
         bc.empty_cache(engine.device)
         chosen = peer_cells if peer_cells is not None else set(prompts_for)
@@ -503,7 +509,7 @@ def main():
         # Our captured caches and weights go first: beside them a second copy of the model
         # does not fit (Qwen3-30B-A3B on an 80 GB H100, Mixtral on an H200). Nothing below
         # runs our model again.
-        engine.decode_mode, engine._decoders = fast, {}
+        engine.decode_mode, engine.runner = fast, None
         engine.model.to("meta")
         bc.empty_cache(engine.device)
         peer, _, peer_note = peer_ms(engine, args, prompts_for)

@@ -31,7 +31,7 @@ from comm import ParallelGroups, bootstrap, shutdown  # noqa: E402
 from dense import Attention, KVCache, MLP, StepContext  # noqa: E402
 from moe_infer.config import ModelConfig, MoEConfig, ParallelConfig  # noqa: E402
 from moe_infer.dispatch import ExpertParallelDispatcher  # noqa: E402
-from moe_infer.engine import capture  # noqa: E402
+from moe_infer.graphs import capture  # noqa: E402
 from moe_infer.moe_layer import MoELayer  # noqa: E402
 
 SHAPES = {  # name: H, F, E, k

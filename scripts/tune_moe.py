@@ -27,7 +27,7 @@ from kernels.moe import cuda as moe_cuda  # noqa: E402
 from kernels.moe.triton import default_config, fused_moe_triton, launch_config  # noqa: E402
 from kernels.routing.reference import topk_gating_ref  # noqa: E402
 from kernels.tuning import MoeCuda, MoeDequant, MoeEntry, MoeGroupedMm, MoeTriton  # noqa: E402
-from moe_infer.engine import prime_cuda_graphs  # noqa: E402
+from moe_infer.graphs import prime_cuda_graphs  # noqa: E402
 
 SHAPES = {  # name: H, F, E, k, activation
     "mixtral": (4096, 14336, 8, 2, "silu"),

@@ -125,3 +125,30 @@ def qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, 
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     scores = torch.einsum("bhd,bhsd->bhs", q.to(ct), kk) * scale + bias.reshape(b, 1, -1).to(ct)
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv).to(q.dtype)
+
+
+def paged_decode_context_ref(inputs, prev, block_size, num_keys, trash, dtype, tables, sliding_window=None,
+                             bias=False) -> dict:
+    """``kernels.attention.paged_context.paged_decode_context_triton``'s outputs with torch
+    ops (the contract is there): inputs [B, 4 + N] int64 rows (token, position, real, src,
+    block table), prev [P] int64."""
+    bs = block_size
+    tokens, pos, real, src, table = inputs[:, :1], inputs[:, 1:2], inputs[:, 2], inputs[:, 3:4], inputs[:, 4:]
+    tokens = torch.where(src >= 0, prev[src.clamp(min=0)], tokens)
+    lens = (pos[:, 0] + 1) * (real != 0)  # [B] keys after this step (0: padding)
+    write = torch.where((real != 0)[:, None], table.gather(1, pos // bs) * bs + pos % bs, trash)
+    k = torch.arange(num_keys, device=inputs.device)
+    held = k[None, :] < lens[:, None]  # [B, S]
+    read = torch.where(held, table[:, k // bs] * bs + k % bs, trash)
+    ok = held & (k[None, :] <= pos)
+    if sliding_window is not None:
+        ok &= pos - k[None, :] < sliding_window
+    ok |= (k == 0)[None, :] & (lens == 0)[:, None]  # a padding row sees key 0: a finite softmax
+    mask = ok[:, None, None, :]
+    if bias:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    cos = sin = None
+    if tables is not None:
+        cos, sin = tables[0][pos], tables[1][pos]  # [B, 1, D]
+    return {"tokens": tokens, "positions": pos.clone(), "write": write, "lens": lens, "read": read, "mask": mask,
+            "cos": cos, "sin": sin}

@@ -12,10 +12,11 @@ from dense.parallel_linear import ColumnParallelLinear, Linear, RowParallelLinea
 from dense.quant import Int8Linear
 from kernels.options import KernelOptions
 from moe_infer.config import config_from_dict
-from moe_infer.engine import StaticDecoder
+from moe_infer.engine import Engine
 from moe_infer.experts import Experts, Int8Experts, quantize_model
 from moe_infer.loader import _materialize
 from moe_infer.model import Block, Transformer
+from moe_infer.runner import PagedRunner, Row
 
 MOE = {  # RMSNorm, per-head q/k norm, a dense first layer, shared experts, an untied LM head
     "model": dict(vocab_size=61, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden=40,
@@ -34,6 +35,17 @@ def _model(engine: dict) -> Transformer:
     _materialize(model, torch.device("cpu"), torch.float32)
     model.init_random(0)
     return model.eval()
+
+
+def _prefill_and_decode(model: Transformer, graph: bool):
+    """A prefill of two rows through the runner, then one fixed-shape decode step (captured
+    where ``graph``, else run eagerly)."""
+    engine = Engine(model, model.cfg)
+    engine.decode_mode = "graph" if graph else "static"
+    runner = PagedRunner(engine, num_blocks=8, block_size=8, max_batch=2)
+    rows = [Row([3, 14, 15, 9], 0, [0]), Row([2, 6, 5, 3], 0, [1])]
+    runner.forward(rows)
+    runner.forward([Row([7], 4, [0]), Row([1], 4, [1])])
 
 
 def test_kernel_options_validate_their_fields():
@@ -78,7 +90,7 @@ def test_engine_options_reach_every_layer(engine):
 
 @pytest.mark.parametrize("pdl", [False, True])
 def test_kernel_calls_get_the_configured_pdl(monkeypatch, pdl):
-    """A prefill and a static decode step (the graph path's step, run eagerly), in full
+    """A prefill and a fixed-shape decode step (the graph path's step, run eagerly), in full
     precision and int8: every call of a kernel entry point from the layers carries the
     engine's ``pdl``."""
     seen: dict[str, list] = {}
@@ -97,16 +109,9 @@ def test_kernel_calls_get_the_configured_pdl(monkeypatch, pdl):
                          (dense.parallel_linear, "dense_linear"), (dense.parallel_linear, "norm_linear")):
         record(module, name)
     model = _model({"pdl": pdl})
-    tokens = torch.tensor([[3, 14, 15, 9], [2, 6, 5, 3]])
     with torch.no_grad():
         for _ in range(2):  # full precision, then int8
-            positions = torch.arange(4).expand(2, 4)
-            ctx = model.context(positions, torch.ones(2, 4, dtype=torch.bool), positions, 0, no_padding=True)
-            model(tokens, ctx, model.make_cache(2, 8))
-            dec = StaticDecoder(model, 2, 8, graph=False)
-            dec.key_valid.fill_(True)
-            dec.positions.copy_(torch.arange(8).expand(2, 8))
-            dec.run(tokens[:, 0], 4)
+            _prefill_and_decode(model, graph=False)
             quantize_model(model)
     assert set(seen) - {"kernels.topk_gating"} == {
         "kernels.rms_norm", "kernels.fused_moe", "kernels.argmax", "kernels.route", "kernels.dense_linear",
@@ -117,7 +122,7 @@ def test_kernel_calls_get_the_configured_pdl(monkeypatch, pdl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
 def test_every_launch_of_a_dense_step_asks_with_the_configured_pdl(monkeypatch, pdl):
-    """On a GPU, a dense model's prefill and captured static decode step: every launch of
+    """On a GPU, a dense model's prefill and captured decode step: every launch of
     our kernels (Triton and CUDA C++) decides PDL from the engine's option."""
     import kernels.cuda_common
 
@@ -135,15 +140,7 @@ def test_every_launch_of_a_dense_step_asks_with_the_configured_pdl(monkeypatch, 
         model = Transformer(cfg)
     _materialize(model, torch.device("cuda"), torch.bfloat16)
     model.init_random(0)
-    tokens = torch.tensor([[3, 14, 15, 9], [2, 6, 5, 3]], device="cuda")
     with torch.no_grad():
-        positions = torch.arange(4, device="cuda").expand(2, 4)
-        ctx = model.context(positions, torch.ones(2, 4, dtype=torch.bool, device="cuda"), positions, 0,
-                            no_padding=True)
-        model(tokens, ctx, model.make_cache(2, 64))
-        dec = StaticDecoder(model.eval(), 2, 64, graph=True)
-        dec.key_valid.fill_(True)
-        dec.positions.copy_(torch.arange(64, device="cuda").expand(2, 64))
-        dec.run(tokens[:, 0], 4)
+        _prefill_and_decode(model.eval(), graph=True)
     torch.cuda.synchronize()
     assert asked and set(asked) == {pdl}
