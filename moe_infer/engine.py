@@ -16,13 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import kernels
 from comm import ParallelGroups, all_gather_json
 from moe_infer.config import Config
 from moe_infer.graphs import GRAPH_PRIMERS
 from moe_infer.model import Transformer
 from moe_infer.runner import PagedRunner, Row
-from moe_infer.sampling import SamplingParams, sample
+from moe_infer.sampling import SamplingParams, knobs, sample_rows
 from moe_infer.tokenizer import Tokenizer
 
 
@@ -113,6 +112,7 @@ class Engine:
         self.graph_primers = GRAPH_PRIMERS  # graphs made before the first decode step's (0: none)
         self._primed = False
         self.runner: PagedRunner | None = None  # generate()'s, made at the first call
+        self._calls = 0  # generate() calls: unseeded sampling draws anew in each
 
     def runner_for(self, blocks: int) -> PagedRunner:
         """generate()'s runner with a cache of at least ``blocks`` blocks. The cache grows in
@@ -216,13 +216,16 @@ class Engine:
         if self.split_prompts:
             dp = self.groups.dp
             lo, hi = dp.rank * len(rows) // dp.size, (dp.rank + 1) * len(rows) // dp.size
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Prompt i samples with seed + i, so its tokens do not depend on the other prompts.
+        # Without a seed, one from the engine's seed and a count of the calls: the same on
+        # every rank (tensor-parallel ranks must draw the same tokens), new for each call.
+        self._calls += 1
+        base = seed if seed is not None else hash((self.config.engine.seed, self._calls))
         out, stats = [], GenerationStats()
         step = self.config.engine.max_batch_size  # larger requests run in several batches
         for b in range(lo, hi, step):
-            out += self._generate_batch(rows[b:min(hi, b + step)], max_new_tokens, params, generator, start, stats)
+            seeds = [base + i for i in range(b, min(hi, b + step))]
+            out += self._generate_batch(rows[b:min(hi, b + step)], max_new_tokens, params, seeds, start, stats)
         if self.split_prompts:
             device = self.device if dist.get_backend() == "nccl" else "cpu"
             shares = all_gather_json([[dataclasses.asdict(c) for c in out], dataclasses.asdict(stats)],
@@ -234,7 +237,7 @@ class Engine:
         self.last_stats = stats
         return out
 
-    def _generate_batch(self, rows, max_new, params, generator, start: float,
+    def _generate_batch(self, rows, max_new, params, seeds: list[int], start: float,
                         stats: GenerationStats) -> list[Completion]:
         began = time.perf_counter()
         stats.prompt_tokens += sum(map(len, rows))
@@ -248,25 +251,21 @@ class Engine:
 
         logits = self._prefill(runner, rows, tables)
 
-        def pick(logits, greedy):  # -> the next ids [b], on the device
-            if params.greedy:
-                return greedy
-            return sample(logits, params, generator, pdl=self.model.options.pdl)
-
         generated = [[] for _ in range(b)]
         finish = [None] * b
         arrived = []  # host clock as each step's ids reach the host
         host = _HostIds(b, self.device)
-        nxt = pick(logits, kernels.argmax(logits, pdl=self.model.options.pdl) if params.greedy else None)
+        nxt = sample_rows(logits, [knobs(params, s, 0) for s in seeds], pdl=self.model.options.pdl)
         for t in range(max_new):
             host.send(nxt)
             if t < max_new - 1:
                 # Step t + 1 is queued before token t reaches the host, so the GPU never
                 # waits for this loop. After the last EOS it is one wasted step. Each row
-                # feeds the token just picked from the device (``Row.src``).
+                # feeds the token just picked from the device (``Row.src``) and samples
+                # inside the step.
                 runner.prev[:b].copy_(nxt)
-                upcoming = pick(*runner.decode([Row([0], len(r) + t, tab, i)
-                                                for i, (r, tab) in enumerate(zip(rows, tables))]))
+                upcoming = runner.decode([Row([0], len(r) + t, tab, i, knobs(params, s, t + 1))
+                                          for i, (r, tab, s) in enumerate(zip(rows, tables, seeds))])[1]
             ids = host.receive()  # the one host sync per token
             arrived.append(time.perf_counter())
             for i, tok in enumerate(ids):

@@ -22,6 +22,7 @@ import torch
 
 import kernels
 from moe_infer.graphs import capture, prime_cuda_graphs
+from moe_infer.sampling import Knobs, draw, sample_rows
 
 if TYPE_CHECKING:
     from moe_infer.engine import Engine
@@ -36,48 +37,78 @@ class Row:
     start: int
     table: list[int]
     src: int = -1  # >= 0: the last new token is ``PagedRunner.prev[src]`` (sampled on the device)
+    sample: Knobs | None = None  # how its next token is drawn (``moe_infer.sampling.knobs``); None: greedy
 
 
 class PagedDecodeStep:
     """The decode step of at most ``batch`` rows over at most ``keys`` key slots each, with
     fixed shapes. ``inputs`` [B, 4 + N] holds per row: the new token, its position (the
     tokens cached before it), 1 for a real row or 0 for padding, the index in
-    ``runner.prev`` to take the token from instead (-1: none), then the block table.
-    With ``graph`` the step is captured once and replayed; otherwise it runs eagerly (the
-    same math, for CPU tests)."""
+    ``runner.prev`` to take the token from instead (-1: none), then the block table. A
+    step where some row samples also fills ``ints`` [B, 3] and ``floats`` [B, 2], each
+    row's ``moe_infer.sampling.draw`` knobs, and runs its sampling variant: the draw
+    inside the step too (greedy steps skip its sort).
+    With ``graph`` each variant is captured once, at its first use, and replayed;
+    otherwise it runs eagerly (the same math, for CPU tests)."""
 
     def __init__(self, runner: "PagedRunner", batch: int, keys: int, graph: bool, pool=None):
         self.runner, self.batch, self.keys = runner, batch, keys
         dev = runner.engine.device
         self.blocks = keys // runner.block_size
         self.inputs = torch.zeros(batch, 4 + self.blocks, dtype=torch.long, device=dev)
-        self.host = torch.zeros_like(self.inputs, device="cpu", pin_memory=dev.type == "cuda")
+        self.ints = torch.zeros(batch, 3, dtype=torch.long, device=dev)
+        self.floats = torch.zeros(batch, 2, dtype=torch.float32, device=dev)
+        pinned = dev.type == "cuda"
+        self.host = [torch.zeros_like(t, device="cpu", pin_memory=pinned) for t in (self.inputs, self.ints,
+                                                                                    self.floats)]
         self.tables = runner.model.rotary_tables(keys)  # rotary rows looked up by position each step
-        self.graph = None
+        self.pool = pool
+        self.graphs: dict[bool, tuple] | None = {} if graph else None  # sampling variant -> (graph, outputs)
         if graph:  # every row padding: the warm-up steps write only the cache's trash slot
-            self.graph, self.out = capture(self._step, dev, pool)
+            self.capture(sampling=False)
 
-    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The greedy variant's graph (None: the step runs eagerly)."""
+        return self.graphs[False][0] if self.graphs else None
+
+    def capture(self, sampling: bool):
+        """Captures the greedy or the sampling variant (once)."""
+        if sampling not in self.graphs:
+            self.graphs[sampling] = capture(lambda: self._step(sampling), self.runner.engine.device, self.pool)
+
+    def _step(self, sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
         model, cache = self.runner.model, self.runner.cache
         tokens, ctx = model.paged_decode_context(self.inputs, self.runner.prev, cache, self.keys, self.tables)
-        logits = model(tokens, ctx, cache, last_only=True)[:, -1]
-        return logits.float(), kernels.argmax(logits, pdl=model.options.pdl)
+        logits = model(tokens, ctx, cache, last_only=True)[:, -1].float()
+        ids = kernels.argmax(logits, pdl=model.options.pdl)
+        return logits, draw(logits, self.ints, self.floats, ids) if sampling else ids
 
     def run(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (float32 logits [len(rows), V], greedy ids [len(rows)])."""
-        h = self.host.numpy()  # the pinned buffer itself
+        """-> (float32 logits [len(rows), V], ids [len(rows)]: each row's draw, greedy or sampled)."""
+        h, hi, hf = (t.numpy() for t in self.host)  # the pinned buffers themselves
         h.fill(0)
         for i, r in enumerate(rows):
             blocks = r.table[:self.blocks]
             h[i, :4] = r.tokens[0], r.start, 1, r.src
             h[i, 4:4 + len(blocks)] = blocks
-        self.inputs.copy_(self.host, non_blocking=True)
+        self.inputs.copy_(self.host[0], non_blocking=True)
+        sampling = any(r.sample is not None for r in rows)
+        if sampling:
+            hi.fill(0)
+            hf[:] = (0.0, 1.0)
+            for i, r in enumerate(rows):
+                if r.sample is not None:
+                    hi[i], hf[i] = r.sample[:3], r.sample[3:]
+            self.ints.copy_(self.host[1], non_blocking=True)
+            self.floats.copy_(self.host[2], non_blocking=True)
         n = len(rows)
-        if self.graph is None:
-            logits, ids = self._step()
+        if self.graphs is None:
+            logits, ids = self._step(sampling)
         else:
-            self.graph.replay()
-            logits, ids = self.out
+            self.capture(sampling)
+            graph, (logits, ids) = self.graphs[sampling]
+            graph.replay()
         return logits[:n], ids[:n]
 
 
@@ -129,11 +160,14 @@ class PagedRunner:
         return [(b, k) for k in powers(self.MIN_KEYS, self.max_keys) for b in powers(1, self.max_batch)]
 
     def capture_all(self):
-        """Makes every decode step bucket now, so that no request waits for a capture while
-        it is served (the server calls it before it takes requests)."""
+        """Makes every decode step bucket now, both variants (greedy and sampling), so that
+        no request waits for a capture while it is served (the server calls it before it
+        takes requests)."""
         if self.static:
             for batch, keys in self.buckets():
-                self.step_for(batch, keys)
+                step = self.step_for(batch, keys)
+                if step.graphs is not None:
+                    step.capture(sampling=True)
 
     @torch.no_grad()
     def warm_up(self, widths: list[int]):
@@ -152,15 +186,16 @@ class PagedRunner:
 
     @torch.no_grad()
     def decode(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (float32 logits [B, V] of each row's last new token, its greedy ids [B]). A
-        step of one new token per row that fits a bucket replays its fixed-shape step (the
-        argmax taken inside it); any other runs eagerly."""
+        """-> (float32 logits [B, V] of each row's last new token, the token drawn from them
+        by the row's ``sample`` knobs [B]). A step of one new token per row that fits a
+        bucket replays its fixed-shape step (the draw taken inside it); any other runs
+        eagerly."""
         if self.static and all(len(r.tokens) == 1 for r in rows):
             step = self.step_for(len(rows), max(r.start + 1 for r in rows))
             if step is not None:
                 return step.run(rows)
-        logits = self._run(rows, last_only=True)[:, -1]
-        return logits.float(), kernels.argmax(logits, pdl=self.model.options.pdl)
+        logits = self._run(rows, last_only=True)[:, -1].float()
+        return logits, sample_rows(logits, [r.sample for r in rows], pdl=self.model.options.pdl)
 
     @torch.no_grad()
     def forward_all(self, rows: list[Row]) -> torch.Tensor:

@@ -2,6 +2,11 @@
 logit processors (presence, frequency and repetition penalties, logit bias) that run
 before it.
 
+Each row's knobs (``knobs``: seed, counter, top-k, temperature, top-p) are device tensors
+and its noise comes from a counter-based generator of its seed and counter, so the draw
+runs inside a captured decode step, needs no per-row host work, and a seeded sequence
+draws the same tokens whatever shares its batch.
+
 Shape letters: B batch, V vocab.
 """
 from __future__ import annotations
@@ -83,41 +88,86 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tens
     return logits - counts * frequency - (counts > 0).float() * presence
 
 
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None = None, *, pdl: bool = True) -> torch.Tensor:
-    """logits [B, V] -> token ids [B], every row by ``params``, the noise drawn from
-    ``generator``; without a host sync (``sample_rows`` with one set of parameters)."""
-    return sample_rows(logits, [params] * logits.shape[0], [None] * logits.shape[0], shared=generator, pdl=pdl)
+# A row's sampling for one token, as the device takes it: (seed, counter, top_k, temperature,
+# top_p); None for a greedy row. The counter is the number of tokens the sequence sampled
+# before: with the seed it names the noise, so a sequence draws the same tokens whatever
+# shares its batch, on any device.
+Knobs = tuple[int, int, int, float, float]
+
+_MASK64 = (1 << 64) - 1
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                shared: torch.Generator | None = None, *, pdl: bool = True) -> torch.Tensor:
-    """logits [B, V], each row with its own parameters -> token ids [B], batched on the
-    device with no host sync: one sort for every sampled row's top-k and top-p, then an
-    exponential race (argmax of probs / Exp(1) noise, a draw from probs). A row with a
-    generator draws its noise from it alone, so a seeded request samples the same tokens
-    whatever else shares its batch; the other rows share one draw (from ``shared``)."""
-    ids = kernels.argmax(logits, pdl=pdl)  # greedy rows keep these
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
-        return ids
-    dev, vocab = logits.device, logits.shape[-1]
-    picked = [params[i] for i in rows]
-    knobs = torch.tensor([[p.temperature, p.top_k or vocab, p.top_p] for p in picked]).to(dev, non_blocking=True)
-    index = torch.tensor(rows).to(dev, non_blocking=True)
-    x = logits.index_select(0, index).float() / knobs[:, 0:1]  # [R, V]
+def _int64(v: int) -> int:
+    """``v`` modulo 2**64 as a signed 64-bit value (a seed of any accepted range)."""
+    v &= _MASK64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def knobs(params: SamplingParams, seed: int, counter: int) -> Knobs | None:
+    """One row's sampling knobs for its next token (None: greedy)."""
+    if params.greedy:
+        return None
+    return (_int64(seed), counter, params.top_k, float(params.temperature), float(params.top_p))
+
+
+# splitmix64's constants (Steele et al.), as signed 64-bit values: torch's int64 products
+# wrap modulo 2**64, and its right shifts are arithmetic, so each shift is masked.
+_GOLDEN, _M1, _M2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 values."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def exponential_noise(seed: torch.Tensor, counter: torch.Tensor, n: int) -> torch.Tensor:
+    """Exp(1) noise [B, n] float32 of a counter-based generator (splitmix64 of seed, counter
+    and position): seed, counter [B] int64. Elementwise torch ops of fixed shapes: it runs
+    inside a captured CUDA graph, and gives the same values on every device."""
+    j = torch.arange(n, device=seed.device)
+    x = (seed[:, None] * _GOLDEN + counter[:, None]) * _M1 + j[None, :] * _GOLDEN
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    x = x ^ _shr(x, 31)
+    u = (_shr(x, 40).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits, in (0, 1)
+    return -torch.log(u)
+
+
+def draw(logits: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
+    """Each row's next token from its own distribution, on the device, without a host sync
+    or a data-dependent shape (a captured step runs it): logits [B, V] float32; ints [B, 3]
+    int64 (seed, counter, top_k; 0 keeps every token); floats [B, 2] float32 (temperature,
+    top_p); greedy_ids [B], the argmax, which rows of temperature 0 keep -> ids [B].
+    One sort gives every row's top-k and top-p; then an exponential race (argmax of probs /
+    Exp(1) noise, a draw from probs) with ``exponential_noise`` of the row's seed and counter."""
+    vocab = logits.shape[-1]
+    temperature = floats[:, 0:1]
+    greedy = temperature < 1e-5  # SamplingParams.greedy
+    x = logits / torch.where(greedy, 1.0, temperature)
     x, order = x.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=dev)
-    x = x.masked_fill(rank[None, :] >= knobs[:, 1:2], float("-inf"))  # top-k (0: every token)
+    rank = torch.arange(vocab, device=logits.device)
+    top_k = ints[:, 2:3]
+    x = x.masked_fill((top_k > 0) & (rank[None, :] >= top_k), float("-inf"))
     probs = x.softmax(dim=-1)
     # Drop a token once the mass before it already reaches top_p (the first always stays).
-    x = x.masked_fill(probs.cumsum(dim=-1) - probs >= knobs[:, 2:3], float("-inf"))
+    x = x.masked_fill(probs.cumsum(dim=-1) - probs >= floats[:, 1:2], float("-inf"))
     probs = x.softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    if any(generators[i] is None for i in rows):
-        noise.exponential_(generator=shared)  # one draw for every row without a generator of its own
-    for j, i in enumerate(rows):
-        if generators[i] is not None:
-            noise[j].exponential_(generator=generators[i])
-    choice = (probs / noise).argmax(dim=-1, keepdim=True)  # [R, 1], a position in the sorted row
-    return ids.index_copy(0, index, order.gather(1, choice)[:, 0])
+    choice = (probs / exponential_noise(ints[:, 0], ints[:, 1], vocab)).argmax(dim=-1, keepdim=True)
+    return torch.where(greedy[:, 0], greedy_ids, order.gather(1, choice)[:, 0])
+
+
+def knob_tensors(rows: list[Knobs | None], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host knobs -> ``draw``'s (ints [B, 3], floats [B, 2]); greedy rows get temperature 0."""
+    ints = [(k[0], k[1], k[2]) if k else (0, 0, 0) for k in rows]
+    floats = [(k[3], k[4]) if k else (0.0, 1.0) for k in rows]
+    return (torch.tensor(ints, dtype=torch.long).to(device, non_blocking=True),
+            torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True))
+
+
+def sample_rows(logits: torch.Tensor, rows: list[Knobs | None], *, pdl: bool = True) -> torch.Tensor:
+    """logits [B, V] float32, each row's knobs -> token ids [B], on the device with no host
+    sync (the argmax alone where every row is greedy)."""
+    ids = kernels.argmax(logits, pdl=pdl)
+    if all(k is None for k in rows):
+        return ids
+    return draw(logits.float(), *knob_tensors(rows, logits.device), ids)

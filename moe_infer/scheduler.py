@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import threading
 import time
 from collections import deque
@@ -50,7 +51,7 @@ import torch
 from moe_infer.engine import Engine
 from moe_infer.outputs import Logprob, Sampled, token_logprobs, top_pairs
 from moe_infer.runner import PagedRunner, Row, to_device
-from moe_infer.sampling import SamplingParams, apply_penalties, sample_rows
+from moe_infer.sampling import SamplingParams, apply_penalties, knobs, sample_rows
 from moe_infer.tokenizer import decode_delta
 
 
@@ -97,7 +98,7 @@ class Request:
     cancelled: bool = False
     arrived: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
-    generator: torch.Generator | None = None
+    seed: int = 0  # the sampling noise's (``moe_infer.sampling.knobs``): the request's, or drawn at submit
 
 
 class Scheduler:
@@ -135,8 +136,7 @@ class Scheduler:
         if need > total:
             raise ValueError(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) need {need} "
                              f"KV blocks of {self.block_size} tokens; the cache has {total}")
-        if req.params.seed is not None:
-            req.generator = torch.Generator(device=self.engine.device).manual_seed(req.params.seed)
+        req.seed = req.params.seed if req.params.seed is not None else random.getrandbits(63)
         with self.lock:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests already wait")
@@ -218,40 +218,49 @@ class Scheduler:
                 chunks.append((r, n))
                 budget -= n
         if chunks:
-            rows = [Row(r.prompt[r.cached:r.cached + n], r.cached, r.table) for r, n in chunks]
+            rows = [Row(r.prompt[r.cached:r.cached + n], r.cached, r.table, sample=self._knobs(r)) for r, n in chunks]
             if any(r.prompt_logprobs is not None for r, _ in chunks):
                 full = self._forward(rows, all_positions=True)  # [B, T, V]
                 for (r, n), row_logits in zip(chunks, full):
                     if r.prompt_logprobs is not None:
                         self._score_prompt(r, row_logits[-n:], r.cached)
                 logits = full[:, -1]
+                ids = sample_rows(logits, [row.sample for row in rows], pdl=self.engine.model.options.pdl)
             else:
-                logits = self._forward(rows)
+                logits, ids = self._forward(rows)
             for r, n in chunks:
                 r.cached += n
             done = [i for i, (r, _) in enumerate(chunks) if r.cached == len(r.prompt)]
             if done:
-                groups.append(([chunks[i][0] for i in done], logits[done]))
+                groups.append(([chunks[i][0] for i in done], logits[done], ids[done]))
         # Every request with a sampled token to feed, delivered or not; never past max_tokens.
         decoding = [r for r in self.running if r.finish is None and not r.cancelled and 0 < r.sampled < r.max_tokens]
         if decoding:
             on_device = self.broadcast is None
-            rows = [Row([0], r.cached, r.table, r.src) if on_device else Row([r.generated[-1]], r.cached, r.table)
-                    for r in decoding]
-            logits = self._forward(rows)
+            rows = [Row([0], r.cached, r.table, r.src, self._knobs(r)) if on_device
+                    else Row([r.generated[-1]], r.cached, r.table, sample=self._knobs(r)) for r in decoding]
+            logits, ids = self._forward(rows)
             for r in decoding:
                 r.cached += 1
-            groups.append((decoding, logits))
+            groups.append((decoding, logits, ids))
         if not groups:
             return None
-        reqs = [r for g, _ in groups for r in g]
-        return self._sample_step(reqs, groups[0][1] if len(groups) == 1 else torch.cat([x for _, x in groups]))
+        reqs = [r for g in groups for r in g[0]]
+        if len(groups) == 1:
+            return self._sample_step(reqs, groups[0][1], groups[0][2])
+        return self._sample_step(reqs, torch.cat([g[1] for g in groups]), torch.cat([g[2] for g in groups]))
 
-    def _forward(self, rows: list[Row], all_positions: bool = False) -> torch.Tensor:
-        """-> logits [B, V] of each row's last token ([B, T, V] of all with ``all_positions``)."""
+    @staticmethod
+    def _knobs(r: Request):
+        """How the request's next token is drawn (its ``sampled``-th)."""
+        return knobs(r.params, r.seed, r.sampled)
+
+    def _forward(self, rows: list[Row], all_positions: bool = False):
+        """-> (logits [B, V] of each row's last token, the token each row's knobs draw [B]);
+        with ``all_positions`` the logits [B, T, V] of every token alone."""
         if self.broadcast is not None:
             self.broadcast(rows)
-        return self.runner.forward_all(rows) if all_positions else self.runner.forward(rows)
+        return self.runner.forward_all(rows) if all_positions else self.runner.decode(rows)
 
     def _score_prompt(self, r: Request, logits: torch.Tensor, start: int):
         """Keeps, on the device, the logprobs of the prompt tokens that a chunk's logits
@@ -283,11 +292,13 @@ class Scheduler:
                 r.table, self.free_blocks = self.free_blocks[:need], self.free_blocks[need:]
                 self.running.append(r)
 
-    def _sample_step(self, reqs: list[Request], logits: torch.Tensor) -> Sampled:
-        """Samples each row's next token on the device: into ``runner.prev`` for the next
-        step to feed, into the penalty state, and on its way to the host with the logprobs
-        asked for (taken from ``logits`` as the model gave them, not the processed ones)."""
-        tokens = self._sample(reqs, self._processed(reqs, logits))  # [B] on the device
+    def _sample_step(self, reqs: list[Request], logits: torch.Tensor, drawn: torch.Tensor) -> Sampled:
+        """Each row's next token on the device (``drawn`` by the forward, drawn again from
+        the processed logits for rows with logit processors): into ``runner.prev`` for the
+        next step to feed, into the penalty state, and on its way to the host with the
+        logprobs asked for (taken from ``logits`` as the model gave them, not the processed
+        ones)."""
+        tokens = self._redraw(reqs, logits, drawn)  # [B] on the device
         self.runner.prev[:len(reqs)].copy_(tokens)
         lp_rows = [i for i, r in enumerate(reqs) if r.logprobs is not None]
         scored = [r for r in reqs if r.prompt_logprobs is not None and r.sampled == 0]
@@ -408,15 +419,15 @@ class Scheduler:
         r.on_event("done", {"finish_reason": reason, "prompt_tokens": len(r.prompt),
                             "completion_tokens": len(r.generated)})
 
-    def _processed(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """The logits to sample from, in vLLM's order: logit bias, EOS masked while a request
-        is short of min_tokens, then penalties; batched over the rows that use each, on the
-        device. The input itself when no request uses any."""
+    def _redraw(self, reqs: list[Request], logits: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+        """``drawn`` [B], with the rows that use a logit processor drawn again (the same
+        knobs) from their processed logits, in vLLM's order: logit bias, EOS masked while
+        a request is short of min_tokens, then penalties; batched on the device."""
         bias = [i for i, r in enumerate(reqs) if r.params.logit_bias]
-        no_eos = [i for i, r in enumerate(reqs) if r.sampled < r.min_tokens and not r.ignore_eos]
+        no_eos = [i for i, r in enumerate(reqs) if r.sampled < r.min_tokens and not r.ignore_eos and self.engine.eos]
         pen = [i for i, r in enumerate(reqs) if r.params.penalized]
         if not (bias or no_eos or pen):
-            return logits
+            return drawn
         dev, vocab = logits.device, logits.shape[-1]
         logits = logits.clone()
         if bias:
@@ -427,7 +438,7 @@ class Scheduler:
                     r.bias = torch.zeros(vocab, device=dev).index_put_(
                         (to_device(list(ids), dev),), to_device(list(vals), dev, torch.float32), accumulate=True)
             logits.index_add_(0, to_device(bias, dev), torch.stack([reqs[i].bias for i in bias]))
-        if no_eos and self.engine.eos:
+        if no_eos:
             eos = to_device(sorted(self.engine.eos), dev)
             logits[to_device(no_eos, dev)[:, None], eos[None, :]] = float("-inf")
         if pen:
@@ -443,12 +454,9 @@ class Scheduler:
             penalized = apply_penalties(logits.index_select(0, rows), torch.stack([reqs[i].counts for i in pen]),
                                         torch.stack([reqs[i].seen for i in pen]), p[:, 0:1], p[:, 1:2], p[:, 2:3])
             logits.index_copy_(0, rows, penalized)
-        return logits
-
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """Each request's next token by its own sampling parameters, batched on the device."""
-        return sample_rows(logits, [r.params for r in reqs], [r.generator for r in reqs],
-                           pdl=self.engine.model.options.pdl)
+        again = sorted(set(bias + no_eos + pen))
+        redrawn = sample_rows(logits[again], [self._knobs(reqs[i]) for i in again], pdl=self.engine.model.options.pdl)
+        return drawn.index_copy(0, to_device(again, dev), redrawn)
 
     def _report(self):
         if self.metrics is not None:

@@ -120,9 +120,9 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu():
     assert [o.token_ids for o in engine.generate(prompts, max_new_tokens=40)] == [o.token_ids for o in graphed]
     rows = [Row([i + 1], 5 + i, list(range(i * step.blocks, (i + 1) * step.blocks))) for i in range(step.batch)]
     replayed = [t.clone() for t in step.run(rows)]
-    graph, step.graph = step.graph, None  # the same step, eagerly, on the same cache
+    graphs, step.graphs = step.graphs, None  # the same step, eagerly, on the same cache
     direct = step.run(rows)
-    step.graph = graph
+    step.graphs = graphs
     assert torch.equal(replayed[0], direct[0]) and torch.equal(replayed[1], direct[1])
 
 
@@ -231,13 +231,12 @@ def test_sampling_is_seeded_and_filters():
 
 
 def test_top_k_samples_only_among_the_k_best():
-    from moe_infer.sampling import SamplingParams, sample
+    from moe_infer.sampling import SamplingParams, knobs, sample_rows
 
     logits = torch.randn(4, 50)
-    gen = torch.Generator().manual_seed(0)
     allowed = torch.topk(logits, 3).indices
-    for _ in range(20):
-        tok = sample(logits, SamplingParams(temperature=5.0, top_k=3), gen)
+    for n in range(20):
+        tok = sample_rows(logits, [knobs(SamplingParams(temperature=5.0, top_k=3), i, n) for i in range(4)])
         assert (allowed == tok[:, None]).any(1).all()
 
 

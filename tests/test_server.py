@@ -326,11 +326,11 @@ def test_a_failing_forward_answers_500_and_the_server_keeps_serving(engine, monk
     live = LiveServer(create_app(engine, ServerConfig(model_name="default")))
     try:
         runner = live.scheduler.runner
-        real = runner.forward
+        real = runner.decode
 
         def broken(rows):
             raise RuntimeError("CUDA out of memory (simulated)")
-        monkeypatch.setattr(runner, "forward", broken)
+        monkeypatch.setattr(runner, "decode", broken)
         r = httpx.post(live.url + "/v1/completions", json={"prompt": "When", "max_tokens": 3}, timeout=30)
         assert r.status_code == 500 and "out of memory" in r.json()["error"]["message"]
         with httpx.stream("POST", live.url + "/v1/completions", json={"prompt": "When", "max_tokens": 3,
@@ -338,7 +338,7 @@ def test_a_failing_forward_answers_500_and_the_server_keeps_serving(engine, monk
             events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ")]
         assert "out of memory" in events[-1]["error"]["message"]
         assert live.scheduler.blocks_in_use == 0
-        monkeypatch.setattr(runner, "forward", real)
+        monkeypatch.setattr(runner, "decode", real)
         r = httpx.post(live.url + "/v1/completions", json={"prompt": "When", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     finally:
@@ -364,6 +364,6 @@ def test_top_k_top_p_and_the_checkpoints_chat_template(tmp_path, server, engine)
         {"chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
                           "{% if add_generation_prompt %}<assistant>{% endif %}"}))
     other = moe_infer.load(checkpoint=ckpt, progress=False)
-    h = Handler(other, server.scheduler, ServerConfig(), None)
+    h = Handler(other, ServerConfig())
     ids = h.chat_prompt({"messages": [{"role": "user", "content": "Hi"}]})
     assert other.tokenizer.decode(ids) == "<user>Hi<assistant>"
