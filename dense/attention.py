@@ -31,7 +31,7 @@ class StepContext:
 
     positions: torch.Tensor  # [B, T] int64 position of each query token
     attn_mask: torch.Tensor  # [B, 1, T, S] bool, True where a query may attend (or additive:
-    # 0 / -inf in the model dtype, as ``decode_static`` builds it)
+    # 0 / -inf in the model dtype, as ``decode_static`` and ``paged`` build it)
     cos: torch.Tensor | None  # [B, T, D] rotary tables, None for learned positions
     sin: torch.Tensor | None
     start: int | torch.Tensor  # cache slot of the first query token (0 without a cache; a 0-d
@@ -93,18 +93,25 @@ class StepContext:
     @classmethod
     def paged(cls, positions: torch.Tensor, query_valid: torch.Tensor, context_lens: torch.Tensor,
               num_keys: int, rotary: Rotary | None, dtype: torch.dtype,
-              sliding_window: int | None = None) -> "StepContext":
+              sliding_window: int | None = None, *, causal: bool = False) -> "StepContext":
         """For a ``PagedKVCache``: each row's keys are its own tokens in order, so key s has
         position s. positions, query_valid [B, T]; context_lens [B] tokens cached after the
-        step; num_keys S, the key slots gathered per row."""
+        step; num_keys S, the key slots gathered per row. The mask is additive [B, 1, T, S]
+        in ``dtype``, built here once for every layer (SDPA and the paged decode kernels take
+        it as it is). ``causal``: the caller knows every row starts at position 0 with no
+        padding (fresh prompts of one length), so a prefill without a sliding window attends
+        causally over its own T keys (``is_causal``: no mask, nothing gathered from the pool)."""
         k_pos = torch.arange(num_keys, device=positions.device)  # [S]
         mask = (k_pos[None, None, :] < context_lens[:, None, None]) \
             & (k_pos[None, None, :] <= positions[:, :, None])  # [B, T, S]
         if sliding_window is not None:
             mask &= positions[:, :, None] - k_pos[None, None, :] < sliding_window
         mask |= (k_pos == 0)[None, None, :] & ~query_valid[:, :, None]  # padding queries: finite softmax
+        b, t = positions.shape
+        bias = torch.zeros(b, 1, t, num_keys, dtype=dtype, device=mask.device).masked_fill_(~mask[:, None],
+                                                                                           float("-inf"))
         cos, sin = _rotary(rotary, positions, dtype)
-        return cls(positions, mask.unsqueeze(1), cos, sin, 0)
+        return cls(positions, bias, cos, sin, 0, causal and t > 1 and sliding_window is None)
 
 
 class KVCache:
@@ -154,8 +161,9 @@ class PagedKVCache:
 
     A sequence owns a list of blocks (its block table); its token i lives in slot
     ``table[i // block_size] * block_size + i % block_size``. Before each forward the
-    caller sets the step's slots with ``set_step``; ``append`` then writes the new keys and
-    gathers each row's keys in token order."""
+    caller sets the step's slots with ``set_step``: ``write_slots`` where the new keys go,
+    ``read_slots`` where each row's keys lie in token order (the attention reads them in
+    place, or ``gather``s them)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):
@@ -188,10 +196,9 @@ class PagedKVCache:
         self.k[layer].index_copy_(0, slots, k.transpose(1, 2).reshape(b * t, h, d))
         self.v[layer].index_copy_(0, slots, v.transpose(1, 2).reshape(b * t, h, d))
 
-    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """k, v [B, KV heads, T, D] -> this row's keys and values [B, KV heads, S, D],
-        gathered into a copy (prefill; a decode step reads the pool in place instead)."""
-        self.write(layer, k, v)
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's keys and values [B, KV heads, S, D] in token order, gathered into a copy
+        (where no kernel reads the pool in place)."""
         return self.k[layer][self.read_slots].transpose(1, 2), self.v[layer][self.read_slots].transpose(1, 2)
 
 
@@ -283,29 +290,62 @@ class Attention(nn.Module):
                                         cache.k[layer], cache.v[layer], ctx.start, ctx.attn_mask, ctx.cos, ctx.sin,
                                         *self._epilogue(), pdl=self.options.pdl)  # [B, Hq, D]
             return self.o_proj(out.view(b, 1, -1))
-        if t == 1 and type(cache) is PagedKVCache and self.num_heads <= 2 * self.num_kv_heads:
-            # A paged decode step: its keys are read where they lie in the pool, not
-            # gathered row by row into a copy first. With more query heads per KV head the
-            # kernel's [heads, keys, D] tile spills registers, and the gathered copy with
-            # SDPA measured faster (Qwen3-30B-A3B's 8 per KV head; OLMoE's 1 gained).
-            q, k, v = self._unfused(qkv, ctx, None, layer)  # [B, heads, 1, D]
-            cache.write(layer, k, v)
-            out = kernels.paged_decode_attention(q[:, :, 0], cache.k[layer], cache.v[layer], cache.read_slots,
-                                                 ctx.attn_mask[:, 0, 0])  # [B, Hq, D]
-            return self.o_proj(out.reshape(b, 1, -1))
-        fused = self._fused_decode(qkv, ctx, cache, layer)
-        if fused is not None:
-            q, k, v = fused
+        if type(cache) is PagedKVCache:
+            out = self._paged(qkv, ctx, cache, layer)
         else:
-            q, k, v = self._unfused(qkv, ctx, cache, layer)
-        # A full prefill from slot 0 attends causally over its own T keys: no mask, so the
-        # flash kernels skip the masked half; otherwise the mask over every cache slot.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if ctx.causal else ctx.attn_mask,
-                                             is_causal=ctx.causal, enable_gqa=self.num_heads != self.num_kv_heads)
+            fused = self._fused_decode(qkv, ctx, cache, layer)
+            q, k, v = fused if fused is not None else self._unfused(qkv, ctx, cache, layer)
+            out = self._sdpa(q, k, v, ctx)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-    def _unfused(self, qkv: torch.Tensor, ctx: StepContext, cache, layer: int):
-        """q [B, Hq, T, D], k, v [B, Hkv, S, D] through torch ops (any device and step)."""
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """SDPA -> [B, Hq, T, D]. A full prefill from slot 0 attends causally over its own T
+        keys: no mask, so the flash kernels skip the masked half; otherwise the mask over
+        every key slot."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if ctx.causal else ctx.attn_mask,
+                                              is_causal=ctx.causal, enable_gqa=self.num_heads != self.num_kv_heads)
+
+    def _paged(self, qkv: torch.Tensor, ctx: StepContext, cache: PagedKVCache, layer: int) -> torch.Tensor:
+        """Attention over a ``PagedKVCache`` -> [B, Hq, T, D]. Where the layer is fusable the
+        QKV epilogue and the pool write are one launch (``kernels.qkv_decode`` at the step's
+        write slots; on a CPU, like every kernel here, its torch reference), and a decode
+        step that fits runs its whole attention in one (``kernels.qkv_attention``), as the
+        static decode step does. A decode step is captured in a CUDA graph: nothing here
+        waits for the device or takes a shape from its values."""
+        b, t, _ = qkv.shape
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        k_pool, v_pool = cache.k[layer], cache.v[layer]
+        if (t == 1 and self.fusable and self.options.fused_decode_attention
+                and (not qkv.is_cuda or qkv_attention_fits(
+                    b, hq, hkv, d, cache.read_slots.shape[1],
+                    torch.cuda.get_device_properties(qkv.device).multi_processor_count))):
+            out = kernels.qkv_attention(qkv.reshape(b, -1), hq, hkv, d, k_pool, v_pool, cache.write_slots,
+                                        ctx.attn_mask, ctx.cos, ctx.sin, *self._epilogue(), pdl=self.options.pdl,
+                                        read_slots=cache.read_slots, positions=ctx.positions)  # [B, Hq, D]
+            return out[:, :, None]
+        if self.fusable:
+            # A fresh prompt attends over its own keys: the epilogue stores them for SDPA too.
+            fresh = tuple(qkv.new_empty(b, t, hkv, d) for _ in range(2)) if ctx.causal else None
+            q = kernels.qkv_decode(qkv, hq, hkv, d, k_pool, v_pool, cache.write_slots, ctx.cos, ctx.sin,
+                                   *self._epilogue(), pdl=self.options.pdl, kv_out=fresh)  # [B, Hq, T, D]
+            k, v = (fresh[0].transpose(1, 2), fresh[1].transpose(1, 2)) if ctx.causal else (None, None)
+        else:
+            q, k, v = self._unfused(qkv, ctx, None, layer)
+            cache.write(layer, k, v)
+        if ctx.causal:
+            return self._sdpa(q, k, v, ctx)
+        if t == 1 and hq <= 2 * hkv:
+            # A decode step: its keys are read where they lie in the pool, not gathered row
+            # by row into a copy first. With more query heads per KV head the gathered copy
+            # with SDPA measured faster (Qwen3-30B-A3B's 8 per KV head; OLMoE's 1 gained).
+            out = kernels.paged_decode_attention(q[:, :, 0], k_pool, v_pool, cache.read_slots,
+                                                 ctx.attn_mask[:, 0, 0])  # [B, Hq, D]
+            return out[:, :, None]
+        return self._sdpa(q, *cache.gather(layer), ctx)
+
+    def _unfused(self, qkv: torch.Tensor, ctx: StepContext, cache: KVCache | None, layer: int):
+        """q [B, Hq, T, D], k, v [B, Hkv, S, D] through torch ops (any device and step); without
+        a cache k, v are this step's own [B, Hkv, T, D]."""
         b, t, _ = qkv.shape
         q, k, v = qkv.split(self.split, dim=-1)  # [B, T, heads * D] each
         if self.qk_norm == "full":

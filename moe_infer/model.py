@@ -111,9 +111,11 @@ class Transformer(nn.Module):
                                          self.cfg.model.sliding_window, tables, self.options.pdl)
 
     def paged_context(self, positions: torch.Tensor, query_valid: torch.Tensor,
-                      context_lens: torch.Tensor, num_keys: int) -> StepContext:
+                      context_lens: torch.Tensor, num_keys: int, causal: bool = False) -> StepContext:
+        """``causal``: every row starts at position 0 with no padding (fresh prompts of one
+        length; see ``StepContext.paged``)."""
         return StepContext.paged(positions, query_valid, context_lens, num_keys, self.rotary,
-                                 self.embed.weight.dtype, self.cfg.model.sliding_window)
+                                 self.embed.weight.dtype, self.cfg.model.sliding_window, causal=causal)
 
     def paged_decode_context(self, inputs: torch.Tensor, prev: torch.Tensor, cache: PagedKVCache, num_keys: int,
                              tables: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, StepContext]:
@@ -122,7 +124,7 @@ class Transformer(nn.Module):
         slots set for the step: one launch on a GPU (``kernels.attention.paged_context``),
         the same values through torch ops elsewhere. ``tables``: ``rotary_tables(num_keys)``."""
         args = (inputs, prev, cache.block_size, num_keys, cache.trash, self.embed.weight.dtype, tables,
-                self.cfg.model.sliding_window)
+                self.cfg.model.sliding_window, True)  # the additive mask, as StepContext.paged makes it
         if inputs.is_cuda:
             from kernels.attention.paged_context import paged_decode_context_triton
             c = paged_decode_context_triton(*args, pdl=self.options.pdl)

@@ -220,7 +220,8 @@ class PagedRunner:
         width = math.ceil(s / bs)
         tables = to_device([r.table[:width] + [0] * (width - len(r.table[:width])) for r in rows], dev)  # [B, N]
         self.cache.set_step(to_device(write, dev), tables, lens, s)
-        ctx = self.model.paged_context(to_device(positions, dev), to_device(valid, dev), lens, s)
+        causal = all(r.start == 0 and len(r.tokens) == t for r in rows)
+        ctx = self.model.paged_context(to_device(positions, dev), to_device(valid, dev), lens, s, causal)
         tokens = to_device(tokens, dev)
         fed = [(i, r.src) for i, r in enumerate(rows) if r.src >= 0]
         if fed:

@@ -34,8 +34,8 @@ def decode_attention(q, k, v, visible, scale=None):
 
 def paged_decode_attention(q, k, v, slots, visible, scale=None):
     """``decode_attention`` over a paged cache: k / v pools [N, Hkv, D], slots [B, S] int64
-    the pool row of each row's key s, visible [B, S] bool -> [B, Hq, D]. A GPU reads the keys
-    in place, without gathering them into a copy."""
+    the pool row of each row's key s, visible [B, S] bool or an additive mask of 0 / -inf
+    floats -> [B, Hq, D]. A GPU reads the keys in place, without gathering them into a copy."""
     if q.is_cuda:
         from kernels.attention.decode import paged_decode_attention_triton
         return paged_decode_attention_triton(q, k, v, slots, visible, scale)
@@ -43,35 +43,42 @@ def paged_decode_attention(q, k, v, slots, visible, scale=None):
 
 
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
-               qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, *, pdl=True):
+               qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, *, pdl=True, kv_out=None):
     """The QKV epilogue of a decode step (qkv [B, W]) or a prefill (qkv [B, T, W]) in one
     launch on a GPU: q/k norms, clip, rotary, and the KV-cache append at slots ``slot`` ..
-    -> q [B, Hq, T, D] (see ``qkv_decode_ref``)."""
+    of a cache [B, Hkv, S, D], or at pool rows ``slot`` (int64 [B, T]) of a paged pool
+    [N, Hkv, D]; ``kv_out`` (two [B, T, Hkv, D]) receive k and v too -> q [B, Hq, T, D]
+    (see ``qkv_decode_ref``)."""
     if qkv.is_cuda:
         from kernels.attention.qkv_decode_triton import qkv_decode_triton
         return qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
-                                 q_norm_w, k_norm_w, eps, clip, pdl)
+                                 q_norm_w, k_norm_w, eps, clip, pdl, kv_out)
     return qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm, q_norm_w,
-                          k_norm_w, eps, clip)
+                          k_norm_w, eps, clip, kv_out)
 
 
 def qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
-                  qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, *, pdl=True):
+                  qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, *, pdl=True, read_slots=None,
+                  positions=None):
     """A static-shape decode step's attention from the QKV GEMM's output qkv [B, W] (one
-    token per row, cache slot ``slot`` a 0-d tensor, additive mask ``bias`` of B x S): the
-    QKV epilogue, the cache append and the attention in one launch on a GPU -> [B, Hq, D]
-    (see ``qkv_attention_ref``)."""
+    token per row, cache slot ``slot`` a 0-d tensor, additive mask ``bias`` of B x S, or a
+    bool one): the QKV epilogue, the cache append and the attention in one launch on a GPU
+    -> [B, Hq, D] (see ``qkv_attention_ref``). Over a paged pool k_cache / v_cache [N, Hkv, D]: ``slot``
+    [B] the new k, v's pool rows, ``read_slots`` [B, S] each row's keys' pool rows (the new
+    one's at index ``positions`` [B])."""
     if qkv.is_cuda:
         from kernels.attention.qkv_attention_triton import qkv_attention_triton
         return qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin,
-                                    qk_norm, q_norm_w, k_norm_w, eps, clip, pdl=pdl)
+                                    qk_norm, q_norm_w, k_norm_w, eps, clip, pdl=pdl, read_slots=read_slots,
+                                    positions=positions)
     return qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin, qk_norm,
-                             q_norm_w, k_norm_w, eps, clip)
+                             q_norm_w, k_norm_w, eps, clip, read_slots=read_slots, positions=positions)
 
 
 def qkv_attention_fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> bool:
     """Whether ``qkv_attention``'s one launch suits a decode step of B rows, Hq / Hkv heads,
-    head dim D and S cache slots on a GPU of ``sms`` SMs (``kernels.attention.qkv_attention_triton.fits``)."""
+    head dim D and S cache slots (a paged pool: key slots per row) on a GPU of ``sms`` SMs
+    (``kernels.attention.qkv_attention_triton.fits``)."""
     from kernels.attention.qkv_attention_triton import fits
     return fits(b, hq, hkv, d, s, sms)
 

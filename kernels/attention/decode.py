@@ -23,6 +23,26 @@ import triton.language as tl
 
 
 @triton.jit
+def mask_visible(mask_row, s, ok, ADDITIVE: tl.constexpr):
+    """Whether a row's keys s are visible (False where not ``ok``), from its mask row: 0 /
+    -inf floats (ADDITIVE, as SDPA takes them) or bytes, 1 where visible (a bool mask)."""
+    if ADDITIVE:
+        visible = tl.load(mask_row + s, mask=ok, other=float("-inf")).to(tl.float32) > float("-inf")
+    else:
+        visible = tl.load(mask_row + s, mask=ok, other=0) != 0
+    return visible
+
+
+def mask_bytes(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A [B, S] mask as the kernels read it -> (mask, ADDITIVE): floats (0 / -inf) as they
+    are, a bool mask as its bytes (a view, no copy); rows made contiguous where they are not."""
+    additive = mask.is_floating_point()
+    if not additive:
+        mask = mask.view(torch.int8) if mask.dtype == torch.bool else mask.to(torch.int8)
+    return (mask if mask.stride(-1) == 1 else mask.contiguous()), additive
+
+
+@triton.jit
 def _split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr, v_ptr,  # [B, Hkv, S, D] (any strides but D contiguous)
@@ -94,12 +114,12 @@ def _paged_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr, v_ptr,  # pools [N, Hkv, D] (D contiguous)
     slot_ptr,  # [B, S] int64: the pool row of each row's key s
-    mask_ptr,  # [B, S] int8: 1 where the key is visible
+    mask_ptr,  # [B, S] int8: 1 where the key is visible (ADDITIVE: floats, 0 where visible, -inf hidden)
     m_ptr, l_ptr, acc_ptr,  # as _split_kernel's
     S, D, scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_mb, stride_slb,
     G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_LEN: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr, ADDITIVE: tl.constexpr,
 ):
     """_split_kernel over a paged pool, its two products on the tensor cores: the G query
     heads padded to G_PAD >= 16 rows make [G_PAD, D] x [D, BLOCK_S] and [G_PAD, BLOCK_S] x
@@ -119,7 +139,7 @@ def _paged_split_kernel(
     lo = p * SPLIT_LEN
     for s0 in range(lo, lo + SPLIT_LEN, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        visible = tl.load(mask_ptr + b * stride_mb + s, mask=s < S, other=0) != 0
+        visible = mask_visible(mask_ptr + b * stride_mb, s, s < S, ADDITIVE)
         if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no K/V reads
             rows = tl.load(slot_ptr + b * stride_slb + s, mask=visible, other=0)
             kv_ok = visible[:, None] & d_ok[None, :]
@@ -180,8 +200,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   visible: torch.Tensor, scale: float | None = None, splits: int | None = None,
                                   block_s: int = 32) -> torch.Tensor:
     """Decode attention over a paged cache, read in place: q [B, Hq, D], k / v pools
-    [N, Hkv, D], slots [B, S] int64 (the pool row of each row's key s), visible [B, S] bool
-    -> out [B, Hq, D]."""
+    [N, Hkv, D], slots [B, S] int64 (the pool row of each row's key s), visible [B, S] bool,
+    or an additive mask of 0 / -inf floats (read as it is: a step builds it once for every
+    layer) -> out [B, Hq, D]."""
     b, hq, d = q.shape
     _, hkv, _ = k.shape
     s = slots.shape[1]
@@ -195,7 +216,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if splits is None:  # short splits: many programs in flight hide the gathered loads' latency
         splits = min(16, 1 << (triton.cdiv(s, block_s).bit_length() - 1))
     split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
-    mask = visible.to(torch.int8)
+    mask, additive = mask_bytes(visible)
     m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
@@ -203,7 +224,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         q, k, v, slots, mask, m, l, acc, s, d, scale if scale is not None else 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0), slots.stride(0),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D_PAD=triton.next_power_of_2(d), BLOCK_S=block_s,
-        SPLIT_LEN=split_len, P=splits, IEEE=k.dtype == torch.float32, num_warps=2)
+        SPLIT_LEN=split_len, P=splits, IEEE=k.dtype == torch.float32, ADDITIVE=additive, num_warps=2)
     return _combine(m, l, acc, q.dtype)
 
 

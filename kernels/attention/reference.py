@@ -35,7 +35,10 @@ def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visi
 def paged_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                                visible: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """``decode_attention_ref`` over a paged cache: k / v pools [N, Hkv, D], slots [B, S] the
-    pool row of each row's key s -> [B, Hq, D]."""
+    pool row of each row's key s -> [B, Hq, D]. ``visible`` [B, S] bool, or an additive
+    mask of 0 / -inf floats (as ``StepContext.paged`` builds it)."""
+    if visible.is_floating_point():
+        visible = visible > float("-inf")
     hidden = ~visible[:, :, None, None]  # [B, S, 1, 1]: whatever a hidden slot holds is never read
     kk, vv = k[slots].masked_fill(hidden, 0), v[slots].masked_fill(hidden, 0)  # [B, S, Hkv, D]
     return decode_attention_ref(q, kk.transpose(1, 2), vv.transpose(1, 2), visible, scale)
@@ -46,28 +49,43 @@ def qkv_decode_supported(head_dim: int) -> bool:
     return head_dim >= 2 and head_dim & (head_dim - 1) == 0
 
 
-def check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm) -> tuple[int, int]:
-    """The QKV epilogue's operand checks (ValueError naming the operand) -> (B, T)."""
+def check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm, slot=None,
+              kv_out=None) -> tuple[int, int]:
+    """The QKV epilogue's operand checks (ValueError naming the operand) -> (B, T). A cache
+    [B, Hkv, S, D] takes any ``slot``; a paged pool [N, Hkv, D] needs one pool row per token."""
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() not in (2, 3) or qkv.shape[-1] != width:
         raise ValueError(f"qkv {list(qkv.shape)}: expected [B, (Hq + 2 Hkv) * D = {width}] or [B, T, {width}]")
     b, t = qkv.shape[0], qkv.shape[1] if qkv.dim() == 3 else 1
-    want = (b, num_kv_heads, k_cache.shape[2], head_dim)
-    if k_cache.dim() != 4 or tuple(k_cache.shape) != want or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache / v_cache {list(k_cache.shape)} / {list(v_cache.shape)}: expected {list(want)}")
+    paged = k_cache.dim() == 3
+    want = (k_cache.shape[0], num_kv_heads, head_dim) if paged else (b, num_kv_heads, k_cache.shape[-2], head_dim)
+    if k_cache.dim() not in (3, 4) or tuple(k_cache.shape) != want or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache / v_cache {list(k_cache.shape)} / {list(v_cache.shape)}: expected {list(want)} "
+                         "(a cache [B, Hkv, S, D] or a paged pool [N, Hkv, D])")
+    if paged and not (torch.is_tensor(slot) and slot.dtype == torch.int64 and slot.numel() == b * t):
+        got = f"{list(slot.shape)} {slot.dtype}" if torch.is_tensor(slot) else repr(slot)
+        raise ValueError(f"slot {got}: a paged pool takes each token's pool row, an int64 tensor of B x T = "
+                         f"{b} x {t} elements")
+    if kv_out is not None and not (len(kv_out) == 2 and all(
+            z.shape == (b, t, num_kv_heads, head_dim) and z.is_contiguous() for z in kv_out)):
+        raise ValueError(f"kv_out {[list(z.shape) for z in kv_out]}: expected two contiguous "
+                         f"[B, T, Hkv, D] = {[b, t, num_kv_heads, head_dim]} tensors")
     if qk_norm not in QK_NORMS:
         raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
     return b, t
 
 
 def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
-                   qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None):
+                   qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, kv_out=None):
     """qkv [B, (Hq + 2 Hkv) * D] of one token per row, or [B, T, ...] of T -> q [B, Hq, T, D];
     writes k and v at cache slots ``slot`` .. ``slot + T - 1`` (``slot`` an int or 0-d
-    tensor) of k_cache / v_cache [B, Hkv, S, D]. cos, sin [B, D] or [B, T, D] rotary tables
-    (None: no rotation); ``qk_norm`` None / "head" (weights [D]) / "full" (weights
-    [Hq * D], [Hkv * D]); ``clip`` clamps q, k, v."""
-    b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm)
+    tensor) of k_cache / v_cache [B, Hkv, S, D], or, in a paged pool k_cache / v_cache
+    [N, Hkv, D], token (b, t)'s at pool row ``slot[b, t]`` (``slot`` int64 [B, T] or [B * T]).
+    cos, sin [B, D] or [B, T, D] rotary tables (None: no rotation); ``qk_norm`` None /
+    "head" (weights [D]) / "full" (weights [Hq * D], [Hkv * D]); ``clip`` clamps q, k, v.
+    ``kv_out``: two [B, T, Hkv, D] tensors that receive k and v as well (a prefill that
+    attends over its own keys then reads them there, not from the cache)."""
+    b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm, slot, kv_out)
     d = head_dim
     norm = lambda x, w: rms_norm_ref(x, w, eps)  # noqa: E731
     q, k, v = qkv.reshape(b, t, -1).split((num_heads * d, num_kv_heads * d, num_kv_heads * d), dim=-1)
@@ -85,6 +103,13 @@ def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slo
             x1, x2 = x.chunk(2, dim=-1)
             return x * c + torch.cat((-x2, x1), dim=-1) * s
         q, k = rotate(q), rotate(k)
+    if kv_out is not None:
+        kv_out[0].copy_(k), kv_out[1].copy_(v)
+    if k_cache.dim() == 3:  # a paged pool: each token's own row
+        rows = slot.reshape(b * t)
+        k_cache.index_copy_(0, rows, k.reshape(b * t, num_kv_heads, d).to(k_cache.dtype))
+        v_cache.index_copy_(0, rows, v.reshape(b * t, num_kv_heads, d).to(v_cache.dtype))
+        return q.transpose(1, 2).contiguous()
     first = slot.view(1) if torch.is_tensor(slot) else torch.tensor([slot], device=qkv.device)
     slots = first + torch.arange(t, device=first.device)
     k_cache.index_copy_(2, slots, k.transpose(1, 2).to(k_cache.dtype))
@@ -92,38 +117,69 @@ def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slo
     return q.transpose(1, 2).contiguous()
 
 
-def check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias) -> int:
-    """-> B. Raises ValueError naming the operand where the fused step cannot take it."""
-    b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, None)
+def check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots=None,
+                        positions=None) -> tuple[int, int]:
+    """-> (B, S). Raises ValueError naming the operand where the fused step cannot take it."""
+    paged = k_cache.dim() == 3
+    b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, None, slot if paged else None)
     if t != 1:
         raise ValueError(f"qkv {list(qkv.shape)}: one token per row, [B, W]")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads}: expected a multiple of num_kv_heads {num_kv_heads}")
     if not qkv_decode_supported(head_dim):
         raise ValueError(f"head_dim {head_dim}: expected a power of two")
-    if not torch.is_tensor(slot) or slot.numel() != 1:
-        raise ValueError(f"slot: expected a one-element device tensor, got {slot!r}")
-    s = k_cache.shape[2]
-    if bias.shape[0] != b or bias.shape[-1] != s or bias.numel() != b * s or not bias.is_floating_point():
-        raise ValueError(f"bias {list(bias.shape)} {bias.dtype}: expected an additive float mask of B x S = {b} x {s}")
-    return b
+    if paged:
+        if read_slots is None or positions is None:
+            raise ValueError("read_slots, positions: a paged pool needs each row's key rows [B, S] and the new "
+                             "key's index [B]")
+        if (read_slots.dim() != 2 or read_slots.shape[0] != b or read_slots.dtype != torch.int64
+                or read_slots.stride(1) != 1):
+            raise ValueError(f"read_slots {list(read_slots.shape)} {read_slots.dtype} strides {read_slots.stride()}: "
+                             f"expected int64 [B = {b}, S] with contiguous rows")
+        if positions.numel() != b or positions.dtype != torch.int64:
+            raise ValueError(f"positions {list(positions.shape)} {positions.dtype}: expected int64 of B = {b} "
+                             "elements")
+        s = read_slots.shape[1]
+    else:
+        if read_slots is not None or positions is not None:
+            raise ValueError("read_slots, positions: only with a paged pool k_cache [N, Hkv, D]")
+        if not torch.is_tensor(slot) or slot.numel() != 1:
+            raise ValueError(f"slot: expected a one-element device tensor, got {slot!r}")
+        s = k_cache.shape[2]
+    if (bias.shape[0] != b or bias.shape[-1] != s or bias.numel() != b * s
+            or not (bias.is_floating_point() or bias.dtype == torch.bool)):
+        raise ValueError(f"bias {list(bias.shape)} {bias.dtype}: expected an additive float mask (or a bool one) of "
+                         f"B x S = {b} x {s}")
+    return b, s
 
 
 def qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
-                      qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None):
+                      qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None, *,
+                      read_slots=None, positions=None):
     """qkv [B, (Hq + 2 Hkv) * D] of one token per row -> attention output [B, Hq, D]. Writes
     k and v at cache slot ``slot`` (0-d tensor) of k_cache / v_cache [B, Hkv, S, D] (as
     ``qkv_decode_ref``), then attends over the cache under the additive mask ``bias``
-    ([B, S], or any shape of B x S values, e.g. [B, 1, 1, S]), softmax in float32 or wider."""
-    b = check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias)
+    ([B, S], or any shape of B x S values, e.g. [B, 1, 1, S]; or a bool mask, True where
+    visible), softmax in float32 or wider.
+    A paged pool k_cache / v_cache [N, Hkv, D]: ``slot`` [B] int64 the pool row the new k, v
+    go to, ``read_slots`` [B, S] the pool row of each row's key s (the new key's at index
+    ``positions[b]``, the keys after it hidden), gathered in order, then the same attention."""
+    b, s = check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots,
+                               positions)
     q = qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
                        q_norm_w, k_norm_w, eps, clip)[:, :, 0]  # [B, Hq, D]
+    if read_slots is not None:  # [B, Hkv, S, D] in token order
+        k_cache, v_cache = k_cache[read_slots].transpose(1, 2), v_cache[read_slots].transpose(1, 2)
     ct = torch.promote_types(q.dtype, torch.float32)
     g = num_heads // num_kv_heads
-    kk = k_cache.to(ct).repeat_interleave(g, dim=1)  # [B, Hq, S, D]
-    vv = v_cache.to(ct).repeat_interleave(g, dim=1)
+    if bias.dtype == torch.bool:
+        bias = torch.zeros(bias.shape, dtype=ct, device=bias.device).masked_fill_(~bias, float("-inf"))
+    bias = bias.reshape(b, 1, s).to(ct)
+    hidden = (bias == float("-inf"))[:, :, :, None]  # whatever a hidden slot holds is never read
+    kk = k_cache.to(ct).masked_fill(hidden, 0).repeat_interleave(g, dim=1)  # [B, Hq, S, D]
+    vv = v_cache.to(ct).masked_fill(hidden, 0).repeat_interleave(g, dim=1)
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-    scores = torch.einsum("bhd,bhsd->bhs", q.to(ct), kk) * scale + bias.reshape(b, 1, -1).to(ct)
+    scores = torch.einsum("bhd,bhsd->bhs", q.to(ct), kk) * scale + bias
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv).to(q.dtype)
 
 

@@ -71,6 +71,22 @@ def test_decode_attention_reads_strided_caches_and_rejects_bad_shapes():
         decode_attention_triton(q, k[:, :1].expand(2, 3, 20, 16), v, visible)
 
 
+def _paged_pool(device, dtype, hkv, d, s, block, lens, gen):
+    """Each row's S key slots in scattered blocks of a shared pool, as PagedKVCache lays
+    them out: lens [B] each row's keys -> (read_slots [B, S] int64, the trash row past each
+    row's length; k, v pools [N, Hkv, D] of random values, the trash row (the last) NaN: a
+    read of it would poison the output)."""
+    b = len(lens)
+    blocks = -(-s // block)
+    n = b * blocks * block + 1  # the last pool row takes what nothing should read
+    order = torch.randperm(b * blocks, generator=gen).view(b, blocks)  # each row's block table
+    pos = torch.arange(s)
+    read = torch.where(pos[None, :] < lens[:, None], order[:, pos // block] * block + pos % block, n - 1)
+    k, v = (torch.randn(n, hkv, d, generator=gen).to(device, dtype) for _ in range(2))
+    k[-1], v[-1] = float("nan"), float("nan")
+    return read.to(device), k, v
+
+
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b,hq,hkv,s,d,block", [(1, 4, 4, 5, 16, 4), (3, 8, 2, 37, 24, 8), (4, 6, 1, 130, 16, 16)])
@@ -78,21 +94,13 @@ def test_decode_attention_reads_strided_caches_and_rejects_bad_shapes():
 def test_paged_decode_attention_reads_the_pool_in_place(device, dtype, b, hq, hkv, s, d, block, splits):
     """Each row's keys in scattered blocks of a shared pool (as PagedKVCache holds them),
     rows of different lengths, hidden slots pointing at a trash row: the same result as
-    the dense reference over the keys gathered in order."""
+    the dense reference over the keys gathered in order; an additive mask (0 / -inf, as
+    StepContext.paged builds it) gives the same as the bool one."""
     gen = torch.Generator().manual_seed(b * s + d)
-    blocks = -(-s // block)
-    n = b * blocks * block + 1  # the last pool row takes what nothing should read
-    k = torch.randn(n, hkv, d, generator=gen).to(device, dtype)
-    v = torch.randn(n, hkv, d, generator=gen).to(device, dtype)
-    k[-1], v[-1] = float("nan"), float("nan")  # a read of the trash row would poison the output
-    q = torch.randn(b, hq, d, generator=gen).to(device, dtype)
-    order = torch.randperm(b * blocks, generator=gen).view(b, blocks)  # each row's block table
-    pos = torch.arange(s)
-    slots = order[:, pos // block] * block + pos % block  # [B, S]
     lens = torch.randint(1, s + 1, (b,), generator=gen)
-    visible = pos[None, :] < lens[:, None]
-    slots = torch.where(visible, slots, n - 1).to(device)
-    visible = visible.to(device)
+    slots, k, v = _paged_pool(device, dtype, hkv, d, s, block, lens, gen)
+    q = torch.randn(b, hq, d, generator=gen).to(device, dtype)
+    visible = (torch.arange(s)[None, :] < lens[:, None]).to(device)
     out = paged_decode_attention_triton(q, k, v, slots, visible, splits=splits)
     ref = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible)
     assert out.shape == q.shape and out.dtype == dtype and not out.isnan().any()
@@ -100,6 +108,9 @@ def test_paged_decode_attention_reads_the_pool_in_place(device, dtype, b, hq, hk
     kd, vd = (t.double().nan_to_num()[slots].transpose(1, 2) for t in (k, v))
     dense = decode_attention_ref(q.double(), kd, vd, visible)
     assert rel(ref, dense) < 1e-12
+    bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=device).masked_fill_(~visible[:, None, None], float("-inf"))
+    assert torch.equal(paged_decode_attention_triton(q, k, v, slots, bias[:, 0, 0], splits=splits), out)
+    assert torch.equal(paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, bias[:, 0, 0]), ref)
     with pytest.raises(ValueError, match=r"slots: expected contiguous int64"):
         paged_decode_attention_triton(q, k, v, slots.int(), visible)
 
@@ -193,6 +204,82 @@ def test_qkv_decode_rejects_bad_shapes():
         qkv_decode_triton(torch.randn(1, 64), 4, 2, 8, kc, kc.clone(), 0, qk_norm="layer")
 
 
+def _rotary_rows(device, dtype, positions, d):
+    """cos, sin [..., D] of the rotate-half rotary at ``positions`` [...]."""
+    ang = positions.float()[..., None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().to(device, dtype), ang.sin().to(device, dtype)
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("qk_norm,rope,clip", [(None, True, None), ("head", True, 1.5), ("full", False, None)])
+def test_qkv_decode_into_a_paged_pool(device, dtype, t, qk_norm, rope, clip):
+    """Each token's k and v at its own pool row (scattered; one padding token's at the trash
+    row), also stored into ``kv_out``: bit for bit the q, k and v of the contiguous cache's
+    append of the same tokens, close to the float64 reference, no other pool row touched."""
+    b, hq, hkv, d = 3, 4, 2, 16
+    _, _, _, _, _, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, 1, qk_norm, False, seed=t)
+    gen = torch.Generator().manual_seed(10 + t)
+    qkv = (torch.randn(b, t, (hq + 2 * hkv) * d, generator=gen) * 2).to(device, dtype)
+    cos, sin = _rotary_rows(device, dtype, torch.randint(0, 500, (b, t), generator=gen), d) if rope else (None, None)
+    n = 2 * b * t + 1
+    kp, vp = (torch.randn(n, hkv, d, generator=gen).to(device, dtype) for _ in range(2))
+    slot = torch.randperm(n - 1, generator=gen)[:b * t].view(b, t)
+    slot[1, 0] = n - 1  # a padding token: the trash row
+    slot = slot.to(device)
+    kp0, vp0 = kp.clone(), vp.clone()
+    kv_out = tuple(torch.empty(b, t, hkv, d, dtype=dtype, device=device) for _ in range(2))
+    q = qkv_decode_triton(qkv, hq, hkv, d, kp, vp, slot, cos, sin, qk_norm, qw, kw, 1e-6, clip, kv_out=kv_out)
+    kc, vc = (torch.zeros(b, hkv, t, d, dtype=dtype, device=device) for _ in range(2))
+    qc = qkv_decode_triton(qkv, hq, hkv, d, kc, vc, 0, cos, sin, qk_norm, qw, kw, 1e-6, clip)
+    kn, vn = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, T, Hkv, D]
+    assert q.shape == (b, hq, t, d) and torch.equal(q, qc)
+    assert torch.equal(kp[slot], kn) and torch.equal(vp[slot], vn)
+    assert torch.equal(kv_out[0], kn) and torch.equal(kv_out[1], vn)
+    others = torch.ones(n, dtype=torch.bool, device=device).index_fill_(0, slot.view(-1), False)
+    assert torch.equal(kp[others], kp0[others]) and torch.equal(vp[others], vp0[others])
+    up = lambda z: None if z is None else z.double()  # noqa: E731
+    kr, vr = kp0.double(), vp0.double()
+    kv_ref = tuple(torch.empty(b, t, hkv, d, dtype=torch.float64, device=device) for _ in range(2))
+    qr = qkv_decode_ref(qkv.double(), hq, hkv, d, kr, vr, slot.view(-1), up(cos), up(sin), qk_norm, up(qw), up(kw),
+                        1e-6, clip, kv_ref)
+    tol = 2 * TOL[dtype] if device == "cuda" else 3 * TOL[dtype]
+    assert rel(q, qr) < tol and rel(kp[slot], kr[slot]) < tol and rel(vp[slot], vr[slot]) < TOL[dtype]
+    assert rel(kv_out[0], kv_ref[0]) < tol and rel(kv_out[1], kv_ref[1]) < TOL[dtype]
+    assert torch.equal(kr[slot].to(dtype), kv_ref[0].to(dtype)) and torch.equal(kr[others], kp0[others].double())
+
+
+def test_paged_modes_reject_bad_input():
+    """A paged pool's operands, for the epilogue and the one-launch attention: ValueErrors
+    naming the operand."""
+    kp, qkv, bias = torch.zeros(9, 2, 16), torch.randn(2, 128), torch.zeros(2, 1, 1, 3)
+    slot, read, pos = torch.tensor([3, 4]), torch.tensor([[0, 3, 8], [1, 4, 8]]), torch.tensor([[1], [1]])
+    with pytest.raises(ValueError, match=r"slot 3: a paged pool takes each token's pool row"):
+        qkv_decode_triton(qkv, 4, 2, 16, kp, kp.clone(), 3)
+    with pytest.raises(ValueError, match=r"slot \[2\] torch.int32: a paged pool"):
+        qkv_decode_triton(qkv, 4, 2, 16, kp, kp.clone(), slot.int())
+    with pytest.raises(ValueError, match=r"slot \[3\] torch.int64: .* B x T = 2 x 1"):
+        qkv_decode_triton(qkv, 4, 2, 16, kp, kp.clone(), torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"k_cache / v_cache \[9, 2, 16\] / \[9, 3, 16\]"):
+        qkv_decode_triton(qkv, 4, 2, 16, kp, torch.zeros(9, 3, 16), slot)
+    with pytest.raises(ValueError, match=r"kv_out \[\[2, 1, 2, 16\], \[2, 2, 16\]\]"):
+        qkv_decode_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, kv_out=(torch.empty(2, 1, 2, 16), torch.empty(2, 2, 16)))
+    with pytest.raises(ValueError, match=r"read_slots, positions: a paged pool needs"):
+        qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, bias)
+    with pytest.raises(ValueError, match=r"read_slots \[2, 3\] torch.int32"):
+        qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, bias, read_slots=read.int(), positions=pos)
+    with pytest.raises(ValueError, match=r"positions \[3\] torch.int64: expected int64 of B = 2"):
+        qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, bias, read_slots=read,
+                             positions=torch.tensor([1, 1, 1]))
+    with pytest.raises(ValueError, match=r"bias \[2, 1, 1, 4\]"):
+        qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, torch.zeros(2, 1, 1, 4), read_slots=read,
+                             positions=pos)
+    kc = torch.zeros(2, 2, 3, 16)
+    with pytest.raises(ValueError, match=r"read_slots, positions: only with a paged pool"):
+        qkv_attention_triton(qkv, 4, 2, 16, kc, kc.clone(), torch.tensor(1), bias, read_slots=read, positions=pos)
+
+
 _COMPILE_QKV_DECODE = """
 import sys
 import triton
@@ -200,8 +287,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.attention.qkv_decode_triton import _qkv_decode_kernel as kernel
 
-qk_norm, pdl = (int(v) for v in sys.argv[1:])
-const = dict(HQ=16, HKV=4, HQ_P=16, HKV_P=4, D=128, QK_NORM=qk_norm, CLIP=True, ROPE=True, SLOT_PTR=True, PDL=pdl)
+qk_norm, pdl, paged = (int(v) for v in sys.argv[1:])
+const = dict(HQ=16, HKV=4, HQ_P=16, HKV_P=4, D=128, QK_NORM=qk_norm, CLIP=True, ROPE=True, SLOT_PTR=True,
+             PAGED=bool(paged), KV_OUT=bool(paged), PDL=pdl)
+assert {p.name for p in kernel.params if p.is_constexpr} == set(const)  # none compiled as a pointer
 types = {"slot_ptr": "*i64", "slot": "i64", "T": "i32", "eps": "fp32", "clip": "fp32"}
 sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
        for n in kernel.arg_names}
@@ -210,11 +299,11 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("qk_norm,pdl", [(0, 0), (1, 2), (2, 2)])
-def test_qkv_decode_compiles_for_hopper(qk_norm, pdl):
+@pytest.mark.parametrize("qk_norm,pdl,paged", [(0, 0, 0), (1, 2, 0), (2, 2, 1)])
+def test_qkv_decode_compiles_for_hopper(qk_norm, pdl, paged):
     """The QKV epilogue kernel's whole Triton compile for sm_90 (tests.hopper), with each
-    q / k norm."""
-    assert int(compile_in_subprocess(_COMPILE_QKV_DECODE, qk_norm, pdl).split()[-1]) > 0
+    q / k norm, into a cache and into a paged pool with the fresh k, v stored out too."""
+    assert int(compile_in_subprocess(_COMPILE_QKV_DECODE, qk_norm, pdl, paged).split()[-1]) > 0
 
 
 @pytest.mark.parametrize("device,dtype", BACKENDS)
@@ -373,6 +462,72 @@ def test_qkv_attention_rejects_bad_input():
         qkv_attention_triton(qkv, 4, 2, 16, kc, kc.clone(), slot, bias, qk_norm="layer")
 
 
+def _paged_run(device, dtype, hq, hkv, s, lens, qk_norm, rope, clip, splits, seed, window=None, bool_mask=False):
+    """The one-launch attention over a paged pool (``_paged_pool``: rows of ``lens`` keys,
+    the new one each row's last; a row of 0 is a padding row, as PagedDecodeStep pads: it
+    writes the trash row and sees only its own key) and its float64 reference -> (out, ref,
+    (k, v pools after the step, the reference's, the pools before it, the write rows)).
+    ``bool_mask``: the mask as a bool one, not additive."""
+    b, d = len(lens), 16
+    gen = torch.Generator().manual_seed(seed)
+    qkv, _, _, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, 1, qk_norm, rope, seed)
+    lens = torch.tensor(lens)
+    read, kp, vp = _paged_pool(device, dtype, hkv, d, s, 8, lens, gen)
+    last = (lens - 1).clamp(min=0)  # each row's new key: its position
+    write = read.gather(1, last[:, None].to(device))[:, 0]  # the pool row it goes to
+    # As the runner passes them: a column of a wider int64 tensor.
+    positions = torch.stack([torch.zeros_like(last), last], 1)[:, 1:].to(device)
+    keys = torch.arange(s)
+    visible = keys[None, :] <= last[:, None]
+    if window is not None:
+        visible &= last[:, None] - keys[None, :] < window
+    bias = torch.zeros(b, 1, 1, s).masked_fill_(~visible[:, None, None], float("-inf")).to(device, dtype)
+    if bool_mask:
+        bias = visible[:, None, None].to(device)
+    up = lambda z: None if z is None else z.double()  # noqa: E731
+    kr, vr = kp.double(), vp.double()
+    ref = qkv_attention_ref(qkv.double(), hq, hkv, d, kr, vr, write, bias if bool_mask else bias.double(), up(cos),
+                            up(sin), qk_norm, up(qw), up(kw), 1e-6, clip, read_slots=read, positions=positions)
+    kp0, vp0 = kp.clone(), vp.clone()
+    out = qkv_attention_triton(qkv, hq, hkv, d, kp, vp, write, bias, cos, sin, qk_norm, qw, kw, 1e-6, clip,
+                               splits=splits, read_slots=read, positions=positions)
+    return out, ref, (kp, vp, kr, vr, kp0, vp0, write)
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("hq,hkv,qk_norm,rope,clip,splits", [
+    (2, 2, None, True, None, 1), (2, 2, "full", True, None, 4), (8, 2, "head", True, 1.5, 1),
+    (8, 2, None, False, None, 4), (8, 1, "full", True, 1.5, 1), (8, 1, "head", True, None, 4)])
+def test_qkv_attention_over_a_paged_pool(device, dtype, hq, hkv, qk_norm, rope, clip, splits):
+    """GQA 1, 4 and 8, each with one split and several, over a pool read in place (each q/k
+    norm, clip, rotary or none): rows of different lengths (a full one, a middle one, a
+    first token that sees only itself) in scattered blocks, their slots past their lengths
+    at the NaN trash row; each new k, v written at its own pool row only."""
+    out, ref, (kp, vp, kr, vr, kp0, vp0, write) = _paged_run(device, dtype, hq, hkv, 40, [40, 17, 1], qk_norm,
+                                                             rope, clip, splits, seed=hq * 10 + hkv + splits)
+    assert out.shape == (3, hq, 16) and out.dtype == dtype and not out.isnan().any()
+    assert rel(out, ref) < (3 * TOL[dtype] if dtype != torch.float32 else 1e-5)
+    assert rel(kp[write], kr[write]) < 3 * TOL[dtype] and rel(vp[write], vr[write]) < TOL[dtype]
+    others = torch.ones(kp.shape[0], dtype=torch.bool, device=kp.device).index_fill_(0, write, False)
+    assert torch.equal(kp[others].nan_to_num(), kp0[others].nan_to_num())  # the trash row still NaN: unwritten
+    assert torch.equal(vp[others].nan_to_num(), vp0[others].nan_to_num()) and kp[-1].isnan().all()
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("s,lens,splits,window,bool_mask", [(300, [300, 70, 5], 2, None, False),
+                                                            (64, [50, 64, 1], None, 7, True),
+                                                            (96, [96, 0, 33], 8, None, False),
+                                                            (300, [1, 250, 0], 2, 9, True)])
+def test_qkv_attention_paged_context_lengths(device, dtype, s, lens, splits, window, bool_mask):
+    """Over a paged pool: more keys than P blocks cover (each split walks its blocks after
+    the wait, a row's blocks split by its own length), a sliding window, the default split
+    count, padding rows (the trash row is their own key); a bool mask in place of the
+    additive one (read as its bytes), before the wait and after it."""
+    out, ref, _ = _paged_run(device, dtype, 8, 2, s, lens, "head", True, None, splits, seed=s + sum(lens),
+                             window=window, bool_mask=bool_mask)
+    assert not out.isnan().any() and rel(out, ref) < (3 * TOL[dtype] if dtype != torch.float32 else 1e-5)
+
+
 def test_default_splits_fill_the_gpu_and_bound_each_split():
     assert default_splits(1, 16, 192, 32, 132) == 8  # OLMoE batch 1, short cache: 128 programs, 24 keys each
     assert default_splits(1, 4, 192, 8, 132) == 32  # Qwen3 batch 1
@@ -395,12 +550,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.attention.qkv_attention_triton import _qkv_attention_kernel as kernel
 
-g, splits, qk_norm, pdl, pre_kv = (int(v) for v in sys.argv[1:])
+g, splits, qk_norm, pdl, pre_kv, paged = (int(v) for v in sys.argv[1:])
 hkv, d = 4, 128
 const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_P=g, G_M=max(16, g), D=d, QK_NORM=qk_norm, CLIP=False,
-             ROPE=True, BLOCK_S=64, P=splits, P_CHUNK=min(splits, 4), PRE_KV=bool(pre_kv), UPCAST=False, PDL=pdl)
-types = {"slot_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32",
-         "eps": "fp32", "clip": "fp32", "scale": "fp32"}
+             ROPE=True, BLOCK_S=64, P=splits, P_CHUNK=min(splits, 4), PRE_KV=bool(pre_kv), UPCAST=False,
+             PAGED=bool(paged), ADDITIVE=paged != 2, PDL=pdl)
+types = {"slot_ptr": "*i64", "read_ptr": "*i64", "pos_ptr": "*i64", "bias_ptr": "*bf16" if paged != 2 else "*i8",
+         "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32", "clip": "fp32",
+         "scale": "fp32"}
+assert {p.name for p in kernel.params if p.is_constexpr} == set(const)  # none compiled as a pointer
 sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
        for n in kernel.arg_names}
 compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
@@ -408,8 +566,11 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv", [(1, 16, 2, 2, 1), (8, 1, 1, 2, 0), (4, 4, 0, 0, 1)])
-def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv):
-    """The whole Triton compile for sm_90 (tests.hopper)."""
-    out = compile_in_subprocess(_COMPILE_QKV_ATTENTION, g, splits, qk_norm, pdl, pre_kv)
+@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv,paged", [(1, 16, 2, 2, 1, 0), (8, 1, 1, 2, 0, 0),
+                                                               (4, 4, 0, 0, 1, 0), (1, 16, 2, 2, 1, 1),
+                                                               (8, 4, 1, 2, 0, 2)])
+def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv, paged):
+    """The whole Triton compile for sm_90 (tests.hopper), over a cache and over a paged pool
+    (``paged`` 2: with a bool mask, read as bytes)."""
+    out = compile_in_subprocess(_COMPILE_QKV_ATTENTION, g, splits, qk_norm, pdl, pre_kv, paged)
     assert int(out.split()[-1]) > 0
