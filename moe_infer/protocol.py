@@ -1,6 +1,8 @@
 """The OpenAI request schema as this server implements it: which fields each endpoint takes,
 the checks every body passes before any field is read, ``Handler`` (a body -> checked
-``Parsed`` -> scheduler requests), and the logprobs shapes of answers.
+``Parsed`` -> the ``Choice`` of each sequence to generate), and the logprobs shapes of
+answers. ``Handler`` needs the model's config and tokenizer only, never its weights, so it
+runs in the HTTP front end's process as well as beside the engine.
 
 Policy for fields: an implemented field is validated (a bad value is a 400 naming it); a
 field that only describes the caller (``user``, ``metadata``, ...) is accepted and has no
@@ -16,17 +18,17 @@ import functools
 import json
 import reprlib
 import threading
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from moe_infer.engine import Engine
 from moe_infer.sampling import SamplingParams
-from moe_infer.scheduler import QueueFull, Request, Scheduler
+from moe_infer.scheduler import Request
 
 if TYPE_CHECKING:  # the server module imports this one
-    from moe_infer.server import Metrics, ServerConfig
+    from moe_infer.engine import Engine
+    from moe_infer.frontend import ModelInfo
+    from moe_infer.server import ServerConfig
 
 DEFAULT_CHAT_TEMPLATE = (  # when the checkpoint's tokenizer_config.json has none
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -270,6 +272,25 @@ class Parsed:
     ignore_eos: bool
 
 
+@dataclass
+class Choice:
+    """One sequence to generate (choice j of prompt i): plain values, so that it can travel
+    to an engine in another process, which makes the scheduler ``Request`` of it."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: list[str]
+    min_tokens: int
+    ignore_eos: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
+
+    def request(self, on_event: Callable[[str, dict], None]) -> Request:
+        return Request(self.prompt, self.params, self.max_tokens, on_event, self.stop, min_tokens=self.min_tokens,
+                       ignore_eos=self.ignore_eos, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
+
+
 class Outbox:
     """Events from the engine thread to the queues of one event loop, handed over in
     batches: the loop is woken once for everything posted since it last ran, not once per
@@ -294,19 +315,15 @@ class Outbox:
 
 
 class Handler:
-    """Turns validated OpenAI requests into scheduler requests and their answers."""
+    """Turns OpenAI request bodies into checked requests and the choices they generate.
+    ``model`` is an ``Engine`` or a ``frontend.ModelInfo``: its ``config``, ``tokenizer``
+    and ``encode`` are all it uses."""
 
-    def __init__(self, engine: Engine, scheduler: Scheduler, cfg: ServerConfig, metrics: Metrics):
-        self.engine, self.scheduler, self.cfg, self.metrics = engine, scheduler, cfg, metrics
-        self.model_name = cfg.model_name or engine.config.name
+    def __init__(self, model: Engine | ModelInfo, cfg: ServerConfig):
+        self.engine, self.cfg = model, cfg
+        self.model_name = cfg.model_name or model.config.name
         self.chat_template = self._chat_template()
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
-        self.outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> Outbox
-
-    def _outbox(self, loop) -> Outbox:
-        if loop not in self.outboxes:
-            self.outboxes[loop] = Outbox(loop)
-        return self.outboxes[loop]
 
     def _chat_template(self):
         import jinja2
@@ -435,34 +452,17 @@ class Handler:
 
     # ----------------------------------------------------------------- generation
 
-    def submit(self, parsed: Parsed, loop, queue) -> list[Request]:
+    def choices(self, parsed: Parsed) -> list[Choice]:
+        """-> the sequences to generate, n per prompt (choice i * n + j: prompt i, seed + j);
+        a 400 for a prompt that cannot fit the context with its max_tokens."""
         limit, n = self.engine.config.max_seq_len, parsed.n
         for i, p in enumerate(parsed.prompts):
             if len(p) + parsed.max_tokens > limit:
                 raise ApiError(400, f"prompt[{i}]: {len(p)} tokens + max_tokens={parsed.max_tokens} exceed the "
                                f"context length {limit}", "max_tokens" if len(p) < limit else "prompt",
                                "context_length_exceeded")
-        reqs, outbox = [], self._outbox(loop)
         seed = parsed.params.seed
-        for i, p in enumerate(parsed.prompts):
-            for j in range(n):
-                choice = i * n + j
-                r = Request(p, dataclasses.replace(parsed.params, seed=None if seed is None else seed + j),
-                            parsed.max_tokens,
-                            lambda kind, data, c=choice: outbox.post(queue, (c, kind, data)),
-                            parsed.stop, min_tokens=parsed.min_tokens, ignore_eos=parsed.ignore_eos,
-                            logprobs=parsed.logprobs, prompt_logprobs=parsed.logprobs if parsed.echo else None)
-                reqs.append(r)
-        try:
-            for r in reqs:
-                self.scheduler.submit(r)
-        except QueueFull as exc:
-            for r in reqs:
-                self.scheduler.cancel(r)
-            raise ApiError(503, f"the server is at capacity ({exc}); retry later", None,
-                           headers={"Retry-After": str(self.cfg.retry_after_s)}) from None
-        except ValueError as exc:  # the KV cache could never hold it
-            for r in reqs:
-                self.scheduler.cancel(r)
-            raise ApiError(400, str(exc), "max_tokens") from None
-        return reqs
+        return [Choice(p, dataclasses.replace(parsed.params, seed=None if seed is None else seed + j),
+                       parsed.max_tokens, parsed.stop, parsed.min_tokens, parsed.ignore_eos, parsed.logprobs,
+                       parsed.logprobs if parsed.echo else None)
+                for p in parsed.prompts for j in range(n)]

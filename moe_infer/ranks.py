@@ -41,17 +41,24 @@ def row_channel():
     import torch.distributed as dist
 
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    # The last step's tensors stay referenced here: otherwise a gloo worker thread may drop
+    # the last reference to one, and free it, while the interpreter is already finalizing
+    # at exit, which aborts the process.
+    held: list[torch.Tensor] = []
 
     def send(rows):
         data = pack_rows(rows).to(dev)
-        dist.broadcast(torch.tensor([data.numel()], device=dev), src=0)
+        size = torch.tensor([data.numel()], device=dev)
+        dist.broadcast(size, src=0)
         dist.broadcast(data, src=0)
+        held[:] = [size, data]
 
     def receive():
         size = torch.empty(1, dtype=torch.int64, device=dev)
         dist.broadcast(size, src=0)
         data = torch.empty(int(size), dtype=torch.int64, device=dev)
         dist.broadcast(data, src=0)
+        held[:] = [size, data]
         return unpack_rows(data.cpu())
 
     return send, receive

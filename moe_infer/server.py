@@ -6,8 +6,13 @@ Endpoints: /v1/completions, /v1/chat/completions (streaming as server-sent event
 /v1/models, /health, /metrics (Prometheus; every response counted by endpoint and status).
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``
 with a 4xx / 5xx status; the server keeps serving, over the same connection. Which
-request fields are implemented, accepted or refused: ``moe_infer.protocol``. On several
-ranks (started under mpirun) rank 0 serves HTTP and broadcasts each step to the others.
+request fields are implemented, accepted or refused: ``moe_infer.protocol``.
+
+``serve`` runs the HTTP front end in a process of its own (``server.api_process``, on by
+default; ``moe_infer.frontend``): the process that owns the model runs only the engine
+thread and a bridge to it, so HTTP work never holds the engine's interpreter lock.
+``create_app`` builds the app over the engine thread in its own process. On several ranks
+(started under mpirun) rank 0 runs the engine and broadcasts each step to the others.
 """
 from __future__ import annotations
 
@@ -15,7 +20,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -29,9 +33,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moe_infer import protocol
 from moe_infer.config import ConfigError, EngineConfig, ParallelConfig
 from moe_infer.engine import Engine
+from moe_infer.frontend import EngineClient, EngineGone, InProcessEngine, ModelInfo, serve_from_another_process
 from moe_infer.protocol import ApiError, Handler
 from moe_infer.ranks import follow, row_channel
-from moe_infer.scheduler import Scheduler
+from moe_infer.scheduler import QueueFull, Scheduler
 
 
 @dataclass
@@ -47,6 +52,9 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1
     default_max_tokens: int = 16
+    # serve(): HTTP in a process of its own, so its work never holds the engine's interpreter
+    # lock; false: uvicorn's event loop beside the engine thread, in one process.
+    api_process: bool = True
 
     def __post_init__(self):
         for name in ("port", "block_size", "max_queue", "max_body_bytes", "retry_after_s", "default_max_tokens",
@@ -60,6 +68,8 @@ class ServerConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
                 raise ConfigError(f"server.{name}={v!r}: expected a string")
+        if not isinstance(self.api_process, bool):
+            raise ConfigError(f"server.api_process={self.api_process!r}: expected true or false")
 
 
 @dataclass
@@ -226,27 +236,29 @@ class CountResponses:
 
 
 def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Scheduler | None = None):
-    """The FastAPI app; its lifespan starts and stops the engine thread."""
+    """The FastAPI app over the engine thread in this process; its lifespan starts and stops
+    that thread."""
     cfg = cfg or ServerConfig()
     metrics = Metrics()
     scheduler = scheduler or build_scheduler(engine, cfg)
-    scheduler.metrics = metrics
-    handler = Handler(engine, scheduler, cfg, metrics)
+    app = app_for(engine, cfg, InProcessEngine(scheduler, metrics), metrics)
+    app.state.scheduler = scheduler
+    return app
+
+
+def app_for(model: Engine | ModelInfo, cfg: ServerConfig, client: EngineClient, metrics: Metrics):
+    """The FastAPI app over ``client`` (the engine in this process or another); ``model``
+    gives the config and tokenizer. Its lifespan starts and stops the client."""
+    handler = Handler(model, cfg)
 
     @asynccontextmanager
     async def lifespan(app):
-        scheduler.warm_up()  # before the first request: none waits for a capture or a compile
-        stop = threading.Event()
-        thread = threading.Thread(target=scheduler.run, args=(stop,), name="moe-infer-engine", daemon=True)
-        thread.start()
+        await client.start()
         yield
-        stop.set()
-        with scheduler.lock:
-            scheduler.wake.notify_all()
-        thread.join(timeout=30)
+        await client.stop()
 
     app = FastAPI(title="moe-infer", lifespan=lifespan)
-    app.state.scheduler, app.state.metrics, app.state.handler = scheduler, metrics, handler
+    app.state.client, app.state.metrics, app.state.handler = client, metrics, handler
 
     @app.exception_handler(ApiError)
     async def api_error(request, exc: ApiError):
@@ -294,13 +306,15 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
 
     @app.get("/health")
     async def health():
+        if not client.healthy:
+            return error_response(ApiError(503, "the engine is not running", None, "server_error"))
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        scheduler._report()
+        client.update_gauges()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -311,8 +325,17 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
 
     async def generate(request: HttpRequest, chat: bool):
         parsed = handler.parse(await read_body(request), chat)
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        reqs = handler.submit(parsed, loop, queue)
+        queue = asyncio.Queue()
+        seqs = handler.choices(parsed)
+        try:
+            ticket = await client.submit(seqs, queue)
+        except QueueFull as exc:
+            raise ApiError(503, f"the server is at capacity ({exc}); retry later", None,
+                           headers={"Retry-After": str(cfg.retry_after_s)}) from None
+        except ValueError as exc:  # the KV cache could never hold it
+            raise ApiError(400, str(exc), "max_tokens") from None
+        except EngineGone as exc:
+            raise ApiError(503, f"the engine is not running ({exc})", None, "server_error") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
@@ -320,8 +343,8 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
         if parsed.include_usage:  # OpenAI: every chunk has the key, null until the last one
             head["usage"] = None
         metrics.requests.labels(status="200").inc()
-        prompt_text = [parsed.texts[i // parsed.n] if parsed.echo else "" for i in range(len(reqs))]
-        offsets = [0] * len(reqs)  # completions' text_offset: where each choice's next token starts
+        prompt_text = [parsed.texts[i // parsed.n] if parsed.echo else "" for i in range(len(seqs))]
+        offsets = [0] * len(seqs)  # completions' text_offset: where each choice's next token starts
 
         def logprobs_of(index, entries):
             if chat:
@@ -354,14 +377,14 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
                     return f"{prefix}{json.dumps(choices)}}}\n\n"
 
                 try:
-                    for i in range(len(reqs)):
+                    for i in range(len(seqs)):
                         if chat:  # the role comes first, as OpenAI streams it
                             yield event([{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}])
                         elif parsed.echo and parsed.logprobs is None:  # else it comes with its logprobs
                             yield event([choice(i, prompt_text[i], None)])
                     done, completion_tokens = 0, 0
-                    while done < len(reqs):
+                    while done < len(seqs):
                         # Everything queued goes out in one write: a busy server sends each
                         # client its tokens per step, not one send per token.
                         items, out = [await queue.get()], []
@@ -389,17 +412,15 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
                         yield event([], usage=usage(completion_tokens))
                     yield "data: [DONE]\n\n"
                 finally:  # a client that went away frees its KV blocks at the next step
-                    for r in reqs:
-                        if r.finish is None:
-                            scheduler.cancel(r)
+                    client.cancel(ticket)
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
-        texts, finish = list(prompt_text), [None] * len(reqs)
-        entries, completion_tokens = [[] for _ in reqs], 0
+        texts, finish = list(prompt_text), [None] * len(seqs)
+        entries, completion_tokens = [[] for _ in seqs], 0
         try:
             done = 0
-            while done < len(reqs):
+            while done < len(seqs):
                 index, kind, data = await queue.get()
                 if kind == "prompt":
                     entries[index][:0] = data["logprobs"]
@@ -414,9 +435,7 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
                     finish[index] = data["finish_reason"]
                     completion_tokens += data["completion_tokens"]
         finally:
-            for r in reqs:
-                if r.finish is None:
-                    scheduler.cancel(r)
+            client.cancel(ticket)
         lps = [None if parsed.logprobs is None else logprobs_of(i, e) for i, e in enumerate(entries)]
         if chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
@@ -459,9 +478,12 @@ def serve(spec: ServeSpec, engine: Engine | None = None):
             follow(scheduler.runner, receive)
             return
         scheduler.broadcast = send
-    app = create_app(engine, cfg, scheduler)
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
+        if cfg.api_process:
+            serve_from_another_process(engine, cfg, scheduler)
+        else:
+            uvicorn.run(create_app(engine, cfg, scheduler), host=cfg.host, port=cfg.port, log_level="info")
     finally:
         if multi:
             send(None)  # the followers leave their loop
+

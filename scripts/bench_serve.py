@@ -6,9 +6,10 @@ request rate, beside the offline ``generate()`` throughput of the same requests.
     python scripts/bench_serve.py --model qwen3-30b-a3b --requests 64 --rates 2,8,inf
     python scripts/bench_serve.py --smoke                 # tiny-moe on the CPU, end to end
 
-The server runs in this process (uvicorn on a loopback port, its engine thread beside it),
-as ``moe-infer serve`` runs it; the clients run in a process of their own, as a user's
-clients would, and stream /v1/completions with token-id prompts, arriving as a Poisson
+The server runs as ``moe-infer serve`` runs it: the engine thread in this process, uvicorn
+on a loopback port in a process of its own (``--api-in-process``: uvicorn's event loop in
+this process, beside the engine thread); the clients run in a process of their own, as a
+user's clients would, and stream /v1/completions with token-id prompts, arriving as a Poisson
 process at each rate (inf: all at once). Every request asks for exactly ``--max-tokens`` tokens
 (``ignore_eos`` is not an OpenAI field, so random-weight models may stop early at EOS;
 the tokens actually generated are counted). TTFT is arrival to the first streamed token;
@@ -37,21 +38,33 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 import moe_infer  # noqa: E402
-from moe_infer.server import ServerConfig, create_app  # noqa: E402
+from moe_infer.frontend import EngineHost  # noqa: E402
+from moe_infer.server import ServerConfig, build_scheduler, create_app  # noqa: E402
 
 
-def start_server(app):
+def start_server(engine, cfg: ServerConfig):
+    """-> (a function that stops it, its URL): HTTP in a process of its own when
+    ``cfg.api_process``, else uvicorn in a thread of this process."""
+    if cfg.api_process:
+        host = EngineHost(engine, cfg, build_scheduler(engine, cfg), log_level="warning")
+        _, port = host.start()
+        return host.stop, f"http://127.0.0.1:{port}"
     import uvicorn
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, cfg), host="127.0.0.1", port=port,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{port}"
+
+    def stop():
+        server.should_exit = True
+        thread.join(timeout=30)
+    return stop, f"http://127.0.0.1:{port}"
 
 
 async def one(client, url, prompt, max_tokens, delay, t0):
@@ -142,6 +155,8 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=ServerConfig.prefill_chunk,
                     help="prompt tokens prefilled per server step (server.prefill_chunk)")
+    ap.add_argument("--api-in-process", action="store_true",
+                    help="uvicorn in this process, beside the engine thread (server.api_process: false)")
     ap.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, few requests")
     args = ap.parse_args()
     if args.smoke:
@@ -169,10 +184,9 @@ def main():
     step_s, prefill_s = reference_times(engine, prompts, args.max_batch)
 
     blocks = args.max_batch * -(-max_len // args.block_size)
-    app = create_app(engine, ServerConfig(block_size=args.block_size, num_blocks=blocks,
-                                          prefill_chunk=args.prefill_chunk,
-                                          max_queue=args.requests + 8))
-    server, thread, url = start_server(app)
+    cfg = ServerConfig(port=0, block_size=args.block_size, num_blocks=blocks, prefill_chunk=args.prefill_chunk,
+                       max_queue=args.requests + 8, api_process=not args.api_in_process)
+    stop, url = start_server(engine, cfg)
     clients(url, prompts, args.max_tokens, float("inf"), 0)  # warm-up: the whole workload
     rows = []
     try:
@@ -190,15 +204,15 @@ def main():
                          "itl_mean_ms": 1e3 * statistics.fmean(itl) if itl else float("nan"),
                          "itl_p50_vs_step": pct(itl, 50) / step_s, "ttft_p50_vs_prefill": pct(ttft, 50) / prefill_s})
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        stop()
 
     run = bc.run_info(engine.device)
     m = engine.config.model
     print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {engine.dtype}")
     print(f"model {args.model}: H={m.hidden_size} layers={m.num_layers} vocab={m.vocab_size}, random weights | "
           f"{args.requests} requests, prompts {lo}-{hi} tokens, {args.max_tokens} new tokens each, "
-          f"max batch {args.max_batch}, KV blocks {blocks} x {args.block_size}, prefill chunk {args.prefill_chunk}")
+          f"max batch {args.max_batch}, KV blocks {blocks} x {args.block_size}, prefill chunk {args.prefill_chunk}, "
+          f"HTTP {'in this process' if args.api_in_process else 'in a process of its own'}")
     print(f"offline generate(): {offline_tokens} tokens in {offline_s:.2f} s = {offline_tokens / offline_s:.1f} "
           "tokens/s (same prompts, batches of max batch, no server)")
     print(f"references through generate(): decode step at batch {args.max_batch} {1e3 * step_s:.2f} ms, "

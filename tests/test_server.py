@@ -266,6 +266,27 @@ def test_serve_config_errors(tmp_path):
     assert spec.server.port == 9002 and spec.engine == {"max_batch_size": 4} and spec.model == "default"
 
 
+def front_ends(root: int) -> list[int]:
+    """The spawned HTTP front-end processes among the descendants of process ``root``."""
+    from pathlib import Path
+
+    parent, spawned = {}, set()
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit():
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if b"spawn_main" in (d / "cmdline").read_bytes():
+                    spawned.add(int(d.name))
+        except (OSError, IndexError, ValueError):  # it exited meanwhile
+            pass
+
+    def descends(pid):
+        while pid in parent and pid != root:
+            pid = parent[pid]
+        return pid == root
+    return sorted(p for p in spawned if p != root and descends(p))
+
+
 @pytest.mark.parametrize("layout", ["{tp: 2}", "{ep: 2, dp: 2}"], ids=["tp2", "ep2"])
 def test_two_ranks_serve(tmp_path, engine, layout):
     """Under the launcher, rank 0 serves HTTP and broadcasts every step; rank 1 follows.
@@ -317,9 +338,19 @@ def test_two_ranks_serve(tmp_path, engine, layout):
                                                                     for i in range(1, len(ids))], abs=1e-3)
         assert httpx.post(url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 12, "temperature": 0},
                           timeout=60).json()["choices"][0]["text"] == outs[0]
+        # HTTP runs in a process of its own beside rank 0; when it exits, rank 0 stops and
+        # releases the follower, and the whole job ends.
+        front = front_ends(proc.pid)
+        assert len(front) == 1
+        os.kill(front[0], 9)
+        code = proc.wait(timeout=60)
+        log = proc.stdout.read().decode()
+        assert "the HTTP front end exited with code -9; stopping the engine" in log, log[-3000:]
+        assert code == 0, log[-3000:]
     finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+            proc.wait(timeout=30)
 
 
 def test_a_failing_forward_answers_500_and_the_server_keeps_serving(engine, monkeypatch):
