@@ -1,4 +1,4 @@
-"""Causal self-attention (MHA / GQA / MQA) with a preallocated KV cache.
+"""Causal self-attention (MHA / GQA / MQA) over a paged KV cache, or without a cache.
 
 Shape letters: B batch, T tokens this step, S key slots visible this step, H hidden,
 D head dim. Ragged batches are handled by masks, never by per-row loops: ``key_valid``
@@ -17,7 +17,7 @@ from comm import Group
 from dense.norm import RMSNorm, ShardedRMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
 from dense.rotary import Rotary, apply_rotary
-from kernels.attention import decode_context, qkv_attention_fits, qkv_decode_supported
+from kernels.attention import qkv_attention_fits, qkv_decode_supported
 from kernels.options import KernelOptions
 
 def _rotary(rotary: Rotary | None, positions: torch.Tensor, dtype: torch.dtype):
@@ -31,11 +31,9 @@ class StepContext:
 
     positions: torch.Tensor  # [B, T] int64 position of each query token
     attn_mask: torch.Tensor  # [B, 1, T, S] bool, True where a query may attend (or additive:
-    # 0 / -inf in the model dtype, as ``decode_static`` and ``paged`` build it)
+    # 0 / -inf in the model dtype, as ``paged`` builds it)
     cos: torch.Tensor | None  # [B, T, D] rotary tables, None for learned positions
     sin: torch.Tensor | None
-    start: int | torch.Tensor  # cache slot of the first query token (0 without a cache; a 0-d
-    # device tensor for a static-shape decode step, see ``decode_static``)
     causal: bool = False  # the queries are every row's first T tokens with no padding and no
     # sliding window: attention is plain causal over these T keys (``is_causal``, no mask)
 
@@ -44,9 +42,10 @@ class StepContext:
               key_positions: torch.Tensor, start: int, rotary: Rotary | None,
               dtype: torch.dtype, sliding_window: int | None = None,
               no_padding: bool = False) -> "StepContext":
-        """positions [B, T]; key_valid, key_positions [B, S] with S = start + T. ``no_padding``:
-        the caller knows every key is valid (all rows full), so a prefill from slot 0 may run
-        attention as plain causal."""
+        """A forward without a cache (``Engine.logits``): the queries attend over this step's
+        own keys, so ``start`` is 0 and S = T. positions [B, T]; key_valid, key_positions
+        [B, S]. ``no_padding``: the caller knows every key is valid (all rows full), so the
+        prefill may run attention as plain causal."""
         t, s = positions.shape[1], key_valid.shape[1]
         device = positions.device
         q_slot = torch.arange(start, start + t, device=device)  # [T]
@@ -60,35 +59,7 @@ class StepContext:
         mask |= k_slot[None, :] == q_slot[:, None]
         cos, sin = _rotary(rotary, positions, dtype)
         causal = no_padding and start == 0 and sliding_window is None and t > 1
-        return cls(positions, mask.unsqueeze(1), cos, sin, start, causal)
-
-
-    @classmethod
-    def decode_static(cls, slot: torch.Tensor, key_valid: torch.Tensor, key_positions: torch.Tensor,
-                      rotary: Rotary | None, dtype: torch.dtype, sliding_window: int | None = None,
-                      tables: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = True) -> "StepContext":
-        """One decode token per row at cache slot ``slot`` (a 0-d device tensor), attending
-        over all S slots of the cache with a mask: every shape is fixed, so the step can be
-        captured in a CUDA graph and replayed for any slot. key_valid, key_positions [B, S].
-        On a GPU, with ``tables`` (``rotary.table`` over the S slots) where there is a
-        rotary, the whole context is one launch (``kernels.attention.decode_context``) instead of
-        about twenty small torch launches, with PDL where ``pdl`` asks for it (``kernels.pdl``)."""
-        if key_valid.is_cuda and (rotary is None) == (tables is None):
-            positions, bias, cos, sin = decode_context(slot, key_valid, key_positions, dtype, tables, sliding_window,
-                                                       pdl)
-            return cls(positions, bias, cos, sin, slot)
-        b, s = key_valid.shape
-        k_slot = torch.arange(s, device=key_valid.device)  # [S]
-        positions = key_positions.gather(1, slot.view(1, 1).expand(b, 1))  # [B, 1]
-        mask = key_valid & (k_slot <= slot)[None, :]  # [B, S]
-        if sliding_window is not None:
-            mask &= positions - key_positions < sliding_window
-        mask |= (k_slot == slot)[None, :]  # a padding row still sees itself: finite softmax
-        # Additive, in the model dtype: SDPA would otherwise convert a bool mask in every layer.
-        bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=mask.device).masked_fill_(~mask[:, None, None, :],
-                                                                                   float("-inf"))
-        cos, sin = _rotary(rotary, positions, dtype)
-        return cls(positions, bias, cos, sin, slot)
+        return cls(positions, mask.unsqueeze(1), cos, sin, causal)
 
     @classmethod
     def paged(cls, positions: torch.Tensor, query_valid: torch.Tensor, context_lens: torch.Tensor,
@@ -111,48 +82,7 @@ class StepContext:
         bias = torch.zeros(b, 1, t, num_keys, dtype=dtype, device=mask.device).masked_fill_(~mask[:, None],
                                                                                            float("-inf"))
         cos, sin = _rotary(rotary, positions, dtype)
-        return cls(positions, bias, cos, sin, 0, causal and t > 1 and sliding_window is None)
-
-
-class KVCache:
-    """Keys and values of every layer, allocated once: [layers, B, KV heads, S_max, D]."""
-
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
-        shape = (num_layers, batch, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-    def rows(self, lo: int, hi: int) -> "KVCache":
-        """The cache of batch rows lo .. hi - 1, sharing this one's memory."""
-        if (lo, hi) == (0, self.k.shape[1]):
-            return self
-        view = object.__new__(KVCache)
-        view.k, view.v = self.k[:, lo:hi], self.v[:, lo:hi]
-        return view
-
-    def append(self, layer: int, start: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Writes k, v [B, KV heads, T, D] at slots start.. and returns the keys and
-        values of slots 0 .. start + T; with a tensor ``start`` (one decode token, static
-        shapes) it writes there and returns every slot (the mask hides the rest)."""
-        if torch.is_tensor(start):
-            self.k[layer].index_copy_(2, start.view(1), k)
-            self.v[layer].index_copy_(2, start.view(1), v)
-        else:
-            self.k[layer, :, :, start:start + k.shape[2]] = k
-            self.v[layer, :, :, start:start + k.shape[2]] = v
-        return self.visible(layer, start, k.shape[2])
-
-    def visible(self, layer: int, start: int | torch.Tensor, t: int):
-        """Keys and values a step of t tokens from ``start`` attends over (every slot for a
-        tensor ``start``)."""
-        if torch.is_tensor(start):
-            return self.k[layer], self.v[layer]
-        return self.k[layer, :, :, :start + t], self.v[layer, :, :, :start + t]
+        return cls(positions, bias, cos, sin, causal and t > 1 and sliding_window is None)
 
 
 class PagedKVCache:
@@ -252,55 +182,28 @@ class Attention(nn.Module):
             return None, None, None, 1e-6, self.clip_qkv
         return self.qk_norm, norm.weight, self.k_norm.weight, norm.eps, self.clip_qkv
 
-    def _fused_decode(self, qkv: torch.Tensor, ctx: StepContext, cache, layer: int):
-        """q [B, Hq, T, D], k, v [B, Hkv, S, D] through one fused kernel (norms, clip,
-        rotary, cache append; one program per token) on a GPU; None where it does not apply
-        (CPU, no cache or the paged cache, an all-heads q/k norm split across ranks). A
-        causal prefill gets back only its own T keys."""
-        b, t, _ = qkv.shape
-        if not (self.fusable and qkv.is_cuda and type(cache) is KVCache):
-            return None
-        q = kernels.qkv_decode(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cache.k[layer],
-                               cache.v[layer], ctx.start, ctx.cos, ctx.sin, *self._epilogue(), pdl=self.options.pdl)
-        if ctx.causal:
-            return q, cache.k[layer, :, :, :t], cache.v[layer, :, :, :t]
-        return (q, *cache.visible(layer, ctx.start, t))
-
-    def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None = None,
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
         return self._attend(self.qkv_proj(x), ctx, cache, layer)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm, ctx: StepContext,
-                       cache: KVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                       cache: PagedKVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention on norm(x + residual) -> (output, x + residual): the add and the norm go
         into the QKV GEMM's prologue where that is one launch (``kernels.norm_linear``)."""
         qkv, summed = self.qkv_proj.normed(x, residual, norm)
         return self._attend(qkv, ctx, cache, layer), summed
 
-    def _attend(self, qkv: torch.Tensor, ctx: StepContext, cache: KVCache | None, layer: int) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None, layer: int) -> torch.Tensor:
         b, t, _ = qkv.shape
-        # A static-shape decode step (the graph path) runs the epilogue and the attention in
-        # one launch (kernels.qkv_attention) where the options ask for it and the cache is
-        # short enough (kernels.attention.qkv_attention_fits); otherwise the epilogue launch, then SDPA.
-        if (self.options.fused_decode_attention and self.fusable and qkv.is_cuda and t == 1
-                and type(cache) is KVCache and torch.is_tensor(ctx.start) and ctx.attn_mask.is_floating_point()
-                and qkv_attention_fits(b, self.num_heads, self.num_kv_heads, self.head_dim, cache.max_len,
-                                       torch.cuda.get_device_properties(qkv.device).multi_processor_count)):
-            out = kernels.qkv_attention(qkv.reshape(b, -1), self.num_heads, self.num_kv_heads, self.head_dim,
-                                        cache.k[layer], cache.v[layer], ctx.start, ctx.attn_mask, ctx.cos, ctx.sin,
-                                        *self._epilogue(), pdl=self.options.pdl)  # [B, Hq, D]
-            return self.o_proj(out.view(b, 1, -1))
-        if type(cache) is PagedKVCache:
+        if cache is not None:
             out = self._paged(qkv, ctx, cache, layer)
-        else:
-            fused = self._fused_decode(qkv, ctx, cache, layer)
-            q, k, v = fused if fused is not None else self._unfused(qkv, ctx, cache, layer)
-            out = self._sdpa(q, k, v, ctx)
+        else:  # a forward without a cache (Engine.logits): the step's own keys, through torch ops
+            out = self._sdpa(*self._unfused(qkv, ctx), ctx)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """SDPA -> [B, Hq, T, D]. A full prefill from slot 0 attends causally over its own T
-        keys: no mask, so the flash kernels skip the masked half; otherwise the mask over
+        """SDPA -> [B, Hq, T, D]. A full prefill from position 0 attends causally over its own
+        T keys: no mask, so the flash kernels skip the masked half; otherwise the mask over
         every key slot."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if ctx.causal else ctx.attn_mask,
                                               is_causal=ctx.causal, enable_gqa=self.num_heads != self.num_kv_heads)
@@ -309,9 +212,9 @@ class Attention(nn.Module):
         """Attention over a ``PagedKVCache`` -> [B, Hq, T, D]. Where the layer is fusable the
         QKV epilogue and the pool write are one launch (``kernels.qkv_decode`` at the step's
         write slots; on a CPU, like every kernel here, its torch reference), and a decode
-        step that fits runs its whole attention in one (``kernels.qkv_attention``), as the
-        static decode step does. A decode step is captured in a CUDA graph: nothing here
-        waits for the device or takes a shape from its values."""
+        step that fits runs its whole attention in one (``kernels.qkv_attention``). A decode
+        step is captured in a CUDA graph: nothing here waits for the device or takes a shape
+        from its values."""
         b, t, _ = qkv.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         k_pool, v_pool = cache.k[layer], cache.v[layer]
@@ -330,22 +233,22 @@ class Attention(nn.Module):
                                    *self._epilogue(), pdl=self.options.pdl, kv_out=fresh)  # [B, Hq, T, D]
             k, v = (fresh[0].transpose(1, 2), fresh[1].transpose(1, 2)) if ctx.causal else (None, None)
         else:
-            q, k, v = self._unfused(qkv, ctx, None, layer)
+            q, k, v = self._unfused(qkv, ctx)
             cache.write(layer, k, v)
         if ctx.causal:
             return self._sdpa(q, k, v, ctx)
-        if t == 1 and hq <= 2 * hkv:
+        if t == 1:
             # A decode step: its keys are read where they lie in the pool, not gathered row
-            # by row into a copy first. With more query heads per KV head the gathered copy
-            # with SDPA measured faster (Qwen3-30B-A3B's 8 per KV head; OLMoE's 1 gained).
+            # by row into a copy first (a gather and SDPA measured about twice the time, at
+            # 1 and at 8 query heads per KV head).
             out = kernels.paged_decode_attention(q[:, :, 0], k_pool, v_pool, cache.read_slots,
                                                  ctx.attn_mask[:, 0, 0])  # [B, Hq, D]
             return out[:, :, None]
         return self._sdpa(q, *cache.gather(layer), ctx)
 
-    def _unfused(self, qkv: torch.Tensor, ctx: StepContext, cache: KVCache | None, layer: int):
-        """q [B, Hq, T, D], k, v [B, Hkv, S, D] through torch ops (any device and step); without
-        a cache k, v are this step's own [B, Hkv, T, D]."""
+    def _unfused(self, qkv: torch.Tensor, ctx: StepContext):
+        """q [B, Hq, T, D], k, v [B, Hkv, T, D] (this step's own) through torch ops (any device
+        and step)."""
         b, t, _ = qkv.shape
         q, k, v = qkv.split(self.split, dim=-1)  # [B, T, heads * D] each
         if self.qk_norm == "full":
@@ -360,8 +263,4 @@ class Attention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if ctx.cos is not None:
             q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
-        if cache is not None:
-            k_all, v_all = cache.append(layer, ctx.start, k, v)  # [B, KV heads, S, D]
-            if not ctx.causal:  # a causal prefill attends over its fresh keys alone
-                k, v = k_all, v_all
         return q, k, v

@@ -25,7 +25,7 @@ class Rotary(nn.Module):
 
     def table(self, length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [length, D] for positions 0 .. length - 1, as ``forward`` computes them:
-        looked up by position in a static decode step (``kernels.attention.decode_context``)."""
+        looked up by position in a paged decode step (``kernels.attention.paged_context``)."""
         cos, sin = self.forward(torch.arange(length, device=device)[None], dtype)
         return cos[0], sin[0]
 

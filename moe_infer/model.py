@@ -9,7 +9,7 @@ from torch import nn
 
 import kernels
 from comm import ParallelGroups
-from dense import MLP, Attention, KVCache, PagedKVCache, Rotary, StepContext, make_norm
+from dense import MLP, Attention, PagedKVCache, Rotary, StepContext, make_norm
 from dense.norm import RMSNorm
 from dense.parallel_linear import Linear
 from kernels.attention.reference import paged_decode_context_ref
@@ -43,7 +43,7 @@ class Block(nn.Module):
         # A parallel block also feeds the normed input to its FFN, so it keeps the norm's output.
         self.norm_fusable = isinstance(self.attn_norm, RMSNorm) and not self.parallel
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, cache: KVCache | None,
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None,
                 pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (residual stream, this block's output not yet added to it). ``pending`` is
         the previous block's such output: each residual add happens inside the next norm
@@ -88,11 +88,6 @@ class Transformer(nn.Module):
         self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps, options)
         self.lm_head = None if m.tied_embeddings else Linear(m.hidden_size, m.vocab_size, bias=False, options=options)
 
-    def make_cache(self, batch: int, max_len: int) -> KVCache:
-        m = self.cfg.model
-        p = self.embed.weight
-        return KVCache(m.num_layers, batch, self.num_kv_heads, max_len, m.head_dim, p.dtype, p.device)
-
     def make_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         m = self.cfg.model
         p = self.embed.weight
@@ -104,11 +99,6 @@ class Transformer(nn.Module):
         computed once for a static decode step over ``slots`` cache slots."""
         p = self.embed.weight
         return self.rotary.table(slots, p.dtype, p.device) if self.rotary is not None else None
-
-    def static_decode_context(self, slot: torch.Tensor, key_valid: torch.Tensor, key_positions: torch.Tensor,
-                              tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepContext:
-        return StepContext.decode_static(slot, key_valid, key_positions, self.rotary, self.embed.weight.dtype,
-                                         self.cfg.model.sliding_window, tables, self.options.pdl)
 
     def paged_context(self, positions: torch.Tensor, query_valid: torch.Tensor,
                       context_lens: torch.Tensor, num_keys: int, causal: bool = False) -> StepContext:
@@ -131,7 +121,7 @@ class Transformer(nn.Module):
         else:
             c = paged_decode_context_ref(*args)
         cache.write_slots, cache.read_slots = c["write"], c["read"]
-        return c["tokens"], StepContext(c["positions"], c["mask"], c["cos"], c["sin"], 0)
+        return c["tokens"], StepContext(c["positions"], c["mask"], c["cos"], c["sin"])
 
     def context(self, positions: torch.Tensor, key_valid: torch.Tensor,
                 key_positions: torch.Tensor, start: int, no_padding: bool = False) -> StepContext:
@@ -139,7 +129,7 @@ class Transformer(nn.Module):
                                  self.embed.weight.dtype, self.cfg.model.sliding_window, no_padding)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
-                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+                cache: PagedKVCache | None = None, last_only: bool = False) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] ([B, 1, V] with ``last_only``)."""
         x = self.embed(input_ids)  # [B, T, H]
         if self.pos_embed is not None:

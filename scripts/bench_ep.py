@@ -28,7 +28,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 from comm import ParallelGroups, bootstrap, shutdown  # noqa: E402
-from dense import Attention, KVCache, MLP, StepContext  # noqa: E402
+from dense import MLP, Attention, PagedKVCache, Rotary, StepContext  # noqa: E402
 from moe_infer.config import ModelConfig, MoEConfig, ParallelConfig  # noqa: E402
 from moe_infer.dispatch import ExpertParallelDispatcher  # noqa: E402
 from moe_infer.graphs import capture  # noqa: E402
@@ -116,8 +116,9 @@ def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int, profile
 
 def dense_case(tp_size: int, device, dtype, reps: int, hidden: int, heads: int, kv: int, ffn: int,
                context: int) -> dict | None:
-    """One dense decode step (attention over a KV cache of ``context`` slots, then the MLP)
-    at batch 1, on the first ``tp_size`` ranks; the others wait at the barriers."""
+    """One dense decode step (attention over ``context`` cached tokens in a paged KV cache,
+    then the MLP) at batch 1, on the first ``tp_size`` ranks; the others wait at the
+    barriers."""
     world = dist.get_world_size()
     if world % tp_size:
         return None
@@ -129,12 +130,16 @@ def dense_case(tp_size: int, device, dtype, reps: int, hidden: int, heads: int, 
     with torch.no_grad():
         for p in list(attn.parameters()) + list(mlp.parameters()):
             p.normal_(0, 0.02)
-    cache = KVCache(1, 1, attn.num_kv_heads, context + 1, m.head_dim, dtype, device)
-    valid = torch.ones(1, context + 1, dtype=torch.bool, device=device)
-    pos = torch.arange(context + 1, device=device)[None]
-    from dense import Rotary
-
-    ctx = StepContext.build(pos[:, context:], valid, pos, context, Rotary(m.head_dim, m.rope_theta), dtype)
+    # One row holding ``context`` tokens adds one: its step slots set as the runner sets them
+    # (moe_infer.runner.PagedRunner._run), so the layer takes the product's decode path.
+    block = 16
+    table = list(range(-(-(context + 1) // block)))
+    cache = PagedKVCache(1, len(table), block, attn.num_kv_heads, m.head_dim, dtype, device)
+    keys = torch.tensor([context + 1], device=device)  # [B] tokens cached after the step
+    cache.set_step(torch.tensor([cache.slots(table, context, context + 1)], device=device),
+                   torch.tensor([table], device=device), keys, context + 1)
+    ctx = StepContext.paged(torch.tensor([[context]], device=device), torch.ones(1, 1, dtype=torch.bool, device=device),
+                            keys, context + 1, Rotary(m.head_dim, m.rope_theta), dtype)
     x = torch.randn(1, 1, hidden, device=device, dtype=dtype)
 
     def step():

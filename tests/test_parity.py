@@ -51,15 +51,17 @@ def greedy_reference(hf, prompt, n, device):
 
 
 def assert_same_or_near_tie(ours, ref, hf, prompt, dtype, device):
-    """Equal greedy tokens; in bf16 a divergence is allowed only at a near-tie of the
-    reference logits (the two candidates within bf16 rounding)."""
+    """Equal greedy tokens; in bf16 a divergence is allowed only where our token is within
+    bf16 rounding of the best one under the exact (float32) reference logits: a near-tie.
+    (transformers' own bf16 logits are no judge of it: they carry the same rounding.)"""
     if ours == ref:
         return
     assert dtype != torch.float32, f"greedy mismatch in fp32: {ours} vs {ref}"
     j = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+    exact = copy.deepcopy(hf).float()
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + ref[:j]], device=device)).logits[0, -1].float()
-    margin = (logits[ref[j]] - logits[ours[j]]).abs().item()
+        logits = exact(torch.tensor([prompt + ref[:j]], device=device)).logits[0, -1].float()
+    margin = (logits.max() - logits[ours[j]]).item()
     assert margin < 0.05 * logits.abs().max().item(), f"diverged at {j} with margin {margin}"
 
 

@@ -1,4 +1,4 @@
-"""The server's runner: the fixed-shape decode step (what a CUDA graph replays on a GPU,
+"""The runner (generate()'s and the server's): the fixed-shape decode step (what a CUDA graph replays on a GPU,
 run eagerly here) gives the logits of the eager paged forward, for rows of different cache
 depths and block tables, padded to its bucket; the scheduler's greedy outputs through it
 equal generate()'s."""
@@ -59,9 +59,9 @@ def test_rows_beyond_every_bucket_take_the_eager_forward(engine):
 
 
 def test_scheduler_through_the_fixed_shape_step_matches_generate():
-    # float32 on the CPU: in bf16 the paged step's kernels and generate()'s static decoder
-    # round differently, and a random model's near-ties then pick other tokens (the GPU
-    # test below compares the server's graph and eager paths instead).
+    # float32 on the CPU: in bf16 a prefill chunk and a whole prompt take attention kernels
+    # that round differently, and a random model's near-ties then pick other tokens (the
+    # GPU test below compares the server's graph and eager paths instead).
     engine = moe_infer.load("tiny-moe", device="cpu", progress=False)
     scheduler = Scheduler(engine, num_blocks=96, block_size=8, max_batch=4)
     scheduler.runner.static = True

@@ -1,23 +1,20 @@
 """Attention on the decode path: one query token per row over a KV cache (contiguous or
-paged), the QKV epilogue after the QKV GEMM (q / k norms, clip, rotary, the KV-cache
-append), and a static decode step's epilogue and attention in one launch; also a static
-decode step's shared inputs (positions, mask, rotary rows) in one launch.
+paged), and over a paged pool the QKV epilogue after the QKV GEMM (q / k norms, clip,
+rotary, the KV-cache append) and a decode step's epilogue and attention in one launch.
 
-Shape letters: B rows, T tokens per row, Hq / Hkv query / KV heads, D head dim, S cache
-slots, N pool rows of a paged cache, W = (Hq + 2 Hkv) * D the QKV width.
+Shape letters: B rows, T tokens per row, Hq / Hkv query / KV heads, D head dim, S key
+slots per row, N pool rows of a paged cache, W = (Hq + 2 Hkv) * D the QKV width.
 
 Backends: a CPU tensor runs the plain-torch reference (``reference.py``); a CUDA tensor
 runs the Triton kernels, imported at that first call: ``decode.py`` (decode attention,
-split over the keys), ``qkv_decode_triton.py`` (the epilogue), ``qkv_attention_triton.py``
-(epilogue and attention in one launch, where ``qkv_attention_fits``) and ``context.py``
-(``decode_context``, which has no torch twin here: ``dense.attention.StepContext`` builds
-the same tensors with torch ops where it does not call it). No module here is named as an
-op of this package: importing it would rebind the package's attribute of that name from
-the function to the module.
+split over the keys), ``qkv_decode_triton.py`` (the epilogue) and
+``qkv_attention_triton.py`` (epilogue and attention in one launch, where
+``qkv_attention_fits``). A paged decode step's shared inputs in one launch are
+``paged_context.py``'s (``moe_infer.model.Transformer.paged_decode_context``). No module
+here is named as an op of this package: importing it would rebind the package's attribute
+of that name from the function to the module.
 """
 from __future__ import annotations
-
-import torch
 
 from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, qkv_attention_ref,
                                          qkv_decode_ref, qkv_decode_supported)
@@ -45,10 +42,9 @@ def paged_decode_attention(q, k, v, slots, visible, scale=None):
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
                qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, *, pdl=True, kv_out=None):
     """The QKV epilogue of a decode step (qkv [B, W]) or a prefill (qkv [B, T, W]) in one
-    launch on a GPU: q/k norms, clip, rotary, and the KV-cache append at slots ``slot`` ..
-    of a cache [B, Hkv, S, D], or at pool rows ``slot`` (int64 [B, T]) of a paged pool
-    [N, Hkv, D]; ``kv_out`` (two [B, T, Hkv, D]) receive k and v too -> q [B, Hq, T, D]
-    (see ``qkv_decode_ref``)."""
+    launch on a GPU: q/k norms, clip, rotary, and the KV-cache append at pool rows ``slot``
+    (int64 [B, T]) of a paged pool [N, Hkv, D]; ``kv_out`` (two [B, T, Hkv, D]) receive k
+    and v too -> q [B, Hq, T, D] (see ``qkv_decode_ref``)."""
     if qkv.is_cuda:
         from kernels.attention.qkv_decode_triton import qkv_decode_triton
         return qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
@@ -58,14 +54,13 @@ def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, c
 
 
 def qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
-                  qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, *, pdl=True, read_slots=None,
-                  positions=None):
-    """A static-shape decode step's attention from the QKV GEMM's output qkv [B, W] (one
-    token per row, cache slot ``slot`` a 0-d tensor, additive mask ``bias`` of B x S, or a
-    bool one): the QKV epilogue, the cache append and the attention in one launch on a GPU
-    -> [B, Hq, D] (see ``qkv_attention_ref``). Over a paged pool k_cache / v_cache [N, Hkv, D]: ``slot``
-    [B] the new k, v's pool rows, ``read_slots`` [B, S] each row's keys' pool rows (the new
-    one's at index ``positions`` [B])."""
+                  qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, *, read_slots, positions,
+                  pdl=True):
+    """A decode step's attention from the QKV GEMM's output qkv [B, W] (one token per row)
+    over a paged pool k_cache / v_cache [N, Hkv, D]: ``slot`` [B] the new k, v's pool rows,
+    ``read_slots`` [B, S] each row's keys' pool rows (the new one's at index ``positions``
+    [B]), additive mask ``bias`` of B x S (or a bool one). The QKV epilogue, the pool write
+    and the attention in one launch on a GPU -> [B, Hq, D] (see ``qkv_attention_ref``)."""
     if qkv.is_cuda:
         from kernels.attention.qkv_attention_triton import qkv_attention_triton
         return qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin,
@@ -77,21 +72,11 @@ def qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot
 
 def qkv_attention_fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> bool:
     """Whether ``qkv_attention``'s one launch suits a decode step of B rows, Hq / Hkv heads,
-    head dim D and S cache slots (a paged pool: key slots per row) on a GPU of ``sms`` SMs
+    head dim D and S key slots per row on a GPU of ``sms`` SMs
     (``kernels.attention.qkv_attention_triton.fits``)."""
     from kernels.attention.qkv_attention_triton import fits
     return fits(b, hq, hkv, d, s, sms)
 
 
-def decode_context(slot: torch.Tensor, key_valid: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype,
-                   tables: tuple[torch.Tensor, torch.Tensor] | None, sliding_window: int | None = None,
-                   pdl: bool = True):
-    """A static decode step's positions [B, 1], additive mask [B, 1, 1, S] and rotary cos /
-    sin [B, 1, D] (None without ``tables``) in one launch (``kernels.attention.context``;
-    its Triton module is imported at the first call)."""
-    from kernels.attention.context import decode_context_triton
-    return decode_context_triton(slot, key_valid, key_positions, dtype, tables, sliding_window, pdl)
-
-
-__all__ = ["decode_attention", "paged_decode_attention", "qkv_decode", "qkv_attention", "decode_context",
-           "qkv_attention_fits", "qkv_decode_supported"]
+__all__ = ["decode_attention", "paged_decode_attention", "qkv_decode", "qkv_attention", "qkv_attention_fits",
+           "qkv_decode_supported"]

@@ -3,37 +3,37 @@ the KV-cache append) and the attention over the cache, with its split combine
 (DeepSpeed-Inference III-A's deep fusion, on the decode path).
 
 Shape letters: B rows, Hq / Hkv query / KV heads, G = Hq / Hkv query heads per KV head,
-D head dim, S cache slots, P key splits, N pool rows of a paged cache.
+D head dim, S key slots per row, P key splits, N pool rows of the paged cache.
 
-One token per row, at cache slot ``slot`` (a 0-d device tensor: the step is captured in
-a CUDA graph and replayed for every slot). Program (b, KV head h, split p):
+One token per row over a paged pool (``dense.attention.PagedKVCache``, [N, Hkv, D] shared
+by every row): row b's key s lies at pool row ``read_slots[b, s]`` and is read in place;
+its new key sits at index ``positions[b]`` (its position: a row's keys are its tokens in
+order) and is stored at pool row ``slot[b]``. Every operand is a device tensor, so the step
+is captured in a CUDA graph and replayed for every step. Program (b, KV head h, split p):
 - computes its G query heads' q and KV head h's new k and v from the QKV GEMM's output
   row (each program recomputes the all-heads norm where the model has one: a row is a few
-  KB); program p = 0 writes k and v into the cache. Every load after the PDL wait (the
+  KB); program p = 0 writes k and v into the pool. Every load after the PDL wait (the
   row's blocks, the rotary rows, the mask) is issued before any arithmetic: one round trip
   to L2, not one per step of the epilogue. q's norm and rotation run on its G rows only;
-- attends over its share of slots 0 .. slot, the visible keys split evenly over the
-  P programs by the current slot, not by S (a short context in a long cache still spreads
-  over every program); blocks with no visible key cost no K / V reads. The query heads are
-  the rows of two tensor-core products per block of keys (q K^T, then the softmax weights
-  times V; q's rows repeated to 16), so no program sums [G, keys, D] products on its CUDA
-  cores. Where P blocks of keys cover the cache (batch 1 with a short cache), each
-  program has one block and loads its keys and values before the PDL wait: the slot and
-  the cache's earlier slots are no output of the kernels just before it (the slot is
-  written before the step, those slots by earlier steps), so their DRAM round trip
-  overlaps the QKV GEMM's tail instead of following it. The slot's own key and value
-  enter the block of the program that holds the slot from its registers: the query always
-  sees its own key, as ``StepContext.decode_static`` makes the mask;
+- attends over its share of the row's keys 0 .. positions[b], the visible keys split
+  evenly over the P programs by the row's own length, not by S (a short row among long
+  ones still spreads over every program); blocks with no visible key cost no K / V reads.
+  The query heads are the rows of two tensor-core products per block of keys (q K^T, then
+  the softmax weights times V; q's rows repeated to 16), so no program sums [G, keys, D]
+  products on its CUDA cores. Where P blocks of keys cover S (batch 1 with a short
+  context), each program has one block and loads its keys and values before the PDL wait:
+  the step's slots and positions and the row's earlier keys are no output of the kernels
+  just before it (the slots are written before the first layer, those keys by earlier
+  steps), so their DRAM round trip overlaps the QKV GEMM's tail instead of following it.
+  The new key and value enter the block of the program that holds them from its
+  registers: the query always sees its own key, as ``StepContext.paged`` and
+  ``kernels.attention.paged_context`` make the mask;
 - keeps the running max, sum and weighted value sum in float32 (flash-decoding). With
   P > 1 each program writes its partials and takes a ticket from a per-(b, h) counter; the
   last of the P programs merges them and resets the counter, so there is no second launch.
 
-Over a paged pool (``PAGED``: the server's ``PagedKVCache``, [N, Hkv, D] shared by every
-row) the same program reads row b's key s at pool row ``read_slots[b, s]``, read in place,
-and its new key sits at index ``positions[b]`` (its position: a row's keys are its tokens
-in order) and is stored at pool row ``slot[b]``. Each row's keys then split over the P
-programs by its own length. The mask, built once a step, is [B, S] in either form (each
-launch says which, ``ADDITIVE``): additive 0 / -inf floats, or a bool mask read as bytes.
+The mask, built once a step, is [B, S] in either form (each launch says which,
+``ADDITIVE``): additive 0 / -inf floats, or a bool mask read as bytes.
 
 Replaces two launches (``qkv_decode`` and SDPA), and unlike SDPA it takes part in
 programmatic dependent launch: the output projection's blocks are resident, their first
@@ -51,8 +51,7 @@ import triton.language as tl
 from kernels.attention.decode import mask_bytes, mask_visible
 from kernels.attention.reference import QK_NORMS, check_qkv_attention
 from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
-from kernels.attention.qkv_decode_triton import (_load_all, _load_heads, _norm_rotate, _norm_weights, _rstd_all,
-                                                 cache_strides)
+from kernels.attention.qkv_decode_triton import _load_all, _load_heads, _norm_rotate, _norm_weights, _rstd_all
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -82,35 +81,25 @@ def _attend_block(q, k, v, visible, scale, m, l, acc, UPCAST: tl.constexpr, DT: 
 
 
 @triton.jit
-def _cache_rows(read_row, s, ok, PAGED: tl.constexpr):
-    """The cache rows of a row's keys s (where ``ok``; 0 elsewhere, never read): s itself
-    in a contiguous cache, the pool rows that ``read_slots`` holds for them in a paged one."""
-    rows = s
-    if PAGED:
-        rows = tl.load(read_row + s, mask=ok, other=0)
-    return rows
-
-
-@triton.jit
 def _qkv_attention_kernel(
     qkv_ptr,  # [B, (Hq + 2 Hkv) * D] the QKV GEMM's output
     qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr,  # q / k norm weights, rotary tables [B, D]
-    kc_ptr, vc_ptr,  # [B, Hkv, S, D] this layer's cache, or (PAGED) its pool [N, Hkv, D]
-    slot_ptr,  # 0-d int64: the step's cache slot, or (PAGED) int64 [B] each row's pool row for the new k, v
-    read_ptr,  # (PAGED) int64 [B, S]: the pool row of each row's key s
-    pos_ptr,  # (PAGED) int64 [B]: the index of each row's new key among its S (its position)
+    kc_ptr, vc_ptr,  # this layer's pools [N, Hkv, D]
+    slot_ptr,  # int64 [B]: each row's pool row for the new k, v
+    read_ptr,  # int64 [B, S]: the pool row of each row's key s
+    pos_ptr,  # int64 [B]: the index of each row's new key among its S (its position)
     bias_ptr,  # [B, S] additive mask (0 / -inf) in any float dtype, or (not ADDITIVE) bytes, 1 where visible
     out_ptr,  # [B, Hq, D]
     m_ptr, l_ptr, acc_ptr,  # float32 partials [B, Hkv, G_M, P] (and [.., D]) when P > 1
     count_ptr,  # int32 [B * Hkv] counters, zero between calls
     eps, clip, scale, stride_qkv, stride_cos,
-    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,  # a pool's: 0, head, pool row
+    stride_kh, stride_kn, stride_vh, stride_vn,  # the pools' head and row strides
     stride_bias, stride_read, stride_pos,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, G: tl.constexpr,
     G_P: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
     ROPE: tl.constexpr,
     BLOCK_S: tl.constexpr, P: tl.constexpr, P_CHUNK: tl.constexpr, PRE_KV: tl.constexpr, UPCAST: tl.constexpr,
-    PAGED: tl.constexpr, ADDITIVE: tl.constexpr, PDL: tl.constexpr,
+    ADDITIVE: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h, p = tl.program_id(1), tl.program_id(2)
@@ -118,22 +107,18 @@ def _qkv_attention_kernel(
     KT: tl.constexpr = tl.float32 if UPCAST else DT  # q, k and v as the products take them
     # slot: the new key's index among the row's keys; new_row: where its k and v are stored.
     read_row = read_ptr + b * stride_read
-    if PAGED:
-        slot = tl.load(pos_ptr + b * stride_pos)
-        new_row = tl.load(slot_ptr + b)
-    else:
-        slot = tl.load(slot_ptr)
-        new_row = slot
+    slot = tl.load(pos_ptr + b * stride_pos)
+    new_row = tl.load(slot_ptr + b)
     d = tl.arange(0, D)
     partner = (d + D // 2) % D
-    k_rows = kc_ptr + b * stride_kb + h * stride_kh
-    v_rows = vc_ptr + b * stride_vb + h * stride_vh
-    # Where P blocks cover the cache: this program's keys and values, loaded before the wait.
+    k_rows = kc_ptr + h * stride_kh
+    v_rows = vc_ptr + h * stride_vh
+    # Where P blocks cover the keys: this program's keys and values, loaded before the wait.
     s_pre = p * BLOCK_S + tl.arange(0, BLOCK_S)
-    old_pre = (s_pre < slot) & PRE_KV  # its slots before the fresh key (that one comes from registers)
-    r_pre = _cache_rows(read_row, s_pre, old_pre, PAGED)
-    k_pre = tl.load(k_rows + r_pre[:, None] * stride_ks + d[None, :], mask=old_pre[:, None], other=0.0).to(KT)
-    v_pre = tl.load(v_rows + r_pre[:, None] * stride_vs + d[None, :], mask=old_pre[:, None], other=0.0).to(KT)
+    old_pre = (s_pre < slot) & PRE_KV  # its keys before the fresh one (that one comes from registers)
+    r_pre = tl.load(read_row + s_pre, mask=old_pre, other=0)  # their pool rows (0 where not loaded)
+    k_pre = tl.load(k_rows + r_pre[:, None] * stride_kn + d[None, :], mask=old_pre[:, None], other=0.0).to(KT)
+    v_pre = tl.load(v_rows + r_pre[:, None] * stride_vn + d[None, :], mask=old_pre[:, None], other=0.0).to(KT)
     # The q / k norm weights: no kernel's output either.
     gq = tl.arange(0, G_P)
     q_heads = tl.where(gq < G, h * G + gq, HQ)  # this KV head's query heads (HQ: padding, masked)
@@ -168,8 +153,8 @@ def _qkv_attention_kernel(
     k_new = k_new.to(DT)  # [1, D]: the values the cache keeps and the products see
     v_new = v_new.to(DT)
     if p == 0:
-        tl.store(k_rows + new_row * stride_ks + d[None, :], k_new)
-        tl.store(v_rows + new_row * stride_vs + d[None, :], v_new)
+        tl.store(k_rows + new_row * stride_kn + d[None, :], k_new)
+        tl.store(v_rows + new_row * stride_vn + d[None, :], v_new)
     qk = q.to(DT).to(KT)
     if G_P < G_M:  # the G_M rows of a tensor-core product: q's rows repeated (only rows < G are stored)
         qk = tl.reshape(tl.broadcast_to(qk[None, :, :], (G_M // G_P, G_P, D)), (G_M, D))
@@ -177,11 +162,11 @@ def _qkv_attention_kernel(
     m = tl.full([G_M], NEG_INF, tl.float32)
     l = tl.zeros([G_M], tl.float32)
     acc = tl.zeros([G_M, D], tl.float32)
-    # Slots 0 .. slot over the P programs. The slot's own key and value are the fresh ones,
-    # put into the block from registers (the program that holds the slot; the mask always
-    # leaves a row's own slot visible). A hidden slot before it may be read but weighs 0:
-    # the cache must hold finite values there (it starts zeroed; in a pool those are the
-    # row's own earlier tokens). Slots after it are never read (a pool's trash row).
+    # Keys 0 .. slot over the P programs. The new key and value are the fresh ones, put
+    # into the block from registers (the program that holds index ``slot``; the mask always
+    # leaves a row's own key visible). A hidden key before it may be read but weighs 0: the
+    # pool must hold finite values there (the row's own earlier tokens). Keys after it are
+    # never read (their read slots point at the pool's trash row).
     if PRE_KV:  # the one block, loaded before the wait
         fresh = s_pre == slot
         k_blk = tl.where(fresh[:, None], k_new.to(KT), k_pre)
@@ -198,9 +183,9 @@ def _qkv_attention_kernel(
             visible = mask_visible(bias_ptr + b * stride_bias, s, old, ADDITIVE) | fresh
             if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no K / V reads
                 ld = visible & old
-                rows = _cache_rows(read_row, s, ld, PAGED)
-                k = tl.load(k_rows + rows[:, None] * stride_ks + d[None, :], mask=ld[:, None], other=0.0).to(KT)
-                v = tl.load(v_rows + rows[:, None] * stride_vs + d[None, :], mask=ld[:, None], other=0.0).to(KT)
+                rows = tl.load(read_row + s, mask=ld, other=0)
+                k = tl.load(k_rows + rows[:, None] * stride_kn + d[None, :], mask=ld[:, None], other=0.0).to(KT)
+                v = tl.load(v_rows + rows[:, None] * stride_vn + d[None, :], mask=ld[:, None], other=0.0).to(KT)
                 k = tl.where(fresh[:, None], k_new.to(KT), k)
                 v = tl.where(fresh[:, None], v_new.to(KT), v)
                 m, l, acc = _attend_block(qk, k, v, visible, scale, m, l, acc, UPCAST, DT)
@@ -251,8 +236,8 @@ def default_splits(b: int, hkv: int, s: int, block_s: int, sms: int) -> int:
 
 
 def fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> bool:
-    """Whether the one-launch kernel suits this step (S: the cache slots, or over a paged
-    pool the key slots per row, ``read_slots``' width): every split walks at most
+    """Whether the one-launch kernel suits this step (S: the key slots per row,
+    ``read_slots``' width): every split walks at most
     ``MAX_KEYS`` slots, in a grid of at most one program per SM (every program recomputes
     the row's q / k prologue, so a larger grid costs more than the launch it saves), and the
     head dim is at least 16 (a tensor-core product's). Against the epilogue launch and
@@ -271,25 +256,22 @@ def _block_s(s: int, d: int) -> int:
 
 def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
                          qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None,
-                         splits: int | None = None, pdl: bool = True, *, read_slots=None, positions=None):
+                         splits: int | None = None, pdl: bool = True, *, read_slots, positions):
     """Same contract as ``qkv_attention_ref``, in one launch. The mask must leave each row's
-    own slot visible (``StepContext.decode_static`` and ``StepContext.paged`` do) and hide
-    every slot after it. Under PDL, ``slot`` and the cache's slots before it (a paged pool:
-    also ``read_slots`` and ``positions``, and the pool rows of each row's keys before its
-    new one) may be read before the wait for the previous kernel: no kernel of the same step
-    may write them (a decode step's are written before it starts; a paged step's slots and
-    positions by its context launch, which must be complete: a launch without PDL, such as
+    own key visible (``StepContext.paged`` and ``kernels.attention.paged_context`` do) and
+    hide every key after it. Under PDL, ``slot``, ``read_slots``, ``positions`` and the pool
+    rows of each row's keys before its new one may be read before the wait for the previous
+    kernel: no kernel of the same step may write them (the step's slots and positions are
+    written by its context launch, which must be complete: a launch without PDL, such as
     the embedding lookup, between it and the first layer makes sure of that).
-    ``splits``: P, a power of two (default ``default_splits``). In a paged pool each row's
-    keys split by its own length (``positions``), not by S."""
+    ``splits``: P, a power of two (default ``default_splits``). Each row's keys split by its
+    own length (``positions``), not by S."""
     b, s = check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots,
                                positions)
     if qk_norm not in QK_NORMS:
         raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
     hq, hkv, d = num_heads, num_kv_heads, head_dim
-    paged = read_slots is not None
-    if paged:
-        slot, positions = slot.reshape(b).contiguous(), positions.reshape(b)
+    slot, positions = slot.reshape(b).contiguous(), positions.reshape(b)
     if d < 16:
         raise ValueError(f"head_dim {d}: expected at least 16 (the tensor-core products')")
     g = hq // hkv
@@ -300,7 +282,7 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
         splits = default_splits(b, hkv, s, block_s, sms)
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits={splits}: expected a power of two")
-    # Where P blocks of keys cover the cache, each program loads its block before the PDL wait.
+    # Where P blocks of keys cover S, each program loads its block before the PDL wait.
     pre_kv = splits * block_s >= s
     if not splits * block_s >= s:  # the splits walk their keys in steps: smaller blocks, fewer registers
         block_s = min(block_s, 64)
@@ -317,15 +299,14 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
     acc = torch.empty(n_part, d, dtype=torch.float32, device=qkv.device)
     _qkv_attention_kernel[(b, hkv, splits)](
         qkv, q_norm_w if q_norm_w is not None else qkv, k_norm_w if k_norm_w is not None else qkv,
-        cos if rope else qkv, sin if rope else qkv, k_cache, v_cache, slot, read_slots if paged else slot,
-        positions if paged else slot, bias, out, m, l, acc,
-        ticket_counters(qkv.device, b * hkv, "qkv_attention"), float(eps), float(clip or 0.0),
+        cos if rope else qkv, sin if rope else qkv, k_cache, v_cache, slot, read_slots, positions, bias, out, m, l,
+        acc, ticket_counters(qkv.device, b * hkv, "qkv_attention"), float(eps), float(clip or 0.0),
         scale if scale is not None else 1.0 / math.sqrt(d), qkv.stride(0), cos.stride(0) if rope else 0,
-        *cache_strides(k_cache), *cache_strides(v_cache), bias.stride(0), read_slots.stride(0) if paged else 0,
-        positions.stride(0) if paged else 0, HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
+        k_cache.stride(1), k_cache.stride(0), v_cache.stride(1), v_cache.stride(0), bias.stride(0),
+        read_slots.stride(0), positions.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
         HKV_P=triton.next_power_of_2(hkv), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d,
         QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, BLOCK_S=block_s, P=splits,
         P_CHUNK=min(splits, 4), PRE_KV=pre_kv,
-        UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, PAGED=paged, ADDITIVE=additive,
+        UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, ADDITIVE=additive,
         num_warps=4 if block_s * d <= 4096 else 8, **pdl_launch(qkv.device, pdl))
     return out

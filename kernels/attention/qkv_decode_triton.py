@@ -3,7 +3,7 @@ KV-cache append (DeepSpeed-Inference III-A's deep fusion, on the decode path). A
 of T tokens per row runs the same kernel with one program per token.
 
 Shape letters: B rows, T tokens per row (1 when decoding), Hq / Hkv query / KV heads,
-D head dim, S cache slots, N pool rows of a paged cache.
+D head dim, N pool rows of the paged cache.
 
 After the fused QKV projection a decode token needs, per layer: its q and k normalised
 (none, per head as Qwen3, or over all heads as OLMoE), clipped where the model clips,
@@ -12,11 +12,10 @@ kernels per layer; here one program per row does it all. Rounding follows the to
 modules in the model dtype step by step (norm, then each product and sum of the rotation),
 so the fused step and the unfused one agree to the last bit in most elements.
 
-The cache is a row's [Hkv, S, D] slots (written at the step's slot onwards), or a paged
-pool [N, Hkv, D] that every row shares, each token written at its own pool row: the same
-store with a row stride of 0 and the pool row as the slot. A prefill over a pool that
-attends over its own keys only (a fresh prompt) has k and v stored into ``kv_out`` as
-well, so it reads them there instead of gathering them back out of the pool.
+The cache is a paged pool [N, Hkv, D] that every row shares, each token written at its
+own pool row. A prefill that attends over its own keys only (a fresh prompt) has k and v
+stored into ``kv_out`` as well, so it reads them there instead of gathering them back out
+of the pool.
 """
 from __future__ import annotations
 
@@ -137,26 +136,20 @@ def _normed_rotated(base, wx, wp, cos, sin, heads, d, partner, sign, eps, clip, 
 
 @triton.jit
 def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr,
-                       kc_ptr, vc_ptr,  # the cache [B, Hkv, S, D], or a paged pool [N, Hkv, D]
-                       slot_ptr,  # 0-d int64 first slot (SLOT_PTR), or int64 [B * T] each token's pool row (PAGED)
+                       kc_ptr, vc_ptr,  # the pools [N, Hkv, D]
+                       slot_ptr,  # int64 [B * T]: each token's pool row
                        ko_ptr, vo_ptr,  # [B, T, Hkv, D] that receive k and v as well (KV_OUT)
-                       slot, eps, clip, T, stride_qkv, stride_cos,
-                       stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,  # a pool's: 0, head, row
+                       eps, clip, stride_qkv, stride_cos,
+                       stride_kh, stride_kn, stride_vh, stride_vn,  # the pools' head and row strides
                        HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
                        D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr, ROPE: tl.constexpr,
-                       SLOT_PTR: tl.constexpr, PAGED: tl.constexpr, KV_OUT: tl.constexpr, PDL: tl.constexpr):
+                       KV_OUT: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
-    r = tl.program_id(0).to(tl.int64)  # token r = b * T + t: row b, cache slot slot + t (a pool: row slot[r])
-    b, t = r // T, r % T
+    r = tl.program_id(0).to(tl.int64)  # token r = b * T + t, stored at pool row slot[r]
     DT: tl.constexpr = q_ptr.dtype.element_ty
     row, d, partner, sign, cos, sin, rstd_q, rstd_k = _row_setup(qkv_ptr, cos_ptr, sin_ptr, r, stride_qkv, stride_cos,
                                                                  eps, HQ, HKV, HQ_P, HKV_P, D, QK_NORM, ROPE)
-    if PAGED:
-        slot = tl.load(slot_ptr + r)
-    else:
-        if SLOT_PTR:
-            slot = tl.load(slot_ptr)
-        slot += t
+    slot = tl.load(slot_ptr + r)
     hq = tl.arange(0, HQ_P)
     qw, qwp = _norm_weights(qn_w_ptr, hq, d, partner, HQ, D, QK_NORM)
     q = _normed_rotated(row, qw, qwp, cos, sin, hq, d, partner, sign, eps, clip, rstd_q, HQ, D, QK_NORM, CLIP,
@@ -168,23 +161,15 @@ def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr,
     k = _normed_rotated(row + HQ * D, kw, kwp, cos, sin, hk, d, partner, sign, eps, clip, rstd_k, HKV, D, QK_NORM,
                         CLIP, ROPE, DT)
     kv_ok = (hk < HKV)[:, None]
-    tl.store(kc_ptr + b * stride_kb + hk[:, None] * stride_kh + slot * stride_ks + d[None, :], k.to(DT), mask=kv_ok)
+    tl.store(kc_ptr + hk[:, None] * stride_kh + slot * stride_kn + d[None, :], k.to(DT), mask=kv_ok)
     v = tl.load(row + (HQ + HKV) * D + hk[:, None] * D + d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
     if CLIP:
         v = tl.minimum(tl.maximum(v, -clip), clip)
-    tl.store(vc_ptr + b * stride_vb + hk[:, None] * stride_vh + slot * stride_vs + d[None, :], v.to(DT), mask=kv_ok)
+    tl.store(vc_ptr + hk[:, None] * stride_vh + slot * stride_vn + d[None, :], v.to(DT), mask=kv_ok)
     if KV_OUT:
         out = (r * HKV + hk[:, None]) * D + d[None, :]
         tl.store(ko_ptr + out, k.to(DT), mask=kv_ok)
         tl.store(vo_ptr + out, v.to(DT), mask=kv_ok)
-
-
-def cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
-    """(row, head, slot) strides of a cache [B, Hkv, S, D], or of a paged pool [N, Hkv, D]:
-    there a key's slot is its pool row, the same for every row of the batch (row stride 0)."""
-    if cache.dim() == 3:
-        return 0, cache.stride(1), cache.stride(0)
-    return cache.stride(0), cache.stride(1), cache.stride(2)
 
 
 def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
@@ -203,16 +188,14 @@ def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, 
     rope = cos is not None
     if rope:
         cos, sin = cos.reshape(b * t, head_dim), sin.reshape(b * t, head_dim)
-    slot_t, paged = torch.is_tensor(slot), k_cache.dim() == 3
-    if paged:
-        slot = slot.reshape(b * t).contiguous()
+    slot = slot.reshape(b * t).contiguous()
     k_out, v_out = kv_out if kv_out is not None else (qkv, qkv)
     _qkv_decode_kernel[(b * t,)](
         qkv, q_norm_w if q_norm_w is not None else qkv, k_norm_w if k_norm_w is not None else qkv,
-        cos if rope else qkv, sin if rope else qkv, q, k_cache, v_cache, slot if slot_t else qkv, k_out, v_out,
-        0 if slot_t else int(slot), float(eps), float(clip or 0.0), t, qkv.stride(0), cos.stride(0) if rope else 0,
-        *cache_strides(k_cache), *cache_strides(v_cache), HQ=num_heads, HKV=num_kv_heads,
+        cos if rope else qkv, sin if rope else qkv, q, k_cache, v_cache, slot, k_out, v_out,
+        float(eps), float(clip or 0.0), qkv.stride(0), cos.stride(0) if rope else 0,
+        k_cache.stride(1), k_cache.stride(0), v_cache.stride(1), v_cache.stride(0), HQ=num_heads, HKV=num_kv_heads,
         HQ_P=triton.next_power_of_2(num_heads), HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim,
-        QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, SLOT_PTR=slot_t, PAGED=paged,
-        KV_OUT=kv_out is not None, num_warps=4, **pdl_launch(qkv.device, pdl))
+        QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, KV_OUT=kv_out is not None, num_warps=4,
+        **pdl_launch(qkv.device, pdl))
     return q

@@ -1,7 +1,8 @@
 """Plain-torch references for the attention ops of the decode path: decode attention
-(over a contiguous or a paged KV cache), the QKV epilogue and the QKV epilogue with the
-attention in one step. The Triton kernels must match these functions, and they are what
-the ops in ``kernels.attention`` run on a CPU, so this module needs torch alone.
+(over a contiguous or a paged KV cache), and over a paged pool the QKV epilogue and the
+QKV epilogue with the attention in one step. The Triton kernels must match these
+functions, and they are what the ops in ``kernels.attention`` run on a CPU, so this module
+needs torch alone.
 
 Shape letters: B rows, T tokens per row, Hq / Hkv query / KV heads, D head dim, S cache
 slots, N pool rows of a paged cache.
@@ -49,20 +50,19 @@ def qkv_decode_supported(head_dim: int) -> bool:
     return head_dim >= 2 and head_dim & (head_dim - 1) == 0
 
 
-def check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm, slot=None,
+def check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm, slot,
               kv_out=None) -> tuple[int, int]:
-    """The QKV epilogue's operand checks (ValueError naming the operand) -> (B, T). A cache
-    [B, Hkv, S, D] takes any ``slot``; a paged pool [N, Hkv, D] needs one pool row per token."""
+    """The QKV epilogue's operand checks (ValueError naming the operand) -> (B, T): a paged
+    pool [N, Hkv, D] and one pool row per token."""
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() not in (2, 3) or qkv.shape[-1] != width:
         raise ValueError(f"qkv {list(qkv.shape)}: expected [B, (Hq + 2 Hkv) * D = {width}] or [B, T, {width}]")
     b, t = qkv.shape[0], qkv.shape[1] if qkv.dim() == 3 else 1
-    paged = k_cache.dim() == 3
-    want = (k_cache.shape[0], num_kv_heads, head_dim) if paged else (b, num_kv_heads, k_cache.shape[-2], head_dim)
-    if k_cache.dim() not in (3, 4) or tuple(k_cache.shape) != want or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache / v_cache {list(k_cache.shape)} / {list(v_cache.shape)}: expected {list(want)} "
-                         "(a cache [B, Hkv, S, D] or a paged pool [N, Hkv, D])")
-    if paged and not (torch.is_tensor(slot) and slot.dtype == torch.int64 and slot.numel() == b * t):
+    want = (k_cache.shape[0], num_kv_heads, head_dim)
+    if k_cache.dim() != 3 or tuple(k_cache.shape) != want or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache / v_cache {list(k_cache.shape)} / {list(v_cache.shape)}: expected a paged pool "
+                         f"[N, Hkv, D] = {list(want)}")
+    if not (torch.is_tensor(slot) and slot.dtype == torch.int64 and slot.numel() == b * t):
         got = f"{list(slot.shape)} {slot.dtype}" if torch.is_tensor(slot) else repr(slot)
         raise ValueError(f"slot {got}: a paged pool takes each token's pool row, an int64 tensor of B x T = "
                          f"{b} x {t} elements")
@@ -78,9 +78,8 @@ def check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm,
 def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
                    qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, kv_out=None):
     """qkv [B, (Hq + 2 Hkv) * D] of one token per row, or [B, T, ...] of T -> q [B, Hq, T, D];
-    writes k and v at cache slots ``slot`` .. ``slot + T - 1`` (``slot`` an int or 0-d
-    tensor) of k_cache / v_cache [B, Hkv, S, D], or, in a paged pool k_cache / v_cache
-    [N, Hkv, D], token (b, t)'s at pool row ``slot[b, t]`` (``slot`` int64 [B, T] or [B * T]).
+    writes token (b, t)'s k and v at pool row ``slot[b, t]`` (``slot`` int64 [B, T] or
+    [B * T]) of the paged pool k_cache / v_cache [N, Hkv, D].
     cos, sin [B, D] or [B, T, D] rotary tables (None: no rotation); ``qk_norm`` None /
     "head" (weights [D]) / "full" (weights [Hq * D], [Hkv * D]); ``clip`` clamps q, k, v.
     ``kv_out``: two [B, T, Hkv, D] tensors that receive k and v as well (a prefill that
@@ -105,47 +104,32 @@ def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slo
         q, k = rotate(q), rotate(k)
     if kv_out is not None:
         kv_out[0].copy_(k), kv_out[1].copy_(v)
-    if k_cache.dim() == 3:  # a paged pool: each token's own row
-        rows = slot.reshape(b * t)
-        k_cache.index_copy_(0, rows, k.reshape(b * t, num_kv_heads, d).to(k_cache.dtype))
-        v_cache.index_copy_(0, rows, v.reshape(b * t, num_kv_heads, d).to(v_cache.dtype))
-        return q.transpose(1, 2).contiguous()
-    first = slot.view(1) if torch.is_tensor(slot) else torch.tensor([slot], device=qkv.device)
-    slots = first + torch.arange(t, device=first.device)
-    k_cache.index_copy_(2, slots, k.transpose(1, 2).to(k_cache.dtype))
-    v_cache.index_copy_(2, slots, v.transpose(1, 2).to(v_cache.dtype))
+    rows = slot.reshape(b * t)  # each token's own pool row
+    k_cache.index_copy_(0, rows, k.reshape(b * t, num_kv_heads, d).to(k_cache.dtype))
+    v_cache.index_copy_(0, rows, v.reshape(b * t, num_kv_heads, d).to(v_cache.dtype))
     return q.transpose(1, 2).contiguous()
 
 
-def check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots=None,
-                        positions=None) -> tuple[int, int]:
+def check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots,
+                        positions) -> tuple[int, int]:
     """-> (B, S). Raises ValueError naming the operand where the fused step cannot take it."""
-    paged = k_cache.dim() == 3
-    b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, None, slot if paged else None)
+    b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, None, slot)
     if t != 1:
         raise ValueError(f"qkv {list(qkv.shape)}: one token per row, [B, W]")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads}: expected a multiple of num_kv_heads {num_kv_heads}")
     if not qkv_decode_supported(head_dim):
         raise ValueError(f"head_dim {head_dim}: expected a power of two")
-    if paged:
-        if read_slots is None or positions is None:
-            raise ValueError("read_slots, positions: a paged pool needs each row's key rows [B, S] and the new "
-                             "key's index [B]")
-        if (read_slots.dim() != 2 or read_slots.shape[0] != b or read_slots.dtype != torch.int64
-                or read_slots.stride(1) != 1):
-            raise ValueError(f"read_slots {list(read_slots.shape)} {read_slots.dtype} strides {read_slots.stride()}: "
-                             f"expected int64 [B = {b}, S] with contiguous rows")
-        if positions.numel() != b or positions.dtype != torch.int64:
-            raise ValueError(f"positions {list(positions.shape)} {positions.dtype}: expected int64 of B = {b} "
-                             "elements")
-        s = read_slots.shape[1]
-    else:
-        if read_slots is not None or positions is not None:
-            raise ValueError("read_slots, positions: only with a paged pool k_cache [N, Hkv, D]")
-        if not torch.is_tensor(slot) or slot.numel() != 1:
-            raise ValueError(f"slot: expected a one-element device tensor, got {slot!r}")
-        s = k_cache.shape[2]
+    if not (torch.is_tensor(read_slots) and read_slots.dim() == 2 and read_slots.shape[0] == b
+            and read_slots.dtype == torch.int64 and read_slots.stride(1) == 1):
+        got = (f"{list(read_slots.shape)} {read_slots.dtype} strides {read_slots.stride()}"
+               if torch.is_tensor(read_slots) else repr(read_slots))
+        raise ValueError(f"read_slots {got}: expected int64 [B = {b}, S] with contiguous rows, each row's keys' "
+                         "pool rows")
+    if not (torch.is_tensor(positions) and positions.numel() == b and positions.dtype == torch.int64):
+        got = f"{list(positions.shape)} {positions.dtype}" if torch.is_tensor(positions) else repr(positions)
+        raise ValueError(f"positions {got}: expected int64 of B = {b} elements, each row's new key's index")
+    s = read_slots.shape[1]
     if (bias.shape[0] != b or bias.shape[-1] != s or bias.numel() != b * s
             or not (bias.is_floating_point() or bias.dtype == torch.bool)):
         raise ValueError(f"bias {list(bias.shape)} {bias.dtype}: expected an additive float mask (or a bool one) of "
@@ -155,29 +139,27 @@ def check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache
 
 def qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
                       qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None, *,
-                      read_slots=None, positions=None):
-    """qkv [B, (Hq + 2 Hkv) * D] of one token per row -> attention output [B, Hq, D]. Writes
-    k and v at cache slot ``slot`` (0-d tensor) of k_cache / v_cache [B, Hkv, S, D] (as
-    ``qkv_decode_ref``), then attends over the cache under the additive mask ``bias``
-    ([B, S], or any shape of B x S values, e.g. [B, 1, 1, S]; or a bool mask, True where
-    visible), softmax in float32 or wider.
-    A paged pool k_cache / v_cache [N, Hkv, D]: ``slot`` [B] int64 the pool row the new k, v
-    go to, ``read_slots`` [B, S] the pool row of each row's key s (the new key's at index
-    ``positions[b]``, the keys after it hidden), gathered in order, then the same attention."""
+                      read_slots, positions):
+    """qkv [B, (Hq + 2 Hkv) * D] of one token per row -> attention output [B, Hq, D] over the
+    paged pool k_cache / v_cache [N, Hkv, D]. Writes the new k and v at pool rows ``slot``
+    [B] int64 (as ``qkv_decode_ref``), then gathers each row's keys in order, ``read_slots``
+    [B, S] the pool row of its key s (the new key's at index ``positions[b]``, the keys
+    after it hidden), and attends over them under the additive mask ``bias`` ([B, S], or any
+    shape of B x S values, e.g. [B, 1, 1, S]; or a bool mask, True where visible), softmax
+    in float32 or wider."""
     b, s = check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots,
                                positions)
     q = qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
                        q_norm_w, k_norm_w, eps, clip)[:, :, 0]  # [B, Hq, D]
-    if read_slots is not None:  # [B, Hkv, S, D] in token order
-        k_cache, v_cache = k_cache[read_slots].transpose(1, 2), v_cache[read_slots].transpose(1, 2)
+    k, v = k_cache[read_slots].transpose(1, 2), v_cache[read_slots].transpose(1, 2)  # [B, Hkv, S, D] in token order
     ct = torch.promote_types(q.dtype, torch.float32)
     g = num_heads // num_kv_heads
     if bias.dtype == torch.bool:
         bias = torch.zeros(bias.shape, dtype=ct, device=bias.device).masked_fill_(~bias, float("-inf"))
     bias = bias.reshape(b, 1, s).to(ct)
     hidden = (bias == float("-inf"))[:, :, :, None]  # whatever a hidden slot holds is never read
-    kk = k_cache.to(ct).masked_fill(hidden, 0).repeat_interleave(g, dim=1)  # [B, Hq, S, D]
-    vv = v_cache.to(ct).masked_fill(hidden, 0).repeat_interleave(g, dim=1)
+    kk = k.to(ct).masked_fill(hidden, 0).repeat_interleave(g, dim=1)  # [B, Hq, S, D]
+    vv = v.to(ct).masked_fill(hidden, 0).repeat_interleave(g, dim=1)
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     scores = torch.einsum("bhd,bhsd->bhs", q.to(ct), kk) * scale + bias
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv).to(q.dtype)

@@ -4,21 +4,19 @@ CPU under the interpreter and on a GPU, and the kernels' Triton compiles for sm_
 - split-K decode attention, also against torch's SDPA: GQA ratios 1, 4 and 6 (MQA), odd
   head dims, ragged visible keys (left padding, a current slot), one or several splits,
   over a contiguous cache and over a paged pool read in place;
-- the QKV epilogue (q/k norms, clip, rotary, KV-cache append) of a decode step and of a
-  prefill;
-- a static decode step's context (positions, mask, rotary rows) in one launch, against
-  StepContext's torch ops;
-- the fused decode attention (QKV epilogue + attention + split combine in one launch):
-  GQA 1, 3 (padded to 4) and 4, MQA, each q/k norm, clip, rotary or none, one split or
-  several (the in-kernel combine), a short context in a long cache and one that fills it,
-  padding and a sliding window in the mask; repeated calls (the split counters reset)."""
+- the QKV epilogue (q/k norms, clip, rotary, the append into a paged pool at each token's
+  pool row) of a decode step and of a prefill;
+- the fused decode attention over a paged pool (QKV epilogue + attention + split combine in
+  one launch): GQA 1, 3 (padded to 4), 4 and 8, MQA, each q/k norm, clip, rotary or none,
+  one split or several (the in-kernel combine), a short row and one that fills its key
+  slots, padding rows and a sliding window in the mask, additive or bool; consecutive
+  steps (the split counters reset)."""
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.context import decode_context_triton
 from kernels.attention.decode import decode_attention_triton, paged_decode_attention_triton
 from kernels.attention.qkv_attention_triton import default_splits, fits, qkv_attention_triton
 from kernels.attention.qkv_decode_triton import qkv_decode_triton
@@ -115,11 +113,11 @@ def test_paged_decode_attention_reads_the_pool_in_place(device, dtype, b, hq, hk
         paged_decode_attention_triton(q, k, v, slots.int(), visible)
 
 
-def _qkv_case(device, dtype, b, hq, hkv, d, s, qk_norm, rope, seed):
+def _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, rope, seed):
+    """One token per row: qkv [B, W], its rotary rows at random positions (None, None
+    without ``rope``) and the q / k norm weights -> (qkv, cos, sin, qw, kw)."""
     gen = torch.Generator().manual_seed(seed)
     qkv = (torch.randn(b, (hq + 2 * hkv) * d, generator=gen) * 2).to(device, dtype)
-    kc = torch.randn(b, hkv, s, d, generator=gen).to(device, dtype)
-    vc = torch.randn(b, hkv, s, d, generator=gen).to(device, dtype)
     pos = torch.randint(0, 500, (b, 1), generator=gen).float()
     inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
     ang = torch.cat([pos * inv, pos * inv], dim=-1)
@@ -130,21 +128,31 @@ def _qkv_case(device, dtype, b, hq, hkv, d, s, qk_norm, rope, seed):
     elif qk_norm == "full":
         qw = (torch.rand(hq * d, generator=gen) + 0.5).to(device, dtype)
         kw = (torch.rand(hkv * d, generator=gen) + 0.5).to(device, dtype)
-    return qkv, kc, vc, cos, sin, qw, kw
+    return qkv, cos, sin, qw, kw
+
+
+def _pool(device, dtype, n, hkv, d, gen):
+    """Random k, v pools [N, Hkv, D]."""
+    return tuple(torch.randn(n, hkv, d, generator=gen).to(device, dtype) for _ in range(2))
 
 
 @pytest.mark.parametrize("device,dtype", BACKENDS)
 @pytest.mark.parametrize("b,hq,hkv,d", [(1, 4, 4, 16), (3, 6, 2, 32), (2, 5, 1, 64)])
 @pytest.mark.parametrize("qk_norm", [None, "head", "full"])
-@pytest.mark.parametrize("rope,clip,tensor_slot", [(True, None, True), (True, 1.5, False), (False, None, False)])
-def test_qkv_decode_matches_reference(device, dtype, b, hq, hkv, d, qk_norm, rope, clip, tensor_slot):
-    s, slot = 9, 6
-    qkv, kc, vc, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, s, qk_norm, rope, b * hq + d)
-    slot_arg = torch.tensor(slot, device=device) if tensor_slot else slot
-    kc2, vc2 = kc.clone(), vc.clone()
-    q = qkv_decode_triton(qkv, hq, hkv, d, kc, vc, slot_arg, cos, sin, qk_norm, qw, kw, 1e-6, clip)
+@pytest.mark.parametrize("rope,clip", [(True, None), (True, 1.5), (False, None)])
+def test_qkv_decode_matches_reference(device, dtype, b, hq, hkv, d, qk_norm, rope, clip):
+    """One token per row into a paged pool, each at its own scattered pool row: q, k and v
+    against the float64 reference and, closer, against the same ops in the dtype; no other
+    pool row touched."""
+    n = 9
+    qkv, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, rope, b * hq + d)
+    gen = torch.Generator().manual_seed(d)
+    kp, vp = _pool(device, dtype, n, hkv, d, gen)
+    slot = torch.randperm(n, generator=gen)[:b].to(device)  # [B] each row's pool row
+    kp0, vp0 = kp.clone(), vp.clone()
+    q = qkv_decode_triton(qkv, hq, hkv, d, kp, vp, slot, cos, sin, qk_norm, qw, kw, 1e-6, clip)
     up = lambda z: None if z is None else z.double()  # noqa: E731
-    kr, vr = kc2.double(), vc2.double()
+    kr, vr = kp0.double(), vp0.double()
     qr = qkv_decode_ref(qkv.double(), hq, hkv, d, kr, vr, slot, up(cos), up(sin), qk_norm, up(qw), up(kw), 1e-6,
                         clip)
     assert q.shape == (b, hq, 1, d) and q.dtype == dtype
@@ -152,56 +160,60 @@ def test_qkv_decode_matches_reference(device, dtype, b, hq, hkv, d, qk_norm, rop
     # float64 math that is a few roundings of error; against the same ops in the dtype, less
     # (on a GPU; the interpreter's bf16 casts truncate rather than round).
     loose, tight = (2 * TOL[dtype], TOL[dtype] / 2) if device == "cuda" else (3 * TOL[dtype], 3 * TOL[dtype])
-    assert rel(q, qr) < loose and rel(kc[:, :, slot], kr[:, :, slot]) < loose
-    kd, vd = kc2.clone(), vc2.clone()
+    assert rel(q, qr) < loose and rel(kp[slot], kr[slot]) < loose
+    kd, vd = kp0.clone(), vp0.clone()
     qd = qkv_decode_ref(qkv, hq, hkv, d, kd, vd, slot, cos, sin, qk_norm, qw, kw, 1e-6, clip)
-    assert rel(q, qd) < tight and rel(kc[:, :, slot], kd[:, :, slot]) < tight
-    assert rel(vc[:, :, slot], vr[:, :, slot]) < TOL[dtype]
-    others = [i for i in range(s) if i != slot]  # the append touches the one slot only
-    assert torch.equal(kc[:, :, others], kc2[:, :, others]) and torch.equal(vc[:, :, others], vc2[:, :, others])
+    assert rel(q, qd) < tight and rel(kp[slot], kd[slot]) < tight
+    assert rel(vp[slot], vr[slot]) < TOL[dtype]
+    others = torch.ones(n, dtype=torch.bool, device=device).index_fill_(0, slot, False)  # the append's rows only
+    assert torch.equal(kp[others], kp0[others]) and torch.equal(vp[others], vp0[others])
 
 
 @pytest.mark.parametrize("device,dtype", BACKENDS)
 @pytest.mark.parametrize("qk_norm", [None, "head", "full"])
 def test_qkv_epilogue_of_a_prefill(device, dtype, qk_norm):
     """T tokens per row (a prefill): one program per token, each at its own position and
-    cache slot; q comes back [B, Hq, T, D]."""
-    b, t, hq, hkv, d, s, slot = 2, 5, 4, 2, 16, 9, 3
-    qkv, kc, vc, _, _, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, s, qk_norm, False, 7)
+    pool row; q comes back [B, Hq, T, D]. Token by token through the decode form gives the
+    same q and pool."""
+    b, t, hq, hkv, d, n = 2, 5, 4, 2, 16, 13
+    _, _, _, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, False, 7)
     gen = torch.Generator().manual_seed(3)
-    qkv = (torch.randn(b, t, qkv.shape[1], generator=gen) * 2).to(device, dtype)
-    pos = torch.arange(slot, slot + t).float()[None, :, None].expand(b, t, 1)
-    ang = pos * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
-    cos, sin = (z.to(device, dtype) for z in (torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()))
-    kc2, vc2 = kc.clone(), vc.clone()
-    q = qkv_decode_triton(qkv, hq, hkv, d, kc, vc, slot, cos, sin, qk_norm, qw, kw, 1e-6, 1.5)
+    qkv = (torch.randn(b, t, (hq + 2 * hkv) * d, generator=gen) * 2).to(device, dtype)
+    cos, sin = _rotary_rows(device, dtype, torch.arange(3, 3 + t).expand(b, t), d)
+    kp, vp = _pool(device, dtype, n, hkv, d, gen)
+    slot = torch.randperm(n, generator=gen)[:b * t].view(b, t).to(device)
+    kp0, vp0 = kp.clone(), vp.clone()
+    q = qkv_decode_triton(qkv, hq, hkv, d, kp, vp, slot, cos, sin, qk_norm, qw, kw, 1e-6, 1.5)
     up = lambda z: None if z is None else z.double()  # noqa: E731
-    kr, vr = kc2.double(), vc2.double()
+    kr, vr = kp0.double(), vp0.double()
     qr = qkv_decode_ref(qkv.double(), hq, hkv, d, kr, vr, slot, up(cos), up(sin), qk_norm, up(qw), up(kw), 1e-6,
                         1.5)
     assert q.shape == (b, hq, t, d) and qr.shape == q.shape
     tol = 2 * TOL[dtype] if device == "cuda" else 3 * TOL[dtype]
-    new = slice(slot, slot + t)
-    assert rel(q, qr) < tol and rel(kc[:, :, new], kr[:, :, new]) < tol and rel(vc[:, :, new], vr[:, :, new]) < tol
-    others = [i for i in range(s) if not slot <= i < slot + t]
-    assert torch.equal(kc[:, :, others], kc2[:, :, others]) and torch.equal(vc[:, :, others], vc2[:, :, others])
-    # Token by token through the decode form gives the same q.
-    kd, vd = kc2.clone(), vc2.clone()
+    assert rel(q, qr) < tol and rel(kp[slot], kr[slot]) < tol and rel(vp[slot], vr[slot]) < tol
+    others = torch.ones(n, dtype=torch.bool, device=device).index_fill_(0, slot.view(-1), False)
+    assert torch.equal(kp[others], kp0[others]) and torch.equal(vp[others], vp0[others])
+    kd, vd = kp0.clone(), vp0.clone()
     for i in range(t):
-        qi = qkv_decode_triton(qkv[:, i].contiguous(), hq, hkv, d, kd, vd, slot + i, cos[:, i], sin[:, i], qk_norm,
-                               qw, kw, 1e-6, 1.5)
+        qi = qkv_decode_triton(qkv[:, i].contiguous(), hq, hkv, d, kd, vd, slot[:, i], cos[:, i], sin[:, i],
+                               qk_norm, qw, kw, 1e-6, 1.5)
         assert torch.equal(qi[:, :, 0], q[:, :, i])
-    assert torch.equal(kd, kc) and torch.equal(vd, vc)
+    assert torch.equal(kd, kp) and torch.equal(vd, vp)
 
 
 def test_qkv_decode_rejects_bad_shapes():
-    kc = torch.zeros(1, 2, 4, 8)
+    """ValueErrors naming the operand; a contiguous cache [B, Hkv, S, D] is no pool."""
+    kp, slot = torch.zeros(6, 2, 8), torch.tensor([3])
     with pytest.raises(ValueError, match=r"qkv \[1, 40\]: expected \[B, \(Hq \+ 2 Hkv\) \* D = 64\]"):
-        qkv_decode_triton(torch.randn(1, 40), 4, 2, 8, kc, kc.clone(), 0)
-    with pytest.raises(ValueError, match=r"k_cache / v_cache"):
-        qkv_decode_triton(torch.randn(1, 64), 4, 2, 8, torch.zeros(1, 3, 4, 8), kc, 0)
+        qkv_decode_triton(torch.randn(1, 40), 4, 2, 8, kp, kp.clone(), slot)
+    with pytest.raises(ValueError, match=r"k_cache / v_cache \[6, 3, 8\] / \[6, 2, 8\]: expected a paged pool"):
+        qkv_decode_triton(torch.randn(1, 64), 4, 2, 8, torch.zeros(6, 3, 8), kp, slot)
+    kc = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"k_cache / v_cache \[1, 2, 4, 8\] / \[1, 2, 4, 8\]: expected a paged pool "
+                                         r"\[N, Hkv, D\]"):
+        qkv_decode_triton(torch.randn(1, 64), 4, 2, 8, kc, kc.clone(), slot)
     with pytest.raises(ValueError, match=r"qk_norm='layer'"):
-        qkv_decode_triton(torch.randn(1, 64), 4, 2, 8, kc, kc.clone(), 0, qk_norm="layer")
+        qkv_decode_triton(torch.randn(1, 64), 4, 2, 8, kp, kp.clone(), slot, qk_norm="layer")
 
 
 def _rotary_rows(device, dtype, positions, d):
@@ -216,10 +228,11 @@ def _rotary_rows(device, dtype, positions, d):
 @pytest.mark.parametrize("qk_norm,rope,clip", [(None, True, None), ("head", True, 1.5), ("full", False, None)])
 def test_qkv_decode_into_a_paged_pool(device, dtype, t, qk_norm, rope, clip):
     """Each token's k and v at its own pool row (scattered; one padding token's at the trash
-    row), also stored into ``kv_out``: bit for bit the q, k and v of the contiguous cache's
-    append of the same tokens, close to the float64 reference, no other pool row touched."""
+    row), also stored into ``kv_out``: bit for bit the q, k and v of the same tokens stored
+    at other pool rows (in order from row 0), close to the float64 reference, no other pool
+    row touched."""
     b, hq, hkv, d = 3, 4, 2, 16
-    _, _, _, _, _, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, 1, qk_norm, False, seed=t)
+    _, _, _, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, False, seed=t)
     gen = torch.Generator().manual_seed(10 + t)
     qkv = (torch.randn(b, t, (hq + 2 * hkv) * d, generator=gen) * 2).to(device, dtype)
     cos, sin = _rotary_rows(device, dtype, torch.randint(0, 500, (b, t), generator=gen), d) if rope else (None, None)
@@ -231,9 +244,10 @@ def test_qkv_decode_into_a_paged_pool(device, dtype, t, qk_norm, rope, clip):
     kp0, vp0 = kp.clone(), vp.clone()
     kv_out = tuple(torch.empty(b, t, hkv, d, dtype=dtype, device=device) for _ in range(2))
     q = qkv_decode_triton(qkv, hq, hkv, d, kp, vp, slot, cos, sin, qk_norm, qw, kw, 1e-6, clip, kv_out=kv_out)
-    kc, vc = (torch.zeros(b, hkv, t, d, dtype=dtype, device=device) for _ in range(2))
-    qc = qkv_decode_triton(qkv, hq, hkv, d, kc, vc, 0, cos, sin, qk_norm, qw, kw, 1e-6, clip)
-    kn, vn = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, T, Hkv, D]
+    kc, vc = (torch.zeros(b * t + 1, hkv, d, dtype=dtype, device=device) for _ in range(2))
+    in_order = torch.arange(b * t, device=device).view(b, t)
+    qc = qkv_decode_triton(qkv, hq, hkv, d, kc, vc, in_order, cos, sin, qk_norm, qw, kw, 1e-6, clip)
+    kn, vn = kc[:-1].view(b, t, hkv, d), vc[:-1].view(b, t, hkv, d)
     assert q.shape == (b, hq, t, d) and torch.equal(q, qc)
     assert torch.equal(kp[slot], kn) and torch.equal(vp[slot], vn)
     assert torch.equal(kv_out[0], kn) and torch.equal(kv_out[1], vn)
@@ -265,8 +279,8 @@ def test_paged_modes_reject_bad_input():
         qkv_decode_triton(qkv, 4, 2, 16, kp, torch.zeros(9, 3, 16), slot)
     with pytest.raises(ValueError, match=r"kv_out \[\[2, 1, 2, 16\], \[2, 2, 16\]\]"):
         qkv_decode_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, kv_out=(torch.empty(2, 1, 2, 16), torch.empty(2, 2, 16)))
-    with pytest.raises(ValueError, match=r"read_slots, positions: a paged pool needs"):
-        qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, bias)
+    with pytest.raises(ValueError, match=r"read_slots None: expected int64 \[B = 2, S\]"):
+        qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, bias, read_slots=None, positions=pos)
     with pytest.raises(ValueError, match=r"read_slots \[2, 3\] torch.int32"):
         qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, bias, read_slots=read.int(), positions=pos)
     with pytest.raises(ValueError, match=r"positions \[3\] torch.int64: expected int64 of B = 2"):
@@ -275,9 +289,9 @@ def test_paged_modes_reject_bad_input():
     with pytest.raises(ValueError, match=r"bias \[2, 1, 1, 4\]"):
         qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, torch.zeros(2, 1, 1, 4), read_slots=read,
                              positions=pos)
-    kc = torch.zeros(2, 2, 3, 16)
-    with pytest.raises(ValueError, match=r"read_slots, positions: only with a paged pool"):
-        qkv_attention_triton(qkv, 4, 2, 16, kc, kc.clone(), torch.tensor(1), bias, read_slots=read, positions=pos)
+    kc = torch.zeros(2, 2, 3, 16)  # a contiguous cache [B, Hkv, S, D] is no pool
+    with pytest.raises(ValueError, match=r"k_cache / v_cache \[2, 2, 3, 16\] / \[2, 2, 3, 16\]: expected a paged pool"):
+        qkv_attention_triton(qkv, 4, 2, 16, kc, kc.clone(), slot, bias, read_slots=read, positions=pos)
 
 
 _COMPILE_QKV_DECODE = """
@@ -287,11 +301,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.attention.qkv_decode_triton import _qkv_decode_kernel as kernel
 
-qk_norm, pdl, paged = (int(v) for v in sys.argv[1:])
-const = dict(HQ=16, HKV=4, HQ_P=16, HKV_P=4, D=128, QK_NORM=qk_norm, CLIP=True, ROPE=True, SLOT_PTR=True,
-             PAGED=bool(paged), KV_OUT=bool(paged), PDL=pdl)
+qk_norm, pdl, kv_out = (int(v) for v in sys.argv[1:])
+const = dict(HQ=16, HKV=4, HQ_P=16, HKV_P=4, D=128, QK_NORM=qk_norm, CLIP=True, ROPE=True, KV_OUT=bool(kv_out),
+             PDL=pdl)
 assert {p.name for p in kernel.params if p.is_constexpr} == set(const)  # none compiled as a pointer
-types = {"slot_ptr": "*i64", "slot": "i64", "T": "i32", "eps": "fp32", "clip": "fp32"}
+types = {"slot_ptr": "*i64", "eps": "fp32", "clip": "fp32"}
 sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
        for n in kernel.arg_names}
 compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -299,178 +313,23 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("qk_norm,pdl,paged", [(0, 0, 0), (1, 2, 0), (2, 2, 1)])
-def test_qkv_decode_compiles_for_hopper(qk_norm, pdl, paged):
+@pytest.mark.parametrize("qk_norm,pdl,kv_out", [(0, 0, 0), (1, 2, 0), (2, 2, 1)])
+def test_qkv_decode_compiles_for_hopper(qk_norm, pdl, kv_out):
     """The QKV epilogue kernel's whole Triton compile for sm_90 (tests.hopper), with each
-    q / k norm, into a cache and into a paged pool with the fresh k, v stored out too."""
-    assert int(compile_in_subprocess(_COMPILE_QKV_DECODE, qk_norm, pdl, paged).split()[-1]) > 0
+    q / k norm, into a paged pool, with the fresh k, v stored out too or not."""
+    assert int(compile_in_subprocess(_COMPILE_QKV_DECODE, qk_norm, pdl, kv_out).split()[-1]) > 0
 
 
-@pytest.mark.parametrize("device,dtype", BACKENDS)
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("rope", [True, False])
-def test_decode_context_in_one_launch_equals_the_torch_context(device, dtype, window, rope):
-    """decode_context_triton against StepContext.decode_static's torch ops (on CPU
-    tensors, where it never takes the one launch): the rows' positions, the additive mask
-    (left padding, a sliding window, a padding row that sees only itself) and the rotary
-    rows looked up in Rotary.table, for several slots."""
-    from dense.attention import StepContext
-    from dense.rotary import Rotary
-
-    b, s = 4, 37
-    pad = torch.tensor([0, 3, 11, 36])  # the last row is all padding before slot 36
-    slots = torch.arange(s)
-    key_valid = (slots[None, :] >= pad[:, None]).to(device)
-    positions = (slots[None, :] - pad[:, None]).clamp(min=0).to(device)
-    rotary = Rotary(16, 10000.0) if rope else None
-    tables = rotary.table(s, dtype, torch.device(device)) if rope else None
-    for slot in (0, 7, 20, 36):
-        slot_t = torch.tensor(slot, device=device)
-        ref = StepContext.decode_static(slot_t.cpu(), key_valid.cpu(), positions.cpu(), rotary, dtype, window)
-        pos, bias, cos, sin = decode_context_triton(slot_t, key_valid, positions, dtype, tables, window)
-        assert torch.equal(pos.cpu(), ref.positions) and bias.dtype == dtype
-        assert torch.equal(bias.cpu(), ref.attn_mask)
-        if rope:
-            assert cos.shape == ref.cos.shape == (b, 1, 16)
-            torch.testing.assert_close(cos.cpu(), ref.cos, rtol=0, atol=TOL[dtype] / 10)
-            torch.testing.assert_close(sin.cpu(), ref.sin, rtol=0, atol=TOL[dtype] / 10)
-        else:
-            assert cos is None and sin is None and ref.cos is None
-    if rope:  # positions past the tables read nothing outside them: zero rows
-        short = (tables[0][:10], tables[1][:10])
-        _, _, cos, sin = decode_context_triton(torch.tensor(20, device=device), key_valid, positions, dtype,
-                                                       short)
-        assert not cos[:2].any() and not sin[:2].any() and cos[2:].any()  # positions 20, 17 | 9, 0
-    with pytest.raises(ValueError, match="0-d int64"):
-        decode_context_triton(torch.tensor([3], device=device), key_valid, positions, dtype, tables)
-    with pytest.raises(ValueError, match="bool and int64"):
-        decode_context_triton(torch.tensor(3, device=device), key_valid.long(), positions, dtype, tables)
-
-
-_COMPILE_CONTEXT = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels.attention.context import _decode_context_kernel as kernel
-
-window, rotary, pdl = (int(v) for v in sys.argv[1:])
-const = dict(HAS_WINDOW=window, ROTARY=rotary, BLOCK_S=1024, BLOCK_D=128, PDL=pdl)
-types = {"slot_ptr": "*i64", "valid_ptr": "*i1", "kpos_ptr": "*i64", "pos_ptr": "*i64", "S": "i32", "D": "i32",
-         "L": "i32", "window": "i32"}
-sig = {n: "constexpr" if n in const else types.get(n, "*bf16") for n in kernel.arg_names}
-compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-print("cubin bytes", len(compiled.asm["cubin"]))
-"""
-
-
-@pytest.mark.parametrize("window,rotary,pdl", [(1, 1, 2), (0, 0, 0)])
-def test_decode_context_compiles_for_hopper(window, rotary, pdl):
-    """The decode-context kernel's whole Triton compile for sm_90 (tests.hopper)."""
-    assert int(compile_in_subprocess(_COMPILE_CONTEXT, window, rotary, pdl).split()[-1]) > 0
-
-
-def _mask(b, s, slot, dtype, device, gen, window=None):
-    """Additive [B, 1, 1, S] mask as StepContext.decode_static builds it: left padding per
-    row, nothing after the slot, the slot itself always visible."""
-    pos = torch.arange(s)
-    pad = (torch.rand(b, generator=gen) * slot).long()
-    visible = (pos[None, :] >= pad[:, None]) & (pos[None, :] <= slot)
-    if window is not None:
-        visible &= slot - pos[None, :] < window
-    visible |= pos[None, :] == slot
-    bias = torch.zeros(b, s).masked_fill_(~visible, float("-inf"))
-    return bias.view(b, 1, 1, s).to(device, dtype)
-
-
-def _run(device, dtype, b, hq, hkv, d, s, slot, qk_norm, rope, clip, splits, seed, window=None):
-    qkv, kc, vc, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, s, qk_norm, rope, seed)
-    bias = _mask(b, s, slot, dtype, device, torch.Generator().manual_seed(seed + 1), window)
-    up = lambda z: None if z is None else z.double()  # noqa: E731
-    kr, vr = kc.double(), vc.double()
-    slot_t = torch.tensor(slot, device=device)
-    ref = qkv_attention_ref(qkv.double(), hq, hkv, d, kr, vr, slot_t, bias.double(), up(cos), up(sin), qk_norm, up(qw),
-                            up(kw), 1e-6, clip)
-    kc0, vc0 = kc.clone(), vc.clone()
-    out = qkv_attention_triton(qkv, hq, hkv, d, kc, vc, slot_t, bias, cos, sin, qk_norm, qw, kw, 1e-6, clip,
-                               splits=splits)
-    return out, ref, (kc, vc, kc0, vc0, kr, vr)
-
-
-@pytest.mark.parametrize("device,dtype", BACKENDS)
-@pytest.mark.parametrize("b,hq,hkv,d", [(1, 4, 4, 16), (2, 6, 2, 32), (2, 8, 2, 16), (3, 4, 1, 16)])
-@pytest.mark.parametrize("qk_norm,rope,clip", [(None, True, None), ("head", True, 1.5), ("full", False, None),
-                                               ("full", True, None)])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_qkv_attention_matches_reference(device, dtype, b, hq, hkv, d, qk_norm, rope, clip, splits):
-    s, slot = 40, 29
-    out, ref, (kc, vc, kc0, vc0, kr, vr) = _run(device, dtype, b, hq, hkv, d, s, slot, qk_norm, rope, clip, splits,
-                                                seed=b * hq + d + splits)
-    assert out.shape == (b, hq, d) and out.dtype == dtype
-    # q and k round to the dtype at each step of norm and rotation, as the torch modules do.
-    assert rel(out, ref) < (3 * TOL[dtype] if dtype != torch.float32 else 1e-5)
-    assert rel(kc[:, :, slot], kr[:, :, slot]) < 3 * TOL[dtype] and rel(vc[:, :, slot], vr[:, :, slot]) < TOL[dtype]
-    others = [i for i in range(s) if i != slot]  # the append touches the one slot only
-    assert torch.equal(kc[:, :, others], kc0[:, :, others]) and torch.equal(vc[:, :, others], vc0[:, :, others])
-
-
-@pytest.mark.parametrize("device,dtype", BACKENDS)
-@pytest.mark.parametrize("s,slot,splits,window", [(8, 0, 4, None), (96, 95, 8, None), (300, 70, 16, None),
-                                                  (64, 50, 2, 7), (33, 17, None, None), (300, 250, 2, None)])
-def test_qkv_attention_context_lengths(device, dtype, s, slot, splits, window):
-    """The first token (only its own key), a full cache, a short context in a long cache
-    spread over many splits (most see no key), a sliding window, the default split count;
-    in all of these the P blocks of keys cover the cache, so each split loads its one block
-    before its wait. The last case has a cache longer than that: each split walks several
-    blocks after its wait."""
-    out, ref, _ = _run(device, dtype, 2, 8, 2, 16, s, slot, "head", True, None, splits, seed=s + slot, window=window)
-    assert rel(out, ref) < (3 * TOL[dtype] if dtype != torch.float32 else 1e-5)
-
-
-@pytest.mark.parametrize("device,dtype", BACKENDS)
-def test_qkv_attention_repeated_calls_and_steps(device, dtype):
-    """Consecutive decode steps (slot 10, 11, 12) through the same cache, several splits:
-    each step's counters are left at zero for the next, and each step sees the keys the
-    steps before it appended."""
-    b, hq, hkv, d, s = 2, 4, 2, 16, 24
-    gen = torch.Generator().manual_seed(3)
-    kc = torch.randn(b, hkv, s, d, generator=gen).to(device, dtype)
-    vc = torch.randn(b, hkv, s, d, generator=gen).to(device, dtype)
-    kr, vr = kc.double(), vc.double()
-    for slot in (10, 11, 12):
-        qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen).to(device, dtype)
-        bias = _mask(b, s, slot, dtype, device, gen)
-        ref = qkv_attention_ref(qkv.double(), hq, hkv, d, kr, vr, torch.tensor(slot, device=device), bias.double())
-        out = qkv_attention_triton(qkv, hq, hkv, d, kc, vc, torch.tensor(slot, device=device), bias, splits=4)
-        assert rel(out, ref) < (2 * TOL[dtype] if dtype != torch.float32 else 1e-5)
-
-
-def test_qkv_attention_rejects_bad_input():
-    kc = torch.zeros(1, 2, 8, 16)
-    qkv, bias, slot = torch.randn(1, 128), torch.zeros(1, 1, 1, 8), torch.tensor(3)
-    with pytest.raises(ValueError, match=r"qkv \[1, 2, 128\]: one token per row"):
-        qkv_attention_triton(qkv.view(1, 2, 64).repeat(1, 1, 2), 4, 2, 16, kc, kc.clone(), slot, bias)
-    with pytest.raises(ValueError, match=r"slot: expected a one-element device tensor"):
-        qkv_attention_triton(qkv, 4, 2, 16, kc, kc.clone(), 3, bias)
-    with pytest.raises(ValueError, match=r"bias \[1, 1, 1, 9\]"):
-        qkv_attention_triton(qkv, 4, 2, 16, kc, kc.clone(), slot, torch.zeros(1, 1, 1, 9))
-    with pytest.raises(ValueError, match=r"head_dim 8: expected at least 16"):
-        qkv_attention_triton(torch.randn(1, 64), 4, 2, 8, kc[..., :8], kc[..., :8].clone(), slot, bias)
-    with pytest.raises(ValueError, match=r"splits=3: expected a power of two"):
-        qkv_attention_triton(qkv, 4, 2, 16, kc, kc.clone(), slot, bias, splits=3)
-    with pytest.raises(ValueError, match=r"qk_norm='layer'"):
-        qkv_attention_triton(qkv, 4, 2, 16, kc, kc.clone(), slot, bias, qk_norm="layer")
-
-
-def _paged_run(device, dtype, hq, hkv, s, lens, qk_norm, rope, clip, splits, seed, window=None, bool_mask=False):
+def _paged_run(device, dtype, hq, hkv, s, lens, qk_norm, rope, clip, splits, seed, window=None, bool_mask=False,
+               d=16):
     """The one-launch attention over a paged pool (``_paged_pool``: rows of ``lens`` keys,
     the new one each row's last; a row of 0 is a padding row, as PagedDecodeStep pads: it
     writes the trash row and sees only its own key) and its float64 reference -> (out, ref,
     (k, v pools after the step, the reference's, the pools before it, the write rows)).
     ``bool_mask``: the mask as a bool one, not additive."""
-    b, d = len(lens), 16
+    b = len(lens)
     gen = torch.Generator().manual_seed(seed)
-    qkv, _, _, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, 1, qk_norm, rope, seed)
+    qkv, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, rope, seed)
     lens = torch.tensor(lens)
     read, kp, vp = _paged_pool(device, dtype, hkv, d, s, 8, lens, gen)
     last = (lens - 1).clamp(min=0)  # each row's new key: its position
@@ -528,6 +387,80 @@ def test_qkv_attention_paged_context_lengths(device, dtype, s, lens, splits, win
     assert not out.isnan().any() and rel(out, ref) < (3 * TOL[dtype] if dtype != torch.float32 else 1e-5)
 
 
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("b,hq,hkv,d", [(1, 4, 4, 16), (2, 6, 2, 32), (2, 8, 2, 16), (3, 4, 1, 16)])
+@pytest.mark.parametrize("qk_norm,rope,clip", [(None, True, None), ("head", True, 1.5), ("full", False, None),
+                                               ("full", True, None)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_qkv_attention_matches_reference(device, dtype, b, hq, hkv, d, qk_norm, rope, clip, splits):
+    """Batch 1 to 3, GQA 1, 3 (padded to 4), 4 and MQA, head dims 16 and 32, each q/k norm
+    with and without rotary, one split or several: the output and the new k, v against the
+    float64 reference, no other pool row touched."""
+    out, ref, (kp, vp, kr, vr, kp0, vp0, write) = _paged_run(device, dtype, hq, hkv, 40, [30, 40, 17][:b], qk_norm,
+                                                             rope, clip, splits, seed=b * hq + d + splits, d=d)
+    assert out.shape == (b, hq, d) and out.dtype == dtype
+    # q and k round to the dtype at each step of norm and rotation, as the torch modules do.
+    assert rel(out, ref) < (3 * TOL[dtype] if dtype != torch.float32 else 1e-5)
+    assert rel(kp[write], kr[write]) < 3 * TOL[dtype] and rel(vp[write], vr[write]) < TOL[dtype]
+    others = torch.ones(kp.shape[0], dtype=torch.bool, device=kp.device).index_fill_(0, write, False)
+    assert torch.equal(kp[others].nan_to_num(), kp0[others].nan_to_num())
+    assert torch.equal(vp[others].nan_to_num(), vp0[others].nan_to_num())
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("s,slot,splits,window", [(8, 0, 4, None), (96, 95, 8, None), (300, 70, 16, None),
+                                                  (64, 50, 2, 7), (33, 17, None, None), (300, 250, 2, None)])
+def test_qkv_attention_context_lengths(device, dtype, s, slot, splits, window):
+    """A row whose new key is at index ``slot`` of S key slots, beside one half as deep: the
+    first token (only its own key), a row that fills S, a short row spread over many splits
+    (most see no key), a sliding window, the default split count; in all of these the P
+    blocks of keys cover S, so each split loads its one block before its wait. The last case
+    has more key slots than that: each split walks several blocks after its wait."""
+    out, ref, _ = _paged_run(device, dtype, 8, 2, s, [slot + 1, slot // 2 + 1], "head", True, None, splits,
+                             seed=s + slot, window=window)
+    assert rel(out, ref) < (3 * TOL[dtype] if dtype != torch.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+def test_qkv_attention_repeated_calls_and_steps(device, dtype):
+    """Consecutive decode steps through the same pool (rows at positions 10 and 6, then 11
+    and 7, then 12 and 8), several splits: each step's counters are left at zero for the
+    next, and each step sees the keys the steps before it wrote."""
+    b, hq, hkv, d, s = 2, 4, 2, 16, 24
+    gen = torch.Generator().manual_seed(3)
+    read, kp, vp = _paged_pool(device, dtype, hkv, d, s, 8, torch.tensor([s, s]), gen)  # every key slot held
+    kr, vr = kp.double(), vp.double()
+    keys = torch.arange(s)
+    for step in (10, 11, 12):
+        pos = torch.tensor([step, step - 4])
+        qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=gen).to(device, dtype)
+        bias = torch.zeros(b, 1, 1, s).masked_fill_(~(keys[None, :] <= pos[:, None])[:, None, None],
+                                                    float("-inf")).to(device, dtype)
+        pos = pos.to(device)
+        write = read.gather(1, pos[:, None])[:, 0]
+        ref = qkv_attention_ref(qkv.double(), hq, hkv, d, kr, vr, write, bias.double(), read_slots=read,
+                                positions=pos)
+        out = qkv_attention_triton(qkv, hq, hkv, d, kp, vp, write, bias, splits=4, read_slots=read, positions=pos)
+        assert rel(out, ref) < (2 * TOL[dtype] if dtype != torch.float32 else 1e-5)
+
+
+def test_qkv_attention_rejects_bad_input():
+    kp = torch.zeros(9, 2, 16)
+    qkv, bias, slot = torch.randn(1, 128), torch.zeros(1, 1, 1, 8), torch.tensor([3])
+    pool = dict(read_slots=torch.arange(8)[None], positions=torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"qkv \[1, 2, 128\]: one token per row"):
+        qkv_attention_triton(qkv.view(1, 2, 64).repeat(1, 1, 2), 4, 2, 16, kp, kp.clone(), torch.tensor([[3, 4]]),
+                             bias, **pool)
+    with pytest.raises(ValueError, match=r"bias \[1, 1, 1, 9\]"):
+        qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, torch.zeros(1, 1, 1, 9), **pool)
+    with pytest.raises(ValueError, match=r"head_dim 8: expected at least 16"):
+        qkv_attention_triton(torch.randn(1, 64), 4, 2, 8, kp[..., :8], kp[..., :8].clone(), slot, bias, **pool)
+    with pytest.raises(ValueError, match=r"splits=3: expected a power of two"):
+        qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, bias, splits=3, **pool)
+    with pytest.raises(ValueError, match=r"qk_norm='layer'"):
+        qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, bias, qk_norm="layer", **pool)
+
+
 def test_default_splits_fill_the_gpu_and_bound_each_split():
     assert default_splits(1, 16, 192, 32, 132) == 8  # OLMoE batch 1, short cache: 128 programs, 24 keys each
     assert default_splits(1, 4, 192, 8, 132) == 32  # Qwen3 batch 1
@@ -550,12 +483,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.attention.qkv_attention_triton import _qkv_attention_kernel as kernel
 
-g, splits, qk_norm, pdl, pre_kv, paged = (int(v) for v in sys.argv[1:])
+g, splits, qk_norm, pdl, pre_kv, bool_mask = (int(v) for v in sys.argv[1:])
 hkv, d = 4, 128
 const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_P=g, G_M=max(16, g), D=d, QK_NORM=qk_norm, CLIP=False,
              ROPE=True, BLOCK_S=64, P=splits, P_CHUNK=min(splits, 4), PRE_KV=bool(pre_kv), UPCAST=False,
-             PAGED=bool(paged), ADDITIVE=paged != 2, PDL=pdl)
-types = {"slot_ptr": "*i64", "read_ptr": "*i64", "pos_ptr": "*i64", "bias_ptr": "*bf16" if paged != 2 else "*i8",
+             ADDITIVE=not bool_mask, PDL=pdl)
+types = {"slot_ptr": "*i64", "read_ptr": "*i64", "pos_ptr": "*i64", "bias_ptr": "*i8" if bool_mask else "*bf16",
          "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32", "clip": "fp32",
          "scale": "fp32"}
 assert {p.name for p in kernel.params if p.is_constexpr} == set(const)  # none compiled as a pointer
@@ -566,11 +499,10 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv,paged", [(1, 16, 2, 2, 1, 0), (8, 1, 1, 2, 0, 0),
-                                                               (4, 4, 0, 0, 1, 0), (1, 16, 2, 2, 1, 1),
-                                                               (8, 4, 1, 2, 0, 2)])
-def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv, paged):
-    """The whole Triton compile for sm_90 (tests.hopper), over a cache and over a paged pool
-    (``paged`` 2: with a bool mask, read as bytes)."""
-    out = compile_in_subprocess(_COMPILE_QKV_ATTENTION, g, splits, qk_norm, pdl, pre_kv, paged)
+@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv,bool_mask", [(1, 16, 2, 2, 1, 0), (8, 1, 1, 2, 0, 0),
+                                                                   (4, 4, 0, 0, 1, 0), (8, 4, 1, 2, 0, 1)])
+def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv, bool_mask):
+    """The whole Triton compile for sm_90 (tests.hopper), over a paged pool, with an
+    additive mask or a bool one (read as bytes)."""
+    out = compile_in_subprocess(_COMPILE_QKV_ATTENTION, g, splits, qk_norm, pdl, pre_kv, bool_mask)
     assert int(out.split()[-1]) > 0
