@@ -304,13 +304,13 @@ class Engine:
         def run(group):
             logits = runner.forward([Row(rows[i], 0, tables[i]) for i in group])
             for j, i in enumerate(group):
-                out[i] = logits[j]
+                out[i] = logits[j].clone()  # a captured step's output is rewritten by its next replay
 
         for i, r in enumerate(rows):
             if len(r) > budget:  # alone, in pieces
                 for a in range(0, len(r), budget):
                     logits = runner.forward([Row(r[a:a + budget], a, tables[i])])
-                out[i] = logits[0]
+                out[i] = logits[0].clone()
                 continue
             if group and (len(group) + 1) * max(len(r), *(len(rows[j]) for j in group)) > budget:
                 run(group)

@@ -85,7 +85,9 @@ class PagedDecodeStep:
         return logits, draw(logits, self.ints, self.floats, ids) if sampling else ids
 
     def run(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (float32 logits [len(rows), V], ids [len(rows)]: each row's draw, greedy or sampled)."""
+        """-> (float32 logits [len(rows), V], ids [len(rows)]: each row's draw, greedy or sampled).
+        With a graph they are views of its output buffers, which its next replay rewrites:
+        a caller that keeps them past another step copies them."""
         h, hi, hf = (t.numpy() for t in self.host)  # the pinned buffers themselves
         h.fill(0)
         for i, r in enumerate(rows):

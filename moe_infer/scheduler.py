@@ -231,7 +231,8 @@ class Scheduler:
             for r, n in chunks:
                 r.cached += n
             done = [i for i, (r, _) in enumerate(chunks) if r.cached == len(r.prompt)]
-            if done:
+            if done:  # indexing copies: a one-token chunk may have run as a captured step, whose
+                # outputs the decode step below rewrites if it replays the same one
                 groups.append(([chunks[i][0] for i in done], logits[done], ids[done]))
         # Every request with a sampled token to feed, delivered or not; never past max_tokens.
         decoding = [r for r in self.running if r.finish is None and not r.cancelled and 0 < r.sampled < r.max_tokens]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moe_infer
-from moe_infer.runner import PagedRunner, Row
+from moe_infer.runner import PagedDecodeStep, PagedRunner, Row
 from moe_infer.scheduler import Request, Scheduler
 from moe_infer.sampling import SamplingParams
 
@@ -78,6 +78,34 @@ def test_scheduler_through_the_fixed_shape_step_matches_generate():
     for r, p in zip(reqs, prompts):
         assert r.generated == engine.generate([p], max_new_tokens=12)[0].token_ids[:len(r.generated)]
         assert r.finish in ("stop", "length")
+
+
+def test_a_one_token_prompt_joining_a_decode_step_of_the_same_bucket(monkeypatch):
+    """A captured step returns its output buffers, which its next replay rewrites. Stand-in
+    on the CPU: the fixed-shape step writes into buffers of its own. A one-token prompt's
+    prefill and one decoding row run the same (1 row) step in one scheduler step: each
+    request still gets generate()'s tokens."""
+    real = PagedDecodeStep._step
+
+    def step(self, sampling):
+        out = real(self, sampling)
+        if not hasattr(self, "buffers"):
+            self.buffers = tuple(torch.empty_like(t) for t in out)
+        for buf, t in zip(self.buffers, out):
+            buf.copy_(t)
+        return self.buffers
+
+    monkeypatch.setattr(PagedDecodeStep, "_step", step)
+    engine = moe_infer.load("tiny-moe", device="cpu", progress=False)
+    scheduler = Scheduler(engine, num_blocks=32, block_size=8, max_batch=2)
+    scheduler.runner.static = True
+    # A ends first; C (one token) then prefills beside B's decode step, both 1-row steps.
+    work = [([5, 9, 2, 7, 3], 3), ([11], 10), ([42], 6)]
+    reqs = [Request(p, SamplingParams(), n, lambda *a: None) for p, n in work]
+    _serve_all(scheduler, reqs)
+    for r, (p, n) in zip(reqs, work):
+        assert r.generated == engine.generate([p], max_new_tokens=n)[0].token_ids[:len(r.generated)]
+    assert len(reqs[2].generated) > 1
 
 
 def test_prefill_warm_up_leaves_the_cache_as_requests_need_it():
