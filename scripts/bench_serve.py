@@ -172,9 +172,10 @@ def main():
     engine.config.engine.max_seq_len = max(max_len, 64)
 
     # Offline: the same requests through generate(), max_batch at a time.
-    # Warm-ups compile every kernel variant the runs meet (Triton specialises on sizes):
-    # the offline prefill widths and decode batch here, the server's row counts below.
-    engine.generate(prompts, max_new_tokens=2)
+    # Warm-ups compile every kernel variant the runs meet (Triton specialises on sizes) and
+    # size generate()'s KV cache and capture its decode steps: the same call here, the
+    # server's row counts below.
+    engine.generate(prompts, max_new_tokens=args.max_tokens)
     bc.synchronize(engine.device)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, max_new_tokens=args.max_tokens)
