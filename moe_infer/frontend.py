@@ -4,8 +4,7 @@
 The app (``server.app_for``) reaches the engine through an ``EngineClient``: submit a
 request's choices, cancel them, keep the gauges current. ``InProcessEngine`` is the
 scheduler's thread in the app's own process (``server.create_app``). ``RemoteEngine`` is a
-pipe to the engine's process: with ``server.api_process`` (what ``serve`` does by
-default) the process that owns the model keeps only the scheduler's thread and a bridge
+pipe to the engine's process: with ``server.api_process`` the process that owns the model keeps only the scheduler's thread and a bridge
 (``EngineHost``), and a spawned child runs uvicorn: body checks, parsing, tokenization,
 chat templates, SSE and JSON answers. The engine thread then shares its interpreter lock
 with no HTTP work, only with the bridge, which pickles a step's events into one message.

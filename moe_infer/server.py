@@ -8,9 +8,11 @@ Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "co
 with a 4xx / 5xx status; the server keeps serving, over the same connection. Which
 request fields are implemented, accepted or refused: ``moe_infer.protocol``.
 
-``serve`` runs the HTTP front end in a process of its own (``server.api_process``, on by
-default; ``moe_infer.frontend``): the process that owns the model runs only the engine
-thread and a bridge to it, so HTTP work never holds the engine's interpreter lock.
+With ``server.api_process`` ``serve`` runs the HTTP front end in a process of its own
+(``moe_infer.frontend``): the process that owns the model runs only the engine thread and
+a bridge to it, so HTTP work never holds the engine's interpreter lock. It is off by
+default: with the bridge's per-step messages the split measured slower than one process
+(docs/performance.md, serving).
 ``create_app`` builds the app over the engine thread in its own process. On several ranks
 (started under mpirun) rank 0 runs the engine and broadcasts each step to the others.
 """
@@ -52,9 +54,9 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1
     default_max_tokens: int = 16
-    # serve(): HTTP in a process of its own, so its work never holds the engine's interpreter
-    # lock; false: uvicorn's event loop beside the engine thread, in one process.
-    api_process: bool = True
+    # serve(): true runs HTTP in a process of its own, so its work never holds the engine's
+    # interpreter lock; false: uvicorn's event loop beside the engine thread, in one process.
+    api_process: bool = False
 
     def __post_init__(self):
         for name in ("port", "block_size", "max_queue", "max_body_bytes", "retry_after_s", "default_max_tokens",

@@ -6,9 +6,9 @@ request rate, beside the offline ``generate()`` throughput of the same requests.
     python scripts/bench_serve.py --model qwen3-30b-a3b --requests 64 --rates 2,8,inf
     python scripts/bench_serve.py --smoke                 # tiny-moe on the CPU, end to end
 
-The server runs as ``moe-infer serve`` runs it: the engine thread in this process, uvicorn
-on a loopback port in a process of its own (``--api-in-process``: uvicorn's event loop in
-this process, beside the engine thread); the clients run in a process of their own, as a
+The server runs as ``moe-infer serve`` runs it: the engine thread and uvicorn's event loop
+(on a loopback port) in this process (``--api-process``: uvicorn in a process of its own,
+``server.api_process``); the clients run in a process of their own, as a
 user's clients would, and stream /v1/completions with token-id prompts, arriving as a Poisson
 process at each rate (inf: all at once). Every request asks for exactly ``--max-tokens`` tokens
 (``ignore_eos`` is not an OpenAI field, so random-weight models may stop early at EOS;
@@ -155,8 +155,8 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=ServerConfig.prefill_chunk,
                     help="prompt tokens prefilled per server step (server.prefill_chunk)")
-    ap.add_argument("--api-in-process", action="store_true",
-                    help="uvicorn in this process, beside the engine thread (server.api_process: false)")
+    ap.add_argument("--api-process", action="store_true",
+                    help="uvicorn in a process of its own (server.api_process: true)")
     ap.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, few requests")
     args = ap.parse_args()
     if args.smoke:
@@ -186,7 +186,7 @@ def main():
 
     blocks = args.max_batch * -(-max_len // args.block_size)
     cfg = ServerConfig(port=0, block_size=args.block_size, num_blocks=blocks, prefill_chunk=args.prefill_chunk,
-                       max_queue=args.requests + 8, api_process=not args.api_in_process)
+                       max_queue=args.requests + 8, api_process=args.api_process)
     stop, url = start_server(engine, cfg)
     clients(url, prompts, args.max_tokens, float("inf"), 0)  # warm-up: the whole workload
     rows = []
@@ -213,7 +213,7 @@ def main():
     print(f"model {args.model}: H={m.hidden_size} layers={m.num_layers} vocab={m.vocab_size}, random weights | "
           f"{args.requests} requests, prompts {lo}-{hi} tokens, {args.max_tokens} new tokens each, "
           f"max batch {args.max_batch}, KV blocks {blocks} x {args.block_size}, prefill chunk {args.prefill_chunk}, "
-          f"HTTP {'in this process' if args.api_in_process else 'in a process of its own'}")
+          f"HTTP {'in a process of its own' if args.api_process else 'in this process'}")
     print(f"offline generate(): {offline_tokens} tokens in {offline_s:.2f} s = {offline_tokens / offline_s:.1f} "
           "tokens/s (same prompts, batches of max batch, no server)")
     print(f"references through generate(): decode step at batch {args.max_batch} {1e3 * step_s:.2f} ms, "

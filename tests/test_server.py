@@ -305,7 +305,7 @@ def test_two_ranks_serve(tmp_path, engine, layout):
         port = s.getsockname()[1]
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"model: default\nparallel: {layout}\nengine: {{max_batch_size: 4}}\n"
-                   f"server: {{port: {port}, model_name: default, block_size: 8}}\n")
+                   f"server: {{port: {port}, model_name: default, block_size: 8, api_process: true}}\n")
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(["bash", str(root / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-m",

@@ -261,8 +261,10 @@ def test_sigterm_stops_both_processes(tmp_path, engine):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen([sys.executable, "-m", "moe_infer", "serve", "--port", str(port), "--model-name",
-                             "default"], env=dict(os.environ, PYTHONPATH=str(root)), cwd=root,
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: default\nserver: {{api_process: true, port: {port}, model_name: default}}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "moe_infer", "serve", "--config", str(cfg)],
+                            env=dict(os.environ, PYTHONPATH=str(root)), cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
