@@ -57,3 +57,23 @@ def pytest_runtest_makereport(item, call):
 
         time.sleep(0.5)  # let the launcher forward the message
         MPI.COMM_WORLD.Abort(1)
+
+
+@pytest.fixture
+def graph_outputs(monkeypatch):
+    """On the CPU, the runner's fixed-shape step returns buffers of its own that its next
+    run rewrites, as a captured CUDA graph's replays do (its eager run returns fresh
+    tensors): callers that keep a step's outputs past the next one must copy them."""
+    from moe_infer.runner import PagedDecodeStep
+
+    real = PagedDecodeStep._step
+
+    def step(self, sampling):
+        out = real(self, sampling)
+        if not hasattr(self, "buffers"):
+            self.buffers = tuple(torch.empty_like(t) for t in out)
+        for buf, t in zip(self.buffers, out):
+            buf.copy_(t)
+        return self.buffers
+
+    monkeypatch.setattr(PagedDecodeStep, "_step", step)

@@ -187,27 +187,13 @@ def test_prefill_in_pieces_gives_the_tokens_of_one_forward(data, budget):
         assert [o.token_ids for o in parts.generate(prompts, max_new_tokens=6)] == want
 
 
-def test_a_captured_steps_outputs_are_copied_before_its_next_replay(monkeypatch):
-    """A captured step returns its output buffers, which its next replay rewrites. Stand-in
-    on the CPU: the fixed-shape step writes into buffers of its own. A prompt whose last
-    prefill piece is one token, then a one-token prompt through the same step, still each
-    get their own first token."""
-    from moe_infer.runner import PagedDecodeStep
-
-    real = PagedDecodeStep._step
-
-    def step(self, sampling):
-        out = real(self, sampling)
-        if not hasattr(self, "buffers"):
-            self.buffers = tuple(torch.empty_like(t) for t in out)
-        for buf, t in zip(self.buffers, out):
-            buf.copy_(t)
-        return self.buffers
-
+def test_a_captured_steps_outputs_are_copied_before_its_next_replay(graph_outputs):
+    """A captured step returns its output buffers, which its next replay rewrites (the
+    ``graph_outputs`` stand-in on the CPU). A prompt whose last prefill piece is one token,
+    then a one-token prompt through the same step, still each get their own first token."""
     prompts = [[7, 1, 8, 2, 8, 1, 8, 2, 8], [4]]
     engine = engine_for(LLAMA_MOE)
-    want = [o.token_ids for o in engine.generate(prompts, max_new_tokens=3)]
-    monkeypatch.setattr(PagedDecodeStep, "_step", step)
+    want = [o.token_ids for o in engine.generate(prompts, max_new_tokens=3)]  # eager: no fixed-shape step
     engine.decode_mode = "static"
     engine.config.engine.prefill_tokens = 4  # row 0 in pieces of 4, 4 and 1; row 1 after it
     assert [o.token_ids for o in engine.generate(prompts, max_new_tokens=3)] == want

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moe_infer
-from moe_infer.runner import PagedDecodeStep, PagedRunner, Row
+from moe_infer.runner import PagedRunner, Row
 from moe_infer.scheduler import Request, Scheduler
 from moe_infer.sampling import SamplingParams
 
@@ -80,22 +80,11 @@ def test_scheduler_through_the_fixed_shape_step_matches_generate():
         assert r.finish in ("stop", "length")
 
 
-def test_a_one_token_prompt_joining_a_decode_step_of_the_same_bucket(monkeypatch):
-    """A captured step returns its output buffers, which its next replay rewrites. Stand-in
-    on the CPU: the fixed-shape step writes into buffers of its own. A one-token prompt's
-    prefill and one decoding row run the same (1 row) step in one scheduler step: each
-    request still gets generate()'s tokens."""
-    real = PagedDecodeStep._step
-
-    def step(self, sampling):
-        out = real(self, sampling)
-        if not hasattr(self, "buffers"):
-            self.buffers = tuple(torch.empty_like(t) for t in out)
-        for buf, t in zip(self.buffers, out):
-            buf.copy_(t)
-        return self.buffers
-
-    monkeypatch.setattr(PagedDecodeStep, "_step", step)
+def test_a_one_token_prompt_joining_a_decode_step_of_the_same_bucket(graph_outputs):
+    """A captured step returns its output buffers, which its next replay rewrites (the
+    ``graph_outputs`` stand-in on the CPU). A one-token prompt's prefill and one decoding
+    row run the same (1 row) step in one scheduler step: each request still gets
+    generate()'s tokens."""
     engine = moe_infer.load("tiny-moe", device="cpu", progress=False)
     scheduler = Scheduler(engine, num_blocks=32, block_size=8, max_batch=2)
     scheduler.runner.static = True

@@ -266,6 +266,20 @@ def test_serve_config_errors(tmp_path):
     assert spec.server.port == 9002 and spec.engine == {"max_batch_size": 4} and spec.model == "default"
 
 
+def wait_healthy(proc, url: str, timeout_s: float = 90):
+    """Waits until the server process ``proc`` answers /health with 200 (it must not exit)."""
+    deadline = time.time() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, f"the server at {url} did not come up"
+        time.sleep(0.2)
+
+
 def front_ends(root: int) -> list[int]:
     """The spawned HTTP front-end processes among the descendants of process ``root``."""
     from pathlib import Path
@@ -313,16 +327,7 @@ def test_two_ranks_serve(tmp_path, engine, layout):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "the 2-rank server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, url)
         prompts = ["Shall I compare thee", "When in disgrace with fortune", "Let me"]
         outs = [httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0},
                            timeout=60).json()["choices"][0]["text"] for p in prompts]

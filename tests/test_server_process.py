@@ -21,7 +21,7 @@ from moe_infer.frontend import EngineHost
 from moe_infer.server import ServerConfig, build_scheduler, create_app
 
 pytest.importorskip("uvicorn")
-from test_server import LiveServer, alone, front_ends  # noqa: E402
+from test_server import LiveServer, alone, front_ends, wait_healthy  # noqa: E402
 
 CFG = dict(block_size=8, num_blocks=32, model_name="default", retry_after_s=3)  # 256 tokens of KV cache
 PROMPT = "Shall I compare thee to a summer's day?"
@@ -268,16 +268,7 @@ def test_sigterm_stops_both_processes(tmp_path, engine):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, url)
         out = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0},
                          timeout=60).json()
         assert out["choices"][0]["text"] == alone(engine, PROMPT, 8).text
