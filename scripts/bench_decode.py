@@ -134,7 +134,7 @@ PARTS = [
     ("MoE experts", ("_grouped_gemm_kernel", "_gather_kernel", "_scatter_kernel", "moe_up", "moe_down")),
     ("norms", ("_rms_norm_kernel", "layer_norm", "LayerNorm")),
     ("qkv epilogue", ("_qkv_decode_kernel",)),
-    ("attention", ("fmha", "flash", "attention", "_split_kernel", "_combine_kernel", "softmax")),
+    ("attention", ("fmha", "flash", "attention", "_paged_split_kernel", "_combine_kernel", "softmax")),
     ("dense GEMM", ("gemm", "nvjet", "sm90", "cutlass", "_sbi_kernel", "_reduce_kernel", "gemv", "splitK")),
 ]
 

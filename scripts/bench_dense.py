@@ -9,9 +9,10 @@
    and percent of the copy bandwidth measured at the start. Beside them, a device copy
    that moves the same bytes (half read, half written), timed the same way: the share of
    the copy bandwidth a kernel of this size reaches at all;
-2. decode attention (one query token per row over a KV cache): ``kernels.decode_attention``
-   against SDPA over the whole cache with a mask (what the fixed-shape decode step runs
-   now) and SDPA over exactly the visible prefix; KV GB/s.
+2. decode attention (one query token per row over a paged KV cache):
+   ``kernels.paged_decode_attention`` reading the pool in place, against SDPA over the
+   row's keys gathered into a copy under a mask, and SDPA over exactly the visible prefix
+   of a contiguous cache; KV GB/s.
 
 Inputs rotate among several copies so a small case is not served from L2.
 
@@ -157,30 +158,39 @@ def gemm_rows(models, tokens, device, dtype, copies, copy_gbs):
     return rows
 
 
-def attention_rows(cases, device, dtype, copies, copy_gbs):
+def attention_rows(cases, device, dtype, copies, copy_gbs, block: int = 16):
     rows, time = [], timer(device, copies)
     for b, hq, hkv, s, d in cases:
         inputs = []
         for _ in range(copies):
             q = torch.randn(b, hq, d, device=device, dtype=dtype)
-            k = torch.randn(b, hkv, s, d, device=device, dtype=dtype)
-            v = torch.randn(b, hkv, s, d, device=device, dtype=dtype)
+            blocks = -(-s // block)
+            k_pool = torch.randn(b * blocks * block, hkv, d, device=device, dtype=dtype)
+            v_pool = torch.randn_like(k_pool)
+            order = torch.randperm(b * blocks, device=device).view(b, blocks)  # each row's block table
+            pos = torch.arange(s, device=device)
+            slots = (order[:, pos // block] * block + pos % block).contiguous()  # [B, S]
             visible = torch.ones(b, s, dtype=torch.bool, device=device)
-            visible[:, s * 3 // 4:] = False  # the decode step's cache holds a quarter spare
-            inputs.append((q, k, v, visible))
+            visible[:, s * 3 // 4:] = False  # the decode step's key bucket holds a quarter spare
+            inputs.append((q, k_pool, v_pool, slots, visible))
         live = s * 3 // 4
-        ours = time(lambda q, k, v, m: kernels.decode_attention(q, k, v, m), inputs)
-        masked = time(lambda q, k, v, m: F.scaled_dot_product_attention(
-            q[:, :, None], k, v, attn_mask=m[:, None, None, :], enable_gqa=hq != hkv), inputs)
-        prefix = time(lambda q, k, v, m: F.scaled_dot_product_attention(
-            q[:, :, None], k[:, :, :live], v[:, :, :live], enable_gqa=hq != hkv), inputs)
-        q, k, v, m = inputs[0]
-        ref = F.scaled_dot_product_attention(q[:, :, None].double(), k.double(), v.double(),
-                                             attn_mask=m[:, None, None, :], enable_gqa=hq != hkv)[:, :, 0]
-        err = ((kernels.decode_attention(q, k, v, m).double() - ref).norm() / ref.norm()).item()
-        kv_bytes = 2 * b * hkv * live * d * k.element_size()
+        ours = time(lambda q, k, v, sl, m: kernels.paged_decode_attention(q, k, v, sl, m), inputs)
+        gathered = time(lambda q, k, v, sl, m: F.scaled_dot_product_attention(
+            q[:, :, None], k[sl].transpose(1, 2), v[sl].transpose(1, 2), attn_mask=m[:, None, None, :],
+            enable_gqa=hq != hkv), inputs)
+        dense = [(q, k[sl].transpose(1, 2).contiguous(), v[sl].transpose(1, 2).contiguous())
+                 for q, k, v, sl, _ in inputs]
+        prefix = time(lambda q, k, v: F.scaled_dot_product_attention(
+            q[:, :, None], k[:, :, :live], v[:, :, :live], enable_gqa=hq != hkv), dense)
+        q, k, v, sl, m = inputs[0]
+        kd, vd = dense[0][1].double(), dense[0][2].double()
+        ref = F.scaled_dot_product_attention(q[:, :, None].double(), kd, vd, attn_mask=m[:, None, None, :],
+                                             enable_gqa=hq != hkv)[:, :, 0]
+        err = ((kernels.paged_decode_attention(q, k, v, sl, m).double() - ref).norm() / ref.norm()).item()
+        kv_bytes = 2 * b * hkv * live * d * q.element_size()
         row = {"B": b, "Hq": hq, "Hkv": hkv, "S": s, "visible": live, "D": d, "ours_us": ours,
-               "sdpa_masked_us": masked, "sdpa_prefix_us": prefix, "rel_err": err, "ours_gbs": kv_bytes / ours / 1e3}
+               "sdpa_gathered_us": gathered, "sdpa_prefix_us": prefix, "rel_err": err,
+               "ours_gbs": kv_bytes / ours / 1e3}
         if copy_gbs:
             row["ours_pct"] = 100 * row["ours_gbs"] / copy_gbs
         rows.append(row)
@@ -231,9 +241,10 @@ def main():
          for r in gemm]))
     print()
     print(bc.format_table(
-        ["B", "Hq/Hkv", "S (visible)", "D", "ours µs", "SDPA masked µs", "SDPA prefix µs", "KV GB/s", "%copy", "err"],
+        ["B", "Hq/Hkv", "S (visible)", "D", "ours µs", "SDPA gathered µs", "SDPA prefix µs", "KV GB/s", "%copy",
+         "err"],
         [[r["B"], f"{r['Hq']}/{r['Hkv']}", f"{r['S']} ({r['visible']})", r["D"], f"{r['ours_us']:.1f}",
-          f"{r['sdpa_masked_us']:.1f}", f"{r['sdpa_prefix_us']:.1f}", f"{r['ours_gbs']:.0f}",
+          f"{r['sdpa_gathered_us']:.1f}", f"{r['sdpa_prefix_us']:.1f}", f"{r['ours_gbs']:.0f}",
           pct(r, "ours_pct"), f"{r['rel_err']:.1e}"] for r in attn]))
     if not args.smoke:
         bc.write_results("dense", device, {"run": run, "copy_gbs": copy_gbs, "gemm": gemm, "attention": attn})

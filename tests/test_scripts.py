@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SMOKES = {
     "bench_moe": (["--smoke", "--no-json"], "routing-graph"),
-    "bench_dense": (["--device", "cpu", "--smoke"], "SDPA masked"),
+    "bench_dense": (["--device", "cpu", "--smoke"], "SDPA gathered"),
     "bench_decode": (["--device", "cpu", "--smoke"], "floor MB"),
     "bench_serve": (["--smoke"], "TTFT p50"),
 }

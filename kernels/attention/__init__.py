@@ -1,5 +1,5 @@
-"""Attention on the decode path: one query token per row over a KV cache (contiguous or
-paged), and over a paged pool the QKV epilogue after the QKV GEMM (q / k norms, clip,
+"""Attention on the decode path: one query token per row over a paged KV cache, and the
+QKV epilogue after the QKV GEMM (q / k norms, clip,
 rotary, the KV-cache append) and a decode step's epilogue and attention in one launch.
 
 Shape letters: B rows, T tokens per row, Hq / Hkv query / KV heads, D head dim, S key
@@ -16,23 +16,15 @@ of that name from the function to the module.
 """
 from __future__ import annotations
 
-from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, qkv_attention_ref,
-                                         qkv_decode_ref, qkv_decode_supported)
-
-
-def decode_attention(q, k, v, visible, scale=None):
-    """One query token per row over a KV cache: q [B, Hq, D], k / v [B, Hkv, S, D], visible
-    [B, S] bool -> [B, Hq, D] (split over the keys on a GPU, GQA-aware)."""
-    if q.is_cuda:
-        from kernels.attention.decode import decode_attention_triton
-        return decode_attention_triton(q, k, v, visible, scale)
-    return decode_attention_ref(q, k, v, visible, scale)
+from kernels.attention.reference import (paged_decode_attention_ref, qkv_attention_ref, qkv_decode_ref,
+                                         qkv_decode_supported)
 
 
 def paged_decode_attention(q, k, v, slots, visible, scale=None):
-    """``decode_attention`` over a paged cache: k / v pools [N, Hkv, D], slots [B, S] int64
-    the pool row of each row's key s, visible [B, S] bool or an additive mask of 0 / -inf
-    floats -> [B, Hq, D]. A GPU reads the keys in place, without gathering them into a copy."""
+    """One query token per row over a paged cache: q [B, Hq, D], k / v pools [N, Hkv, D],
+    slots [B, S] int64 the pool row of each row's key s, visible [B, S] bool or an additive
+    mask of 0 / -inf floats -> [B, Hq, D] (split over the keys on a GPU, GQA-aware). A GPU
+    reads the keys in place, without gathering them into a copy."""
     if q.is_cuda:
         from kernels.attention.decode import paged_decode_attention_triton
         return paged_decode_attention_triton(q, k, v, slots, visible, scale)
@@ -78,5 +70,5 @@ def qkv_attention_fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> b
     return fits(b, hq, hkv, d, s, sms)
 
 
-__all__ = ["decode_attention", "paged_decode_attention", "qkv_decode", "qkv_attention", "qkv_attention_fits",
+__all__ = ["paged_decode_attention", "qkv_decode", "qkv_attention", "qkv_attention_fits",
            "qkv_decode_supported"]

@@ -1,17 +1,16 @@
-"""Decode attention over a KV cache in Triton (DeepSpeed-Inference III: the fused decode
-attention of the deep-fusion path), split over the keys, then a combine.
+"""Decode attention over a paged KV cache in Triton (DeepSpeed-Inference III: the fused
+decode attention of the deep-fusion path), split over the keys, then a combine.
 
 Shape letters: B rows, Hq query heads, Hkv KV heads, G = Hq / Hkv query heads per KV head,
-S cache slots, D head dim, P key splits.
+S key slots per row, N pool rows, D head dim, P key splits.
 
 One token per row. Program (b, kv head, split) reads its share of that KV head's keys and
 values once for all G query heads (GQA / MQA aware) and keeps a running max, sum and
 weighted value sum in float32 (flash-decoding); the combine kernel merges the P splits.
 Masked-off key blocks (past the current slot, padding) are skipped, not just zeroed.
 
-Two split kernels: ``_split_kernel`` over a dense cache [B, Hkv, S, D], and
-``_paged_split_kernel`` over the server's paged pool [N, Hkv, D], reading each row's keys
-in place through its slots with both products on the tensor cores.
+``_paged_split_kernel`` reads each row's keys in place in the pool [N, Hkv, D], through
+the row's slots, with both products on the tensor cores.
 """
 from __future__ import annotations
 
@@ -43,54 +42,8 @@ def mask_bytes(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 @triton.jit
-def _split_kernel(
-    q_ptr,  # [B, Hq, D]
-    k_ptr, v_ptr,  # [B, Hkv, S, D] (any strides but D contiguous)
-    mask_ptr,  # [B, S] int8: 1 where the key is visible
-    m_ptr, l_ptr,  # [B, Hq, P] float32 out: running max and sum of each split
-    acc_ptr,  # [B, Hq, P, D] float32 out: unnormalised weighted values
-    S, D, scale,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_mb,
-    G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_LEN: tl.constexpr, P: tl.constexpr,
-):
-    b, h, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D_PAD)
-    g_ok, d_ok = g < G, d < D
-    heads = h * G + g  # the query heads sharing KV head h
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * scale  # [G, D]
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    lo = p * SPLIT_LEN
-    for s0 in range(lo, lo + SPLIT_LEN, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        visible = tl.load(mask_ptr + b * stride_mb + s, mask=s < S, other=0) != 0
-        if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no K/V reads
-            kv_ok = visible[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + b * stride_kb + h * stride_kh + s[:, None] * stride_ks + d[None, :],
-                        mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_S, D]
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BLOCK_S]
-            scores = tl.where(visible[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            w = tl.exp(scores - m_new[:, None])
-            v = tl.load(v_ptr + b * stride_vb + h * stride_vh + s[:, None] * stride_vs + d[None, :],
-                        mask=kv_ok, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v[None, :, :], axis=1)
-            l = l * alpha + tl.sum(w, axis=1)
-            m = m_new
-    row = (b * (tl.num_programs(1) * G) + heads) * P + p  # [G] index into [B, Hq, P]
-    tl.store(m_ptr + row, m, mask=g_ok)
-    tl.store(l_ptr + row, l, mask=g_ok)
-    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
 def _combine_kernel(
-    m_ptr, l_ptr, acc_ptr,  # as written by _split_kernel
+    m_ptr, l_ptr, acc_ptr,  # as written by _paged_split_kernel
     out_ptr,  # [B, Hq, D]
     D, stride_ob, stride_oh, HQ,
     P: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr,
@@ -115,16 +68,17 @@ def _paged_split_kernel(
     k_ptr, v_ptr,  # pools [N, Hkv, D] (D contiguous)
     slot_ptr,  # [B, S] int64: the pool row of each row's key s
     mask_ptr,  # [B, S] int8: 1 where the key is visible (ADDITIVE: floats, 0 where visible, -inf hidden)
-    m_ptr, l_ptr, acc_ptr,  # as _split_kernel's
+    m_ptr, l_ptr,  # [B, Hq, P] float32 out: running max and sum of each split
+    acc_ptr,  # [B, Hq, P, D] float32 out: unnormalised weighted values
     S, D, scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_mb, stride_slb,
     G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
     SPLIT_LEN: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr, ADDITIVE: tl.constexpr,
 ):
-    """_split_kernel over a paged pool, its two products on the tensor cores: the G query
-    heads padded to G_PAD >= 16 rows make [G_PAD, D] x [D, BLOCK_S] and [G_PAD, BLOCK_S] x
-    [BLOCK_S, D] dots, where the broadcast-and-sum form kept [G, BLOCK_S, D] products in
-    registers. Keys are gathered row by row through the slots, read in place. A float32
+    """Program (b, KV head h, split p): its share of row b's keys for the G query heads of
+    KV head h, its two products on the tensor cores: the G query heads padded to G_PAD >= 16
+    rows make [G_PAD, D] x [D, BLOCK_S] and [G_PAD, BLOCK_S] x [BLOCK_S, D] dots, where a
+    broadcast-and-sum form would keep [G, BLOCK_S, D] products in registers. Keys are gathered row by row through the slots, read in place. A float32
     cache takes full-precision dots (IEEE); bf16 and fp16 values are exact in TF32."""
     b, h, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, G_PAD)
@@ -165,35 +119,6 @@ def _paged_split_kernel(
     tl.store(m_ptr + row, tl.where(l > 0, m, float("-inf")), mask=g_ok)  # -inf: the combine weighs it 0
     tl.store(l_ptr + row, l, mask=g_ok)
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-
-
-def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                            scale: float | None = None, splits: int | None = None,
-                            block_s: int = 32) -> torch.Tensor:
-    """q [B, Hq, D], k / v [B, Hkv, S, D], visible [B, S] bool -> out [B, Hq, D]. Every row
-    needs at least one visible key. ``splits`` (P) defaults to enough programs to fill the
-    GPU; a power of two."""
-    b, hq, d = q.shape
-    _, hkv, s, _ = k.shape
-    if hq % hkv or v.shape != k.shape or visible.shape != (b, s) or k.shape[0] != b:
-        raise ValueError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, visible {list(visible.shape)}: "
-                         "expected [B, Hq, D], [B, Hkv, S, D] twice with Hkv dividing Hq, and [B, S]")
-    g = hq // hkv
-    if splits is None:
-        target = 264 if q.is_cuda else 4  # about two programs per SM of an H100
-        splits = min(triton.next_power_of_2(max(1, target // (b * hkv))), triton.cdiv(s, block_s))
-        splits = 1 << (splits.bit_length() - 1)
-    split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
-    mask = visible.to(torch.int8)
-    m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-    _split_kernel[(b, hkv, splits)](
-        q, k, v, mask, m, l, acc, s, d, scale if scale is not None else 1.0 / math.sqrt(d),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask.stride(0), G=g, G_PAD=max(2, triton.next_power_of_2(g)), D_PAD=triton.next_power_of_2(d),
-        BLOCK_S=block_s, SPLIT_LEN=split_len, P=splits, num_warps=4)
-    return _combine(m, l, acc, q.dtype)
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

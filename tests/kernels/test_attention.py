@@ -1,9 +1,9 @@
 """Attention on the decode path (``kernels.attention``) against its float64 references, on
 CPU under the interpreter and on a GPU, and the kernels' Triton compiles for sm_90
 (tests.hopper):
-- split-K decode attention, also against torch's SDPA: GQA ratios 1, 4 and 6 (MQA), odd
-  head dims, ragged visible keys (left padding, a current slot), one or several splits,
-  over a contiguous cache and over a paged pool read in place;
+- split-K decode attention over a paged pool read in place, also against torch's SDPA: GQA
+  ratios 1, 4 and 6 (MQA), odd head dims, ragged visible keys (left padding, a current
+  slot), one or several splits;
 - the QKV epilogue (q/k norms, clip, rotary, the append into a paged pool at each token's
   pool row) of a decode step and of a prefill;
 - the fused decode attention over a paged pool (QKV epilogue + attention + split combine in
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.decode import decode_attention_triton, paged_decode_attention_triton
+from kernels.attention.decode import paged_decode_attention_triton
 from kernels.attention.qkv_attention_triton import default_splits, fits, qkv_attention_triton
 from kernels.attention.qkv_decode_triton import qkv_decode_triton
 from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, qkv_attention_ref,
@@ -42,13 +42,32 @@ def case(device, dtype, b, hq, hkv, s, d, seed):
     return q, k, v, visible.to(device)
 
 
+def in_pool(k, v, block, gen):
+    """A dense cache k / v [B, Hkv, S, D] scattered in blocks of ``block`` keys over a pool
+    [N, Hkv, D] in random order -> (k pool, v pool, slots [B, S]: each key's pool row)."""
+    b, hkv, s, d = k.shape
+    blocks = -(-s // block)
+    order = torch.randperm(b * blocks, generator=gen).view(b, blocks).to(k.device)
+    pos = torch.arange(s, device=k.device)
+    slots = order[:, pos // block] * block + pos % block  # [B, S]
+    pools = []
+    for t in (k, v):
+        pool = torch.zeros(b * blocks * block, hkv, d, dtype=t.dtype, device=t.device)
+        pool[slots.reshape(-1)] = t.transpose(1, 2).reshape(b * s, hkv, d)
+        pools.append(pool)
+    return pools[0], pools[1], slots.contiguous()
+
+
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("b,hq,hkv,s,d", [(1, 4, 4, 1, 16), (3, 8, 2, 37, 24), (2, 6, 1, 130, 16)])
 @pytest.mark.parametrize("splits", [1, 4, None])
 def test_decode_attention_matches_reference(device, dtype, b, hq, hkv, s, d, splits):
+    """GQA 1, 4 and 6 (MQA), an odd head dim, ragged visible keys (left padding, a current
+    slot) over a pool: the dense reference over the same keys, and torch's SDPA."""
     q, k, v, visible = case(device, dtype, b, hq, hkv, s, d, seed=s + d)
-    out = decode_attention_triton(q, k, v, visible, splits=splits)
+    k_pool, v_pool, slots = in_pool(k, v, 8, torch.Generator().manual_seed(s))
+    out = paged_decode_attention_triton(q, k_pool, v_pool, slots, visible, splits=splits)
     ref = decode_attention_ref(q.double(), k.double(), v.double(), visible)
     assert out.shape == q.shape and out.dtype == dtype
     assert rel(out, ref) < DECODE_TOL[dtype]
@@ -57,16 +76,13 @@ def test_decode_attention_matches_reference(device, dtype, b, hq, hkv, s, d, spl
     assert rel(ref, sdpa) < 1e-12
 
 
-def test_decode_attention_reads_strided_caches_and_rejects_bad_shapes():
-    """The cache of one layer is a view of [layers, B, Hkv, S, D]; a wider cache than the
-    visible keys is the static decode step's case."""
+def test_decode_attention_rejects_bad_shapes():
     q, k, v, visible = case("cpu", torch.float32, 2, 4, 2, 20, 16, seed=1)
-    big_k = torch.zeros(3, 2, 2, 20, 16)
-    big_k[1] = k
-    out = decode_attention_triton(q, big_k[1], v, visible, splits=2)
-    assert rel(out, decode_attention_ref(q, k, v, visible)) < 1e-5
+    k_pool, v_pool, slots = in_pool(k, v, 8, torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match=r"Hkv dividing Hq"):
-        decode_attention_triton(q, k[:, :1].expand(2, 3, 20, 16), v, visible)
+        paged_decode_attention_triton(q, k_pool[:, :1].expand(-1, 3, 16), v_pool, slots, visible)
+    with pytest.raises(ValueError, match=r"\[B, S\] twice"):
+        paged_decode_attention_triton(q, k_pool, v_pool, slots[:, :5], visible)
 
 
 def _paged_pool(device, dtype, hkv, d, s, block, lens, gen):
