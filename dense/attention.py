@@ -38,27 +38,23 @@ class StepContext:
     # sliding window: attention is plain causal over these T keys (``is_causal``, no mask)
 
     @classmethod
-    def build(cls, positions: torch.Tensor, key_valid: torch.Tensor,
-              key_positions: torch.Tensor, start: int, rotary: Rotary | None,
+    def build(cls, positions: torch.Tensor, key_valid: torch.Tensor, rotary: Rotary | None,
               dtype: torch.dtype, sliding_window: int | None = None,
               no_padding: bool = False) -> "StepContext":
         """A forward without a cache (``Engine.logits``): the queries attend over this step's
-        own keys, so ``start`` is 0 and S = T. positions [B, T]; key_valid, key_positions
-        [B, S]. ``no_padding``: the caller knows every key is valid (all rows full), so the
-        prefill may run attention as plain causal."""
-        t, s = positions.shape[1], key_valid.shape[1]
-        device = positions.device
-        q_slot = torch.arange(start, start + t, device=device)  # [T]
-        k_slot = torch.arange(s, device=device)  # [S]
-        causal = k_slot[None, :] <= q_slot[:, None]  # [T, S]
-        mask = key_valid[:, None, :] & causal  # [B, T, S]
+        own T keys, key t at position ``positions[:, t]``. positions, key_valid [B, T].
+        ``no_padding``: the caller knows every key is valid (all rows full), so the prefill
+        may run attention as plain causal."""
+        t = positions.shape[1]
+        slot = torch.arange(t, device=positions.device)  # [T]
+        causal = slot[None, :] <= slot[:, None]  # [T, T]
+        mask = key_valid[:, None, :] & causal  # [B, T, T]
         if sliding_window is not None:
-            dist = positions[:, :, None] - key_positions[:, None, :]
-            mask &= dist < sliding_window
+            mask &= positions[:, :, None] - positions[:, None, :] < sliding_window
         # A padding query may have no valid key; let it see itself so softmax stays finite.
-        mask |= k_slot[None, :] == q_slot[:, None]
+        mask |= slot[None, :] == slot[:, None]
         cos, sin = _rotary(rotary, positions, dtype)
-        causal = no_padding and start == 0 and sliding_window is None and t > 1
+        causal = no_padding and sliding_window is None and t > 1
         return cls(positions, mask.unsqueeze(1), cos, sin, causal)
 
     @classmethod
@@ -116,8 +112,12 @@ class PagedKVCache:
         bs = self.block_size
         k = torch.arange(num_keys, device=tables.device)
         read = tables[:, k // bs] * bs + k % bs  # [B, S]
-        self.write_slots = write_slots
-        self.read_slots = torch.where(k[None, :] < lens[:, None], read, self.trash)
+        self.use_slots(write_slots, torch.where(k[None, :] < lens[:, None], read, self.trash))
+
+    def use_slots(self, write_slots: torch.Tensor, read_slots: torch.Tensor):
+        """The step's slots as the caller computed them: write_slots [B, T], read_slots [B, S]
+        (``trash`` past each row's length), as ``set_step`` derives them."""
+        self.write_slots, self.read_slots = write_slots, read_slots
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Stores k, v [B, KV heads, T, D] at the step's write slots."""

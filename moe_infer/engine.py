@@ -183,7 +183,7 @@ class Engine:
         ids = input_ids.to(self.device)
         valid = attention_mask.to(self.device).bool()
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
-        ctx = self.model.context(positions, valid, positions, start=0, no_padding=no_padding)
+        ctx = self.model.context(positions, valid, no_padding=no_padding)
         out = self.model(ids, ctx).float()
         return out.masked_fill(~valid.unsqueeze(-1), 0.0)
 

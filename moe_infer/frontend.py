@@ -23,6 +23,7 @@ said it stops, else (its process died) after answering new requests 503 for
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 import functools
 import itertools
@@ -62,7 +63,7 @@ class ModelInfo:
 
 # --------------------------------------------------------------------------- clients
 
-class EngineClient:
+class EngineClient(abc.ABC):
     """What the app needs of the engine. The events of choice i of a submission reach the
     queue given to ``submit`` as (i, kind, data) on the app's event loop, with the kinds and
     data of ``scheduler.Request.on_event``."""
@@ -73,22 +74,23 @@ class EngineClient:
     async def stop(self):
         """In the app's lifespan, after the last request."""
 
+    @abc.abstractmethod
     async def submit(self, choices: list[Choice], queue: asyncio.Queue):
         """Queues every choice or none -> a ticket for ``cancel``. Raises ``QueueFull`` (the
         waiting queue is at its bound), ValueError (the KV cache could never hold one) or
         ``EngineGone``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def cancel(self, ticket):
         """Ends the ticket's unfinished choices; their KV blocks come back at the next step."""
-        raise NotImplementedError
 
     def update_gauges(self):
         """Brings the queue, batch and KV-block gauges up to date (before /metrics answers)."""
 
     @property
+    @abc.abstractmethod
     def healthy(self) -> bool:
-        raise NotImplementedError
+        """Whether the engine still runs (else /health answers 503)."""
 
 
 class InProcessEngine(EngineClient):

@@ -120,13 +120,13 @@ class Transformer(nn.Module):
             c = paged_decode_context_triton(*args, pdl=self.options.pdl)
         else:
             c = paged_decode_context_ref(*args)
-        cache.write_slots, cache.read_slots = c["write"], c["read"]
+        cache.use_slots(c["write"], c["read"])
         return c["tokens"], StepContext(c["positions"], c["mask"], c["cos"], c["sin"])
 
-    def context(self, positions: torch.Tensor, key_valid: torch.Tensor,
-                key_positions: torch.Tensor, start: int, no_padding: bool = False) -> StepContext:
-        return StepContext.build(positions, key_valid, key_positions, start, self.rotary,
-                                 self.embed.weight.dtype, self.cfg.model.sliding_window, no_padding)
+    def context(self, positions: torch.Tensor, key_valid: torch.Tensor, no_padding: bool = False) -> StepContext:
+        """A forward without a cache (``StepContext.build``)."""
+        return StepContext.build(positions, key_valid, self.rotary, self.embed.weight.dtype,
+                                 self.cfg.model.sliding_window, no_padding)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
                 cache: PagedKVCache | None = None, last_only: bool = False) -> torch.Tensor:

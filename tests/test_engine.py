@@ -82,7 +82,7 @@ def test_unpadded_prefill_runs_causal_and_matches_the_masked_one(data, monkeypat
         torch.testing.assert_close(cache.k[:, rows_a], cache.k[:, rows_b], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(cache.v[:, rows_a], cache.v[:, rows_b], rtol=1e-5, atol=1e-6)
     valid, pos = torch.ones_like(ids, dtype=torch.bool), torch.arange(6).expand(2, 6)
-    assert [model.context(pos, valid, pos, start=0, no_padding=n).causal for n in (False, True)] == [False, True]
+    assert [model.context(pos, valid, no_padding=n).causal for n in (False, True)] == [False, True]
     uncached = engine.logits(ids)  # no mask given: causal
     torch.testing.assert_close(uncached, engine.logits(prompts), rtol=1e-5, atol=1e-5)  # id lists: masked
     torch.testing.assert_close(uncached, fresh, rtol=1e-5, atol=1e-5)
