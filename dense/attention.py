@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend
 
 import kernels
 from comm import Group
@@ -19,6 +20,12 @@ from dense.parallel_linear import Linear, RowParallelLinear
 from dense.rotary import Rotary, apply_rotary
 from kernels.attention import qkv_attention_fits, qkv_decode_supported
 from kernels.options import KernelOptions
+
+# The SDPA kernels a forward may use (``Transformer.forward`` enables these alone). Not
+# cuDNN's: it builds an execution plan for every new shape, tens of milliseconds each time,
+# and a server meets a new prompt length or batch with nearly every request.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
 
 def _rotary(rotary: Rotary | None, positions: torch.Tensor, dtype: torch.dtype):
     """cos, sin [B, T, D] for the query positions (None, None for learned positions)."""
@@ -30,8 +37,8 @@ class StepContext:
     """What every layer of one forward step shares, computed once per step."""
 
     positions: torch.Tensor  # [B, T] int64 position of each query token
-    attn_mask: torch.Tensor  # [B, 1, T, S] bool, True where a query may attend (or additive:
-    # 0 / -inf in the model dtype, as ``paged`` builds it)
+    attn_mask: torch.Tensor | None  # [B, 1, T, S] bool, True where a query may attend (or
+    # additive: 0 / -inf in the model dtype, as ``paged`` builds it); None when ``causal``
     cos: torch.Tensor | None  # [B, T, D] rotary tables, None for learned positions
     sin: torch.Tensor | None
     causal: bool = False  # the queries are every row's first T tokens with no padding and no
@@ -65,9 +72,15 @@ class StepContext:
         position s. positions, query_valid [B, T]; context_lens [B] tokens cached after the
         step; num_keys S, the key slots gathered per row. The mask is additive [B, 1, T, S]
         in ``dtype``, built here once for every layer (SDPA and the paged decode kernels take
-        it as it is). ``causal``: the caller knows every row starts at position 0 with no
-        padding (fresh prompts of one length), so a prefill without a sliding window attends
-        causally over its own T keys (``is_causal``: no mask, nothing gathered from the pool)."""
+        it as it is). ``causal``: the caller knows every row starts at position 0 with its
+        padding, if any, after its tokens (fresh prompts, right-padded), so a prefill without
+        a sliding window attends causally over its own T keys (``is_causal``: no mask is
+        built, nothing gathered from the pool); a padding query's output is garbage that no
+        one reads."""
+        causal = causal and positions.shape[1] > 1 and sliding_window is None
+        cos, sin = _rotary(rotary, positions, dtype)
+        if causal:  # SDPA takes no mask then
+            return cls(positions, None, cos, sin, True)
         k_pos = torch.arange(num_keys, device=positions.device)  # [S]
         mask = (k_pos[None, None, :] < context_lens[:, None, None]) \
             & (k_pos[None, None, :] <= positions[:, :, None])  # [B, T, S]
@@ -77,8 +90,7 @@ class StepContext:
         b, t = positions.shape
         bias = torch.zeros(b, 1, t, num_keys, dtype=dtype, device=mask.device).masked_fill_(~mask[:, None],
                                                                                            float("-inf"))
-        cos, sin = _rotary(rotary, positions, dtype)
-        return cls(positions, bias, cos, sin, causal and t > 1 and sliding_window is None)
+        return cls(positions, bias, cos, sin)
 
 
 class PagedKVCache:
@@ -205,8 +217,14 @@ class Attention(nn.Module):
         """SDPA -> [B, Hq, T, D]. A full prefill from position 0 attends causally over its own
         T keys: no mask, so the flash kernels skip the masked half; otherwise the mask over
         every key slot."""
+        gqa = self.num_heads != self.num_kv_heads
+        if gqa and not ctx.causal and q.is_cuda:
+            # The memory-efficient kernel takes a mask but not grouped heads: give it every
+            # query head its keys (else only the math kernel would run it).
+            k, v = (z.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1) for z in (k, v))
+            gqa = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if ctx.causal else ctx.attn_mask,
-                                              is_causal=ctx.causal, enable_gqa=self.num_heads != self.num_kv_heads)
+                                              is_causal=ctx.causal, enable_gqa=gqa)
 
     def _paged(self, qkv: torch.Tensor, ctx: StepContext, cache: PagedKVCache, layer: int) -> torch.Tensor:
         """Attention over a ``PagedKVCache`` -> [B, Hq, T, D]. Where the layer is fusable the

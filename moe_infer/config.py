@@ -179,6 +179,11 @@ class EngineConfig:
     # prefill stay bounded (a 47B MoE's expert activations for 64 prompts of 2048 tokens
     # in one forward would take over 20 GB beside its weights).
     prefill_tokens: int = 16384
+    # Prefills of fresh prompts of at most this many tokens (rows x padded width) replay
+    # CUDA graphs, one per (rows, width) bucket, where decode steps do: an eager forward
+    # costs the host about the same launches whatever its size, several times a small
+    # prefill's device time. 0: every prefill runs eagerly.
+    prefill_graph_tokens: int = 2048
     # Decode-path kernels launch with programmatic dependent launch on GPUs that have it
     # (compute capability 9.0 or later): each may start while the one before finishes and
     # waits for it before reading. false: plain launches, the baseline of an A/B run.
@@ -197,6 +202,9 @@ class EngineConfig:
         if self.max_seq_len is not None:
             _check_positive(s, self, "max_seq_len")
         _check_positive(s, self, "max_batch_size", "prefill_tokens")
+        v = self.prefill_graph_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            _fail(f"{s}.prefill_graph_tokens", v, "an integer >= 0")
         _check_choice(s, self, "dtype", ("auto", "float32", "float16", "bfloat16"))
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             _fail(f"{s}.device", self.device, "auto, cpu, cuda or cuda:N")

@@ -32,6 +32,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -94,15 +95,21 @@ class EngineClient(abc.ABC):
 
 
 class InProcessEngine(EngineClient):
-    """The scheduler's thread in the app's own process: the app's lifespan starts it."""
+    """The scheduler's thread in the app's own process: the app's lifespan starts it. While
+    it runs, the interpreter switches threads every ``switch_interval`` seconds (Python's
+    default when None)."""
 
-    def __init__(self, scheduler: Scheduler, metrics):
+    def __init__(self, scheduler: Scheduler, metrics, switch_interval: float | None = None):
         self.scheduler, self.metrics = scheduler, metrics
         scheduler.metrics = metrics  # the engine thread observes TTFT, ITL and tokens itself
         self.stopping, self.thread, self.outbox = threading.Event(), None, None
+        self.switch_interval, self.saved_interval = switch_interval, None
 
     async def start(self):
         self.scheduler.warm_up()  # before the first request: none waits for a capture or a compile
+        if self.switch_interval is not None:
+            self.saved_interval = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_interval)
         self.stopping.clear()
         self.thread = threading.Thread(target=self.scheduler.run, args=(self.stopping,), name="moe-infer-engine",
                                        daemon=True)
@@ -115,6 +122,9 @@ class InProcessEngine(EngineClient):
         with self.scheduler.lock:
             self.scheduler.wake.notify_all()
         self.thread.join(timeout=30)
+        if self.saved_interval is not None:
+            sys.setswitchinterval(self.saved_interval)
+            self.saved_interval = None
 
     async def submit(self, choices, queue):
         loop = asyncio.get_running_loop()

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 import kernels
 from comm import ParallelGroups
 from dense import MLP, Attention, PagedKVCache, Rotary, StepContext, make_norm
+from dense.attention import SDPA_BACKENDS
 from dense.norm import RMSNorm
 from dense.parallel_linear import Linear
 from kernels.attention.reference import paged_decode_context_ref
@@ -129,15 +131,21 @@ class Transformer(nn.Module):
                                  self.cfg.model.sliding_window, no_padding)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
-                cache: PagedKVCache | None = None, last_only: bool = False) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, V] ([B, 1, V] with ``last_only``)."""
+                cache: PagedKVCache | None = None, last_only: bool = False,
+                last: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V]; [B, 1, V] with ``last_only`` (each row's last
+        slot) or with ``last`` [B] (the slot of each row's last token, for right-padded rows)."""
         x = self.embed(input_ids)  # [B, T, H]
         if self.pos_embed is not None:
             x = x + self.pos_embed(ctx.positions)
         pending = None
-        for layer in self.layers:
-            x, pending = layer(x, ctx, cache, pending)
-        if last_only:  # generation needs only the last slot: skip T - 1 rows of the LM head
+        with sdpa_kernel(SDPA_BACKENDS):
+            for layer in self.layers:
+                x, pending = layer(x, ctx, cache, pending)
+        if last is not None:  # generation needs one slot a row: skip T - 1 rows of the LM head
+            rows = torch.arange(x.shape[0], device=x.device)
+            x, pending = x[rows, last][:, None], (pending[rows, last][:, None] if pending is not None else None)
+        elif last_only:
             x, pending = x[:, -1:], (pending[:, -1:] if pending is not None else None)
         x = self.norm(x) if pending is None else self.norm.add_and_norm(pending, x)[0]
         if self.lm_head is None:  # tied: the embedding table (kept in full precision) is the head

@@ -114,6 +114,63 @@ class PagedDecodeStep:
         return logits[:n], ids[:n]
 
 
+class PagedPrefillStep:
+    """The prefill of at most ``batch`` fresh prompts (nothing cached before them) of at
+    most ``width`` tokens each, with fixed shapes: each row right-padded to ``width``, so
+    each attends causally over its own keys and the padding writes only the cache's trash
+    slot. ``inputs`` [B, 1 + N] holds per row its number of tokens (0: a padding row), then
+    its block table; ``tokens`` [B, T]. With ``graph`` it is captured once and replayed, so
+    a small prefill costs the device's time rather than the host's launches; otherwise it
+    runs eagerly (the same math, for CPU tests). The greedy token is taken inside it; a
+    row that samples draws from its logits after (a prefill is one step of many)."""
+
+    def __init__(self, runner: "PagedRunner", batch: int, width: int, graph: bool, pool=None):
+        self.runner, self.batch, self.width = runner, batch, width
+        dev = runner.engine.device
+        self.blocks = -(-width // runner.block_size)
+        self.inputs = torch.zeros(batch, 1 + self.blocks, dtype=torch.long, device=dev)
+        self.tokens = torch.zeros(batch, width, dtype=torch.long, device=dev)
+        pinned = dev.type == "cuda"
+        self.host = [torch.zeros_like(t, device="cpu", pin_memory=pinned) for t in (self.inputs, self.tokens)]
+        self.graph = None
+        if graph:  # every row padding: the warm-up runs write only the cache's trash slot
+            self.graph, self.outputs = capture(self._step, dev, pool)
+
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        model, cache, bs = self.runner.model, self.runner.cache, self.runner.block_size
+        n, tables = self.inputs[:, 0], self.inputs[:, 1:]  # [B], [B, N]
+        p = torch.arange(self.width, device=n.device)  # [T]
+        valid = p[None, :] < n[:, None]  # [B, T]
+        slots = torch.where(valid, tables[:, p // bs] * bs + p % bs, cache.trash)
+        cache.use_slots(slots, slots)  # the keys each row reads are the ones it writes
+        ctx = model.paged_context(p.expand(self.batch, -1), valid, n, self.width, causal=True)
+        logits = model(self.tokens, ctx, cache, last=(n - 1).clamp(min=0))[:, -1].float()
+        return logits, kernels.argmax(logits, pdl=model.options.pdl)
+
+    def run(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (float32 logits [len(rows), V] of each row's last token, its draw [len(rows)]),
+        views of the graph's outputs where there is one: see ``PagedDecodeStep.run``."""
+        h, ht = (t.numpy() for t in self.host)
+        h.fill(0)
+        ht.fill(0)
+        for i, r in enumerate(rows):
+            blocks = r.table[:self.blocks]
+            h[i, 0] = len(r.tokens)
+            h[i, 1:1 + len(blocks)] = blocks
+            ht[i, :len(r.tokens)] = r.tokens
+        self.inputs.copy_(self.host[0], non_blocking=True)
+        self.tokens.copy_(self.host[1], non_blocking=True)
+        if self.graph is None:
+            logits, ids = self._step()
+        else:
+            self.graph.replay()
+            logits, ids = self.outputs
+        n = len(rows)
+        if any(r.sample is not None for r in rows):
+            return logits[:n], sample_rows(logits[:n], [r.sample for r in rows], pdl=self.runner.model.options.pdl)
+        return logits[:n], ids[:n]
+
+
 class PagedRunner:
     """Runs the model over a ``PagedKVCache``: rows of any lengths and cache depths. Decode
     steps go through ``PagedDecodeStep`` where ``static``: captured in CUDA graphs where the
@@ -121,6 +178,7 @@ class PagedRunner:
     where it is "static" (how CPU tests check the graph's math)."""
 
     MIN_KEYS = 64  # the smallest key bucket of a decode step
+    MIN_WIDTH = 16  # the narrowest fixed-shape prefill
 
     def __init__(self, engine: Engine, num_blocks: int, block_size: int, max_batch: int):
         self.engine, self.model = engine, engine.model
@@ -130,6 +188,9 @@ class PagedRunner:
         self.graph = engine.decode_mode == "graph"
         self.static = engine.decode_mode in ("graph", "static")
         self._steps: dict[tuple[int, int], PagedDecodeStep] = {}
+        self._prefills: dict[tuple[int, int], PagedPrefillStep] = {}
+        e = engine.config.engine  # the largest fixed-shape prefill, padding counted, bounded as any prefill
+        self.prefill_tokens = min(e.prefill_graph_tokens, e.prefill_tokens)
         self._pool = torch.cuda.graph_pool_handle() if self.graph else None  # one pool: steps never overlap
         # The tokens sampled by the last step, which the next one feeds without a trip
         # through the host (``Row.src``): its caller writes them.
@@ -145,11 +206,42 @@ class PagedRunner:
         s = -(-s // self.block_size) * self.block_size
         key = (b, s)
         if key not in self._steps:
-            if self.graph and not self.engine._primed:
-                prime_cuda_graphs(self.engine.device, self.engine.graph_primers)
-                self.engine._primed = True
+            self._prime()
             self._steps[key] = PagedDecodeStep(self, b, s, self.graph, self._pool)
         return self._steps[key]
+
+    def _prime(self):
+        if self.graph and not self.engine._primed:
+            prime_cuda_graphs(self.engine.device, self.engine.graph_primers)
+            self.engine._primed = True
+
+    def prefill_widths(self) -> list[int]:
+        """The prompt widths of the fixed-shape prefills: powers of two from ``MIN_WIDTH``
+        and the halfway points between (padding costs at most a third of a step's tokens),
+        up to the longest prompt that fits ``prefill_tokens`` and ``max_keys``."""
+        out, w = [], self.MIN_WIDTH
+        while w <= min(self.prefill_tokens, self.max_keys):
+            out.append(w)
+            w = w + w // 2 if w & (w - 1) == 0 else (w // 3) * 4
+        return out
+
+    def prefill_step_for(self, batch: int, width: int) -> PagedPrefillStep | None:
+        """The fixed-shape prefill of the bucket holding ``batch`` fresh prompts of at most
+        ``width`` tokens (None where none fits: rows x width past ``prefill_tokens``)."""
+        b = 1 << (batch - 1).bit_length()
+        t = next((w for w in self.prefill_widths() if w >= width), None)
+        if t is None or b * t > self.prefill_tokens or b > 1 << (self.max_batch - 1).bit_length():
+            return None
+        if (b, t) not in self._prefills:
+            self._prime()
+            self._prefills[b, t] = PagedPrefillStep(self, b, t, self.graph, self._pool)
+        return self._prefills[b, t]
+
+    def prefill_buckets(self) -> list[tuple[int, int]]:
+        """Every (rows, width) fixed-shape prefill bucket."""
+        top = 1 << (self.max_batch - 1).bit_length()
+        return [(b, t) for t in self.prefill_widths() for b in (1 << i for i in range(top.bit_length()))
+                if b * t <= self.prefill_tokens]
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (rows, keys) decode step bucket: powers of two up to ``max_batch`` rows and
@@ -162,14 +254,16 @@ class PagedRunner:
         return [(b, k) for k in powers(self.MIN_KEYS, self.max_keys) for b in powers(1, self.max_batch)]
 
     def capture_all(self):
-        """Makes every decode step bucket now, both variants (greedy and sampling), so that
-        no request waits for a capture while it is served (the server calls it before it
-        takes requests)."""
+        """Makes every decode step bucket now, both variants (greedy and sampling), and every
+        prefill bucket, so that no request waits for a capture while it is served (the
+        server calls it before it takes requests)."""
         if self.static:
             for batch, keys in self.buckets():
                 step = self.step_for(batch, keys)
                 if step.graphs is not None:
                     step.capture(sampling=True)
+            for batch, width in self.prefill_buckets():
+                self.prefill_step_for(batch, width)
 
     @torch.no_grad()
     def warm_up(self, widths: list[int]):
@@ -190,10 +284,14 @@ class PagedRunner:
     def decode(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (float32 logits [B, V] of each row's last new token, the token drawn from them
         by the row's ``sample`` knobs [B]). A step of one new token per row that fits a
-        bucket replays its fixed-shape step (the draw taken inside it); any other runs
-        eagerly."""
-        if self.static and all(len(r.tokens) == 1 for r in rows):
-            step = self.step_for(len(rows), max(r.start + 1 for r in rows))
+        bucket replays its fixed-shape step (the draw taken inside it), and so does a
+        prefill of fresh prompts that fits a prefill bucket; any other runs eagerly."""
+        if self.static:
+            step = None
+            if all(len(r.tokens) == 1 for r in rows):
+                step = self.step_for(len(rows), max(r.start + 1 for r in rows))
+            elif all(r.start == 0 and r.src < 0 for r in rows):
+                step = self.prefill_step_for(len(rows), max(len(r.tokens) for r in rows))
             if step is not None:
                 return step.run(rows)
         logits = self._run(rows, last_only=True)[:, -1].float()
@@ -208,27 +306,41 @@ class PagedRunner:
         return self._run(rows, last_only=False).float()
 
     def _run(self, rows: list[Row], last_only: bool) -> torch.Tensor:
+        """The eager forward. Fresh prompts (nothing cached) are right-padded, so they
+        attend causally over their own keys (no mask, nothing gathered), where only their
+        last logits are wanted or none is padded; any other rows are left-padded, each
+        token's keys masked."""
         dev, bs = self.engine.device, self.block_size
         t = max(len(r.tokens) for r in rows)
+        fresh = all(r.start == 0 for r in rows) and (last_only or all(len(r.tokens) == t for r in rows))
         tokens, positions, valid, write = [], [], [], []
         for r in rows:
-            pad = t - len(r.tokens)
-            tokens.append([0] * pad + r.tokens)
-            positions.append([0] * pad + list(range(r.start, r.start + len(r.tokens))))
-            valid.append([False] * pad + [True] * len(r.tokens))
-            write.append([self.cache.trash] * pad + self.cache.slots(r.table, r.start, r.start + len(r.tokens)))
+            pad, n = t - len(r.tokens), len(r.tokens)
+            slots = self.cache.slots(r.table, r.start, r.start + n)
+            if fresh:
+                tokens.append(r.tokens + [0] * pad)
+                positions.append(list(range(t)))
+                valid.append([True] * n + [False] * pad)
+                write.append(slots + [self.cache.trash] * pad)
+            else:
+                tokens.append([0] * pad + r.tokens)
+                positions.append([0] * pad + list(range(r.start, r.start + n)))
+                valid.append([False] * pad + [True] * n)
+                write.append([self.cache.trash] * pad + slots)
         s = max(r.start + len(r.tokens) for r in rows)  # keys of the longest row
         lens = to_device([r.start + len(r.tokens) for r in rows], dev)  # [B]
         width = math.ceil(s / bs)
         tables = to_device([r.table[:width] + [0] * (width - len(r.table[:width])) for r in rows], dev)  # [B, N]
         self.cache.set_step(to_device(write, dev), tables, lens, s)
-        causal = all(r.start == 0 and len(r.tokens) == t for r in rows)
-        ctx = self.model.paged_context(to_device(positions, dev), to_device(valid, dev), lens, s, causal)
+        ctx = self.model.paged_context(to_device(positions, dev), to_device(valid, dev), lens, s, fresh)
         tokens = to_device(tokens, dev)
-        fed = [(i, r.src) for i, r in enumerate(rows) if r.src >= 0]
+        last = [len(r.tokens) - 1 if fresh else t - 1 for r in rows]  # each row's last token's slot
+        fed = [(i, last[i], r.src) for i, r in enumerate(rows) if r.src >= 0]
         if fed:
-            at, src = to_device(fed, dev).T
-            tokens[at, -1] = self.prev[src]
+            at, slot, src = to_device(fed, dev).T
+            tokens[at, slot] = self.prev[src]
+        if fresh and last_only:
+            return self.model(tokens, ctx, self.cache, last=to_device(last, dev))
         return self.model(tokens, ctx, self.cache, last_only=last_only)
 
 

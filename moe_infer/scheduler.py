@@ -8,8 +8,8 @@ Each iteration of ``Scheduler.step`` is schedule / launch / deliver:
   finished one's already went back when it finished, before its client was told), then
   admit waiting requests while the batch has room and the free blocks cover each one's
   prompt + max_tokens (reserved at admission, so a running request never runs out);
-- launch: one prefill forward over chunks of the admitted prompts (at most
-  ``prefill_chunk`` tokens a step, so long prompts do not stall the batch), then one decode
+- launch: one prefill forward over the admitted prompts (at most ``prefill_chunk`` tokens
+  a step, rows x width, so long prompts do not stall the batch), then one decode
   forward for every running request whose prompt is cached (it joins the batch at the next
   step); then each request's logit processors (logit bias, the min_tokens EOS mask,
   penalties) and sampling, all queued on the device. Everything the host needs from the
@@ -208,15 +208,19 @@ class Scheduler:
     def _launch(self) -> Sampled | None:
         """Queues one step's forwards and sampling on the device -> its results on their way
         to the host (None if no row ran)."""
-        # Prefill in chunks of at most prefill_chunk tokens a step (over all prefilling
-        # requests, oldest first), so a long prompt cannot stall the running batch's next
-        # token for long; a request samples its first token when its last chunk is cached.
-        budget, chunks, groups = self.prefill_chunk, [], []
+        # Prefill at most prefill_chunk tokens a step, counted as the forward computes them
+        # (rows x the widest row), so a long prompt cannot stall the running batch's next
+        # token for long: the oldest prefilling request first (in pieces if it is longer),
+        # then every later one whose whole prompt still fits beside it. A request samples
+        # its first token when its last piece is cached.
+        chunks, width, groups = [], 0, []
         for r in self.running:
-            if r.finish is None and r.cached < len(r.prompt) and budget > 0:
-                n = min(budget, len(r.prompt) - r.cached)
-                chunks.append((r, n))
-                budget -= n
+            if r.finish is None and r.cached < len(r.prompt):
+                left = len(r.prompt) - r.cached
+                if not chunks or (len(chunks) + 1) * max(width, left) <= self.prefill_chunk:
+                    n = min(left, self.prefill_chunk)
+                    chunks.append((r, n))
+                    width = max(width, n)
         if chunks:
             rows = [Row(r.prompt[r.cached:r.cached + n], r.cached, r.table, sample=self._knobs(r)) for r, n in chunks]
             if any(r.prompt_logprobs is not None for r, _ in chunks):

@@ -57,10 +57,15 @@ class ServerConfig:
     # serve(): true runs HTTP in a process of its own, so its work never holds the engine's
     # interpreter lock; false: uvicorn's event loop beside the engine thread, in one process.
     api_process: bool = False
+    # With HTTP beside the engine thread: the interpreter's thread switch interval while the
+    # server runs. The engine thread, back from waiting on the device, takes the interpreter
+    # lock from a busy event loop within this long (Python's default is 5000 us, about a
+    # decode step).
+    switch_interval_us: int = 200
 
     def __post_init__(self):
         for name in ("port", "block_size", "max_queue", "max_body_bytes", "retry_after_s", "default_max_tokens",
-                     "prefill_chunk"):
+                     "prefill_chunk", "switch_interval_us"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "port" else 1):
                 raise ConfigError(f"server.{name}={v!r}: expected a positive integer")
@@ -243,7 +248,7 @@ def create_app(engine: Engine, cfg: ServerConfig | None = None, scheduler: Sched
     cfg = cfg or ServerConfig()
     metrics = Metrics()
     scheduler = scheduler or build_scheduler(engine, cfg)
-    app = app_for(engine, cfg, InProcessEngine(scheduler, metrics), metrics)
+    app = app_for(engine, cfg, InProcessEngine(scheduler, metrics, cfg.switch_interval_us * 1e-6), metrics)
     app.state.scheduler = scheduler
     return app
 

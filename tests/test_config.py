@@ -54,6 +54,8 @@ def test_table_ii_presets_match_the_paper():
     (with_change("engine", dtype="fp8"), r"engine\.dtype='fp8'"),
     (with_change("engine", prefill_tokens=0), r"engine\.prefill_tokens=0: expected a positive number"),
     (with_change("engine", prefill_tokens=2.5), r"engine\.prefill_tokens=2\.5: expected an integer"),
+    (with_change("engine", prefill_graph_tokens=-1), r"engine\.prefill_graph_tokens=-1: expected an integer >= 0"),
+    (with_change("engine", prefill_graph_tokens=True), r"engine\.prefill_graph_tokens=True: expected an integer"),
     (with_change("engine", pdl="off"), r"engine\.pdl='off': expected true or false"),
     (with_change("engine", fused_decode_attention=0), r"engine\.fused_decode_attention=0: expected true or false"),
     ({**BASE, "model": {**BASE["model"], "num_heads": 4, "num_kv_heads": 2},

@@ -68,7 +68,8 @@ def _paged_case(attn, device, dtype, starts, news, seed, block=4):
 
 def _unfused_paged(attn, x, ctx, cache):
     """The torch ops on a copy of the pool: the module's unfused q, k, v, written at the
-    step's slots, every row's keys gathered, SDPA under the mask as a bool one -> (output
+    step's slots, every row's keys gathered, SDPA under the mask as a bool one (the causal
+    one where the context has none) -> (output
     [B, T, H], k pool, v pool)."""
     b, t, _ = x.shape
     k_pool, v_pool = cache.k[0].clone(), cache.v[0].clone()
@@ -77,7 +78,10 @@ def _unfused_paged(attn, x, ctx, cache):
     k_pool.index_copy_(0, rows, k.transpose(1, 2).reshape(b * t, attn.num_kv_heads, attn.head_dim))
     v_pool.index_copy_(0, rows, v.transpose(1, 2).reshape(b * t, attn.num_kv_heads, attn.head_dim))
     kk, vv = k_pool[cache.read_slots].transpose(1, 2), v_pool[cache.read_slots].transpose(1, 2)
-    mask = ctx.attn_mask if ctx.attn_mask.dtype == torch.bool else ctx.attn_mask > float("-inf")
+    if ctx.attn_mask is None:  # causal: each query sees the keys up to its position
+        mask = (torch.arange(kk.shape[2], device=x.device) <= ctx.positions[:, :, None])[:, None]
+    else:
+        mask = ctx.attn_mask if ctx.attn_mask.dtype == torch.bool else ctx.attn_mask > float("-inf")
     out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
     return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1)), k_pool, v_pool
 

@@ -50,6 +50,52 @@ def test_fixed_shape_decode_step_equals_the_eager_forward(engine, lengths):
     torch.testing.assert_close(written, k_eager[:, :runner.cache.trash])
 
 
+@pytest.mark.parametrize("lengths", [[5], [3, 17, 9], [1, 40, 2, 33, 20]])
+def test_fixed_shape_prefill_equals_the_masked_forward(engine, lengths):
+    """Fresh prompts of different lengths, prefilled right-padded and causal over each
+    row's own keys (the fixed-shape step padded to its bucket, and the eager forward), give
+    the last-token logits and the cached keys and values of the left-padded masked forward."""
+    runner = PagedRunner(engine, num_blocks=64, block_size=8, max_batch=8)
+    rng = random.Random(len(lengths))
+    free = list(range(runner.cache.num_blocks))
+    rng.shuffle(free)
+    rows = []
+    for n in lengths:
+        need = -(-n // runner.block_size)
+        rows.append(Row([rng.randrange(engine.config.model.vocab_size) for _ in range(n)], 0, free[:need]))
+        free = free[need:]
+    masked = runner.forward_all(rows)[:, -1]  # left-padded: each token's keys masked
+    cached = runner.cache.k.clone(), runner.cache.v.clone()
+    trash = runner.cache.trash
+    for static in (False, True):
+        runner.cache.k.zero_()
+        runner.cache.v.zero_()
+        runner.static = static
+        logits, ids = runner.decode(rows)
+        torch.testing.assert_close(logits, masked, rtol=1e-5, atol=1e-5)
+        assert ids.tolist() == masked.argmax(-1).tolist()
+        for got, want in zip((runner.cache.k, runner.cache.v), cached):  # padding wrote only the trash slot
+            torch.testing.assert_close(got[:, :trash], want[:, :trash], rtol=1e-5, atol=1e-6)
+    (b, t), = runner._prefills  # the fixed-shape step ran, its bucket padded
+    assert b >= len(rows) and t >= max(lengths) and b * t <= runner.prefill_tokens
+
+
+def test_prefill_buckets_and_the_rows_that_take_them(engine):
+    runner = PagedRunner(engine, num_blocks=64, block_size=8, max_batch=6)
+    runner.static, runner.prefill_tokens = True, 64
+    assert runner.prefill_widths() == [16, 24, 32, 48, 64]
+    assert runner.prefill_step_for(2, 20).width == 24 and runner.prefill_step_for(3, 20) is None  # 4 x 24 > 64
+    assert runner.prefill_step_for(1, 65) is None
+    runner.capture_all()
+    assert set(runner._prefills) == {(1, 16), (2, 16), (4, 16), (1, 24), (2, 24), (1, 32), (2, 32), (1, 48), (1, 64)}
+    made = dict(runner._prefills)
+    for rows in ([Row([1, 2, 3], 0, [0]), Row([4, 5], 3, [1])],  # a row with keys cached before it
+                 [Row([1, 2, 3], 0, [0], src=0)]):  # a token fed from the device
+        runner.prev.zero_()
+        runner.decode(rows)  # eager: neither is a fresh prompt the step can take
+    assert runner._prefills == made
+
+
 def test_rows_beyond_every_bucket_take_the_eager_forward(engine):
     runner = PagedRunner(engine, num_blocks=8, block_size=4, max_batch=2)
     runner.static = True
@@ -78,6 +124,29 @@ def test_scheduler_through_the_fixed_shape_step_matches_generate():
     for r, p in zip(reqs, prompts):
         assert r.generated == engine.generate([p], max_new_tokens=12)[0].token_ids[:len(r.generated)]
         assert r.finish in ("stop", "length")
+
+
+def test_a_prefill_step_computes_at_most_prefill_chunk_tokens():
+    """Rows x width of every prefill forward stays within server.prefill_chunk: the oldest
+    prefilling request first (a longer one alone, in pieces), then every later one whose
+    whole prompt fits beside it; the tokens are generate()'s."""
+    engine = moe_infer.load("tiny-moe", device="cpu", progress=False)
+    scheduler = Scheduler(engine, num_blocks=200, block_size=8, max_batch=8, prefill_chunk=40)
+    scheduler.runner.static = True
+    forwards = []
+    decode = scheduler.runner.decode
+    scheduler.runner.decode = lambda rows: forwards.append([len(r.tokens) for r in rows]) or decode(rows)
+    rng = random.Random(1)
+    lengths = [30, 5, 12, 50, 8, 3, 17, 9]
+    prompts = [[rng.randrange(engine.config.model.vocab_size) for _ in range(n)] for n in lengths]
+    reqs = [Request(p, SamplingParams(), 4, lambda *a: None) for p in prompts]
+    _serve_all(scheduler, reqs)
+    prefills = [f for f in forwards if max(f) > 1]
+    assert all(len(f) * max(f) <= 40 for f in prefills)
+    # 30 + 5 would compute 2 x 30 tokens; the 50-token prompt's first piece goes alone
+    assert prefills == [[30], [5, 12, 8], [40], [10, 3, 9], [17]]
+    for r, p in zip(reqs, prompts):
+        assert r.generated == engine.generate([p], max_new_tokens=4)[0].token_ids
 
 
 def test_a_one_token_prompt_joining_a_decode_step_of_the_same_bucket(graph_outputs):

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -217,6 +218,21 @@ def test_api_key(engine):
         assert c.completions.create(model="default", prompt="When", max_tokens=2).choices[0].text
     finally:
         live.stop()
+
+
+def test_the_switch_interval_holds_while_the_server_runs(engine):
+    """HTTP beside the engine thread: the interpreter switches threads every
+    server.switch_interval_us while the app runs, and as before once it stops."""
+    before = sys.getswitchinterval()
+    live = LiveServer(create_app(engine, ServerConfig(model_name="default", switch_interval_us=300)))
+    try:
+        assert sys.getswitchinterval() == pytest.approx(300e-6)
+        assert httpx.post(live.url + "/v1/completions", json={"prompt": "When", "max_tokens": 2}).status_code == 200
+    finally:
+        live.stop()
+    assert sys.getswitchinterval() == before
+    with pytest.raises(ConfigError, match=r"server\.switch_interval_us=0: expected a positive integer"):
+        ServerConfig(switch_interval_us=0)
 
 
 def test_full_queue_answers_503_with_retry_after(engine, monkeypatch):
