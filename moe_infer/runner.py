@@ -179,6 +179,7 @@ class PagedRunner:
 
     MIN_KEYS = 64  # the smallest key bucket of a decode step
     MIN_WIDTH = 16  # the narrowest fixed-shape prefill
+    HALF_STEPS = 256  # from this width on, prefill widths step by half a power of two
 
     def __init__(self, engine: Engine, num_blocks: int, block_size: int, max_batch: int):
         self.engine, self.model = engine, engine.model
@@ -216,13 +217,14 @@ class PagedRunner:
             self.engine._primed = True
 
     def prefill_widths(self) -> list[int]:
-        """The prompt widths of the fixed-shape prefills: powers of two from ``MIN_WIDTH``
-        and the halfway points between (padding costs at most a third of a step's tokens),
-        up to the longest prompt that fits ``prefill_tokens`` and ``max_keys``."""
+        """The prompt widths of the fixed-shape prefills: powers of two from ``MIN_WIDTH``,
+        and from ``HALF_STEPS`` on the points halfway between too (where the device's time
+        grows with the width, padding costs at most a third of it), up to the longest
+        prompt that fits ``prefill_tokens`` and ``max_keys``."""
         out, w = [], self.MIN_WIDTH
         while w <= min(self.prefill_tokens, self.max_keys):
             out.append(w)
-            w = w + w // 2 if w & (w - 1) == 0 else (w // 3) * 4
+            w = w + w // 2 if w >= self.HALF_STEPS and w & (w - 1) == 0 else 1 << w.bit_length()
         return out
 
     def prefill_step_for(self, batch: int, width: int) -> PagedPrefillStep | None:

@@ -23,7 +23,9 @@ each row the token step k sampled straight from the device (``PagedRunner.prev``
 host's work per token (detokenizing, stop strings, streaming) hides behind the device's.
 A request that step k ends (EOS, a stop string) has already joined step k + 1: that row's
 token is dropped, and its KV write lands in the blocks it reserved (a request never feeds
-a token past ``max_tokens``), before any later step can reuse them. Under mpirun rank 0
+a token past ``max_tokens``), before any later step can reuse them. The first tokens of the
+requests whose prefill step k ends are the exception: their copy is queued before step k's
+decode forward, and the host delivers them as soon as the prefill is done. Under mpirun rank 0
 delivers each step before it launches the next, so that every row's token is known on the
 host and can be broadcast.
 
@@ -194,10 +196,12 @@ class Scheduler:
 
     def step(self):
         self._schedule()
-        launched = self._launch()
+        first, launched = self._launch()
         if self.inflight is not None:  # the device is busy with ``launched`` meanwhile
             self._deliver(self.inflight)
             self.inflight = None
+        if first is not None:  # waits for the prefill alone, not for the decode queued after it
+            self._deliver(first)
         if launched is not None:
             if self.broadcast is None:
                 self.inflight = launched
@@ -205,15 +209,17 @@ class Scheduler:
                 self._deliver(launched)
         self._report()
 
-    def _launch(self) -> Sampled | None:
-        """Queues one step's forwards and sampling on the device -> its results on their way
-        to the host (None if no row ran)."""
+    def _launch(self) -> tuple[Sampled | None, Sampled | None]:
+        """Queues one step's forwards and sampling on the device -> (the first tokens of the
+        requests whose prefill it ends, the decoding rows' next tokens), each on its way to
+        the host (None where no row). The first tokens' copy is queued before the decode
+        forward, so a new request's first token reaches its client a decode step sooner."""
         # Prefill at most prefill_chunk tokens a step, counted as the forward computes them
         # (rows x the widest row), so a long prompt cannot stall the running batch's next
         # token for long: the oldest prefilling request first (in pieces if it is longer),
         # then every later one whose whole prompt still fits beside it. A request samples
         # its first token when its last piece is cached.
-        chunks, width, groups = [], 0, []
+        chunks, width, done = [], 0, []
         for r in self.running:
             if r.finish is None and r.cached < len(r.prompt):
                 left = len(r.prompt) - r.cached
@@ -235,25 +241,27 @@ class Scheduler:
             for r, n in chunks:
                 r.cached += n
             done = [i for i, (r, _) in enumerate(chunks) if r.cached == len(r.prompt)]
-            if done:  # indexing copies: a one-token chunk may have run as a captured step, whose
-                # outputs the decode step below rewrites if it replays the same one
-                groups.append(([chunks[i][0] for i in done], logits[done], ids[done]))
-        # Every request with a sampled token to feed, delivered or not; never past max_tokens.
+        # Every request with a sampled token to feed, delivered or not; never past max_tokens
+        # (the requests whose prefill ends now feed theirs at the next step).
         decoding = [r for r in self.running if r.finish is None and not r.cancelled and 0 < r.sampled < r.max_tokens]
+        first, tokens = None, []
+        if done:  # indexing copies: a one-token prompt may have run as a captured decode step,
+            # whose outputs the decode below rewrites if it replays the same one
+            first, t = self._sample_step([chunks[i][0] for i in done], logits[done], ids[done], 0)
+            tokens.append(t)
+        launched = None
         if decoding:
             on_device = self.broadcast is None
             rows = [Row([0], r.cached, r.table, r.src, self._knobs(r)) if on_device
                     else Row([r.generated[-1]], r.cached, r.table, sample=self._knobs(r)) for r in decoding]
-            logits, ids = self._forward(rows)
+            logits, ids = self._forward(rows)  # it reads the tokens the last step left in ``runner.prev``
             for r in decoding:
                 r.cached += 1
-            groups.append((decoding, logits, ids))
-        if not groups:
-            return None
-        reqs = [r for g in groups for r in g[0]]
-        if len(groups) == 1:
-            return self._sample_step(reqs, groups[0][1], groups[0][2])
-        return self._sample_step(reqs, torch.cat([g[1] for g in groups]), torch.cat([g[2] for g in groups]))
+            launched, t = self._sample_step(decoding, logits, ids, len(done))
+            tokens.append(t)
+        if tokens:  # for the next step to feed, by each row's ``src``
+            self.runner.prev[:sum(map(len, tokens))].copy_(torch.cat(tokens) if len(tokens) > 1 else tokens[0])
+        return first, launched
 
     @staticmethod
     def _knobs(r: Request):
@@ -297,23 +305,23 @@ class Scheduler:
                 r.table, self.free_blocks = self.free_blocks[:need], self.free_blocks[need:]
                 self.running.append(r)
 
-    def _sample_step(self, reqs: list[Request], logits: torch.Tensor, drawn: torch.Tensor) -> Sampled:
-        """Each row's next token on the device (``drawn`` by the forward, drawn again from
-        the processed logits for rows with logit processors): into ``runner.prev`` for the
-        next step to feed, into the penalty state, and on its way to the host with the
-        logprobs asked for (taken from ``logits`` as the model gave them, not the processed
-        ones)."""
+    def _sample_step(self, reqs: list[Request], logits: torch.Tensor, drawn: torch.Tensor,
+                     at: int) -> tuple[Sampled, torch.Tensor]:
+        """-> (each row's next token on its way to the host, with the logprobs asked for
+        (taken from ``logits`` as the model gave them, not the processed ones); the tokens
+        [B] on the device, which the caller puts in ``runner.prev`` from row ``at`` on).
+        The tokens are ``drawn`` by the forward, drawn again from the processed logits for
+        rows with logit processors; they go into the penalty state too."""
         tokens = self._redraw(reqs, logits, drawn)  # [B] on the device
-        self.runner.prev[:len(reqs)].copy_(tokens)
         lp_rows = [i for i, r in enumerate(reqs) if r.logprobs is not None]
         scored = [r for r in reqs if r.prompt_logprobs is not None and r.sampled == 0]
         for i, r in enumerate(reqs):
-            r.src, r.sampled = i, r.sampled + 1
+            r.src, r.sampled = at + i, r.sampled + 1
             if r.counts is not None:  # penalty state, on the device
                 r.counts.index_add_(0, tokens[i:i + 1], self._one(r.counts))
                 r.seen.index_fill_(0, tokens[i:i + 1], True)
         return Sampled.start(reqs, lp_rows, scored,
-                              [tokens] + self._logprob_parts(reqs, lp_rows, scored, logits, tokens))
+                             [tokens] + self._logprob_parts(reqs, lp_rows, scored, logits, tokens)), tokens
 
     @staticmethod
     def _one(like: torch.Tensor) -> torch.Tensor:

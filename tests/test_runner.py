@@ -82,12 +82,12 @@ def test_fixed_shape_prefill_equals_the_masked_forward(engine, lengths):
 
 def test_prefill_buckets_and_the_rows_that_take_them(engine):
     runner = PagedRunner(engine, num_blocks=64, block_size=8, max_batch=6)
-    runner.static, runner.prefill_tokens = True, 64
-    assert runner.prefill_widths() == [16, 24, 32, 48, 64]
-    assert runner.prefill_step_for(2, 20).width == 24 and runner.prefill_step_for(3, 20) is None  # 4 x 24 > 64
+    runner.static, runner.prefill_tokens, runner.HALF_STEPS = True, 64, 32
+    assert runner.prefill_widths() == [16, 32, 48, 64]
+    assert runner.prefill_step_for(2, 20).width == 32 and runner.prefill_step_for(3, 20) is None  # 4 x 32 > 64
     assert runner.prefill_step_for(1, 65) is None
     runner.capture_all()
-    assert set(runner._prefills) == {(1, 16), (2, 16), (4, 16), (1, 24), (2, 24), (1, 32), (2, 32), (1, 48), (1, 64)}
+    assert set(runner._prefills) == {(1, 16), (2, 16), (4, 16), (1, 32), (2, 32), (1, 48), (1, 64)}
     made = dict(runner._prefills)
     for rows in ([Row([1, 2, 3], 0, [0]), Row([4, 5], 3, [1])],  # a row with keys cached before it
                  [Row([1, 2, 3], 0, [0], src=0)]):  # a token fed from the device
@@ -147,6 +147,28 @@ def test_a_prefill_step_computes_at_most_prefill_chunk_tokens():
     assert prefills == [[30], [5, 12, 8], [40], [10, 3, 9], [17]]
     for r, p in zip(reqs, prompts):
         assert r.generated == engine.generate([p], max_new_tokens=4)[0].token_ids
+
+
+def test_a_new_requests_first_token_is_delivered_in_the_step_that_prefills_it(graph_outputs):
+    """A step that ends a prefill beside decoding rows delivers the new request's first
+    token at once (its copy is queued before the decode forward); the decoding rows'
+    tokens of that step arrive with the next step, as before. Tokens are generate()'s."""
+    engine = moe_infer.load("tiny-moe", device="cpu", progress=False)
+    scheduler = Scheduler(engine, num_blocks=32, block_size=8, max_batch=4)
+    scheduler.runner.static = True
+    a = Request([5, 9, 2, 7], SamplingParams(), 8, lambda *e: None)
+    b = Request([11, 3, 8], SamplingParams(), 8, lambda *e: None)
+    scheduler.submit(a)
+    scheduler.step()
+    scheduler.step()
+    assert len(a.generated) == 1 and scheduler.inflight.reqs == [a]
+    scheduler.submit(b)
+    scheduler.step()  # B's prefill, then A's decode
+    assert len(b.generated) == 1 and len(a.generated) == 2 and scheduler.inflight.reqs == [a]
+    _serve_all(scheduler, [])
+    for r in (a, b):
+        assert r.generated == engine.generate([r.prompt], max_new_tokens=8)[0].token_ids[:len(r.generated)]
+    assert len(b.generated) > 1
 
 
 def test_a_one_token_prompt_joining_a_decode_step_of_the_same_bucket(graph_outputs):
