@@ -24,8 +24,9 @@ host's work per token (detokenizing, stop strings, streaming) hides behind the d
 A request that step k ends (EOS, a stop string) has already joined step k + 1: that row's
 token is dropped, and its KV write lands in the blocks it reserved (a request never feeds
 a token past ``max_tokens``), before any later step can reuse them. The first tokens of the
-requests whose prefill step k ends are the exception: their copy is queued before step k's
-decode forward, and the host delivers them as soon as the prefill is done. Under mpirun rank 0
+requests whose prefill step k ends are the exception where no other prompt waits: their
+copy is queued before step k's decode forward, and the host delivers them as soon as the
+prefill is done. Under mpirun rank 0
 delivers each step before it launches the next, so that every row's token is known on the
 host and can be broadcast.
 
@@ -120,7 +121,7 @@ class Scheduler:
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.broadcast: Callable[[list[Row]], None] | None = None  # set on multi-rank jobs
-        self.inflight: Sampled | None = None  # the step launched, not yet delivered
+        self.inflight: list[Sampled] = []  # launched, not yet delivered
 
     # ----------------------------------------------------------------- from the server
 
@@ -170,7 +171,7 @@ class Scheduler:
         """The engine thread: iterate while there is work, sleep on the condition otherwise."""
         while not stop.is_set():
             with self.lock:
-                while not stop.is_set() and not self.waiting and not self.running and self.inflight is None:
+                while not stop.is_set() and not self.waiting and not self.running and not self.inflight:
                     self.wake.wait(timeout=0.5)
             if not stop.is_set():
                 try:
@@ -187,7 +188,7 @@ class Scheduler:
                     r.on_event("error", {"message": message})
                 self._release(r)
             self.running = []
-            self.inflight = None
+            self.inflight = []
 
     def _release(self, r: Request):
         """Gives a request's KV blocks back (under the lock)."""
@@ -197,17 +198,24 @@ class Scheduler:
     def step(self):
         self._schedule()
         first, launched = self._launch()
-        if self.inflight is not None:  # the device is busy with ``launched`` meanwhile
-            self._deliver(self.inflight)
-            self.inflight = None
-        if first is not None:  # waits for the prefill alone, not for the decode queued after it
+        for sampled in self.inflight:  # the device is busy with this step meanwhile
+            self._deliver(sampled)
+        # New requests' first tokens go out as soon as their prefill is done (not after the
+        # step's decode too), unless more prompts wait: then the next step's launches, an
+        # eager prefill's host work among them, overlap this step on the device first.
+        early = first is not None and (self.broadcast is not None or not self._prefill_waits())
+        if early:
             self._deliver(first)
-        if launched is not None:
-            if self.broadcast is None:
-                self.inflight = launched
-            else:
-                self._deliver(launched)
+        self.inflight = [s for s in (None if early else first, launched) if s is not None]
+        if self.broadcast is not None:
+            for sampled in self.inflight:
+                self._deliver(sampled)
+            self.inflight = []
         self._report()
+
+    def _prefill_waits(self) -> bool:
+        """Whether a request waits for admission or has prompt tokens still to prefill."""
+        return bool(self.waiting) or any(r.finish is None and r.cached < len(r.prompt) for r in self.running)
 
     def _launch(self) -> tuple[Sampled | None, Sampled | None]:
         """Queues one step's forwards and sampling on the device -> (the first tokens of the

@@ -151,8 +151,9 @@ def test_a_prefill_step_computes_at_most_prefill_chunk_tokens():
 
 def test_a_new_requests_first_token_is_delivered_in_the_step_that_prefills_it(graph_outputs):
     """A step that ends a prefill beside decoding rows delivers the new request's first
-    token at once (its copy is queued before the decode forward); the decoding rows'
-    tokens of that step arrive with the next step, as before. Tokens are generate()'s."""
+    token at once (its copy is queued before the decode forward) where no other prompt
+    waits; the decoding rows' tokens of that step arrive with the next step, as before.
+    Tokens are generate()'s."""
     engine = moe_infer.load("tiny-moe", device="cpu", progress=False)
     scheduler = Scheduler(engine, num_blocks=32, block_size=8, max_batch=4)
     scheduler.runner.static = True
@@ -161,12 +162,19 @@ def test_a_new_requests_first_token_is_delivered_in_the_step_that_prefills_it(gr
     scheduler.submit(a)
     scheduler.step()
     scheduler.step()
-    assert len(a.generated) == 1 and scheduler.inflight.reqs == [a]
+    assert len(a.generated) == 1 and [s.reqs for s in scheduler.inflight] == [[a]]
     scheduler.submit(b)
     scheduler.step()  # B's prefill, then A's decode
-    assert len(b.generated) == 1 and len(a.generated) == 2 and scheduler.inflight.reqs == [a]
+    assert len(b.generated) == 1 and len(a.generated) == 2 and [s.reqs for s in scheduler.inflight] == [[a]]
+    # With another prompt waiting, C's first token travels with A's and B's tokens instead.
+    c, d = (Request(p, SamplingParams(), 8, lambda *e: None) for p in ([4, 4, 2], [6, 1]))
+    scheduler.max_batch = 3
+    for r in (c, d):
+        scheduler.submit(r)
+    scheduler.step()
+    assert not c.generated and [s.reqs for s in scheduler.inflight] == [[c], [a, b]]
     _serve_all(scheduler, [])
-    for r in (a, b):
+    for r in (a, b, c, d):
         assert r.generated == engine.generate([r.prompt], max_new_tokens=8)[0].token_ids[:len(r.generated)]
     assert len(b.generated) > 1
 
@@ -219,7 +227,7 @@ def test_step_rows_travel_as_one_int64_tensor():
 def _serve_all(scheduler, reqs):
     for r in reqs:
         scheduler.submit(r)
-    while scheduler.waiting or scheduler.running or scheduler.inflight is not None:
+    while scheduler.waiting or scheduler.running or scheduler.inflight:
         scheduler.step()
 
 
