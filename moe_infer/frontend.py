@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import functools
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -107,6 +108,11 @@ class InProcessEngine(EngineClient):
 
     async def start(self):
         self.scheduler.warm_up()  # before the first request: none waits for a capture or a compile
+        # What exists now (the model, its graphs, the app) lives as long as the server: out
+        # of the collector's full passes, which hold the interpreter lock for as long as they
+        # take to walk every object and stalled the engine thread mid-stream.
+        gc.collect()
+        gc.freeze()
         if self.switch_interval is not None:
             self.saved_interval = sys.getswitchinterval()
             sys.setswitchinterval(self.switch_interval)
@@ -125,6 +131,7 @@ class InProcessEngine(EngineClient):
         if self.saved_interval is not None:
             sys.setswitchinterval(self.saved_interval)
             self.saved_interval = None
+        gc.unfreeze()
 
     async def submit(self, choices, queue):
         loop = asyncio.get_running_loop()

@@ -227,17 +227,23 @@ class PagedRunner:
             w = w + w // 2 if w >= self.HALF_STEPS and w & (w - 1) == 0 else 1 << w.bit_length()
         return out
 
-    def prefill_step_for(self, batch: int, width: int) -> PagedPrefillStep | None:
-        """The fixed-shape prefill of the bucket holding ``batch`` fresh prompts of at most
-        ``width`` tokens (None where none fits: rows x width past ``prefill_tokens``)."""
+    def prefill_bucket(self, batch: int, width: int) -> tuple[int, int] | None:
+        """The (rows, width) bucket of the fixed-shape prefill that holds ``batch`` fresh
+        prompts of at most ``width`` tokens (None where none does: rows x width past
+        ``prefill_tokens``)."""
         b = 1 << (batch - 1).bit_length()
         t = next((w for w in self.prefill_widths() if w >= width), None)
         if t is None or b * t > self.prefill_tokens or b > 1 << (self.max_batch - 1).bit_length():
             return None
-        if (b, t) not in self._prefills:
+        return b, t
+
+    def prefill_step_for(self, batch: int, width: int) -> PagedPrefillStep | None:
+        """The fixed-shape prefill of ``prefill_bucket(batch, width)``, made at its first use."""
+        key = self.prefill_bucket(batch, width)
+        if key is not None and key not in self._prefills:
             self._prime()
-            self._prefills[b, t] = PagedPrefillStep(self, b, t, self.graph, self._pool)
-        return self._prefills[b, t]
+            self._prefills[key] = PagedPrefillStep(self, *key, self.graph, self._pool)
+        return self._prefills.get(key)
 
     def prefill_buckets(self) -> list[tuple[int, int]]:
         """Every (rows, width) fixed-shape prefill bucket."""

@@ -225,16 +225,27 @@ class Scheduler:
         # Prefill at most prefill_chunk tokens a step, counted as the forward computes them
         # (rows x the widest row), so a long prompt cannot stall the running batch's next
         # token for long: the oldest prefilling request first (in pieces if it is longer),
-        # then every later one whose whole prompt still fits beside it. A request samples
-        # its first token when its last piece is cached.
+        # then every later one whose whole prompt still fits beside it, and keeps a prefill
+        # of fresh prompts within a fixed-shape bucket (``PagedRunner.prefill_bucket``): a
+        # captured prefill costs the device's time, an eager one the host's launches, which
+        # on a large model outlast several captured ones. A request samples its first token
+        # when its last piece is cached.
         chunks, width, done = [], 0, []
+        fixed = self.runner.static
         for r in self.running:
             if r.finish is None and r.cached < len(r.prompt):
                 left = len(r.prompt) - r.cached
-                if not chunks or (len(chunks) + 1) * max(width, left) <= self.prefill_chunk:
-                    n = min(left, self.prefill_chunk)
-                    chunks.append((r, n))
-                    width = max(width, n)
+                if chunks:
+                    rows, w = len(chunks) + 1, max(width, left)
+                    if rows * w > self.prefill_chunk:
+                        continue
+                    if (fixed and r.cached == 0 and self.runner.prefill_bucket(rows, w) is None
+                            and self.runner.prefill_bucket(len(chunks), width) is not None):
+                        continue
+                fixed = fixed and r.cached == 0
+                n = min(left, self.prefill_chunk)
+                chunks.append((r, n))
+                width = max(width, n)
         if chunks:
             rows = [Row(r.prompt[r.cached:r.cached + n], r.cached, r.table, sample=self._knobs(r)) for r, n in chunks]
             if any(r.prompt_logprobs is not None for r, _ in chunks):

@@ -149,6 +149,25 @@ def test_a_prefill_step_computes_at_most_prefill_chunk_tokens():
         assert r.generated == engine.generate([p], max_new_tokens=4)[0].token_ids
 
 
+def test_a_prefill_of_fresh_prompts_stays_within_a_fixed_shape_bucket():
+    """A fresh prompt joins a step's prefill only where the rows stay within a fixed-shape
+    bucket (rows x width within the runner's prefill_tokens, padding counted), though the
+    step's prefill_chunk would take it; it prefills at the next step."""
+    engine = moe_infer.load("tiny-moe", device="cpu", progress=False)
+    scheduler = Scheduler(engine, num_blocks=64, block_size=8, max_batch=4, prefill_chunk=40)
+    scheduler.runner.static, scheduler.runner.prefill_tokens = True, 32
+    forwards = []
+    decode = scheduler.runner.decode
+    scheduler.runner.decode = lambda rows: forwards.append([len(r.tokens) for r in rows]) or decode(rows)
+    prompts = [[3] * 5, [4] * 12, [5] * 8, [6] * 3]
+    reqs = [Request(p, SamplingParams(), 3, lambda *a: None) for p in prompts]
+    _serve_all(scheduler, reqs)
+    assert [f for f in forwards if max(f) > 1] == [[5, 12], [8, 3]]  # 3 x 12 fits 40, but only a 4 x 16 bucket
+    assert set(scheduler.runner._prefills) == {(2, 16)}
+    for r, p in zip(reqs, prompts):
+        assert r.generated == engine.generate([p], max_new_tokens=3)[0].token_ids
+
+
 def test_a_new_requests_first_token_is_delivered_in_the_step_that_prefills_it(graph_outputs):
     """A step that ends a prefill beside decoding rows delivers the new request's first
     token at once (its copy is queued before the decode forward) where no other prompt

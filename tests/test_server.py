@@ -1,6 +1,7 @@
 """The OpenAI-compatible server on loopback, with the embedded default model: the official
 ``openai`` client, 64 concurrent streams, bad requests, back-pressure and disconnects."""
 import asyncio
+import gc
 import json
 import socket
 import sys
@@ -222,15 +223,17 @@ def test_api_key(engine):
 
 def test_the_switch_interval_holds_while_the_server_runs(engine):
     """HTTP beside the engine thread: the interpreter switches threads every
-    server.switch_interval_us while the app runs, and as before once it stops."""
+    server.switch_interval_us while the app runs, and as before once it stops; what exists
+    when serving starts is frozen out of the collector's passes until then."""
     before = sys.getswitchinterval()
     live = LiveServer(create_app(engine, ServerConfig(model_name="default", switch_interval_us=300)))
     try:
         assert sys.getswitchinterval() == pytest.approx(300e-6)
+        assert gc.get_freeze_count() > 0  # the objects made before serving are out of the collector's passes
         assert httpx.post(live.url + "/v1/completions", json={"prompt": "When", "max_tokens": 2}).status_code == 200
     finally:
         live.stop()
-    assert sys.getswitchinterval() == before
+    assert sys.getswitchinterval() == before and gc.get_freeze_count() == 0
     with pytest.raises(ConfigError, match=r"server\.switch_interval_us=0: expected a positive integer"):
         ServerConfig(switch_interval_us=0)
 
