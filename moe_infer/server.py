@@ -50,7 +50,7 @@ class ServerConfig:
     block_size: int = 16  # tokens per KV-cache block
     num_blocks: int | None = None  # default: max_batch_size full-length sequences
     max_queue: int = 256  # waiting requests beyond the running batch; then 503
-    prefill_chunk: int = 512  # prompt tokens prefilled per engine step (bounds inter-token latency)
+    prefill_chunk: int = 2048  # prompt tokens (rows x widest row) prefilled per engine step (bounds inter-token latency)
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1
     default_max_tokens: int = 16

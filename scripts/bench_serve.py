@@ -15,7 +15,7 @@ process at each rate (inf: all at once). Every request asks for exactly ``--max-
 the tokens actually generated are counted). TTFT is arrival to the first streamed token;
 ITL the gaps between a request's streamed tokens. Their references, measured in the same
 run through ``generate()``: the decode step at the server's largest batch (ITL) and one
-prefill of the median prompt (TTFT). Writes bench/results/serve-<device>-<date>.json.
+prefill of the median prompt (TTFT). Writes bench/results/serve-<model>-<device>-<date>.json.
 """
 from __future__ import annotations
 
@@ -228,10 +228,12 @@ def main():
                                   f"{r['itl_p50_vs_step']:.2f}", f"{r['wall_s']:.2f}"]
                                  for r in rows]))
     if not args.smoke:
-        bc.write_results("serve", engine.device, {"run": run, "model": args.model, "args": vars(args),
-                                                  "offline": {"tokens": offline_tokens, "seconds": offline_s,
-                                                              "decode_step_s": step_s, "median_prefill_s": prefill_s},
-                                                  "rates": rows})
+        # one file per model: a later model's run the same day must not replace this one's
+        bc.write_results(f"serve-{Path(args.model).stem}", engine.device, {
+            "run": run, "model": args.model, "args": vars(args),
+            "offline": {"tokens": offline_tokens, "seconds": offline_s, "decode_step_s": step_s,
+                        "median_prefill_s": prefill_s},
+            "rates": rows})
 
 
 if __name__ == "__main__":
