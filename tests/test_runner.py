@@ -50,11 +50,14 @@ def test_fixed_shape_decode_step_equals_the_eager_forward(engine, lengths):
     torch.testing.assert_close(written, k_eager[:, :runner.cache.trash])
 
 
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "sliding-window"])
 @pytest.mark.parametrize("lengths", [[5], [3, 17, 9], [1, 40, 2, 33, 20]])
-def test_fixed_shape_prefill_equals_the_masked_forward(engine, lengths):
-    """Fresh prompts of different lengths, prefilled right-padded and causal over each
-    row's own keys (the fixed-shape step padded to its bucket, and the eager forward), give
-    the last-token logits and the cached keys and values of the left-padded masked forward."""
+def test_fixed_shape_prefill_equals_the_masked_forward(engine, lengths, window, monkeypatch):
+    """Fresh prompts of different lengths, prefilled right-padded (the fixed-shape step
+    padded to its bucket, and the eager forward) give the last-token logits and the cached
+    keys and values of the left-padded masked forward: causal over each row's own keys, or
+    under the mask where a sliding window applies."""
+    monkeypatch.setattr(engine.config.model, "sliding_window", window)
     runner = PagedRunner(engine, num_blocks=64, block_size=8, max_batch=8)
     rng = random.Random(len(lengths))
     free = list(range(runner.cache.num_blocks))
