@@ -151,9 +151,17 @@ class ParallelConfig:
     dp: int = 1
     pcc: bool = True  # parallelism-coordinated all-to-all; False: naive all-to-all baseline
     timeout_s: float = 300.0  # a collective waiting longer than this fails the job
+    # A rank's MoE layer over at most this many tokens (decode sizes) sends each peer a
+    # fixed-capacity buffer of tokens x top_k x expert_slicing rows, its unused rows marked
+    # on the device: the sizes are known without waiting for the device's counts. Larger
+    # batches exchange their counts first and send exact sizes. 0: always exact sizes.
+    a2a_fixed_tokens: int = 64
 
     def __post_init__(self):
         _check_positive("parallel", self, "tp", "ep", "expert_slicing", "pp", "dp", "timeout_s")
+        v = self.a2a_fixed_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            _fail("parallel.a2a_fixed_tokens", v, "an integer >= 0")
         expert_ranks = self.ep * self.expert_slicing
         if self.world_size % expert_ranks:
             _fail("parallel.ep", self.ep,

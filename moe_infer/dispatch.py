@@ -16,7 +16,7 @@ import torch
 import kernels
 from kernels.layout.reference import TAG_INTS
 from kernels.options import KernelOptions
-from comm import ParallelGroups, all_reduce, all_to_all, exchange_counts
+from comm import Group, ParallelGroups, all_reduce, all_to_all, exchange_counts
 
 
 class LocalDispatcher:
@@ -50,11 +50,19 @@ class ExpertParallelDispatcher:
     rank i sends only the units whose destination rank has TP index i, within the ranks
     that share TP index i (p / L peers, not p), and an all-reduce inside the TP group adds
     the partial combines. Each unit crosses the network once per TP group.
+
+    At most ``fixed_tokens`` tokens (decode sizes) go through fixed-capacity buffers: each
+    peer gets T x k x es rows (all of this rank's units could go to one peer, so nothing is
+    dropped), the rows no unit fills tagged as padding, so the all-to-alls' sizes are known
+    without a host wait for the counts (as DeepEP's low-latency mode sends). Padding rows
+    run through local expert 0 and are never read back.
     """
 
     def __init__(self, num_experts: int, top_k: int, ep: int, expert_slicing: int,
-                 groups: ParallelGroups, pcc: bool, options: KernelOptions = KernelOptions()):
+                 groups: ParallelGroups, pcc: bool, options: KernelOptions = KernelOptions(),
+                 fixed_tokens: int = 0):
         self.e_local, self.top_k, self.ep, self.es = num_experts // ep, top_k, ep, expert_slicing
+        self.fixed_tokens = fixed_tokens
         self.pdl = options.pdl
         self.groups = groups
         tp = groups.tp.size
@@ -68,6 +76,12 @@ class ExpertParallelDispatcher:
         if self.pcc:
             where = {r: i for i, r in enumerate(groups.pcc.ranks)}
             dest_of = [where.get(r, groups.pcc.size) for r in groups.ep.ranks]
+            if all(d in (groups.pcc.rank, groups.pcc.size) for d in dest_of):
+                # The expert ranks lie inside this rank's TP group: what it sends stays here.
+                # No peer takes part, and the replicas must not meet in a collective: they
+                # may hold other prompts (other token counts, other numbers of calls).
+                self.group = Group.alone(groups.world_rank)
+                dest_of = [0 if d == groups.pcc.rank else 1 for d in dest_of]
         else:
             dest_of = list(range(groups.ep.size))
         # [E, es] table, on the CPU (the model may be built on the meta device) until first use.
@@ -75,45 +89,60 @@ class ExpertParallelDispatcher:
         self.dest_table = torch.tensor([[dest_of[e // self.e_local * expert_slicing + s] for s in units]
                                         for e in range(num_experts)], device="cpu")
         self._tables = {}  # device -> the table there
-        self.sent_pairs = 0  # (pair, slice) units this rank sent in the last call: for checks
+        self._sent: int | torch.Tensor = 0  # units sent in the last call (on the device where fixed)
 
     def table(self, device: torch.device) -> torch.Tensor:
         if device not in self._tables:
             self._tables[device] = self.dest_table.to(device, torch.int32)
         return self._tables[device]
 
+    @property
+    def sent_pairs(self) -> int:
+        """(pair, slice) units this rank sent in the last call, for checks (a host wait
+        where the call used fixed buffers)."""
+        return int(self._sent)
+
     def dispatch(self, x: torch.Tensor, routing) -> "Sent":
         """The layout transform by destination rank (the maps kernel of the local path, over
         ranks instead of experts, then one kernel writing the send buffer), then one
         all-to-all of the rows, each carrying its local expert id in its padding: one count
-        exchange, one host wait."""
+        exchange and one host wait, or none with fixed buffers."""
         t, h = x.shape
         group = self.group
+        ints = TAG_INTS[x.element_size()]
         # [T, k * es] unit -> destination (index_select takes the int32 ids as they are)
         dest = self.table(x.device).index_select(0, routing.expert_ids.reshape(-1)).reshape(t, -1)
         offsets, rows = kernels.token_maps(dest, group.size + 1, pdl=self.pdl)  # units grouped by destination
-        send, recv = exchange_counts(offsets[1:-1] - offsets[:-2], group)
-        n = sum(send)
-        self.sent_pairs = n
         # Rows padded to a multiple of 16 elements (aligned for the expert GEMM); the first
         # padding column holds the expert id's bits (the all-to-all only copies bytes, and
         # NCCL moves no 16-bit integers).
-        payload = torch.empty(dest.numel(), h + PAD, dtype=x.dtype, device=x.device)
+        if t <= self.fixed_tokens:
+            cap = dest.numel()  # each peer's share; units another TP rank sends land past them all
+            rows = (dest * cap + rows - offsets.index_select(0, dest.reshape(-1)).view_as(dest)).int()
+            send = recv = [cap] * group.size
+            self._sent = offsets[group.size]
+            # Zeros: a padding row's expert output must be finite (a combine may weigh it by 0).
+            payload = torch.zeros((group.size + 1) * cap, h + PAD, dtype=x.dtype, device=x.device)
+            payload.view(ints)[:, h].fill_(-1)  # padding, unless a unit's row overwrites it
+        else:
+            send, recv = exchange_counts(offsets[1:-1] - offsets[:-2], group)
+            self._sent = sum(send)
+            payload = torch.empty(dest.numel(), h + PAD, dtype=x.dtype, device=x.device)
         kernels.dispatch_rows(x, rows, routing.expert_ids, self.e_local, payload, pdl=self.pdl)
-        received, _ = all_to_all(payload[:n], send, group, recv_counts=recv)
+        received, _ = all_to_all(payload[:sum(send)], send, group, recv_counts=recv)
         weights = routing.weights.float()
         if self.es > 1:  # every slice returns a partial sum with the pair's weight
             weights = weights.repeat_interleave(self.es, dim=1)
-        ints = TAG_INTS[x.element_size()]
         return Sent(received[:, :h], received.view(ints)[:, h:h + 1], recv, send, rows, weights, group)
 
     @staticmethod
     def compute(sent: "Sent", experts) -> torch.Tensor:
-        """This rank's experts on the rows it received (each routed to one local expert)."""
+        """This rank's experts on the rows it received (each routed to one local expert;
+        a fixed buffer's padding rows, tagged -1, to expert 0)."""
         if not sent.x.shape[0]:
             return sent.x
         ones = torch.ones(sent.x.shape[0], 1, device=sent.x.device)
-        return experts.fused(sent.x, sent.expert.int(), ones)
+        return experts.fused(sent.x, sent.expert.int().clamp(min=0), ones)
 
     def combine(self, y: torch.Tensor, sent: "Sent") -> torch.Tensor:
         """Rows back to their senders (counts known from the dispatch), then the gather

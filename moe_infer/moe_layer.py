@@ -34,7 +34,7 @@ class MoELayer(nn.Module):
                                ep_index, ep, groups.ep.rank % es, es, options)
         if ep * es > 1:
             self.dispatcher = ExpertParallelDispatcher(moe_cfg.num_experts, moe_cfg.top_k, ep, es, groups,
-                                                       parallel.pcc, options)
+                                                       parallel.pcc, options, parallel.a2a_fixed_tokens)
         else:
             self.dispatcher = LocalDispatcher(moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.capacity_factor)
         self.shared = None

@@ -114,9 +114,13 @@ class _Identity:
         return x
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["exact", "fixed"])
 @pytest.mark.parametrize("pcc", [False, True])
-def test_dispatch_then_combine_restores_input_and_pcc_sends_less(info, pcc):
+def test_dispatch_then_combine_restores_input_and_pcc_sends_less(info, pcc, fixed, monkeypatch):
+    """Exact sizes (counts exchanged first) and fixed-capacity buffers (no count exchange:
+    the padding rows are tagged, computed and never read back) give back every token."""
     from comm import ParallelGroups
+    import moe_infer.dispatch as dispatch
 
     world = info.world_size
     tp = 2
@@ -128,14 +132,40 @@ def test_dispatch_then_combine_restores_input_and_pcc_sends_less(info, pcc):
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
     weights = torch.rand(t, k, generator=gen)
     weights /= weights.sum(-1, keepdim=True)
-    d = ExpertParallelDispatcher(e, k, world, 1, groups, pcc)
+    d = ExpertParallelDispatcher(e, k, world, 1, groups, pcc, fixed_tokens=t if fixed else 0)
     x, ids, weights = x.to(info.device), ids.to(info.device), weights.to(info.device)
+    if fixed:
+        monkeypatch.setattr(dispatch, "exchange_counts", lambda *a: pytest.fail("counts exchanged"))
     out = d.run(x, Routing(ids, weights), _Identity())
     torch.testing.assert_close(out, x, rtol=1e-5, atol=1e-6)
     sent = torch.tensor([d.sent_pairs], device=info.device)
     dist.all_reduce(sent, group=groups.tp.group)
     # PCC: each (token, expert) pair once per TP group; naive: once per TP rank (L times).
     assert sent.item() == (t * k if pcc else tp * t * k)
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["exact", "fixed"])
+def test_replicas_that_split_the_prompts_meet_in_no_dispatch(info, fixed):
+    """tp2 x dp2, ep2, PCC: the expert ranks lie inside each TP group, so a rank's units
+    stay in it, and the replicas (which split the prompts: other tokens, other numbers of
+    MoE calls) share no collective in the dispatch."""
+    from comm import ParallelGroups
+
+    if info.world_size != 4:
+        pytest.skip("needs 4 ranks: two replicas of a TP pair")
+    groups = ParallelGroups.build(ParallelConfig(tp=2, dp=2, ep=2, pcc=True), dist.get_rank(), 4)
+    d = ExpertParallelDispatcher(8, 3, 2, 1, groups, True, fixed_tokens=64 if fixed else 0)
+    assert d.group.size == 1
+    replica = groups.dp.rank
+    gen = torch.Generator().manual_seed(replica)  # the TP pair's tokens, the other replica's differ
+    for _ in range(1 + replica):
+        t = 5 + 6 * replica
+        x = torch.randn(t, 16, generator=gen)
+        ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(t)]).int()
+        weights = torch.rand(t, 3, generator=gen)
+        weights /= weights.sum(-1, keepdim=True)
+        x, ids, weights = x.to(info.device), ids.to(info.device), weights.to(info.device)
+        torch.testing.assert_close(d.run(x, Routing(ids, weights), _Identity()), x, rtol=1e-5, atol=1e-6)
 
 
 def test_moe_layer_rejects_pcc_when_expert_ranks_do_not_align_with_tp(world):
