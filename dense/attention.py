@@ -22,8 +22,8 @@ from kernels.attention import qkv_attention_fits, qkv_decode_supported
 from kernels.options import KernelOptions
 
 # The SDPA kernels a forward may use (``Transformer.forward`` enables these alone). Not
-# cuDNN's: it builds an execution plan for every new shape, tens of milliseconds each time,
-# and a server meets a new prompt length or batch with nearly every request.
+# cuDNN's: it builds an execution plan for every new shape, at a cost far above the
+# attention's own, and a server meets a new prompt length or batch with nearly every request.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

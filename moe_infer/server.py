@@ -50,7 +50,7 @@ class ServerConfig:
     block_size: int = 16  # tokens per KV-cache block
     num_blocks: int | None = None  # default: max_batch_size full-length sequences
     max_queue: int = 256  # waiting requests beyond the running batch; then 503
-    prefill_chunk: int = 2048  # prompt tokens (rows x widest row) prefilled per engine step (bounds inter-token latency)
+    prefill_chunk: int = 2048  # prompt tokens (rows x widest row) prefilled a step: bounds inter-token latency
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1
     default_max_tokens: int = 16
@@ -59,8 +59,7 @@ class ServerConfig:
     api_process: bool = False
     # With HTTP beside the engine thread: the interpreter's thread switch interval while the
     # server runs. The engine thread, back from waiting on the device, takes the interpreter
-    # lock from a busy event loop within this long (Python's default is 5000 us, about a
-    # decode step).
+    # lock from a busy event loop within this long (Python's default is 5000 us).
     switch_interval_us: int = 200
 
     def __post_init__(self):
