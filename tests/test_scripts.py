@@ -16,6 +16,7 @@ SMOKES = {
     "bench_dense": (["--device", "cpu", "--smoke"], "SDPA gathered"),
     "bench_decode": (["--device", "cpu", "--smoke"], "floor MB"),
     "bench_serve": (["--smoke"], "TTFT p50"),
+    "bench_layouts": (["--smoke", "--baseline", "--no-json"], "ms/token"),
 }
 
 
@@ -65,6 +66,7 @@ def test_bench_decode_table_of_prompt_lengths_and_batches():
 
 MULTI_RANK = {  # run under scripts/launch.sh with 2 ranks (gloo)
     "bench_ep": (["--device", "cpu", "--smoke", "--no-json"], "PCC / naive"),
+    "bench_layouts": (["--smoke", "--no-json"], "collectives/token"),
 }
 
 

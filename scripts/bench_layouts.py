@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""Multi-rank decode: generate() under each parallel layout, as a user runs it, beside one
+GPU of the same machine.
+
+    python scripts/bench_layouts.py --model olmoe-1b-7b --baseline          # one GPU alone
+    scripts/launch.sh -n 2 -- python scripts/bench_layouts.py --model olmoe-1b-7b
+    scripts/launch.sh -n 2 -- python scripts/bench_layouts.py --smoke       # tiny-moe, CPU ranks (gloo)
+
+The ``--baseline`` run (one process, so its decode runs the captured step, as a one-GPU
+user's does) writes its ms/token per batch to bench/results/layouts-baseline-<model>-
+<device>-<date>.json; a multi-rank run of the same model, device and day reads it and
+prints each layout's ratio to it.
+
+ms/token is ``bench_decode.per_token_ms``: (generate() with N + 1 new tokens - with 2) /
+(N - 1), medians of ``--reps``, timed on rank 0 (every rank runs every prompt unless the
+layout splits them over data-parallel replicas: then rank 0's share). Run the baseline and
+the layouts in one device session, so both come from the same machine. Random
+weights are drawn per rank's shard, so layouts run models of the same shapes, not the same
+values: this times, parity is the mpi tests' (tests/test_model_mpi.py). A second
+pass times every collective (the device synchronized around each call) and splits a token's
+time into communication and the rest; the synchronizing slows that pass, so its total is
+printed beside the first. Writes bench/results/layouts-<model>-<N>ranks-<device>-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+_SCRIPTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
+
+import bench_common as bc  # noqa: E402
+import moe_infer  # noqa: E402
+from bench_decode import per_token_ms  # noqa: E402
+from moe_infer import ParallelConfig  # noqa: E402
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast")
+
+
+def layouts(world: int) -> list[tuple[str, dict]]:
+    """(name, parallel settings) of every layout for ``world`` ranks; data parallelism of
+    the dense part fills the ranks a layout leaves."""
+    out = [(f"tp{world}", dict(tp=world)), (f"ep{world}", dict(dp=world, ep=world)),
+           (f"slicing{world}", dict(dp=world, expert_slicing=world))]
+    if world >= 4 and world % 2 == 0:
+        out += [(f"tp2-ep{world}-pcc", dict(tp=2, dp=world // 2, ep=world, pcc=True)),
+                (f"tp2-ep{world}-naive", dict(tp=2, dp=world // 2, ep=world, pcc=False))]
+    return out
+
+
+class CommTimer:
+    """Wraps torch.distributed's collectives (looked up at each call by ``comm``): each
+    call synchronizes the device before and after and adds its wall time."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds, self.calls, self.saved = device, 0.0, 0, {}
+
+    def __enter__(self):
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                self.saved[name] = getattr(dist, name)
+                setattr(dist, name, self._timed(self.saved[name]))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+    def _timed(self, fn):
+        def call(*args, **kwargs):
+            bc.synchronize(self.device)
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            bc.synchronize(self.device)
+            self.seconds += time.perf_counter() - t
+            self.calls += 1
+            return out
+        return call
+
+
+def split_ms(engine, prompts, n: int) -> tuple[float, float, int]:
+    """-> (ms per token with every collective synchronized, of it in collectives, collective
+    calls per token): generate() with n + 1 new tokens against 2, once each."""
+    out = []
+    for new in (2, n + 1):
+        with CommTimer(engine.device) as timer:
+            dist.barrier()
+            t = time.perf_counter()
+            engine.generate(prompts, max_new_tokens=new)
+            bc.synchronize(engine.device)
+            out.append((time.perf_counter() - t, timer.seconds, timer.calls))
+    (t2, c2, k2), (tn, cn, kn) = out
+    return 1e3 * (tn - t2) / (n - 1), 1e3 * (cn - c2) / (n - 1), round((kn - k2) / (n - 1))
+
+
+def baseline_path(model: str, device) -> Path:
+    return bc.RESULTS_DIR / f"layouts-baseline-{Path(model).stem}-{bc.device_slug(bc.device_kind(device))}-" \
+                            f"{bc.iso_date()}.json"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="olmoe-1b-7b", help="a preset name or config YAML (random weights)")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layouts", default="", help="comma list of layout names (default: every one)")
+    ap.add_argument("--baseline", action="store_true", help="one process: the one-GPU figures the layouts compare to")
+    ap.add_argument("--smoke", action="store_true", help="tiny-moe on CPU ranks, few tokens")
+    ap.add_argument("--no-json", action="store_true", help="do not write bench/results/*.json")
+    args = ap.parse_args()
+    if args.smoke:
+        args.model, args.batches, args.prompt_len, args.new_tokens, args.reps = "tiny-moe", "1,4", 8, 4, 1
+    batches = [int(b) for b in args.batches.split(",")]
+
+    def prompts(engine, b):  # the same prompts for every layout and the baseline
+        gen = torch.Generator().manual_seed(b)
+        vocab = engine.config.model.vocab_size
+        return [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(b)]
+
+    def load(parallel=None):
+        engine = moe_infer.load(args.model, parallel=parallel, progress=False, device="cpu" if args.smoke else None)
+        engine.eos = set()  # every row runs all its tokens (per_token_ms needs it)
+        engine.config.engine.max_batch_size = max(batches)
+        return engine
+
+    if args.baseline:
+        engine = load()
+        rows = {b: per_token_ms(engine, prompts(engine, b), args.new_tokens, args.reps)[0] for b in batches}
+        print(f"one process, {engine.device}, decode mode {engine.decode_mode}: "
+              + ", ".join(f"batch {b} {ms:.3f} ms/token" for b, ms in rows.items()))
+        if not args.no_json:
+            path = baseline_path(args.model, engine.device)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"run": bc.run_info(engine.device), "model": args.model,
+                                        "decode_mode": engine.decode_mode, "ms_per_token": rows}, indent=1) + "\n")
+        return
+
+    from comm import bootstrap, shutdown
+    info = bootstrap(backend="gloo" if args.smoke else None)
+    world, rank = info.world_size, dist.get_rank()
+    chosen = [(n, kw) for n, kw in layouts(world) if not args.layouts or n in args.layouts.split(",")]
+    results = []
+    for name, kw in chosen:
+        engine = load(ParallelConfig(**kw))
+        for b in batches:
+            ps = prompts(engine, b)
+            ms, _ = per_token_ms(engine, ps, args.new_tokens, args.reps)
+            synced, comm_ms, calls = split_ms(engine, ps, args.new_tokens)
+            results.append({"layout": name, "parallel": kw, "batch": b, "ms_per_token": ms, "synced_ms": synced,
+                            "comm_ms": comm_ms, "collectives_per_token": calls})
+        del engine
+    base = {}
+    device = info.device
+    path = baseline_path(args.model, device)
+    if path.exists():
+        base = {int(b): ms for b, ms in json.loads(path.read_text())["ms_per_token"].items()}
+    if rank == 0:
+        run = bc.run_info(device)
+        print(f"device {run['device']} x {world} ranks | date {run['date']} | commit {run['commit']} | "
+              f"model {args.model}, random weights, prompts of {args.prompt_len} tokens, {args.new_tokens} new")
+        print("one GPU alone (--baseline, same day and device): "
+              + (", ".join(f"batch {b} {ms:.3f} ms" for b, ms in sorted(base.items())) if base else "not run"))
+        cols = ["layout", "batch", "ms/token", "x one GPU", "synced ms", "comm ms", "comm share", "collectives/token"]
+        print(bc.format_table(cols, [[r["layout"], r["batch"], f"{r['ms_per_token']:.3f}",
+                                      f"{r['ms_per_token'] / base[r['batch']]:.2f}" if r["batch"] in base else "-",
+                                      f"{r['synced_ms']:.3f}", f"{r['comm_ms']:.3f}",
+                                      f"{r['comm_ms'] / r['synced_ms']:.0%}" if r["synced_ms"] > 0 else "-",
+                                      r["collectives_per_token"]] for r in results]))
+        if not args.no_json:
+            bc.write_results(f"layouts-{Path(args.model).stem}-{world}ranks", device,
+                             {"run": run, "model": args.model, "args": vars(args),
+                              "baseline_ms_per_token": base, "rows": results})
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
