@@ -99,6 +99,10 @@ def test_layouts_match_single_process(info, checkpoint):
         err = rel_err(engine.logits(PROMPTS), ref)
         assert err < (1e-4 if on_gpu else 1e-5), f"{name}: relative error {err:.2e}"
         assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=5)] == ref_tokens, name
+        if not on_gpu:  # the fixed-shape prefill and decode steps (a graph's math, run eagerly), collectives inside
+            engine.decode_mode = "static"
+            assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=5)] == ref_tokens, name
+            assert engine.runner._steps and engine.runner._prefills, name
         if on_gpu:
             del engine
             engine = moe_infer.load(path, device=info.device, dtype=torch.bfloat16,
