@@ -153,9 +153,11 @@ class ParallelConfig:
     timeout_s: float = 300.0  # a collective waiting longer than this fails the job
     # A rank's MoE layer over at most this many tokens (decode sizes) sends each peer a
     # fixed-capacity buffer of tokens x top_k x expert_slicing rows, its unused rows marked
-    # on the device: the sizes are known without waiting for the device's counts. Larger
-    # batches exchange their counts first and send exact sizes. 0: always exact sizes.
-    a2a_fixed_tokens: int = 64
+    # on the device: the sizes are known without waiting for the device's counts (what a
+    # captured multi-rank step needs). Larger batches exchange their counts first and send
+    # exact sizes. 0 (the default until it is measured on GPUs): always exact sizes. Its
+    # unused rows run through local expert 0, one more expert's weights read at small batches.
+    a2a_fixed_tokens: int = 0
 
     def __post_init__(self):
         _check_positive("parallel", self, "tp", "ep", "expert_slicing", "pp", "dp", "timeout_s")

@@ -36,10 +36,13 @@ FAMILY_KW = {
 
 def layouts(world):
     """(name, ParallelConfig) for this world size; the dense part fills the world with dp."""
-    out = [("tp", dict(tp=world)), ("ep", dict(dp=world, ep=world))]
+    out = [("tp", dict(tp=world)), ("ep", dict(dp=world, ep=world)),
+           ("ep-fixed-a2a", dict(dp=world, ep=world, a2a_fixed_tokens=64))]
     if world == 4:
         out += [("tp2-ep2-pcc", dict(tp=2, dp=2, ep=2, pcc=True)), ("tp2-ep2-naive", dict(tp=2, dp=2, ep=2, pcc=False)),
-                ("tp2-ep4-pcc", dict(tp=2, dp=2, ep=4, pcc=True)), ("ep2-slicing2", dict(dp=4, ep=2, expert_slicing=2)),
+                ("tp2-ep4-pcc", dict(tp=2, dp=2, ep=4, pcc=True)),
+                ("tp2-ep4-pcc-fixed-a2a", dict(tp=2, dp=2, ep=4, pcc=True, a2a_fixed_tokens=64)),
+                ("ep2-slicing2", dict(dp=4, ep=2, expert_slicing=2)),
                 ("tp2-ep2-slicing2-pcc", dict(tp=2, dp=2, ep=2, expert_slicing=2, pcc=True)),
                 ("tp2-slicing2-pcc", dict(tp=2, dp=2, ep=1, expert_slicing=2, pcc=True))]
     else:
