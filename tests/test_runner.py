@@ -83,6 +83,25 @@ def test_fixed_shape_prefill_equals_the_masked_forward(engine, lengths, window, 
     assert b >= len(rows) and t >= max(lengths) and b * t <= runner.prefill_tokens
 
 
+def test_sampled_first_tokens_through_the_fixed_shape_prefill_equal_the_eager_ones():
+    """Seeded sampling requests: their first tokens, drawn after the fixed-shape prefill
+    from its logits, and the rest equal the eager forward's."""
+    engine = moe_infer.load("tiny-moe", device="cpu", progress=False)
+    prompts = [[5, 9, 2, 7, 3], [11, 3], [42, 8, 8, 1, 6, 2, 9]]
+
+    def run(static):
+        scheduler = Scheduler(engine, num_blocks=64, block_size=8, max_batch=4)
+        scheduler.runner.static = static
+        reqs = [Request(p, SamplingParams(temperature=1.3, top_k=20, seed=11 + i), 6, lambda *a: None)
+                for i, p in enumerate(prompts)]
+        _serve_all(scheduler, reqs)
+        return [r.generated for r in reqs], set(scheduler.runner._prefills)
+
+    (fixed, buckets), (eager, _) = run(True), run(False)
+    assert fixed == eager and buckets
+    assert len({tuple(g) for g in fixed}) > 1
+
+
 def test_prefill_buckets_and_the_rows_that_take_them(engine):
     runner = PagedRunner(engine, num_blocks=64, block_size=8, max_batch=6)
     runner.static, runner.prefill_tokens, runner.HALF_STEPS = True, 64, 32
