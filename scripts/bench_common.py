@@ -289,12 +289,17 @@ def _is_number(value: Any) -> bool:
         return False
 
 
+def results_path(name: str, device: torch.device | str, date: str | None = None) -> Path:
+    """bench/results/<name>-<device-slug>-<date>.json (today's by default)."""
+    return RESULTS_DIR / f"{name}-{device_slug(device_kind(device))}-{date or iso_date()}.json"
+
+
 def write_results(name: str, device: torch.device | str, payload: dict[str, Any],
                   date: str | None = None) -> Path:
-    """Writes ``payload`` to bench/results/<name>-<device-slug>-<date>.json; returns the path.
+    """Writes ``payload`` to ``results_path(name, device, date)``; returns the path.
 
     A later run on the same day and device replaces the earlier file."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}-{device_slug(device_kind(device))}-{date or iso_date()}.json"
+    path = results_path(name, device, date)
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     return path

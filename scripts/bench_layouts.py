@@ -99,9 +99,8 @@ def split_ms(engine, prompts, n: int) -> tuple[float, float, int]:
     return 1e3 * (tn - t2) / (n - 1), 1e3 * (cn - c2) / (n - 1), round((kn - k2) / (n - 1))
 
 
-def baseline_path(model: str, device) -> Path:
-    return bc.RESULTS_DIR / f"layouts-baseline-{Path(model).stem}-{bc.device_slug(bc.device_kind(device))}-" \
-                            f"{bc.iso_date()}.json"
+def baseline_name(model: str) -> str:
+    return f"layouts-baseline-{Path(model).stem}"
 
 
 def main():
@@ -137,10 +136,9 @@ def main():
         print(f"one process, {engine.device}, decode mode {engine.decode_mode}: "
               + ", ".join(f"batch {b} {ms:.3f} ms/token" for b, ms in rows.items()))
         if not args.no_json:
-            path = baseline_path(args.model, engine.device)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"run": bc.run_info(engine.device), "model": args.model,
-                                        "decode_mode": engine.decode_mode, "ms_per_token": rows}, indent=1) + "\n")
+            bc.write_results(baseline_name(args.model), engine.device, {
+                "run": bc.run_info(engine.device), "model": args.model, "decode_mode": engine.decode_mode,
+                "ms_per_token": rows})
         return
 
     from comm import bootstrap, shutdown
@@ -159,7 +157,7 @@ def main():
         del engine
     base = {}
     device = info.device
-    path = baseline_path(args.model, device)
+    path = bc.results_path(baseline_name(args.model), device)
     if path.exists():
         base = {int(b): ms for b, ms in json.loads(path.read_text())["ms_per_token"].items()}
     if rank == 0:
