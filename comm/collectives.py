@@ -15,8 +15,54 @@ from comm.groups import Group
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum over the group, in place."""
     if group.size > 1:
+        if group.fast_sum is not None and group.fast_sum.takes(x):
+            return group.fast_sum(x)
         dist.all_reduce(x, group=group.group)
     return x
+
+
+class SymmetricAllReduce:
+    """Sums small GPU tensors over a group in one kernel launch: each rank copies its tensor
+    into a buffer every peer can read (torch's symmetric memory), and the one-shot kernel
+    reads all the copies and adds them. At decode sizes this takes a few microseconds
+    where NCCL's all-reduce takes tens, and it can be captured in a CUDA graph. Its buffers
+    (one per dtype, ``MAX_BYTES``) are made at the first sum of each dtype, which every
+    rank of the group makes together; where the GPUs cannot reach each other's memory, the
+    ranks agree to keep NCCL."""
+
+    MAX_BYTES = 2 << 20
+    DTYPES = (torch.float32, torch.bfloat16)
+
+    def __init__(self, group: Group):
+        self.group = group
+        self.buffers: dict[torch.dtype, torch.Tensor | None] = {}
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and x.dtype in self.DTYPES and x.is_contiguous() and x.nbytes <= self.MAX_BYTES
+                and x.nbytes % 16 == 0 and self._buffer(x) is not None)
+
+    def _buffer(self, x: torch.Tensor) -> torch.Tensor | None:
+        if x.dtype not in self.buffers:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            name = self.group.group.group_name
+            buf = None
+            try:
+                buf = symm_mem.empty(self.MAX_BYTES // x.element_size(), dtype=x.dtype, device=x.device)
+                symm_mem.rendezvous(buf, name)
+            except Exception:  # no peer access (or no support): NCCL on every rank of the group
+                buf = None
+            ok = torch.tensor([buf is not None], dtype=torch.int32, device=x.device)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group.group)
+            self.buffers[x.dtype] = buf if ok.item() else None
+        return self.buffers[x.dtype]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # One launch: the kernel copies x into this rank's buffer, waits for every peer's,
+        # then writes the sum over x (each thread reads its elements before it writes them).
+        view = self.buffers[x.dtype][:x.numel()].view(x.shape)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(view, x, "sum", self.group.group.group_name, x)
+        return x
 
 
 def all_gather(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:

@@ -21,6 +21,7 @@ class Group:
     rank: int
     size: int
     ranks: tuple[int, ...]
+    fast_sum: object | None = None  # a comm.collectives.SymmetricAllReduce for its small all-reduces
 
     @classmethod
     def alone(cls, rank: int = 0) -> "Group":
@@ -67,4 +68,9 @@ class ParallelGroups:
                 handle = dist.new_group(ranks) if len(ranks) > 1 else None
                 if world_rank in ranks:
                     mine[name] = Group(handle, ranks.index(world_rank), len(ranks), tuple(ranks))
+        tp_group = mine["tp"]
+        if tp_group.size > 1 and parallel.all_reduce == "auto" and dist.get_backend() == "nccl":
+            from comm.collectives import SymmetricAllReduce
+
+            tp_group.fast_sum = SymmetricAllReduce(tp_group)
         return cls(world_rank=world_rank, pcc=mine["dp"], **mine)

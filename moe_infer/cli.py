@@ -47,7 +47,7 @@ def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
     par = parser.add_argument_group("parallelism (launch with scripts/launch.sh -n N -- moe-infer ...)")
     par.add_argument("--tp", type=int, help="tensor-parallel degree (heads and FFN columns split)")
     par.add_argument("--ep", type=int, help="expert-parallel degree (experts placed across ranks)")
-    par.add_argument("--expert-slicing", type=int, help="ranks that split each expert's width")
+    par.add_argument("--expert-slicing", type=int, help="ranks that split each expert's width (default: tp / ep where ep divides tp, else 1)")
     par.add_argument("--pcc", action=argparse.BooleanOptionalAction, default=None,
                      help="parallelism-coordinated all-to-all (default on; --no-pcc: naive baseline)")
 
@@ -105,7 +105,7 @@ def _parallel(args, ranks: int) -> ParallelConfig | None:
     tp = args.tp or 1
     if tp < 1 or ranks % tp:
         raise ConfigError(f"--tp={tp}: expected a divisor of the {ranks} ranks this job runs")
-    return ParallelConfig(tp=tp, dp=ranks // tp, ep=args.ep or 1, expert_slicing=args.expert_slicing or 1,
+    return ParallelConfig(tp=tp, dp=ranks // tp, ep=args.ep or 1, expert_slicing=args.expert_slicing,
                           pcc=True if args.pcc is None else args.pcc)
 
 
@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     job = Job()
+    crashed = False
     try:
         if args.command == "generate":
             return _generate(args, job)
@@ -200,8 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except USER_ERRORS as exc:  # this rank alone knows it
         return job.fail(str(exc))
+    except BaseException:
+        # The excepthook aborts the job: the peers may wait inside a collective (or a
+        # replayed graph's), where a barrier here would only add a wait for the timeout.
+        crashed = True
+        raise
     finally:
-        if job.size > 1:
+        if job.size > 1 and not crashed:
             shutdown()  # a rank that left early would make gloo end its peers
     parser.print_help()
     return 2

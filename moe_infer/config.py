@@ -146,7 +146,10 @@ class ParallelConfig:
 
     tp: int = 1
     ep: int = 1
-    expert_slicing: int = 1
+    # Ranks that split each expert's width. None: the tensor-parallel ranks that expert
+    # parallelism leaves (tp / ep where ep divides tp, else 1), so that tensor parallelism
+    # splits the experts as it splits the dense layers (as vLLM's does); 1 replicates them.
+    expert_slicing: int | None = None
     pp: int = 1
     dp: int = 1
     pcc: bool = True  # parallelism-coordinated all-to-all; False: naive all-to-all baseline
@@ -158,9 +161,18 @@ class ParallelConfig:
     # exact sizes. 0 (the default until it is measured on GPUs): always exact sizes. Its
     # unused rows run through local expert 0, one more expert's weights read at small batches.
     a2a_fixed_tokens: int = 0
+    # The tensor-parallel all-reduce on GPUs. "auto": tensors of at most 2 MiB (decode
+    # sizes) are summed by one kernel that reads each peer's copy from its memory (torch's
+    # symmetric-memory one-shot all-reduce, where the GPUs reach each other's memory), NCCL
+    # otherwise; "nccl": NCCL always.
+    all_reduce: str = "auto"
 
     def __post_init__(self):
-        _check_positive("parallel", self, "tp", "ep", "expert_slicing", "pp", "dp", "timeout_s")
+        _check_positive("parallel", self, "tp", "ep", "pp", "dp", "timeout_s")
+        if self.expert_slicing is None:
+            self.expert_slicing = self.tp // self.ep if self.tp % self.ep == 0 else 1
+        _check_positive("parallel", self, "expert_slicing")
+        _check_choice("parallel", self, "all_reduce", ("auto", "nccl"))
         v = self.a2a_fixed_tokens
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             _fail("parallel.a2a_fixed_tokens", v, "an integer >= 0")

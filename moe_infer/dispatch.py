@@ -30,6 +30,12 @@ class LocalDispatcher:
             return None  # dropless
         return max(1, math.ceil(num_tokens * self.top_k / self.num_experts * self.capacity_factor))
 
+    @staticmethod
+    def waits_for_host(num_tokens: int) -> bool:
+        """Whether a call over ``num_tokens`` tokens waits for the host (it cannot be
+        captured in a CUDA graph): never, all experts are here."""
+        return False
+
     def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
         """x [T, H] and its Routing -> the weighted expert outputs [T, H]."""
         return experts.fused(x, routing.expert_ids, routing.weights, self.capacity(x.shape[0]),
@@ -90,6 +96,12 @@ class ExpertParallelDispatcher:
                                         for e in range(num_experts)], device="cpu")
         self._tables = {}  # device -> the table there
         self._sent: int | torch.Tensor = 0  # units sent in the last call (on the device where fixed)
+
+    def waits_for_host(self, num_tokens: int) -> bool:
+        """Whether a call over ``num_tokens`` tokens waits for the host (it cannot be
+        captured in a CUDA graph): where the exchange takes exact sizes, which the host
+        needs (also where this rank alone takes part: they size its buffers)."""
+        return num_tokens > self.fixed_tokens
 
     def table(self, device: torch.device) -> torch.Tensor:
         if device not in self._tables:

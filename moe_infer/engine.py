@@ -105,10 +105,11 @@ class Engine:
         p = model.embed.weight
         self.device, self.dtype = p.device, p.dtype
         self.eos = set(config.model.eos_token_ids)
-        # "graph": decode steps replay CUDA graphs (one GPU); "static": the same fixed-shape
-        # step run eagerly; "eager": shapes grow with the cache (any device, any layout).
-        single = not (dist.is_initialized() and dist.get_world_size() > 1)
-        self.decode_mode = "graph" if p.is_cuda and single and config.engine.cuda_graphs else "eager"
+        # "graph": decode steps replay CUDA graphs (GPUs; on several ranks with the NCCL
+        # collectives inside); "static": the same fixed-shape step run eagerly; "eager":
+        # shapes grow with the cache (any device, any layout).
+        nccl = not (dist.is_initialized() and dist.get_world_size() > 1) or dist.get_backend() == "nccl"
+        self.decode_mode = "graph" if p.is_cuda and nccl and config.engine.cuda_graphs else "eager"
         self.graph_primers = GRAPH_PRIMERS  # graphs made before the first decode step's (0: none)
         self._primed = False
         self.runner: PagedRunner | None = None  # generate()'s, made at the first call

@@ -90,6 +90,23 @@ class Transformer(nn.Module):
         self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps, options)
         self.lm_head = None if m.tied_embeddings else Linear(m.hidden_size, m.vocab_size, bias=False, options=options)
 
+    def dispatchers(self) -> list:
+        """Each MoE layer's dispatcher (where its experts live, how tokens reach them)."""
+        return [m.dispatcher for m in self.modules() if isinstance(m, MoELayer)]
+
+    def fix_exchanges(self, num_tokens: int) -> None:
+        """Steps of at most ``num_tokens`` tokens exchange fixed-capacity buffers in every
+        expert all-to-all (no host wait for the counts), so they can be captured in CUDA
+        graphs; at least what ``parallel.a2a_fixed_tokens`` asks for."""
+        for d in self.dispatchers():
+            if hasattr(d, "fixed_tokens"):
+                d.fixed_tokens = max(d.fixed_tokens, num_tokens)
+
+    def capturable(self, num_tokens: int) -> bool:
+        """Whether a step over ``num_tokens`` tokens runs without waiting for the host, so a
+        CUDA graph can hold it (collectives included)."""
+        return not any(d.waits_for_host(num_tokens) for d in self.dispatchers())
+
     def make_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         m = self.cfg.model
         p = self.embed.weight

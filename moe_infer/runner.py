@@ -7,9 +7,11 @@ N blocks per row's table, V vocab.
 A forward takes rows of any lengths and cache depths (prefill chunks, and decode steps that
 fit no bucket) and runs eagerly. A decode step, one new token per row, runs as a
 ``PagedDecodeStep`` of fixed shapes: B padded to a power of two, S to a power of two of at
-least ``MIN_KEYS``, its inputs in device buffers filled by one copy. On one GPU each
-(B, S) bucket is captured once in a CUDA graph and replayed, so the step costs one copy and
-one launch from the host. The step also takes each row's greedy token (the argmax) inside
+least ``MIN_KEYS``, its inputs in device buffers filled by one copy. On GPUs each (B, S)
+bucket is captured once in a CUDA graph and replayed, so the step costs one copy and one
+launch from the host. On several ranks the graphs hold the collectives too (every rank
+captures and replays the same steps in the same order), and the expert all-to-alls of
+decode sizes exchange fixed-capacity buffers, which need no host wait. The step also takes each row's greedy token (the argmax) inside
 the graph, so greedy decoding costs one copy to the host a step.
 """
 from __future__ import annotations
@@ -174,7 +176,7 @@ class PagedPrefillStep:
 class PagedRunner:
     """Runs the model over a ``PagedKVCache``: rows of any lengths and cache depths. Decode
     steps go through ``PagedDecodeStep`` where ``static``: captured in CUDA graphs where the
-    engine's ``decode_mode`` is "graph" (one GPU), run eagerly with the same fixed shapes
+    engine's ``decode_mode`` is "graph" (GPUs), run eagerly with the same fixed shapes
     where it is "static" (how CPU tests check the graph's math)."""
 
     MIN_KEYS = 64  # the smallest key bucket of a decode step
@@ -193,6 +195,8 @@ class PagedRunner:
         e = engine.config.engine  # the largest fixed-shape prefill, padding counted, bounded as any prefill
         self.prefill_tokens = min(e.prefill_graph_tokens, e.prefill_tokens)
         self._pool = torch.cuda.graph_pool_handle() if self.graph else None  # one pool: steps never overlap
+        if self.graph:  # every decode bucket's expert all-to-alls without a host wait, so they capture
+            self.model.fix_exchanges(1 << (max_batch - 1).bit_length())
         # The tokens sampled by the last step, which the next one feeds without a trip
         # through the host (``Row.src``): its caller writes them.
         self.prev = torch.zeros(1 << (max_batch - 1).bit_length(), dtype=torch.long, device=engine.device)
@@ -242,7 +246,10 @@ class PagedRunner:
         key = self.prefill_bucket(batch, width)
         if key is not None and key not in self._prefills:
             self._prime()
-            self._prefills[key] = PagedPrefillStep(self, *key, self.graph, self._pool)
+            # A prefill whose expert all-to-alls exchange their counts first runs eagerly,
+            # with the same fixed shapes.
+            graph = self.graph and self.model.capturable(key[0] * key[1])
+            self._prefills[key] = PagedPrefillStep(self, *key, graph, self._pool)
         return self._prefills.get(key)
 
     def prefill_buckets(self) -> list[tuple[int, int]]:

@@ -153,9 +153,11 @@ class Scheduler:
             self.wake.notify()
 
     def warm_up(self):
-        """Before the first request, on a GPU: every decode bucket captured, and the kernels
-        compiled for prefills of each power-of-two width up to ``prefill_chunk``. Not on
-        several ranks: a forward there needs every rank, and the others wait for steps."""
+        """Before the first request, on a GPU: every decode and prefill bucket captured (on
+        several ranks the others capture the same ones: ``server.serve``), and on one rank
+        the kernels compiled for eager prefills of each power-of-two width up to
+        ``prefill_chunk`` (not on several: a forward there needs every rank, and the others
+        wait for steps)."""
         self.runner.capture_all()
         if self.engine.device.type == "cuda" and self.broadcast is None:
             widths = [1 << i for i in range(self.prefill_chunk.bit_length())]

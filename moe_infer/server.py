@@ -481,6 +481,8 @@ def serve(spec: ServeSpec, engine: Engine | None = None):
     if multi:
         send, receive = row_channel()
         if dist.get_rank() != 0:
+            # Captures run collectives: the same steps, in the same order, as rank 0's warm-up.
+            scheduler.runner.capture_all()
             follow(scheduler.runner, receive)
             return
         scheduler.broadcast = send

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 _SCRIPTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
@@ -40,13 +42,11 @@ import moe_infer  # noqa: E402
 from bench_decode import per_token_ms  # noqa: E402
 from moe_infer import ParallelConfig  # noqa: E402
 
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast")
-
-
 def layouts(world: int) -> list[tuple[str, dict]]:
     """(name, parallel settings) of every layout for ``world`` ranks; data parallelism of
     the dense part fills the ranks a layout leaves."""
-    out = [(f"tp{world}", dict(tp=world)), (f"ep{world}", dict(dp=world, ep=world)),
+    out = [(f"tp{world}", dict(tp=world)), (f"tp{world}-nccl", dict(tp=world, all_reduce="nccl")),
+           (f"ep{world}", dict(dp=world, ep=world)),
            (f"slicing{world}", dict(dp=world, expert_slicing=world))]
     if world >= 4 and world % 2 == 0:
         out += [(f"tp2-ep{world}-pcc", dict(tp=2, dp=world // 2, ep=world, pcc=True)),
@@ -54,47 +54,32 @@ def layouts(world: int) -> list[tuple[str, dict]]:
     return out
 
 
-class CommTimer:
-    """Wraps torch.distributed's collectives (looked up at each call by ``comm``): each
-    call synchronizes the device before and after and adds its wall time."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.seconds, self.calls, self.saved = device, 0.0, 0, {}
-
-    def __enter__(self):
-        for name in COLLECTIVES:
-            if hasattr(dist, name):
-                self.saved[name] = getattr(dist, name)
-                setattr(dist, name, self._timed(self.saved[name]))
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
-
-    def _timed(self, fn):
-        def call(*args, **kwargs):
-            bc.synchronize(self.device)
-            t = time.perf_counter()
-            out = fn(*args, **kwargs)
-            bc.synchronize(self.device)
-            self.seconds += time.perf_counter() - t
-            self.calls += 1
-            return out
-        return call
+def is_collective(event) -> bool:
+    """A profiler record of communication: an NCCL or symmetric-memory all-reduce kernel on
+    the GPU (inside a replayed graph too), or a gloo collective's call on CPU ranks (it
+    blocks for its whole exchange)."""
+    if event.device_type == DeviceType.CUDA:
+        return event.name.lower().startswith("nccl") or "one_shot_all_reduce" in event.name
+    return event.name.startswith("gloo:")
 
 
 def split_ms(engine, prompts, n: int) -> tuple[float, float, int]:
-    """-> (ms per token with every collective synchronized, of it in collectives, collective
-    calls per token): generate() with n + 1 new tokens against 2, once each."""
+    """-> (ms per token under the profiler, of it in collectives, collectives per token):
+    generate() with n + 1 new tokens against 2, once each, the communication summed from
+    the profiler's records (device time of the NCCL kernels; their waits for a slower peer
+    count as communication)."""
     out = []
     for new in (2, n + 1):
-        with CommTimer(engine.device) as timer:
-            dist.barrier()
+        dist.barrier()  # outside the profile: its wait for the slower rank is no step's
+        bc.synchronize(engine.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                     if engine.device.type == "cuda" else [ProfilerActivity.CPU]) as prof:
             t = time.perf_counter()
             engine.generate(prompts, max_new_tokens=new)
             bc.synchronize(engine.device)
-            out.append((time.perf_counter() - t, timer.seconds, timer.calls))
+            wall = time.perf_counter() - t
+        comm = [e for e in prof.events() if is_collective(e)]
+        out.append((wall, sum(e.time_range.elapsed_us() for e in comm) / 1e6, len(comm)))
     (t2, c2, k2), (tn, cn, kn) = out
     return 1e3 * (tn - t2) / (n - 1), 1e3 * (cn - c2) / (n - 1), round((kn - k2) / (n - 1))
 
@@ -151,9 +136,12 @@ def main():
         for b in batches:
             ps = prompts(engine, b)
             ms, _ = per_token_ms(engine, ps, args.new_tokens, args.reps)
-            synced, comm_ms, calls = split_ms(engine, ps, args.new_tokens)
-            results.append({"layout": name, "parallel": kw, "batch": b, "ms_per_token": ms, "synced_ms": synced,
-                            "comm_ms": comm_ms, "collectives_per_token": calls})
+            profiled, comm_ms, calls = split_ms(engine, ps, args.new_tokens)
+            results.append({"layout": name, "parallel": kw, "batch": b, "decode_mode": engine.decode_mode,
+                            "ms_per_token": ms, "profiled_ms": profiled, "comm_ms": comm_ms,
+                            "collectives_per_token": calls})
+            if rank == 0:  # as it comes: a run cut short keeps what it measured
+                print(f"{name} batch {b}: {ms:.3f} ms/token ({engine.decode_mode})", flush=True)
         del engine
     base = {}
     device = info.device
@@ -166,11 +154,11 @@ def main():
               f"model {args.model}, random weights, prompts of {args.prompt_len} tokens, {args.new_tokens} new")
         print("one GPU alone (--baseline, same day and device): "
               + (", ".join(f"batch {b} {ms:.3f} ms" for b, ms in sorted(base.items())) if base else "not run"))
-        cols = ["layout", "batch", "ms/token", "x one GPU", "synced ms", "comm ms", "comm share", "collectives/token"]
-        print(bc.format_table(cols, [[r["layout"], r["batch"], f"{r['ms_per_token']:.3f}",
+        cols = ["layout", "decode", "batch", "ms/token", "x one GPU", "profiled ms", "comm ms", "comm share", "collectives/token"]
+        print(bc.format_table(cols, [[r["layout"], r["decode_mode"], r["batch"], f"{r['ms_per_token']:.3f}",
                                       f"{r['ms_per_token'] / base[r['batch']]:.2f}" if r["batch"] in base else "-",
-                                      f"{r['synced_ms']:.3f}", f"{r['comm_ms']:.3f}",
-                                      f"{r['comm_ms'] / r['synced_ms']:.0%}" if r["synced_ms"] > 0 else "-",
+                                      f"{r['profiled_ms']:.3f}", f"{r['comm_ms']:.3f}",
+                                      f"{r['comm_ms'] / r['profiled_ms']:.0%}" if r['profiled_ms'] > 0 else "-",
                                       r["collectives_per_token"]] for r in results]))
         if not args.no_json:
             bc.write_results(f"layouts-{Path(args.model).stem}-{world}ranks", device,

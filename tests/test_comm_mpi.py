@@ -18,8 +18,9 @@ pytestmark = pytest.mark.mpi
 
 
 class Layout:
-    def __init__(self, tp, dp, ep=1, expert_slicing=1, pp=1):
+    def __init__(self, tp, dp, ep=1, expert_slicing=1, pp=1, all_reduce="auto"):
         self.tp, self.dp, self.ep, self.expert_slicing, self.pp = tp, dp, ep, expert_slicing, pp
+        self.all_reduce = all_reduce
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +53,35 @@ def test_all_reduce_and_all_gather(info):
     assert got.tolist() == [[i, 10 + i] for i in range(g.size)]
     got = all_gather(torch.tensor([[info.rank], [10 + info.rank]]), g, dim=1)
     assert got.tolist() == [list(range(g.size)), [10 + i for i in range(g.size)]]
+
+
+def test_small_sums_take_the_symmetric_memory_kernel_on_gpus_also_inside_a_graph(info):
+    """On GPUs (NCCL) the TP group's small all-reduces run torch's one-shot symmetric-memory
+    kernel: the same sums as NCCL's, in place, bf16 and float32, replayed from a CUDA graph
+    too; larger tensors and CPU ranks (gloo) take the process group's all-reduce."""
+    g = ParallelGroups.build(Layout(tp=info.world_size, dp=1), info.rank, info.world_size).tp
+    nccl = ParallelGroups.build(Layout(tp=info.world_size, dp=1, all_reduce="nccl"), info.rank, info.world_size).tp
+    assert nccl.fast_sum is None and (g.fast_sum is not None) == (info.device.type == "cuda")
+    gen = torch.Generator().manual_seed(info.rank)
+    for dtype, shape in ((torch.bfloat16, (3, 64)), (torch.float32, (64, 1024)), (torch.bfloat16, (2048, 1024))):
+        x = torch.randn(shape, generator=gen, device="cpu").to(info.device, dtype)
+        want = all_reduce(x.clone(), nccl)
+        got = x.clone()
+        assert all_reduce(got, g) is got
+        exact = dict(rtol=0, atol=0) if g.size == 2 else {}  # two addends: any order gives one sum
+        torch.testing.assert_close(got, want, **exact)
+        if g.fast_sum is not None:
+            assert g.fast_sum.takes(x) == (x.nbytes <= g.fast_sum.MAX_BYTES)
+    if g.fast_sum is not None:
+        x = torch.randn(8, 256, generator=gen, device="cpu").to(info.device, torch.bfloat16)
+        buf = x.clone()
+        all_reduce(buf, g)  # outside the capture: its buffer is made (a collective)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            all_reduce(buf, g)
+        buf.copy_(x)
+        graph.replay()
+        torch.testing.assert_close(buf, all_reduce(x.clone(), nccl), **exact)
 
 
 def test_uneven_all_to_all_delivers_every_row(info):

@@ -60,7 +60,7 @@ def test_table_ii_presets_match_the_paper():
     (with_change("engine", pdl="off"), r"engine\.pdl='off': expected true or false"),
     (with_change("engine", fused_decode_attention=0), r"engine\.fused_decode_attention=0: expected true or false"),
     ({**BASE, "model": {**BASE["model"], "num_heads": 4, "num_kv_heads": 2},
-      "parallel": dict(tp=4, dp=1, ep=2)}, r"parallel\.pcc=True: expected false for this layout"),
+      "parallel": dict(tp=4, dp=1, ep=2, expert_slicing=1)}, r"parallel\.pcc=True: expected false for this layout"),
     ({**with_change("parallel", dp=2, ep=2), "moe": {**BASE["moe"], "capacity_factor": 1.25}},
      r"moe\.capacity_factor=1\.25: expected null \(expert parallelism runs dropless\)"),
     ({**BASE, "modle": {}}, r"modle=\{\}: expected a top-level key"),

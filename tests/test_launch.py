@@ -21,7 +21,7 @@ dist.barrier()  # rank 0 would wait here forever without the abort
 """
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (the test extras install mpich)")
+@pytest.mark.skipif(MPIEXEC is None and shutil.which("mpirun") is None, reason="needs an MPI launcher")
 def test_a_rank_that_raises_ends_the_job_within_60s():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     start = time.time()
@@ -30,4 +30,34 @@ def test_a_rank_that_raises_ends_the_job_within_60s():
                           FAILING], env=env, cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert out.returncode != 0
     assert time.time() - start < 60
+    assert "[rank 1]" in out.stderr and "rank one fails on purpose" in out.stderr
+
+
+MID_GRAPH = """
+import moe_infer
+from comm import bootstrap
+from moe_infer import ParallelConfig
+info = bootstrap(timeout_s=600)  # longer than the test allows: the abort must end it
+engine = moe_infer.load("tiny-moe", parallel=ParallelConfig(tp=2), progress=False)
+engine.generate([[1, 2, 3]], max_new_tokens=4)  # captures the decode steps, all-reduces inside
+assert engine.decode_mode == "graph" and engine.runner._steps
+if info.rank == 1:
+    raise RuntimeError("rank one fails on purpose")
+engine.generate([[1, 2, 3]], max_new_tokens=200)  # rank 0 replays graphs whose all-reduces wait for rank 1
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(MPIEXEC is None and shutil.which("mpirun") is None, reason="needs an MPI launcher")
+def test_a_rank_that_fails_while_its_peer_replays_a_graph_ends_the_job_within_60s():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    start = time.time()
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-c",
+                          MID_GRAPH], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert time.time() - start < 60, out.stderr[-2000:]
     assert "[rank 1]" in out.stderr and "rank one fails on purpose" in out.stderr

@@ -6,7 +6,8 @@ Rank 0 writes a tiny Hugging Face checkpoint; every rank loads it once alone (th
 reference) and once with the layout. float32 logits must agree to 1e-5 relative on CPU
 (1e-4 on GPUs, where cuBLAS picks different kernels for the split shapes) with identical
 greedy tokens. On GPUs each layout also runs in bf16: its error against the float32
-single-process logits may be at most twice the single-process bf16 model's own error.
+single-process logits may be at most twice the single-process bf16 model's own error, and
+its captured decode steps (collectives inside the graphs) give the eager decode's tokens.
 """
 import tempfile
 
@@ -36,7 +37,8 @@ FAMILY_KW = {
 
 def layouts(world):
     """(name, ParallelConfig) for this world size; the dense part fills the world with dp."""
-    out = [("tp", dict(tp=world)), ("ep", dict(dp=world, ep=world)),
+    out = [("tp", dict(tp=world)), ("tp-replicated-experts", dict(tp=world, expert_slicing=1)),
+           ("tp-nccl", dict(tp=world, all_reduce="nccl")), ("ep", dict(dp=world, ep=world)),
            ("ep-fixed-a2a", dict(dp=world, ep=world, a2a_fixed_tokens=64))]
     if world == 4:
         out += [("tp2-ep2-pcc", dict(tp=2, dp=2, ep=2, pcc=True)), ("tp2-ep2-naive", dict(tp=2, dp=2, ep=2, pcc=False)),
@@ -112,6 +114,11 @@ def test_layouts_match_single_process(info, checkpoint):
                                     parallel=ParallelConfig(**kw), progress=False)
             err = rel_err(engine.logits(PROMPTS), ref)
             assert err <= bf16_bound, f"{name} bf16: relative error {err:.2e} > {bf16_bound:.2e}"
+            # Captured decode (the collectives inside the graphs) against eager decode.
+            graph = [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=12)]
+            assert engine.decode_mode == "graph" and any(s.graphs for s in engine.runner._steps.values()), name
+            engine.decode_mode = "eager"
+            assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=12)] == graph, name
 
 
 class _Identity:
@@ -181,7 +188,7 @@ def test_moe_layer_rejects_pcc_when_expert_ranks_do_not_align_with_tp(world):
 
     if world < 4:  # with 2 ranks every EP layout (ep * slicing in {1, 2}) aligns with tp = 2
         pytest.skip("needs 4 ranks: expert blocks that straddle TP groups")
-    layout = ParallelConfig(tp=world, dp=1, ep=world // 2, pcc=True)  # ep < tp: blocks straddle TP groups
+    layout = ParallelConfig(tp=world, dp=1, ep=world // 2, expert_slicing=1, pcc=True)  # blocks straddle TP groups
     groups = ParallelGroups.build(layout, dist.get_rank(), world)
     m = ModelConfig(vocab_size=16, hidden_size=16, num_layers=1, num_heads=4, ffn_hidden=16)
     with pytest.raises(ValueError, match=r"parallel\.pcc: needs ep \* expert_slicing to be a multiple of tp"):

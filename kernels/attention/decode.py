@@ -148,7 +148,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     _paged_split_kernel[(b, hkv, splits)](
         q, k, v, slots, mask, m, l, acc, s, d, scale if scale is not None else 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0), slots.stride(0),
-        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D_PAD=triton.next_power_of_2(d), BLOCK_S=block_s,
+        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_S=block_s,
         SPLIT_LEN=split_len, P=splits, IEEE=k.dtype == torch.float32, ADDITIVE=additive, num_warps=2)
     return _combine(m, l, acc, q.dtype)
 
