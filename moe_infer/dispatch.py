@@ -61,7 +61,7 @@ class ExpertParallelDispatcher:
     peer gets T x k x es rows (all of this rank's units could go to one peer, so nothing is
     dropped), the rows no unit fills tagged as padding, so the all-to-alls' sizes are known
     without a host wait for the counts (as DeepEP's low-latency mode sends). Padding rows
-    run through local expert 0 and are never read back.
+    run through an expert the real rows use (``compute``) and are never read back.
     """
 
     def __init__(self, num_experts: int, top_k: int, ep: int, expert_slicing: int,
@@ -145,16 +145,23 @@ class ExpertParallelDispatcher:
         weights = routing.weights.float()
         if self.es > 1:  # every slice returns a partial sum with the pair's weight
             weights = weights.repeat_interleave(self.es, dim=1)
-        return Sent(received[:, :h], received.view(ints)[:, h:h + 1], recv, send, rows, weights, group)
+        return Sent(received[:, :h], received.view(ints)[:, h:h + 1], recv, send, rows, weights, group,
+                    padded=t <= self.fixed_tokens)
 
     @staticmethod
     def compute(sent: "Sent", experts) -> torch.Tensor:
-        """This rank's experts on the rows it received (each routed to one local expert;
-        a fixed buffer's padding rows, tagged -1, to expert 0)."""
+        """This rank's experts on the rows it received, each routed to one local expert.
+        A fixed buffer's padding rows (tagged -1, never read back) go to the largest expert
+        id received, which the real rows read anyway (expert 0 where none is real): at
+        decode sizes most rows are padding, and an expert of their own would add its
+        weights' read to the step."""
         if not sent.x.shape[0]:
             return sent.x
         ones = torch.ones(sent.x.shape[0], 1, device=sent.x.device)
-        return experts.fused(sent.x, sent.expert.int().clamp(min=0), ones)
+        expert = sent.expert.int()
+        if sent.padded:
+            expert = torch.where(expert < 0, expert.max().clamp(min=0), expert)
+        return experts.fused(sent.x, expert, ones)
 
     def combine(self, y: torch.Tensor, sent: "Sent") -> torch.Tensor:
         """Rows back to their senders (counts known from the dispatch), then the gather
@@ -182,6 +189,7 @@ class Sent:
     rows: torch.Tensor  # [T, k * es] send-buffer row of each (pair, slice) unit
     weight: torch.Tensor  # [T, k * es] combine weight of each unit
     group: object  # the comm.Group of the all-to-all
+    padded: bool = False  # fixed-capacity buffers: rows tagged -1 are padding
 
     @property
     def sent_rows(self) -> int:

@@ -319,3 +319,25 @@ def test_int8_experts_swap_in_and_stay_close():
     after = engine.logits(PROMPTS)
     err = ((after - before).norm() / before.norm()).item()
     assert 0 < err < 3e-2
+
+
+def test_padding_rows_of_fixed_buffers_run_through_an_expert_the_real_rows_use():
+    """At decode sizes most rows of a fixed-capacity all-to-all are padding (tag -1): they
+    go to an expert that real rows read anyway, so no expert's weights are read for them
+    alone (expert 0 where no row is real); exact-size exchanges have no padding."""
+    from moe_infer.dispatch import ExpertParallelDispatcher, Sent
+
+    class Recording:
+        def fused(self, x, ids, weights, capacity=None, maps=None):
+            self.ids = ids.flatten().tolist()
+            return x
+
+    def compute(tags, padded):
+        experts = Recording()
+        sent = Sent(torch.zeros(len(tags), 4), torch.tensor(tags)[:, None], [], [], None, None, None, padded)
+        ExpertParallelDispatcher.compute(sent, experts)
+        return experts.ids
+
+    assert compute([-1, 3, -1, 1, -1], True) == [3, 3, 3, 1, 3]
+    assert compute([-1, -1], True) == [0, 0]
+    assert compute([2, 0], False) == [2, 0]
