@@ -154,12 +154,11 @@ class ParallelConfig:
     dp: int = 1
     pcc: bool = True  # parallelism-coordinated all-to-all; False: naive all-to-all baseline
     timeout_s: float = 300.0  # a collective waiting longer than this fails the job
-    # A rank's MoE layer over at most this many tokens (decode sizes) sends each peer a
-    # fixed-capacity buffer of tokens x top_k x expert_slicing rows, its unused rows marked
-    # on the device: the sizes are known without waiting for the device's counts (what a
-    # captured multi-rank step needs). Larger batches exchange their counts first and send
-    # exact sizes. 0 (the default until it is measured on GPUs): always exact sizes. Its
-    # unused rows run through local expert 0, one more expert's weights read at small batches.
+    # A rank's MoE layer over at most this many tokens sends each peer a fixed-capacity
+    # buffer of tokens x top_k x expert_slicing rows, its unused rows marked on the device:
+    # the sizes are known without waiting for the device's counts. The captured decode
+    # steps (GPUs) always exchange so, up to their largest batch; this extends it to the
+    # eager steps. Larger batches exchange their counts first and send exact sizes.
     a2a_fixed_tokens: int = 0
     # The tensor-parallel all-reduce on GPUs. "auto": tensors of at most 2 MiB (decode
     # sizes) are summed by one kernel that reads each peer's copy from its memory (torch's
