@@ -40,6 +40,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 import bench_common as bc  # noqa: E402
 import moe_infer  # noqa: E402
 from bench_decode import per_token_ms  # noqa: E402
+from comm import Group, all_gather_json  # noqa: E402
 from moe_infer import ParallelConfig  # noqa: E402
 
 def layouts(world: int) -> list[tuple[str, dict]]:
@@ -65,9 +66,11 @@ def is_collective(event) -> bool:
 
 def split_ms(engine, prompts, n: int) -> tuple[float, float, int]:
     """-> (ms per token under the profiler, of it in collectives, collectives per token):
-    generate() with n + 1 new tokens against 2, once each, the communication summed from
-    the profiler's records (device time of the NCCL kernels; their waits for a slower peer
-    count as communication)."""
+    generate() with n + 1 new tokens against 2, once each. A collective's kernel (or gloo
+    call) also lasts while it waits for the last rank to arrive, and which rank waits
+    varies from call to call; the rank that arrives last waits for none, so each
+    collective counts the shortest of its ranks' durations (where every rank recorded the
+    same sequence of collectives; else this rank's own)."""
     out = []
     for new in (2, n + 1):
         dist.barrier()  # outside the profile: its wait for the slower rank is no step's
@@ -78,8 +81,13 @@ def split_ms(engine, prompts, n: int) -> tuple[float, float, int]:
             engine.generate(prompts, max_new_tokens=new)
             bc.synchronize(engine.device)
             wall = time.perf_counter() - t
-        comm = [e for e in prof.events() if is_collective(e)]
-        out.append((wall, sum(e.time_range.elapsed_us() for e in comm) / 1e6, len(comm)))
+        comm = sorted((e for e in prof.events() if is_collective(e)), key=lambda e: e.time_range.start)
+        mine = [e.time_range.elapsed_us() for e in comm]
+        world = Group(None, dist.get_rank(), dist.get_world_size(), tuple(range(dist.get_world_size())))
+        every = all_gather_json(mine, world, engine.device if engine.device.type == "cuda" else "cpu")
+        if all(len(d) == len(mine) for d in every):
+            mine = [min(d) for d in zip(*every)]
+        out.append((wall, sum(mine) / 1e6, len(comm)))
     (t2, c2, k2), (tn, cn, kn) = out
     return 1e3 * (tn - t2) / (n - 1), 1e3 * (cn - c2) / (n - 1), round((kn - k2) / (n - 1))
 
