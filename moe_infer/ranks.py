@@ -3,11 +3,14 @@ int64 device tensor; every other rank runs the same forward (tensor- and expert-
 layers need every rank in each collective)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from moe_infer.runner import PagedRunner, Row
+
+if TYPE_CHECKING:
+    from moe_infer.scheduler import Scheduler
 
 
 def pack_rows(rows: list[Row] | None) -> torch.Tensor:
@@ -68,3 +71,22 @@ def follow(runner: PagedRunner, receive: Callable[[], list[Row] | None]):
     """Ranks other than 0: run every step rank 0 broadcasts, until it sends None."""
     while (rows := receive()) is not None:
         runner.forward(rows)
+
+
+def lead_or_follow(scheduler: "Scheduler") -> Callable[[], None] | None:
+    """Multi-rank serving. Ranks other than 0 capture the same steps as rank 0's warm-up
+    (captures run collectives: the same ones, in the same order), then run every step rank
+    0 broadcasts until it stops, and return None. Rank 0 gets its scheduler broadcasting
+    each step and returns the function that releases the others once it stops serving
+    (one rank: a function that does nothing)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return lambda: None
+    send, receive = row_channel()
+    if dist.get_rank() != 0:
+        scheduler.runner.capture_all()
+        follow(scheduler.runner, receive)
+        return None
+    scheduler.broadcast = send
+    return lambda: send(None)  # the followers leave their loop

@@ -37,7 +37,7 @@ from moe_infer.config import ConfigError, EngineConfig, ParallelConfig
 from moe_infer.engine import Engine
 from moe_infer.frontend import EngineClient, EngineGone, InProcessEngine, ModelInfo, serve_from_another_process
 from moe_infer.protocol import ApiError, Handler
-from moe_infer.ranks import follow, row_channel
+from moe_infer.ranks import lead_or_follow
 from moe_infer.scheduler import QueueFull, Scheduler
 
 
@@ -471,27 +471,18 @@ def app_for(model: Engine | ModelInfo, cfg: ServerConfig, client: EngineClient, 
 def serve(spec: ServeSpec, engine: Engine | None = None):
     """Runs the server until interrupted (over ``engine``, else the one ``spec`` asks for);
     on several ranks, ranks > 0 follow rank 0's steps."""
-    import torch.distributed as dist
     import uvicorn
 
     engine = engine or build_engine(spec)
     cfg = spec.server
-    multi = dist.is_initialized() and dist.get_world_size() > 1
     scheduler = build_scheduler(engine, cfg)
-    if multi:
-        send, receive = row_channel()
-        if dist.get_rank() != 0:
-            # Captures run collectives: the same steps, in the same order, as rank 0's warm-up.
-            scheduler.runner.capture_all()
-            follow(scheduler.runner, receive)
-            return
-        scheduler.broadcast = send
+    release = lead_or_follow(scheduler)
+    if release is None:  # a rank > 0, done following
+        return
     try:
         if cfg.api_process:
             serve_from_another_process(engine, cfg, scheduler)
         else:
             uvicorn.run(create_app(engine, cfg, scheduler), host=cfg.host, port=cfg.port, log_level="info")
     finally:
-        if multi:
-            send(None)  # the followers leave their loop
-
+        release()

@@ -5,6 +5,7 @@ request rate, beside the offline ``generate()`` throughput of the same requests.
     python scripts/bench_serve.py                         # OLMoE-shaped, random bf16 weights, GPU
     python scripts/bench_serve.py --model qwen3-30b-a3b --requests 64 --rates 2,8,inf
     python scripts/bench_serve.py --smoke                 # tiny-moe on the CPU, end to end
+    scripts/launch.sh -n 2 -- python scripts/bench_serve.py --tp 2   # two GPUs (rank 0 serves)
 
 The server runs as ``moe-infer serve`` runs it: the engine thread and uvicorn's event loop
 (on a loopback port) in this process (``--api-process``: uvicorn in a process of its own,
@@ -15,7 +16,10 @@ process at each rate (inf: all at once). Every request asks for exactly ``--max-
 the tokens actually generated are counted). TTFT is arrival to the first streamed token;
 ITL the gaps between a request's streamed tokens. Their references, measured in the same
 run through ``generate()``: the decode step at the server's largest batch (ITL) and one
-prefill of the median prompt (TTFT). Writes bench/results/serve-<model>-<device>-<date>.json.
+prefill of the median prompt (TTFT). Under ``scripts/launch.sh`` every rank runs the offline
+``generate()`` calls and the server's steps (rank 0 serves HTTP and broadcasts each step, as
+``moe-infer serve`` does); the clients run beside rank 0. Writes
+bench/results/serve-<model>[-<N>ranks]-<device>-<date>.json.
 """
 from __future__ import annotations
 
@@ -39,14 +43,17 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 import bench_common as bc  # noqa: E402
 import moe_infer  # noqa: E402
 from moe_infer.frontend import EngineHost  # noqa: E402
+from moe_infer import ParallelConfig  # noqa: E402
+from moe_infer.job import launched_ranks  # noqa: E402
+from moe_infer.ranks import lead_or_follow  # noqa: E402
 from moe_infer.server import ServerConfig, build_scheduler, create_app  # noqa: E402
 
 
-def start_server(engine, cfg: ServerConfig):
+def start_server(engine, cfg: ServerConfig, scheduler):
     """-> (a function that stops it, its URL): HTTP in a process of its own when
     ``cfg.api_process``, else uvicorn in a thread of this process."""
     if cfg.api_process:
-        host = EngineHost(engine, cfg, build_scheduler(engine, cfg), log_level="warning")
+        host = EngineHost(engine, cfg, scheduler, log_level="warning")
         _, port = host.start()
         return host.stop, f"http://127.0.0.1:{port}"
     import uvicorn
@@ -54,7 +61,7 @@ def start_server(engine, cfg: ServerConfig):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, cfg), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, cfg, scheduler), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -158,11 +165,22 @@ def main():
     ap.add_argument("--api-process", action="store_true",
                     help="uvicorn in a process of its own (server.api_process: true)")
     ap.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, few requests")
+    ap.add_argument("--tp", type=int, default=1, help="under scripts/launch.sh: tensor-parallel degree")
+    ap.add_argument("--ep", type=int, default=1, help="under scripts/launch.sh: expert-parallel degree")
+    ap.add_argument("--expert-slicing", type=int, default=None,
+                    help="under scripts/launch.sh: ranks that split each expert (default tp / ep)")
     args = ap.parse_args()
     if args.smoke:
         args.model, args.device, args.requests, args.prompt_len = "tiny-moe", "cpu", 8, "4,24"
         args.max_tokens, args.rates, args.max_batch = 8, "50,inf", 4
-    engine = moe_infer.load(args.model, device=args.device, progress=False)
+    ranks = launched_ranks()
+    parallel = None
+    if ranks > 1:  # every rank runs generate() and the server's steps; rank 0 alone the clients
+        if ranks % args.tp:
+            ap.error(f"--tp={args.tp}: expected a divisor of the {ranks} ranks")
+        parallel = ParallelConfig(tp=args.tp, dp=ranks // args.tp, ep=args.ep, expert_slicing=args.expert_slicing)
+    engine = moe_infer.load(args.model, device=None if ranks > 1 and args.device == "cuda" else args.device,
+                            parallel=parallel, progress=False)
     engine.config.engine.max_batch_size = args.max_batch
     lo, hi = map(int, args.prompt_len.split(","))
     rng = random.Random(0)
@@ -187,7 +205,11 @@ def main():
     blocks = args.max_batch * -(-max_len // args.block_size)
     cfg = ServerConfig(port=0, block_size=args.block_size, num_blocks=blocks, prefill_chunk=args.prefill_chunk,
                        max_queue=args.requests + 8, api_process=args.api_process)
-    stop, url = start_server(engine, cfg)
+    scheduler = build_scheduler(engine, cfg)
+    release = lead_or_follow(scheduler)
+    if release is None:  # a rank > 0: it followed rank 0's server to the end
+        return
+    stop, url = start_server(engine, cfg, scheduler)
     clients(url, prompts, args.max_tokens, float("inf"), 0)  # warm-up: the whole workload
     rows = []
     try:
@@ -206,10 +228,12 @@ def main():
                          "itl_p50_vs_step": pct(itl, 50) / step_s, "ttft_p50_vs_prefill": pct(ttft, 50) / prefill_s})
     finally:
         stop()
+        release()
 
     run = bc.run_info(engine.device)
     m = engine.config.model
-    print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {engine.dtype}")
+    layout = f" x {ranks} ranks, {parallel.tp=}, {parallel.ep=}, {parallel.expert_slicing=}" if parallel else ""
+    print(f"device {run['device']}{layout} | date {run['date']} | commit {run['commit']} | {engine.dtype}")
     print(f"model {args.model}: H={m.hidden_size} layers={m.num_layers} vocab={m.vocab_size}, random weights | "
           f"{args.requests} requests, prompts {lo}-{hi} tokens, {args.max_tokens} new tokens each, "
           f"max batch {args.max_batch}, KV blocks {blocks} x {args.block_size}, prefill chunk {args.prefill_chunk}, "
@@ -229,8 +253,8 @@ def main():
                                  for r in rows]))
     if not args.smoke:
         # one file per model: a later model's run the same day must not replace this one's
-        bc.write_results(f"serve-{Path(args.model).stem}", engine.device, {
-            "run": run, "model": args.model, "args": vars(args),
+        bc.write_results(f"serve-{Path(args.model).stem}" + (f"-{ranks}ranks" if parallel else ""), engine.device, {
+            "run": run, "model": args.model, "args": vars(args), "ranks": ranks,
             "offline": {"tokens": offline_tokens, "seconds": offline_s, "decode_step_s": step_s,
                         "median_prefill_s": prefill_s},
             "rates": rows})
