@@ -165,6 +165,12 @@ class ParallelConfig:
     # symmetric-memory one-shot all-reduce, where the GPUs reach each other's memory), NCCL
     # otherwise; "nccl": NCCL always.
     all_reduce: str = "auto"
+    # Data-parallel attention: where the experts spread over the data-parallel replicas
+    # (ep * expert_slicing > tp), generate() still splits the prompts over the replicas;
+    # each runs attention for its own sequences only and the replicas share the experts
+    # through the all-to-all, stepping together (as vLLM and SGLang run MoE models).
+    # False: every replica runs every prompt there.
+    dp_attention: bool = False
 
     def __post_init__(self):
         _check_positive("parallel", self, "tp", "ep", "pp", "dp", "timeout_s")
@@ -172,6 +178,13 @@ class ParallelConfig:
             self.expert_slicing = self.tp // self.ep if self.tp % self.ep == 0 else 1
         _check_positive("parallel", self, "expert_slicing")
         _check_choice("parallel", self, "all_reduce", ("auto", "nccl"))
+        if not isinstance(self.dp_attention, bool):
+            _fail("parallel.dp_attention", self.dp_attention, "true or false")
+        if self.dp_attention and not (self.dp > 1 and self.tp % (self.ep * self.expert_slicing)):
+            _fail("parallel.dp_attention", True,
+                  f"false for this layout: it needs data-parallel replicas (dp > 1, got {self.dp}) that "
+                  f"share experts (tp not a multiple of ep * expert_slicing; got ep={self.ep}, expert_slicing="
+                  f"{self.expert_slicing}, tp={self.tp}); other replicas already split the prompts")
         v = self.a2a_fixed_tokens
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             _fail("parallel.a2a_fixed_tokens", v, "an integer >= 0")

@@ -99,8 +99,12 @@ class Engine:
         # Data-parallel replicas that hold every expert they route to (the experts spread
         # over ranks of one replica at most) generate independently: generate() splits the
         # prompts over them. Where the experts spread over several replicas, every replica
-        # runs every prompt, as their expert all-to-alls must meet.
-        self.split_prompts = self.groups.dp.size > 1 and p_.tp % (p_.ep * p_.expert_slicing) == 0
+        # runs every prompt, as their expert all-to-alls must meet; with dp_attention they
+        # split the prompts too and step together (``lockstep``): each forward of one meets
+        # the others' in the all-to-alls, a replica out of prompts runs a stand-in.
+        independent = p_.tp % (p_.ep * p_.expert_slicing) == 0
+        self.split_prompts = self.groups.dp.size > 1 and (independent or p_.dp_attention)
+        self.lockstep = self.split_prompts and not independent
         self.last_stats: GenerationStats | None = None  # the latest generate() call's
         p = model.embed.weight
         self.device, self.dtype = p.device, p.dtype
@@ -213,10 +217,11 @@ class Engine:
         share of the prompts and every rank returns all the completions."""
         start = time.perf_counter()  # the completions' time to first token counts from here
         rows, params = self.check_request(prompts, max_new_tokens, temperature, top_k, top_p, seed)
-        lo, hi = 0, len(rows)
+        shares = [(0, len(rows))]
         if self.split_prompts:
             dp = self.groups.dp
-            lo, hi = dp.rank * len(rows) // dp.size, (dp.rank + 1) * len(rows) // dp.size
+            shares = [(r * len(rows) // dp.size, (r + 1) * len(rows) // dp.size) for r in range(dp.size)]
+        lo, hi = shares[self.groups.dp.rank if self.split_prompts else 0]
         # Prompt i samples with seed + i, so its tokens do not depend on the other prompts.
         # Without a seed, one from the engine's seed and a count of the calls: the same on
         # every rank (tensor-parallel ranks must draw the same tokens), new for each call.
@@ -224,9 +229,14 @@ class Engine:
         base = seed if seed is not None else hash((self.config.engine.seed, self._calls))
         out, stats = [], GenerationStats()
         step = self.config.engine.max_batch_size  # larger requests run in several batches
-        for b in range(lo, hi, step):
-            seeds = [base + i for i in range(b, min(hi, b + step))]
-            out += self._generate_batch(rows[b:min(hi, b + step)], max_new_tokens, params, seeds, start, stats)
+        # Replicas in lockstep run as many batches as the largest share needs, each beside
+        # the batches the others run at the same time (``peers``: their prompts).
+        span = max(b - a for a, b in shares) if self.lockstep else hi - lo
+        for at in range(0, span, step):
+            b0, b1 = lo + at, min(hi, lo + at + step)
+            peers = [rows[a + at:min(b, a + at + step)] for a, b in shares] if self.lockstep else None
+            seeds = [base + i for i in range(b0, b1)]
+            out += self._generate_batch(rows[b0:b1], max_new_tokens, params, seeds, start, stats, peers)
         if self.split_prompts:
             device = self.device if dist.get_backend() == "nccl" else "cpu"
             shares = all_gather_json([[dataclasses.asdict(c) for c in out], dataclasses.asdict(stats)],
@@ -239,18 +249,31 @@ class Engine:
         return out
 
     def _generate_batch(self, rows, max_new, params, seeds: list[int], start: float,
-                        stats: GenerationStats) -> list[Completion]:
+                        stats: GenerationStats, peers: list[list[list[int]]] | None = None) -> list[Completion]:
+        """``peers``: replicas in lockstep (``self.lockstep``), every replica's prompts of this
+        batch. Each replica then runs as many prefill forwards as the one that needs the
+        most (the others' extra ones write a spare block) and every decode step, padded to
+        the largest batch; one without prompts runs a one-token stand-in, and returns none."""
         began = time.perf_counter()
-        stats.prompt_tokens += sum(map(len, rows))
+        stand_in = peers is not None and not rows
+        if stand_in:
+            rows, seeds = [[0]], [0]
+        else:
+            stats.prompt_tokens += sum(map(len, rows))
         b, bs = len(rows), self.BLOCK_SIZE
         need = [-(-(len(r) + max_new) // bs) for r in rows]
-        runner = self.runner_for(sum(need))
+        runner = self.runner_for(sum(need) + (peers is not None))  # + the spare block
         tables, at = [], 0
         for n in need:
             tables.append(list(range(at, at + n)))
             at += n
+        lockstep, prefill_lockstep = 0, None  # alone
+        if peers is not None:  # the largest batch; the most prefill forwards and a spare block
+            lockstep = max(max(len(p), 1) for p in peers)
+            budget = self.config.engine.prefill_tokens
+            prefill_lockstep = max(len(prefill_plan([len(r) for r in p] or [1], budget)) for p in peers), at
 
-        logits = self._prefill(runner, rows, tables)
+        logits = self._prefill(runner, rows, tables, prefill_lockstep)
 
         generated = [[] for _ in range(b)]
         finish = [None] * b
@@ -266,7 +289,7 @@ class Engine:
                 # inside the step.
                 runner.prev[:b].copy_(nxt)
                 upcoming = runner.decode([Row([0], len(r) + t, tab, i, knobs(params, s, t + 1))
-                                          for i, (r, tab, s) in enumerate(zip(rows, tables, seeds))])[1]
+                                          for i, (r, tab, s) in enumerate(zip(rows, tables, seeds))], lockstep)[1]
             ids = host.receive()  # the one host sync per token
             arrived.append(time.perf_counter())
             for i, tok in enumerate(ids):
@@ -275,13 +298,16 @@ class Engine:
                         finish[i] = "stop"
                     else:
                         generated[i].append(tok)
-            if all(f is not None for f in finish) or t == max_new - 1:
+            # In lockstep every replica runs every step: the others' rows may not be done.
+            if (all(f is not None for f in finish) and not lockstep) or t == max_new - 1:
                 break
             nxt = upcoming
 
         def gap(n):  # mean seconds between a row's n tokens after its first
             return (arrived[n - 1] - arrived[0]) / (n - 1) if n > 1 else None
 
+        if stand_in:
+            return []
         stats.prefill_s += arrived[0] - began
         stats.decode_s += arrived[-1] - arrived[0]
         stats.generated_tokens += sum(map(len, generated))
@@ -293,30 +319,41 @@ class Engine:
                            arrived[0] - start, gap(len(g)))
                 for g, f in zip(generated, finish)]
 
-    def _prefill(self, runner: PagedRunner, rows: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
+    def _prefill(self, runner: PagedRunner, rows: list[list[int]], tables: list[list[int]],
+                 lockstep: tuple[int, int] | None = None) -> torch.Tensor:
         """Caches the prompts ``rows`` in their blocks -> float32 logits of each one's last
-        token [B, V], in forwards of at most ``engine.prefill_tokens`` tokens (the padded
-        width of a forward times its rows): consecutive prompts together while they fit, a
-        longer one alone in pieces (a piece attends over what its earlier pieces cached)."""
-        budget = self.config.engine.prefill_tokens
+        token [B, V], in the forwards of ``prefill_plan``. ``lockstep``: (the most forwards
+        a replica in lockstep runs, a spare block): this replica runs that many, the extra
+        ones one token into the spare block."""
+        plan = prefill_plan([len(r) for r in rows], self.config.engine.prefill_tokens)
         out = [None] * len(rows)
-        group: list[int] = []
-
-        def run(group):
-            logits = runner.forward([Row(rows[i], 0, tables[i]) for i in group])
-            for j, i in enumerate(group):
-                out[i] = logits[j].clone()  # a captured step's output is rewritten by its next replay
-
-        for i, r in enumerate(rows):
-            if len(r) > budget:  # alone, in pieces
-                for a in range(0, len(r), budget):
-                    logits = runner.forward([Row(r[a:a + budget], a, tables[i])])
-                out[i] = logits[0].clone()
-                continue
-            if group and (len(group) + 1) * max(len(r), *(len(rows[j]) for j in group)) > budget:
-                run(group)
-                group = []
-            group.append(i)
-        if group:
-            run(group)
+        for pieces in plan:
+            logits = runner.forward([Row(rows[i][a:e], a, tables[i]) for i, a, e in pieces], lockstep is not None)
+            for j, (i, _, e) in enumerate(pieces):
+                if e == len(rows[i]):  # a captured step's output is rewritten by its next replay
+                    out[i] = logits[j].clone()
+        if lockstep:
+            forwards, spare = lockstep
+            for _ in range(forwards - len(plan)):
+                runner.forward([Row([0], 0, [spare])], True)
         return torch.stack(out)
+
+
+def prefill_plan(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
+    """The forwards that prefill prompts of ``lengths`` tokens, each at most ``budget``
+    tokens (its rows x its widest row): consecutive prompts together while they fit, a
+    longer one alone in pieces (a piece attends over what its earlier pieces cached).
+    -> per forward, its pieces (prompt index, first token, end)."""
+    plan, group, widest = [], [], 0
+    for i, n in enumerate(lengths):
+        if n > budget:
+            plan += [[(i, a, min(n, a + budget))] for a in range(0, n, budget)]
+            continue
+        if group and (len(group) + 1) * max(widest, n) > budget:
+            plan.append(group)
+            group, widest = [], 0
+        group.append((i, 0, n))
+        widest = max(widest, n)
+    if group:
+        plan.append(group)
+    return plan

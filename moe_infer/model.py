@@ -4,6 +4,8 @@ Shape letters: B batch, T tokens this step, S key slots, H hidden, V vocab.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
@@ -101,6 +103,20 @@ class Transformer(nn.Module):
         for d in self.dispatchers():
             if hasattr(d, "fixed_tokens"):
                 d.fixed_tokens = max(d.fixed_tokens, num_tokens)
+
+    @contextmanager
+    def exact_exchanges(self):
+        """Inside, every expert all-to-all exchanges its counts first and sends exact sizes:
+        for forwards whose token counts differ from rank to rank (fixed buffers are sized
+        by the token count, which every rank must share)."""
+        saved = [(d, d.fixed_tokens) for d in self.dispatchers() if hasattr(d, "fixed_tokens")]
+        for d, _ in saved:
+            d.fixed_tokens = 0
+        try:
+            yield
+        finally:
+            for d, v in saved:
+                d.fixed_tokens = v
 
     def capturable(self, num_tokens: int) -> bool:
         """Whether a step over ``num_tokens`` tokens runs without waiting for the host, so a

@@ -291,25 +291,40 @@ class PagedRunner:
                 self._run([Row([0] * t, 0, list(range(need)))], last_only=True)
 
     @torch.no_grad()
-    def forward(self, rows: list[Row]) -> torch.Tensor:
-        """-> float32 logits [B, V] of each row's last new token."""
+    def forward(self, rows: list[Row], lockstep: bool = False) -> torch.Tensor:
+        """-> float32 logits [B, V] of each row's last new token. ``lockstep``: data-parallel
+        replicas that share experts run this forward together, each with its own rows (a
+        prefill): it runs eagerly, its all-to-alls exchanging exact sizes, as the replicas'
+        token counts differ."""
+        if lockstep:
+            with self.model.exact_exchanges():
+                return self._run(rows, last_only=True)[:, -1].float()
         return self.decode(rows)[0]
 
     @torch.no_grad()
-    def decode(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, rows: list[Row], lockstep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (float32 logits [B, V] of each row's last new token, the token drawn from them
         by the row's ``sample`` knobs [B]). A step of one new token per row that fits a
         bucket replays its fixed-shape step (the draw taken inside it), and so does a
-        prefill of fresh prompts that fits a prefill bucket; any other runs eagerly."""
+        prefill of fresh prompts that fits a prefill bucket; any other runs eagerly.
+
+        ``lockstep`` > 0: a decode step that data-parallel replicas sharing experts run
+        together, each with its own rows, the largest batch of ``lockstep`` rows: each takes
+        the fixed-shape step of that many rows (the same token count in every all-to-all),
+        or where none fits, runs eagerly with exact-size all-to-alls."""
         if self.static:
             step = None
             if all(len(r.tokens) == 1 for r in rows):
-                step = self.step_for(len(rows), max(r.start + 1 for r in rows))
-            elif all(r.start == 0 and r.src < 0 for r in rows):
+                step = self.step_for(max(len(rows), lockstep), max(r.start + 1 for r in rows))
+            elif not lockstep and all(r.start == 0 and r.src < 0 for r in rows):
                 step = self.prefill_step_for(len(rows), max(len(r.tokens) for r in rows))
             if step is not None:
                 return step.run(rows)
-        logits = self._run(rows, last_only=True)[:, -1].float()
+        if lockstep:
+            with self.model.exact_exchanges():
+                logits = self._run(rows, last_only=True)[:, -1].float()
+        else:
+            logits = self._run(rows, last_only=True)[:, -1].float()
         return logits, sample_rows(logits, [r.sample for r in rows], pdl=self.model.options.pdl)
 
     @torch.no_grad()

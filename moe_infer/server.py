@@ -145,6 +145,10 @@ def build_engine(spec: ServeSpec, progress: bool = True) -> Engine:
     from moe_infer.config import section_from_dict
 
     parallel = section_from_dict(ParallelConfig, spec.parallel, "parallel") if spec.parallel else None
+    if parallel is not None and parallel.dp_attention:
+        # Rank 0 schedules and every rank runs each step's rows, so no replica owns sequences.
+        raise ConfigError("parallel.dp_attention=True: expected false for serve (rank 0 schedules every "
+                          "sequence and each rank runs every step's rows); generate() splits prompts with it")
     e = spec.engine
     section_from_dict(EngineConfig, e, "engine")  # names a bad key before anything loads
     engine = moe_infer.load(spec.model, checkpoint=spec.checkpoint, parallel=parallel, device=e.get("device"),

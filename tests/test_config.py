@@ -51,6 +51,11 @@ def test_table_ii_presets_match_the_paper():
     (with_change("parallel", tp=4), r"parallel\.tp=4: expected a divisor of model\.num_heads=6"),
     (with_change("parallel", tp=2, ep=4), r"parallel\.ep=4: expected ep \* expert_slicing \(4\) dividing"),
     (with_change("parallel", a2a_fixed_tokens=-1), r"parallel\.a2a_fixed_tokens=-1: expected an integer >= 0"),
+    (with_change("parallel", all_reduce="mpi"), r"parallel\.all_reduce='mpi': expected one of auto, nccl"),
+    (with_change("parallel", dp_attention="yes"), r"parallel\.dp_attention='yes': expected true or false"),
+    (with_change("parallel", dp_attention=True), r"parallel\.dp_attention=True: expected false for this layout: "
+                                                 r"it needs data-parallel replicas \(dp > 1, got 1\)"),
+    (with_change("parallel", dp=2, dp_attention=True), r"parallel\.dp_attention=True: expected false"),
     (with_change("engine", max_seq_len=10 ** 6), r"engine\.max_seq_len=1000000: expected at most model\.max_position"),
     (with_change("engine", dtype="fp8"), r"engine\.dtype='fp8'"),
     (with_change("engine", prefill_tokens=0), r"engine\.prefill_tokens=0: expected a positive number"),

@@ -39,11 +39,13 @@ def layouts(world):
     """(name, ParallelConfig) for this world size; the dense part fills the world with dp."""
     out = [("tp", dict(tp=world)), ("tp-replicated-experts", dict(tp=world, expert_slicing=1)),
            ("tp-nccl", dict(tp=world, all_reduce="nccl")), ("ep", dict(dp=world, ep=world)),
-           ("ep-fixed-a2a", dict(dp=world, ep=world, a2a_fixed_tokens=64))]
+           ("ep-fixed-a2a", dict(dp=world, ep=world, a2a_fixed_tokens=64)),
+           ("ep-dp-attention", dict(dp=world, ep=world, dp_attention=True))]
     if world == 4:
         out += [("tp2-ep2-pcc", dict(tp=2, dp=2, ep=2, pcc=True)), ("tp2-ep2-naive", dict(tp=2, dp=2, ep=2, pcc=False)),
                 ("tp2-ep4-pcc", dict(tp=2, dp=2, ep=4, pcc=True)),
                 ("tp2-ep4-pcc-fixed-a2a", dict(tp=2, dp=2, ep=4, pcc=True, a2a_fixed_tokens=64)),
+                ("tp2-ep4-pcc-dp-attention", dict(tp=2, dp=2, ep=4, pcc=True, dp_attention=True)),
                 ("ep2-slicing2", dict(dp=4, ep=2, expert_slicing=2)),
                 ("tp2-ep2-slicing2-pcc", dict(tp=2, dp=2, ep=2, expert_slicing=2, pcc=True)),
                 ("tp2-slicing2-pcc", dict(tp=2, dp=2, ep=1, expert_slicing=2, pcc=True))]
@@ -107,7 +109,8 @@ def test_layouts_match_single_process(info, checkpoint):
         if not on_gpu:  # the fixed-shape prefill and decode steps (a graph's math, run eagerly), collectives inside
             engine.decode_mode = "static"
             assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=5)] == ref_tokens, name
-            assert engine.runner._steps and engine.runner._prefills, name
+            # (replicas in lockstep prefill eagerly: their token counts differ)
+            assert engine.runner._steps and (engine.runner._prefills or engine.lockstep), name
         if on_gpu:
             del engine
             engine = moe_infer.load(path, device=info.device, dtype=torch.bfloat16,
@@ -119,6 +122,36 @@ def test_layouts_match_single_process(info, checkpoint):
             assert engine.decode_mode == "graph" and any(s.graphs for s in engine.runner._steps.values()), name
             engine.decode_mode = "eager"
             assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=12)] == graph, name
+
+
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_dp_attention_replicas_step_together_whatever_their_shares(info, checkpoint, mode):
+    """Replicas that split the prompts but share the experts (dp_attention) run every
+    forward together: shares of different sizes (one replica without a prompt: it runs a
+    stand-in), different numbers of prefill forwards (a small prefill budget), several
+    batches, rows that stop early; the tokens are the single process's."""
+    path, reference = checkpoint
+    world = info.world_size
+    layout = dict(dp=world, ep=world, dp_attention=True) if world == 2 else dict(tp=2, dp=2, ep=4, dp_attention=True)
+    engine = moe_infer.load(path, device=info.device, dtype=torch.float32, parallel=ParallelConfig(**layout),
+                            progress=False)
+    assert engine.split_prompts and engine.lockstep
+    if info.device.type == "cpu":
+        engine.decode_mode = mode  # GPUs: the captured steps
+    engine.config.engine.max_batch_size = 2
+    prompts = PROMPTS * 3 + [[9] * 11]
+    for batch, budget in ((prompts[:1], 16384), (PROMPTS, 8), (prompts, 8)):
+        engine.config.engine.prefill_tokens = budget
+        want = [o.token_ids for o in reference.generate(batch, max_new_tokens=4)]
+        assert [o.token_ids for o in engine.generate(batch, max_new_tokens=4)] == want, (len(batch), budget)
+    stop = reference.generate(PROMPTS, max_new_tokens=3)[1].token_ids[1]  # row 1 ends after two tokens
+    saved = reference.eos
+    engine.eos = reference.eos = {stop}
+    try:
+        want = [o.token_ids for o in reference.generate(PROMPTS, max_new_tokens=6)]
+        assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=6)] == want
+    finally:
+        reference.eos = saved  # the module's reference engine
 
 
 class _Identity:

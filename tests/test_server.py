@@ -14,7 +14,7 @@ import torch
 
 import moe_infer
 from moe_infer.config import DEFAULT_MODEL, ConfigError
-from moe_infer.server import ServerConfig, create_app, read_serve_config
+from moe_infer.server import ServerConfig, build_engine, create_app, read_serve_config
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -283,6 +283,9 @@ def test_serve_config_errors(tmp_path):
     p.write_text("model: default\nengine: {max_batch_size: 4}\nserver: {port: 9001}\n")
     spec = read_serve_config(p, {"port": 9002, "host": None})
     assert spec.server.port == 9002 and spec.engine == {"max_batch_size": 4} and spec.model == "default"
+    p.write_text("model: tiny-moe\nparallel: {dp: 2, ep: 2, dp_attention: true}\n")
+    with pytest.raises(ConfigError, match=r"parallel\.dp_attention=True: expected false for serve"):
+        build_engine(read_serve_config(p))  # before anything loads (one process: a 2-rank layout would fail later)
 
 
 def wait_healthy(proc, url: str, timeout_s: float = 90):
