@@ -261,17 +261,26 @@ class Engine:
         else:
             stats.prompt_tokens += sum(map(len, rows))
         b, bs = len(rows), self.BLOCK_SIZE
-        need = [-(-(len(r) + max_new) // bs) for r in rows]
-        runner = self.runner_for(sum(need) + (peers is not None))  # + the spare block
+
+        def blocks(prompts):
+            return [-(-(len(r) + max_new) // bs) for r in prompts]
+        need = blocks(rows)
+        lockstep, prefill_lockstep, longest = None, None, 0  # alone
+        total = sum(need)
+        if peers is not None:
+            # Every replica captures the same steps at the same time (a capture runs the
+            # step's collectives): the same cache size, the largest batch and the longest
+            # row's keys; and as many prefill forwards as the replica that needs most.
+            peers = [p or [[0]] for p in peers]
+            total = max(sum(blocks(p)) for p in peers) + 1  # + a spare block
+            longest = max(len(r) for p in peers for r in p)
+            budget = self.config.engine.prefill_tokens
+            prefill_lockstep = max(len(prefill_plan([len(r) for r in p], budget)) for p in peers), total - 1
+        runner = self.runner_for(total)
         tables, at = [], 0
         for n in need:
             tables.append(list(range(at, at + n)))
             at += n
-        lockstep, prefill_lockstep = 0, None  # alone
-        if peers is not None:  # the largest batch; the most prefill forwards and a spare block
-            lockstep = max(max(len(p), 1) for p in peers)
-            budget = self.config.engine.prefill_tokens
-            prefill_lockstep = max(len(prefill_plan([len(r) for r in p] or [1], budget)) for p in peers), at
 
         logits = self._prefill(runner, rows, tables, prefill_lockstep)
 
@@ -288,6 +297,8 @@ class Engine:
                 # feeds the token just picked from the device (``Row.src``) and samples
                 # inside the step.
                 runner.prev[:b].copy_(nxt)
+                if peers is not None:  # (rows, keys) of every replica's step
+                    lockstep = (max(map(len, peers)), longest + t + 1)
                 upcoming = runner.decode([Row([0], len(r) + t, tab, i, knobs(params, s, t + 1))
                                           for i, (r, tab, s) in enumerate(zip(rows, tables, seeds))], lockstep)[1]
             ids = host.receive()  # the one host sync per token
@@ -299,7 +310,7 @@ class Engine:
                     else:
                         generated[i].append(tok)
             # In lockstep every replica runs every step: the others' rows may not be done.
-            if (all(f is not None for f in finish) and not lockstep) or t == max_new - 1:
+            if (all(f is not None for f in finish) and peers is None) or t == max_new - 1:
                 break
             nxt = upcoming
 

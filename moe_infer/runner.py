@@ -302,20 +302,22 @@ class PagedRunner:
         return self.decode(rows)[0]
 
     @torch.no_grad()
-    def decode(self, rows: list[Row], lockstep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, rows: list[Row], lockstep: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (float32 logits [B, V] of each row's last new token, the token drawn from them
         by the row's ``sample`` knobs [B]). A step of one new token per row that fits a
         bucket replays its fixed-shape step (the draw taken inside it), and so does a
         prefill of fresh prompts that fits a prefill bucket; any other runs eagerly.
 
-        ``lockstep`` > 0: a decode step that data-parallel replicas sharing experts run
-        together, each with its own rows, the largest batch of ``lockstep`` rows: each takes
-        the fixed-shape step of that many rows (the same token count in every all-to-all),
-        or where none fits, runs eagerly with exact-size all-to-alls."""
+        ``lockstep`` (rows, keys): a decode step that data-parallel replicas sharing experts
+        run together, each with its own rows, the largest batch and longest row of any
+        replica these: each takes the fixed-shape step of their bucket (the same token
+        count in every all-to-all, and the same steps captured at the same time), or where
+        none fits, runs eagerly with exact-size all-to-alls."""
         if self.static:
             step = None
             if all(len(r.tokens) == 1 for r in rows):
-                step = self.step_for(max(len(rows), lockstep), max(r.start + 1 for r in rows))
+                batch, keys = lockstep or (0, 0)
+                step = self.step_for(max(len(rows), batch), max(keys, *(r.start + 1 for r in rows)))
             elif not lockstep and all(r.start == 0 and r.src < 0 for r in rows):
                 step = self.prefill_step_for(len(rows), max(len(r.tokens) for r in rows))
             if step is not None:

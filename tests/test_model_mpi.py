@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import moe_infer
-from comm import bootstrap
+from comm import Group, all_gather_json, bootstrap
 from hf_models import save_hf_model
 from moe_infer import ParallelConfig
 from moe_infer.dispatch import ExpertParallelDispatcher
@@ -139,11 +139,16 @@ def test_dp_attention_replicas_step_together_whatever_their_shares(info, checkpo
     if info.device.type == "cpu":
         engine.decode_mode = mode  # GPUs: the captured steps
     engine.config.engine.max_batch_size = 2
-    prompts = PROMPTS * 3 + [[9] * 11]
+    prompts = PROMPTS * 3 + [[9] * 11, [4] * 62]  # the last one alone crosses a key bucket (64) while decoding
     for batch, budget in ((prompts[:1], 16384), (PROMPTS, 8), (prompts, 8)):
         engine.config.engine.prefill_tokens = budget
         want = [o.token_ids for o in reference.generate(batch, max_new_tokens=4)]
         assert [o.token_ids for o in engine.generate(batch, max_new_tokens=4)] == want, (len(batch), budget)
+        # Every replica made the same fixed-shape steps (on GPUs a capture runs the step's
+        # collectives: replicas capturing different ones would stall each other).
+        made = all_gather_json(sorted(engine.runner._steps), Group(None, dist.get_rank(), world, tuple(range(world))),
+                               info.device)
+        assert all(m == made[0] for m in made), made
     stop = reference.generate(PROMPTS, max_new_tokens=3)[1].token_ids[1]  # row 1 ends after two tokens
     saved = reference.eos
     engine.eos = reference.eos = {stop}
