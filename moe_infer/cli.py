@@ -42,6 +42,11 @@ def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
                           "with --model, its engine/parallel settings apply")
     src.add_argument("--device", help="cpu, cuda or cuda:N (default: the config's, else auto)")
     src.add_argument("--quantize", choices=["int8"], help="weight-only int8 experts and linear layers")
+    src.add_argument("--gpu-memory-gb", type=float,
+                     help="GB of weights kept on the device; the experts hit least live in host memory")
+    src.add_argument("--offload", choices=["auto", "cpu", "stream"],
+                     help="how experts in host memory run: on the CPU, copied to the device per call, or "
+                          "whichever is faster per call (default auto)")
     src.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                      help="weight and activation dtype (default: bfloat16 on GPU, float32 on CPU)")
     par = parser.add_argument_group("parallelism (launch with scripts/launch.sh -n N -- moe-infer ...)")
@@ -130,7 +135,8 @@ def _generate(args, job: Job) -> int:
         raise JobError("no prompt: pass --prompt TEXT or --prompt-ids IDS")
     parallel = job.stage(_parallel, args, job.size)
     engine = job.stage(load, args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
-                       parallel=parallel, quantize=args.quantize)
+                       parallel=parallel, quantize=args.quantize, gpu_memory_gb=args.gpu_memory_gb,
+                       offload=args.offload)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
     rows, _ = job.stage(engine.check_request, prompts, **sampling)
@@ -177,7 +183,8 @@ def _serve(args, job: Job) -> int:
     if args.checkpoint is not None:
         spec.checkpoint = args.checkpoint
     spec.engine.update({k: v for k, v in (("device", args.device), ("dtype", args.dtype),
-                                          ("quantize", args.quantize)) if v is not None})
+                                          ("quantize", args.quantize), ("gpu_memory_gb", args.gpu_memory_gb),
+                                          ("offload", args.offload)) if v is not None})
     parallel = job.stage(_parallel, args, job.size)
     if parallel is not None:
         spec.parallel = dataclasses.asdict(parallel)

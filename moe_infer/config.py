@@ -225,9 +225,21 @@ class EngineConfig:
     # A static decode step runs its attention (QKV epilogue, cache append, attention) in one
     # launch where it fits. false: the epilogue launch, then SDPA.
     fused_decode_attention: bool = True
+    # Models larger than the device: at most this many GB of weights stay on it (None: all).
+    # Everything but the routed experts first, then the experts hit most; the others live
+    # in host memory and run as ``offload`` says: "cpu" (computed by the CPU), "stream"
+    # (copied to the device for the call), "auto" (per call, whichever this machine's
+    # measured figures make faster). An offloaded model decodes eagerly.
+    gpu_memory_gb: float | None = None
+    offload: str = "auto"
 
     def __post_init__(self):
         s = "engine"
+        if self.gpu_memory_gb is not None and (isinstance(self.gpu_memory_gb, bool)
+                                               or not isinstance(self.gpu_memory_gb, (int, float))
+                                               or self.gpu_memory_gb <= 0):
+            _fail(f"{s}.gpu_memory_gb", self.gpu_memory_gb, "a positive number of GB, or null")
+        _check_choice(s, self, "offload", ("auto", "cpu", "stream"))
         if self.quantize is not None:
             _check_choice(s, self, "quantize", ("int8",))
         for name in ("cuda_graphs", "pdl", "fused_decode_attention"):

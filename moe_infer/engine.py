@@ -113,7 +113,9 @@ class Engine:
         # collectives inside); "static": the same fixed-shape step run eagerly; "eager":
         # shapes grow with the cache (any device, any layout).
         nccl = not (dist.is_initialized() and dist.get_world_size() > 1) or dist.get_backend() == "nccl"
-        self.decode_mode = "graph" if p.is_cuda and nccl and config.engine.cuda_graphs else "eager"
+        # Offloaded experts wait for the host in every call (which pairs are cold).
+        offloaded = config.engine.gpu_memory_gb is not None
+        self.decode_mode = "graph" if p.is_cuda and nccl and config.engine.cuda_graphs and not offloaded else "eager"
         self.graph_primers = GRAPH_PRIMERS  # graphs made before the first decode step's (0: none)
         self._primed = False
         self.runner: PagedRunner | None = None  # generate()'s, made at the first call

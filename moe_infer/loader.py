@@ -14,7 +14,7 @@ from comm import ParallelGroups, bootstrap
 from moe_infer.checkpoint import load_checkpoint
 from moe_infer.config import Config, ConfigError, ParallelConfig, load_preset, load_yaml_config, preset_names
 from moe_infer.engine import Engine
-from moe_infer.memory import check_fits
+from moe_infer.memory import check_fits, check_offload_fits
 from moe_infer.hf import read_hf_config
 from moe_infer.model import Transformer, init_random
 from moe_infer.tokenizer import Tokenizer
@@ -86,18 +86,25 @@ def _parallel_groups(p: ParallelConfig):
     return ParallelGroups.build(p, rank, p.world_size), device
 
 
-def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype):
-    """Replaces meta parameters with uninitialised ones on the device, without a copy."""
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype, experts_on_host: bool = False):
+    """Replaces meta parameters with uninitialised ones on the device, without a copy;
+    with ``experts_on_host`` the routed experts' in host memory (pinned for a GPU)."""
+    from moe_infer.experts import Experts
+
+    experts = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
-                module._parameters[name] = nn.Parameter(
-                    torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False)
+                host = experts_on_host and id(p) in experts
+                t = torch.empty(p.shape, device="cpu" if host else device, dtype=dtype,
+                                pin_memory=host and device.type == "cuda")
+                module._parameters[name] = nn.Parameter(t, requires_grad=False)
 
 
 def load(path_or_name: str | Path | None = None, *, device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None, parallel: ParallelConfig | None = None,
-         checkpoint: str | Path | None = None, progress: bool = True, quantize: str | None = None) -> Engine:
+         checkpoint: str | Path | None = None, progress: bool = True, quantize: str | None = None,
+         gpu_memory_gb: float | None = None, offload: str | None = None) -> Engine:
     """Builds an inference engine. See ``resolve_config`` for what ``path_or_name`` may be;
     ``checkpoint`` takes the model and weights from a Hugging Face directory instead, keeping
     the engine and parallel settings of ``path_or_name`` when that is given too."""
@@ -111,8 +118,12 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         cfg = resolve_config(path_or_name)
     if parallel is not None:
         cfg = dataclasses.replace(cfg, parallel=parallel)  # re-validates against the model
-    if quantize is not None:  # "int8" (EngineConfig.quantize): weight-only int8 at load
-        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, quantize=quantize))
+    # EngineConfig fields applied at load: quantize ("int8": weight-only int8), the device's
+    # weight budget and how offloaded experts run (``moe_infer.offload``).
+    given = {k: v for k, v in (("quantize", quantize), ("gpu_memory_gb", gpu_memory_gb), ("offload", offload))
+             if v is not None}
+    if given:
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **given))
     groups, rank_device = _parallel_groups(cfg.parallel)
     multi = dist.is_initialized() and dist.get_world_size() > 1
     progress = progress and (not multi or dist.get_rank() == 0)  # one progress bar per job
@@ -120,11 +131,16 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
     dt = resolve_dtype(dtype if dtype is not None else cfg.engine.dtype, dev)
     with torch.device("meta"):
         model = Transformer(cfg, groups)
+    offload = cfg.engine.gpu_memory_gb is not None  # the routed experts loaded into host memory
     # Before anything is allocated: ranks on a CPU host share its memory.
-    staged = check_fits(cfg, dt, dev, model, dist.get_world_size() if multi and dev.type == "cpu" else 1)
+    staged = False
+    if offload:
+        check_offload_fits(cfg, dt, dev, model)
+    else:
+        staged = check_fits(cfg, dt, dev, model, dist.get_world_size() if multi and dev.type == "cpu" else 1)
     # int8 whose full-precision weights do not fit on the GPU: load them into host memory
     # and quantize onto the GPU one module at a time.
-    _materialize(model, torch.device("cpu") if staged else dev, dt)
+    _materialize(model, torch.device("cpu") if staged else dev, dt, experts_on_host=offload)
     prepare = None
     if cfg.checkpoint is not None:
         load_checkpoint(model, cfg, cfg.checkpoint, progress=progress)
@@ -139,6 +155,10 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         quantize_model(model, dev if staged else None, prepare)
         if prepare is not None:
             init_random(model, generator)  # what stayed in full precision (norms, embeddings, routers)
+    if offload:
+        from moe_infer import offload as off
+
+        off.offload_experts(model, cfg.engine, dev, dt)
     model.eval()
     tokenizer = None
     if cfg.checkpoint is not None and (Path(cfg.checkpoint) / "tokenizer.json").is_file():

@@ -137,6 +137,18 @@ def _spread(cfg: Config, ranks: int) -> Config | None:
         return None
 
 
+def check_offload_fits(cfg: Config, dtype: torch.dtype, device: torch.device, model) -> None:
+    """Raises ``ConfigError`` unless ``engine.gpu_memory_gb`` of weights and one full-length
+    sequence's KV cache fit in the device's free memory (the rest lives in host memory)."""
+    budget = cfg.engine.gpu_memory_gb * GB
+    kv = memory_need(cfg, dtype, model, int8=False).kv
+    have = available_bytes(device)
+    if budget + kv > have:
+        raise ConfigError(f"engine.gpu_memory_gb={cfg.engine.gpu_memory_gb:g}: with one sequence's KV cache "
+                          f"({kv / GB:.2f} GB) it needs {(budget + kv) / GB:.2f} GB, but {device} has "
+                          f"{have / GB:.2f} GB free; expected at most {(have - kv) / GB:.2f}")
+
+
 def check_fits(cfg: Config, dtype: torch.dtype, device: torch.device, model, ranks_here: int = 1) -> bool:
     """Raises ``ConfigError`` (one line: needed, available, what would fit) unless the
     weights of ``model`` (this rank's, on the meta device) and one full-length sequence's KV

@@ -152,7 +152,8 @@ def build_engine(spec: ServeSpec, progress: bool = True) -> Engine:
     e = spec.engine
     section_from_dict(EngineConfig, e, "engine")  # names a bad key before anything loads
     engine = moe_infer.load(spec.model, checkpoint=spec.checkpoint, parallel=parallel, device=e.get("device"),
-                            dtype=e.get("dtype"), progress=progress, quantize=e.get("quantize"))
+                            dtype=e.get("dtype"), progress=progress, quantize=e.get("quantize"),
+                            gpu_memory_gb=e.get("gpu_memory_gb"), offload=e.get("offload"))
     if e:
         merged = {**dataclasses.asdict(engine.config.engine), **e}
         engine.config = dataclasses.replace(engine.config, engine=EngineConfig(**merged))

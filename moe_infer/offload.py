@@ -1,0 +1,275 @@
+"""Models larger than the device: the experts hit most on it, the rest in host memory, run
+by the CPU or copied in for the call (``engine.gpu_memory_gb``, ``engine.offload``).
+
+Shape letters: T tokens, k slots, H hidden, F expert width, E experts, P pairs.
+
+The planner keeps every weight that is not a routed expert on the device (attention,
+norms, routers, embeddings, shared experts, dense layers), then as many experts as the
+budget holds, those hit most first (routing counts where given, else the same number in
+every layer). ``OffloadedExperts`` takes a layer's place: the pairs routed to its device
+experts run the fused kernel there; the others ("cold") run on the CPU over the host
+copies, or have their experts copied into a device staging area first, whichever the
+machine's measured figures say is faster for the call's size (``ColdCost``). Each call
+waits for the host once (which pairs are cold), so an offloaded model decodes eagerly.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import kernels
+from kernels.moe.reference import dequantize_ref, expert_ffn_ref
+from moe_infer.config import ConfigError
+from moe_infer.experts import Experts
+
+GB = 1e9
+MODES = ("auto", "cpu", "stream")
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """What cold experts cost on this machine: bytes a second copied from pinned host memory
+    to the device, bytes of expert weights a second the CPU's matmuls read at decode sizes,
+    and the CPU's matmul rate (FLOP/s) where a call has many tokens."""
+
+    h2d_bytes_s: float
+    cpu_bytes_s: float
+    cpu_flops: float
+
+    @classmethod
+    def measure(cls, device: torch.device, dtype: torch.dtype, hidden: int, width: int) -> "MachineProfile":
+        """Probes this machine once (a fraction of a second): a pinned copy to ``device``
+        (on a CPU "device": a copy in host memory), and the CPU's matmuls on one expert-
+        sized weight in ``dtype``, at one token and at 256."""
+        w = torch.randn(2 * width, hidden).to(dtype)
+        mb = 64 << 20
+        src = torch.empty(mb, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        dst = torch.empty(mb, dtype=torch.uint8, device=device)
+
+        def best(fn, reps=5):
+            fn()
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        h2d = mb / best(lambda: dst.copy_(src, non_blocking=True))
+        one, many = torch.randn(1, hidden).to(dtype), torch.randn(256, hidden).to(dtype)
+        cpu_bytes = w.numel() * w.element_size() / best(lambda: one @ w.t())
+        flops = 2 * 256 * w.numel() / best(lambda: many @ w.t())
+        return cls(h2d, cpu_bytes, flops)
+
+
+@dataclass(frozen=True)
+class ColdCost:
+    """Which way the cold pairs of a call run: the time each way would take, from the
+    profile and the bytes and FLOPs of the experts the call is expected to hit."""
+
+    profile: MachineProfile
+    expert_bytes: int  # one expert's weights as stored
+    expert_flops: int  # per token routed to one expert (2 x its weights)
+
+    def mode(self, cold_pairs: int, cold_experts: int) -> str:
+        if cold_pairs == 0:
+            return "cpu"
+        moved = cold_experts * self.expert_bytes
+        stream = moved / self.profile.h2d_bytes_s
+        cpu = max(moved / self.profile.cpu_bytes_s, cold_pairs * self.expert_flops / self.profile.cpu_flops)
+        return "cpu" if cpu <= stream else "stream"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Per MoE layer (in model order), the experts kept on the device; and the bytes."""
+
+    hot: list[list[int]]
+    device_bytes: int  # everything kept on the device
+    expert_bytes: int  # one expert
+
+
+def expert_layers(model: nn.Module) -> list[tuple[nn.Module, str, Experts]]:
+    """(parent, attribute, experts) of every routed-expert module, in model order."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, Experts)]
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def expert_bytes(experts: Experts) -> int:
+    """One expert's weights (and int8 scales) as this module stores them."""
+    return _bytes([experts.w13, experts.w2, *experts.scales().values()]) // experts.w13.shape[0]
+
+
+def plan(model: nn.Module, budget_bytes: float, counts: list[list[int]] | None = None) -> Placement:
+    """The experts to keep on the device within ``budget_bytes`` of weights. Everything that
+    is not a routed expert stays there first: a budget below it fails with one line saying
+    what fits. ``counts``: per layer, how often each expert was routed to (the most routed
+    first); without, every layer keeps the same number (the first ones)."""
+    layers = expert_layers(model)
+    inside = {id(t) for _, _, e in layers for t in (*e.parameters(), *e.buffers())}
+    fixed = _bytes([t for t in (*model.parameters(), *model.buffers()) if id(t) not in inside])
+    if fixed > budget_bytes:
+        total = fixed + sum(_bytes([*e.parameters(), *e.buffers()]) for _, _, e in layers)
+        raise ConfigError(f"engine.gpu_memory_gb={budget_bytes / GB:g}: the weights that are not routed experts "
+                          f"(attention, norms, routers, embeddings, shared experts, dense layers) need "
+                          f"{fixed / GB:.2f} GB on the device; expected at least that ({total / GB:.2f} GB holds "
+                          f"every expert too)")
+    if not layers:
+        return Placement([], fixed, 0)
+    one = expert_bytes(layers[0][2])
+    slots = int((budget_bytes - fixed) // one) if one else 0
+    num = [e.w13.shape[0] for _, _, e in layers]
+    if counts is None:
+        counts = [[0] * n for n in num]
+    # The most routed first; ties go round the layers, so even counts spread evenly.
+    order = sorted(((-counts[layer][e], e, layer) for layer, n in enumerate(num) for e in range(n)))
+    hot = [[] for _ in layers]
+    for _, e, layer in order[:slots]:
+        hot[layer].append(e)
+    kept = sum(map(len, hot))
+    return Placement([sorted(h) for h in hot], fixed + kept * one, one)
+
+
+class OffloadedExperts(nn.Module):
+    """One layer's experts split by a ``Placement``: ``w13`` / ``w2`` hold the device
+    experts (in the order of ``hot``), the host tensors every expert (pinned where the
+    device is a GPU). ``mode``: "cpu" (cold pairs run on the CPU), "stream" (their experts
+    are copied into a device staging area of ``staging`` experts, as many rounds as
+    needed) or "auto" (``ColdCost`` chooses per call)."""
+
+    def __init__(self, experts: Experts, hot: list[int], device: torch.device, mode: str, cost: ColdCost,
+                 staging: int = 8):
+        super().__init__()
+        self.activation, self.options, self.expert_range = experts.activation, experts.options, experts.expert_range
+        self.mode, self.cost = mode, cost
+        pinned = device.type == "cuda"
+        e = experts.w13.shape[0]
+
+        def host(t):
+            t = t.detach()
+            return t.pin_memory() if pinned and not t.is_pinned() else t
+
+        self.host = {"w13": host(experts.w13), "w2": host(experts.w2),
+                     **{k: host(v) for k, v in experts.scales().items()}}
+        index = torch.tensor(hot, dtype=torch.long)
+        self.w13 = nn.Parameter(self.host["w13"][index].to(device), requires_grad=False)
+        self.w2 = nn.Parameter(self.host["w2"][index].to(device), requires_grad=False)
+        self.device_scales = {k: self.host[k][index].to(device) for k in experts.scales()}
+        slot = torch.full((e,), -1, dtype=torch.long)
+        slot[index] = torch.arange(len(hot))
+        self.register_buffer("slot", slot.to(device), persistent=False)  # expert -> device slot, -1: cold
+        self.hot = hot
+        self.num_cold = e - len(hot)
+        self.staging = min(staging, self.num_cold)
+        self._stage: dict | None = None  # the staging area, made at the first streamed call
+
+    def scales(self) -> dict:
+        return self.device_scales
+
+    def pairs_from_ids(self, x: torch.Tensor, top_k: int) -> bool:
+        return True  # no maps: the pairs are split here
+
+    def fused(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+              capacity: int | None = None, maps: tuple | None = None) -> torch.Tensor:
+        """x [T, H], ids and weights [T, k] -> the weighted sum of each token's experts [T, H]
+        (dropless: ``capacity`` must be None)."""
+        if capacity is not None:
+            raise ValueError("offloaded experts run dropless: moe.capacity_factor must be null")
+        ids = expert_ids.long()
+        slot = self.slot[ids]  # [T, k]
+        cold = slot < 0
+        if self.num_cold == 0 or not bool(cold.any()):  # one wait for the host a call
+            return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, pdl=self.options.pdl,
+                                     **self.device_scales)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        hot_t, hot_s = (~cold).nonzero(as_tuple=True)
+        if len(hot_t):  # one row a pair: the cold pairs cost the device nothing
+            y = kernels.fused_moe(x[hot_t], self.w13, self.w2, weights[hot_t, hot_s, None],
+                                  slot[hot_t, hot_s, None], self.activation, pdl=self.options.pdl,
+                                  **self.device_scales)
+            out.index_add_(0, hot_t, y.float())
+        cold_t, cold_s = cold.nonzero(as_tuple=True)
+        pair_ids = ids[cold_t, cold_s]
+        used = torch.unique(pair_ids).tolist()
+        mode = self.mode if self.mode != "auto" else self.cost.mode(len(cold_t), len(used))
+        pair_w = weights[cold_t, cold_s]
+        if mode == "cpu":
+            y = self._on_cpu(x[cold_t], pair_ids, pair_w, used)
+        else:
+            y = self._streamed(x[cold_t], pair_ids, pair_w, used)
+        out.index_add_(0, cold_t, y)
+        return out.to(x.dtype)
+
+    def _on_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, used: list[int]) -> torch.Tensor:
+        """The cold pairs [P, H] on the CPU, expert by expert over the host weights -> their
+        weighted outputs [P, H] float32 on x's device."""
+        xc, ids_c, wc = x.cpu(), ids.cpu(), w.float().cpu()
+        dtype = xc.dtype if self.host["w13"].dtype == torch.int8 else self.host["w13"].dtype
+        yc = torch.zeros(xc.shape, dtype=torch.float32)
+        s13, s2 = self.host.get("w13_scale"), self.host.get("w2_scale")  # int8 only
+        for e in used:
+            rows = (ids_c == e).nonzero(as_tuple=True)[0]
+            w13 = dequantize_ref(self.host["w13"][e], None if s13 is None else s13[e], dtype)
+            w2 = dequantize_ref(self.host["w2"][e], None if s2 is None else s2[e], dtype)
+            y = expert_ffn_ref(xc[rows].to(dtype), w13, w2, self.activation)
+            yc.index_add_(0, rows, y.float() * wc[rows, None])
+        return yc.to(x.device, non_blocking=True)
+
+    def _streamed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, used: list[int]) -> torch.Tensor:
+        """The cold pairs [P, H] on the device, their experts copied into the staging area,
+        ``staging`` at a time -> their weighted outputs [P, H] float32."""
+        if self._stage is None:
+            dev = self.w13.device
+            self._stage = {k: torch.empty((self.staging, *v.shape[1:]), dtype=v.dtype, device=dev)
+                           for k, v in self.host.items()}
+            self._stage_slot = torch.full((len(self.slot),), -1, dtype=torch.long, device=dev)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for lo in range(0, len(used), self.staging):
+            chunk = used[lo:lo + self.staging]
+            for j, e in enumerate(chunk):
+                for k, v in self.host.items():
+                    self._stage[k][j].copy_(v[e], non_blocking=True)
+            self._stage_slot.fill_(-1)
+            self._stage_slot[torch.tensor(chunk, device=x.device)] = torch.arange(len(chunk), device=x.device)
+            s = self._stage_slot[ids]
+            rows = (s >= 0).nonzero(as_tuple=True)[0]
+            n = len(chunk)
+            scales = {k: self._stage[k][:n] for k in self.host if k.endswith("_scale")}
+            part = kernels.fused_moe(x[rows], self._stage["w13"][:n], self._stage["w2"][:n], w[rows, None],
+                                     s[rows, None], self.activation, pdl=self.options.pdl, **scales)
+            y.index_add_(0, rows, part.float())
+        return y
+
+
+def apply(model: nn.Module, placement: Placement, device: torch.device, mode: str, cost: ColdCost) -> int:
+    """Replaces every layer's experts by its ``OffloadedExperts`` -> experts left cold."""
+    cold = 0
+    for (parent, name, experts), hot in zip(expert_layers(model), placement.hot):
+        off = OffloadedExperts(experts, hot, device, mode, cost)
+        cold += off.num_cold
+        setattr(parent, name, off)
+    return cold
+
+
+def offload_experts(model: nn.Module, engine_cfg, device: torch.device, dtype: torch.dtype) -> Placement:
+    """The loader's last step for ``engine.gpu_memory_gb``: plans the placement of the
+    loaded model (its experts in host memory), measures this machine, and puts each
+    layer's ``OffloadedExperts`` in place -> the placement."""
+    placement = plan(model, engine_cfg.gpu_memory_gb * GB)
+    layers = expert_layers(model)
+    if layers:
+        first = layers[0][2]
+        f, h = first.w2.shape[2], first.w2.shape[1]
+        profile = MachineProfile.measure(device, dtype if first.w13.dtype == torch.int8 else first.w13.dtype, h, f)
+        per_token = 2 * (first.w13[0].numel() + first.w2[0].numel())
+        apply(model, placement, device, engine_cfg.offload, ColdCost(profile, placement.expert_bytes, per_token))
+    return placement

@@ -1,0 +1,95 @@
+"""Experts in host memory (engine.gpu_memory_gb): the planner's choices, and the same results
+as the unbounded model for every way cold experts run. On CPU the "device" is host memory
+too; what is checked is the placement and the math of each path."""
+import pytest
+import torch
+
+import moe_infer
+from moe_infer import offload as off
+from moe_infer.config import ConfigError
+from moe_infer.experts import Experts
+
+PROMPTS = [[5, 17, 3, 44, 12, 9, 31], [8, 2], [60, 1, 19, 27, 4]]
+
+
+@pytest.fixture(scope="module")
+def full():
+    return moe_infer.load("tiny-moe", progress=False)
+
+
+def budgets(engine) -> tuple[float, int]:
+    """-> (GB of the weights that are not routed experts, bytes of one expert)."""
+    p = off.plan(engine.model, 1e12)
+    return (p.device_bytes - sum(map(len, p.hot)) * p.expert_bytes) / 1e9, p.expert_bytes
+
+
+def test_the_plan_keeps_the_most_routed_experts_and_spreads_even_counts(full):
+    fixed, one = budgets(full)
+    layers = len(off.expert_layers(full.model))
+    spread = off.plan(full.model, fixed * 1e9 + 2 * layers * one)
+    assert spread.hot == [[0, 1]] * layers  # no counts: the same number in every layer
+    counts = [[0, 9, 0, 0, 0, 7], [5, 0, 0, 0, 0, 0], [0] * 6, [0, 0, 0, 1, 0, 0]]
+    picked = off.plan(full.model, fixed * 1e9 + 3.5 * one, counts)
+    assert picked.hot == [[1, 5], [0], [], []]  # the three most routed, whatever their layer
+    assert picked.device_bytes == pytest.approx(fixed * 1e9 + 3 * one)
+    with pytest.raises(ConfigError, match=r"engine\.gpu_memory_gb=0\.001: the weights that are not routed "
+                                          r"experts .* need [0-9.]+ GB on the device; expected at least that"):
+        off.plan(full.model, 0.001e9)
+
+
+@pytest.mark.parametrize("pairs, experts, want", [(2, 2, "cpu"), (4096, 60, "stream")])
+def test_cold_experts_run_where_the_machine_says_they_are_faster(pairs, experts, want):
+    """A host with a slow copy link and a CPU that reads weights fast but multiplies
+    slowly: few tokens on the CPU, many streamed."""
+    profile = off.MachineProfile(h2d_bytes_s=25e9, cpu_bytes_s=100e9, cpu_flops=1e12)
+    cost = off.ColdCost(profile, expert_bytes=352 << 20, expert_flops=2 * 176 << 20)
+    assert cost.mode(pairs, experts) == want
+    fast_link = off.MachineProfile(h2d_bytes_s=400e9, cpu_bytes_s=100e9, cpu_flops=1e12)
+    assert off.ColdCost(fast_link, 352 << 20, 2 * 176 << 20).mode(2, 2) == "stream"
+
+
+@pytest.mark.parametrize("mode", ["cpu", "stream", "auto"])
+@pytest.mark.parametrize("hot", [0, 3])
+def test_an_offloaded_model_gives_the_unbounded_tokens(full, mode, hot):
+    fixed, one = budgets(full)
+    engine = moe_infer.load("tiny-moe", progress=False, gpu_memory_gb=fixed + hot * one / 1e9, offload=mode)
+    layers = [m for m in engine.model.modules() if isinstance(m, off.OffloadedExperts)]
+    assert sum(len(m.hot) for m in layers) == hot and all(m.num_cold == 6 - len(m.hot) for m in layers)
+    assert engine.decode_mode == "eager"
+    assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
+        [o.token_ids for o in full.generate(PROMPTS, max_new_tokens=8)]
+    torch.testing.assert_close(engine.logits(PROMPTS), full.logits(PROMPTS), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_experts_offload_too():
+    q = moe_infer.load("tiny-moe", progress=False, quantize="int8")
+    fixed, one = budgets(q)
+    engine = moe_infer.load("tiny-moe", progress=False, quantize="int8", gpu_memory_gb=fixed + one / 1e9,
+                            offload="cpu")
+    assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
+        [o.token_ids for o in q.generate(PROMPTS, max_new_tokens=8)]
+
+
+@pytest.mark.parametrize("mode", ["cpu", "stream"])
+def test_cold_experts_in_several_staging_rounds_and_mixed_pairs(mode):
+    """One layer, its experts split 2 on the device / 5 cold, a staging area of one expert:
+    every pair's output (hot, cold, several rounds) as the whole layer's."""
+    gen = torch.Generator().manual_seed(0)
+    experts = Experts(7, 24, 40, "swiglu")
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(experts.w13.shape, generator=gen) * 0.2)
+        experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.2)
+    profile = off.MachineProfile(1e9, 1e9, 1e9)
+    layer = off.OffloadedExperts(experts, [2, 5], torch.device("cpu"), mode, off.ColdCost(profile, 1, 1), staging=1)
+    x = torch.randn(9, 24, generator=gen)
+    ids = torch.stack([torch.randperm(7, generator=gen)[:3] for _ in range(9)])
+    w = torch.rand(9, 3, generator=gen)
+    torch.testing.assert_close(layer.fused(x, ids, w), experts.fused(x, ids, w), rtol=1e-5, atol=1e-6)
+    hot_only = torch.tensor([[2, 5, 2]] * 9)
+    torch.testing.assert_close(layer.fused(x, hot_only, w), experts.fused(x, hot_only, w), rtol=1e-5, atol=1e-6)
+
+
+def test_a_budget_below_the_dense_part_fails_at_load_with_one_line(full):
+    fixed, _ = budgets(full)
+    with pytest.raises(ConfigError, match=r"^engine\.gpu_memory_gb=[0-9.e-]+: the weights that are not routed experts"):
+        moe_infer.load("tiny-moe", progress=False, gpu_memory_gb=fixed / 2)
