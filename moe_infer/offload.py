@@ -171,6 +171,8 @@ class OffloadedExperts(nn.Module):
         self.num_cold = e - len(hot)
         self.staging = min(staging, self.num_cold)
         self._stage: dict | None = None  # the staging area, made at the first streamed call
+        # What the calls met (host counts: known at the call's one wait), for benchmarks.
+        self.stats = dict.fromkeys(("calls", "pairs", "cold_pairs", "cold_experts", "cpu", "stream"), 0)
 
     def scales(self) -> dict:
         return self.device_scales
@@ -187,6 +189,8 @@ class OffloadedExperts(nn.Module):
         ids = expert_ids.long()
         slot = self.slot[ids]  # [T, k]
         cold = slot < 0
+        self.stats["calls"] += 1
+        self.stats["pairs"] += ids.numel()
         if self.num_cold == 0 or not bool(cold.any()):  # one wait for the host a call
             return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, pdl=self.options.pdl,
                                      **self.device_scales)
@@ -201,6 +205,8 @@ class OffloadedExperts(nn.Module):
         pair_ids = ids[cold_t, cold_s]
         used = torch.unique(pair_ids).tolist()
         mode = self.mode if self.mode != "auto" else self.cost.mode(len(cold_t), len(used))
+        for key, n in (("cold_pairs", len(cold_t)), ("cold_experts", len(used)), (mode, 1)):
+            self.stats[key] += n
         pair_w = weights[cold_t, cold_s]
         if mode == "cpu":
             y = self._on_cpu(x[cold_t], pair_ids, pair_w, used)

@@ -17,6 +17,7 @@ SMOKES = {
     "bench_decode": (["--device", "cpu", "--smoke"], "floor MB"),
     "bench_serve": (["--smoke"], "TTFT p50"),
     "bench_layouts": (["--smoke", "--baseline", "--no-json"], "ms/token"),
+    "bench_offload": (["--smoke"], "cold experts/step"),
 }
 
 

@@ -1,0 +1,192 @@
+#!/usr/bin/env python
+"""Models larger than the device: decode and prefill with experts in host memory
+(``engine.gpu_memory_gb``), beside the floor of the placement, the all-GPU run where the
+model fits, and transformers + accelerate at the same budget.
+
+    python scripts/bench_offload.py --model mixtral-8x7b --budgets 70,40 --peer
+    python scripts/bench_offload.py --model qwen3-30b-a3b --budgets 16
+    python scripts/bench_offload.py --smoke          # tiny-moe on the CPU, every mode
+
+Random weights. Per budget and mode (``engine.offload``: auto, cpu, stream): decode ms per
+token at each batch (``bench_decode.per_token_ms``, 128-token prompts), prefill tokens/s of
+``--prefill`` prompts (time to the first token), and from the layers' counters the share of
+routed pairs that found their expert on the device (hit rate) and the cold experts a token
+met. The floor of a decode step: the device-resident bytes it reads (everything but the
+routed experts, and the device experts it is expected to hit) over the copy bandwidth, plus
+the cold experts it met over the bandwidth of the way they ran (pinned host-to-device copy
+for streamed ones, the CPU's matmul read rate for CPU ones), both measured in this run.
+The peer: transformers' ``generate()`` on a model of the same shape placed by accelerate
+(``device_map="auto"``, ``max_memory`` = the budget on the GPU, the rest in CPU memory).
+Writes bench/results/offload-<model>-<device>-<date>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+_SCRIPTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
+
+import bench_common as bc  # noqa: E402
+import moe_infer  # noqa: E402
+from bench_decode import hf_config, per_token_ms  # noqa: E402
+from moe_infer import offload as off  # noqa: E402
+
+
+def counters(engine) -> dict:
+    """The offloaded layers' counters, summed, then zeroed."""
+    total = dict.fromkeys(("calls", "pairs", "cold_pairs", "cold_experts", "cpu", "stream"), 0)
+    for m in engine.model.modules():
+        if isinstance(m, off.OffloadedExperts):
+            for k, v in m.stats.items():
+                total[k] += v
+                m.stats[k] = 0
+    return total
+
+
+def floor_ms(engine, batch: int, tokens: int, seen: dict, copy_bytes_s: float) -> float | None:
+    """The placement's floor of one decode step (see the module doc) from ``seen``, the
+    counters of a run that decoded ``tokens`` steps."""
+    layers = [m for m in engine.model.modules() if isinstance(m, off.OffloadedExperts)]
+    if not layers or not tokens:
+        return None
+    inside = {id(p) for m in layers for p in (m.w13, m.w2)}
+    dense = sum(p.numel() * p.element_size() for p in engine.model.parameters() if id(p) not in inside)
+    k, e = engine.config.moe.top_k, engine.config.moe.num_experts
+    one, profile = layers[0].cost.expert_bytes, layers[0].cost.profile
+    hot_hit = sum(len(m.hot) * (1 - (1 - k / e) ** batch) for m in layers)  # expected, uniform routing
+    device = (dense + hot_hit * one) / copy_bytes_s
+    cold = 0.0
+    if seen["cold_experts"]:  # the bandwidth of the ways the calls took, weighed by their number
+        rate = (seen["cpu"] * profile.cpu_bytes_s + seen["stream"] * profile.h2d_bytes_s) / (seen["cpu"] + seen["stream"])
+        cold = seen["cold_experts"] / tokens * one / rate
+    return 1e3 * (device + cold)
+
+
+def decode_counters(engine, prompts, n: int) -> dict:
+    """The layers' counters over n - 1 decode steps: generate() with n + 1 new tokens less
+    generate() with 2 (the same prefill and first step)."""
+    counters(engine)
+    engine.generate(prompts, max_new_tokens=n + 1)
+    long = counters(engine)
+    engine.generate(prompts, max_new_tokens=2)
+    short = counters(engine)
+    return {k: long[k] - short[k] for k in long}
+
+
+def prefill_tokens_s(engine, prompts) -> float:
+    engine.generate(prompts, max_new_tokens=1)  # warm-up
+    bc.synchronize(engine.device)
+    t = time.perf_counter()
+    engine.generate(prompts, max_new_tokens=1)
+    bc.synchronize(engine.device)
+    return sum(map(len, prompts)) / (time.perf_counter() - t)
+
+
+def peer_ms(model_name: str, budget_gb: float, prompts, n: int) -> float | None:
+    """transformers generate() ms per token with accelerate's placement at ``budget_gb``."""
+    import transformers
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    cfg = hf_config(moe_infer.config.load_preset(model_name))
+    if cfg is None:
+        return None
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    host_gb = max(1, int(bc.free_memory_bytes("cpu") / 2 ** 30) - 8)
+    placement = infer_auto_device_map(model, max_memory={0: f"{budget_gb}GiB", "cpu": f"{host_gb}GiB"},
+                                      no_split_module_classes=getattr(model, "_no_split_modules", None))
+    model = dispatch_model(model, placement).eval()
+    ids = torch.tensor(prompts, device="cuda:0")
+
+    def run(new):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+    run(2)
+    return 1e3 * (run(n + 1) - run(2)) / (n - 1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="mixtral-8x7b", help="a preset name or config YAML (random weights)")
+    ap.add_argument("--budgets", default="70,40", help="GB of weights on the device, comma list")
+    ap.add_argument("--modes", default="auto,cpu,stream")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prefill", default="8x512", help="ROWSxLEN prompts for the prefill rate")
+    ap.add_argument("--all-gpu", action="store_true", help="also the unbounded model (where it fits)")
+    ap.add_argument("--peer", action="store_true", help="transformers + accelerate at each budget (GPU)")
+    ap.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, every mode, few tokens")
+    ap.add_argument("--no-json", action="store_true")
+    args = ap.parse_args()
+    device = None
+    if args.smoke:
+        args.model, args.budgets, args.batches, args.new_tokens, args.reps = "tiny-moe", "0.0045", "1,4", 4, 1
+        args.prefill, args.prompt_len, args.all_gpu, device = "2x16", 8, True, "cpu"
+    gen = torch.Generator().manual_seed(0)
+    rows, width = map(int, args.prefill.split("x"))
+    rows_out = []
+    copy_bytes_s = None
+
+    def prompts_of(engine, b, n):
+        vocab = engine.config.model.vocab_size
+        return [torch.randint(0, vocab, (n,), generator=gen).tolist() for _ in range(b)]
+
+    runs = [(None, "all")] if args.all_gpu else []
+    runs += [(float(b), m) for b in args.budgets.split(",") for m in args.modes.split(",")]
+    for budget, mode in runs:
+        engine = moe_infer.load(args.model, device=device, progress=False, gpu_memory_gb=budget,
+                                offload=None if budget is None else mode)
+        engine.eos = set()
+        if copy_bytes_s is None:
+            copy_bytes_s = bc.measure_copy_bandwidth(engine.device) * 1e9
+        prefill = prefill_tokens_s(engine, prompts_of(engine, rows, width))
+        for b in [int(x) for x in args.batches.split(",")]:
+            ps = prompts_of(engine, b, args.prompt_len)
+            ms, _ = per_token_ms(engine, ps, args.new_tokens, args.reps)
+            seen = decode_counters(engine, ps, args.new_tokens)
+            steps = args.new_tokens - 1
+            fl = floor_ms(engine, b, steps, seen, copy_bytes_s)
+            hit = 1 - seen["cold_pairs"] / seen["pairs"] if seen["pairs"] else 1.0
+            rows_out.append({"budget_gb": budget, "mode": mode, "batch": b, "ms_per_token": ms, "floor_ms": fl,
+                             "hit_rate": hit, "cold_experts_per_step": seen["cold_experts"] / steps,
+                             "prefill_tokens_s": prefill})
+            print(f"budget {budget} {mode} batch {b}: {ms:.3f} ms/token", flush=True)
+        del engine
+        bc.empty_cache(device or "cuda")
+    if args.peer and not args.smoke:
+        for budget in {r["budget_gb"] for r in rows_out if r["budget_gb"] is not None}:
+            b = 1
+            ms = peer_ms(args.model, budget, [[1] * args.prompt_len] * b, args.new_tokens)
+            rows_out.append({"budget_gb": budget, "mode": "transformers+accelerate", "batch": b, "ms_per_token": ms,
+                             "floor_ms": None, "hit_rate": None, "cold_experts_per_step": None,
+                             "prefill_tokens_s": None})
+    run = bc.run_info(device or "cuda")
+    print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | model {args.model}, random "
+          f"weights | copy {copy_bytes_s / 1e9:.0f} GB/s | prompts {args.prompt_len} tokens, {args.new_tokens} new, "
+          f"prefill {args.prefill}")
+
+    def opt(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    cols = ["budget GB", "mode", "batch", "ms/token", "floor ms", "x floor", "hit rate", "cold experts/step",
+            "prefill tok/s"]
+    print(bc.format_table(cols, [[opt(r["budget_gb"], "g"), r["mode"], r["batch"], opt(r["ms_per_token"], ".3f"),
+                                  opt(r["floor_ms"], ".3f"),
+                                  opt(r["ms_per_token"] / r["floor_ms"] if r["floor_ms"] else None, ".2f"),
+                                  opt(r["hit_rate"], ".2f"), opt(r["cold_experts_per_step"], ".1f"),
+                                  opt(r["prefill_tokens_s"], ".0f")] for r in rows_out]))
+    if not args.no_json and not args.smoke:
+        bc.write_results(f"offload-{Path(args.model).stem}", device or "cuda",
+                         {"run": run, "model": args.model, "args": vars(args), "rows": rows_out})
+
+
+if __name__ == "__main__":
+    main()
