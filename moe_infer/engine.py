@@ -20,6 +20,7 @@ from comm import ParallelGroups, all_gather_json
 from moe_infer.config import Config
 from moe_infer.graphs import GRAPH_PRIMERS
 from moe_infer.model import Transformer
+from moe_infer.offload import rebalance
 from moe_infer.runner import PagedRunner, Row
 from moe_infer.sampling import SamplingParams, knobs, sample_rows
 from moe_infer.tokenizer import Tokenizer
@@ -90,6 +91,7 @@ class _HostIds:
 
 class Engine:
     BLOCK_SIZE = 16  # tokens per block of generate()'s paged KV cache
+    REBALANCE_STEPS = 64  # offloaded experts: decode steps between placements by routing counts
 
     def __init__(self, model: Transformer, config: Config, tokenizer: Tokenizer | None = None,
                  groups: ParallelGroups | None = None):
@@ -114,8 +116,9 @@ class Engine:
         # shapes grow with the cache (any device, any layout).
         nccl = not (dist.is_initialized() and dist.get_world_size() > 1) or dist.get_backend() == "nccl"
         # Offloaded experts wait for the host in every call (which pairs are cold).
-        offloaded = config.engine.gpu_memory_gb is not None
-        self.decode_mode = "graph" if p.is_cuda and nccl and config.engine.cuda_graphs and not offloaded else "eager"
+        self.offloaded = config.engine.gpu_memory_gb is not None
+        self.decode_mode = "graph" if p.is_cuda and nccl and config.engine.cuda_graphs and not self.offloaded \
+            else "eager"
         self.graph_primers = GRAPH_PRIMERS  # graphs made before the first decode step's (0: none)
         self._primed = False
         self.runner: PagedRunner | None = None  # generate()'s, made at the first call
@@ -285,6 +288,8 @@ class Engine:
             at += n
 
         logits = self._prefill(runner, rows, tables, prefill_lockstep)
+        if self.offloaded:  # the experts the prompts routed to most onto the device
+            rebalance(self.model)
 
         generated = [[] for _ in range(b)]
         finish = [None] * b
@@ -303,6 +308,8 @@ class Engine:
                     lockstep = (max(map(len, peers)), longest + t + 1)
                 upcoming = runner.decode([Row([0], len(r) + t, tab, i, knobs(params, s, t + 1))
                                           for i, (r, tab, s) in enumerate(zip(rows, tables, seeds))], lockstep)[1]
+            if self.offloaded and t % self.REBALANCE_STEPS == self.REBALANCE_STEPS - 1:
+                rebalance(self.model)  # the counts of the tokens decoded since
             ids = host.receive()  # the one host sync per token
             arrived.append(time.perf_counter())
             for i, tok in enumerate(ids):

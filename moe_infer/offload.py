@@ -127,16 +127,39 @@ def plan(model: nn.Module, budget_bytes: float, counts: list[list[int]] | None =
         return Placement([], fixed, 0)
     one = expert_bytes(layers[0][2])
     slots = int((budget_bytes - fixed) // one) if one else 0
-    num = [e.w13.shape[0] for _, _, e in layers]
+    hot = pick([e.w13.shape[0] for _, _, e in layers], slots, counts)
+    return Placement(hot, fixed + sum(map(len, hot)) * one, one)
+
+
+def pick(num: list[int], slots: int, counts: list[list[float]] | None = None) -> list[list[int]]:
+    """``slots`` experts over layers of ``num`` experts each: the most routed first
+    (``counts`` per layer), ties round the layers, so even counts spread evenly -> per
+    layer, its picked experts in order."""
     if counts is None:
         counts = [[0] * n for n in num]
-    # The most routed first; ties go round the layers, so even counts spread evenly.
-    order = sorted(((-counts[layer][e], e, layer) for layer, n in enumerate(num) for e in range(n)))
-    hot = [[] for _ in layers]
+    order = sorted((-counts[layer][e], e, layer) for layer, n in enumerate(num) for e in range(n))
+    hot = [[] for _ in num]
     for _, e, layer in order[:slots]:
         hot[layer].append(e)
-    kept = sum(map(len, hot))
-    return Placement([sorted(h) for h in hot], fixed + kept * one, one)
+    return [sorted(h) for h in hot]
+
+
+def rebalance(model: nn.Module, decay: float = 0.5) -> int:
+    """Moves experts between the device and host memory by the routing counts the
+    offloaded layers gathered (the most routed on the device, as many as now), then
+    weighs the counts by ``decay``, so later traffic counts more -> experts moved in."""
+    layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
+    if not layers:
+        return 0
+    counts = [m.routed.tolist() for m in layers]  # one wait for the host per layer
+    hot = pick([len(c) for c in counts], sum(len(m.hot) for m in layers), counts)
+    moved = 0
+    for m, h in zip(layers, hot):
+        moved += len(set(h) - set(m.hot))
+        if h != m.hot:
+            m.set_hot(h)
+        m.routed.mul_(decay)
+    return moved
 
 
 class OffloadedExperts(nn.Module):
@@ -160,19 +183,27 @@ class OffloadedExperts(nn.Module):
 
         self.host = {"w13": host(experts.w13), "w2": host(experts.w2),
                      **{k: host(v) for k, v in experts.scales().items()}}
-        index = torch.tensor(hot, dtype=torch.long)
-        self.w13 = nn.Parameter(self.host["w13"][index].to(device), requires_grad=False)
-        self.w2 = nn.Parameter(self.host["w2"][index].to(device), requires_grad=False)
-        self.device_scales = {k: self.host[k][index].to(device) for k in experts.scales()}
-        slot = torch.full((e,), -1, dtype=torch.long)
-        slot[index] = torch.arange(len(hot))
-        self.register_buffer("slot", slot.to(device), persistent=False)  # expert -> device slot, -1: cold
-        self.hot = hot
-        self.num_cold = e - len(hot)
-        self.staging = min(staging, self.num_cold)
+        self.register_buffer("slot", torch.full((e,), -1, dtype=torch.long, device=device),
+                             persistent=False)  # expert -> device slot, -1: cold
+        # Routed pairs per expert, weighed down at each ``rebalance``.
+        self.register_buffer("routed", torch.zeros(e, dtype=torch.float32, device=device), persistent=False)
+        self.w13 = self.w2 = None
+        self.set_hot(hot)
+        self.staging = min(staging, e - len(hot))
         self._stage: dict | None = None  # the staging area, made at the first streamed call
         # What the calls met (host counts: known at the call's one wait), for benchmarks.
         self.stats = dict.fromkeys(("calls", "pairs", "cold_pairs", "cold_experts", "cpu", "stream"), 0)
+
+    def set_hot(self, hot: list[int]) -> None:
+        """Keeps experts ``hot`` (sorted) on the device, copied from the host copies."""
+        device, index = self.slot.device, torch.tensor(hot, dtype=torch.long)
+        self.w13 = nn.Parameter(self.host["w13"][index].to(device), requires_grad=False)
+        self.w2 = nn.Parameter(self.host["w2"][index].to(device), requires_grad=False)
+        self.device_scales = {k: self.host[k][index].to(device) for k in self.host if k.endswith("_scale")}
+        slot = torch.full(self.slot.shape, -1, dtype=torch.long)
+        slot[index] = torch.arange(len(hot))
+        self.slot.copy_(slot)
+        self.hot, self.num_cold = hot, len(slot) - len(hot)
 
     def scales(self) -> dict:
         return self.device_scales
@@ -189,6 +220,7 @@ class OffloadedExperts(nn.Module):
         ids = expert_ids.long()
         slot = self.slot[ids]  # [T, k]
         cold = slot < 0
+        self.routed.add_(torch.bincount(ids.flatten(), minlength=len(self.routed)))
         self.stats["calls"] += 1
         self.stats["pairs"] += ids.numel()
         if self.num_cold == 0 or not bool(cold.any()):  # one wait for the host a call

@@ -93,3 +93,19 @@ def test_a_budget_below_the_dense_part_fails_at_load_with_one_line(full):
     fixed, _ = budgets(full)
     with pytest.raises(ConfigError, match=r"^engine\.gpu_memory_gb=[0-9.e-]+: the weights that are not routed experts"):
         moe_infer.load("tiny-moe", progress=False, gpu_memory_gb=fixed / 2)
+
+
+def test_rebalance_moves_the_most_routed_experts_onto_the_device(full):
+    """The prompts' routing counts decide which experts stay on the device (as many as the
+    budget placed), and the results do not change when experts move."""
+    fixed, one = budgets(full)
+    engine = moe_infer.load("tiny-moe", progress=False, gpu_memory_gb=fixed + 3 * one / 1e9, offload="cpu")
+    layers = [m for m in engine.model.modules() if isinstance(m, off.OffloadedExperts)]
+    for m, counts in zip(layers, ([0, 0, 0, 0, 9, 8], [0, 0, 0, 0, 0, 1], [0] * 6, [0] * 6)):
+        m.routed.copy_(torch.tensor(counts, dtype=torch.float32))
+    assert off.rebalance(engine.model) == 3
+    assert [m.hot for m in layers] == [[4, 5], [5], [], []]
+    assert [m.routed.tolist() for m in layers][0] == [0, 0, 0, 0, 4.5, 4.0]  # weighed down
+    assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
+        [o.token_ids for o in full.generate(PROMPTS, max_new_tokens=8)]
+    assert sum(len(m.hot) for m in layers) == 3  # generate() placed them by its prompts' routing
