@@ -44,9 +44,10 @@ def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
     src.add_argument("--quantize", choices=["int8"], help="weight-only int8 experts and linear layers")
     src.add_argument("--gpu-memory-gb", type=float,
                      help="GB of weights kept on the device; the experts hit least live in host memory")
-    src.add_argument("--offload", choices=["auto", "cpu", "stream"],
+    src.add_argument("--offload", choices=["auto", "cpu", "stream", "layers"],
                      help="how experts in host memory run: on the CPU, copied to the device per call, or "
-                          "whichever is faster per call (default auto)")
+                          "whichever is faster per call (default auto); layers: every block streamed from "
+                          "host memory as it runs (ZeRO-Inference, for large batches)")
     src.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                      help="weight and activation dtype (default: bfloat16 on GPU, float32 on CPU)")
     par = parser.add_argument_group("parallelism (launch with scripts/launch.sh -n N -- moe-infer ...)")

@@ -232,6 +232,9 @@ class EngineConfig:
     # measured figures make faster). An offloaded model decodes eagerly.
     gpu_memory_gb: float | None = None
     offload: str = "auto"
+    # offload: "layers" (ZeRO-Inference, for throughput): every block's weights in host
+    # memory, copied to the device as it runs, this many blocks ahead; gpu_memory_gb unset.
+    prefetch_layers: int = 1
 
     def __post_init__(self):
         s = "engine"
@@ -239,7 +242,13 @@ class EngineConfig:
                                                or not isinstance(self.gpu_memory_gb, (int, float))
                                                or self.gpu_memory_gb <= 0):
             _fail(f"{s}.gpu_memory_gb", self.gpu_memory_gb, "a positive number of GB, or null")
-        _check_choice(s, self, "offload", ("auto", "cpu", "stream"))
+        _check_choice(s, self, "offload", ("auto", "cpu", "stream", "layers"))
+        if self.offload == "layers" and self.gpu_memory_gb is not None:
+            _fail(f"{s}.gpu_memory_gb", self.gpu_memory_gb, "null with offload: layers (every block streams "
+                  "from host memory; the device holds prefetch_layers + 1 of them)")
+        v = self.prefetch_layers
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            _fail(f"{s}.prefetch_layers", v, "an integer >= 0")
         if self.quantize is not None:
             _check_choice(s, self, "quantize", ("int8",))
         for name in ("cuda_graphs", "pdl", "fused_decode_attention"):

@@ -115,10 +115,11 @@ class Engine:
         # collectives inside); "static": the same fixed-shape step run eagerly; "eager":
         # shapes grow with the cache (any device, any layout).
         nccl = not (dist.is_initialized() and dist.get_world_size() > 1) or dist.get_backend() == "nccl"
-        # Offloaded experts wait for the host in every call (which pairs are cold).
+        # Offloaded experts wait for the host in every call (which pairs are cold); streamed
+        # layers run on weights that move.
         self.offloaded = config.engine.gpu_memory_gb is not None
-        self.decode_mode = "graph" if p.is_cuda and nccl and config.engine.cuda_graphs and not self.offloaded \
-            else "eager"
+        moving = self.offloaded or config.engine.offload == "layers"
+        self.decode_mode = "graph" if p.is_cuda and nccl and config.engine.cuda_graphs and not moving else "eager"
         self.graph_primers = GRAPH_PRIMERS  # graphs made before the first decode step's (0: none)
         self._primed = False
         self.runner: PagedRunner | None = None  # generate()'s, made at the first call

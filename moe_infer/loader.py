@@ -86,16 +86,14 @@ def _parallel_groups(p: ParallelConfig):
     return ParallelGroups.build(p, rank, p.world_size), device
 
 
-def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype, experts_on_host: bool = False):
-    """Replaces meta parameters with uninitialised ones on the device, without a copy;
-    with ``experts_on_host`` the routed experts' in host memory (pinned for a GPU)."""
-    from moe_infer.experts import Experts
-
-    experts = {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype, on_host: tuple[nn.Module, ...] = ()):
+    """Replaces meta parameters with uninitialised ones on the device, without a copy; those
+    of the modules ``on_host`` in host memory (pinned for a GPU)."""
+    host_params = {id(p) for m in on_host for p in m.parameters()}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
-                host = experts_on_host and id(p) in experts
+                host = id(p) in host_params
                 t = torch.empty(p.shape, device="cpu" if host else device, dtype=dtype,
                                 pin_memory=host and device.type == "cuda")
                 module._parameters[name] = nn.Parameter(t, requires_grad=False)
@@ -131,16 +129,26 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
     dt = resolve_dtype(dtype if dtype is not None else cfg.engine.dtype, dev)
     with torch.device("meta"):
         model = Transformer(cfg, groups)
-    offload = cfg.engine.gpu_memory_gb is not None  # the routed experts loaded into host memory
+    # Models larger than the device (``moe_infer.offload``): the routed experts, or with
+    # offload "layers" every block, loaded into host memory.
+    offload = cfg.engine.gpu_memory_gb is not None
+    streamed = cfg.engine.offload == "layers"
+    on_host: tuple = ()
+    if offload:
+        from moe_infer.experts import Experts
+
+        on_host = tuple(m for m in model.modules() if isinstance(m, Experts))
+    elif streamed:
+        on_host = tuple(model.layers)
     # Before anything is allocated: ranks on a CPU host share its memory.
     staged = False
-    if offload:
+    if on_host:
         check_offload_fits(cfg, dt, dev, model)
     else:
         staged = check_fits(cfg, dt, dev, model, dist.get_world_size() if multi and dev.type == "cpu" else 1)
     # int8 whose full-precision weights do not fit on the GPU: load them into host memory
     # and quantize onto the GPU one module at a time.
-    _materialize(model, torch.device("cpu") if staged else dev, dt, experts_on_host=offload)
+    _materialize(model, torch.device("cpu") if staged else dev, dt, on_host)
     prepare = None
     if cfg.checkpoint is not None:
         load_checkpoint(model, cfg, cfg.checkpoint, progress=progress)
@@ -159,6 +167,10 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         from moe_infer import offload as off
 
         off.offload_experts(model, cfg.engine, dev, dt)
+    elif streamed:
+        from moe_infer.offload import LayerStreamer
+
+        LayerStreamer(model.layers, dev, cfg.engine.prefetch_layers)
     model.eval()
     tokenizer = None
     if cfg.checkpoint is not None and (Path(cfg.checkpoint) / "tokenizer.json").is_file():

@@ -138,13 +138,27 @@ def _spread(cfg: Config, ranks: int) -> Config | None:
 
 
 def check_offload_fits(cfg: Config, dtype: torch.dtype, device: torch.device, model) -> None:
-    """Raises ``ConfigError`` unless ``engine.gpu_memory_gb`` of weights and one full-length
-    sequence's KV cache fit in the device's free memory (the rest lives in host memory)."""
-    budget = cfg.engine.gpu_memory_gb * GB
+    """Raises ``ConfigError`` unless what an offloaded model keeps on the device and one
+    full-length sequence's KV cache fit in its free memory: ``engine.gpu_memory_gb`` of
+    weights, or with offload "layers" everything but the blocks and ``prefetch_layers`` + 1
+    of the largest block (the rest lives in host memory)."""
+    e = cfg.engine
     kv = memory_need(cfg, dtype, model, int8=False).kv
     have = available_bytes(device)
+    if e.offload == "layers":
+        size = dtype.itemsize
+        blocks = [sum(p.numel() for p in b.parameters()) * size for b in model.layers]
+        rest = sum(p.numel() for p in model.parameters()) * size - sum(blocks)
+        need = rest + (e.prefetch_layers + 1) * max(blocks) + kv
+        if need > have:
+            raise ConfigError(f"engine.prefetch_layers={e.prefetch_layers}: streaming layers needs {need / GB:.2f} GB "
+                              f"on {device} (embeddings and head {rest / GB:.2f}, {e.prefetch_layers + 1} blocks of "
+                              f"{max(blocks) / GB:.2f}, one sequence's KV {kv / GB:.2f}), but it has "
+                              f"{have / GB:.2f} GB free")
+        return
+    budget = e.gpu_memory_gb * GB
     if budget + kv > have:
-        raise ConfigError(f"engine.gpu_memory_gb={cfg.engine.gpu_memory_gb:g}: with one sequence's KV cache "
+        raise ConfigError(f"engine.gpu_memory_gb={e.gpu_memory_gb:g}: with one sequence's KV cache "
                           f"({kv / GB:.2f} GB) it needs {(budget + kv) / GB:.2f} GB, but {device} has "
                           f"{have / GB:.2f} GB free; expected at most {(have - kv) / GB:.2f}")
 

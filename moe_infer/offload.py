@@ -311,3 +311,60 @@ def offload_experts(model: nn.Module, engine_cfg, device: torch.device, dtype: t
         per_token = 2 * (first.w13[0].numel() + first.w2[0].numel())
         apply(model, placement, device, engine_cfg.offload, ColdCost(profile, placement.expert_bytes, per_token))
     return placement
+
+
+class LayerStreamer:
+    """ZeRO-Inference (``engine.offload: layers``): every block's weights live in host memory
+    (pinned on a GPU host) and are copied to the device just before the block runs, the
+    next ``prefetch`` blocks' copies queued on a copy stream meanwhile, and dropped once it
+    has run; the device holds at most ``prefetch + 1`` blocks' weights, the rest of its
+    memory is free for activations and KV. Installed as forward hooks on each block."""
+
+    def __init__(self, blocks: nn.ModuleList, device: torch.device, prefetch: int):
+        self.blocks, self.device, self.prefetch = list(blocks), device, prefetch
+        # Per block: (module, attribute, is a parameter, its host tensor)
+        self.host = [[(m, n, True, p) for m in b.modules() for n, p in m._parameters.items() if p is not None]
+                     + [(m, n, False, t) for m in b.modules() for n, t in m._buffers.items() if t is not None]
+                     for b in self.blocks]
+        self.cuda = device.type == "cuda"
+        self.copies = torch.cuda.Stream(device) if self.cuda else None
+        self.ready: dict[int, tuple[list[torch.Tensor], object]] = {}  # block -> (device tensors, copy event)
+        for i, b in enumerate(self.blocks):
+            b.register_forward_pre_hook(lambda module, args, i=i: self._enter(i))
+            b.register_forward_hook(lambda module, args, out, i=i: self._leave(i))
+
+    def _fetch(self, i: int) -> None:
+        if i >= len(self.blocks) or i in self.ready:
+            return
+        if not self.cuda:
+            self.ready[i] = ([t.to(self.device, copy=True) for *_, t in self.host[i]], None)
+            return
+        self.copies.wait_stream(torch.cuda.current_stream(self.device))  # its buffers are free to reuse
+        with torch.cuda.stream(self.copies):
+            tensors = [t.to(self.device, non_blocking=True) for *_, t in self.host[i]]
+            done = torch.cuda.Event()
+            done.record()
+        self.ready[i] = (tensors, done)
+
+    def _enter(self, i: int) -> None:
+        self._fetch(i)
+        tensors, done = self.ready[i]
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+            for t in tensors:  # made on the copy stream, used (and freed) on this one
+                t.record_stream(torch.cuda.current_stream(self.device))
+        for (m, name, is_param, _), t in zip(self.host[i], tensors):
+            if is_param:
+                m._parameters[name] = nn.Parameter(t, requires_grad=False)
+            else:
+                m._buffers[name] = t
+        for j in range(i + 1, i + 1 + self.prefetch):  # round to the first blocks: the next forward's
+            self._fetch(j % len(self.blocks))
+
+    def _leave(self, i: int) -> None:
+        for m, name, is_param, t in self.host[i]:
+            if is_param:
+                m._parameters[name] = t
+            else:
+                m._buffers[name] = t
+        del self.ready[i]

@@ -109,3 +109,31 @@ def test_rebalance_moves_the_most_routed_experts_onto_the_device(full):
     assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
         [o.token_ids for o in full.generate(PROMPTS, max_new_tokens=8)]
     assert sum(len(m.hot) for m in layers) == 3  # generate() placed them by its prompts' routing
+
+
+def test_streamed_layers_give_the_unbounded_results(full):
+    """offload: layers (ZeRO-Inference): every block's weights in host memory, copied in as
+    it runs; the same tokens and logits."""
+    engine = moe_infer.load("tiny-moe", progress=False, offload="layers")
+    assert engine.decode_mode == "eager"
+    assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
+        [o.token_ids for o in full.generate(PROMPTS, max_new_tokens=8)]
+    torch.testing.assert_close(engine.logits(PROMPTS), full.logits(PROMPTS), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_the_layer_streamer_holds_at_most_prefetch_plus_one_blocks(prefetch):
+    engine = moe_infer.load("tiny-moe", progress=False)
+    want = engine.logits(PROMPTS)
+    streamer = off.LayerStreamer(engine.model.layers, torch.device("cpu"), prefetch)
+    held, enter = [], streamer._enter
+
+    def counting(i):
+        enter(i)
+        held.append(len(streamer.ready))
+        # the block runs on the copies, not on its host weights
+        assert engine.model.layers[i].attn_norm.weight is not streamer.host[i][0][3]
+    streamer._enter = counting
+    torch.testing.assert_close(engine.logits(PROMPTS), want, rtol=0, atol=0)
+    assert held and max(held) == min(prefetch + 1, len(engine.model.layers))
+    assert all(b.attn_norm.weight is h[0][3] for b, h in zip(engine.model.layers, streamer.host))  # put back
