@@ -189,7 +189,7 @@ class OffloadedExperts(nn.Module):
         self.register_buffer("routed", torch.zeros(e, dtype=torch.float32, device=device), persistent=False)
         self.w13 = self.w2 = None
         self.set_hot(hot)
-        self.staging = min(staging, e - len(hot))
+        self.staging = max(1, min(staging, e))  # experts a streamed round holds (a rebalance may cool any)
         self._stage: dict | None = None  # the staging area, made at the first streamed call
         # What the calls met (host counts: known at the call's one wait), for benchmarks.
         self.stats = dict.fromkeys(("calls", "pairs", "cold_pairs", "cold_experts", "cpu", "stream"), 0)

@@ -17,6 +17,8 @@ the cold experts it met over the bandwidth of the way they ran (pinned host-to-d
 for streamed ones, the CPU's matmul read rate for CPU ones), both measured in this run.
 The peer: transformers' ``generate()`` on a model of the same shape placed by accelerate
 (``device_map="auto"``, ``max_memory`` = the budget on the GPU, the rest in CPU memory).
+``--layers-batches``: ZeRO-Inference mode (``engine.offload: layers``), prefill tokens/s and
+TFLOP/s at large batches against the bf16 matmul rate measured in the same run.
 Writes bench/results/offload-<model>-<device>-<date>.json.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 import moe_infer  # noqa: E402
-from bench_decode import hf_config, per_token_ms  # noqa: E402
+from bench_decode import hf_config, per_token_ms, prefill_flops  # noqa: E402
 from moe_infer import offload as off  # noqa: E402
 
 
@@ -123,14 +125,19 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prefill", default="8x512", help="ROWSxLEN prompts for the prefill rate")
     ap.add_argument("--all-gpu", action="store_true", help="also the unbounded model (where it fits)")
+    ap.add_argument("--layers-batches", default="",
+                    help="ZeRO-Inference (offload: layers): prefill throughput at these batches of "
+                         "--layers-prompt-len prompts, against the matmul rate")
+    ap.add_argument("--layers-prompt-len", type=int, default=512)
     ap.add_argument("--peer", action="store_true", help="transformers + accelerate at each budget (GPU)")
     ap.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, every mode, few tokens")
     ap.add_argument("--no-json", action="store_true")
     args = ap.parse_args()
     device = None
     if args.smoke:
-        args.model, args.budgets, args.batches, args.new_tokens, args.reps = "tiny-moe", "0.0045", "1,4", 4, 1
+        args.model, args.budgets, args.batches, args.new_tokens, args.reps = "tiny-moe", "0.0016", "1,4", 4, 1
         args.prefill, args.prompt_len, args.all_gpu, device = "2x16", 8, True, "cpu"
+        args.layers_batches, args.layers_prompt_len = "2,4", 16
     gen = torch.Generator().manual_seed(0)
     rows, width = map(int, args.prefill.split("x"))
     rows_out = []
@@ -162,6 +169,18 @@ def main():
             print(f"budget {budget} {mode} batch {b}: {ms:.3f} ms/token", flush=True)
         del engine
         bc.empty_cache(device or "cuda")
+    layers = []
+    if args.layers_batches:
+        engine = moe_infer.load(args.model, device=device, progress=False, offload="layers")
+        rate = bc.measure_matmul_tflops(engine.device)
+        for b in [int(x) for x in args.layers_batches.split(",")]:
+            ps = prompts_of(engine, b, args.layers_prompt_len)
+            tps = prefill_tokens_s(engine, ps)
+            tflops = prefill_flops(engine, args.layers_prompt_len, b) * tps / (b * args.layers_prompt_len) / 1e12
+            layers.append({"batch": b, "prompt_len": args.layers_prompt_len, "tokens_s": tps, "tflops": tflops,
+                           "matmul_tflops": rate})
+            print(f"layers batch {b}: {tps:.0f} tokens/s, {tflops:.1f} TFLOP/s", flush=True)
+        del engine
     if args.peer and not args.smoke:
         for budget in {r["budget_gb"] for r in rows_out if r["budget_gb"] is not None}:
             b = 1
@@ -183,9 +202,14 @@ def main():
                                   opt(r["ms_per_token"] / r["floor_ms"] if r["floor_ms"] else None, ".2f"),
                                   opt(r["hit_rate"], ".2f"), opt(r["cold_experts_per_step"], ".1f"),
                                   opt(r["prefill_tokens_s"], ".0f")] for r in rows_out]))
+    if layers:
+        print(f"ZeRO-Inference (offload: layers, prefetch 1): prefill of {args.layers_prompt_len}-token prompts")
+        print(bc.format_table(["batch", "tokens/s", "TFLOP/s", "% of matmul"],
+                              [[r["batch"], f"{r['tokens_s']:.0f}", f"{r['tflops']:.1f}",
+                                f"{100 * r['tflops'] / r['matmul_tflops']:.0f}"] for r in layers]))
     if not args.no_json and not args.smoke:
         bc.write_results(f"offload-{Path(args.model).stem}", device or "cuda",
-                         {"run": run, "model": args.model, "args": vars(args), "rows": rows_out})
+                         {"run": run, "model": args.model, "args": vars(args), "rows": rows_out, "layers": layers})
 
 
 if __name__ == "__main__":

@@ -87,6 +87,9 @@ def test_cold_experts_in_several_staging_rounds_and_mixed_pairs(mode):
     torch.testing.assert_close(layer.fused(x, ids, w), experts.fused(x, ids, w), rtol=1e-5, atol=1e-6)
     hot_only = torch.tensor([[2, 5, 2]] * 9)
     torch.testing.assert_close(layer.fused(x, hot_only, w), experts.fused(x, hot_only, w), rtol=1e-5, atol=1e-6)
+    every = off.OffloadedExperts(experts, list(range(7)), torch.device("cpu"), mode, off.ColdCost(profile, 1, 1))
+    every.set_hot([3])  # a layer placed whole, then cooled by a rebalance
+    torch.testing.assert_close(every.fused(x, ids, w), experts.fused(x, ids, w), rtol=1e-5, atol=1e-6)
 
 
 def test_a_budget_below_the_dense_part_fails_at_load_with_one_line(full):
