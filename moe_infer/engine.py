@@ -91,7 +91,7 @@ class _HostIds:
 
 class Engine:
     BLOCK_SIZE = 16  # tokens per block of generate()'s paged KV cache
-    REBALANCE_STEPS = 64  # offloaded experts: decode steps between placements by routing counts
+    REBALANCE_STEPS = 64  # offloaded experts: runner steps between placements by routing counts
 
     def __init__(self, model: Transformer, config: Config, tokenizer: Tokenizer | None = None,
                  groups: ParallelGroups | None = None):
@@ -309,8 +309,6 @@ class Engine:
                     lockstep = (max(map(len, peers)), longest + t + 1)
                 upcoming = runner.decode([Row([0], len(r) + t, tab, i, knobs(params, s, t + 1))
                                           for i, (r, tab, s) in enumerate(zip(rows, tables, seeds))], lockstep)[1]
-            if self.offloaded and t % self.REBALANCE_STEPS == self.REBALANCE_STEPS - 1:
-                rebalance(self.model)  # the counts of the tokens decoded since
             ids = host.receive()  # the one host sync per token
             arrived.append(time.perf_counter())
             for i, tok in enumerate(ids):

@@ -24,6 +24,7 @@ import torch
 
 import kernels
 from moe_infer.graphs import capture, prime_cuda_graphs
+from moe_infer.offload import rebalance
 from moe_infer.sampling import Knobs, draw, sample_rows
 
 if TYPE_CHECKING:
@@ -200,6 +201,7 @@ class PagedRunner:
         # The tokens sampled by the last step, which the next one feeds without a trip
         # through the host (``Row.src``): its caller writes them.
         self.prev = torch.zeros(1 << (max_batch - 1).bit_length(), dtype=torch.long, device=engine.device)
+        self.steps = 0  # forwards run: an offloaded model re-places its experts every REBALANCE_STEPS
 
     def step_for(self, batch: int, keys: int) -> PagedDecodeStep | None:
         """The fixed-shape decode step of the bucket holding ``batch`` rows of at most
@@ -297,9 +299,17 @@ class PagedRunner:
         prefill): it runs eagerly, its all-to-alls exchanging exact sizes, as the replicas'
         token counts differ."""
         if lockstep:
+            self._count()
             with self.model.exact_exchanges():
                 return self._run(rows, last_only=True)[:, -1].float()
         return self.decode(rows)[0]
+
+    def _count(self):
+        """One more step; an offloaded model's experts follow the routing counts every
+        ``Engine.REBALANCE_STEPS`` steps (here, so the server and every rank do it too)."""
+        self.steps += 1
+        if self.engine.offloaded and self.steps % self.engine.REBALANCE_STEPS == 0:
+            rebalance(self.model)
 
     @torch.no_grad()
     def decode(self, rows: list[Row], lockstep: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,6 +323,7 @@ class PagedRunner:
         replica these: each takes the fixed-shape step of their bucket (the same token
         count in every all-to-all, and the same steps captured at the same time), or where
         none fits, runs eagerly with exact-size all-to-alls."""
+        self._count()
         if self.static:
             step = None
             if all(len(r.tokens) == 1 for r in rows):
@@ -335,6 +346,7 @@ class PagedRunner:
         left-padded), for prompt log-probabilities: only steps that prefill a prompt whose
         logprobs were asked for pay for the T x V rows. The LM head is replicated, so ranks
         following with ``forward`` run the same layers."""
+        self._count()
         return self._run(rows, last_only=False).float()
 
     def _run(self, rows: list[Row], last_only: bool) -> torch.Tensor:

@@ -140,3 +140,15 @@ def test_the_layer_streamer_holds_at_most_prefetch_plus_one_blocks(prefetch):
     torch.testing.assert_close(engine.logits(PROMPTS), want, rtol=0, atol=0)
     assert held and max(held) == min(prefetch + 1, len(engine.model.layers))
     assert all(b.attn_norm.weight is h[0][3] for b, h in zip(engine.model.layers, streamer.host))  # put back
+
+
+def test_the_runner_re_places_offloaded_experts_every_few_steps(full, monkeypatch):
+    import moe_infer.runner as runner_module
+
+    fixed, one = budgets(full)
+    engine = moe_infer.load("tiny-moe", progress=False, gpu_memory_gb=fixed + 2 * one / 1e9, offload="cpu")
+    engine.REBALANCE_STEPS = 3
+    calls = []
+    monkeypatch.setattr(runner_module, "rebalance", lambda model: calls.append(model))
+    engine.generate(PROMPTS, max_new_tokens=8)  # one prefill forward and 7 decode steps
+    assert len(calls) == 8 // 3 and all(m is engine.model for m in calls)
