@@ -159,6 +159,25 @@ def test_dp_attention_replicas_step_together_whatever_their_shares(info, checkpo
         reference.eos = saved  # the module's reference engine
 
 
+def test_offloaded_experts_under_expert_parallelism(info, checkpoint):
+    """Each rank places its own experts (one on the device, the rest in host memory, run by
+    the CPU): the single process's tokens."""
+    from moe_infer import offload as off
+
+    path, reference = checkpoint
+    layout = ParallelConfig(dp=info.world_size, ep=info.world_size)
+    whole = moe_infer.load(path, device=info.device, dtype=torch.float32, parallel=layout, progress=False)
+    p = off.plan(whole.model, 1e12)
+    budget = (p.device_bytes - (sum(map(len, p.hot)) - 1) * p.expert_bytes) / 1e9  # one expert on the device
+    del whole
+    engine = moe_infer.load(path, device=info.device, dtype=torch.float32, parallel=layout, progress=False,
+                            gpu_memory_gb=budget, offload="cpu")
+    layers = [m for m in engine.model.modules() if isinstance(m, off.OffloadedExperts)]
+    assert sum(len(m.hot) for m in layers) == 1 and all(m.num_cold for m in layers[1:])
+    want = [o.token_ids for o in reference.generate(PROMPTS, max_new_tokens=5)]
+    assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=5)] == want
+
+
 class _Identity:
     """Experts that return their input: dispatch then combine must give back x."""
 
