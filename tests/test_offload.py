@@ -1,6 +1,8 @@
 """Experts in host memory (engine.gpu_memory_gb): the planner's choices, and the same results
 as the unbounded model for every way cold experts run. On CPU the "device" is host memory
 too; what is checked is the placement and the math of each path."""
+import json
+
 import pytest
 import torch
 
@@ -152,3 +154,27 @@ def test_the_runner_re_places_offloaded_experts_every_few_steps(full, monkeypatc
     monkeypatch.setattr(runner_module, "rebalance", lambda model: calls.append(model))
     engine.generate(PROMPTS, max_new_tokens=8)  # one prefill forward and 7 decode steps
     assert len(calls) == 8 // 3 and all(m is engine.model for m in calls)
+
+
+def test_the_server_runs_an_offloaded_model(full):
+    """Experts in host memory behind the OpenAI server: the tokens of the unbounded model."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from test_server import LiveServer
+
+    from moe_infer.server import ServerConfig, create_app
+
+    fixed, one = budgets(full)
+    engine = moe_infer.load("tiny-moe", progress=False, gpu_memory_gb=fixed + 2 * one / 1e9, offload="auto")
+    engine.REBALANCE_STEPS = 4  # experts move while it serves
+    live = LiveServer(create_app(engine, ServerConfig(model_name="tiny")))
+    try:
+        for prompt in PROMPTS:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True}
+            with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+            got = [t for e in events for t in e["choices"][0].get("token_ids") or []]
+            assert got == full.generate([prompt], max_new_tokens=6)[0].token_ids
+    finally:
+        live.stop()
