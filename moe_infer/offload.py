@@ -223,9 +223,18 @@ class OffloadedExperts(nn.Module):
         self.routed.add_(torch.bincount(ids.flatten(), minlength=len(self.routed)))
         self.stats["calls"] += 1
         self.stats["pairs"] += ids.numel()
-        if self.num_cold == 0 or not bool(cold.any()):  # one wait for the host a call
+        cold_t, cold_s = cold.nonzero(as_tuple=True)  # the call's wait for the host
+        if not len(cold_t):
             return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, pdl=self.options.pdl,
                                      **self.device_scales)
+        pair_ids = ids[cold_t, cold_s]
+        used = sorted(set(pair_ids.tolist()))
+        mode = self.mode if self.mode != "auto" else self.cost.mode(len(cold_t), len(used))
+        for key, n in (("cold_pairs", len(cold_t)), ("cold_experts", len(used)), (mode, 1)):
+            self.stats[key] += n
+        # The cold experts' first copies (stream) start before the device experts run; the
+        # CPU's work (cpu) runs while they do.
+        first = self._stage_round(used[:self.staging]) if mode == "stream" else None
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         hot_t, hot_s = (~cold).nonzero(as_tuple=True)
         if len(hot_t):  # one row a pair: the cold pairs cost the device nothing
@@ -233,17 +242,11 @@ class OffloadedExperts(nn.Module):
                                   slot[hot_t, hot_s, None], self.activation, pdl=self.options.pdl,
                                   **self.device_scales)
             out.index_add_(0, hot_t, y.float())
-        cold_t, cold_s = cold.nonzero(as_tuple=True)
-        pair_ids = ids[cold_t, cold_s]
-        used = torch.unique(pair_ids).tolist()
-        mode = self.mode if self.mode != "auto" else self.cost.mode(len(cold_t), len(used))
-        for key, n in (("cold_pairs", len(cold_t)), ("cold_experts", len(used)), (mode, 1)):
-            self.stats[key] += n
         pair_w = weights[cold_t, cold_s]
         if mode == "cpu":
             y = self._on_cpu(x[cold_t], pair_ids, pair_w, used)
         else:
-            y = self._streamed(x[cold_t], pair_ids, pair_w, used)
+            y = self._streamed(x[cold_t], pair_ids, pair_w, used, first)
         out.index_add_(0, cold_t, y)
         return out.to(x.dtype)
 
@@ -262,20 +265,39 @@ class OffloadedExperts(nn.Module):
             yc.index_add_(0, rows, y.float() * wc[rows, None])
         return yc.to(x.device, non_blocking=True)
 
-    def _streamed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, used: list[int]) -> torch.Tensor:
-        """The cold pairs [P, H] on the device, their experts copied into the staging area,
-        ``staging`` at a time -> their weighted outputs [P, H] float32."""
+    def _stage_round(self, chunk: list[int]):
+        """Copies experts ``chunk`` into the staging area (on a copy stream on a GPU, once
+        the kernels before have finished with the area) -> the copies' event (None on CPU)."""
+        dev = self.w13.device
         if self._stage is None:
-            dev = self.w13.device
             self._stage = {k: torch.empty((self.staging, *v.shape[1:]), dtype=v.dtype, device=dev)
                            for k, v in self.host.items()}
             self._stage_slot = torch.full((len(self.slot),), -1, dtype=torch.long, device=dev)
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for lo in range(0, len(used), self.staging):
-            chunk = used[lo:lo + self.staging]
+            self._copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        if self._copies is None:
+            for j, e in enumerate(chunk):
+                for k, v in self.host.items():
+                    self._stage[k][j].copy_(v[e])
+            return None
+        self._copies.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(self._copies):
             for j, e in enumerate(chunk):
                 for k, v in self.host.items():
                     self._stage[k][j].copy_(v[e], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return done
+
+    def _streamed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, used: list[int], first) -> torch.Tensor:
+        """The cold pairs [P, H] on the device, their experts copied into the staging area,
+        ``staging`` at a time (the first round's copies already queued: ``first``, their
+        event) -> their weighted outputs [P, H] float32."""
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for lo in range(0, len(used), self.staging):
+            chunk = used[lo:lo + self.staging]
+            done = first if lo == 0 else self._stage_round(chunk)
+            if done is not None:
+                torch.cuda.current_stream(x.device).wait_event(done)
             self._stage_slot.fill_(-1)
             self._stage_slot[torch.tensor(chunk, device=x.device)] = torch.arange(len(chunk), device=x.device)
             s = self._stage_slot[ids]
