@@ -166,7 +166,7 @@ class ParallelConfig:
     # otherwise; "nccl": NCCL always.
     all_reduce: str = "auto"
     # Data-parallel attention: where the experts spread over the data-parallel replicas
-    # (ep * expert_slicing > tp), generate() still splits the prompts over the replicas;
+    # (tp not a multiple of ep * expert_slicing), generate() still splits the prompts;
     # each runs attention for its own sequences only and the replicas share the experts
     # through the all-to-all, stepping together (as vLLM and SGLang run MoE models).
     # False: every replica runs every prompt there.
@@ -206,7 +206,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0  # seeds random weights for configs without a checkpoint
-    cuda_graphs: bool = True  # decode steps replay CUDA graphs (one GPU)
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (GPUs, one or several ranks)
     quantize: str | None = None  # "int8": weight-only int8 experts and linear layers, at load
     # Most prompt tokens one prefill forward takes (rows x prompt width): a larger batch
     # prefills in groups of whole rows, a longer prompt in pieces, so the activations of a
