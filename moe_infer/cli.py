@@ -48,6 +48,9 @@ def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
                      help="how experts in host memory run: on the CPU, copied to the device per call, or "
                           "whichever is faster per call (default auto); layers: every block streamed from "
                           "host memory as it runs (ZeRO-Inference, for large batches)")
+    src.add_argument("--offload-dir",
+                     help="memory-map the weights kept in host memory from files in this directory (for "
+                          "hosts whose memory cannot hold them)")
     src.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                      help="weight and activation dtype (default: bfloat16 on GPU, float32 on CPU)")
     par = parser.add_argument_group("parallelism (launch with scripts/launch.sh -n N -- moe-infer ...)")
@@ -137,7 +140,7 @@ def _generate(args, job: Job) -> int:
     parallel = job.stage(_parallel, args, job.size)
     engine = job.stage(load, args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
                        parallel=parallel, quantize=args.quantize, gpu_memory_gb=args.gpu_memory_gb,
-                       offload=args.offload)
+                       offload=args.offload, offload_dir=args.offload_dir)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
     rows, _ = job.stage(engine.check_request, prompts, **sampling)
@@ -185,7 +188,8 @@ def _serve(args, job: Job) -> int:
         spec.checkpoint = args.checkpoint
     spec.engine.update({k: v for k, v in (("device", args.device), ("dtype", args.dtype),
                                           ("quantize", args.quantize), ("gpu_memory_gb", args.gpu_memory_gb),
-                                          ("offload", args.offload)) if v is not None})
+                                          ("offload", args.offload), ("offload_dir", args.offload_dir))
+                        if v is not None})
     parallel = job.stage(_parallel, args, job.size)
     if parallel is not None:
         spec.parallel = dataclasses.asdict(parallel)

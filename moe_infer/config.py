@@ -235,9 +235,20 @@ class EngineConfig:
     # offload: "layers" (ZeRO-Inference, for throughput): every block's weights in host
     # memory, copied to the device as it runs, this many blocks ahead; gpu_memory_gb unset.
     prefetch_layers: int = 1
+    # Where the weights kept in host memory (gpu_memory_gb's cold experts, or every block
+    # with offload: layers) are memory-mapped from files written at load instead of held in
+    # RAM, for hosts whose memory cannot hold them: the operating system reads them from
+    # disk as calls need them. None: in RAM (pinned on a GPU host).
+    offload_dir: str | None = None
 
     def __post_init__(self):
         s = "engine"
+        if self.offload_dir is not None:
+            if not isinstance(self.offload_dir, str) or not self.offload_dir:
+                _fail(f"{s}.offload_dir", self.offload_dir, "a directory path, or null")
+            if self.gpu_memory_gb is None and self.offload != "layers":
+                _fail(f"{s}.offload_dir", self.offload_dir, "null unless gpu_memory_gb or offload: layers keeps "
+                      "weights in host memory")
         if self.gpu_memory_gb is not None and (isinstance(self.gpu_memory_gb, bool)
                                                or not isinstance(self.gpu_memory_gb, (int, float))
                                                or self.gpu_memory_gb <= 0):

@@ -86,23 +86,34 @@ def _parallel_groups(p: ParallelConfig):
     return ParallelGroups.build(p, rank, p.world_size), device
 
 
-def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype, on_host: tuple[nn.Module, ...] = ()):
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype, on_host: tuple[nn.Module, ...] = (),
+                 host_dir: str | None = None):
     """Replaces meta parameters with uninitialised ones on the device, without a copy; those
-    of the modules ``on_host`` in host memory (pinned for a GPU)."""
+    of the modules ``on_host`` in host memory: pinned for a GPU, or with ``host_dir``
+    memory-mapped from one file each there (the loader's writes go to the files)."""
     host_params = {id(p) for m in on_host for p in m.parameters()}
-    for module in model.modules():
+    if host_params and host_dir is not None:
+        Path(host_dir).mkdir(parents=True, exist_ok=True)
+    for path, module in model.named_modules():
         for name, p in list(module._parameters.items()):
-            if p is not None:
+            if p is None:
+                continue
+            if id(p) in host_params and host_dir is not None:
+                file = Path(host_dir) / f"{path}.{name}.bin"
+                with open(file, "wb") as f:
+                    f.truncate(p.numel() * dtype.itemsize)
+                t = torch.from_file(str(file), shared=True, size=p.numel(), dtype=dtype).view(p.shape)
+            else:
                 host = id(p) in host_params
                 t = torch.empty(p.shape, device="cpu" if host else device, dtype=dtype,
                                 pin_memory=host and device.type == "cuda")
-                module._parameters[name] = nn.Parameter(t, requires_grad=False)
+            module._parameters[name] = nn.Parameter(t, requires_grad=False)
 
 
 def load(path_or_name: str | Path | None = None, *, device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None, parallel: ParallelConfig | None = None,
          checkpoint: str | Path | None = None, progress: bool = True, quantize: str | None = None,
-         gpu_memory_gb: float | None = None, offload: str | None = None) -> Engine:
+         gpu_memory_gb: float | None = None, offload: str | None = None, offload_dir: str | None = None) -> Engine:
     """Builds an inference engine. See ``resolve_config`` for what ``path_or_name`` may be;
     ``checkpoint`` takes the model and weights from a Hugging Face directory instead, keeping
     the engine and parallel settings of ``path_or_name`` when that is given too."""
@@ -118,8 +129,8 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         cfg = dataclasses.replace(cfg, parallel=parallel)  # re-validates against the model
     # EngineConfig fields applied at load: quantize ("int8": weight-only int8), the device's
     # weight budget and how offloaded experts run (``moe_infer.offload``).
-    given = {k: v for k, v in (("quantize", quantize), ("gpu_memory_gb", gpu_memory_gb), ("offload", offload))
-             if v is not None}
+    given = {k: v for k, v in (("quantize", quantize), ("gpu_memory_gb", gpu_memory_gb), ("offload", offload),
+                               ("offload_dir", offload_dir)) if v is not None}
     if given:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **given))
     groups, rank_device = _parallel_groups(cfg.parallel)
@@ -148,7 +159,7 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         staged = check_fits(cfg, dt, dev, model, dist.get_world_size() if multi and dev.type == "cpu" else 1)
     # int8 whose full-precision weights do not fit on the GPU: load them into host memory
     # and quantize onto the GPU one module at a time.
-    _materialize(model, torch.device("cpu") if staged else dev, dt, on_host)
+    _materialize(model, torch.device("cpu") if staged else dev, dt, on_host, cfg.engine.offload_dir)
     prepare = None
     if cfg.checkpoint is not None:
         load_checkpoint(model, cfg, cfg.checkpoint, progress=progress)

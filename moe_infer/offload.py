@@ -179,7 +179,8 @@ class OffloadedExperts(nn.Module):
 
         def host(t):
             t = t.detach()
-            return t.pin_memory() if pinned and not t.is_pinned() else t
+            mapped = getattr(t.untyped_storage(), "filename", None) is not None  # engine.offload_dir: stays on disk
+            return t.pin_memory() if pinned and not t.is_pinned() and not mapped else t
 
         self.host = {"w13": host(experts.w13), "w2": host(experts.w2),
                      **{k: host(v) for k, v in experts.scales().items()}}

@@ -153,7 +153,8 @@ def build_engine(spec: ServeSpec, progress: bool = True) -> Engine:
     section_from_dict(EngineConfig, e, "engine")  # names a bad key before anything loads
     engine = moe_infer.load(spec.model, checkpoint=spec.checkpoint, parallel=parallel, device=e.get("device"),
                             dtype=e.get("dtype"), progress=progress, quantize=e.get("quantize"),
-                            gpu_memory_gb=e.get("gpu_memory_gb"), offload=e.get("offload"))
+                            gpu_memory_gb=e.get("gpu_memory_gb"), offload=e.get("offload"),
+                            offload_dir=e.get("offload_dir"))
     if e:
         merged = {**dataclasses.asdict(engine.config.engine), **e}
         engine.config = dataclasses.replace(engine.config, engine=EngineConfig(**merged))

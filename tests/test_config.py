@@ -68,6 +68,8 @@ def test_table_ii_presets_match_the_paper():
     (with_change("engine", offload="layers", gpu_memory_gb=8), r"engine\.gpu_memory_gb=8(\.0)?: expected null with "
                                                               r"offload: layers"),
     (with_change("engine", prefetch_layers=-1), r"engine\.prefetch_layers=-1: expected an integer >= 0"),
+    (with_change("engine", offload_dir="/tmp/x"), r"engine\.offload_dir='/tmp/x': expected null unless "
+                                                  r"gpu_memory_gb or offload: layers"),
     (with_change("engine", fused_decode_attention=0), r"engine\.fused_decode_attention=0: expected true or false"),
     ({**BASE, "model": {**BASE["model"], "num_heads": 4, "num_kv_heads": 2},
       "parallel": dict(tp=4, dp=1, ep=2, expert_slicing=1)}, r"parallel\.pcc=True: expected false for this layout"),

@@ -178,3 +178,22 @@ def test_the_server_runs_an_offloaded_model(full):
             assert got == full.generate([prompt], max_new_tokens=6)[0].token_ids
     finally:
         live.stop()
+
+
+@pytest.mark.parametrize("layers", [False, True], ids=["experts", "layers"])
+def test_weights_in_host_memory_can_be_memory_mapped_from_files(full, tmp_path, layers):
+    """engine.offload_dir: what stays in host memory is file-backed (written at load, read
+    by the operating system as calls need it), with the same values and tokens."""
+    fixed, one = budgets(full)
+    kw = dict(offload="layers") if layers else dict(gpu_memory_gb=fixed + one / 1e9, offload="stream")
+    engine = moe_infer.load("tiny-moe", progress=False, offload_dir=str(tmp_path), **kw)
+    files = sorted(tmp_path.iterdir())
+    assert files and all(f.stat().st_size > 0 for f in files)
+    if layers:  # every block's weights, as the streamer puts them back between forwards
+        mapped = [p for b in engine.model.layers for p in b.parameters()]
+    else:
+        mapped = [m.host[k] for m in engine.model.modules() if isinstance(m, off.OffloadedExperts) for k in m.host]
+    assert mapped and all(t.untyped_storage().filename for t in mapped)
+    assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
+        [o.token_ids for o in full.generate(PROMPTS, max_new_tokens=8)]
+    torch.testing.assert_close(engine.logits(PROMPTS), full.logits(PROMPTS), rtol=1e-5, atol=1e-5)
