@@ -89,9 +89,14 @@ def free_memory_bytes(device: torch.device | str) -> int:
 
 
 def empty_cache(device: torch.device | str) -> None:
-    """Return cached blocks between cases, so one shape's weights don't crowd the next."""
+    """Return cached blocks between cases, so one shape's weights don't crowd the next (the
+    pinned host blocks too: an offloaded model's experts would keep host memory)."""
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
+        for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):  # named per torch version
+            if hasattr(torch._C, name):
+                getattr(torch._C, name)()
+                break
 
 
 def synchronize(device: torch.device | str) -> None:

@@ -24,6 +24,7 @@ Writes bench/results/offload-<model>-<device>-<date>.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -168,6 +169,7 @@ def main():
                              "prefill_tokens_s": prefill})
             print(f"budget {budget} {mode} batch {b}: {ms:.3f} ms/token", flush=True)
         del engine
+        gc.collect()  # the modules' reference cycles hold their host and device memory
         bc.empty_cache(device or "cuda")
     layers = []
     if args.layers_batches:
