@@ -11,8 +11,9 @@ least ``MIN_KEYS``, its inputs in device buffers filled by one copy. On GPUs eac
 bucket is captured once in a CUDA graph and replayed, so the step costs one copy and one
 launch from the host. On several ranks the graphs hold the collectives too (every rank
 captures and replays the same steps in the same order), and the expert all-to-alls of
-decode sizes exchange fixed-capacity buffers, which need no host wait. The step also takes each row's greedy token (the argmax) inside
-the graph, so greedy decoding costs one copy to the host a step.
+decode sizes exchange fixed-capacity buffers, which need no host wait. The step also
+takes each row's greedy token (the argmax) inside the graph, so greedy decoding costs one
+copy to the host a step.
 """
 from __future__ import annotations
 

@@ -65,7 +65,8 @@ def floor_ms(engine, batch: int, tokens: int, seen: dict, copy_bytes_s: float) -
     device = (dense + hot_hit * one) / copy_bytes_s
     cold = 0.0
     if seen["cold_experts"]:  # the bandwidth of the ways the calls took, weighed by their number
-        rate = (seen["cpu"] * profile.cpu_bytes_s + seen["stream"] * profile.h2d_bytes_s) / (seen["cpu"] + seen["stream"])
+        calls = seen["cpu"] + seen["stream"]
+        rate = (seen["cpu"] * profile.cpu_bytes_s + seen["stream"] * profile.h2d_bytes_s) / calls
         cold = seen["cold_experts"] / tokens * one / rate
     return 1e3 * (device + cold)
 

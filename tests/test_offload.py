@@ -16,7 +16,7 @@ PROMPTS = [[5, 17, 3, 44, 12, 9, 31], [8, 2], [60, 1, 19, 27, 4]]
 
 @pytest.fixture(scope="module")
 def full():
-    return moe_infer.load("tiny-moe", progress=False)
+    return moe_infer.load("tiny-moe", progress=False, device="cpu")
 
 
 def budgets(engine) -> tuple[float, int]:
@@ -54,7 +54,8 @@ def test_cold_experts_run_where_the_machine_says_they_are_faster(pairs, experts,
 @pytest.mark.parametrize("hot", [0, 3])
 def test_an_offloaded_model_gives_the_unbounded_tokens(full, mode, hot):
     fixed, one = budgets(full)
-    engine = moe_infer.load("tiny-moe", progress=False, gpu_memory_gb=fixed + hot * one / 1e9, offload=mode)
+    engine = moe_infer.load("tiny-moe", progress=False, device="cpu",
+                            gpu_memory_gb=fixed + hot * one / 1e9, offload=mode)
     layers = [m for m in engine.model.modules() if isinstance(m, off.OffloadedExperts)]
     assert sum(len(m.hot) for m in layers) == hot and all(m.num_cold == 6 - len(m.hot) for m in layers)
     assert engine.decode_mode == "eager"
@@ -64,9 +65,9 @@ def test_an_offloaded_model_gives_the_unbounded_tokens(full, mode, hot):
 
 
 def test_int8_experts_offload_too():
-    q = moe_infer.load("tiny-moe", progress=False, quantize="int8")
+    q = moe_infer.load("tiny-moe", progress=False, device="cpu", quantize="int8")
     fixed, one = budgets(q)
-    engine = moe_infer.load("tiny-moe", progress=False, quantize="int8", gpu_memory_gb=fixed + one / 1e9,
+    engine = moe_infer.load("tiny-moe", progress=False, device="cpu", quantize="int8", gpu_memory_gb=fixed + one / 1e9,
                             offload="cpu")
     assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
         [o.token_ids for o in q.generate(PROMPTS, max_new_tokens=8)]
@@ -97,14 +98,15 @@ def test_cold_experts_in_several_staging_rounds_and_mixed_pairs(mode):
 def test_a_budget_below_the_dense_part_fails_at_load_with_one_line(full):
     fixed, _ = budgets(full)
     with pytest.raises(ConfigError, match=r"^engine\.gpu_memory_gb=[0-9.e-]+: the weights that are not routed experts"):
-        moe_infer.load("tiny-moe", progress=False, gpu_memory_gb=fixed / 2)
+        moe_infer.load("tiny-moe", progress=False, device="cpu", gpu_memory_gb=fixed / 2)
 
 
 def test_rebalance_moves_the_most_routed_experts_onto_the_device(full):
     """The prompts' routing counts decide which experts stay on the device (as many as the
     budget placed), and the results do not change when experts move."""
     fixed, one = budgets(full)
-    engine = moe_infer.load("tiny-moe", progress=False, gpu_memory_gb=fixed + 3 * one / 1e9, offload="cpu")
+    engine = moe_infer.load("tiny-moe", progress=False, device="cpu",
+                            gpu_memory_gb=fixed + 3 * one / 1e9, offload="cpu")
     layers = [m for m in engine.model.modules() if isinstance(m, off.OffloadedExperts)]
     for m, counts in zip(layers, ([0, 0, 0, 0, 9, 8], [0, 0, 0, 0, 0, 1], [0] * 6, [0] * 6)):
         m.routed.copy_(torch.tensor(counts, dtype=torch.float32))
@@ -119,7 +121,7 @@ def test_rebalance_moves_the_most_routed_experts_onto_the_device(full):
 def test_streamed_layers_give_the_unbounded_results(full):
     """offload: layers (ZeRO-Inference): every block's weights in host memory, copied in as
     it runs; the same tokens and logits."""
-    engine = moe_infer.load("tiny-moe", progress=False, offload="layers")
+    engine = moe_infer.load("tiny-moe", progress=False, device="cpu", offload="layers")
     assert engine.decode_mode == "eager"
     assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
         [o.token_ids for o in full.generate(PROMPTS, max_new_tokens=8)]
@@ -128,7 +130,7 @@ def test_streamed_layers_give_the_unbounded_results(full):
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_the_layer_streamer_holds_at_most_prefetch_plus_one_blocks(prefetch):
-    engine = moe_infer.load("tiny-moe", progress=False)
+    engine = moe_infer.load("tiny-moe", progress=False, device="cpu")
     want = engine.logits(PROMPTS)
     streamer = off.LayerStreamer(engine.model.layers, torch.device("cpu"), prefetch)
     held, enter = [], streamer._enter
@@ -148,7 +150,8 @@ def test_the_runner_re_places_offloaded_experts_every_few_steps(full, monkeypatc
     import moe_infer.runner as runner_module
 
     fixed, one = budgets(full)
-    engine = moe_infer.load("tiny-moe", progress=False, gpu_memory_gb=fixed + 2 * one / 1e9, offload="cpu")
+    engine = moe_infer.load("tiny-moe", progress=False, device="cpu",
+                            gpu_memory_gb=fixed + 2 * one / 1e9, offload="cpu")
     engine.REBALANCE_STEPS = 3
     calls = []
     monkeypatch.setattr(runner_module, "rebalance", lambda model: calls.append(model))
@@ -165,7 +168,8 @@ def test_the_server_runs_an_offloaded_model(full):
     from moe_infer.server import ServerConfig, create_app
 
     fixed, one = budgets(full)
-    engine = moe_infer.load("tiny-moe", progress=False, gpu_memory_gb=fixed + 2 * one / 1e9, offload="auto")
+    engine = moe_infer.load("tiny-moe", progress=False, device="cpu",
+                            gpu_memory_gb=fixed + 2 * one / 1e9, offload="auto")
     engine.REBALANCE_STEPS = 4  # experts move while it serves
     live = LiveServer(create_app(engine, ServerConfig(model_name="tiny")))
     try:
@@ -186,7 +190,7 @@ def test_weights_in_host_memory_can_be_memory_mapped_from_files(full, tmp_path, 
     by the operating system as calls need it), with the same values and tokens."""
     fixed, one = budgets(full)
     kw = dict(offload="layers") if layers else dict(gpu_memory_gb=fixed + one / 1e9, offload="stream")
-    engine = moe_infer.load("tiny-moe", progress=False, offload_dir=str(tmp_path), **kw)
+    engine = moe_infer.load("tiny-moe", progress=False, device="cpu", offload_dir=str(tmp_path), **kw)
     files = sorted(tmp_path.iterdir())
     assert files and all(f.stat().st_size > 0 for f in files)
     if layers:  # every block's weights, as the streamer puts them back between forwards
@@ -197,3 +201,26 @@ def test_weights_in_host_memory_can_be_memory_mapped_from_files(full, tmp_path, 
     assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
         [o.token_ids for o in full.generate(PROMPTS, max_new_tokens=8)]
     torch.testing.assert_close(engine.logits(PROMPTS), full.logits(PROMPTS), rtol=1e-5, atol=1e-5)
+
+
+def rel_err(got, ref):
+    return ((got.float().cpu() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["cpu", "stream", "layers"])
+def test_offloaded_bf16_on_a_gpu_is_as_close_to_float32_as_the_whole_model(full, mode):
+    """The GPU paths (pinned host copies, the copy streams of the staging area and of the
+    layer streamer, the CPU experts beside the GPU's): bf16 logits no further from the
+    float32 model than twice the unbounded bf16 model's error."""
+    ref = full.logits(PROMPTS)
+    whole = moe_infer.load("tiny-moe", progress=False, device="cuda", dtype="bfloat16")
+    bound = 2 * rel_err(whole.logits(PROMPTS), ref)
+    fixed, one = budgets(full)
+    # the float32 sizes: in bf16 about 10 of the 24 experts fit, the rest stay in host memory
+    kw = dict(offload="layers") if mode == "layers" else dict(gpu_memory_gb=fixed + one / 1e9, offload=mode)
+    engine = moe_infer.load("tiny-moe", progress=False, device="cuda", dtype="bfloat16", **kw)
+    assert engine.decode_mode == "eager"
+    assert rel_err(engine.logits(PROMPTS), ref) <= bound
+    out = engine.generate(PROMPTS, max_new_tokens=8)
+    assert all(len(o.token_ids) == 8 or o.finish_reason == "stop" for o in out)
