@@ -8,7 +8,7 @@ ranks; PCC groups join the ranks of one stage that share a TP index.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -36,6 +36,7 @@ class ParallelGroups:
     expert_slice: Group  # ranks sharing the slices of one expert (reduction of its output)
     pcc: Group  # ranks of one stage with this rank's TP index (the PCC all-to-all)
     world_rank: int = 0
+    pp: Group = field(default_factory=Group.alone)  # this rank's pipeline: one rank a stage, in stage order
 
     @classmethod
     def single(cls) -> "ParallelGroups":
@@ -56,13 +57,19 @@ class ParallelGroups:
         def blocks(size: int) -> list[list[int]]:
             return [list(range(s, s + size)) for s in range(0, world_size, size)]
 
+        stage = tp * dp  # ranks of one pipeline stage
+        if stage % (ep * es):
+            raise ValueError(f"parallel: ep={ep} * expert_slicing={es} must divide the {stage} ranks of a "
+                             f"pipeline stage (tp * dp)")
+
         # Ranks of one stage that share a TP index: the dense part's replicas, and the
         # PCC all-to-all's peers (p / L of them) - the same ranks, one group.
         same_tp_index = [[s + d * tp + i for d in range(dp)]
                          for s in range(0, world_size, tp * dp) for i in range(tp)]
         mine = {}
+        pipelines = [[at + s * stage for s in range(pp)] for at in range(stage)]
         for name, lists in (("tp", blocks(tp)), ("dp", same_tp_index), ("ep", blocks(ep * es)),
-                            ("expert_slice", blocks(es))):
+                            ("expert_slice", blocks(es)), ("pp", pipelines)):
             for ranks in lists:
                 # new_group is collective: every rank creates every group, in the same order.
                 handle = dist.new_group(ranks) if len(ranks) > 1 else None

@@ -297,8 +297,8 @@ class Config:
             _fail("parallel.tp", p.tp, f"a divisor of model.num_heads={m.num_heads}")
         if m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:
             _fail("parallel.tp", p.tp, f"a divisor or multiple of model.num_kv_heads={m.num_kv_heads}")
-        if m.num_layers % p.pp:
-            _fail("parallel.pp", p.pp, f"a divisor of model.num_layers={m.num_layers}")
+        if p.pp > m.num_layers:
+            _fail("parallel.pp", p.pp, f"at most model.num_layers={m.num_layers} (a block or more a stage)")
         if e is not None:
             if e.num_experts % p.ep:
                 _fail("parallel.ep", p.ep, f"a divisor of moe.num_experts={e.num_experts}")

@@ -66,8 +66,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def _parallel_groups(p: ParallelConfig):
     """Groups for the layout; a multi-rank layout starts torch.distributed from the MPI job
     (once per process) and must match its size."""
-    if p.pp > 1:
-        raise ConfigError(f"parallel.pp={p.pp}: pipeline parallelism is not available yet; expected 1")
     if p.world_size == 1:  # (the config checks that ep * expert_slicing divides it)
         return ParallelGroups.single(), None
     if not dist.is_initialized():

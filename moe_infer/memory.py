@@ -56,7 +56,7 @@ def _fake_groups(parallel: ParallelConfig) -> ParallelGroups:
 
     experts = parallel.ep * parallel.expert_slicing
     return ParallelGroups(group(parallel.tp), group(parallel.dp), group(experts), group(parallel.expert_slicing),
-                          group(parallel.dp))
+                          group(parallel.dp), pp=group(parallel.pp))  # the first stage's blocks
 
 
 def meta_model(cfg: Config):

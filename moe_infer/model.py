@@ -7,6 +7,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
@@ -23,8 +24,55 @@ from moe_infer.config import Config
 from moe_infer.moe_layer import MoELayer
 
 
+class OtherStage(nn.Module):
+    """The place of a block another pipeline stage holds (no weights here): the blocks keep
+    their global indices, as the checkpoint names them."""
+
+
+def layer_cost(cfg: Config, index: int) -> float:
+    """Weights one token reads in block ``index`` (a MoE layer: its routed experts' top-k
+    share and the shared experts), for balancing pipeline stages."""
+    m, e = cfg.model, cfg.moe
+    attn = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+    if e is not None and cfg.is_moe_layer(index):
+        gated = 3 if m.activation == "swiglu" else 2
+        ffn = gated * m.hidden_size * (e.top_k * e.expert_hidden + e.shared_experts * e.shared_expert_hidden)
+    else:
+        ffn = (3 if m.activation == "swiglu" else 2) * m.hidden_size * m.ffn_hidden
+    return attn + ffn
+
+
+def stage_layers(cfg: Config, stages: int) -> list[range]:
+    """Contiguous blocks per pipeline stage with the least cost on the costliest stage
+    (``layer_cost``; the LM head counts on the last stage), each stage at least one block."""
+    n = cfg.model.num_layers
+    cost = [layer_cost(cfg, i) for i in range(n)]
+    head = cfg.model.vocab_size * cfg.model.hidden_size
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    # best[s][i]: the least costliest stage when the first s stages hold blocks [0, i)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                here = prefix[i] - prefix[j] + (head if s == stages else 0.0)
+                value = max(best[s - 1][j], here)
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, i = [], n
+    for s in range(stages, 0, -1):
+        bounds.append(range(cut[s][i], i))
+        i = cut[s][i]
+    return bounds[::-1]
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: Config, index: int, groups: ParallelGroups, options: KernelOptions):
+    def __init__(self, cfg: Config, index: int, groups: ParallelGroups, options: KernelOptions,
+                 cache_index: int | None = None):
         super().__init__()
         m = cfg.model
         self.parallel = m.parallel_block
@@ -36,7 +84,8 @@ class Block(nn.Module):
             self.ffn = MoELayer(m, cfg.moe, cfg.parallel, groups, options)
         else:
             self.ffn = MLP(m.hidden_size, m.ffn_hidden, m.activation, bias=m.mlp_bias, tp=groups.tp, options=options)
-        self.index, self.options = index, options
+        # The block's layer of this stage's KV cache (its index where one stage holds all).
+        self.index, self.options = index if cache_index is None else cache_index, options
         self.fused_router = isinstance(self.ffn, MoELayer) and isinstance(self.ffn_norm, RMSNorm)
         # The attention norm and its residual add run inside the QKV GEMM's launch
         # (Attention.forward_normed -> kernels.norm_linear) where the dense table's entry
@@ -87,8 +136,12 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
         self.pos_embed = nn.Embedding(m.max_position, m.hidden_size) if m.positions == "learned" else None
         self.rotary = Rotary(m.head_dim, m.rope_theta) if m.positions == "rope" else None
-        self.layers = nn.ModuleList(Block(cfg, i, groups, options) for i in range(m.num_layers))
-        self.num_kv_heads = self.layers[0].attn.num_kv_heads  # on this rank
+        # Pipeline parallelism: this stage's blocks; the others' places hold no weights.
+        self.pp = groups.pp
+        self.own = stage_layers(cfg, self.pp.size)[self.pp.rank]
+        self.layers = nn.ModuleList(Block(cfg, i, groups, options, i - self.own.start) if i in self.own
+                                    else OtherStage() for i in range(m.num_layers))
+        self.num_kv_heads = self.layers[self.own.start].attn.num_kv_heads  # on this rank
         self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps, options)
         self.lm_head = None if m.tied_embeddings else Linear(m.hidden_size, m.vocab_size, bias=False, options=options)
 
@@ -126,7 +179,7 @@ class Transformer(nn.Module):
     def make_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         m = self.cfg.model
         p = self.embed.weight
-        return PagedKVCache(m.num_layers, num_blocks, block_size, self.num_kv_heads, m.head_dim, p.dtype,
+        return PagedKVCache(len(self.own), num_blocks, block_size, self.num_kv_heads, m.head_dim, p.dtype,
                             p.device)
 
     def rotary_tables(self, slots: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -168,13 +221,33 @@ class Transformer(nn.Module):
                 last: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V]; [B, 1, V] with ``last_only`` (each row's last
         slot) or with ``last`` [B] (the slot of each row's last token, for right-padded rows)."""
-        x = self.embed(input_ids)  # [B, T, H]
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(ctx.positions)
+        pp, p = self.pp, self.embed.weight
+        if pp.rank == 0:
+            x = self.embed(input_ids)  # [B, T, H]
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(ctx.positions)
+        else:  # the stage before's hidden states
+            x = torch.empty(*input_ids.shape, self.cfg.model.hidden_size, dtype=p.dtype, device=p.device)
+            dist.recv(x, src=pp.ranks[pp.rank - 1])
         pending = None
         with sdpa_kernel(SDPA_BACKENDS):
-            for layer in self.layers:
-                x, pending = layer(x, ctx, cache, pending)
+            for i in self.own:
+                x, pending = self.layers[i](x, ctx, cache, pending)
+        if pp.rank < pp.size - 1:
+            # On to the next stage; every stage returns the last stage's logits, so each
+            # draws the same tokens and the first one feeds them.
+            dist.send((x if pending is None else x + pending).contiguous(), dst=pp.ranks[pp.rank + 1])
+            rows = 1 if last is not None or last_only else input_ids.shape[1]
+            logits = torch.empty(input_ids.shape[0], rows, self.cfg.model.vocab_size, dtype=p.dtype, device=p.device)
+        else:
+            logits = self._head(x, pending, last, last_only)
+        if pp.size > 1:
+            dist.broadcast(logits, src=pp.ranks[-1], group=pp.group)
+        return logits
+
+    def _head(self, x: torch.Tensor, pending: torch.Tensor | None, last: torch.Tensor | None,
+              last_only: bool) -> torch.Tensor:
+        """The final norm (with the last block's residual add) and the LM head."""
         if last is not None:  # generation needs one slot a row: skip T - 1 rows of the LM head
             rows = torch.arange(x.shape[0], device=x.device)
             x, pending = x[rows, last][:, None], (pending[rows, last][:, None] if pending is not None else None)

@@ -1,6 +1,7 @@
 """The command line as a new user meets it: serve takes generate's model options, presets
 show sizes, generate reports its timings, several ranks print once, and a model too large
 for the machine fails before anything is allocated."""
+import dataclasses
 import re
 import shutil
 import socket
@@ -244,3 +245,19 @@ def test_one_ranks_error_prints_once_with_its_rank(tmp_path):
     assert out.returncode == 2
     assert out.stderr.count(f"[rank 1] {f}: tensor {name!r} has 1 NaN") == 1, out.stderr
     assert "rank 0" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_pipeline_stages_from_the_command_line_and_each_counts_its_own_blocks():
+    from moe_infer.cli import _parallel, build_parser
+
+    def layout(*flags, ranks=4):
+        return _parallel(build_parser().parse_args(["generate", "--prompt", "x", *flags]), ranks)
+    p = layout("--pp", "2")
+    assert (p.pp, p.tp, p.dp) == (2, 1, 2)
+    assert (layout("--pp", "2", "--tp", "2").dp, layout("--pp", "4").dp) == (1, 1)
+    with pytest.raises(ConfigError, match=r"--tp=1 x --pp=3: expected a divisor of the 4 ranks this job runs"):
+        layout("--pp", "3")
+    cfg = load_preset("olmoe-1b-7b")
+    whole = memory.memory_need(cfg, torch.bfloat16).weights
+    staged = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=2))
+    assert memory.memory_need(staged, torch.bfloat16).weights < 0.65 * whole  # the first stage's blocks

@@ -51,6 +51,7 @@ def test_table_ii_presets_match_the_paper():
     (with_change("parallel", tp=4), r"parallel\.tp=4: expected a divisor of model\.num_heads=6"),
     (with_change("parallel", tp=2, ep=4), r"parallel\.ep=4: expected ep \* expert_slicing \(4\) dividing"),
     (with_change("parallel", a2a_fixed_tokens=-1), r"parallel\.a2a_fixed_tokens=-1: expected an integer >= 0"),
+    (with_change("parallel", pp=9), r"parallel\.pp=9: expected at most model\.num_layers=\d+ \(a block or more a stage\)"),
     (with_change("parallel", all_reduce="mpi"), r"parallel\.all_reduce='mpi': expected one of auto, nccl"),
     (with_change("parallel", dp_attention="yes"), r"parallel\.dp_attention='yes': expected true or false"),
     (with_change("parallel", dp_attention=True), r"parallel\.dp_attention=True: expected false for this layout: "

@@ -1,4 +1,6 @@
 """Engine behaviour on random-weight configs: cache consistency, batching, sampling, errors."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -341,3 +343,26 @@ def test_padding_rows_of_fixed_buffers_run_through_an_expert_the_real_rows_use()
     assert compute([-1, 3, -1, 1, -1], True) == [3, 3, 3, 1, 3]
     assert compute([-1, -1], True) == [0, 0]
     assert compute([2, 0], False) == [2, 0]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_pipeline_stages_are_contiguous_and_as_balanced_as_any_split(stages):
+    """Every split of the blocks into contiguous stages of one block or more costs at least
+    as much on its costliest stage (the LM head on the last) as the one chosen."""
+    import itertools
+
+    from moe_infer.config import load_preset
+    from moe_infer.model import layer_cost, stage_layers
+
+    cfg = load_preset("olmoe-1b-7b")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=7))
+    head = cfg.model.vocab_size * cfg.model.hidden_size
+
+    def worst(bounds):
+        return max(sum(layer_cost(cfg, i) for i in r) + (head if k == len(bounds) - 1 else 0)
+                   for k, r in enumerate(bounds))
+    got = stage_layers(cfg, stages)
+    assert [i for r in got for i in r] == list(range(7)) and all(len(r) for r in got)
+    splits = [[range(a, b) for a, b in zip((0, *cuts), (*cuts, 7))]
+              for cuts in itertools.combinations(range(1, 7), stages - 1)]
+    assert worst(got) == min(worst(b) for b in splits)

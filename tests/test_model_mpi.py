@@ -29,9 +29,10 @@ PROMPTS = [[5, 17, 3, 44, 12, 9, 31], [8, 2], [60, 1, 19, 27, 4]]
 # over all heads, so across ranks; Qwen2-MoE: q/k/v biases and a gated shared expert).
 FAMILY_KW = {
     "qwen2_moe": dict(num_attention_heads=8, num_key_value_heads=2, num_experts=8, hidden_size=64,
-                      moe_intermediate_size=24, shared_expert_intermediate_size=32, intermediate_size=48),
+                      moe_intermediate_size=24, shared_expert_intermediate_size=32, intermediate_size=48,
+                      num_hidden_layers=4),
     "olmoe": dict(num_attention_heads=8, num_key_value_heads=4, num_experts=8, hidden_size=64,
-                  intermediate_size=24),
+                  intermediate_size=24, num_hidden_layers=4),
 }
 
 
@@ -40,12 +41,14 @@ def layouts(world):
     out = [("tp", dict(tp=world)), ("tp-replicated-experts", dict(tp=world, expert_slicing=1)),
            ("tp-nccl", dict(tp=world, all_reduce="nccl")), ("ep", dict(dp=world, ep=world)),
            ("ep-fixed-a2a", dict(dp=world, ep=world, a2a_fixed_tokens=64)),
-           ("ep-dp-attention", dict(dp=world, ep=world, dp_attention=True))]
+           ("ep-dp-attention", dict(dp=world, ep=world, dp_attention=True)),
+           (f"pp{world}", dict(pp=world))]
     if world == 4:
         out += [("tp2-ep2-pcc", dict(tp=2, dp=2, ep=2, pcc=True)), ("tp2-ep2-naive", dict(tp=2, dp=2, ep=2, pcc=False)),
                 ("tp2-ep4-pcc", dict(tp=2, dp=2, ep=4, pcc=True)),
                 ("tp2-ep4-pcc-fixed-a2a", dict(tp=2, dp=2, ep=4, pcc=True, a2a_fixed_tokens=64)),
                 ("tp2-ep4-pcc-dp-attention", dict(tp=2, dp=2, ep=4, pcc=True, dp_attention=True)),
+                ("pp2-tp2", dict(pp=2, tp=2)), ("pp2-ep2", dict(pp=2, dp=2, ep=2)),
                 ("ep2-slicing2", dict(dp=4, ep=2, expert_slicing=2)),
                 ("tp2-ep2-slicing2-pcc", dict(tp=2, dp=2, ep=2, expert_slicing=2, pcc=True)),
                 ("tp2-slicing2-pcc", dict(tp=2, dp=2, ep=1, expert_slicing=2, pcc=True))]

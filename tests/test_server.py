@@ -323,11 +323,11 @@ def front_ends(root: int) -> list[int]:
     return sorted(p for p in spawned if p != root and descends(p))
 
 
-@pytest.mark.parametrize("layout", ["{tp: 2}", "{ep: 2, dp: 2}"], ids=["tp2", "ep2"])
+@pytest.mark.parametrize("layout", ["{tp: 2}", "{ep: 2, dp: 2}", "{pp: 2}"], ids=["tp2", "ep2", "pp2"])
 def test_two_ranks_serve(tmp_path, engine, layout):
     """Under the launcher, rank 0 serves HTTP and broadcasts every step; rank 1 follows.
-    With tp = 2 each rank holds half the heads, with ep = 2 half the experts; the answers
-    equal one process's."""
+    With tp = 2 each rank holds half the heads, with ep = 2 half the experts, with pp = 2
+    half the blocks; the answers equal one process's."""
     import os
     import shutil
     import subprocess
