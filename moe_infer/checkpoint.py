@@ -210,10 +210,11 @@ def load_checkpoint(model: torch.nn.Module, cfg: Config, directory: str | Path, 
     if not all(finite):
         ours, read = loaded[finite.index(False)]
         raise _non_finite(read, reader, params[ours].dtype, ours)
-    # Another pipeline stage's blocks are the only tensors this rank may leave unread.
-    own = getattr(model, "own", range(cfg.model.num_layers))
-    unexpected = sorted(n for n in set(files) - used
-                        if not ((m := re.search(r"\blayers\.(\d+)\.", n)) and int(m.group(1)) not in own))
+    unexpected = sorted(set(files) - used)
+    pp = getattr(model, "pp", None)
+    if pp is not None and pp.size > 1:  # a pipeline stage leaves the others' tensors: only its blocks' count
+        own = model.own
+        unexpected = [n for n in unexpected if (m := re.search(r"\blayers\.(\d+)\.", n)) and int(m.group(1)) in own]
     if unexpected:
         raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r} "
                               f"({len(unexpected)} unused in all) for a {family.name} model with this config")

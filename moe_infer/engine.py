@@ -108,7 +108,7 @@ class Engine:
         self.split_prompts = self.groups.dp.size > 1 and (independent or p_.dp_attention)
         self.lockstep = self.split_prompts and not independent
         self.last_stats: GenerationStats | None = None  # the latest generate() call's
-        p = model.embed.weight
+        p = model.anchor
         self.device, self.dtype = p.device, p.dtype
         self.eos = set(config.model.eos_token_ids)
         # "graph": decode steps replay CUDA graphs (GPUs; on several ranks with the NCCL

@@ -133,17 +133,27 @@ class Transformer(nn.Module):
         self.cfg = cfg
         groups = groups or ParallelGroups.single()
         self.options = options = cfg.engine.kernel_options()
-        self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
-        self.pos_embed = nn.Embedding(m.max_position, m.hidden_size) if m.positions == "learned" else None
-        self.rotary = Rotary(m.head_dim, m.rope_theta) if m.positions == "rope" else None
-        # Pipeline parallelism: this stage's blocks; the others' places hold no weights.
+        # Pipeline parallelism: this stage's blocks; the others' places hold no weights. The
+        # first stage holds the embeddings, the last the final norm and the head.
         self.pp = groups.pp
+        first, last = self.pp.rank == 0, self.pp.rank == self.pp.size - 1
+        self.tied = m.tied_embeddings
+        self.embed = nn.Embedding(m.vocab_size, m.hidden_size) if first or (last and self.tied) else None
+        self.pos_embed = nn.Embedding(m.max_position, m.hidden_size) if first and m.positions == "learned" else None
+        self.rotary = Rotary(m.head_dim, m.rope_theta) if m.positions == "rope" else None
         self.own = stage_layers(cfg, self.pp.size)[self.pp.rank]
         self.layers = nn.ModuleList(Block(cfg, i, groups, options, i - self.own.start) if i in self.own
                                     else OtherStage() for i in range(m.num_layers))
         self.num_kv_heads = self.layers[self.own.start].attn.num_kv_heads  # on this rank
-        self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps, options)
-        self.lm_head = None if m.tied_embeddings else Linear(m.hidden_size, m.vocab_size, bias=False, options=options)
+        self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps, options) if last else None
+        self.lm_head = Linear(m.hidden_size, m.vocab_size, bias=False, options=options) if last and not self.tied \
+            else None
+
+    @property
+    def anchor(self) -> torch.Tensor:
+        """A weight every stage holds (its first block's attention norm, in full precision):
+        the model's device and dtype."""
+        return self.layers[self.own.start].attn_norm.weight
 
     def dispatchers(self) -> list:
         """Each MoE layer's dispatcher (where its experts live, how tokens reach them)."""
@@ -178,14 +188,14 @@ class Transformer(nn.Module):
 
     def make_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         m = self.cfg.model
-        p = self.embed.weight
+        p = self.anchor
         return PagedKVCache(len(self.own), num_blocks, block_size, self.num_kv_heads, m.head_dim, p.dtype,
                             p.device)
 
     def rotary_tables(self, slots: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary cos / sin rows of positions 0 .. slots - 1 (None for learned positions),
         computed once for a static decode step over ``slots`` cache slots."""
-        p = self.embed.weight
+        p = self.anchor
         return self.rotary.table(slots, p.dtype, p.device) if self.rotary is not None else None
 
     def paged_context(self, positions: torch.Tensor, query_valid: torch.Tensor,
@@ -193,7 +203,7 @@ class Transformer(nn.Module):
         """``causal``: every row starts at position 0 with no padding (fresh prompts of one
         length; see ``StepContext.paged``)."""
         return StepContext.paged(positions, query_valid, context_lens, num_keys, self.rotary,
-                                 self.embed.weight.dtype, self.cfg.model.sliding_window, causal=causal)
+                                 self.anchor.dtype, self.cfg.model.sliding_window, causal=causal)
 
     def paged_decode_context(self, inputs: torch.Tensor, prev: torch.Tensor, cache: PagedKVCache, num_keys: int,
                              tables: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, StepContext]:
@@ -201,7 +211,7 @@ class Transformer(nn.Module):
         PagedDecodeStep``) -> (tokens [B, 1], its StepContext), the cache's write and read
         slots set for the step: one launch on a GPU (``kernels.attention.paged_context``),
         the same values through torch ops elsewhere. ``tables``: ``rotary_tables(num_keys)``."""
-        args = (inputs, prev, cache.block_size, num_keys, cache.trash, self.embed.weight.dtype, tables,
+        args = (inputs, prev, cache.block_size, num_keys, cache.trash, self.anchor.dtype, tables,
                 self.cfg.model.sliding_window, True)  # the additive mask, as StepContext.paged makes it
         if inputs.is_cuda:
             from kernels.attention.paged_context import paged_decode_context_triton
@@ -213,7 +223,7 @@ class Transformer(nn.Module):
 
     def context(self, positions: torch.Tensor, key_valid: torch.Tensor, no_padding: bool = False) -> StepContext:
         """A forward without a cache (``StepContext.build``)."""
-        return StepContext.build(positions, key_valid, self.rotary, self.embed.weight.dtype,
+        return StepContext.build(positions, key_valid, self.rotary, self.anchor.dtype,
                                  self.cfg.model.sliding_window, no_padding)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
@@ -221,7 +231,7 @@ class Transformer(nn.Module):
                 last: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V]; [B, 1, V] with ``last_only`` (each row's last
         slot) or with ``last`` [B] (the slot of each row's last token, for right-padded rows)."""
-        pp, p = self.pp, self.embed.weight
+        pp, p = self.pp, self.anchor
         if pp.rank == 0:
             x = self.embed(input_ids)  # [B, T, H]
             if self.pos_embed is not None:
@@ -254,14 +264,14 @@ class Transformer(nn.Module):
         elif last_only:
             x, pending = x[:, -1:], (pending[:, -1:] if pending is not None else None)
         x = self.norm(x) if pending is None else self.norm.add_and_norm(pending, x)[0]
-        if self.lm_head is None:  # tied: the embedding table (kept in full precision) is the head
+        if self.tied:  # the embedding table (kept in full precision) is the head
             return x @ self.embed.weight.t()
         return self.lm_head(x)
 
     @torch.no_grad()
     def init_random(self, seed: int):
         """Seeded random weights for configs without a checkpoint (GPT-2 style scales)."""
-        init_random(self, torch.Generator(device=self.embed.weight.device).manual_seed(seed))
+        init_random(self, torch.Generator(device=self.anchor.device).manual_seed(seed))
 
 
 @torch.no_grad()

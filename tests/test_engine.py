@@ -366,3 +366,22 @@ def test_pipeline_stages_are_contiguous_and_as_balanced_as_any_split(stages):
     splits = [[range(a, b) for a, b in zip((0, *cuts), (*cuts, 7))]
               for cuts in itertools.combinations(range(1, 7), stages - 1)]
     assert worst(got) == min(worst(b) for b in splits)
+
+
+def test_each_pipeline_stage_holds_only_its_own_weights():
+    from comm import Group, ParallelGroups
+    from moe_infer.config import load_preset
+    from moe_infer.model import Transformer, stage_layers
+
+    cfg = load_preset("tiny-moe")
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=2))
+    one = Group.alone()
+    names = []
+    for stage in (0, 1):
+        groups = ParallelGroups(one, one, one, one, one, pp=Group(None, stage, 2, (0, 1)))
+        with torch.device("meta"):
+            names.append({n.split(".")[0] + (f".{n.split('.')[1]}" if n.startswith("layers.") else "")
+                          for n, _ in Transformer(cfg, groups).named_parameters()})
+    blocks = stage_layers(cfg, 2)
+    assert names[0] == {"embed"} | {f"layers.{i}" for i in blocks[0]}
+    assert names[1] == {"norm", "lm_head"} | {f"layers.{i}" for i in blocks[1]}
