@@ -124,8 +124,10 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """The model as one rank holds it: ``groups`` (built once from ``cfg.parallel``) decide
-    which heads, FFN columns and experts live here; embeddings, norms and the LM head are
-    replicated. The kernel options of ``cfg.engine`` reach every layer that launches kernels."""
+    which blocks (its pipeline stage's), heads, FFN columns and experts live here; the
+    embeddings (first stage), final norm and LM head (last stage) are replicated over the
+    stage's ranks. The kernel options of ``cfg.engine`` reach every layer that launches
+    kernels."""
 
     def __init__(self, cfg: Config, groups: ParallelGroups | None = None):
         super().__init__()
