@@ -172,7 +172,7 @@ class OffloadedExperts(nn.Module):
     def __init__(self, experts: Experts, hot: list[int], device: torch.device, mode: str, cost: ColdCost,
                  staging: int = 8):
         super().__init__()
-        self.activation, self.options, self.expert_range = experts.activation, experts.options, experts.expert_range
+        self.activation, self.options = experts.activation, experts.options
         self.mode, self.cost = mode, cost
         pinned = device.type == "cuda"
         e = experts.w13.shape[0]
@@ -193,7 +193,7 @@ class OffloadedExperts(nn.Module):
         self.staging = max(1, min(staging, e))  # experts a streamed round holds (a rebalance may cool any)
         self._stage: dict | None = None  # the staging area, made at the first streamed call
         # What the calls met (host counts: known at the call's one wait), for benchmarks.
-        self.stats = dict.fromkeys(("calls", "pairs", "cold_pairs", "cold_experts", "cpu", "stream"), 0)
+        self.stats = dict.fromkeys(("pairs", "cold_pairs", "cold_experts", "cpu", "stream"), 0)
 
     def set_hot(self, hot: list[int]) -> None:
         """Keeps experts ``hot`` (sorted) on the device, copied from the host copies."""
@@ -204,7 +204,11 @@ class OffloadedExperts(nn.Module):
         slot = torch.full(self.slot.shape, -1, dtype=torch.long)
         slot[index] = torch.arange(len(hot))
         self.slot.copy_(slot)
-        self.hot, self.num_cold = hot, len(slot) - len(hot)
+        self.hot = hot
+
+    @property
+    def num_cold(self) -> int:
+        return len(self.slot) - len(self.hot)
 
     def scales(self) -> dict:
         return self.device_scales
@@ -222,7 +226,6 @@ class OffloadedExperts(nn.Module):
         slot = self.slot[ids]  # [T, k]
         cold = slot < 0
         self.routed.add_(torch.bincount(ids.flatten(), minlength=len(self.routed)))
-        self.stats["calls"] += 1
         self.stats["pairs"] += ids.numel()
         cold_t, cold_s = cold.nonzero(as_tuple=True)  # the call's wait for the host
         if not len(cold_t):
@@ -311,14 +314,10 @@ class OffloadedExperts(nn.Module):
         return y
 
 
-def apply(model: nn.Module, placement: Placement, device: torch.device, mode: str, cost: ColdCost) -> int:
-    """Replaces every layer's experts by its ``OffloadedExperts`` -> experts left cold."""
-    cold = 0
+def apply(model: nn.Module, placement: Placement, device: torch.device, mode: str, cost: ColdCost) -> None:
+    """Replaces every layer's experts by its ``OffloadedExperts``."""
     for (parent, name, experts), hot in zip(expert_layers(model), placement.hot):
-        off = OffloadedExperts(experts, hot, device, mode, cost)
-        cold += off.num_cold
-        setattr(parent, name, off)
-    return cold
+        setattr(parent, name, OffloadedExperts(experts, hot, device, mode, cost))
 
 
 def offload_experts(model: nn.Module, engine_cfg, device: torch.device, dtype: torch.dtype) -> Placement:

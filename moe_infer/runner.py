@@ -17,6 +17,7 @@ copy to the host a step.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -301,8 +302,7 @@ class PagedRunner:
         token counts differ."""
         if lockstep:
             self._count()
-            with self.model.exact_exchanges():
-                return self._run(rows, last_only=True)[:, -1].float()
+            return self._eager(rows, exact=True)
         return self.decode(rows)[0]
 
     def _count(self):
@@ -334,12 +334,14 @@ class PagedRunner:
                 step = self.prefill_step_for(len(rows), max(len(r.tokens) for r in rows))
             if step is not None:
                 return step.run(rows)
-        if lockstep:
-            with self.model.exact_exchanges():
-                logits = self._run(rows, last_only=True)[:, -1].float()
-        else:
-            logits = self._run(rows, last_only=True)[:, -1].float()
+        logits = self._eager(rows, exact=lockstep is not None)
         return logits, sample_rows(logits, [r.sample for r in rows], pdl=self.model.options.pdl)
+
+    def _eager(self, rows: list[Row], exact: bool) -> torch.Tensor:
+        """The eager forward's float32 logits [B, V] of each row's last new token; ``exact``:
+        its expert all-to-alls exchange exact sizes (ranks whose token counts differ)."""
+        with self.model.exact_exchanges() if exact else contextlib.nullcontext():
+            return self._run(rows, last_only=True)[:, -1].float()
 
     @torch.no_grad()
     def forward_all(self, rows: list[Row]) -> torch.Tensor:

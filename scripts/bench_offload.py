@@ -42,7 +42,7 @@ from moe_infer import offload as off  # noqa: E402
 
 def counters(engine) -> dict:
     """The offloaded layers' counters, summed, then zeroed."""
-    total = dict.fromkeys(("calls", "pairs", "cold_pairs", "cold_experts", "cpu", "stream"), 0)
+    total = dict.fromkeys(("pairs", "cold_pairs", "cold_experts", "cpu", "stream"), 0)
     for m in engine.model.modules():
         if isinstance(m, off.OffloadedExperts):
             for k, v in m.stats.items():
