@@ -76,8 +76,14 @@ class ParallelGroups:
                 if world_rank in ranks:
                     mine[name] = Group(handle, ranks.index(world_rank), len(ranks), tuple(ranks))
         tp_group = mine["tp"]
-        if tp_group.size > 1 and parallel.all_reduce == "auto" and dist.get_backend() == "nccl":
+        for name in ("ep", "expert_slice"):  # the same ranks: one group object, one fast sum
+            if mine[name].ranks == tp_group.ranks:
+                mine[name] = tp_group
+        if parallel.all_reduce == "auto" and dist.get_backend() == "nccl":
             from comm.collectives import SymmetricAllReduce
 
-            tp_group.fast_sum = SymmetricAllReduce(tp_group)
+            # Every rank makes the same groups' fast sums, in the same order (symmetric
+            # memory is set up collectively at a group's first sum).
+            for group in {id(g): g for g in (tp_group, mine["ep"]) if g.size > 1}.values():
+                group.fast_sum = SymmetricAllReduce(group)
         return cls(world_rank=world_rank, pcc=mine["dp"], **mine)

@@ -206,7 +206,9 @@ def load_checkpoint(model: torch.nn.Module, cfg: Config, directory: str | Path, 
         extremes.append(_extremes(target))
     # One test (one device sync) for all parameters; only on failure are the sources read
     # again to name the tensor at fault.
-    finite = torch.isfinite(torch.stack(extremes)).all(dim=1).tolist() if extremes else []
+    # (Offloaded experts stay in host memory: their extremes join the others' device.)
+    finite = (torch.isfinite(torch.stack([e.to(extremes[0].device) for e in extremes])).all(dim=1).tolist()
+              if extremes else [])
     if not all(finite):
         ours, read = loaded[finite.index(False)]
         raise _non_finite(read, reader, params[ours].dtype, ours)

@@ -42,6 +42,31 @@ class LocalDispatcher:
                              routing.maps)
 
 
+class SameTokensDispatcher(LocalDispatcher):
+    """Experts spread over the ranks of ``group`` (``local`` = [first, end) of them here,
+    whole or as a slice of their width) where those ranks hold the same tokens: a TP
+    group, or replicas that run the same sequences. Nothing needs to move: each rank runs
+    the local fused kernels on its experts (pairs of experts elsewhere masked: they read
+    no weights) and one all-reduce adds the partial sums, as vLLM runs expert
+    parallelism inside a TP group. An all-to-all would send every token to every expert
+    rank twice over (once from each replica) for the same sum."""
+
+    def __init__(self, num_experts: int, top_k: int, local: tuple[int, int], group: Group,
+                 capacity_factor: float | None = None):
+        super().__init__(num_experts, top_k, capacity_factor)
+        self.local, self.group = local, group
+        self.masked = local != (0, num_experts)
+
+    def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
+        if not self.masked:
+            return all_reduce(super().run(x, routing, experts), self.group)
+        first, end = self.local
+        ids = routing.expert_ids
+        ids = torch.where((ids >= first) & (ids < end), ids - first, -1)
+        out = experts.fused(x, ids, routing.weights, self.capacity(x.shape[0]), masked=True)
+        return all_reduce(out, self.group)
+
+
 PAD = 16  # columns after a row of the all-to-all payload: keeps rows 16-element aligned
 
 

@@ -50,10 +50,11 @@ class Experts(nn.Module):
         return {}
 
     def fused(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-              capacity: int | None = None, maps: tuple | None = None) -> torch.Tensor:
-        """Tokens x [T, H] -> weighted sum of their experts' outputs [T, H], in one pass."""
+              capacity: int | None = None, maps: tuple | None = None, masked: bool = False) -> torch.Tensor:
+        """Tokens x [T, H] -> weighted sum of their experts' outputs [T, H], in one pass
+        (``masked``: negative ids are experts on other ranks, which add nothing)."""
         return kernels.fused_moe(x, self.w13, self.w2, weights, expert_ids, self.activation,
-                                 capacity=capacity, maps=maps, pdl=self.options.pdl, **self.scales())
+                                 capacity=capacity, maps=maps, pdl=self.options.pdl, masked=masked, **self.scales())
 
     def pairs_from_ids(self, x: torch.Tensor, top_k: int) -> bool:
         """Whether ``fused`` (dropless, no maps) runs on x from the routing ids alone, so the

@@ -11,7 +11,7 @@ from torch import nn
 from comm import ParallelGroups
 from dense.mlp import MLP
 from kernels.options import KernelOptions
-from moe_infer.dispatch import ExpertParallelDispatcher, LocalDispatcher
+from moe_infer.dispatch import ExpertParallelDispatcher, LocalDispatcher, SameTokensDispatcher
 from moe_infer.experts import Experts
 from moe_infer.gating import Router
 
@@ -23,16 +23,23 @@ class MoELayer(nn.Module):
         h = model_cfg.hidden_size
         groups = groups or ParallelGroups.single()
         ep, es = (parallel.ep, parallel.expert_slicing) if parallel is not None else (1, 1)
+        # Expert ranks that hold the same tokens (a TP group, or replicas that run the same
+        # sequences: all but data-parallel attention): nothing moves, an all-reduce sums.
+        same_tokens = ep * es > 1 and (not parallel.dp_attention or set(groups.ep.ranks) <= set(groups.tp.ranks))
+        local = ep * es == 1 or (same_tokens and ep == 1)  # every expert here (maybe sliced): its maps
         # With a capacity the maps depend on it: the dispatcher builds them, not the router;
         # with expert parallelism the maps are built per destination rank instead.
         self.router = Router(h, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.score, moe_cfg.renormalize,
-                             with_maps=moe_cfg.capacity_factor is None and ep * es == 1, options=options)
-        self.local_dropless = moe_cfg.capacity_factor is None and ep * es == 1
+                             with_maps=moe_cfg.capacity_factor is None and local, options=options)
+        self.local_dropless = moe_cfg.capacity_factor is None and local
         self._maps_at: dict = {}  # _maps_needed's answers
         ep_index = groups.ep.rank // es
         self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation,
                                ep_index, ep, groups.ep.rank % es, es, options)
-        if ep * es > 1:
+        if same_tokens:
+            self.dispatcher = SameTokensDispatcher(moe_cfg.num_experts, moe_cfg.top_k, self.experts.expert_range,
+                                                   groups.ep, moe_cfg.capacity_factor)
+        elif ep * es > 1:
             self.dispatcher = ExpertParallelDispatcher(moe_cfg.num_experts, moe_cfg.top_k, ep, es, groups,
                                                        parallel.pcc, options, parallel.a2a_fixed_tokens)
         else:

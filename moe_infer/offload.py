@@ -217,20 +217,27 @@ class OffloadedExperts(nn.Module):
         return True  # no maps: the pairs are split here
 
     def fused(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-              capacity: int | None = None, maps: tuple | None = None) -> torch.Tensor:
+              capacity: int | None = None, maps: tuple | None = None, masked: bool = False) -> torch.Tensor:
         """x [T, H], ids and weights [T, k] -> the weighted sum of each token's experts [T, H]
-        (dropless: ``capacity`` must be None)."""
+        (dropless: ``capacity`` must be None; ``masked``: negative ids are experts elsewhere,
+        which add nothing)."""
         if capacity is not None:
             raise ValueError("offloaded experts run dropless: moe.capacity_factor must be null")
         ids = expert_ids.long()
+        elsewhere = ids < 0 if masked else None
+        if masked:
+            ids = ids.clamp(min=0)
         slot = self.slot[ids]  # [T, k]
-        cold = slot < 0
-        self.routed.add_(torch.bincount(ids.flatten(), minlength=len(self.routed)))
+        if masked:
+            slot = slot.masked_fill(elsewhere, -2)  # -1: cold here; below it: not here at all
+        cold = slot == -1
+        self.routed.add_(torch.bincount(ids.flatten(), None if elsewhere is None else (~elsewhere).flatten().float(),
+                                        minlength=len(self.routed)))
         self.stats["pairs"] += ids.numel()
         cold_t, cold_s = cold.nonzero(as_tuple=True)  # the call's wait for the host
         if not len(cold_t):
             return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, pdl=self.options.pdl,
-                                     **self.device_scales)
+                                     masked=masked, **self.device_scales)
         pair_ids = ids[cold_t, cold_s]
         used = sorted(set(pair_ids.tolist()))
         mode = self.mode if self.mode != "auto" else self.cost.mode(len(cold_t), len(used))
@@ -240,7 +247,7 @@ class OffloadedExperts(nn.Module):
         # CPU's work (cpu) runs while they do.
         first = self._stage_round(used[:self.staging]) if mode == "stream" else None
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        hot_t, hot_s = (~cold).nonzero(as_tuple=True)
+        hot_t, hot_s = (slot >= 0).nonzero(as_tuple=True)
         if len(hot_t):  # one row a pair: the cold pairs cost the device nothing
             y = kernels.fused_moe(x[hot_t], self.w13, self.w2, weights[hot_t, hot_s, None],
                                   slot[hot_t, hot_s, None], self.activation, pdl=self.options.pdl,

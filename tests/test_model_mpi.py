@@ -242,14 +242,43 @@ def test_replicas_that_split_the_prompts_meet_in_no_dispatch(info, fixed):
         torch.testing.assert_close(d.run(x, Routing(ids, weights), _Identity()), x, rtol=1e-5, atol=1e-6)
 
 
-def test_moe_layer_rejects_pcc_when_expert_ranks_do_not_align_with_tp(world):
+def test_pcc_exchange_rejects_expert_ranks_that_do_not_align_with_tp(world):
     from comm import ParallelGroups
-    from moe_infer.config import MoEConfig, ModelConfig
 
     if world < 4:  # with 2 ranks every EP layout (ep * slicing in {1, 2}) aligns with tp = 2
         pytest.skip("needs 4 ranks: expert blocks that straddle TP groups")
-    layout = ParallelConfig(tp=world, dp=1, ep=world // 2, expert_slicing=1, pcc=True)  # blocks straddle TP groups
+    layout = ParallelConfig(tp=world, dp=1, ep=world // 2, expert_slicing=1, pcc=True)
     groups = ParallelGroups.build(layout, dist.get_rank(), world)
-    m = ModelConfig(vocab_size=16, hidden_size=16, num_layers=1, num_heads=4, ffn_hidden=16)
     with pytest.raises(ValueError, match=r"parallel\.pcc: needs ep \* expert_slicing to be a multiple of tp"):
-        MoELayer(m, MoEConfig(num_experts=4, top_k=2, expert_hidden=8), layout, groups)
+        ExpertParallelDispatcher(4, 2, world // 2, 1, groups, pcc=True)
+
+
+def test_expert_ranks_with_the_same_tokens_all_reduce_instead_of_exchanging(info, world):
+    """Without data-parallel attention the expert ranks hold the same tokens: each runs its
+    own experts (the others' pairs masked) and an all-reduce sums, against one process
+    running every expert; dp-attention keeps the all-to-all."""
+    from comm import ParallelGroups
+    from moe_infer.config import MoEConfig, ModelConfig
+    from moe_infer.dispatch import SameTokensDispatcher
+
+    m = ModelConfig(vocab_size=16, hidden_size=32, num_layers=1, num_heads=4, ffn_hidden=16)
+    moe = MoEConfig(num_experts=8, top_k=3, expert_hidden=16)
+    torch.manual_seed(0)  # every rank the same weights and tokens
+    alone = MoELayer(m, moe).to(info.device)
+    for p in alone.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(5, 32, device=info.device)
+    ref = alone(x)
+    for kw in (dict(dp=world, ep=world), dict(dp=world, ep=world // 2, expert_slicing=2),
+               dict(dp=world, ep=1, expert_slicing=world)):
+        layout = ParallelConfig(tp=1, **kw)
+        layer = MoELayer(m, moe, layout, ParallelGroups.build(layout, dist.get_rank(), world)).to(info.device)
+        assert isinstance(layer.dispatcher, SameTokensDispatcher), kw
+        state = {k: v for k, v in alone.state_dict().items()}
+        for name, fn in layer.experts.shard_fns.items():
+            state[f"experts.{name}"] = fn(state[f"experts.{name}"])
+        layer.load_state_dict(state)
+        torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5, msg=str(kw))
+    layout = ParallelConfig(tp=1, dp=world, ep=world, dp_attention=True)
+    layer = MoELayer(m, moe, layout, ParallelGroups.build(layout, dist.get_rank(), world))
+    assert isinstance(layer.dispatcher, ExpertParallelDispatcher)

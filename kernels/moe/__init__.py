@@ -52,7 +52,8 @@ def _check_experts(x, w13, w2, activation, w13_scale, w2_scale):
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              capacity: int | None = None, maps: tuple | None = None, *, pdl: bool = True) -> torch.Tensor:
+              capacity: int | None = None, maps: tuple | None = None, *, pdl: bool = True,
+              masked: bool = False) -> torch.Tensor:
     """MoE expert computation on one device: x [T, H] -> [T, H].
 
     w13 [E, 2F, H] holds each expert's gate rows then up rows (Hugging Face / vLLM layout;
@@ -61,14 +62,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (``quantize_int8``). ``capacity`` drops pairs past that many per expert (None: dropless).
     ``maps`` (from ``route``) saves recomputing the maps of ``topk_ids`` on a GPU. ``pdl``: the
     GPU kernels launch with programmatic dependent launch where the device has it
-    (``kernels.pdl``; every op here takes it).
+    (``kernels.pdl``; every op here takes it). ``masked``: a pair whose expert id is negative
+    (its expert lives on another rank) adds nothing and reads no weights; ``maps`` are then
+    not taken.
     """
     _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale)
     if x.is_cuda:
         from kernels.moe.triton import fused_moe_triton
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
-                                capacity, maps=maps, pdl=pdl)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity)
+                                capacity, maps=None if masked else maps, pdl=pdl, masked=masked)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity, masked)
 
 
 __all__ = ["fused_moe", "quantize_int8"]

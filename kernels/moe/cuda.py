@@ -163,8 +163,8 @@ def check(x, w13, w2, topk, w13_scale=None, w2_scale=None, configs=None, activat
 
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
-            pipe: bool = False, row_groups: int = 1) -> tuple:
-    return ("-std=c++17", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
+            pipe: bool = False, row_groups: int = 1, masked: bool = False) -> tuple:
+    return ("-std=c++17", f"-DMASKED={int(masked)}", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
             f"-DPARTIAL={int(partial)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
             f"-DPIPE={int(pipe)}", f"-DRG={row_groups}")
@@ -196,15 +196,18 @@ def fused_moe_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 
 def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         activation: str, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
-        configs: tuple[MoeCuda | None, MoeCuda | None] | None, pdl: bool) -> torch.Tensor:
+        configs: tuple[MoeCuda | None, MoeCuda | None] | None, pdl: bool, masked: bool = False) -> torch.Tensor:
     """``fused_moe_cuda`` without its checks, for callers that made them (``check``, or
-    ``supports`` once per key and then ``layout``: ``kernels.moe.triton``)."""
+    ``supports`` once per key and then ``layout``: ``kernels.moe.triton``). ``masked``: pairs
+    with a negative expert id add nothing and read no weights (``kernels.fused_moe``)."""
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     pair_w = topk_weights.reshape(-1).float().contiguous()  # [P]
-    return _experts(x, w13, w2, ids, pair_w, topk_ids.shape[1], activation, w13_scale, w2_scale, configs, pdl)
+    return _experts(x, w13, w2, ids, pair_w, topk_ids.shape[1], activation, w13_scale, w2_scale, configs, pdl,
+                    masked)
 
 
-def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, configs, pdl: bool) -> torch.Tensor:
+def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, configs, pdl: bool,
+             masked: bool = False) -> torch.Tensor:
     """The two launches (and the split-K sum); ``ids`` [P] are the pairs' experts, ``pair_w``
     [P] their combine weights."""
     t, h = x.shape
@@ -220,7 +223,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, con
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
     up_major = up.pair_major
     up_opts = options(up.bn, up.warps, up.unroll, int8, dt, gated, False, ids64=ids64, pair_major=up_major,
-                      min_blocks=up.min_blocks, unit=up.unit, row_groups=up.row_groups) + ("-DPDL_EARLY=0",)
+                      min_blocks=up.min_blocks, unit=up.unit, row_groups=up.row_groups, masked=masked) + ("-DPDL_EARLY=0",)
     up_grid = (-(-f // up.bn), t * topk)
     launch(x.device, SOURCE, "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
            up.warps * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
@@ -234,7 +237,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, con
     down_major = down.pair_major
     opts = options(down.bn, down.warps, down.unroll, int8, dt, gated, split > 1, ids64=ids64,
                    pair_major=down_major, min_blocks=down.min_blocks, unit=down.unit, pipe=down.pipe,
-                   row_groups=down.row_groups)
+                   row_groups=down.row_groups, masked=masked)
     down_grid = (-(-h // down.bn), split, t)
     launch(x.device, SOURCE, "moe_down", opts, down_grid[::-1] if down_major else down_grid, down.warps * 32,
            (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(ids), ptr(target), np.int32(h), np.int32(f), np.int32(topk),
@@ -257,11 +260,11 @@ def compile_all(arch: str = "sm_90") -> int:
         groups = 2 if i % 3 == 2 else 1  # every candidate has 4 or 8 warps and an even number of rows
         compile_check(SOURCE, options(up.bn, up.warps, up.unroll, int8, dt, gated, False, ids64=i % 2 == 0,
                                       pair_major=i % 2 == 1, min_blocks=min_blocks, unit=i % 4 == 1,
-                                      row_groups=groups)
+                                      row_groups=groups, masked=i % 3 == 0)
                       + launch_flags, arch, "moe_cuda.cu")
         compile_check(SOURCE, options(down.bn, down.warps, down.unroll, int8, dt, gated, i % 4 < 2,
                                       ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks,
-                                      unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups)
+                                      unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups, masked=i % 3 == 0)
                       + launch_flags, arch, "moe_cuda.cu")
         count += 2
     return count

@@ -11,6 +11,10 @@
 #define MINB 1  // blocks an SM the registers must allow (ptxas caps them to fit)
 #endif
 
+#ifndef MASKED
+#define MASKED 0  // a pair whose expert id is negative (its expert is on another rank) adds nothing
+#endif
+
 #ifndef PIPE
 #define PIPE 0  // moe_down: two weight buffers, the next step in flight during this one's arithmetic
 #endif
@@ -134,7 +138,7 @@ __device__ __forceinline__ void token_scales(const float* __restrict__ scale, co
                                              float (*sc)[BN], int n0, int H, float mul) {
   for (int i = threadIdx.x; i < topk * BN; i += THREADS) {
     const int n = n0 + i % BN;
-    sc[i / BN][i % BN] = n < H ? scale[expert[i / BN] * H + n] * mul : 0.f;
+    sc[i / BN][i % BN] = n < H && (!MASKED || expert[i / BN] >= 0) ? scale[expert[i / BN] * H + n] * mul : 0.f;
   }
   __syncthreads();
 }
@@ -169,6 +173,13 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   up_expert(blk, ids, pair_w);  // waits: x and the ids are earlier kernels' outputs
   const long long e = blk.e;
   const float weight = blk.weight;
+#if MASKED
+  if (e < 0) {  // the expert is elsewhere: zeros, which the down kernel skips anyway
+    for (int o = tid; o < BN; o += THREADS)
+      if (n0 + o < F) h[(size_t)p * F + n0 + o] = to_act(0.f);
+    return;
+  }
+#endif
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
   const float2 sc = up_scales(scale, e, n0, F);  // in flight beside the weights, not after them
 
@@ -250,6 +261,7 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
       s += (s + 1) * F <= k;
       sl[u] = k < k_hi ? s : 0;
       at[u] = (const char*)w2 + ((size_t)expert[sl[u]] * H + n0 + r0) * row_bytes + (size_t)(k - sl[u] * F) * W_BYTES;
+      if (MASKED && expert[sl[u]] < 0) at[u] = nullptr;  // an expert elsewhere: no weights read
     }
   };
   auto issue_step = [&](u32x4 (&w)[U][RR], const char* const (&at)[U], int kb) {
@@ -257,7 +269,8 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int i = 0; i < RR; ++i)
-        w[u][i] = kb + u * GSTEP < k_hi && n0 + r0 + i < H ? load_stream(at[u] + i * row_bytes) : zero4();
+        w[u][i] = kb + u * GSTEP < k_hi && n0 + r0 + i < H && (!MASKED || at[u] != nullptr)
+                      ? load_stream(at[u] + i * row_bytes) : zero4();
   };
   auto load_step = [&](u32x4 (&w)[U][RR], int (&sl)[U], int kb) {
     const char* at[U];

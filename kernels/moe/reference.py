@@ -81,10 +81,16 @@ def quantize_int8(w: torch.Tensor, max_elements: int = 1 << 26) -> tuple[torch.T
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   activation: str = "silu", w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None, capacity: int | None = None) -> torch.Tensor:
-    """The single-device expert computation: maps, scatter, grouped FFN, gather."""
+                  w2_scale: torch.Tensor | None = None, capacity: int | None = None,
+                  masked: bool = False) -> torch.Tensor:
+    """The single-device expert computation: maps, scatter, grouped FFN, gather. ``masked``:
+    pairs with a negative expert id add nothing (their rows, in a bin past the experts,
+    never run)."""
     w13, w2 = dequantize_ref(w13, w13_scale, x.dtype), dequantize_ref(w2, w2_scale, x.dtype)
-    offsets, rows = token_maps_ref(topk_ids, w13.shape[0], capacity)
+    e = w13.shape[0]
+    if masked:
+        topk_ids = torch.where(topk_ids < 0, e, topk_ids)
+    offsets, rows = token_maps_ref(topk_ids, e + masked, capacity)
     xs = scatter_rows_ref(x, rows)
     ys = grouped_ffn_ref(xs, offsets, w13, w2, activation)
     return gather_rows_ref(ys, rows, topk_weights)

@@ -144,7 +144,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
                      w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                      capacity: int | None = None, configs: tuple[MoeEntry, MoeEntry] | None = None,
-                     maps: tuple | None = None, pdl: bool = True) -> torch.Tensor:
+                     maps: tuple | None = None, pdl: bool = True, masked: bool = False) -> torch.Tensor:
     """Same contract as ``kernels.fused_moe``; ``configs`` overrides the (up, down) launch
     configurations (``kernels.tuning`` entries; the tuning script uses it); ``maps`` are
     (offsets, rows, row_pair) already built from ``topk_ids`` (``kernels.route``)."""
@@ -160,14 +160,16 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         # GEMM costs more there than the bytes it saves. Holds one layer's experts in x's
         # dtype for the call.
         return fused_moe_triton(x, dequantize_int8(w13, w13_scale, x.dtype), dequantize_int8(w2, w2_scale, x.dtype),
-                                topk_weights, topk_ids, activation, capacity=capacity, maps=maps, pdl=pdl)
+                                topk_weights, topk_ids, activation, capacity=capacity, maps=maps, pdl=pdl,
+                                masked=masked)
     if isinstance(up_cfg, MoeCuda) and (capacity is None or capacity >= t):
         # Where the table chose the CUDA decode kernels (small T, measured faster) and they
         # can take the operands (not fp32, odd widths: then Triton). No pair is dropped when
         # each expert can keep T pairs: an expert appears once per token.
         pair = _cuda_pair(up_cfg, down_cfg)
         if cuda_reason(x, w13, w2, topk, activation, w13_scale, w2_scale, pair) is None:
-            return moe_cuda.run(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, pair, pdl)
+            return moe_cuda.run(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, pair, pdl,
+                                masked)
     # The CUDA kernels come as a pair behind the CUDA up kernel: a CUDA entry left over
     # here (not taken, or a CUDA down beside a Triton up) gives way to the Triton default.
     up_cfg = triton_entry(up_cfg, "up", x.device, t, e, w13.shape[1], h, topk, size)
@@ -175,7 +177,13 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # Decode sizes: with no maps given, the GEMMs find each expert's pairs from the ids
     # themselves (all pairs in one row tile), saving the maps kernel; buffer rows are pairs.
     pair_ids = None
-    if maps is None and capacity is None and n <= FROM_IDS_PAIRS:
+    if masked:
+        # Pairs of experts elsewhere go to a bin past the experts (rows no GEMM tile runs),
+        # then are dropped from the combine as capacity drops pairs.
+        elsewhere = topk_ids < 0
+        offsets, rows, row_pair = token_maps_triton(torch.where(elsewhere, e, topk_ids), e, capacity, pdl)
+        rows = torch.where(elsewhere, -1, rows)
+    elif maps is None and capacity is None and n <= FROM_IDS_PAIRS:
         pair_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         bm = max(16, triton.next_power_of_2(n))
         up_cfg, down_cfg = replace(up_cfg, bm=max(bm, up_cfg.bm)), replace(down_cfg, bm=max(bm, down_cfg.bm))

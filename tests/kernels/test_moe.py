@@ -193,6 +193,32 @@ def test_capacity_drops_pairs_as_the_reference(device):
     assert rel(out.cpu(), ref) < 1e-5
 
 
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_masked_pairs_add_nothing(device, t):
+    """Pairs with a negative expert id (experts on other ranks) add nothing: the same as
+    the pairs kept alone, with the masked ones' weights zero, whatever path the size takes
+    (the CUDA decode kernels on a GPU at small T, the Triton GEMMs after the maps)."""
+    dtype, x, w13, w2, ids, w = small_problem(device, 21 + t, t=t, h=32, f=24, e=6, k=3)
+    # Odd experts elsewhere; past T = 1 the first token has no expert here at all.
+    elsewhere = (ids % 2 == 1) | ((torch.arange(t, device=device)[:, None] == 0) & (t > 1))
+    masked = torch.where(elsewhere, -1, ids)
+    kept = fused_moe_ref(x.cpu().double(), w13.cpu().double(), w2.cpu().double(),
+                         torch.where(elsewhere, 0.0, w).cpu().double(), ids.cpu())
+    ref = fused_moe_ref(x.cpu().double(), w13.cpu().double(), w2.cpu().double(), w.cpu().double(), masked.cpu(),
+                        masked=True)
+    assert rel(ref, kept) < 1e-12
+    out = fused_moe(x, w13, w2, w, masked, masked=True)
+    assert rel(out.cpu(), kept) < (TOL[dtype] if device == "cuda" else 1e-5)
+    assert t == 1 or out[0].abs().max() == 0
+    q13, s13 = quantize_int8(w13)
+    q2, s2 = quantize_int8(w2)
+    out8 = fused_moe(x, q13, q2, w, masked, "silu", s13, s2, masked=True)
+    ref8 = fused_moe_ref(x.cpu().double(), q13.cpu(), q2.cpu(), torch.where(elsewhere, 0.0, w).cpu().double(),
+                         ids.cpu(), "silu", s13.cpu(), s2.cpu())
+    assert rel(out8.cpu(), ref8) < (TOL[dtype] if device == "cuda" else 1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 3, 16, 40])
 def test_moe_layer_routes_without_maps_where_experts_take_ids(t):

@@ -167,6 +167,25 @@ def test_row_groups_match_reference(t, h, f, e, k, activation, int8):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("int8", [False, True])
+def test_masked_pairs_read_nothing_and_add_nothing(int8):
+    """``masked``: pairs with a negative expert id (experts on other ranks) add nothing, in
+    every candidate configuration, split-K and the pair-major grid included."""
+    t, h, f, e, k = 3, 1024, 384, 8, 4
+    x, w13, w2, ids, w, s13, s2, _ = checked_problem(torch.bfloat16, t, h, f, e, k, "silu", 7, int8)
+    elsewhere = ids >= e // 2
+    masked = torch.where(elsewhere, -1, ids)
+    ref = fused_moe_ref(x.double(), w13 if int8 else w13.double(), w2 if int8 else w2.double(),
+                        torch.where(elsewhere, 0.0, w).double(), ids, "silu", s13, s2)
+    pairs = list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.DOWN_CANDIDATES))
+    pairs += [(replace(up, pair_major=True), replace(down, pair_major=True)) for up, down in pairs[::2]]
+    pairs += list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.PIPE_DOWN_CANDIDATES))
+    for up, down in pairs:
+        out = moe_cuda.run(x, w13, w2, w, masked, "silu", s13, s2, (up, down), True, masked=True)
+        assert rel(out, ref) < TOL[torch.bfloat16], (up, down)
+
+
+@pytest.mark.gpu
 def test_split_k_and_odd_widths():
     # The k * F reduction split where a split ends inside a slot's F columns; F not a
     # multiple of the block's step.
