@@ -27,6 +27,9 @@ from kernels.tuning import MoeCuda, MoeDequant, MoeEntry, MoeGroupedMm, MoeTrito
 # Up to this many (token, slot) pairs the GEMMs group pairs themselves (no maps kernel).
 # At 32, the 32-row int8 tiles measured slower.
 FROM_IDS_PAIRS = 16
+# Up to this many tokens a shape without table entries runs the CUDA decode kernels, which
+# every tuned shape's table chooses there.
+CUDA_HEURISTIC_T = 2
 
 
 def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: int,
@@ -54,9 +57,16 @@ def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: i
                   wdtype: torch.dtype, topk: int, elem_bytes: int = 2) -> MoeEntry:
     """The moe table's entry for this GEMM at T = t (``tuning.Tables.lookup``: the smallest
     bucket >= t of the device's own entries and its chip's), else ``default_config``."""
+    def heuristic() -> MoeEntry:
+        if t <= CUDA_HEURISTIC_T:
+            # Every tuned shape takes the CUDA decode kernels here: so do the shapes no table
+            # holds, such as a rank's share of the experts (E / ep, or F / expert_slicing).
+            return moe_cuda.default_configs(t, k if phase == "up" else n, tuning.sm_count(device))[phase == "down"]
+        return default_config(phase, t, e, n, k, topk, tuning.sm_count(device), elem_bytes)
+
     return tuning.TABLES.lookup(
         "moe", tuning.device_name(device), tuning.dtype_name(wdtype), tuning.moe_shape(phase, e, n, k, topk), t,
-        lambda: default_config(phase, t, e, n, k, topk, tuning.sm_count(device), elem_bytes))
+        heuristic)
 
 
 def triton_entry(cfg: MoeEntry, phase: str, device: torch.device, t: int, e: int, n: int, k: int, topk: int,
