@@ -54,15 +54,20 @@ class SameTokensDispatcher(LocalDispatcher):
     def __init__(self, num_experts: int, top_k: int, local: tuple[int, int], group: Group,
                  capacity_factor: float | None = None):
         super().__init__(num_experts, top_k, capacity_factor)
-        self.local, self.group = local, group
+        self.group = group
         self.masked = local != (0, num_experts)
+        first, end = local
+        # [E] expert -> its index here, -1 where it lives elsewhere: one lookup kernel a call
+        self.local_of = torch.tensor([e - first if first <= e < end else -1 for e in range(num_experts)],
+                                     device="cpu")  # (the model may be built on the meta device)
+        self._tables = {}  # device -> local_of there
 
     def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
         if not self.masked:
             return all_reduce(super().run(x, routing, experts), self.group)
-        first, end = self.local
-        ids = routing.expert_ids
-        ids = torch.where((ids >= first) & (ids < end), ids - first, -1)
+        if x.device not in self._tables:
+            self._tables[x.device] = self.local_of.to(x.device, torch.int32)
+        ids = self._tables[x.device].index_select(0, routing.expert_ids.reshape(-1)).view_as(routing.expert_ids)
         out = experts.fused(x, ids, routing.weights, self.capacity(x.shape[0]), masked=True)
         return all_reduce(out, self.group)
 
