@@ -56,6 +56,10 @@ def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
     par = parser.add_argument_group("parallelism (launch with scripts/launch.sh -n N -- moe-infer ...)")
     par.add_argument("--tp", type=int, help="tensor-parallel degree (heads and FFN columns split)")
     par.add_argument("--pp", type=int, help="pipeline stages (the blocks split into stages of balanced cost)")
+    par.add_argument("--micro-batches", type=int,
+                     help="pipeline: micro-batches while generating (default: --pp; 1 drains every token)")
+    par.add_argument("--prompt-micro-batches", type=int,
+                     help="pipeline: micro-batches while processing the prompts (default: 4 x --pp)")
     par.add_argument("--ep", type=int, help="expert-parallel degree (experts placed across ranks)")
     par.add_argument("--expert-slicing", type=int,
                      help="ranks that split each expert's width (default: tp / ep where ep divides tp, else 1)")
@@ -111,16 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _parallel(args, ranks: int) -> ParallelConfig | None:
-    """The layout from --tp / --pp / --ep / --expert-slicing / --pcc / --dp-attention; data
-    parallelism of the dense part fills the ranks the launcher started (all of them without
-    layout flags)."""
-    if all(v is None for v in (args.tp, args.pp, args.ep, args.expert_slicing, args.pcc, args.dp_attention)):
+    """The layout from --tp / --pp / --ep / --expert-slicing / --pcc / --dp-attention and the
+    pipeline's micro-batch counts; data parallelism of the dense part fills the ranks the
+    launcher started (all of them without layout flags)."""
+    if all(v is None for v in (args.tp, args.pp, args.ep, args.expert_slicing, args.pcc, args.dp_attention,
+                               args.micro_batches, args.prompt_micro_batches)):
         return ParallelConfig(dp=ranks) if ranks > 1 else None
     tp, pp = args.tp or 1, args.pp or 1
     if tp < 1 or pp < 1 or ranks % (tp * pp):
         raise ConfigError(f"--tp={tp} x --pp={pp}: expected a divisor of the {ranks} ranks this job runs")
     return ParallelConfig(tp=tp, pp=pp, dp=ranks // (tp * pp), ep=args.ep or 1, expert_slicing=args.expert_slicing,
-                          pcc=True if args.pcc is None else args.pcc, dp_attention=bool(args.dp_attention))
+                          pcc=True if args.pcc is None else args.pcc, dp_attention=bool(args.dp_attention),
+                          micro_batches=args.micro_batches, prompt_micro_batches=args.prompt_micro_batches)
 
 
 def _print_completions(prompts, outs):

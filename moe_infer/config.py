@@ -171,9 +171,21 @@ class ParallelConfig:
     # through the all-to-all, stepping together (as vLLM and SGLang run MoE models).
     # False: every replica runs every prompt there.
     dp_attention: bool = False
+    # Pipeline stages' inference schedule (generate(), pp > 1): the batch's rows split into
+    # this many micro-batches while generating, each one's next token entering the first
+    # stage as soon as the last stage has drawn it, so no stage waits (None: pp; 1 drains
+    # the pipeline every token); and into this many while processing the prompts, where
+    # more and smaller micro-batches shorten the fill and drain (None: 4 * pp).
+    micro_batches: int | None = None
+    prompt_micro_batches: int | None = None
 
     def __post_init__(self):
         _check_positive("parallel", self, "tp", "ep", "pp", "dp", "timeout_s")
+        if self.micro_batches is None:
+            self.micro_batches = self.pp
+        if self.prompt_micro_batches is None:
+            self.prompt_micro_batches = 4 * self.pp
+        _check_positive("parallel", self, "micro_batches", "prompt_micro_batches")
         if self.expert_slicing is None:
             self.expert_slicing = self.tp // self.ep if self.tp % self.ep == 0 else 1
         _check_positive("parallel", self, "expert_slicing")

@@ -21,6 +21,7 @@ from moe_infer.config import Config
 from moe_infer.graphs import GRAPH_PRIMERS
 from moe_infer.model import Transformer
 from moe_infer.offload import rebalance
+from moe_infer.pipeline import PipelineSchedule
 from moe_infer.runner import PagedRunner, Row
 from moe_infer.sampling import SamplingParams, knobs, sample_rows
 from moe_infer.tokenizer import Tokenizer
@@ -123,6 +124,7 @@ class Engine:
         self.graph_primers = GRAPH_PRIMERS  # graphs made before the first decode step's (0: none)
         self._primed = False
         self.runner: PagedRunner | None = None  # generate()'s, made at the first call
+        self.last_timeline = None  # pipeline stages: the last generate() batch's (moe_infer.pipeline.Timeline)
         self._calls = 0  # generate() calls: unseeded sampling draws anew in each
 
     def runner_for(self, blocks: int) -> PagedRunner:
@@ -288,6 +290,8 @@ class Engine:
             tables.append(list(range(at, at + n)))
             at += n
 
+        if self.model.pp.size > 1 and peers is None:
+            return self._generate_pipelined(runner, rows, tables, max_new, params, seeds, start, began, stats)
         logits = self._prefill(runner, rows, tables, prefill_lockstep)
         if self.offloaded:  # the experts the prompts routed to most onto the device
             rebalance(self.model)
@@ -337,6 +341,25 @@ class Engine:
         return [Completion(g, self.tokenizer.decode(g) if self.tokenizer else None, f or "length",
                            arrived[0] - start, gap(len(g)))
                 for g, f in zip(generated, finish)]
+
+    def _generate_pipelined(self, runner: PagedRunner, rows, tables, max_new: int, params, seeds: list[int],
+                            start: float, began: float, stats: GenerationStats) -> list[Completion]:
+        """``_generate_batch`` over pipeline stages: the inference schedule of
+        ``moe_infer.pipeline`` (micro-batches through the stages without draining)."""
+        p = self.config.parallel
+        schedule = PipelineSchedule(self, runner, p.micro_batches, p.prompt_micro_batches)
+        generated, finish, first_at, last_at = schedule.run(rows, tables, max_new,
+                                                            lambda i, t: knobs(params, seeds[i], t))
+        self.last_timeline = schedule.timeline
+        stats.prefill_s += min(first_at) - began
+        stats.decode_s += max(last_at) - min(first_at)
+        stats.generated_tokens += sum(map(len, generated))
+        stats.decoded_tokens += sum(max(0, len(g) - 1) for g in generated)
+        if stats.time_to_first_token_s is None:
+            stats.time_to_first_token_s = min(first_at) - start
+        return [Completion(g, self.tokenizer.decode(g) if self.tokenizer else None, f or "length", a - start,
+                           (b - a) / (len(g) - 1) if len(g) > 1 else None)
+                for g, f, a, b in zip(generated, finish, first_at, last_at)]
 
     def _prefill(self, runner: PagedRunner, rows: list[list[int]], tables: list[list[int]],
                  lockstep: tuple[int, int] | None = None) -> torch.Tensor:

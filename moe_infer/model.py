@@ -234,28 +234,47 @@ class Transformer(nn.Module):
         """input_ids [B, T] -> logits [B, T, V]; [B, 1, V] with ``last_only`` (each row's last
         slot) or with ``last`` [B] (the slot of each row's last token, for right-padded rows)."""
         pp, p = self.pp, self.anchor
+        hidden = None
+        if pp.rank > 0:  # the stage before's hidden states
+            hidden = self.stage_input(input_ids.shape)
+            dist.recv(hidden, src=pp.ranks[pp.rank - 1])
+        out = self.stage_forward(input_ids, ctx, cache, last_only, last, hidden)
+        if pp.rank < pp.size - 1:
+            # On to the next stage; every stage returns the last stage's logits, so each
+            # draws the same tokens and the first one feeds them.
+            dist.send(out, dst=pp.ranks[pp.rank + 1])
+            rows = 1 if last is not None or last_only else input_ids.shape[1]
+            out = torch.empty(input_ids.shape[0], rows, self.cfg.model.vocab_size, dtype=p.dtype, device=p.device)
+        if pp.size > 1:
+            dist.broadcast(out, src=pp.ranks[-1], group=pp.group)
+        return out
+
+    def stage_input(self, shape: tuple[int, int]) -> torch.Tensor:
+        """An empty [B, T, H] buffer for the hidden states a stage receives."""
+        p = self.anchor
+        return torch.empty(*shape, self.cfg.model.hidden_size, dtype=p.dtype, device=p.device)
+
+    def stage_forward(self, input_ids: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None = None,
+                      last_only: bool = False, last: torch.Tensor | None = None,
+                      hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """This pipeline stage's blocks alone, no communication: the first stage embeds
+        ``input_ids`` [B, T], a later one starts from ``hidden`` [B, T, H], the previous
+        stage's output. -> the hidden states for the next stage [B, T, H], or on the last
+        stage the logits (as ``forward``'s)."""
+        pp = self.pp
         if pp.rank == 0:
             x = self.embed(input_ids)  # [B, T, H]
             if self.pos_embed is not None:
                 x = x + self.pos_embed(ctx.positions)
-        else:  # the stage before's hidden states
-            x = torch.empty(*input_ids.shape, self.cfg.model.hidden_size, dtype=p.dtype, device=p.device)
-            dist.recv(x, src=pp.ranks[pp.rank - 1])
+        else:
+            x = hidden
         pending = None
         with sdpa_kernel(SDPA_BACKENDS):
             for i in self.own:
                 x, pending = self.layers[i](x, ctx, cache, pending)
         if pp.rank < pp.size - 1:
-            # On to the next stage; every stage returns the last stage's logits, so each
-            # draws the same tokens and the first one feeds them.
-            dist.send((x if pending is None else x + pending).contiguous(), dst=pp.ranks[pp.rank + 1])
-            rows = 1 if last is not None or last_only else input_ids.shape[1]
-            logits = torch.empty(input_ids.shape[0], rows, self.cfg.model.vocab_size, dtype=p.dtype, device=p.device)
-        else:
-            logits = self._head(x, pending, last, last_only)
-        if pp.size > 1:
-            dist.broadcast(logits, src=pp.ranks[-1], group=pp.group)
-        return logits
+            return (x if pending is None else x + pending).contiguous()
+        return self._head(x, pending, last, last_only)
 
     def _head(self, x: torch.Tensor, pending: torch.Tensor | None, last: torch.Tensor | None,
               last_only: bool) -> torch.Tensor:

@@ -56,9 +56,15 @@ class PagedDecodeStep:
     With ``graph`` each variant is captured once, at its first use, and replayed;
     otherwise it runs eagerly (the same math, for CPU tests)."""
 
-    def __init__(self, runner: "PagedRunner", batch: int, keys: int, graph: bool, pool=None):
+    def __init__(self, runner: "PagedRunner", batch: int, keys: int, graph: bool, pool=None, stage: bool = False):
         self.runner, self.batch, self.keys = runner, batch, keys
         dev = runner.engine.device
+        # ``stage``: this pipeline stage's blocks alone (``Transformer.stage_forward``), from
+        # ``hidden`` [B, 1, H] (the previous stage's output) after the first stage; before
+        # the last one the step's output is the hidden states for the next stage.
+        pp = runner.model.pp
+        self.stage, self.last = stage, not stage or pp.rank == pp.size - 1
+        self.hidden = runner.model.stage_input((batch, 1)).zero_() if stage and pp.rank > 0 else None
         self.blocks = keys // runner.block_size
         self.inputs = torch.zeros(batch, 4 + self.blocks, dtype=torch.long, device=dev)
         self.ints = torch.zeros(batch, 3, dtype=torch.long, device=dev)
@@ -85,14 +91,23 @@ class PagedDecodeStep:
     def _step(self, sampling: bool) -> tuple[torch.Tensor, torch.Tensor]:
         model, cache = self.runner.model, self.runner.cache
         tokens, ctx = model.paged_decode_context(self.inputs, self.runner.prev, cache, self.keys, self.tables)
-        logits = model(tokens, ctx, cache, last_only=True)[:, -1].float()
+        if not self.stage:
+            logits = model(tokens, ctx, cache, last_only=True)[:, -1].float()
+        else:
+            out = model.stage_forward(tokens, ctx, cache, last_only=True, hidden=self.hidden)
+            if not self.last:
+                return out, None
+            logits = out[:, -1].float()
         ids = kernels.argmax(logits, pdl=model.options.pdl)
         return logits, draw(logits, self.ints, self.floats, ids) if sampling else ids
 
-    def run(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, rows: list[Row], hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (float32 logits [len(rows), V], ids [len(rows)]: each row's draw, greedy or sampled).
         With a graph they are views of its output buffers, which its next replay rewrites:
-        a caller that keeps them past another step copies them."""
+        a caller that keeps them past another step copies them. A stage before the last
+        returns (its hidden states [B, 1, H] for the whole bucket, None)."""
+        if self.hidden is not None:
+            self.hidden.copy_(hidden)
         h, hi, hf = (t.numpy() for t in self.host)  # the pinned buffers themselves
         h.fill(0)
         for i, r in enumerate(rows):
@@ -100,7 +115,7 @@ class PagedDecodeStep:
             h[i, :4] = r.tokens[0], r.start, 1, r.src
             h[i, 4:4 + len(blocks)] = blocks
         self.inputs.copy_(self.host[0], non_blocking=True)
-        sampling = any(r.sample is not None for r in rows)
+        sampling = self.last and any(r.sample is not None for r in rows)
         if sampling:
             hi.fill(0)
             hf[:] = (0.0, 1.0)
@@ -116,6 +131,8 @@ class PagedDecodeStep:
             self.capture(sampling)
             graph, (logits, ids) = self.graphs[sampling]
             graph.replay()
+        if not self.last:
+            return logits, None
         return logits[:n], ids[:n]
 
 
@@ -194,6 +211,7 @@ class PagedRunner:
         self.graph = engine.decode_mode == "graph"
         self.static = engine.decode_mode in ("graph", "static")
         self._steps: dict[tuple[int, int], PagedDecodeStep] = {}
+        self._stage_steps: dict[tuple[int, int], PagedDecodeStep] = {}  # pipeline stages' own blocks
         self._prefills: dict[tuple[int, int], PagedPrefillStep] = {}
         e = engine.config.engine  # the largest fixed-shape prefill, padding counted, bounded as any prefill
         self.prefill_tokens = min(e.prefill_graph_tokens, e.prefill_tokens)
@@ -205,19 +223,24 @@ class PagedRunner:
         self.prev = torch.zeros(1 << (max_batch - 1).bit_length(), dtype=torch.long, device=engine.device)
         self.steps = 0  # forwards run: an offloaded model re-places its experts every REBALANCE_STEPS
 
-    def step_for(self, batch: int, keys: int) -> PagedDecodeStep | None:
-        """The fixed-shape decode step of the bucket holding ``batch`` rows of at most
-        ``keys`` keys (None where none fits)."""
+    def decode_bucket(self, batch: int, keys: int) -> tuple[int, int] | None:
+        """The (rows, keys) bucket of the fixed-shape decode step holding ``batch`` rows of at
+        most ``keys`` keys (None where none fits)."""
         b = 1 << (batch - 1).bit_length()
         if b > 1 << (self.max_batch - 1).bit_length() or keys > self.max_keys:
             return None
         s = min(max(self.MIN_KEYS, 1 << (keys - 1).bit_length()), self.max_keys)
-        s = -(-s // self.block_size) * self.block_size
-        key = (b, s)
-        if key not in self._steps:
+        return b, -(-s // self.block_size) * self.block_size
+
+    def step_for(self, batch: int, keys: int, stage: bool = False) -> PagedDecodeStep | None:
+        """The fixed-shape decode step of ``decode_bucket(batch, keys)`` (``stage``: of this
+        pipeline stage's blocks alone), made at its first use."""
+        key = self.decode_bucket(batch, keys)
+        steps = self._stage_steps if stage else self._steps
+        if key is not None and key not in steps:
             self._prime()
-            self._steps[key] = PagedDecodeStep(self, b, s, self.graph, self._pool)
-        return self._steps[key]
+            steps[key] = PagedDecodeStep(self, *key, self.graph, self._pool, stage=stage)
+        return steps.get(key)
 
     def _prime(self):
         if self.graph and not self.engine._primed:
@@ -352,11 +375,42 @@ class PagedRunner:
         self._count()
         return self._run(rows, last_only=False).float()
 
-    def _run(self, rows: list[Row], last_only: bool) -> torch.Tensor:
-        """The eager forward. Fresh prompts (nothing cached) are right-padded, so they
-        attend causally over their own keys (no mask, nothing gathered), where only their
-        last logits are wanted or none is padded; any other rows are left-padded, each
-        token's keys masked."""
+    def _stage_step(self, rows: list[Row]) -> PagedDecodeStep | None:
+        """The fixed-shape stage step that runs ``rows`` (a decode step that fits a bucket)."""
+        if self.static and all(len(r.tokens) == 1 for r in rows):
+            return self.step_for(len(rows), max(r.start + 1 for r in rows), stage=True)
+        return None
+
+    def stage_shape(self, rows: list[Row]) -> tuple[int, int]:
+        """(B, T) of the hidden states a pipeline stage sends on for ``rows``: a fixed-shape
+        step's whole bucket, else the rows by their longest."""
+        step = self._stage_step(rows)
+        return (step.batch, 1) if step is not None else (len(rows), max(len(r.tokens) for r in rows))
+
+    @torch.no_grad()
+    def stage(self, rows: list[Row], hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This pipeline stage's part of a forward of ``rows`` (``Transformer.stage_forward``),
+        nothing sent or received: ``hidden`` [``stage_shape(rows)``, H] is the previous
+        stage's output (None on the first). A decode step that fits a bucket replays its
+        fixed-shape step (captured where decode steps are). -> (the hidden states for the
+        next stage, None), or on the last stage (float32 logits [B, V] of each row's last
+        new token, each row's draw [B])."""
+        self._count()
+        step = self._stage_step(rows)
+        if step is not None:
+            return step.run(rows, hidden)
+        out = self._run(rows, last_only=True, hidden=hidden, stage=True)
+        if self.model.pp.rank < self.model.pp.size - 1:
+            return out, None
+        logits = out[:, -1].float()
+        return logits, sample_rows(logits, [r.sample for r in rows], pdl=self.model.options.pdl)
+
+    def _run(self, rows: list[Row], last_only: bool, hidden: torch.Tensor | None = None,
+             stage: bool = False) -> torch.Tensor:
+        """The eager forward (``stage``: this pipeline stage's part, from ``hidden``). Fresh
+        prompts (nothing cached) are right-padded, so they attend causally over their own
+        keys (no mask, nothing gathered), where only their last logits are wanted or none
+        is padded; any other rows are left-padded, each token's keys masked."""
         dev, bs = self.engine.device, self.block_size
         t = max(len(r.tokens) for r in rows)
         fresh = all(r.start == 0 for r in rows) and (last_only or all(len(r.tokens) == t for r in rows))
@@ -386,9 +440,10 @@ class PagedRunner:
         if fed:
             at, slot, src = to_device(fed, dev).T
             tokens[at, slot] = self.prev[src]
+        model = (lambda *a, **k: self.model.stage_forward(*a, **k, hidden=hidden)) if stage else self.model
         if fresh and last_only:
-            return self.model(tokens, ctx, self.cache, last=to_device(last, dev))
-        return self.model(tokens, ctx, self.cache, last_only=last_only)
+            return model(tokens, ctx, self.cache, last=to_device(last, dev))
+        return model(tokens, ctx, self.cache, last_only=last_only)
 
 
 def to_device(data: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

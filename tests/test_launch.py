@@ -33,6 +33,39 @@ def test_a_rank_that_raises_ends_the_job_within_60s():
     assert "[rank 1]" in out.stderr and "rank one fails on purpose" in out.stderr
 
 
+STAGE_FAILS = """
+import moe_infer
+from comm import bootstrap
+from moe_infer import ParallelConfig
+from moe_infer.runner import PagedRunner
+info = bootstrap(backend="gloo", timeout_s=600)  # longer than the test allows: the abort must end it
+engine = moe_infer.load("tiny-moe", parallel=ParallelConfig(pp=2), progress=False, device="cpu")
+stage, calls = PagedRunner.stage, [0]
+
+
+def failing(self, rows, hidden):
+    calls[0] += 1
+    if info.rank == 1 and calls[0] == 4:  # the last stage, mid-generation
+        raise RuntimeError("stage one fails on purpose")
+    return stage(self, rows, hidden)
+
+
+PagedRunner.stage = failing
+engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=200)  # rank 0 waits for the stage after it
+"""
+
+
+@pytest.mark.skipif(MPIEXEC is None and shutil.which("mpirun") is None, reason="needs an MPI launcher")
+def test_a_pipeline_stage_that_raises_ends_the_job_within_60s():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    start = time.time()
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-c",
+                          STAGE_FAILS], env=env, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert out.returncode != 0
+    assert time.time() - start < 60, out.stderr[-2000:]
+    assert "[rank 1]" in out.stderr and "stage one fails on purpose" in out.stderr
+
+
 MID_GRAPH = """
 import moe_infer
 from comm import bootstrap

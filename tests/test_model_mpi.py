@@ -112,8 +112,10 @@ def test_layouts_match_single_process(info, checkpoint):
         if not on_gpu:  # the fixed-shape prefill and decode steps (a graph's math, run eagerly), collectives inside
             engine.decode_mode = "static"
             assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=5)] == ref_tokens, name
-            # (replicas in lockstep prefill eagerly: their token counts differ)
-            assert engine.runner._steps and (engine.runner._prefills or engine.lockstep), name
+            # (replicas in lockstep prefill eagerly: their token counts differ; pipeline
+            # stages run their own blocks' steps, the prompts eagerly)
+            assert (engine.runner._stage_steps if kw.get("pp", 1) > 1 else
+                    engine.runner._steps and (engine.runner._prefills or engine.lockstep)), name
         if on_gpu:
             del engine
             engine = moe_infer.load(path, device=info.device, dtype=torch.bfloat16,
@@ -122,9 +124,35 @@ def test_layouts_match_single_process(info, checkpoint):
             assert err <= bf16_bound, f"{name} bf16: relative error {err:.2e} > {bf16_bound:.2e}"
             # Captured decode (the collectives inside the graphs) against eager decode.
             graph = [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=12)]
-            assert engine.decode_mode == "graph" and any(s.graphs for s in engine.runner._steps.values()), name
+            steps = engine.runner._stage_steps if kw.get("pp", 1) > 1 else engine.runner._steps
+            assert engine.decode_mode == "graph" and any(s.graphs for s in steps.values()), name
             engine.decode_mode = "eager"
             assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=12)] == graph, name
+
+
+def test_pipeline_schedule_with_rows_that_end_at_different_steps(info, checkpoint):
+    """The micro-batched schedule (drained every token, re-queued, more groups than
+    stages; prompts in more groups than rows) gives the single process's greedy tokens
+    and finish reasons where one row meets an EOS early, sampled tokens too (seeded)."""
+    path, reference = checkpoint
+    prompts = PROMPTS + [[7, 7, 7, 7, 7, 7, 7, 7, 7, 3], [11]]
+    eos = reference.generate(prompts, max_new_tokens=8)[0].token_ids[2]  # the first row stops at its third
+    reference.eos = {eos}
+    want = [(o.token_ids, o.finish_reason) for o in reference.generate(prompts, max_new_tokens=8)]
+    assert want[0][1] == "stop" and {r for _, r in want} == {"stop", "length"}
+    sampled = [o.token_ids for o in reference.generate(prompts, max_new_tokens=6, temperature=0.8, seed=3)]
+    world = info.world_size
+    for micro, prompt_micro in ((1, 1), (world, 8), (world + 1, 2)):
+        engine = moe_infer.load(path, device=info.device, dtype=torch.float32, progress=False,
+                                parallel=ParallelConfig(pp=world, micro_batches=micro,
+                                                        prompt_micro_batches=prompt_micro))
+        engine.eos = {eos}
+        got = [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, max_new_tokens=8)]
+        assert got == want, (micro, prompt_micro)
+        tl = engine.last_timeline
+        assert tl.stages == world and tl.slots > 8 and 0 <= tl.bubble < 1
+        got = [o.token_ids for o in engine.generate(prompts, max_new_tokens=6, temperature=0.8, seed=3)]
+        assert got == sampled, (micro, prompt_micro)
 
 
 @pytest.mark.parametrize("mode", ["eager", "static"])

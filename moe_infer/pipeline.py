@@ -1,0 +1,225 @@
+"""Pipeline parallelism's inference schedule (DeepSpeed-Inference, section IV-C).
+
+Each rank of a pipeline runs its stage's blocks (``Transformer.stage_forward``); the
+schedule moves work through the stages in slots. In a slot every stage runs the unit of
+work the stage before ran in the slot before (a shift register), sends its output on
+(point to point, each stage's send paired with the next one's receive in one batched
+call) and the last stage's draws are broadcast to every stage, which keeps every rank's
+view of the batch the same: every rank derives the same schedule from it.
+
+A unit is a micro-batch's step: its prompts (prefill) or one new token a row (decode).
+While generating, the batch's rows form ``micro_batches`` groups; a group's next token
+enters the first stage in the slot after the last stage drew its previous one, so with as
+many groups as stages no stage waits for another (the paper's Fig. 3: micro-batches
+re-queued without draining). Rows that finish leave their group; a group whose rows are
+all done leaves the rotation. Prompts are processed in ``prompt_micro_batches`` groups,
+more and smaller ones than while generating (the hybrid schedule), so the pipeline's fill
+and drain take a smaller share of the prompt phase.
+
+Shape letters: B rows of a unit, T its new tokens per row, H hidden, V vocab.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moe_infer.runner import Row
+
+
+@dataclass
+class Unit:
+    """One micro-batch's step through the stages. Prefill: its pieces (row, first token,
+    end) of the prompts (a long prompt in several units, one after another); decode: its
+    rows, one new token each."""
+
+    group: int  # the decode group it belongs to (prefill units: -1)
+    rows: list[int]
+    pieces: list[tuple[int, int, int]] | None = None
+
+    @property
+    def prefill(self) -> bool:
+        return self.pieces is not None
+
+
+def split(rows: list[int], parts: int) -> list[list[int]]:
+    """``rows`` in at most ``parts`` contiguous groups, sizes differing by at most one."""
+    parts = max(1, min(parts, len(rows)))
+    return [rows[i * len(rows) // parts:(i + 1) * len(rows) // parts] for i in range(parts)]
+
+
+@dataclass
+class Timeline:
+    """What the stages did: ``busy[s]`` seconds stage s spent computing, ``wall`` seconds
+    from the first slot's start to the last one's end, ``slots`` the slots run."""
+
+    stages: int
+    busy: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    slots: int = 0
+
+    @property
+    def bubble(self) -> float:
+        """1 - (summed stage busy time) / (stages x wall time)."""
+        return 1.0 - sum(self.busy) / (self.stages * self.wall) if self.wall > 0 else 0.0
+
+
+class Slots:
+    """The shift register every rank keeps: the unit at each stage in the current slot,
+    and the units waiting for the first stage (in order of readiness)."""
+
+    def __init__(self, stages: int, ready):
+        self.inflight: list[Unit | None] = [None] * stages
+        self.ready = deque(ready)
+
+    def busy(self) -> bool:
+        return bool(self.ready) or any(u is not None for u in self.inflight)
+
+    def advance(self) -> list:
+        """Every unit one stage on, the next ready one into the first stage. -> the units
+        by stage (a copy)."""
+        self.inflight = [self.ready.popleft() if self.ready else None] + self.inflight[:-1]
+        return list(self.inflight)
+
+    def retire(self) -> None:
+        """The last stage's unit leaves the pipeline (the end of a slot)."""
+        self.inflight[-1] = None
+
+
+def simulate(stages: int, work: list[list[float]]) -> Timeline:
+    """The schedule on a simulated clock: ``work[g]`` is micro-batch g's units in order,
+    each the time every stage takes for it; g's next unit is ready in the slot after its
+    last one leaves the last stage, and a slot lasts as long as its slowest unit."""
+    pending = [deque(w) for w in work]
+    slots = Slots(stages, [Unit(g, [], None) for g in range(len(work)) if pending[g]])
+    cost = {}  # id(unit) -> its time
+    for u in slots.ready:
+        cost[id(u)] = pending[u.group].popleft()
+    tl = Timeline(stages, [0.0] * stages)
+    while slots.busy():
+        units = slots.advance()
+        times = [cost[id(u)] if u is not None else 0.0 for u in units]
+        for s, t in enumerate(times):
+            tl.busy[s] += t
+        tl.wall += max(times)
+        tl.slots += 1
+        done = units[-1]
+        slots.retire()
+        if done is not None and pending[done.group]:
+            nxt = Unit(done.group, [], None)
+            cost[id(nxt)] = pending[done.group].popleft()
+            slots.ready.append(nxt)
+    return tl
+
+
+class PipelineSchedule:
+    """Runs generate()'s batch through this rank's pipeline stage with the inference
+    schedule (module docstring). Every rank of the pipeline calls ``run`` with the same
+    batch and gets every row's tokens."""
+
+    def __init__(self, engine, runner, micro_batches: int, prompt_micro_batches: int):
+        self.engine, self.runner, self.model = engine, runner, runner.model
+        self.pp = self.model.pp
+        self.micro_batches, self.prompt_micro_batches = micro_batches, prompt_micro_batches
+        self.timeline: Timeline | None = None  # the last run's
+
+    def run(self, prompts: list[list[int]], tables: list[list[int]], max_new: int, knobs_of) -> tuple:
+        """-> (generated token lists, finish reasons (None: length), host clock at each
+        row's first token, at its last). ``knobs_of(i, t)``: row i's sampling knobs for
+        its token t."""
+        from moe_infer.engine import prefill_plan
+
+        pp = self.pp
+        me, last = pp.rank, pp.size - 1
+        dev = self.engine.device
+        n = len(prompts)
+        generated: list[list[int]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        first_at, last_at = [0.0] * n, [0.0] * n
+        decode_groups = split(list(range(n)), self.micro_batches)
+        group_of = {i: g for g, rows in enumerate(decode_groups) for i in rows}
+        started = [0] * len(decode_groups)  # rows of each decode group with their first token
+        budget = self.engine.config.engine.prefill_tokens
+        units = []
+        for rows in split(list(range(n)), self.prompt_micro_batches):  # each in forwards within the budget
+            for pieces in prefill_plan([len(prompts[i]) for i in rows], budget):
+                units.append(Unit(-1, [rows[j] for j, _, _ in pieces], [(rows[j], a, e) for j, a, e in pieces]))
+        slots = Slots(pp.size, units)
+        hidden = None  # what this stage received for its next unit
+        tl = Timeline(pp.size, [0.0] * pp.size)
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda *a: None)
+
+        def rows_of(unit: Unit) -> list[Row]:
+            if unit.prefill:
+                return [Row(prompts[i][a:e], a, tables[i], sample=knobs_of(i, 0)) for i, a, e in unit.pieces]
+            return [Row([generated[i][-1]], len(prompts[i]) + len(generated[i]) - 1, tables[i],
+                        sample=knobs_of(i, len(generated[i]))) for i in unit.rows]
+
+        begin = time.perf_counter()
+        while slots.busy():
+            units = slots.advance()
+            mine, out, ids = units[me], None, None
+            if mine is not None:
+                sync(dev)
+                t0 = time.perf_counter()
+                out, ids = self.runner.stage(rows_of(mine), hidden)
+                sync(dev)
+                tl.busy[me] += time.perf_counter() - t0
+            # This stage's output on to the next one, the one before's in, in one call.
+            ops, hidden = [], None
+            if me < last and mine is not None:
+                ops.append(dist.P2POp(dist.isend, out, pp.ranks[me + 1]))
+            before = units[me - 1] if me > 0 else None
+            if before is not None:
+                hidden = self.model.stage_input(self.runner.stage_shape(rows_of(before)))
+                ops.append(dist.P2POp(dist.irecv, hidden, pp.ranks[me - 1]))
+            if ops:
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+            done = units[last]
+            slots.retire()
+            tl.slots += 1
+            if done is None:
+                continue
+            # The last stage's draws, to every stage: each rank's view of the batch stays
+            # the same, and with it the schedule every rank derives.
+            complete = [e == len(prompts[i]) for i, _, e in done.pieces] if done.prefill else [True] * len(done.rows)
+            if me != last:
+                ids = torch.empty(len(done.rows), dtype=torch.long, device=dev)
+            dist.broadcast(ids.contiguous(), src=pp.ranks[last], group=pp.group)
+            now = time.perf_counter()
+            for i, tok, whole in zip(done.rows, ids.tolist(), complete):
+                if not whole:  # a piece of a long prompt: its draw is not a token yet
+                    continue
+                first_at[i] = first_at[i] or now
+                last_at[i] = now
+                if tok in self.engine.eos:
+                    finish[i] = "stop"
+                    continue
+                generated[i].append(tok)
+                if len(generated[i]) == max_new:
+                    finish[i] = "length"
+            if done.prefill:  # a decode group starts once all its rows have their first token
+                for i in (i for i, whole in zip(done.rows, complete) if whole):
+                    started[group_of[i]] += 1
+                    if started[group_of[i]] == len(decode_groups[group_of[i]]):
+                        self._requeue(slots, group_of[i], decode_groups[group_of[i]], finish)
+            else:
+                self._requeue(slots, done.group, done.rows, finish)
+        tl.wall = time.perf_counter() - begin
+        if dist.is_initialized():  # every stage's busy time, for the bubble
+            busy = torch.tensor(tl.busy, dtype=torch.float64, device=dev)
+            dist.all_reduce(busy, group=pp.group)
+            tl.busy = busy.tolist()
+        self.timeline = tl
+        return generated, finish, first_at, last_at
+
+    @staticmethod
+    def _requeue(slots: Slots, group: int, rows: list[int], finish: list) -> None:
+        """A decode group's next token enters the pipeline with its rows still going."""
+        live = [i for i in rows if finish[i] is None]
+        if live:
+            slots.ready.append(Unit(group, live))
