@@ -127,9 +127,9 @@ class PipelineSchedule:
         self.timeline: Timeline | None = None  # the last run's
 
     def run(self, prompts: list[list[int]], tables: list[list[int]], max_new: int, knobs_of) -> tuple:
-        """-> (generated token lists, finish reasons (None: length), host clock at each
-        row's first token, at its last). ``knobs_of(i, t)``: row i's sampling knobs for
-        its token t."""
+        """-> (generated token lists, finish reasons ("stop" or "length"), host clock at
+        each row's first token, at its last). ``knobs_of(i, t)``: row i's sampling knobs
+        for its token t."""
         from moe_infer.engine import prefill_plan
 
         pp = self.pp
@@ -150,7 +150,8 @@ class PipelineSchedule:
         slots = Slots(pp.size, units)
         hidden = None  # what this stage received for its next unit
         tl = Timeline(pp.size, [0.0] * pp.size)
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda *a: None)
+        spans = []  # this stage's compute: (start, end) events on a GPU, host clock times elsewhere
+        clock = (lambda: torch.cuda.Event(enable_timing=True)) if dev.type == "cuda" else time.perf_counter
 
         def rows_of(unit: Unit) -> list[Row]:
             if unit.prefill:
@@ -163,11 +164,14 @@ class PipelineSchedule:
             units = slots.advance()
             mine, out, ids = units[me], None, None
             if mine is not None:
-                sync(dev)
-                t0 = time.perf_counter()
+                start = clock()
+                if dev.type == "cuda":
+                    start.record()
                 out, ids = self.runner.stage(rows_of(mine), hidden)
-                sync(dev)
-                tl.busy[me] += time.perf_counter() - t0
+                end = clock()
+                if dev.type == "cuda":
+                    end.record()
+                spans.append((start, end))
             # This stage's output on to the next one, the one before's in, in one call.
             ops, hidden = [], None
             if me < last and mine is not None:
@@ -210,6 +214,11 @@ class PipelineSchedule:
             else:
                 self._requeue(slots, done.group, done.rows, finish)
         tl.wall = time.perf_counter() - begin
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            tl.busy[me] = sum(a.elapsed_time(b) for a, b in spans) / 1e3
+        else:
+            tl.busy[me] = sum(b - a for a, b in spans)
         if dist.is_initialized():  # every stage's busy time, for the bubble
             busy = torch.tensor(tl.busy, dtype=torch.float64, device=dev)
             dist.all_reduce(busy, group=pp.group)

@@ -68,6 +68,7 @@ def test_bench_decode_table_of_prompt_lengths_and_batches():
 MULTI_RANK = {  # run under scripts/launch.sh with 2 ranks (gloo)
     "bench_ep": (["--device", "cpu", "--smoke", "--no-json"], "PCC / naive"),
     "bench_layouts": (["--smoke", "--no-json"], "collectives/token"),
+    "bench_pipeline": (["--smoke", "--no-json", "--peers", "tp"], "hybrid / equal"),
     "bench_serve": (["--smoke", "--tp", "2"], "TTFT p50"),  # rank 0 serves, rank 1 follows its steps
 }
 
