@@ -137,10 +137,13 @@ def test_pipeline_schedule_with_rows_that_end_at_different_steps(info, checkpoin
     path, reference = checkpoint
     prompts = PROMPTS + [[7, 7, 7, 7, 7, 7, 7, 7, 7, 3], [11]]
     eos = reference.generate(prompts, max_new_tokens=8)[0].token_ids[2]  # the first row stops at its third
-    reference.eos = {eos}
-    want = [(o.token_ids, o.finish_reason) for o in reference.generate(prompts, max_new_tokens=8)]
+    saved, reference.eos = reference.eos, {eos}  # (the module's reference: restored below)
+    try:
+        want = [(o.token_ids, o.finish_reason) for o in reference.generate(prompts, max_new_tokens=8)]
+        sampled = [o.token_ids for o in reference.generate(prompts, max_new_tokens=6, temperature=0.8, seed=3)]
+    finally:
+        reference.eos = saved
     assert want[0][1] == "stop" and {r for _, r in want} == {"stop", "length"}
-    sampled = [o.token_ids for o in reference.generate(prompts, max_new_tokens=6, temperature=0.8, seed=3)]
     world = info.world_size
     for micro, prompt_micro in ((1, 1), (world, 8), (world + 1, 2)):
         engine = moe_infer.load(path, device=info.device, dtype=torch.float32, progress=False,
