@@ -107,7 +107,9 @@ class Engine:
         # the others' in the all-to-alls, a replica out of prompts runs a stand-in.
         independent = p_.tp % (p_.ep * p_.expert_slicing) == 0
         self.split_prompts = self.groups.dp.size > 1 and (independent or p_.dp_attention)
-        self.lockstep = self.split_prompts and not independent
+        # Streamed layers (offload: layers) are fetched by the replicas together, a part
+        # each, in every block's forward: they step together too.
+        self.lockstep = self.split_prompts and (not independent or config.engine.offload == "layers")
         self.last_stats: GenerationStats | None = None  # the latest generate() call's
         p = model.anchor
         self.device, self.dtype = p.device, p.dtype

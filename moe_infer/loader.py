@@ -179,7 +179,11 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
     elif streamed:
         from moe_infer.offload import LayerStreamer
 
-        LayerStreamer(model.layers, dev, cfg.engine.prefetch_layers)
+        # Replicas that hold the same weights (every expert within a TP group) share each
+        # block's copy: each fetches a part, an all-gather joins them (they step together).
+        p = cfg.parallel
+        same = groups.dp if p.tp % (p.ep * p.expert_slicing) == 0 else None
+        LayerStreamer(model.layers, dev, cfg.engine.prefetch_layers, same)
     model.eval()
     tokenizer = None
     if cfg.checkpoint is not None and (Path(cfg.checkpoint) / "tokenizer.json").is_file():

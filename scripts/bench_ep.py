@@ -78,6 +78,10 @@ def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int, profile
     groups = ParallelGroups.build(parallel, dist.get_rank(), dist.get_world_size())
     m = ModelConfig(vocab_size=16, hidden_size=h, num_layers=1, num_heads=8, ffn_hidden=16)
     layer = MoELayer(m, MoEConfig(num_experts=e, top_k=k, expert_hidden=f), parallel, groups)
+    # The exchange itself, as replicas with tokens of their own run it (data-parallel
+    # attention): ranks that hold the same tokens would all-reduce instead (MoELayer's
+    # SameTokensDispatcher), which this benchmark does not time.
+    layer.dispatcher = ExpertParallelDispatcher(e, k, parallel.ep, parallel.expert_slicing, groups, parallel.pcc)
     layer = layer.to(device=device, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(1000 + groups.dp.rank)  # same within a TP group
     with torch.no_grad():

@@ -212,6 +212,27 @@ def test_offloaded_experts_under_expert_parallelism(info, checkpoint):
     assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=5)] == want
 
 
+def test_replicas_share_each_streamed_blocks_copy(info, checkpoint, monkeypatch):
+    """offload: layers on replicas that hold the same weights: each rank copies a part of
+    every block from host memory and an all-gather joins the parts; the replicas step
+    together (shares of different sizes, one without prompts) and give the single
+    process's tokens."""
+    from moe_infer import offload as off
+
+    path, reference = checkpoint
+    gathered = []
+    gather = off.LayerStreamer._gather
+    monkeypatch.setattr(off.LayerStreamer, "_gather", lambda self, flat, lo, hi: (gathered.append(hi - lo),
+                                                                                   gather(self, flat, lo, hi)))
+    engine = moe_infer.load(path, device=info.device, dtype=torch.float32, progress=False, offload="layers",
+                            parallel=ParallelConfig(dp=info.world_size))
+    assert engine.lockstep
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        want = [o.token_ids for o in reference.generate(prompts, max_new_tokens=5)]
+        assert [o.token_ids for o in engine.generate(prompts, max_new_tokens=5)] == want
+    assert gathered and all(n > 0 for n in gathered)
+
+
 class _Identity:
     """Experts that return their input: dispatch then combine must give back x."""
 

@@ -54,11 +54,12 @@ def default_config(phase: str, t: int, e: int, n: int, k: int, topk: int, sms: i
 
 @functools.lru_cache(maxsize=4096)  # per call this is on the decode path: keep it a lookup
 def launch_config(phase: str, device: torch.device, t: int, e: int, n: int, k: int,
-                  wdtype: torch.dtype, topk: int, elem_bytes: int = 2) -> MoeEntry:
+                  wdtype: torch.dtype, topk: int, elem_bytes: int = 2, experts: bool = False) -> MoeEntry:
     """The moe table's entry for this GEMM at T = t (``tuning.Tables.lookup``: the smallest
-    bucket >= t of the device's own entries and its chip's), else ``default_config``."""
+    bucket >= t of the device's own entries and its chip's), else ``default_config`` (for
+    the ``experts`` of ``fused_moe`` at T <= CUDA_HEURISTIC_T: the CUDA decode kernels)."""
     def heuristic() -> MoeEntry:
-        if t <= CUDA_HEURISTIC_T:
+        if experts and t <= CUDA_HEURISTIC_T:
             # Every tuned shape takes the CUDA decode kernels here: so do the shapes no table
             # holds, such as a rank's share of the experts (E / ep, or F / expert_slicing).
             return moe_cuda.default_configs(t, k if phase == "up" else n, tuning.sm_count(device))[phase == "down"]
@@ -101,8 +102,8 @@ def grouped_mm_ok(cfg: MoeEntry, a: torch.Tensor, w: torch.Tensor) -> bool:
 def _table_configs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int) -> tuple[MoeEntry, MoeEntry]:
     """The (up, down) launch configurations of the table (or the heuristic) for x [T, H]."""
     (t, h), (e, _, f) = x.shape, w2.shape
-    return (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, x.element_size()),
-            launch_config("down", x.device, t, e, h, f, w2.dtype, topk, x.element_size()))
+    return (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, x.element_size(), True),
+            launch_config("down", x.device, t, e, h, f, w2.dtype, topk, x.element_size(), True))
 
 
 def _cuda_pair(up_cfg: MoeCuda, down_cfg: MoeEntry) -> tuple[MoeCuda, MoeCuda | None]:
