@@ -16,7 +16,7 @@ setup(
     package_dir={"moe_infer.configs": "configs"},
     # CUDA C++ sources (each operator's .cu, the shared header in kernels/cuda/) compile at run time
     # (kernels.cuda_common.cuda_source); tuning tables sit in their operator's tables/
-    package_data={"moe_infer": ["default_model/*"], "moe_infer.configs": ["*.yaml"],
+    package_data={"moe_infer": ["default_model/*", "hardware/*.yaml"], "moe_infer.configs": ["*.yaml"],
                   "kernels": ["cuda/*.cuh"], "kernels.moe": ["tables/*.json", "*.cu"],
                   "kernels.linear": ["tables/*.json", "*.cu"]},
     install_requires=[

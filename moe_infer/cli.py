@@ -111,7 +111,49 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--port", type=int, help="port (default 8000)")
     net.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
     net.add_argument("--model-name", help="the model id clients send (default: the config's name)")
+    pln = sub.add_parser("plan", help="rank the parallel layouts of N GPUs by the cost model",
+                         description="Predicts, for every layout of --gpus GPUs the model takes (tp, ep, expert "
+                                     "slicing, pp, dp, dp-attention), the time of a decode step (or a prefill), "
+                                     "tokens/s and memory per GPU on a hardware profile, best first; with "
+                                     "--parallel, that layout alone. See moe_infer/costmodel.py.")
+    pln.add_argument("--model", required=True, metavar="NAME|YAML", help="a preset name or a model config YAML")
+    pln.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) to lay the model over")
+    pln.add_argument("--hardware", default="nvidia-h100-sxm", metavar="PROFILE|YAML",
+                     help="a shipped profile (nvidia-a100-sxm, nvidia-h100-sxm, nvidia-h200, tpu-v4) or a YAML "
+                          "from measurement (default: nvidia-h100-sxm)")
+    pln.add_argument("--parallel", metavar="LAYOUT", help="one layout to evaluate, e.g. tp2-ep4 or tp=2,pp=2 "
+                                                           "(keys tp, ep, pp, dp, slicing, dp-attention)")
+    pln.add_argument("--goal", choices=["latency", "throughput"], default="latency")
+    pln.add_argument("--phase", choices=["decode", "prefill"], default="decode")
+    pln.add_argument("--batch", type=int, default=1, help="rows (default 1)")
+    pln.add_argument("--context", type=int, default=1024, help="cached tokens a row at decode (default 1024)")
+    pln.add_argument("--prompt", type=int, default=1024, help="prompt tokens at prefill (default 1024)")
+    pln.add_argument("--int8", action="store_true", help="weight-only int8 weights")
+    pln.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
     return parser
+
+
+def parse_layout(text: str, gpus: int) -> ParallelConfig:
+    """``tp2-ep4``, ``tp=2,pp=2``, ``ep2-dp-attention``... -> the layout of ``gpus`` ranks
+    (dp fills what tp and pp leave)."""
+    keys = {"tp": "tp", "ep": "ep", "pp": "pp", "dp": "dp", "slicing": "expert_slicing",
+            "expert_slicing": "expert_slicing"}
+    kw, flags = {}, text.replace("dp-attention", "dp_attention")
+    for part in filter(None, (p.strip() for p in flags.replace(",", "-").split("-"))):
+        if part == "dp_attention":
+            kw["dp_attention"] = True
+            continue
+        name = part.rstrip("=0123456789").rstrip("=")
+        value = part[len(name):].lstrip("=")
+        if name not in keys or not value.isdigit():
+            raise ConfigError(f"--parallel {text}: {part!r} is not one of tp N, ep N, pp N, dp N, slicing N, "
+                              f"dp-attention")
+        kw[keys[name]] = int(value)
+    tp, pp = kw.get("tp", 1), kw.get("pp", 1)
+    dp = kw.setdefault("dp", gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0)
+    if tp * pp * dp != gpus:
+        raise ConfigError(f"--parallel {text}: tp={tp} x pp={pp} x dp={dp} is not the {gpus} GPUs of --gpus")
+    return ParallelConfig(**kw)
 
 
 def _parallel(args, ranks: int) -> ParallelConfig | None:
@@ -158,6 +200,39 @@ def _generate(args, job: Job) -> int:
         if not args.quiet:
             sys.stdout.flush()
             print(f"moe-infer: {engine.last_stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def _plan(args) -> int:
+    from moe_infer.costmodel import CostModel, Hardware
+    from moe_infer.loader import resolve_config
+
+    if args.gpus < 1 or args.batch < 1 or args.context < 0 or args.prompt < 1:
+        raise ConfigError("--gpus, --batch and --prompt: expected positive numbers (--context >= 0)")
+    cfg = resolve_config(args.model)
+    hw = Hardware.load(args.hardware)
+    model = CostModel(cfg, hw, weight_bytes=1.0 if args.int8 else 2.0)
+    if args.parallel:
+        preds = [model.predict(parse_layout(args.parallel, args.gpus), args.phase, args.batch, args.context,
+                               args.prompt)]
+    else:
+        preds = model.rank(args.gpus, args.phase, args.batch, args.context, args.goal, args.prompt)
+        if not preds:
+            raise ConfigError(f"{args.model} on {args.gpus} x {hw.name}: no layout fits the memory "
+                              f"({hw.memory_gb:g} GB a GPU); try more GPUs, --int8 or a smaller --batch")
+    what = (f"decode step, batch {args.batch}, {args.context} cached tokens" if args.phase == "decode"
+            else f"prefill of {args.batch} x {args.prompt} tokens")
+    print(f"{cfg.name} on {args.gpus} x {hw.name} ({'int8' if args.int8 else 'bf16'} weights): {what}, "
+          f"best {args.goal} first")
+    rows = [("layout", "ms", "tokens/s", "GB/GPU", "memory ms", "compute ms", "collectives ms", "fits")]
+    for q in preds[:args.top]:
+        rows.append((q.layout, f"{q.ms:.3f}", f"{q.tokens_per_s:,.0f}", f"{q.memory_gb:.1f}",
+                     f"{q.split['memory']:.3f}", f"{q.split['compute']:.3f}", f"{q.split['collectives']:.3f}",
+                     "yes" if q.fits else "no"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print(f"{r[0]:<{widths[0]}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(r[1:], widths[1:])))
+    print(f"\nhardware: {hw.source}")
     return 0
 
 
@@ -218,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args, job)
         if args.command == "presets":
             return _presets()
+        if args.command == "plan":
+            return _plan(args)
     except JobError as exc:  # known on every rank: one prints it
         if job.leader:
             print(f"moe-infer: error: {exc}", file=sys.stderr)

@@ -1,0 +1,334 @@
+"""A cost model of every layout moe-infer runs: the time of a decode step or a prefill, the
+memory each GPU needs, from a hardware profile (``Hardware``: measured by ``moe-infer
+calibrate``, or shipped from published figures under ``moe_infer/hardware/``).
+
+Each block on a rank costs the larger of its bytes over the memory bandwidth and its
+FLOPs over the matmul rate (a roofline), plus its collectives (alpha-beta: a latency per
+message and bytes over the link's bandwidth, for the link the group spans) and a fixed
+per-block overhead (the kernels' own latency). What a rank reads and computes follows the
+layout: attention and dense FFNs split over tp; experts over ep (whole) and expert_slicing
+(their width); pipeline stages split the blocks (``model.stage_layers``) and their
+micro-batches hide each other (``pipeline``'s schedule); replicas split the batch where
+``Engine.split_prompts`` says they do. The routed experts a step reads are the expected
+number of distinct experts its tokens hit (``distinct_experts``: uniform routing, or a
+measured histogram).
+
+Shape letters: B rows, S tokens of context, H hidden, D head dim, E experts, k slots, F
+expert width, V vocab, L blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moe_infer.config import Config, ConfigError, ParallelConfig
+
+HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
+GB = 1e9
+
+
+@dataclass
+class Link:
+    """A point-to-point path between two GPUs: ``alpha_us`` per message, ``gbps`` GB/s one way."""
+
+    alpha_us: float
+    gbps: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha_us * 1e-6 + nbytes / (self.gbps * GB)
+
+
+@dataclass
+class Hardware:
+    """What the model needs to know of a machine. Rates are achievable ones (measured, or a
+    published peak times the efficiency stated in ``source``)."""
+
+    name: str
+    memory_gb: float  # per GPU
+    mem_gbps: float  # device memory read bandwidth, GB/s
+    matmul_tflops: dict  # weight dtype ("bfloat16", "int8") -> dense matmul TFLOP/s
+    nvlink: Link  # between GPUs of one node
+    network: Link  # between nodes
+    gpus_per_node: int = 8
+    layer_overhead_us: float = 20.0  # a block's fixed cost at decode sizes (kernel latencies)
+    h2d_gbps: float = 0.0  # pinned host-to-device, for offload terms
+    cpu_matmul_gbps: float = 0.0  # host matmul weight-read rate, for CPU experts
+    source: str = ""
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> "Hardware":
+        """A profile by name (``moe_infer/hardware/<name>.yaml``) or path."""
+        import yaml
+
+        path = Path(name_or_path)
+        if not path.suffix:
+            path = HARDWARE_DIR / f"{name_or_path}.yaml"
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml")))
+            raise ConfigError(f"--hardware {name_or_path}: no such profile (shipped: {known}; or a YAML path "
+                              f"from moe-infer calibrate)")
+        raw = yaml.safe_load(path.read_text())
+        try:
+            raw["nvlink"], raw["network"] = Link(**raw["nvlink"]), Link(**raw["network"])
+            return cls(**raw)
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"{path}: not a hardware profile ({e})") from None
+
+    def dump(self, path: str | Path) -> None:
+        import yaml
+
+        Path(path).write_text(yaml.safe_dump(dataclasses.asdict(self), sort_keys=False))
+
+    def link(self, ranks: int) -> Link:
+        """The link a group of ``ranks`` consecutive ranks spans."""
+        return self.nvlink if ranks <= self.gpus_per_node else self.network
+
+
+# ----------------------------------------------------------------------------- closed forms
+def distinct_experts(num_experts: int, top_k: int, tokens: float, local: int | None = None,
+                     histogram: list[float] | None = None) -> float:
+    """Expected number of distinct experts among ``local`` of them (default all) that
+    ``tokens`` tokens hit, each picking ``top_k`` distinct experts: uniformly (each expert
+    missed by a token with probability 1 - k / E), or with ``histogram`` (each expert's
+    share of the picks, summing to 1; the first ``local`` are this rank's)."""
+    local = num_experts if local is None else local
+    if histogram is None:
+        return local * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+    total = sum(histogram)
+    return sum(1.0 - (1.0 - min(1.0, top_k * h / total)) ** tokens for h in histogram[:local])
+
+
+def all_reduce_s(nbytes: float, ranks: int, link: Link) -> float:
+    """A sum over ``ranks``: the one-shot form (each rank reads every peer's copy: one
+    latency, (p - 1) n bytes in) or the ring (2 (p - 1) steps of n / p bytes), whichever is
+    shorter."""
+    if ranks <= 1:
+        return 0.0
+    one_shot = link.alpha_us * 1e-6 + (ranks - 1) * nbytes / (link.gbps * GB)
+    ring = 2 * (ranks - 1) * link.seconds(nbytes / ranks)
+    return min(one_shot, ring)
+
+
+def all_to_all_s(nbytes: float, ranks: int, link: Link) -> float:
+    """Each rank sends ``nbytes`` spread evenly over the ``ranks`` (its own share stays)."""
+    if ranks <= 1:
+        return 0.0
+    return link.alpha_us * 1e-6 * (ranks - 1) + (ranks - 1) / ranks * nbytes / (link.gbps * GB)
+
+
+def pipeline_slots(stages: int, micro_batches: int, units: int) -> int:
+    """Slots the schedule of ``moe_infer.pipeline`` takes for ``micro_batches`` groups of
+    ``units`` equal units each: K max(M, P) + min(M, P) - 1."""
+    return units * max(micro_batches, stages) + min(micro_batches, stages) - 1
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclass
+class Prediction:
+    """One (layout, phase, batch): ``ms`` a decode step (every row one token) or the whole
+    prefill; ``tokens_per_s``; per GPU ``memory_gb``; the step's split (ms) into memory
+    reads, compute, collectives and fixed overhead on the critical rank."""
+
+    layout: str
+    phase: str
+    batch: int
+    ms: float
+    tokens_per_s: float
+    memory_gb: float
+    fits: bool
+    split: dict = field(default_factory=dict)
+
+
+def layout_name(p: ParallelConfig) -> str:
+    parts = [f"{k}{v}" for k, v in (("tp", p.tp), ("ep", p.ep), ("pp", p.pp), ("dp", p.dp)) if v > 1]
+    if p.expert_slicing > 1:
+        parts.append(f"slicing{p.expert_slicing}")
+    if p.dp_attention:
+        parts.append("dp-attention")
+    return "-".join(parts) or "one GPU"
+
+
+def with_layout(cfg: Config, parallel: ParallelConfig) -> Config:
+    """``cfg`` under ``parallel``, refused with one line where the model cannot take it."""
+    return dataclasses.replace(cfg, parallel=parallel)
+
+
+class CostModel:
+    """Predictions for one model on one hardware profile (``predict``, ``rank``)."""
+
+    USABLE = 0.9  # of a GPU's memory, for weights and KV (the rest: activations, workspaces)
+
+    def __init__(self, cfg: Config, hw: Hardware, weight_bytes: float = 2.0, act_bytes: float = 2.0,
+                 histogram: list[float] | None = None):
+        self.cfg, self.hw = cfg, hw
+        self.wb, self.ab = weight_bytes, act_bytes
+        self.histogram = histogram
+        m = cfg.model
+        self.head_dim = m.head_dim or m.hidden_size // m.num_heads
+        self.kv_heads = m.num_kv_heads or m.num_heads
+
+    # -- per block, on one rank
+    def _attention(self, p: ParallelConfig, rows: float, tokens: float, context: float) -> tuple[float, ...]:
+        """(weight bytes, KV bytes read, FLOPs, KV bytes a cached token takes) of one block's
+        attention on a rank: ``rows`` sequences of ``tokens`` new tokens over ``context`` keys."""
+        m, d = self.cfg.model, self.head_dim
+        hq = m.num_heads / p.tp
+        hkv = max(1.0, self.kv_heads / p.tp)  # fewer KV heads than ranks: each holds one
+        weights = m.hidden_size * d * (hq + 2 * hkv + hq) * self.wb
+        kv_token = 2 * hkv * d * self.ab
+        flops = 2 * rows * tokens * weights / self.wb + 4 * rows * tokens * context * hq * d
+        return weights, rows * context * kv_token, flops, kv_token
+
+    def _ffn(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float) -> tuple[float, float]:
+        """(bytes read, FLOPs) of block ``index``'s FFN on a rank; ``tokens`` the replica's
+        tokens, ``group_tokens`` those the rank's experts see."""
+        m, e = self.cfg.model, self.cfg.moe
+        gated = 3 if m.activation == "swiglu" else 2
+        if e is None or not self.cfg.is_moe_layer(index):
+            w = gated * m.hidden_size * m.ffn_hidden / p.tp
+            return w * self.wb, 2 * tokens * w
+        expert = gated * m.hidden_size * e.expert_hidden / p.expert_slicing  # one expert's slice here
+        local = e.num_experts // p.ep
+        hit = distinct_experts(e.num_experts, e.top_k, group_tokens, local, self.histogram)
+        pairs = group_tokens * e.top_k / p.ep
+        reads, flops = hit * expert * self.wb, 2 * pairs * expert
+        if e.shared_experts:
+            w = gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp
+            reads, flops = reads + w * self.wb, flops + 2 * tokens * w
+        return reads, flops
+
+    def _replica_rows(self, p: ParallelConfig, batch: int) -> float:
+        """Rows one replica runs: replicas that hold every expert they route to, or with
+        data-parallel attention, split the batch; others all run it."""
+        independent = p.tp % (p.ep * p.expert_slicing) == 0
+        return math.ceil(batch / p.dp) if p.dp > 1 and (independent or p.dp_attention) else batch
+
+    def predict(self, parallel: ParallelConfig, phase: str, batch: int, context: int,
+                prompt: int | None = None) -> Prediction:
+        """A decode step of ``batch`` rows with ``context`` cached tokens each, or
+        (``phase`` "prefill") the prefill of ``batch`` prompts of ``prompt`` tokens."""
+        cfg = with_layout(self.cfg, parallel)
+        p, m, hw = cfg.parallel, cfg.model, self.hw
+        prefill = phase == "prefill"
+        new = (prompt or context) if prefill else 1
+        keys = (new / 2 if prefill else context)  # mean keys a query attends (causal prompt: half)
+        rows = self._replica_rows(p, batch)
+        tokens = rows * new
+        # The tokens one rank's experts see: its replica's, or under dp-attention those of
+        # every replica that shares the experts (the all-to-all gathers them).
+        sharing = max(1, p.ep * p.expert_slicing // p.tp) if p.dp_attention else 1
+        group_tokens = tokens * sharing
+        from moe_infer.model import stage_layers
+
+        stages = stage_layers(cfg, p.pp)
+        tflops = hw.matmul_tflops["int8" if self.wb == 1 else "bfloat16"] * 1e12
+        bw = hw.mem_gbps * GB
+        mb = (p.prompt_micro_batches if prefill else p.micro_batches) if p.pp > 1 else 1
+        mb = max(1, min(mb, math.ceil(rows)))
+        per_stage, splits, mem_bytes = [], [], []
+        for own in stages:  # each stage's blocks on one micro-batch
+            split = dict.fromkeys(("memory", "compute", "collectives", "overhead"), 0.0)
+            weights, kv_token, busy = 0.0, 0.0, 0.0
+            for i in own:
+                a_w, a_kv, a_flops, kv = self._attention(p, rows / mb, new, keys)
+                f_reads, f_flops = self._ffn(p, i, tokens / mb, group_tokens / mb)
+                t_mem, t_cmp = (a_w + a_kv + f_reads) / bw, (a_flops + f_flops) / tflops
+                busy += max(t_mem, t_cmp)  # a block's roofline
+                split["memory"] += t_mem
+                split["compute"] += t_cmp
+                split["collectives"] += self._block_collectives(p, i, tokens / mb, group_tokens / mb)
+                split["overhead"] += hw.layer_overhead_us * 1e-6
+                weights += a_w + self._ffn_weights(p, i)
+                kv_token += kv
+            t_stage = busy + split["collectives"] + split["overhead"]
+            if own.stop == m.num_layers:  # the final norm and the LM head
+                head = m.vocab_size * m.hidden_size * self.wb / p.tp
+                t_stage += max(head / bw, 2 * tokens / mb * head / self.wb / tflops)
+                weights += head
+            if own.start == 0:  # the embeddings
+                weights += m.vocab_size * m.hidden_size * self.wb / p.tp
+            per_stage.append(t_stage)
+            splits.append(split)
+            mem_bytes.append(weights + rows * (context + new) * kv_token)  # every micro-batch's cache
+        slot = max(per_stage)
+        split = splits[per_stage.index(slot)]  # the costliest stage's
+        if p.pp > 1:
+            hop = hw.link(p.pp * p.tp * p.dp).seconds(tokens / mb * m.hidden_size * self.ab)
+            slot += hop
+            split["collectives"] += hop
+            # Prefill: every micro-batch once through the stages; decode: every micro-batch
+            # one token, one a slot (max(M, P) slots: fewer groups than stages leave gaps).
+            seconds = (pipeline_slots(p.pp, mb, 1) if prefill else max(mb, p.pp)) * slot
+        else:
+            seconds = slot
+        out_tokens = batch * (new if prefill else 1)
+        memory = max(mem_bytes) / GB
+        return Prediction(layout_name(p), phase, batch, seconds * 1e3, out_tokens / seconds, memory,
+                          memory <= hw.memory_gb * self.USABLE, {k: v * 1e3 for k, v in split.items()})
+
+    def _ffn_weights(self, p: ParallelConfig, index: int) -> float:
+        """Bytes of block ``index``'s FFN weights a rank holds."""
+        m, e = self.cfg.model, self.cfg.moe
+        gated = 3 if m.activation == "swiglu" else 2
+        if e is None or not self.cfg.is_moe_layer(index):
+            return gated * m.hidden_size * m.ffn_hidden / p.tp * self.wb
+        w = e.num_experts // p.ep * gated * m.hidden_size * e.expert_hidden / p.expert_slicing
+        if e.shared_experts:
+            w += gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp
+        return w * self.wb
+
+    def _block_collectives(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float) -> float:
+        """Seconds of one block's collectives on a rank."""
+        m, e, hw = self.cfg.model, self.cfg.moe, self.hw
+        act = tokens * m.hidden_size * self.ab
+        seconds = all_reduce_s(act, p.tp, hw.link(p.tp))  # after attention
+        moe = e is not None and self.cfg.is_moe_layer(index)
+        expert_ranks = p.ep * p.expert_slicing
+        if not moe or expert_ranks == 1:
+            return seconds + all_reduce_s(act, p.tp, hw.link(p.tp))  # after the FFN
+        if e.shared_experts:
+            seconds += all_reduce_s(act, p.tp, hw.link(p.tp))
+        same_tokens = not p.dp_attention or expert_ranks <= p.tp
+        if same_tokens:  # every expert rank holds the tokens: one all-reduce sums their parts
+            return seconds + all_reduce_s(act, expert_ranks, hw.link(expert_ranks))
+        # dp-attention: the pairs out and back (PCC: within the ranks of one TP index)
+        peers = expert_ranks // p.tp if p.pcc else expert_ranks
+        pairs = tokens * e.top_k * p.expert_slicing / (p.tp if p.pcc else 1)
+        a2a = all_to_all_s(pairs * m.hidden_size * self.ab, peers, hw.link(expert_ranks))
+        return seconds + 2 * a2a + (all_reduce_s(act, p.tp, hw.link(p.tp)) if p.pcc else 0.0)
+
+    # -- choosing
+    def layouts(self, gpus: int) -> list[ParallelConfig]:
+        """Every layout of ``gpus`` ranks the model takes: tp x pp x dp, each with the expert
+        placements (ep, expert slicing) and data-parallel attention where they apply."""
+        out, seen = [], set()
+        divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+        for tp, pp in itertools.product(divisors, divisors):
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            for ep, es in itertools.product(divisors, divisors):
+                if (tp * dp) % (ep * es):
+                    continue
+                for dp_attention in (False, True):
+                    try:
+                        p = ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep, expert_slicing=es, dp_attention=dp_attention)
+                        with_layout(self.cfg, p)
+                    except ConfigError:
+                        continue
+                    key = layout_name(p)
+                    if key not in seen:
+                        seen.add(key)
+                        out.append(p)
+        return out
+
+    def rank(self, gpus: int, phase: str, batch: int, context: int, goal: str = "latency",
+             prompt: int | None = None) -> list[Prediction]:
+        """Every layout of ``gpus`` ranks that fits, best first: the shortest step
+        (``goal`` "latency") or the most tokens/s (``goal`` "throughput")."""
+        preds = [self.predict(p, phase, batch, context, prompt) for p in self.layouts(gpus)]
+        preds = [q for q in preds if q.fits]
+        return sorted(preds, key=(lambda q: q.ms) if goal == "latency" else (lambda q: -q.tokens_per_s))

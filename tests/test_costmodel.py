@@ -1,0 +1,129 @@
+"""The cost model (``moe_infer.costmodel``): its closed forms against hand-computed cases
+and a Monte-Carlo count, its layouts' terms on a synthetic machine, the shipped hardware
+profiles, and ``moe-infer plan``."""
+import random
+
+import pytest
+
+from moe_infer.cli import main, parse_layout
+from moe_infer.config import ConfigError, ModelConfig, ParallelConfig
+from moe_infer.costmodel import (HARDWARE_DIR, CostModel, Hardware, Link, all_reduce_s, all_to_all_s,
+                                 distinct_experts, pipeline_slots)
+from moe_infer.loader import resolve_config
+from moe_infer.pipeline import simulate
+
+
+@pytest.mark.parametrize("e,k,t", [(8, 2, 1), (8, 2, 5), (64, 8, 3), (128, 8, 64)])
+def test_distinct_experts_matches_a_monte_carlo_count(e, k, t):
+    rng = random.Random(e * 1000 + t)
+    trials = 4000
+    seen = sum(len({x for _ in range(t) for x in rng.sample(range(e), k)}) for _ in range(trials)) / trials
+    assert distinct_experts(e, k, t) == pytest.approx(seen, rel=0.02)
+    # a rank holding a quarter of them sees a quarter
+    assert distinct_experts(e, k, t, local=e // 4) == pytest.approx(distinct_experts(e, k, t) / 4)
+
+
+def test_distinct_experts_follows_a_routing_histogram():
+    # every pick on the first two of eight experts: two distinct whatever the tokens
+    hist = [0.5, 0.5] + [0.0] * 6
+    assert distinct_experts(8, 2, 50, histogram=hist) == pytest.approx(2.0)
+    assert distinct_experts(8, 2, 50, local=4, histogram=[0, 0, 0, 0] + [0.5, 0.5, 0, 0]) == 0.0
+    assert distinct_experts(8, 2, 3, histogram=[1] * 8) == pytest.approx(distinct_experts(8, 2, 3))
+
+
+def test_collectives_by_hand():
+    link = Link(alpha_us=5.0, gbps=100.0)
+    # large: the ring, 2 (p - 1) steps of n / p bytes: 6 x (5 us + 1 GB / 100 GB/s)
+    assert all_reduce_s(4e9, 4, link) == pytest.approx(6 * (5e-6 + 0.01))
+    # small: one-shot, one latency and (p - 1) n bytes in
+    assert all_reduce_s(1e3, 4, link) == pytest.approx(5e-6 + 3e3 / 1e11)
+    assert all_reduce_s(1e9, 1, link) == 0.0
+    # all-to-all: (p - 1) messages, (p - 1) / p of the bytes leave
+    assert all_to_all_s(8e9, 4, link) == pytest.approx(3 * 5e-6 + 0.75 * 8e9 / 1e11)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("groups", [1, 2, 4, 5])
+@pytest.mark.parametrize("units", [1, 7])
+def test_pipeline_slots_is_the_schedules_count(stages, groups, units):
+    assert pipeline_slots(stages, groups, units) == simulate(stages, [[1.0] * units] * groups).slots
+
+
+def machine(**kw):
+    base = dict(name="test", memory_gb=1000, mem_gbps=1000, matmul_tflops={"bfloat16": 1000, "int8": 2000},
+                nvlink=Link(0.0, 1e9), network=Link(0.0, 1e9), layer_overhead_us=0.0)
+    return Hardware(**{**base, **kw})
+
+
+def dense_config(layers=4):
+    from moe_infer.config import Config
+
+    return Config(ModelConfig(vocab_size=1000, hidden_size=1024, num_layers=layers, num_heads=8, num_kv_heads=8,
+                              ffn_hidden=4096))
+
+
+def test_a_dense_decode_step_reads_its_weights_once():
+    cfg = dense_config()
+    m = cfg.model
+    weights = m.num_layers * (4 * m.hidden_size ** 2 + 3 * m.hidden_size * m.ffn_hidden) * 2  # bf16
+    head = m.vocab_size * m.hidden_size * 2
+    cm = CostModel(cfg, machine())
+    one = cm.predict(ParallelConfig(), "decode", 1, context=0)
+    assert one.ms == pytest.approx((weights + head) / 1e12 * 1e3, rel=1e-3)  # 1000 GB/s
+    tp = cm.predict(ParallelConfig(tp=2), "decode", 1, context=0)
+    assert tp.ms == pytest.approx(one.ms / 2, rel=1e-3)  # free links: half the bytes a rank
+    # Pipeline stages: each reads half, but a token passes both, one stage a slot.
+    pp = cm.predict(ParallelConfig(pp=2), "decode", 2, context=0)
+    assert pp.ms == pytest.approx(cm.predict(ParallelConfig(), "decode", 1, context=0).ms, rel=0.05)
+    assert pp.memory_gb == pytest.approx(one.memory_gb / 2, rel=0.1)
+
+
+def test_expert_terms_follow_the_layout():
+    cfg = resolve_config("mixtral-8x7b")
+    cm = CostModel(cfg, machine())
+    one, ep = (cm.predict(p, "decode", 1, 0) for p in (ParallelConfig(), ParallelConfig(dp=2, ep=2)))
+    # batch 1: two of eight experts; under ep2 a rank expects one of its four
+    e = cfg.moe
+    expert = 3 * cfg.model.hidden_size * e.expert_hidden * 2 / 1e12 * 1e3  # ms to read one
+    assert one.split["memory"] - ep.split["memory"] == pytest.approx(cfg.model.num_layers * expert, rel=1e-3)
+    # data-parallel attention: each replica's own row, the experts seeing both
+    dpa = cm.predict(ParallelConfig(dp=2, ep=2, dp_attention=True), "decode", 2, 0)
+    assert dpa.split["collectives"] >= 0 and dpa.tokens_per_s > 0
+
+
+def test_shipped_profiles_load_and_round_trip(tmp_path):
+    names = sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+    assert {"nvidia-a100-sxm", "nvidia-h100-sxm", "nvidia-h200", "tpu-v4"} <= set(names)
+    for name in names:
+        hw = Hardware.load(name)
+        assert hw.mem_gbps > 0 and hw.matmul_tflops["bfloat16"] > 0 and hw.source
+        hw.dump(tmp_path / f"{name}.yaml")
+        assert Hardware.load(tmp_path / f"{name}.yaml") == hw
+    with pytest.raises(ConfigError, match="no such profile .*nvidia-h100-sxm"):
+        Hardware.load("nvidia-b300")
+
+
+def test_parse_layout():
+    p = parse_layout("tp2-ep4", 8)
+    assert (p.tp, p.ep, p.dp, p.pp) == (2, 4, 4, 1)
+    p = parse_layout("tp=2,pp=2,ep=4,dp-attention", 8)
+    assert (p.tp, p.pp, p.dp, p.ep, p.dp_attention) == (2, 2, 2, 4, True)
+    with pytest.raises(ConfigError, match="'xy3' is not one of"):
+        parse_layout("xy3", 4)
+    with pytest.raises(ConfigError, match="not the 4 GPUs"):
+        parse_layout("tp3", 4)
+
+
+def test_plan_ranks_layouts_and_refuses_what_cannot_run(capsys):
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "2", "--hardware", "nvidia-h200"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("mixtral-8x7b on 2 x nvidia-h200") and out[1].split()[0] == "layout"
+    ms = [float(line.split()[1]) for line in out[2:] if line and not line.startswith("hardware")]
+    assert ms == sorted(ms) and len(ms) > 3
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "2", "--parallel", "ep2"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].startswith("ep2-dp2")
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "2", "--parallel", "ep3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.ep=3" in err[0]
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "1", "--hardware", "tpu-v4"]) == 2
+    assert "no layout fits the memory" in capsys.readouterr().err
