@@ -19,6 +19,7 @@ expert width, V vocab, L blocks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -99,6 +100,24 @@ def distinct_experts(num_experts: int, top_k: int, tokens: float, local: int | N
         return local * (1.0 - (1.0 - top_k / num_experts) ** tokens)
     total = sum(histogram)
     return sum(1.0 - (1.0 - min(1.0, top_k * h / total)) ** tokens for h in histogram[:local])
+
+
+@functools.lru_cache(maxsize=1024)
+def busiest_rank_experts(num_experts: int, top_k: int, tokens: int, ranks: int, samples: int = 4000) -> float:
+    """Expected distinct experts the busiest of ``ranks`` ranks (E / ranks experts each)
+    reads for ``tokens`` tokens under uniform routing: the rank every other waits for at
+    the next collective. A seeded Monte-Carlo count where few tokens make ranks uneven;
+    where the tokens hit nearly every expert, the mean (``distinct_experts``)."""
+    local = num_experts // ranks
+    if ranks == 1 or tokens * top_k >= 4 * num_experts:
+        return distinct_experts(num_experts, top_k, tokens, local)
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.rand(samples, tokens, num_experts, generator=gen).topk(top_k, dim=-1).indices  # [S, T, k]
+    hit = torch.zeros(samples, num_experts, dtype=torch.bool)
+    hit.scatter_(1, picks.reshape(samples, -1), True)
+    return hit.view(samples, ranks, local).sum(-1).max(-1).values.double().mean().item()
 
 
 def all_reduce_s(nbytes: float, ranks: int, link: Link) -> float:
@@ -192,7 +211,10 @@ class CostModel:
             return w * self.wb, 2 * tokens * w
         expert = gated * m.hidden_size * e.expert_hidden / p.expert_slicing  # one expert's slice here
         local = e.num_experts // p.ep
-        hit = distinct_experts(e.num_experts, e.top_k, group_tokens, local, self.histogram)
+        if self.histogram is None and p.ep > 1 and group_tokens == int(group_tokens):
+            hit = busiest_rank_experts(e.num_experts, e.top_k, int(group_tokens), p.ep)
+        else:
+            hit = distinct_experts(e.num_experts, e.top_k, group_tokens, local, self.histogram)
         pairs = group_tokens * e.top_k / p.ep
         reads, flops = hit * expert * self.wb, 2 * pairs * expert
         if e.shared_experts:
