@@ -18,6 +18,7 @@ SMOKES = {
     "bench_serve": (["--smoke"], "TTFT p50"),
     "bench_layouts": (["--smoke", "--baseline", "--no-json"], "ms/token"),
     "bench_offload": (["--smoke"], "cold experts/step"),
+    "validate_costmodel": ([], "within 15%"),  # the layout results in bench/results against the cost model
 }
 
 

@@ -1,0 +1,73 @@
+#!/usr/bin/env python
+"""The cost model's predictions against measured decode steps: every row of the layout
+benchmarks' JSON (``scripts/bench_layouts.py``: one GPU alone and each layout) beside
+``moe_infer.costmodel``'s prediction for the same model, layout, batch and context on the
+device's hardware profile, with the error of each.
+
+    python scripts/validate_costmodel.py                      # every layouts-*.json in bench/results
+    python scripts/validate_costmodel.py --files a.json b.json --hardware my-h200.yaml
+
+The context of a step is the prompt plus half the new tokens (the mean over the timed
+steps). No GPU needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+_SCRIPTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
+
+import bench_common as bc  # noqa: E402
+from moe_infer import ParallelConfig  # noqa: E402
+from moe_infer.costmodel import CostModel, Hardware  # noqa: E402
+from moe_infer.loader import resolve_config  # noqa: E402
+
+PROFILES = {"NVIDIA H200": "nvidia-h200", "NVIDIA H100 80GB HBM3": "nvidia-h100-sxm",
+            "NVIDIA A100-SXM4-80GB": "nvidia-a100-sxm"}
+
+
+def rows_of(path: Path) -> list[dict]:
+    """(model, device, layout, parallel, batch, measured ms, context) of one results file."""
+    d = json.loads(path.read_text())
+    args, device = d.get("args") or {}, d["run"]["device"]
+    context = args.get("prompt_len", 128) + args.get("new_tokens", 32) / 2
+    if "rows" in d:
+        return [dict(model=d["model"], device=device, layout=r["layout"], parallel=r["parallel"], batch=r["batch"],
+                     ms=r["ms_per_token"], context=context, file=path.name) for r in d["rows"]]
+    if "ms_per_token" in d:  # a --baseline run: one GPU alone
+        return [dict(model=d["model"], device=device, layout="one GPU", parallel={}, batch=int(b), ms=ms,
+                     context=context, file=path.name) for b, ms in d["ms_per_token"].items()]
+    return []
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", nargs="*", help="results JSON files (default: bench/results/layouts-*.json)")
+    ap.add_argument("--hardware", help="a profile for every file (default: by each file's device)")
+    args = ap.parse_args()
+    files = [Path(f) for f in args.files] if args.files else sorted(bc.RESULTS_DIR.glob("layouts-*.json"))
+    out, errors = [], []
+    for path in files:
+        for r in rows_of(path):
+            profile = args.hardware or PROFILES.get(r["device"])
+            if profile is None:
+                print(f"{path.name}: no profile for {r['device']!r}; pass --hardware", file=sys.stderr)
+                break
+            model = CostModel(resolve_config(r["model"]), Hardware.load(profile))
+            pred = model.predict(ParallelConfig(**r["parallel"]), "decode", r["batch"], round(r["context"]))
+            err = pred.ms / r["ms"] - 1
+            errors.append(abs(err))
+            out.append([r["model"], r["layout"], r["batch"], f"{r['ms']:.3f}", f"{pred.ms:.3f}", f"{err:+.0%}",
+                        profile, r["file"]])
+    print(bc.format_table(["model", "layout", "batch", "measured ms", "predicted ms", "error", "profile", "file"],
+                          out))
+    if errors:
+        within = sum(e <= 0.15 for e in errors)
+        print(f"{within} of {len(errors)} within 15%; median |error| {sorted(errors)[len(errors) // 2]:.0%}")
+
+
+if __name__ == "__main__":
+    main()
