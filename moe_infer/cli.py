@@ -130,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--prompt", type=int, default=1024, help="prompt tokens at prefill (default 1024)")
     pln.add_argument("--int8", action="store_true", help="weight-only int8 weights")
     pln.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+
+    cal = sub.add_parser("calibrate", help="measure this machine into a hardware profile for plan",
+                         description="Measures memory bandwidth, matmul rates, host-device copies, the CPU's "
+                                     "matmul rate and, under scripts/launch.sh -n N, all-reduce latency and "
+                                     "bandwidth over the ranks; rank 0 writes a hardware profile YAML that "
+                                     "`moe-infer plan --hardware FILE` reads.")
+    cal.add_argument("--out", default="hardware.yaml", help="the profile to write (default hardware.yaml)")
+    cal.add_argument("--name", help="the profile's name (default: the device's)")
+    cal.add_argument("--device", default="auto", help="auto (default: a GPU where there is one), cpu, cuda:N")
+    cal.add_argument("--smoke", action="store_true", help="small sizes, a few seconds (tests)")
     return parser
 
 
@@ -236,6 +246,25 @@ def _plan(args) -> int:
     return 0
 
 
+def _calibrate(args, job: Job) -> int:
+    import torch
+
+    from comm import bootstrap
+    from moe_infer.calibrate import measure
+    from moe_infer.loader import resolve_device
+
+    device = job.stage(resolve_device, args.device)
+    if job.size > 1:
+        device = bootstrap(backend="nccl" if device.type == "cuda" else "gloo").device
+    hw = measure(torch.device(device), smoke=args.smoke, name=args.name)
+    if job.leader:
+        hw.dump(args.out)
+        print(f"{args.out}: {hw.name}, memory {hw.mem_gbps:,.0f} GB/s, bf16 matmul {hw.matmul_tflops['bfloat16']:,.1f} "
+              f"TFLOP/s, int8 {hw.matmul_tflops['int8']:,.1f}, host-to-device {hw.h2d_gbps:,.1f} GB/s, CPU matmul "
+              f"{hw.cpu_matmul_gbps:,.1f} GB/s, link {hw.nvlink.alpha_us:g} us + {hw.nvlink.gbps:,.1f} GB/s")
+    return 0
+
+
 def _presets() -> int:
     from moe_infer.config import load_preset
     from moe_infer.memory import model_size
@@ -295,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             return _presets()
         if args.command == "plan":
             return _plan(args)
+        if args.command == "calibrate":
+            return _calibrate(args, job)
     except JobError as exc:  # known on every rank: one prints it
         if job.leader:
             print(f"moe-infer: error: {exc}", file=sys.stderr)

@@ -1,7 +1,12 @@
 """The cost model (``moe_infer.costmodel``): its closed forms against hand-computed cases
 and a Monte-Carlo count, its layouts' terms on a synthetic machine, the shipped hardware
 profiles, and ``moe-infer plan``."""
+import os
 import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +16,8 @@ from moe_infer.costmodel import (HARDWARE_DIR, CostModel, Hardware, Link, all_re
                                  busiest_rank_experts, distinct_experts, pipeline_slots)
 from moe_infer.loader import resolve_config
 from moe_infer.pipeline import simulate
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("e,k,t", [(8, 2, 1), (8, 2, 5), (64, 8, 3), (128, 8, 64)])
@@ -130,3 +137,26 @@ def test_plan_ranks_layouts_and_refuses_what_cannot_run(capsys):
     assert len(err) == 1 and "parallel.ep=3" in err[0]
     assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "1", "--hardware", "tpu-v4"]) == 2
     assert "no layout fits the memory" in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
+    out = tmp_path / "here.yaml"
+    assert main(["calibrate", "--smoke", "--device", "cpu", "--out", str(out), "--name", "here"]) == 0
+    hw = Hardware.load(out)
+    assert hw.name == "here" and hw.mem_gbps > 0 and hw.matmul_tflops["bfloat16"] > 0 and hw.cpu_matmul_gbps > 0
+    assert "links not measured" in hw.source
+    capsys.readouterr()
+    assert main(["plan", "--model", "tiny-moe", "--gpus", "1", "--hardware", str(out)]) == 0
+    assert "tiny-moe on 1 x here" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (the test extras install mpich)")
+def test_calibrate_under_two_ranks_measures_the_link(tmp_path):
+    out = tmp_path / "two.yaml"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-m",
+                          "moe_infer", "calibrate", "--smoke", "--device", "cpu", "--out", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    hw = Hardware.load(out)
+    assert hw.nvlink.alpha_us > 0 and hw.nvlink.gbps > 0 and "all-reduces over 2 ranks" in hw.source

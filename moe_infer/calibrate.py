@@ -1,0 +1,126 @@
+"""``moe-infer calibrate``: measures this machine into a cost-model hardware profile
+(``moe_infer.costmodel.Hardware``): device memory bandwidth (a device copy, bytes read and
+written), dense matmul rates (bf16, and int8 where the device has an int8 GEMM), pinned
+host-to-device copies, the CPU's matmul weight-read rate and, under ``scripts/launch.sh``,
+all-reduce latency and bandwidth over the job's ranks. ``smoke``: small sizes (CPU tests).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from moe_infer.costmodel import Hardware, Link
+
+
+def _seconds(fn, device: torch.device, reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls after two warm-ups."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _copy_gbps(device: torch.device, nbytes: int, reps: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _seconds(lambda: dst.copy_(src), device, reps) / 1e9
+
+
+def _matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, reps: int) -> float | None:
+    if dtype == torch.int8:
+        if device.type != "cuda":
+            return None
+        a = torch.randint(-8, 8, (n, n), dtype=torch.int8, device=device)
+        b = torch.randint(-8, 8, (n, n), dtype=torch.int8, device=device).t()
+        fn = lambda: torch._int_mm(a, b)  # noqa: E731
+    else:
+        a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+        fn = lambda: a @ b  # noqa: E731
+    return 2 * n ** 3 / _seconds(fn, device, reps) / 1e12
+
+
+def _h2d_gbps(device: torch.device, nbytes: int, reps: int) -> float:
+    if device.type != "cuda":
+        return 0.0
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / _seconds(lambda: dev.copy_(host, non_blocking=True), device, reps) / 1e9
+
+
+def _cpu_matmul_gbps(rows: int, cols: int, reps: int) -> float:
+    """A one-token GEMV over bf16 weights on the CPU: weight bytes read a second."""
+    w = torch.randn(rows, cols, dtype=torch.bfloat16)
+    x = torch.randn(1, cols, dtype=torch.bfloat16)
+    return w.numel() * 2 / _seconds(lambda: x @ w.t(), torch.device("cpu"), reps) / 1e9
+
+
+def _link(device: torch.device, small: int, large: int, reps: int) -> Link | None:
+    """All-reduce over the job's ranks: a small tensor's time is the latency; a large one's
+    ring time 2 (p - 1) (alpha + n / (p beta)) gives the bandwidth beta."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    p = dist.get_world_size()
+
+    def timed(nbytes):
+        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        dist.barrier()
+        return _slowest(_seconds(lambda: dist.all_reduce(x), device, reps), device)
+
+    alpha = timed(small)
+    t_large = timed(large)
+    steps = 2 * (p - 1)
+    beta = steps * large / p / max(t_large - steps * alpha, 1e-9) / 1e9
+    return Link(alpha_us=round(alpha * 1e6, 2), gbps=round(beta, 1))
+
+
+def _slowest(value: float, device: torch.device) -> float:
+    """The largest of the ranks' ``value``."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def measure(device: torch.device, smoke: bool = False, name: str | None = None) -> Hardware:
+    """This machine (one GPU, or the CPU) as a hardware profile."""
+    reps = 3 if smoke else 10
+    big = (16 << 20) if smoke else ((1 << 30) if device.type == "cuda" else (256 << 20))
+    n = 256 if smoke else (8192 if device.type == "cuda" else 1024)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        memory_gb, kind = props.total_memory / 1e9, props.name
+    else:
+        memory_gb, kind = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, "cpu"
+    bf16 = _matmul_tflops(device, n, torch.bfloat16, reps)
+    int8 = _matmul_tflops(device, n, torch.int8, reps)
+    link = _link(device, 4096, (1 << 20) if smoke else (64 << 20), reps)
+    sources = ["measured by moe-infer calibrate"]
+    if int8 is None:
+        sources.append("int8 matmul taken at the bf16 rate (no int8 GEMM measured on this device)")
+    if link is None:
+        sources.append("links not measured (one rank): NVLink and network taken as 6 us + 360 GB/s and "
+                       "12 us + 40 GB/s")
+        link = Link(6.0, 360.0)
+        network = Link(12.0, 40.0)
+    else:
+        sources.append(f"links from all-reduces over {dist.get_world_size()} ranks; the network taken as the "
+                       f"same (one node)")
+        network = link
+    sources.append("per-block overhead not measured: 15 us")
+    return Hardware(name=name or kind.lower().replace(" ", "-"), memory_gb=round(memory_gb, 1),
+                    mem_gbps=round(_copy_gbps(device, big, reps), 1),
+                    matmul_tflops={"bfloat16": round(bf16, 2), "int8": round(int8 if int8 else bf16, 2)},
+                    nvlink=link, network=network, gpus_per_node=dist.get_world_size() if dist.is_initialized() else 1,
+                    layer_overhead_us=15.0, h2d_gbps=round(_h2d_gbps(device, big, reps), 1),
+                    cpu_matmul_gbps=round(_cpu_matmul_gbps(*((512, 1024) if smoke else (14336, 4096)), reps), 1),
+                    source="; ".join(sources) + f" ({kind}, {time.strftime('%Y-%m-%d')})")
