@@ -121,14 +121,16 @@ def busiest_rank_experts(num_experts: int, top_k: int, tokens: int, ranks: int, 
 
 
 def all_reduce_s(nbytes: float, ranks: int, link: Link) -> float:
-    """A sum over ``ranks``: the one-shot form (each rank reads every peer's copy: one
-    latency, (p - 1) n bytes in) or the ring (2 (p - 1) steps of n / p bytes), whichever is
-    shorter."""
+    """A sum over ``ranks``, in the shortest of three forms: one-shot (each rank reads every
+    peer's copy: one latency, (p - 1) n bytes in), the ring (2 (p - 1) steps of n / p
+    bytes) and the tree (a reduce and a broadcast, 2 ceil(log2 p) steps of n bytes: NCCL's
+    choice for small sums over many ranks)."""
     if ranks <= 1:
         return 0.0
     one_shot = link.alpha_us * 1e-6 + (ranks - 1) * nbytes / (link.gbps * GB)
     ring = 2 * (ranks - 1) * link.seconds(nbytes / ranks)
-    return min(one_shot, ring)
+    tree = 2 * math.ceil(math.log2(ranks)) * link.seconds(nbytes)
+    return min(one_shot, ring, tree)
 
 
 def all_to_all_s(nbytes: float, ranks: int, link: Link) -> float:

@@ -45,6 +45,8 @@ def test_collectives_by_hand():
     # small: one-shot, one latency and (p - 1) n bytes in
     assert all_reduce_s(1e3, 4, link) == pytest.approx(5e-6 + 3e3 / 1e11)
     assert all_reduce_s(1e9, 1, link) == 0.0
+    # small over many ranks: the tree, 2 log2(p) steps of n bytes, beats 2 (p - 1) latencies
+    assert all_reduce_s(1e5, 256, link) == pytest.approx(16 * (5e-6 + 1e5 / 1e11))
     # all-to-all: (p - 1) messages, (p - 1) / p of the bytes leave
     assert all_to_all_s(8e9, 4, link) == pytest.approx(3 * 5e-6 + 0.75 * 8e9 / 1e11)
 
