@@ -19,6 +19,7 @@ SMOKES = {
     "bench_layouts": (["--smoke", "--baseline", "--no-json"], "ms/token"),
     "bench_offload": (["--smoke"], "cold experts/step"),
     "validate_costmodel": ([], "within 15%"),  # the layout results in bench/results against the cost model
+    "extrapolate": (["--no-plot"], "published under"),
 }
 
 
