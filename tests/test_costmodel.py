@@ -162,3 +162,26 @@ def test_calibrate_under_two_ranks_measures_the_link(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     hw = Hardware.load(out)
     assert hw.nvlink.alpha_us > 0 and hw.nvlink.gbps > 0 and "all-reduces over 2 ranks" in hw.source
+
+
+def test_palm_communication_closed_forms():
+    """The PaLM inference paper's FFN communication (its appendix A), by hand: 1D
+    weight-stationary 2 BLE / bw whatever the chips; 2D 8 BLE / (sqrt(n) bw), so 2D beats
+    1D past 16 chips; weight-gathered 4 E sqrt(BLF) / (sqrt(n) bw), cheaper than 2D once
+    BL exceeds 4 F."""
+    from moe_infer.costmodel import PALM, palm_ffn_comm_s
+
+    s = PALM["palm-540b"]
+    e, f = s.width, s.ffn
+    assert s.params == pytest.approx(558e9, rel=0.01)  # 540B, heads padded from 48 to 64 (~3%)
+    bl, bw = 64, 100.0
+    one = palm_ffn_comm_s("1d-weight-stationary", s, bl, 64, bw)
+    assert one == pytest.approx(2 * bl * e * 2 / 1e11) == palm_ffn_comm_s("1d-weight-stationary", s, bl, 256, bw)
+    two = palm_ffn_comm_s("2d-weight-stationary", s, bl, 64, bw)
+    assert two == pytest.approx(8 * bl * e * 2 / (8 * 1e11)) and two / one == pytest.approx(4 / 8)
+    big = 512 * 2048
+    wg = palm_ffn_comm_s("weight-gathered", s, big, 64, bw)
+    assert wg == pytest.approx(4 * e * (big * f) ** 0.5 * 2 / (8 * 1e11))
+    assert (wg < palm_ffn_comm_s("2d-weight-stationary", s, big, 64, bw)) == (big > 4 * f)
+    with pytest.raises(ConfigError, match="expected one of"):
+        palm_ffn_comm_s("3d", s, bl, 64, bw)

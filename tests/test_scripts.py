@@ -20,6 +20,7 @@ SMOKES = {
     "bench_offload": (["--smoke"], "cold experts/step"),
     "validate_costmodel": ([], "within 15%"),  # the layout results in bench/results against the cost model
     "extrapolate": (["--no-plot"], "published under"),
+    "extrapolate palm": (["--no-plot", "--paper", "palm"], "published MFU"),  # (the script: the first word)
 }
 
 
@@ -27,7 +28,7 @@ SMOKES = {
 def test_benchmark_smoke_run(script):
     args, header = SMOKES[script]
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), *args], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script.split()[0]}.py"), *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert header in out.stdout, out.stdout[-2000:]
