@@ -21,16 +21,21 @@ dist.barrier()  # rank 0 would wait here forever without the abort
 """
 
 
-@pytest.mark.skipif(MPIEXEC is None and shutil.which("mpirun") is None, reason="needs an MPI launcher")
-def test_a_rank_that_raises_ends_the_job_within_60s():
+def ends_within_60s(script: str, message: str, timeout: int = 90):
+    """Runs ``script`` on 2 ranks through our launcher (mpich's mpiexec on CPU hosts, Open
+    MPI's mpirun on GPU hosts): the job fails within 60 s with rank 1's ``message``."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     start = time.time()
-    # Through our launcher: it picks mpich's mpiexec (CPU) or Open MPI's mpirun (GPU hosts).
     out = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-c",
-                          FAILING], env=env, cwd=ROOT, capture_output=True, text=True, timeout=90)
+                          script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert out.returncode != 0
-    assert time.time() - start < 60
-    assert "[rank 1]" in out.stderr and "rank one fails on purpose" in out.stderr
+    assert time.time() - start < 60, out.stderr[-2000:]
+    assert "[rank 1]" in out.stderr and message in out.stderr
+
+
+@pytest.mark.skipif(MPIEXEC is None and shutil.which("mpirun") is None, reason="needs an MPI launcher")
+def test_a_rank_that_raises_ends_the_job_within_60s():
+    ends_within_60s(FAILING, "rank one fails on purpose")
 
 
 STAGE_FAILS = """
@@ -57,13 +62,7 @@ engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=200)  # rank 0 waits for the
 
 @pytest.mark.skipif(MPIEXEC is None and shutil.which("mpirun") is None, reason="needs an MPI launcher")
 def test_a_pipeline_stage_that_raises_ends_the_job_within_60s():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    start = time.time()
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-c",
-                          STAGE_FAILS], env=env, cwd=ROOT, capture_output=True, text=True, timeout=90)
-    assert out.returncode != 0
-    assert time.time() - start < 60, out.stderr[-2000:]
-    assert "[rank 1]" in out.stderr and "stage one fails on purpose" in out.stderr
+    ends_within_60s(STAGE_FAILS, "stage one fails on purpose")
 
 
 MID_GRAPH = """
@@ -87,10 +86,4 @@ def test_a_rank_that_fails_while_its_peer_replays_a_graph_ends_the_job_within_60
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    start = time.time()
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-c",
-                          MID_GRAPH], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0
-    assert time.time() - start < 60, out.stderr[-2000:]
-    assert "[rank 1]" in out.stderr and "rank one fails on purpose" in out.stderr
+    ends_within_60s(MID_GRAPH, "rank one fails on purpose", timeout=120)
