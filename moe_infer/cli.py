@@ -54,6 +54,11 @@ def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
     src.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                      help="weight and activation dtype (default: bfloat16 on GPU, float32 on CPU)")
     par = parser.add_argument_group("parallelism (launch with scripts/launch.sh -n N -- moe-infer ...)")
+    par.add_argument("--parallel", metavar="auto|LAYOUT",
+                     help="auto: the layout of the launched ranks the cost model ranks first (moe-infer plan); "
+                          "or a layout such as tp2-ep2 (instead of the flags below)")
+    par.add_argument("--hardware", metavar="PROFILE|YAML",
+                     help="the cost model's hardware profile for --parallel auto (default: this GPU's shipped one)")
     par.add_argument("--tp", type=int, help="tensor-parallel degree (heads and FFN columns split)")
     par.add_argument("--pp", type=int, help="pipeline stages (the blocks split into stages of balanced cost)")
     par.add_argument("--micro-batches", type=int,
@@ -166,12 +171,19 @@ def parse_layout(text: str, gpus: int) -> ParallelConfig:
     return ParallelConfig(**kw)
 
 
-def _parallel(args, ranks: int) -> ParallelConfig | None:
-    """The layout from --tp / --pp / --ep / --expert-slicing / --pcc / --dp-attention and the
-    pipeline's micro-batch counts; data parallelism of the dense part fills the ranks the
-    launcher started (all of them without layout flags)."""
-    if all(v is None for v in (args.tp, args.pp, args.ep, args.expert_slicing, args.pcc, args.dp_attention,
-                               args.micro_batches, args.prompt_micro_batches)):
+def _parallel(args, ranks: int) -> ParallelConfig | str | None:
+    """The layout from --parallel, or from --tp / --pp / --ep / --expert-slicing / --pcc /
+    --dp-attention and the pipeline's micro-batch counts; data parallelism of the dense part
+    fills the ranks the launcher started (all of them without layout flags). "auto": the
+    loader asks the cost model."""
+    flags = (args.tp, args.pp, args.ep, args.expert_slicing, args.pcc, args.dp_attention, args.micro_batches,
+             args.prompt_micro_batches)
+    if args.parallel is not None:
+        if any(v is not None for v in flags):
+            raise ConfigError(f"--parallel {args.parallel}: expected no --tp / --pp / --ep / --expert-slicing / "
+                              f"--pcc / --dp-attention / --micro-batches beside it")
+        return "auto" if args.parallel == "auto" else parse_layout(args.parallel, ranks)
+    if all(v is None for v in flags):
         return ParallelConfig(dp=ranks) if ranks > 1 else None
     tp, pp = args.tp or 1, args.pp or 1
     if tp < 1 or pp < 1 or ranks % (tp * pp):
@@ -200,7 +212,9 @@ def _generate(args, job: Job) -> int:
     parallel = job.stage(_parallel, args, job.size)
     engine = job.stage(load, args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
                        parallel=parallel, quantize=args.quantize, gpu_memory_gb=args.gpu_memory_gb,
-                       offload=args.offload, offload_dir=args.offload_dir)
+                       offload=args.offload, offload_dir=args.offload_dir, hardware=args.hardware)
+    if engine.auto_layout and job.leader and not args.quiet:
+        print(f"moe-infer: {engine.auto_layout}", file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
     rows, _ = job.stage(engine.check_request, prompts, **sampling)
@@ -302,10 +316,14 @@ def _serve(args, job: Job) -> int:
                                           ("quantize", args.quantize), ("gpu_memory_gb", args.gpu_memory_gb),
                                           ("offload", args.offload), ("offload_dir", args.offload_dir))
                         if v is not None})
+    if args.hardware is not None:
+        spec.engine["hardware"] = args.hardware
     parallel = job.stage(_parallel, args, job.size)
     if parallel is not None:
-        spec.parallel = dataclasses.asdict(parallel)
+        spec.parallel = parallel if parallel == "auto" else dataclasses.asdict(parallel)
     engine = job.stage(build_engine, spec, progress=job.leader)
+    if engine.auto_layout and job.leader:
+        print(f"moe-infer: {engine.auto_layout}", file=sys.stderr)
     serve(spec, engine)
     return 0
 

@@ -252,9 +252,14 @@ class EngineConfig:
     # RAM, for hosts whose memory cannot hold them: the operating system reads them from
     # disk as calls need them. None: in RAM (pinned on a GPU host).
     offload_dir: str | None = None
+    # The cost model's hardware profile for ``parallel: auto``: a shipped name (moe_infer/
+    # hardware/) or a YAML from ``moe-infer calibrate``; None: the shipped profile of this GPU.
+    hardware: str | None = None
 
     def __post_init__(self):
         s = "engine"
+        if self.hardware is not None and (not isinstance(self.hardware, str) or not self.hardware):
+            _fail(f"{s}.hardware", self.hardware, "a hardware profile name or YAML path")
         if self.offload_dir is not None:
             if not isinstance(self.offload_dir, str) or not self.offload_dir:
                 _fail(f"{s}.offload_dir", self.offload_dir, "a directory path, or null")
@@ -302,6 +307,9 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     name: str = "custom"
     checkpoint: str | None = None  # a Hugging Face checkpoint directory for the weights
+    # ``parallel: auto`` in YAML: the loader picks the layout of the job's ranks by the cost
+    # model (``moe_infer.costmodel.choose_layout``) in place of ``parallel``.
+    parallel_auto: bool = False
 
     def __post_init__(self):
         m, e, p = self.model, self.moe, self.parallel
@@ -408,6 +416,9 @@ def config_from_dict(data: dict, source: str = "config") -> Config:
     if "model" not in data and "checkpoint" not in data:
         raise ConfigError(f"{source}: expected a 'model' section or a 'checkpoint' path")
     kwargs = {}
+    if data.get("parallel") == "auto":  # chosen at load, for the job's ranks
+        data = {k: v for k, v in data.items() if k != "parallel"}
+        kwargs["parallel_auto"] = True
     for key, cls in _SECTIONS.items():
         if data.get(key) is not None:
             kwargs[key] = section_from_dict(cls, data[key], key)

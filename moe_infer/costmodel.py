@@ -161,6 +161,7 @@ class Prediction:
     memory_gb: float
     fits: bool
     split: dict = field(default_factory=dict)
+    parallel: ParallelConfig | None = None
 
 
 def layout_name(p: ParallelConfig) -> str:
@@ -291,7 +292,7 @@ class CostModel:
         out_tokens = batch * (new if prefill else 1)
         memory = max(mem_bytes) / GB
         return Prediction(layout_name(p), phase, batch, seconds * 1e3, out_tokens / seconds, memory,
-                          memory <= hw.memory_gb * self.USABLE, {k: v * 1e3 for k, v in split.items()})
+                          memory <= hw.memory_gb * self.USABLE, {k: v * 1e3 for k, v in split.items()}, p)
 
     def _ffn_weights(self, p: ParallelConfig, index: int) -> float:
         """Bytes of block ``index``'s FFN weights a rank holds."""
@@ -356,6 +357,43 @@ class CostModel:
         preds = [self.predict(p, phase, batch, context, prompt) for p in self.layouts(gpus)]
         preds = [q for q in preds if q.fits]
         return sorted(preds, key=(lambda q: q.ms) if goal == "latency" else (lambda q: -q.tokens_per_s))
+
+
+# Device names (torch.cuda.get_device_name) -> the shipped profile of that GPU.
+DEVICE_PROFILES = {"NVIDIA H100 80GB HBM3": "nvidia-h100-sxm", "NVIDIA H200": "nvidia-h200",
+                   "NVIDIA A100-SXM4-80GB": "nvidia-a100-sxm", "NVIDIA A100-SXM4-40GB": "nvidia-a100-40gb"}
+
+
+def local_profile() -> str | None:
+    """The shipped profile of this machine's GPU (None: no GPU, or one without a profile)."""
+    import torch
+
+    return DEVICE_PROFILES.get(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+
+
+def choose_layout(cfg: Config, ranks: int, hardware: str | Path | None = None, batch: int | None = None,
+                  goal: str = "latency", weight_bytes: float = 2.0,
+                  dp_attention: bool = True) -> tuple[ParallelConfig, str]:
+    """``parallel: auto``: the layout of ``ranks`` ranks the cost model ranks first for a
+    decode step of ``batch`` rows (default the engine's max_batch_size) at half the
+    context (``dp_attention`` False: none of its layouts, as the server runs none) ->
+    (the layout, one line saying what was chosen on which profile)."""
+    profile = hardware or local_profile()
+    if profile is None:
+        raise ConfigError("parallel: auto needs a hardware profile for this machine (no shipped one matches its "
+                          "GPU, or it has none): pass --hardware PROFILE|YAML (moe-infer calibrate writes one)")
+    hw = Hardware.load(profile)
+    e = cfg.engine
+    rows = batch or e.max_batch_size
+    context = (e.max_seq_len or cfg.model.max_position) // 2
+    ranked = [q for q in CostModel(cfg, hw, weight_bytes).rank(ranks, "decode", rows, context, goal)
+              if dp_attention or not q.parallel.dp_attention]
+    if not ranked:
+        raise ConfigError(f"parallel: auto: no layout of {ranks} ranks fits {cfg.name} in {hw.memory_gb:g} GB a "
+                          f"GPU ({hw.name}); launch more ranks or quantize to int8")
+    best = ranked[0]
+    return best.parallel, (f"parallel: auto chose {best.layout} for {ranks} ranks on {hw.name} "
+                           f"(predicted {best.ms:.2f} ms a decode step at batch {rows})")
 
 
 # ----------------------------------------------------------------------------- PaLM layouts

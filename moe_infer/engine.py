@@ -127,6 +127,7 @@ class Engine:
         self._primed = False
         self.runner: PagedRunner | None = None  # generate()'s, made at the first call
         self.last_timeline = None  # pipeline stages: the last generate() batch's (moe_infer.pipeline.Timeline)
+        self.auto_layout: str | None = None  # parallel: auto: the cost model's choice, in one line
         self._calls = 0  # generate() calls: unseeded sampling draws anew in each
 
     def runner_for(self, blocks: int) -> PagedRunner:

@@ -109,28 +109,45 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype, on_
 
 
 def load(path_or_name: str | Path | None = None, *, device: str | torch.device | None = None,
-         dtype: str | torch.dtype | None = None, parallel: ParallelConfig | None = None,
+         dtype: str | torch.dtype | None = None, parallel: ParallelConfig | str | None = None,
          checkpoint: str | Path | None = None, progress: bool = True, quantize: str | None = None,
-         gpu_memory_gb: float | None = None, offload: str | None = None, offload_dir: str | None = None) -> Engine:
+         gpu_memory_gb: float | None = None, offload: str | None = None, offload_dir: str | None = None,
+         hardware: str | None = None) -> Engine:
     """Builds an inference engine. See ``resolve_config`` for what ``path_or_name`` may be;
     ``checkpoint`` takes the model and weights from a Hugging Face directory instead, keeping
-    the engine and parallel settings of ``path_or_name`` when that is given too."""
+    the engine and parallel settings of ``path_or_name`` when that is given too. ``parallel``
+    "auto" (or ``parallel: auto`` in the YAML): the cost model picks the layout of the
+    job's ranks (``engine.hardware``: its profile)."""
     if checkpoint is not None:
         base = read_hf_config(checkpoint)
         if path_or_name is not None:
             given = resolve_config(path_or_name)
-            base = dataclasses.replace(base, engine=given.engine, parallel=given.parallel)
+            base = dataclasses.replace(base, engine=given.engine, parallel=given.parallel,
+                                       parallel_auto=given.parallel_auto)
         cfg = base
     else:
         cfg = resolve_config(path_or_name)
-    if parallel is not None:
-        cfg = dataclasses.replace(cfg, parallel=parallel)  # re-validates against the model
     # EngineConfig fields applied at load: quantize ("int8": weight-only int8), the device's
-    # weight budget and how offloaded experts run (``moe_infer.offload``).
+    # weight budget and how offloaded experts run (``moe_infer.offload``), the cost model's
+    # hardware profile (``parallel: auto``).
     given = {k: v for k, v in (("quantize", quantize), ("gpu_memory_gb", gpu_memory_gb), ("offload", offload),
-                               ("offload_dir", offload_dir)) if v is not None}
+                               ("offload_dir", offload_dir), ("hardware", hardware)) if v is not None}
     if given:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **given))
+    auto_note = None
+    if isinstance(parallel, str) and parallel != "auto":
+        raise ConfigError(f"parallel={parallel!r}: expected a ParallelConfig, None or 'auto'")
+    if parallel == "auto" or (parallel is None and cfg.parallel_auto):
+        # The layout of the job's ranks, by the cost model (the same choice on every rank).
+        from moe_infer.costmodel import choose_layout
+        from moe_infer.job import launched_ranks
+
+        chosen, auto_note = choose_layout(cfg, launched_ranks(), cfg.engine.hardware,
+                                          weight_bytes=1.0 if cfg.engine.quantize == "int8" else 2.0)
+        keep = {k: getattr(cfg.parallel, k) for k in ("timeout_s", "all_reduce", "a2a_fixed_tokens")}
+        parallel = dataclasses.replace(chosen, **keep)
+    if parallel is not None:
+        cfg = dataclasses.replace(cfg, parallel=parallel)  # re-validates against the model
     groups, rank_device = _parallel_groups(cfg.parallel)
     multi = dist.is_initialized() and dist.get_world_size() > 1
     progress = progress and (not multi or dist.get_rank() == 0)  # one progress bar per job
@@ -191,4 +208,6 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         if tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"{tokenizer.path}: {tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size={cfg.model.vocab_size}")
-    return Engine(model, cfg, tokenizer, groups)
+    engine = Engine(model, cfg, tokenizer, groups)
+    engine.auto_layout = auto_note  # parallel: auto: what was chosen (None otherwise)
+    return engine

@@ -85,7 +85,7 @@ class ServeSpec:
 
     model: str | None = None
     checkpoint: str | None = None
-    parallel: dict = field(default_factory=dict)
+    parallel: dict | str = field(default_factory=dict)  # or "auto": the cost model's layout
     engine: dict = field(default_factory=dict)
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -126,15 +126,17 @@ def read_serve_config(path: str | Path | None, overrides: dict | None = None) ->
         if data.get(name) is not None and not isinstance(data[name], str):
             raise ConfigError(f"{path}: {name}={data[name]!r}: expected a string")
     for name in ("parallel", "engine", "server"):
-        if not isinstance(data.get(name) or {}, dict):
-            raise ConfigError(f"{name}: expected a mapping, got {data[name]!r}")
+        if not isinstance(data.get(name) or {}, dict) and not (name == "parallel" and data[name] == "auto"):
+            raise ConfigError(f"{name}: expected a mapping{' or auto' if name == 'parallel' else ''}, "
+                              f"got {data[name]!r}")
     server = dict(data.get("server") or {})
     server.update({k: v for k, v in (overrides or {}).items() if v is not None})
     fields = {f.name for f in dataclasses.fields(ServerConfig)}
     for key in server:
         if key not in fields:
             raise ConfigError(f"server.{key}: unknown key (expected one of {sorted(fields)})")
-    return ServeSpec(data.get("model"), data.get("checkpoint"), dict(data.get("parallel") or {}),
+    parallel = data.get("parallel")
+    return ServeSpec(data.get("model"), data.get("checkpoint"), "auto" if parallel == "auto" else dict(parallel or {}),
                      dict(data.get("engine") or {}), ServerConfig(**server))
 
 
@@ -144,17 +146,28 @@ def build_engine(spec: ServeSpec, progress: bool = True) -> Engine:
     import moe_infer
     from moe_infer.config import section_from_dict
 
-    parallel = section_from_dict(ParallelConfig, spec.parallel, "parallel") if spec.parallel else None
+    e = spec.engine
+    if spec.parallel == "auto":  # the cost model's layout of the job's ranks, none with dp-attention
+        from moe_infer.costmodel import choose_layout
+        from moe_infer.hf import read_hf_config
+        from moe_infer.job import launched_ranks
+        from moe_infer.loader import resolve_config
+
+        cfg = read_hf_config(spec.checkpoint) if spec.checkpoint else resolve_config(spec.model)
+        parallel, note = choose_layout(cfg, launched_ranks(), e.get("hardware"), goal="throughput",
+                                       weight_bytes=1.0 if e.get("quantize") == "int8" else 2.0, dp_attention=False)
+    else:
+        parallel, note = section_from_dict(ParallelConfig, spec.parallel, "parallel") if spec.parallel else None, None
     if parallel is not None and parallel.dp_attention:
         # Rank 0 schedules and every rank runs each step's rows, so no replica owns sequences.
         raise ConfigError("parallel.dp_attention=True: expected false for serve (rank 0 schedules every "
                           "sequence and each rank runs every step's rows); generate() splits prompts with it")
-    e = spec.engine
     section_from_dict(EngineConfig, e, "engine")  # names a bad key before anything loads
     engine = moe_infer.load(spec.model, checkpoint=spec.checkpoint, parallel=parallel, device=e.get("device"),
                             dtype=e.get("dtype"), progress=progress, quantize=e.get("quantize"),
                             gpu_memory_gb=e.get("gpu_memory_gb"), offload=e.get("offload"),
                             offload_dir=e.get("offload_dir"))
+    engine.auto_layout = note  # parallel: auto: what the cost model chose
     if e:
         merged = {**dataclasses.asdict(engine.config.engine), **e}
         engine.config = dataclasses.replace(engine.config, engine=EngineConfig(**merged))

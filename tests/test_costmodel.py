@@ -185,3 +185,33 @@ def test_palm_communication_closed_forms():
     assert (wg < palm_ffn_comm_s("2d-weight-stationary", s, big, 64, bw)) == (big > 4 * f)
     with pytest.raises(ConfigError, match="expected one of"):
         palm_ffn_comm_s("3d", s, bl, 64, bw)
+
+
+def test_parallel_auto_picks_a_layout_of_the_launched_ranks(tmp_path, capsys, monkeypatch):
+    """--parallel auto in one process: the one-rank layout, said on stderr; a model YAML's
+    ``parallel: auto`` loads the same way; without a profile for this machine, one line."""
+    import yaml
+
+    import moe_infer
+    from moe_infer.costmodel import choose_layout
+
+    args = ["generate", "--model", "tiny-moe", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--device", "cpu",
+            "--parallel", "auto", "--hardware", "nvidia-h200"]
+    assert main(args) == 0
+    assert "parallel: auto chose one GPU for 1 ranks on nvidia-h200" in capsys.readouterr().err
+    raw = yaml.safe_load((ROOT / "configs" / "tiny-moe.yaml").read_text())
+    raw["parallel"] = "auto"
+    raw.setdefault("engine", {})["hardware"] = "nvidia-h100-sxm"
+    (tmp_path / "auto.yaml").write_text(yaml.safe_dump(raw))
+    engine = moe_infer.load(tmp_path / "auto.yaml", device="cpu", progress=False)
+    assert engine.auto_layout.startswith("parallel: auto chose one GPU") and engine.config.parallel.world_size == 1
+    import moe_infer.costmodel as cm
+
+    monkeypatch.setattr(cm, "local_profile", lambda: None)  # a machine with no shipped profile
+    with pytest.raises(ConfigError, match="parallel: auto needs a hardware profile"):
+        choose_layout(resolve_config("tiny-moe"), 2)
+    # four GPUs of Mixtral: a layout of four ranks that fits, chosen by the predicted step
+    p, note = choose_layout(resolve_config("mixtral-8x7b"), 4, "nvidia-h100-sxm", batch=1)
+    assert p.world_size == 4 and "for 4 ranks on nvidia-h100-sxm" in note
+    serve_only, _ = choose_layout(resolve_config("mixtral-8x7b"), 4, "nvidia-h100-sxm", batch=64, dp_attention=False)
+    assert not serve_only.dp_attention
