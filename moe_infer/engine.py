@@ -243,6 +243,10 @@ class Engine:
         # Replicas in lockstep run as many batches as the largest share needs, each beside
         # the batches the others run at the same time (``peers``: their prompts).
         span = max(b - a for a, b in shares) if self.lockstep else hi - lo
+        if self.model.pp.size > 1 and not self.lockstep:  # every prompt in one schedule, joining as rows end
+            out += self._generate_pipelined(rows[lo:hi], max_new_tokens, params, [base + i for i in range(lo, hi)],
+                                            start, stats)
+            span = 0
         for at in range(0, span, step):
             b0, b1 = lo + at, min(hi, lo + at + step)
             peers = [rows[a + at:min(b, a + at + step)] for a, b in shares] if self.lockstep else None
@@ -293,8 +297,6 @@ class Engine:
             tables.append(list(range(at, at + n)))
             at += n
 
-        if self.model.pp.size > 1 and peers is None:
-            return self._generate_pipelined(runner, rows, tables, max_new, params, seeds, start, began, stats)
         logits = self._prefill(runner, rows, tables, prefill_lockstep)
         if self.offloaded:  # the experts the prompts routed to most onto the device
             rebalance(self.model)
@@ -345,14 +347,23 @@ class Engine:
                            arrived[0] - start, gap(len(g)))
                 for g, f in zip(generated, finish)]
 
-    def _generate_pipelined(self, runner: PagedRunner, rows, tables, max_new: int, params, seeds: list[int],
-                            start: float, began: float, stats: GenerationStats) -> list[Completion]:
-        """``_generate_batch`` over pipeline stages: the inference schedule of
-        ``moe_infer.pipeline`` (micro-batches through the stages without draining)."""
-        p = self.config.parallel
+    def _generate_pipelined(self, rows, max_new: int, params, seeds: list[int], start: float,
+                            stats: GenerationStats) -> list[Completion]:
+        """generate() over pipeline stages: the inference schedule of ``moe_infer.pipeline``
+        (micro-batches through the stages without draining), at most ``max_batch_size`` rows
+        holding the cache at a time, a waiting prompt joining as a row ends."""
+        if not rows:  # a replica's empty share
+            return []
+        began = time.perf_counter()
+        stats.prompt_tokens += sum(map(len, rows))
+        p, bs = self.config.parallel, self.BLOCK_SIZE
+        need = [-(-(len(r) + max_new) // bs) for r in rows]
+        slots, width = min(len(rows), self.config.engine.max_batch_size), max(need)
+        runner = self.runner_for(slots * width)
         schedule = PipelineSchedule(self, runner, p.micro_batches, p.prompt_micro_batches)
-        generated, finish, first_at, last_at = schedule.run(rows, tables, max_new,
-                                                            lambda i, t: knobs(params, seeds[i], t))
+        generated, finish, first_at, last_at = schedule.run(
+            rows, max_new, lambda i, t: knobs(params, seeds[i], t), slots,
+            lambda i, slot: list(range(slot * width, slot * width + need[i])))
         self.last_timeline = schedule.timeline
         stats.prefill_s += min(first_at) - began
         stats.decode_s += max(last_at) - min(first_at)

@@ -126,10 +126,13 @@ class PipelineSchedule:
         self.micro_batches, self.prompt_micro_batches = micro_batches, prompt_micro_batches
         self.timeline: Timeline | None = None  # the last run's
 
-    def run(self, prompts: list[list[int]], tables: list[list[int]], max_new: int, knobs_of) -> tuple:
+    def run(self, prompts: list[list[int]], max_new: int, knobs_of, slots: int, table_for) -> tuple:
         """-> (generated token lists, finish reasons ("stop" or "length"), host clock at
-        each row's first token, at its last). ``knobs_of(i, t)``: row i's sampling knobs
-        for its token t."""
+        each row's first token, at its last). At most ``slots`` rows hold the cache at a
+        time: the others wait, and one joins (its prompt through the pipeline, then its
+        slot's decode group) as soon as a row ends. ``table_for(i, slot)``: row i's block
+        table in cache slot ``slot``; ``knobs_of(i, t)``: row i's sampling knobs for its
+        token t."""
         from moe_infer.engine import prefill_plan
 
         pp = self.pp
@@ -139,15 +142,35 @@ class PipelineSchedule:
         generated: list[list[int]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n
         first_at, last_at = [0.0] * n, [0.0] * n
-        decode_groups = split(list(range(n)), self.micro_batches)
-        group_of = {i: g for g, rows in enumerate(decode_groups) for i in rows}
-        started = [0] * len(decode_groups)  # rows of each decode group with their first token
+        tables: dict[int, list[int]] = {}
+        groups = max(1, min(self.micro_batches, slots))
+        members = [set() for _ in range(groups)]  # each decode group's rows with their first token
+        queued = [False] * groups  # a group's decode unit waits or runs
+        free = deque(range(slots))
+        waiting = deque(range(n))
+        slot_of, group_of = {}, {}
         budget = self.engine.config.engine.prefill_tokens
-        units = []
-        for rows in split(list(range(n)), self.prompt_micro_batches):  # each in forwards within the budget
-            for pieces in prefill_plan([len(prompts[i]) for i in rows], budget):
-                units.append(Unit(-1, [rows[j] for j, _, _ in pieces], [(rows[j], a, e) for j, a, e in pieces]))
-        slots = Slots(pp.size, units)
+
+        def admit(parts: int) -> list[Unit]:
+            """Waiting rows into the free slots -> their prompts' units, in ``parts`` groups."""
+            rows = []
+            while waiting and free:
+                i, slot = waiting.popleft(), free.popleft()
+                slot_of[i], group_of[i], tables[i] = slot, slot % groups, table_for(i, slot)
+                rows.append(i)
+            units = []
+            for part in split(rows, parts) if rows else []:
+                for pieces in prefill_plan([len(prompts[i]) for i in part], budget):
+                    units.append(Unit(-1, [part[j] for j, _, _ in pieces], [(part[j], a, e) for j, a, e in pieces]))
+            return units
+
+        def enqueue(g: int) -> None:
+            """Group g's next token into the pipeline, with its rows still going."""
+            if members[g] and not queued[g]:
+                queued[g] = True
+                slots_.ready.append(Unit(g, sorted(members[g])))
+
+        slots_ = Slots(pp.size, admit(self.prompt_micro_batches))
         hidden = None  # what this stage received for its next unit
         tl = Timeline(pp.size, [0.0] * pp.size)
         spans = []  # this stage's compute: (start, end) events on a GPU, host clock times elsewhere
@@ -160,8 +183,8 @@ class PipelineSchedule:
                         sample=knobs_of(i, len(generated[i]))) for i in unit.rows]
 
         begin = time.perf_counter()
-        while slots.busy():
-            units = slots.advance()
+        while slots_.busy():
+            units = slots_.advance()
             mine, out, ids = units[me], None, None
             if mine is not None:
                 start = clock()
@@ -184,7 +207,7 @@ class PipelineSchedule:
                 for req in dist.batch_isend_irecv(ops):
                     req.wait()
             done = units[last]
-            slots.retire()
+            slots_.retire()
             tl.slots += 1
             if done is None:
                 continue
@@ -202,17 +225,21 @@ class PipelineSchedule:
                 last_at[i] = now
                 if tok in self.engine.eos:
                     finish[i] = "stop"
-                    continue
-                generated[i].append(tok)
-                if len(generated[i]) == max_new:
-                    finish[i] = "length"
-            if done.prefill:  # a decode group starts once all its rows have their first token
-                for i in (i for i, whole in zip(done.rows, complete) if whole):
-                    started[group_of[i]] += 1
-                    if started[group_of[i]] == len(decode_groups[group_of[i]]):
-                        self._requeue(slots, group_of[i], decode_groups[group_of[i]], finish)
-            else:
-                self._requeue(slots, done.group, done.rows, finish)
+                else:
+                    generated[i].append(tok)
+                    if len(generated[i]) == max_new:
+                        finish[i] = "length"
+                g = group_of[i]
+                if finish[i] is None:
+                    members[g].add(i)  # (a decode row stays; a prompt's row joins its group)
+                else:  # its slot to the next waiting row
+                    members[g].discard(i)
+                    free.append(slot_of[i])
+            if not done.prefill:
+                queued[done.group] = False
+            slots_.ready.extend(admit(1))
+            for g in sorted({group_of[i] for i in done.rows}):
+                enqueue(g)
         tl.wall = time.perf_counter() - begin
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -225,10 +252,3 @@ class PipelineSchedule:
             tl.busy = busy.tolist()
         self.timeline = tl
         return generated, finish, first_at, last_at
-
-    @staticmethod
-    def _requeue(slots: Slots, group: int, rows: list[int], finish: list) -> None:
-        """A decode group's next token enters the pipeline with its rows still going."""
-        live = [i for i in rows if finish[i] is None]
-        if live:
-            slots.ready.append(Unit(group, live))

@@ -132,8 +132,9 @@ def test_layouts_match_single_process(info, checkpoint):
 
 def test_pipeline_schedule_with_rows_that_end_at_different_steps(info, checkpoint):
     """The micro-batched schedule (drained every token, re-queued, more groups than
-    stages; prompts in more groups than rows) gives the single process's greedy tokens
-    and finish reasons where one row meets an EOS early, sampled tokens too (seeded)."""
+    stages; prompts in more groups than rows; fewer cache slots than rows, the waiting
+    ones joining as rows end) gives the single process's greedy tokens and finish reasons
+    where one row meets an EOS early, sampled tokens too (seeded)."""
     path, reference = checkpoint
     prompts = PROMPTS + [[7, 7, 7, 7, 7, 7, 7, 7, 7, 3], [11]]
     eos = reference.generate(prompts, max_new_tokens=8)[0].token_ids[2]  # the first row stops at its third
@@ -145,17 +146,19 @@ def test_pipeline_schedule_with_rows_that_end_at_different_steps(info, checkpoin
         reference.eos = saved
     assert want[0][1] == "stop" and {r for _, r in want} == {"stop", "length"}
     world = info.world_size
-    for micro, prompt_micro in ((1, 1), (world, 8), (world + 1, 2)):
+    # (the last: two rows hold the cache at a time, the others wait and join as rows end)
+    for micro, prompt_micro, rows in ((1, 1, 16), (world, 8, 16), (world + 1, 2, 16), (world, 2, 2)):
         engine = moe_infer.load(path, device=info.device, dtype=torch.float32, progress=False,
                                 parallel=ParallelConfig(pp=world, micro_batches=micro,
                                                         prompt_micro_batches=prompt_micro))
+        engine.config.engine.max_batch_size = rows
         engine.eos = {eos}
         got = [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, max_new_tokens=8)]
-        assert got == want, (micro, prompt_micro)
+        assert got == want, (micro, prompt_micro, rows)
         tl = engine.last_timeline
         assert tl.stages == world and tl.slots > 8 and 0 <= tl.bubble < 1
         got = [o.token_ids for o in engine.generate(prompts, max_new_tokens=6, temperature=0.8, seed=3)]
-        assert got == sampled, (micro, prompt_micro)
+        assert got == sampled, (micro, prompt_micro, rows)
 
 
 @pytest.mark.parametrize("mode", ["eager", "static"])
