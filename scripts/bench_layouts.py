@@ -109,7 +109,9 @@ def main():
     ap.add_argument("--baseline", action="store_true", help="one process: the one-GPU figures the layouts compare to")
     ap.add_argument("--smoke", action="store_true", help="tiny-moe on CPU ranks, few tokens")
     ap.add_argument("--no-json", action="store_true", help="do not write bench/results/*.json")
+    ap.add_argument("--results-dir", default=str(bc.RESULTS_DIR), help="where the JSON go (default bench/results)")
     args = ap.parse_args()
+    bc.RESULTS_DIR = Path(args.results_dir)
     if args.smoke:
         args.model, args.batches, args.prompt_len, args.new_tokens, args.reps = "tiny-moe", "1,4", 8, 4, 1
     batches = [int(b) for b in args.batches.split(",")]

@@ -22,11 +22,9 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 from moe_infer import ParallelConfig  # noqa: E402
-from moe_infer.costmodel import CostModel, Hardware  # noqa: E402
+from moe_infer.costmodel import DEVICE_PROFILES, CostModel, Hardware  # noqa: E402
 from moe_infer.loader import resolve_config  # noqa: E402
 
-PROFILES = {"NVIDIA H200": "nvidia-h200", "NVIDIA H100 80GB HBM3": "nvidia-h100-sxm",
-            "NVIDIA A100-SXM4-80GB": "nvidia-a100-sxm"}
 
 
 def rows_of(path: Path) -> list[dict]:
@@ -43,30 +41,36 @@ def rows_of(path: Path) -> list[dict]:
     return []
 
 
+def compare(files: list[Path], hardware: str | None = None) -> list[dict]:
+    """Every row of ``files`` with the cost model's prediction: ``predicted`` ms and
+    ``error`` (predicted / measured - 1); ``hardware``: the profile for all (default: by
+    each file's device)."""
+    out = []
+    for path in files:
+        for r in rows_of(path):
+            profile = hardware or DEVICE_PROFILES.get(r["device"])
+            if profile is None:
+                raise SystemExit(f"{path.name}: no profile for {r['device']!r}; pass --hardware")
+            model = CostModel(resolve_config(r["model"]), Hardware.load(profile))
+            pred = model.predict(ParallelConfig(**r["parallel"]), "decode", r["batch"], round(r["context"]))
+            out.append({**r, "profile": profile, "predicted": pred.ms, "error": pred.ms / r["ms"] - 1})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", nargs="*", help="results JSON files (default: bench/results/layouts-*.json)")
     ap.add_argument("--hardware", help="a profile for every file (default: by each file's device)")
     args = ap.parse_args()
     files = [Path(f) for f in args.files] if args.files else sorted(bc.RESULTS_DIR.glob("layouts-*.json"))
-    out, errors = [], []
-    for path in files:
-        for r in rows_of(path):
-            profile = args.hardware or PROFILES.get(r["device"])
-            if profile is None:
-                print(f"{path.name}: no profile for {r['device']!r}; pass --hardware", file=sys.stderr)
-                break
-            model = CostModel(resolve_config(r["model"]), Hardware.load(profile))
-            pred = model.predict(ParallelConfig(**r["parallel"]), "decode", r["batch"], round(r["context"]))
-            err = pred.ms / r["ms"] - 1
-            errors.append(abs(err))
-            out.append([r["model"], r["layout"], r["batch"], f"{r['ms']:.3f}", f"{pred.ms:.3f}", f"{err:+.0%}",
-                        profile, r["file"]])
-    print(bc.format_table(["model", "layout", "batch", "measured ms", "predicted ms", "error", "profile", "file"],
-                          out))
-    if errors:
-        within = sum(e <= 0.15 for e in errors)
-        print(f"{within} of {len(errors)} within 15%; median |error| {sorted(errors)[len(errors) // 2]:.0%}")
+    rows = compare(files, args.hardware)
+    print(bc.format_table(["model", "layout", "batch", "measured ms", "predicted ms", "error", "profile", "file"], [
+        [r["model"], r["layout"], r["batch"], f"{r['ms']:.3f}", f"{r['predicted']:.3f}", f"{r['error']:+.0%}",
+         r["profile"], r["file"]] for r in rows]))
+    if rows:
+        errors = sorted(abs(r["error"]) for r in rows)
+        print(f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15%; median |error| "
+              f"{errors[len(errors) // 2]:.0%}")
 
 
 if __name__ == "__main__":

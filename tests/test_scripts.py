@@ -2,6 +2,7 @@
 GPU session's scarce device time is not lost to a script that no longer starts. Their
 numbers here mean nothing; only that each prints its table and exits 0."""
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -195,3 +196,18 @@ def test_tune_moe_offers_the_dequantizing_path_for_int8_at_large_t():
         [tune_moe.DEQUANT]
     assert tune_moe.DEQUANT not in tune_moe.candidates("up", 1024, 8, 64, "bf16", olmoe, sms=132)
     assert tune_moe.DEQUANT not in tune_moe.candidates("up", 16, 8, 64, "int8", olmoe, sms=132)
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (the test extras install mpich)")
+def test_scaling_runs_every_world_size_and_predicts_each_row(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "scaling.py"), "--smoke", "--no-plot",
+                          "--results-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads(next(tmp_path.glob("scaling-tiny-moe-*.json")).read_text())
+    assert data["worlds"] == [1, 2]
+    layouts = {r["layout"] for r in data["rows"]}
+    assert "one GPU" in layouts and {"tp2", "ep2", "pp2"} <= layouts
+    assert all(r["predicted"] > 0 for r in data["rows"])
+
