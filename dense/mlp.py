@@ -30,11 +30,12 @@ class MLP(nn.Module):
                                            full[width + tp.rank * n:width + (tp.rank + 1) * n]])
             self.up_proj.shard_fns = {"weight": pick, "bias": pick}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce`` False: this rank's partial sum (``RowParallelLinear``)."""
         h = self.up_proj(x)
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h)
-        return self.down_proj(h)
+        return self.down_proj(h, reduce)

@@ -76,6 +76,11 @@ class RowParallelLinear(nn.Module):
         # in ColumnParallelLinear.
         self.shard_fns = {"weight": lambda full: full[:, first:first + local]}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(dense_linear(x, self.weight, pdl=self.options.pdl), self.group)
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce`` False: this rank's partial sum (no all-reduce, no bias), for a caller
+        that adds it to another partial sum over the same ranks before one all-reduce."""
+        y = dense_linear(x, self.weight, pdl=self.options.pdl)
+        if not reduce:
+            return y
+        y = all_reduce(y, self.group)
         return y + self.bias if self.bias is not None else y

@@ -37,8 +37,11 @@ class Int8Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._finish(kernels.dense_linear(x, self.weight, scale=self.scale, pdl=self.options.pdl))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce`` False (a row-parallel layer): this rank's partial sum, as
+        ``RowParallelLinear``'s."""
+        y = kernels.dense_linear(x, self.weight, scale=self.scale, pdl=self.options.pdl)
+        return self._finish(y) if reduce else y
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``Linear.normed``: s = x + residual, this layer on rmsnorm(s) -> (y, s)."""

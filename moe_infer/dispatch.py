@@ -62,14 +62,17 @@ class SameTokensDispatcher(LocalDispatcher):
                                      device="cpu")  # (the model may be built on the meta device)
         self._tables = {}  # device -> local_of there
 
-    def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
+    def run(self, x: torch.Tensor, routing, experts, partial: torch.Tensor | None = None) -> torch.Tensor:
+        """``partial``: another sum over the same ranks (a tensor-parallel shared expert's),
+        added before the one all-reduce."""
         if not self.masked:
-            return all_reduce(super().run(x, routing, experts), self.group)
-        if x.device not in self._tables:
-            self._tables[x.device] = self.local_of.to(x.device, torch.int32)
-        ids = self._tables[x.device].index_select(0, routing.expert_ids.reshape(-1)).view_as(routing.expert_ids)
-        out = experts.fused(x, ids, routing.weights, self.capacity(x.shape[0]), masked=True)
-        return all_reduce(out, self.group)
+            out = super().run(x, routing, experts)
+        else:
+            if x.device not in self._tables:
+                self._tables[x.device] = self.local_of.to(x.device, torch.int32)
+            ids = self._tables[x.device].index_select(0, routing.expert_ids.reshape(-1)).view_as(routing.expert_ids)
+            out = experts.fused(x, ids, routing.weights, self.capacity(x.shape[0]), masked=True)
+        return all_reduce(out if partial is None else out + partial, self.group)
 
 
 PAD = 16  # columns after a row of the all-to-all payload: keeps rows 16-element aligned

@@ -52,6 +52,11 @@ class MoELayer(nn.Module):
             self.shared = MLP(h, width, model_cfg.activation, tp=groups.tp, options=options)
             if moe_cfg.shared_expert_gate:
                 self.shared_gate = nn.Linear(h, 1, bias=False)
+        # The shared expert's TP partial sum joins the routed experts' before their one
+        # all-reduce where both sum over the same ranks (a gate on replicated x scales each
+        # partial alike): one collective a layer instead of two.
+        self.fused_sum = (self.shared is not None and isinstance(self.dispatcher, SameTokensDispatcher)
+                          and groups.tp.size > 1 and self.dispatcher.group.ranks == groups.tp.ranks)
 
     def _maps_needed(self, x: torch.Tensor) -> bool:
         """Whether the router should build the maps: not where the local experts run from
@@ -71,6 +76,11 @@ class MoELayer(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, H]
         routing = self.router(x, router_logits, maps=self._maps_needed(x))
+        if self.fused_sum:
+            shared = self.shared(x, reduce=False)  # this rank's part
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            return self.dispatcher.run(x, routing, self.experts, partial=shared).view(shape)
         out = self.dispatcher.run(x, routing, self.experts)  # [T, H]
         if self.shared is not None:
             shared = self.shared(x)

@@ -108,6 +108,9 @@ def test_layouts_match_single_process(info, checkpoint):
                                 progress=False)
         err = rel_err(engine.logits(PROMPTS), ref)
         assert err < (1e-4 if on_gpu else 1e-5), f"{name}: relative error {err:.2e}"
+        moe = [m for m in engine.model.modules() if isinstance(m, MoELayer)]
+        if name == "tp" and moe[0].shared is not None:  # the shared expert's sum joins the routed experts'
+            assert all(m.fused_sum for m in moe), name
         assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=5)] == ref_tokens, name
         if not on_gpu:  # the fixed-shape prefill and decode steps (a graph's math, run eagerly), collectives inside
             engine.decode_mode = "static"
@@ -337,3 +340,27 @@ def test_expert_ranks_with_the_same_tokens_all_reduce_instead_of_exchanging(info
     layout = ParallelConfig(tp=1, dp=world, ep=world, dp_attention=True)
     layer = MoELayer(m, moe, layout, ParallelGroups.build(layout, dist.get_rank(), world))
     assert isinstance(layer.dispatcher, ExpertParallelDispatcher)
+    # A gated shared expert under tensor parallelism: its partial sum joins the routed
+    # experts' before the one all-reduce (int8 linear layers too).
+    from dense.quant import quantize_linears
+
+    shared = MoEConfig(num_experts=8, top_k=3, expert_hidden=16, shared_experts=1, shared_expert_hidden=32,
+                       shared_expert_gate=True)
+    torch.manual_seed(1)
+    alone = MoELayer(m, shared).to(info.device)
+    for p in alone.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    layout = ParallelConfig(tp=world)
+    layer = MoELayer(m, shared, layout, ParallelGroups.build(layout, dist.get_rank(), world)).to(info.device)
+    assert layer.fused_sum
+    state = dict(alone.state_dict())
+    for module, prefix in ((layer.experts, "experts."), (layer.shared.up_proj, "shared.up_proj."),
+                           (layer.shared.down_proj, "shared.down_proj.")):
+        for name, fn in module.shard_fns.items():
+            if prefix + name in state:
+                state[prefix + name] = fn(state[prefix + name])
+    layer.load_state_dict(state)
+    ref = alone(x)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+    quantize_linears(layer)
+    assert rel_err(layer(x), ref) < 5e-2
