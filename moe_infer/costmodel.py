@@ -314,9 +314,9 @@ class CostModel:
         expert_ranks = p.ep * p.expert_slicing
         if not moe or expert_ranks == 1:
             return seconds + all_reduce_s(act, p.tp, hw.link(p.tp))  # after the FFN
-        if e.shared_experts:
-            seconds += all_reduce_s(act, p.tp, hw.link(p.tp))
         same_tokens = not p.dp_attention or expert_ranks <= p.tp
+        if e.shared_experts and not (same_tokens and expert_ranks == p.tp):  # (else one sum with the experts')
+            seconds += all_reduce_s(act, p.tp, hw.link(p.tp))
         if same_tokens:  # every expert rank holds the tokens: one all-reduce sums their parts
             return seconds + all_reduce_s(act, expert_ranks, hw.link(expert_ranks))
         # dp-attention: the pairs out and back (PCC: within the ranks of one TP index)
