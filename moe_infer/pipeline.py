@@ -11,10 +11,12 @@ A unit is a micro-batch's step: its prompts (prefill) or one new token a row (de
 While generating, the batch's rows form ``micro_batches`` groups; a group's next token
 enters the first stage in the slot after the last stage drew its previous one, so with as
 many groups as stages no stage waits for another (the paper's Fig. 3: micro-batches
-re-queued without draining). Rows that finish leave their group; a group whose rows are
-all done leaves the rotation. Prompts are processed in ``prompt_micro_batches`` groups,
-more and smaller ones than while generating (the hybrid schedule), so the pipeline's fill
-and drain take a smaller share of the prompt phase.
+re-queued without draining). Rows that finish leave their group and free their cache
+slot; a waiting prompt takes it (through the stages as a prefill unit, then into that
+slot's group), and a group whose rows are all done leaves the rotation. Prompts are
+processed in ``prompt_micro_batches`` groups, more and smaller ones than while generating
+(the hybrid schedule), so the pipeline's fill and drain take a smaller share of the prompt
+phase.
 
 Shape letters: B rows of a unit, T its new tokens per row, H hidden, V vocab.
 """
@@ -126,9 +128,9 @@ class PipelineSchedule:
         self.micro_batches, self.prompt_micro_batches = micro_batches, prompt_micro_batches
         self.timeline: Timeline | None = None  # the last run's
 
-    def run(self, prompts: list[list[int]], max_new: int, knobs_of, slots: int, table_for) -> tuple:
+    def run(self, prompts: list[list[int]], max_new: int, knobs_of, capacity: int, table_for) -> tuple:
         """-> (generated token lists, finish reasons ("stop" or "length"), host clock at
-        each row's first token, at its last). At most ``slots`` rows hold the cache at a
+        each row's first token, at its last). At most ``capacity`` rows hold the cache at a
         time: the others wait, and one joins (its prompt through the pipeline, then its
         slot's decode group) as soon as a row ends. ``table_for(i, slot)``: row i's block
         table in cache slot ``slot``; ``knobs_of(i, t)``: row i's sampling knobs for its
@@ -143,10 +145,10 @@ class PipelineSchedule:
         finish: list[str | None] = [None] * n
         first_at, last_at = [0.0] * n, [0.0] * n
         tables: dict[int, list[int]] = {}
-        groups = max(1, min(self.micro_batches, slots))
+        groups = max(1, min(self.micro_batches, capacity))
         members = [set() for _ in range(groups)]  # each decode group's rows with their first token
         queued = [False] * groups  # a group's decode unit waits or runs
-        free = deque(range(slots))
+        free = deque(range(capacity))
         waiting = deque(range(n))
         slot_of, group_of = {}, {}
         budget = self.engine.config.engine.prefill_tokens
@@ -168,9 +170,9 @@ class PipelineSchedule:
             """Group g's next token into the pipeline, with its rows still going."""
             if members[g] and not queued[g]:
                 queued[g] = True
-                slots_.ready.append(Unit(g, sorted(members[g])))
+                pipe.ready.append(Unit(g, sorted(members[g])))
 
-        slots_ = Slots(pp.size, admit(self.prompt_micro_batches))
+        pipe = Slots(pp.size, admit(self.prompt_micro_batches))
         hidden = None  # what this stage received for its next unit
         tl = Timeline(pp.size, [0.0] * pp.size)
         spans = []  # this stage's compute: (start, end) events on a GPU, host clock times elsewhere
@@ -183,8 +185,8 @@ class PipelineSchedule:
                         sample=knobs_of(i, len(generated[i]))) for i in unit.rows]
 
         begin = time.perf_counter()
-        while slots_.busy():
-            units = slots_.advance()
+        while pipe.busy():
+            units = pipe.advance()
             mine, out, ids = units[me], None, None
             if mine is not None:
                 start = clock()
@@ -207,7 +209,7 @@ class PipelineSchedule:
                 for req in dist.batch_isend_irecv(ops):
                     req.wait()
             done = units[last]
-            slots_.retire()
+            pipe.retire()
             tl.slots += 1
             if done is None:
                 continue
@@ -237,7 +239,7 @@ class PipelineSchedule:
                     free.append(slot_of[i])
             if not done.prefill:
                 queued[done.group] = False
-            slots_.ready.extend(admit(1))
+            pipe.ready.extend(admit(1))
             for g in sorted({group_of[i] for i in done.rows}):
                 enqueue(g)
         tl.wall = time.perf_counter() - begin
