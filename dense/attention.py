@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend
 
 import kernels
-from comm import Group
+from comm import Group, all_reduce
 from dense.norm import RMSNorm, ShardedRMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
 from dense.rotary import Rotary, apply_rotary
@@ -183,14 +183,15 @@ class Attention(nn.Module):
             self.q_norm = ShardedRMSNorm(q_width, q_total, cfg.norm_eps, tp, q_first * d)
             self.k_norm = ShardedRMSNorm(kv_width, kv_total, cfg.norm_eps, tp, kv_first * d, replicas)
         self.clip_qkv = cfg.clip_qkv
-        # The fused decode kernel covers power-of-two head dims, and an all-heads q/k norm
-        # only when this rank holds all heads (otherwise the norm needs an all-reduce).
-        self.fusable = qkv_decode_supported(d) and not (cfg.qk_norm == "full" and tp.size > 1)
+        # An all-heads q/k norm over heads split across ranks needs their sums of squares
+        # from every rank: the fused kernels then take q and k already normed (``_prenorm``).
+        self.sharded_norm = cfg.qk_norm == "full" and tp.size > 1
+        self.fusable = qkv_decode_supported(d)  # the fused decode kernels: power-of-two head dims
 
     def _epilogue(self) -> tuple:
         """The fused kernels' q / k norm, its weights and eps, and the clip."""
         norm = getattr(self, "q_norm", None)
-        if norm is None:
+        if norm is None or self.sharded_norm:  # (sharded: q and k come normed)
             return None, None, None, 1e-6, self.clip_qkv
         return self.qk_norm, norm.weight, self.k_norm.weight, norm.eps, self.clip_qkv
 
@@ -236,6 +237,8 @@ class Attention(nn.Module):
         b, t, _ = qkv.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         k_pool, v_pool = cache.k[layer], cache.v[layer]
+        if self.fusable and self.sharded_norm:
+            qkv = self._prenorm(qkv)
         if (t == 1 and self.fusable and self.options.fused_decode_attention
                 and (not qkv.is_cuda or qkv_attention_fits(
                     b, hq, hkv, d, cache.read_slots.shape[1],
@@ -263,6 +266,17 @@ class Attention(nn.Module):
                                                  ctx.attn_mask[:, 0, 0])  # [B, Hq, D]
             return out[:, :, None]
         return self._sdpa(q, *cache.gather(layer), ctx)
+
+    def _prenorm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [B, T, W] with q and k through their all-heads norms, the sums of squares of
+        both added over the TP ranks in one all-reduce (``ShardedRMSNorm``'s math, twice)."""
+        q, k, v = qkv.split(self.split, dim=-1)
+        qf, kf = q.float(), k.float()
+        sq = all_reduce(torch.stack((qf.pow(2).sum(-1), kf.pow(2).sum(-1)), dim=-1), self.q_norm.group)  # [B, T, 2]
+        qn, kn = self.q_norm, self.k_norm
+        q = qn.weight * (qf * torch.rsqrt(sq[..., :1] / qn.total + qn.eps)).to(q.dtype)
+        k = kn.weight * (kf * torch.rsqrt(sq[..., 1:] / kn.replicas / kn.total + kn.eps)).to(k.dtype)
+        return torch.cat((q, k, v), dim=-1)
 
     def _unfused(self, qkv: torch.Tensor, ctx: StepContext):
         """q [B, Hq, T, D], k, v [B, Hkv, T, D] (this step's own) through torch ops (any device
