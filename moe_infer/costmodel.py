@@ -310,6 +310,8 @@ class CostModel:
         m, e, hw = self.cfg.model, self.cfg.moe, self.hw
         act = tokens * m.hidden_size * self.ab
         seconds = all_reduce_s(act, p.tp, hw.link(p.tp))  # after attention
+        if m.qk_norm == "full":  # an all-heads q/k norm over split heads: the sums of squares (float32)
+            seconds += all_reduce_s(tokens * 2 * 4, p.tp, hw.link(p.tp))
         moe = e is not None and self.cfg.is_moe_layer(index)
         expert_ranks = p.ep * p.expert_slicing
         if not moe or expert_ranks == 1:
