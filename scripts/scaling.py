@@ -45,6 +45,8 @@ def main():
     ap.add_argument("--model", default="olmoe-1b-7b")
     ap.add_argument("--max-gpus", type=int, default=None, help="largest world size (default: the GPUs here)")
     ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--layouts", help="comma list of bench_layouts layout names per world size (default: every one; "
+                                      "--smoke: tp2, ep2, pp2)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hardware", help="the cost model's profile (default: this GPU's shipped one)")
     ap.add_argument("--smoke", action="store_true", help="tiny-moe on 1 and 2 CPU ranks, a profile measured now")
@@ -59,6 +61,7 @@ def main():
         common = ["--smoke", "--results-dir", args.results_dir]
         env["CUDA_VISIBLE_DEVICES"] = ""
         args.model, top = "tiny-moe", 2
+        args.layouts = args.layouts or "tp2,ep2,pp2"
         if args.hardware is None:  # this CPU, measured now (no shipped profile describes it)
             from moe_infer.calibrate import measure
 
@@ -77,8 +80,9 @@ def main():
             run([sys.executable, "scripts/bench_layouts.py", "--baseline", *common], env)
             files.append(bc.results_path(f"layouts-baseline-{stem}", device))
         else:
+            chosen = ["--layouts", args.layouts] if args.layouts else []
             run(["bash", "scripts/launch.sh", "-n", str(world), "--", sys.executable, "scripts/bench_layouts.py",
-                 *common], env)
+                 *common, *chosen], env)
             files.append(bc.results_path(f"layouts-{stem}-{world}ranks", device))
     rows = compare(files, args.hardware)
     print(bc.format_table(["GPUs", "layout", "batch", "measured ms", "predicted ms", "error"], [
