@@ -111,8 +111,7 @@ class Engine:
         # each, in every block's forward: they step together too.
         self.lockstep = self.split_prompts and (not independent or config.engine.offload == "layers")
         self.last_stats: GenerationStats | None = None  # the latest generate() call's
-        p = model.anchor
-        self.device, self.dtype = p.device, p.dtype
+        self.device, self.dtype = model.device, model.anchor.dtype
         self.eos = set(config.model.eos_token_ids)
         # "graph": decode steps replay CUDA graphs (GPUs; on several ranks with the NCCL
         # collectives inside); "static": the same fixed-shape step run eagerly; "eager":
@@ -122,7 +121,8 @@ class Engine:
         # layers run on weights that move.
         self.offloaded = config.engine.gpu_memory_gb is not None
         moving = self.offloaded or config.engine.offload == "layers"
-        self.decode_mode = "graph" if p.is_cuda and nccl and config.engine.cuda_graphs and not moving else "eager"
+        graphs = self.device.type == "cuda" and nccl and config.engine.cuda_graphs and not moving
+        self.decode_mode = "graph" if graphs else "eager"
         self.graph_primers = GRAPH_PRIMERS  # graphs made before the first decode step's (0: none)
         self._primed = False
         self.runner: PagedRunner | None = None  # generate()'s, made at the first call

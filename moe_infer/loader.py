@@ -201,6 +201,7 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         p = cfg.parallel
         same = groups.dp if p.tp % (p.ep * p.expert_slicing) == 0 else None
         LayerStreamer(model.layers, dev, cfg.engine.prefetch_layers, same)
+        model.home = dev
     model.eval()
     tokenizer = None
     if cfg.checkpoint is not None and (Path(cfg.checkpoint) / "tokenizer.json").is_file():

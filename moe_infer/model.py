@@ -150,12 +150,19 @@ class Transformer(nn.Module):
         self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps, options) if last else None
         self.lm_head = Linear(m.hidden_size, m.vocab_size, bias=False, options=options) if last and not self.tied \
             else None
+        self.home: torch.device | None = None  # set by the loader for streamed blocks
 
     @property
     def anchor(self) -> torch.Tensor:
         """A weight every stage holds (its first block's attention norm, in full precision):
-        the model's device and dtype."""
+        the model's dtype."""
         return self.layers[self.own.start].attn_norm.weight
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs: its first block's device, or, where the blocks live in host
+        memory and are copied in to run (``offload: layers``), the device they run on."""
+        return self.home if self.home is not None else self.anchor.device
 
     def dispatchers(self) -> list:
         """Each MoE layer's dispatcher (where its experts live, how tokens reach them)."""
@@ -190,15 +197,13 @@ class Transformer(nn.Module):
 
     def make_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         m = self.cfg.model
-        p = self.anchor
-        return PagedKVCache(len(self.own), num_blocks, block_size, self.num_kv_heads, m.head_dim, p.dtype,
-                            p.device)
+        return PagedKVCache(len(self.own), num_blocks, block_size, self.num_kv_heads, m.head_dim,
+                            self.anchor.dtype, self.device)
 
     def rotary_tables(self, slots: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary cos / sin rows of positions 0 .. slots - 1 (None for learned positions),
         computed once for a static decode step over ``slots`` cache slots."""
-        p = self.anchor
-        return self.rotary.table(slots, p.dtype, p.device) if self.rotary is not None else None
+        return self.rotary.table(slots, self.anchor.dtype, self.device) if self.rotary is not None else None
 
     def paged_context(self, positions: torch.Tensor, query_valid: torch.Tensor,
                       context_lens: torch.Tensor, num_keys: int, causal: bool = False) -> StepContext:
@@ -244,15 +249,14 @@ class Transformer(nn.Module):
             # draws the same tokens and the first one feeds them.
             dist.send(out, dst=pp.ranks[pp.rank + 1])
             rows = 1 if last is not None or last_only else input_ids.shape[1]
-            out = torch.empty(input_ids.shape[0], rows, self.cfg.model.vocab_size, dtype=p.dtype, device=p.device)
+            out = torch.empty(input_ids.shape[0], rows, self.cfg.model.vocab_size, dtype=p.dtype, device=self.device)
         if pp.size > 1:
             dist.broadcast(out, src=pp.ranks[-1], group=pp.group)
         return out
 
     def stage_input(self, shape: tuple[int, int]) -> torch.Tensor:
         """An empty [B, T, H] buffer for the hidden states a stage receives."""
-        p = self.anchor
-        return torch.empty(*shape, self.cfg.model.hidden_size, dtype=p.dtype, device=p.device)
+        return torch.empty(*shape, self.cfg.model.hidden_size, dtype=self.anchor.dtype, device=self.device)
 
     def stage_forward(self, input_ids: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None = None,
                       last_only: bool = False, last: torch.Tensor | None = None,
@@ -292,7 +296,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_random(self, seed: int):
         """Seeded random weights for configs without a checkpoint (GPT-2 style scales)."""
-        init_random(self, torch.Generator(device=self.anchor.device).manual_seed(seed))
+        init_random(self, torch.Generator(device=self.device).manual_seed(seed))
 
 
 @torch.no_grad()
@@ -306,5 +310,8 @@ def init_random(module: nn.Module, generator: torch.Generator):
             p.zero_()
         elif p.dim() == 1:  # norm scales
             p.fill_(1.0)
-        else:
+        elif p.device == generator.device:
             p.normal_(0.0, 0.02, generator=generator)
+        else:  # drawn where the generator is, so the values do not depend on placement
+            p.copy_(torch.empty(p.shape, dtype=p.dtype, device=generator.device).normal_(0.0, 0.02,
+                                                                                         generator=generator))
