@@ -268,15 +268,14 @@ class Attention(nn.Module):
         return self._sdpa(q, *cache.gather(layer), ctx)
 
     def _prenorm(self, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv [B, T, W] with q and k through their all-heads norms, the sums of squares of
-        both added over the TP ranks in one all-reduce (``ShardedRMSNorm``'s math, twice)."""
-        q, k, v = qkv.split(self.split, dim=-1)
-        qf, kf = q.float(), k.float()
-        sq = all_reduce(torch.stack((qf.pow(2).sum(-1), kf.pow(2).sum(-1)), dim=-1), self.q_norm.group)  # [B, T, 2]
+        """qkv [B, T, W] with q and k through their all-heads norms, in place: the sums of
+        squares of both (one launch) added over the TP ranks in one all-reduce, then both
+        scaled (one launch): ``ShardedRMSNorm``'s math, twice."""
         qn, kn = self.q_norm, self.k_norm
-        q = qn.weight * (qf * torch.rsqrt(sq[..., :1] / qn.total + qn.eps)).to(q.dtype)
-        k = kn.weight * (kf * torch.rsqrt(sq[..., 1:] / kn.replicas / kn.total + kn.eps)).to(k.dtype)
-        return torch.cat((q, k, v), dim=-1)
+        pdl = self.options.pdl
+        sq = all_reduce(kernels.qk_sum_squares(qkv, self.split[0], self.split[1], pdl=pdl), qn.group)  # [B, T, 2]
+        return kernels.qk_norm_apply(qkv, sq, qn.weight, kn.weight, qn.total, kn.replicas * kn.total, qn.eps,
+                                     pdl=pdl)
 
     def _unfused(self, qkv: torch.Tensor, ctx: StepContext):
         """q [B, Hq, T, D], k, v [B, Hkv, T, D] (this step's own) through torch ops (any device

@@ -9,7 +9,7 @@ its GPU backends (Triton; CUDA C++ compiled through CuPy):
   layout     token_maps, scatter_rows, gather_rows, dispatch_rows
   moe        fused_moe, quantize_int8
   linear     dense_linear, norm_linear, sbi_linear
-  norm       rms_norm, rms_norm_router
+  norm       rms_norm, rms_norm_router, qk_sum_squares, qk_norm_apply
   attention  paged_decode_attention, qkv_decode, qkv_attention
   argmax     argmax
 
@@ -31,7 +31,7 @@ from kernels.attention import paged_decode_attention, qkv_attention, qkv_decode
 from kernels.layout import dispatch_rows, gather_rows, scatter_rows, token_maps
 from kernels.linear import dense_linear, norm_linear, sbi_linear
 from kernels.moe import fused_moe, quantize_int8
-from kernels.norm import rms_norm, rms_norm_router
+from kernels.norm import qk_norm_apply, qk_sum_squares, rms_norm, rms_norm_router
 from kernels.routing import grouped_topk, route, topk_gating
 
 __all__ = [
@@ -39,7 +39,7 @@ __all__ = [
     "token_maps", "scatter_rows", "gather_rows", "dispatch_rows",
     "fused_moe", "quantize_int8",
     "dense_linear", "norm_linear", "sbi_linear",
-    "rms_norm", "rms_norm_router",
+    "rms_norm", "rms_norm_router", "qk_sum_squares", "qk_norm_apply",
     "paged_decode_attention", "qkv_decode", "qkv_attention",
     "argmax",
 ]

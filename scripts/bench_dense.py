@@ -18,6 +18,7 @@ Inputs rotate among several copies so a small case is not served from L2.
 
     python scripts/bench_dense.py                                  # the GPU sweep
     python scripts/bench_dense.py --models mixtral-8x7b --tokens 1,8
+    python scripts/bench_dense.py --tp 2 --no-attention --write-table   # one rank's shapes of tp 2
     python scripts/bench_dense.py --device cpu --smoke             # tiny, end to end
 
 Writes bench/results/dense-<device>-<date>.json.
@@ -46,17 +47,22 @@ from moe_infer.loader import resolve_config  # noqa: E402
 MODELS = "mixtral-8x7b,qwen3-30b-a3b,gpt-j-6b,gpt-neox-20b,gpt-13b"
 
 
-def linear_shapes(name: str) -> list[tuple[str, int, int]]:
-    """(layer, K in, N out) of a preset's dense linear layers (one rank)."""
-    m = resolve_config(name).model
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    shapes = [("qkv", m.hidden_size, q + 2 * kv), ("o", q, m.hidden_size)]
+def linear_shapes(name: str, tp: int = 1) -> list[tuple[str, int, int]]:
+    """(layer, K in, N out) of a preset's dense linear layers on one rank of a ``tp``-way
+    tensor-parallel group (``dense.attention.Attention``'s split: a KV head per rank where
+    there are fewer than ranks; the LM head is not split)."""
     cfg = resolve_config(name)
+    m = cfg.model
+    if m.num_heads % tp:
+        raise SystemExit(f"--tp {tp}: {name} has {m.num_heads} heads, not a multiple")
+    q, kv = m.num_heads // tp * m.head_dim, max(m.num_kv_heads // tp, 1) * m.head_dim
+    shapes = [("qkv", m.hidden_size, q + 2 * kv), ("o", q, m.hidden_size)]
     if cfg.moe is None or cfg.moe.first_dense or cfg.moe.every > 1:  # a dense MLP exists
         gated = m.activation == "silu"
-        shapes += [("mlp up", m.hidden_size, (2 if gated else 1) * m.ffn_hidden), ("mlp down", m.ffn_hidden,
-                                                                                    m.hidden_size)]
-    shapes.append(("lm head", m.hidden_size, m.vocab_size))
+        ffn = m.ffn_hidden // tp
+        shapes += [("mlp up", m.hidden_size, (2 if gated else 1) * ffn), ("mlp down", ffn, m.hidden_size)]
+    if tp == 1:
+        shapes.append(("lm head", m.hidden_size, m.vocab_size))
     return shapes
 
 
@@ -106,7 +112,7 @@ def best_cuda(time, inputs, t, n, k, sms, int8):
     return min(plain + timed(persistent), key=lambda p: p[0])
 
 
-def gemm_rows(models, tokens, device, dtype, copies, copy_gbs):
+def gemm_rows(models, tokens, device, dtype, copies, copy_gbs, tp: int = 1):
     from kernels.moe.triton import linear_triton  # Triton: imported where a run needs it
 
     rows, time = [], timer(device, copies)
@@ -122,7 +128,7 @@ def gemm_rows(models, tokens, device, dtype, copies, copy_gbs):
         return copy_same.get(nbytes)
 
     for model in models:
-        for layer, k, n in linear_shapes(model):
+        for layer, k, n in linear_shapes(model, tp):
             same_bytes(n * k * 2)
             same_bytes(n * k + 4 * n)
             ws = [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(copies)]
@@ -202,6 +208,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--models", default=MODELS)
     ap.add_argument("--tokens", default="1,2,4,8,16")
+    ap.add_argument("--tp", type=int, default=1, help="the shapes of one rank of this many tensor-parallel ranks "
+                                                      "(the LM head, not split, only at 1)")
     ap.add_argument("--copies", type=int, default=4, help="input sets rotated through (defeats L2 reuse)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-attention", action="store_true", help="only the GEMM shapes")
@@ -219,7 +227,7 @@ def main():
     if args.no_attention:
         cases = []
     copy_gbs = bc.measure_copy_bandwidth(device) if device.type == "cuda" else None
-    gemm = gemm_rows(models, tokens, device, dtype, args.copies, copy_gbs)
+    gemm = gemm_rows(models, tokens, device, dtype, args.copies, copy_gbs, args.tp)
     attn = attention_rows(cases, device, dtype, args.copies, copy_gbs)
     run = bc.run_info(device)
     print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {dtype}"

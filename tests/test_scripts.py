@@ -121,6 +121,25 @@ def test_dense_table_writer_keeps_pinned_entries(tmp_path):
     assert int8 == {"N64:K32": {1: tuning.LinearSbi(), 2: tuning.LinearSbi()}, "N8:K8": {4: tuning.LinearTriton()}}
 
 
+@pytest.mark.parametrize("name,tp", [("olmoe-1b-7b", 2), ("mixtral-8x7b", 2), ("qwen3-30b-a3b", 8), ("tiny-moe", 1)])
+def test_dense_shapes_of_a_tensor_parallel_rank_are_the_model_layers(name, tp):
+    """bench_dense --tp times the weights one rank of the group holds: the attention layer
+    built for that rank (fewer KV heads than ranks included) has those shapes."""
+    import torch
+
+    from comm import Group
+    from dense.attention import Attention
+    from moe_infer.loader import resolve_config
+
+    bench_dense = _script("bench_dense")
+    with torch.device("meta"):
+        attn = Attention(resolve_config(name).model, Group(None, 0, tp, tuple(range(tp))))
+    shapes = {layer: (k, n) for layer, k, n in bench_dense.linear_shapes(name, tp)}
+    assert shapes["qkv"] == tuple(attn.qkv_proj.weight.shape[::-1])
+    assert shapes["o"] == tuple(attn.o_proj.weight.shape[::-1])
+    assert ("lm head" in shapes) == (tp == 1)
+
+
 def test_tune_moe_large_t_candidates_try_short_last_tiles():
     """At large T the tuner also times 128-row tiles with sub_m 2, and every candidate is
     one grouped_gemm accepts (bm / sub_m >= 16)."""

@@ -11,7 +11,7 @@ reference's torch ops past that.
 """
 from __future__ import annotations
 
-from kernels.norm.reference import rms_norm_ref, rms_norm_router_ref
+from kernels.norm.reference import qk_norm_apply_ref, qk_sum_squares_ref, rms_norm_ref, rms_norm_router_ref
 
 ROUTER_MAX_ROWS = 16  # the fused norm + router launch is for decode steps
 
@@ -36,4 +36,23 @@ def rms_norm_router(x, residual, norm_w, eps, router_w, gating=None, *, pdl=True
     return rms_norm_router_ref(x, residual, norm_w, eps, router_w, gating)
 
 
-__all__ = ["rms_norm", "rms_norm_router"]
+def qk_sum_squares(qkv, q_width, k_width, *, pdl=True):
+    """The float32 sums of squares of each row's q (its first q_width columns) and k (the
+    next k_width) [.., 2] in one launch on a GPU: what an RMSNorm over q or k heads split
+    across tensor-parallel ranks all-reduces (both in one collective)."""
+    if qkv.is_cuda:
+        from kernels.norm.triton import qk_sum_squares_triton
+        return qk_sum_squares_triton(qkv, q_width, k_width, pdl)
+    return qk_sum_squares_ref(qkv, q_width, k_width)
+
+
+def qk_norm_apply(qkv, sq, q_weight, k_weight, q_count, k_count, eps, *, pdl=True):
+    """q and k of qkv normed in place from their summed squares ``sq`` [.., 2] (mean square:
+    sum / count) and scaled by this rank's weights, in one launch on a GPU -> qkv."""
+    if qkv.is_cuda:
+        from kernels.norm.triton import qk_norm_apply_triton
+        return qk_norm_apply_triton(qkv, sq, q_weight, k_weight, q_count, k_count, eps, pdl)
+    return qk_norm_apply_ref(qkv, sq, q_weight, k_weight, q_count, k_count, eps)
+
+
+__all__ = ["qk_norm_apply", "qk_sum_squares", "rms_norm", "rms_norm_router"]

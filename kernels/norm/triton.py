@@ -200,3 +200,81 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | N
         num_warps=4,
         **pdl_launch(x.device, pdl))
     return RouterEntry(out_h, summed, logits, *((ids, weights) if gating is not None else ()))
+
+
+QK_BLOCK = 1024  # columns a program handles at a time in the q / k norm kernels
+
+
+@triton.jit
+def _qk_sum_squares_kernel(x_ptr, out_ptr, QW, KW, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    acc_q = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, QW, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        v = tl.load(base + cols, mask=cols < QW, other=0.0).to(tl.float32)
+        acc_q += v * v
+    acc_k = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, KW, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        v = tl.load(base + QW + cols, mask=cols < KW, other=0.0).to(tl.float32)
+        acc_k += v * v
+    tl.store(out_ptr + row * 2, tl.sum(acc_q, axis=0))
+    tl.store(out_ptr + row * 2 + 1, tl.sum(acc_k, axis=0))
+
+
+@triton.jit
+def _scale_part(base, w_ptr, width, rstd, BLOCK: tl.constexpr):
+    """base[0:width] = w * round(base * rstd), in place."""
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        m = cols < width
+        x = tl.load(base + cols, mask=m, other=0.0)
+        normed = (x.to(tl.float32) * rstd).to(base.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(base + cols, (normed * w).to(base.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _qk_norm_apply_kernel(x_ptr, sq_ptr, qw_ptr, kw_ptr, QW, KW, stride_x, q_count, k_count, eps,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    rq = 1.0 / tl.sqrt(tl.load(sq_ptr + row * 2) / q_count + eps)
+    rk = 1.0 / tl.sqrt(tl.load(sq_ptr + row * 2 + 1) / k_count + eps)
+    _scale_part(base, qw_ptr, QW, rq, BLOCK)
+    _scale_part(base + QW, kw_ptr, KW, rk, BLOCK)
+
+
+def _qkv_rows(qkv: torch.Tensor, need: int) -> torch.Tensor:
+    if qkv.shape[-1] < need:
+        raise ValueError(f"qkv {list(qkv.shape)}: expected at least {need} columns (q and k)")
+    if qkv.stride(-1) != 1 or not qkv.view(-1, qkv.shape[-1]).is_contiguous():
+        raise ValueError(f"qkv {list(qkv.shape)}: expected rows laid out back to back")
+    return qkv.view(-1, qkv.shape[-1])
+
+
+def qk_sum_squares_triton(qkv: torch.Tensor, q_width: int, k_width: int, pdl: bool = True) -> torch.Tensor:
+    """Same contract as ``qk_sum_squares_ref``; one launch, one program per row."""
+    x2 = _qkv_rows(qkv, q_width + k_width)
+    out = torch.empty(*qkv.shape[:-1], 2, dtype=torch.float32, device=qkv.device)
+    if x2.shape[0]:
+        _qk_sum_squares_kernel[(x2.shape[0],)](x2, out, q_width, k_width, x2.stride(0), BLOCK=QK_BLOCK,
+                                               num_warps=4, **pdl_launch(x2.device, pdl))
+    return out
+
+
+def qk_norm_apply_triton(qkv: torch.Tensor, sq: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                         q_count: float, k_count: float, eps: float, pdl: bool = True) -> torch.Tensor:
+    """Same contract as ``qk_norm_apply_ref`` (in place); one launch, one program per row."""
+    qw, kw = q_weight.shape[0], k_weight.shape[0]
+    x2 = _qkv_rows(qkv, qw + kw)
+    if sq.shape != (*qkv.shape[:-1], 2) or sq.dtype != torch.float32:
+        raise ValueError(f"sq {list(sq.shape)} {sq.dtype}: expected float32 {[*qkv.shape[:-1], 2]}")
+    if x2.shape[0]:
+        _qk_norm_apply_kernel[(x2.shape[0],)](x2, sq.contiguous(), q_weight, k_weight, qw, kw, x2.stride(0),
+                                              float(q_count), float(k_count), eps, BLOCK=QK_BLOCK, num_warps=4,
+                                              **pdl_launch(x2.device, pdl))
+    return qkv

@@ -6,8 +6,8 @@ return one type per method."""
 import pytest
 import torch
 
-from kernels.norm.reference import rms_norm_ref, rms_norm_router_ref
-from kernels.norm.triton import rms_norm_router_triton, rms_norm_triton
+from kernels.norm.reference import qk_norm_apply_ref, qk_sum_squares_ref, rms_norm_ref, rms_norm_router_ref
+from kernels.norm.triton import qk_norm_apply_triton, qk_sum_squares_triton, rms_norm_router_triton, rms_norm_triton
 from kernels.routing.gating import topk_gating_triton
 from tests.kernels.common import BACKENDS, rel
 
@@ -29,6 +29,35 @@ def test_rms_norm_matches_reference(device, dtype, shape, with_residual):
         assert summed.dtype == dtype and rel(summed, ref_sum) < TOL[dtype]
     assert out.shape == x.shape and out.dtype == dtype
     assert rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("lead,widths", [((1, 1), (1024, 1024, 1024)), ((3,), (64, 32, 32)), ((2, 5), (2048, 128, 128)),
+                                         ((4,), (1100, 300, 300))])
+def test_sharded_qk_norm_matches_reference_and_a_whole_norm(device, dtype, lead, widths):
+    """The q / k norm over heads split across ranks: the sums of squares of q and k, then
+    both scaled in place, match the references; with two halves' sums added (what the
+    all-reduce does) each half equals its slice of one RMSNorm over the whole width."""
+    qw, kw, vw = widths
+    gen = torch.Generator().manual_seed(qw + kw + len(lead))
+    qkv = (torch.randn(*lead, qw + kw + vw, generator=gen) * 2).to(device, dtype)
+    wq, wk = ((torch.rand(n, generator=gen) + 0.5).to(device, dtype) for n in (qw, kw))
+    sq = qk_sum_squares_triton(qkv, qw, kw)
+    ref_sq = qk_sum_squares_ref(qkv.double(), qw, kw)
+    assert sq.shape == (*lead, 2) and sq.dtype == torch.float32 and rel(sq, ref_sq) < 1e-5
+    out = qk_norm_apply_triton(qkv.clone(), sq, wq, wk, qw, kw, 1e-6)
+    ref = qk_norm_apply_ref(qkv.double(), ref_sq, wq.double(), wk.double(), qw, kw, 1e-6)
+    assert out.dtype == dtype and rel(out, ref) < TOL[dtype]
+    torch.testing.assert_close(out[..., qw + kw:], qkv[..., qw + kw:], rtol=0, atol=0)  # v untouched
+    # Two ranks, each with half of q's and k's columns: their summed squares give each half
+    # the whole norm's values.
+    hq, hk = qw // 2, kw // 2
+    halves = [torch.cat((qkv[..., a:a + hq], qkv[..., qw + b:qw + b + hk]), -1).contiguous()
+              for a, b in ((0, 0), (hq, hk))]
+    total = sum(qk_sum_squares_triton(h, hq, hk) for h in halves)
+    whole_q = rms_norm_ref(qkv[..., :qw].double(), wq.double(), 1e-6)
+    normed = qk_norm_apply_triton(halves[1], total, wq[hq:2 * hq], wk[hk:2 * hk], qw, kw, 1e-6)
+    assert rel(normed[..., :hq], whole_q[..., hq:2 * hq]) < TOL[dtype]
 
 
 @pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
