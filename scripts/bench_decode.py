@@ -68,6 +68,24 @@ def per_token_ms(engine, prompts, n, reps):
     return 1e3 * (statistics.median(long_t) - statistics.median(short_t)) / (n - 1), [o.token_ids for o in out]
 
 
+def decode_step_ms(engine, prompts, n: int, reps: int) -> float:
+    """ms per decode step from generate()'s own clock (``GenerationStats.decode_s``: from a
+    batch's first tokens to its last, every host sync included), median of ``reps`` after a
+    warm-up. Steadier than ``per_token_ms``'s difference of two runs where the prefill's
+    time varies by more than that difference can bear: experts in host memory, several
+    ranks whose collectives meet."""
+    engine.generate(prompts, max_new_tokens=n)
+    times = []
+    for _ in range(reps):
+        engine.generate(prompts, max_new_tokens=n)
+        s = engine.last_stats
+        steps = s.decoded_tokens / len(prompts)
+        if steps != n - 1:  # eos is cleared: every row runs its n - 1 decode steps
+            raise RuntimeError(f"decode_step_ms: {steps} decode steps a row, expected {n - 1}")
+        times.append(s.decode_s / steps)
+    return 1e3 * statistics.median(times)
+
+
 def replay_ms(engine, batch: int, slot: int | None = None) -> float | None:
     """Device time of one captured decode step for ``batch`` rows: its graph replayed back
     to back at ``slot`` (default: the last slot generate() used), with no host loop in

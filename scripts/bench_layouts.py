@@ -11,9 +11,9 @@ user's does) writes its ms/token per batch to bench/results/layouts-baseline-<mo
 <device>-<date>.json; a multi-rank run of the same model, device and day reads it and
 prints each layout's ratio to it.
 
-ms/token is ``bench_decode.per_token_ms``: (generate() with N + 1 new tokens - with 2) /
-(N - 1), medians of ``--reps``, timed on rank 0 (every rank runs every prompt unless the
-layout splits them over data-parallel replicas: then rank 0's share). Run the baseline and
+ms/token is ``bench_decode.decode_step_ms``: generate()'s own clock from a batch's first
+tokens to its last over its N - 1 decode steps, median of ``--reps`` (with data-parallel
+replicas that split the prompts, the slowest replica's). Run the baseline and
 the layouts in one device session, so both come from the same machine. Random
 weights are drawn per rank's shard, so layouts run models of the same shapes, not the same
 values: this times, parity is the mpi tests' (tests/test_model_mpi.py). A second
@@ -39,7 +39,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 import moe_infer  # noqa: E402
-from bench_decode import per_token_ms  # noqa: E402
+from bench_decode import decode_step_ms  # noqa: E402
 from comm import Group, all_gather_json  # noqa: E402
 from moe_infer import ParallelConfig  # noqa: E402
 
@@ -123,13 +123,13 @@ def main():
 
     def load(parallel=None):
         engine = moe_infer.load(args.model, parallel=parallel, progress=False, device="cpu" if args.smoke else None)
-        engine.eos = set()  # every row runs all its tokens (per_token_ms needs it)
+        engine.eos = set()  # every row runs all its tokens (decode_step_ms needs it)
         engine.config.engine.max_batch_size = max(batches)
         return engine
 
     if args.baseline:
         engine = load()
-        rows = {b: per_token_ms(engine, prompts(engine, b), args.new_tokens, args.reps)[0] for b in batches}
+        rows = {b: decode_step_ms(engine, prompts(engine, b), args.new_tokens, args.reps) for b in batches}
         print(f"one process, {engine.device}, decode mode {engine.decode_mode}: "
               + ", ".join(f"batch {b} {ms:.3f} ms/token" for b, ms in rows.items()))
         if not args.no_json:
@@ -147,7 +147,7 @@ def main():
         engine = load(ParallelConfig(**kw))
         for b in batches:
             ps = prompts(engine, b)
-            ms, _ = per_token_ms(engine, ps, args.new_tokens, args.reps)
+            ms = decode_step_ms(engine, ps, args.new_tokens, args.reps)
             profiled, comm_ms, calls = split_ms(engine, ps, args.new_tokens)
             results.append({"layout": name, "parallel": kw, "batch": b, "decode_mode": engine.decode_mode,
                             "ms_per_token": ms, "profiled_ms": profiled, "comm_ms": comm_ms,

@@ -8,7 +8,7 @@ model fits, and transformers + accelerate at the same budget.
     python scripts/bench_offload.py --smoke          # tiny-moe on the CPU, every mode
 
 Random weights. Per budget and mode (``engine.offload``: auto, cpu, stream): decode ms per
-step at each batch (``decode_step_ms``, 128-token prompts), prefill tokens/s of
+step at each batch (``bench_decode.decode_step_ms``, 128-token prompts), prefill tokens/s of
 ``--prefill`` prompts (time to the first token), and from the layers' counters the share of
 routed pairs that found their expert on the device (hit rate) and the cold experts a token
 met. The floor of a decode step: the device-resident bytes it reads (everything but the
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 import moe_infer  # noqa: E402
-from bench_decode import hf_config, prefill_flops  # noqa: E402
+from bench_decode import decode_step_ms, hf_config, prefill_flops  # noqa: E402
 from moe_infer import offload as off  # noqa: E402
 
 
@@ -81,23 +80,6 @@ def decode_counters(engine, prompts, n: int) -> dict:
     engine.generate(prompts, max_new_tokens=2)
     short = counters(engine)
     return {k: long[k] - short[k] for k in long}
-
-
-def decode_step_ms(engine, prompts, n: int, reps: int) -> float:
-    """ms per decode step from generate()'s own clock (``GenerationStats.decode_s``: from a
-    batch's first tokens to its last), median of ``reps`` after a warm-up. Not the difference
-    of two runs of different lengths (``bench_decode.per_token_ms``): with experts in host
-    memory the prefill's time varies by more than that difference can bear."""
-    engine.generate(prompts, max_new_tokens=n)
-    times = []
-    for _ in range(reps):
-        engine.generate(prompts, max_new_tokens=n)
-        s = engine.last_stats
-        steps = s.decoded_tokens / len(prompts)
-        if steps != n - 1:  # eos is cleared: every row runs its n - 1 decode steps
-            raise RuntimeError(f"decode_step_ms: {steps} decode steps a row, expected {n - 1}")
-        times.append(s.decode_s / steps)
-    return 1e3 * statistics.median(times)
 
 
 def prefill_tokens_s(engine, prompts) -> float:

@@ -5,11 +5,11 @@ user runs it, under ``scripts/launch.sh -n P``.
     scripts/launch.sh -n 2 -- python scripts/bench_pipeline.py --model mixtral-8x7b
     scripts/launch.sh -n 2 -- python scripts/bench_pipeline.py --smoke      # tiny-moe, CPU ranks (gloo)
 
-Per batch: decode ms per step and tokens/s (``bench_decode.per_token_ms``: generate() with
-N + 1 new tokens against 2) for pp P with the re-queueing schedule (P micro-batches), pp P
+Per batch: decode ms per step and tokens/s (``bench_decode.decode_step_ms``: generate()'s
+own clock over the decode steps) for pp P with the re-queueing schedule (P micro-batches), pp P
 draining the pipeline every token (1 micro-batch), and the tp P and ep P layouts; the
 pipeline's bubble, 1 - (summed stage busy time) / (stages x wall time), of each schedule's
-longer run. Prompt processing: ``--prompts`` prompts of ``--prompt-len`` tokens, one new
+last timed run. Prompt processing: ``--prompts`` prompts of ``--prompt-len`` tokens, one new
 token, with the hybrid micro-batch count (4 P) and with equal counts (P), seconds and
 bubble. Writes bench/results/pipeline-<model>-<P>ranks-<device>-<date>.json.
 """
@@ -29,7 +29,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 import moe_infer  # noqa: E402
-from bench_decode import per_token_ms  # noqa: E402
+from bench_decode import decode_step_ms  # noqa: E402
 from moe_infer import ParallelConfig  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def main():
     def load(**kw):
         engine = moe_infer.load(args.model, parallel=ParallelConfig(**kw), progress=False,
                                 device="cpu" if args.smoke else None)
-        engine.eos = set()  # every row runs all its tokens (per_token_ms needs it)
+        engine.eos = set()  # every row runs all its tokens (decode_step_ms needs it)
         engine.config.engine.max_batch_size = max(batches + [args.prompts])
         engine.config.engine.max_seq_len = max(args.prompt_len + args.new_tokens + 2, args.prompt_tokens + 2)
         return engine
@@ -87,7 +87,7 @@ def main():
         vocab = engine.config.model.vocab_size
         for b in batches:
             ps = prompts(b, args.prompt_len, b, vocab)
-            ms, _ = per_token_ms(engine, ps, args.new_tokens, args.reps)
+            ms = decode_step_ms(engine, ps, args.new_tokens, args.reps)
             bubble = engine.last_timeline.bubble if engine.last_timeline is not None else None
             decode.append({"layout": f"{name}{world}", "parallel": kw, "batch": b, "ms_per_step": ms,
                            "tokens_per_s": 1e3 * b / ms if ms > 0 else None, "bubble": bubble})
