@@ -17,7 +17,6 @@ SMOKES = {
     "bench_dense": (["--device", "cpu", "--smoke"], "SDPA gathered"),
     "bench_decode": (["--device", "cpu", "--smoke"], "floor MB"),
     "bench_serve": (["--smoke"], "TTFT p50"),
-    "bench_layouts": (["--smoke", "--baseline", "--no-json"], "ms/token"),
     "bench_offload": (["--smoke"], "cold experts/step"),
     "validate_costmodel": ([], "within 15%"),  # the layout results in bench/results against the cost model
     "extrapolate": (["--no-plot"], "published under"),
@@ -71,7 +70,8 @@ def test_bench_decode_table_of_prompt_lengths_and_batches():
 
 MULTI_RANK = {  # run under scripts/launch.sh with 2 ranks (gloo)
     "bench_ep": (["--device", "cpu", "--smoke", "--no-json"], "PCC / naive"),
-    "bench_layouts": (["--smoke", "--no-json"], "collectives/token"),
+    # (the scaling smoke below runs its baseline and tp2, ep2, pp2)
+    "bench_layouts": (["--smoke", "--no-json", "--layouts", "ep2-dp-attention,slicing2"], "collectives/token"),
     "bench_pipeline": (["--smoke", "--no-json", "--peers", "tp"], "hybrid / equal"),
     "bench_serve": (["--smoke", "--tp", "2"], "TTFT p50"),  # rank 0 serves, rank 1 follows its steps
 }
