@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from comm import Group, all_reduce
+from comm import Group, all_gather, all_reduce
 from kernels import dense_linear, norm_linear
 from kernels.options import KernelOptions
 
@@ -84,3 +84,34 @@ class RowParallelLinear(nn.Module):
             return y
         y = all_reduce(y, self.group)
         return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head split by vocabulary: each rank holds ceil(V / P) rows of the [V, I]
+    weight (the last rank's rows past V are zero), computes those logits, and one
+    all-gather joins them -> [N, V]. Each rank reads 1 / P of the head's bytes a step where
+    a replicated head reads all of it on every rank."""
+
+    def __init__(self, in_features: int, vocab: int, group: Group, options: KernelOptions = KernelOptions()):
+        super().__init__()
+        self.group, self.options, self.vocab = group, options, vocab
+        local = -(-vocab // group.size)
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        self.bias = None
+        first = group.rank * local
+
+        def shard(full: torch.Tensor) -> torch.Tensor:  # this rank's rows, zero past the vocabulary
+            part = full[first:first + local]
+            return part if part.shape[0] == local else torch.cat((part, part.new_zeros(local - part.shape[0],
+                                                                                         *part.shape[1:])))
+        self.shard_fns = {"weight": shard}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_vocab(dense_linear(x, self.weight, pdl=self.options.pdl), self.group, self.vocab)
+
+
+def gather_vocab(y: torch.Tensor, group: Group, vocab: int) -> torch.Tensor:
+    """Every rank's logits of its vocabulary rows y [.., V / P] -> [.., V], in rank order
+    (contiguous: collectives such as the pipeline's broadcast send it whole)."""
+    full = all_gather(y.reshape(-1, y.shape[-1]), group, dim=-1)
+    return full[:, :vocab].contiguous().view(*y.shape[:-1], vocab)

@@ -1,9 +1,10 @@
 """Weight-only int8 for the dense linear layers: per-output-channel scales, dequantisation
 fused into the GEMM on GPUs (``kernels.dense_linear``).
 
-``quantize_linears(model)`` swaps every ``nn.Linear``, ``ColumnParallelLinear`` and
-``RowParallelLinear`` of a loaded model for ``Int8Linear`` in place (bf16 weights in, int8
-weights on the device); a row-parallel layer keeps its all-reduce. Layers named in
+``quantize_linears(model)`` swaps every ``nn.Linear``, ``ColumnParallelLinear``,
+``RowParallelLinear`` and ``VocabParallelHead`` of a loaded model for ``Int8Linear`` in place
+(bf16 weights in, int8 weights on the device); a row-parallel layer keeps its all-reduce, a
+vocabulary-parallel head its all-gather. Layers named in
 ``skip`` (by default the MoE router and shared-expert gates, whose outputs pick experts)
 and layers narrower than ``min_out`` stay as they are.
 """
@@ -14,14 +15,15 @@ from torch import nn
 
 import kernels
 from comm import Group, all_reduce
-from dense.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from dense.parallel_linear import ColumnParallelLinear, RowParallelLinear, VocabParallelHead, gather_vocab
 from kernels.options import KernelOptions
 
-LINEAR_TYPES = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+LINEAR_TYPES = (nn.Linear, ColumnParallelLinear, RowParallelLinear, VocabParallelHead)
 
 
 class Int8Linear(nn.Module):
-    """y = x @ dequant(weight).T (+ the row-parallel all-reduce) + bias."""
+    """y = x @ dequant(weight).T (+ the row-parallel all-reduce, or the vocabulary-parallel
+    all-gather) + bias."""
 
     def __init__(self, linear: nn.Module):
         super().__init__()
@@ -30,6 +32,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale[0])  # [O] float32
         self.bias = linear.bias
         self.reduce: Group | None = linear.group if isinstance(linear, RowParallelLinear) else None
+        self.gather: tuple[Group, int] | None = (linear.group, linear.vocab) \
+            if isinstance(linear, VocabParallelHead) else None
         # The layer it replaces carries the model's options (a plain nn.Linear: the defaults).
         self.options: KernelOptions = getattr(linear, "options", KernelOptions())
 
@@ -52,6 +56,8 @@ class Int8Linear(nn.Module):
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
         if self.reduce is not None:
             y = all_reduce(y, self.reduce)
+        if self.gather is not None:
+            y = gather_vocab(y, *self.gather)
         return y + self.bias if self.bias is not None else y
 
 

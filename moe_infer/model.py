@@ -16,7 +16,7 @@ from comm import ParallelGroups
 from dense import MLP, Attention, PagedKVCache, Rotary, StepContext, make_norm
 from dense.attention import SDPA_BACKENDS
 from dense.norm import RMSNorm
-from dense.parallel_linear import Linear
+from dense.parallel_linear import Linear, VocabParallelHead
 from kernels.attention.reference import paged_decode_context_ref
 from kernels.norm import ROUTER_MAX_ROWS
 from kernels.options import KernelOptions
@@ -148,8 +148,10 @@ class Transformer(nn.Module):
                                     else OtherStage() for i in range(m.num_layers))
         self.num_kv_heads = self.layers[self.own.start].attn.num_kv_heads  # on this rank
         self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps, options) if last else None
-        self.lm_head = Linear(m.hidden_size, m.vocab_size, bias=False, options=options) if last and not self.tied \
-            else None
+        self.lm_head = None
+        if last and not self.tied:  # split by vocabulary over the TP ranks (a tied head stays whole)
+            self.lm_head = VocabParallelHead(m.hidden_size, m.vocab_size, groups.tp, options) if groups.tp.size > 1 \
+                else Linear(m.hidden_size, m.vocab_size, bias=False, options=options)
         self.home: torch.device | None = None  # set by the loader for streamed blocks
 
     @property

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import moe_infer
 from comm import Group, all_gather_json, bootstrap
+from dense.parallel_linear import VocabParallelHead
 from hf_models import save_hf_model
 from moe_infer import ParallelConfig
 from moe_infer.dispatch import ExpertParallelDispatcher
@@ -111,6 +112,9 @@ def test_layouts_match_single_process(info, checkpoint):
         moe = [m for m in engine.model.modules() if isinstance(m, MoELayer)]
         if name == "tp" and moe[0].shared is not None:  # the shared expert's sum joins the routed experts'
             assert all(m.fused_sum for m in moe), name
+        head = engine.model.lm_head
+        if head is not None:  # split by vocabulary over the TP ranks, whole without TP
+            assert isinstance(head, VocabParallelHead) == (kw.get("tp", 1) > 1), name
         assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=5)] == ref_tokens, name
         if not on_gpu:  # the fixed-shape prefill and decode steps (a graph's math, run eagerly), collectives inside
             engine.decode_mode = "static"
@@ -244,6 +248,26 @@ class _Identity:
 
     def fused(self, x, ids, weights, capacity=None, maps=None):
         return x
+
+
+def test_vocab_parallel_head_gives_the_whole_heads_logits_also_in_int8(info, world):
+    """Each rank's ceil(V / P) rows of the head (a vocabulary P does not divide: the last
+    rank's tail is zero) and one all-gather give the whole head's logits; as int8 (per-row
+    scales: the same rows quantize alike) they equal the whole int8 head's."""
+    from dense.parallel_linear import Linear
+    from dense.quant import Int8Linear
+
+    torch.manual_seed(3)
+    vocab, hidden = 4 * world + 3, 24
+    whole = Linear(hidden, vocab, bias=False).to(info.device)
+    group = Group(dist.group.WORLD, dist.get_rank(), world, tuple(range(world)))
+    head = VocabParallelHead(hidden, vocab, group).to(info.device)
+    with torch.no_grad():
+        head.weight.copy_(head.shard_fns["weight"](whole.weight))
+    x = torch.randn(2, 3, hidden, device=info.device)
+    with torch.no_grad():  # as the engine runs it
+        torch.testing.assert_close(head(x), whole(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(Int8Linear(head)(x), Int8Linear(whole)(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["exact", "fixed"])
