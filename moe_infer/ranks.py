@@ -1,6 +1,7 @@
 """Serving under mpirun: rank 0 runs the scheduler and broadcasts each step's rows as one
 int64 device tensor; every other rank runs the same forward (tensor- and expert-parallel
-layers need every rank in each collective)."""
+layers need every rank in each collective, and so does the vocabulary-parallel LM head:
+a forward that keeps every position's logits is marked as such)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
@@ -13,29 +14,31 @@ if TYPE_CHECKING:
     from moe_infer.scheduler import Scheduler
 
 
-def pack_rows(rows: list[Row] | None) -> torch.Tensor:
-    """A step's rows as one int64 tensor: the row count (-1: stop), then per row its token
-    count, start and table length, then every row's tokens and tables."""
+def pack_rows(rows: list[Row] | None, all_positions: bool = False) -> torch.Tensor:
+    """A step's rows as one int64 tensor: the row count (-1: stop), whether the forward keeps
+    every position's logits (``PagedRunner.forward_all``), then per row its token count,
+    start and table length, then every row's tokens and tables."""
     if rows is None:
         return torch.tensor([-1])
-    head = [len(rows)] + [v for r in rows for v in (len(r.tokens), r.start, len(r.table))]
+    head = [len(rows), int(all_positions)] + [v for r in rows for v in (len(r.tokens), r.start, len(r.table))]
     return torch.tensor(head + [t for r in rows for t in r.tokens] + [b for r in rows for b in r.table])
 
 
-def unpack_rows(data: torch.Tensor) -> list[Row] | None:
+def unpack_rows(data: torch.Tensor) -> tuple[list[Row], bool] | None:
+    """-> (the rows, whether every position's logits are kept), or None: stop."""
     values = data.tolist()
     n = values[0]
     if n < 0:
         return None
-    rows, at = [], 1 + 3 * n
-    heads = [values[1 + 3 * i:4 + 3 * i] for i in range(n)]
+    rows, at = [], 2 + 3 * n
+    heads = [values[2 + 3 * i:5 + 3 * i] for i in range(n)]
     for count, start, _ in heads:
         rows.append(Row(values[at:at + count], start, []))
         at += count
     for row, (_, _, blocks) in zip(rows, heads):
         row.table = values[at:at + blocks]
         at += blocks
-    return rows
+    return rows, bool(values[1])
 
 
 def row_channel():
@@ -49,8 +52,8 @@ def row_channel():
     # at exit, which aborts the process.
     held: list[torch.Tensor] = []
 
-    def send(rows):
-        data = pack_rows(rows).to(dev)
+    def send(rows, all_positions: bool = False):
+        data = pack_rows(rows, all_positions).to(dev)
         size = torch.tensor([data.numel()], device=dev)
         dist.broadcast(size, src=0)
         dist.broadcast(data, src=0)
@@ -67,10 +70,11 @@ def row_channel():
     return send, receive
 
 
-def follow(runner: PagedRunner, receive: Callable[[], list[Row] | None]):
+def follow(runner: PagedRunner, receive: Callable[[], tuple[list[Row], bool] | None]):
     """Ranks other than 0: run every step rank 0 broadcasts, until it sends None."""
-    while (rows := receive()) is not None:
-        runner.forward(rows)
+    while (step := receive()) is not None:
+        rows, all_positions = step
+        runner.forward_all(rows) if all_positions else runner.forward(rows)
 
 
 def lead_or_follow(scheduler: "Scheduler") -> Callable[[], None] | None:

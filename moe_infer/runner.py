@@ -370,8 +370,8 @@ class PagedRunner:
     def forward_all(self, rows: list[Row]) -> torch.Tensor:
         """-> float32 logits [B, T, V] of every new token, each row's at the end (rows are
         left-padded), for prompt log-probabilities: only steps that prefill a prompt whose
-        logprobs were asked for pay for the T x V rows. The LM head is replicated, so ranks
-        following with ``forward`` run the same layers."""
+        logprobs were asked for pay for the T x V rows. Ranks that follow a server's steps
+        run it too (``moe_infer.ranks``): a vocabulary-parallel head gathers T x V logits."""
         self._count()
         return self._run(rows, last_only=False).float()
 

@@ -120,7 +120,7 @@ class Scheduler:
         self.metrics = metrics
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
-        self.broadcast: Callable[[list[Row]], None] | None = None  # set on multi-rank jobs
+        self.broadcast: Callable[[list[Row], bool], None] | None = None  # set on multi-rank jobs
         self.inflight: list[Sampled] = []  # launched, not yet delivered
 
     # ----------------------------------------------------------------- from the server
@@ -293,7 +293,7 @@ class Scheduler:
         """-> (logits [B, V] of each row's last token, the token each row's knobs draw [B]);
         with ``all_positions`` the logits [B, T, V] of every token alone."""
         if self.broadcast is not None:
-            self.broadcast(rows)
+            self.broadcast(rows, all_positions)
         return self.runner.forward_all(rows) if all_positions else self.runner.decode(rows)
 
     def _score_prompt(self, r: Request, logits: torch.Tensor, start: int):

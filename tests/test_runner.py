@@ -262,7 +262,8 @@ def test_step_rows_travel_as_one_int64_tensor():
     rows = [Row([1, 2, 3], 0, [5, 6]), Row([9], 17, [1, 2, 3, 4]), Row([7, 7], 4, [0])]
     packed = pack_rows(rows)
     assert packed.dtype == torch.int64 and packed.dim() == 1
-    assert unpack_rows(packed) == rows and unpack_rows(pack_rows(None)) is None
+    assert unpack_rows(packed) == (rows, False) and unpack_rows(pack_rows(None)) is None
+    assert unpack_rows(pack_rows(rows, all_positions=True)) == (rows, True)
 
 
 def _serve_all(scheduler, reqs):
