@@ -174,8 +174,8 @@ def parse_layout(text: str, gpus: int) -> ParallelConfig:
 def _parallel(args, ranks: int) -> ParallelConfig | str | None:
     """The layout from --parallel, or from --tp / --pp / --ep / --expert-slicing / --pcc /
     --dp-attention and the pipeline's micro-batch counts; data parallelism of the dense part
-    fills the ranks the launcher started (all of them without layout flags). "auto": the
-    loader asks the cost model."""
+    fills the ranks the launcher started. "auto": the loader asks the cost model. None:
+    no layout flags (``_default_layout``)."""
     flags = (args.tp, args.pp, args.ep, args.expert_slicing, args.pcc, args.dp_attention, args.micro_batches,
              args.prompt_micro_batches)
     if args.parallel is not None:
@@ -184,13 +184,28 @@ def _parallel(args, ranks: int) -> ParallelConfig | str | None:
                               f"--pcc / --dp-attention / --micro-batches beside it")
         return "auto" if args.parallel == "auto" else parse_layout(args.parallel, ranks)
     if all(v is None for v in flags):
-        return ParallelConfig(dp=ranks) if ranks > 1 else None
+        return None
     tp, pp = args.tp or 1, args.pp or 1
     if tp < 1 or pp < 1 or ranks % (tp * pp):
         raise ConfigError(f"--tp={tp} x --pp={pp}: expected a divisor of the {ranks} ranks this job runs")
     return ParallelConfig(tp=tp, pp=pp, dp=ranks // (tp * pp), ep=args.ep or 1, expert_slicing=args.expert_slicing,
                           pcc=True if args.pcc is None else args.pcc, dp_attention=bool(args.dp_attention),
                           micro_batches=args.micro_batches, prompt_micro_batches=args.prompt_micro_batches)
+
+
+def _default_layout(ranks: int, model: str | None) -> ParallelConfig | None:
+    """Without layout flags: the model config's own layout (a model YAML's ``parallel``
+    section, None here: the loader applies it); where it names none, data parallelism of
+    the dense part over every rank the launcher started."""
+    if ranks == 1:
+        return None
+    if model is not None:
+        from moe_infer.loader import resolve_config
+
+        cfg = resolve_config(model)
+        if cfg.parallel.world_size > 1 or cfg.parallel_auto:
+            return None
+    return ParallelConfig(dp=ranks)
 
 
 def _print_completions(prompts, outs):
@@ -210,6 +225,8 @@ def _generate(args, job: Job) -> int:
     if not prompts:
         raise JobError("no prompt: pass --prompt TEXT or --prompt-ids IDS")
     parallel = job.stage(_parallel, args, job.size)
+    if parallel is None:
+        parallel = job.stage(_default_layout, job.size, args.model)
     engine = job.stage(load, args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
                        parallel=parallel, quantize=args.quantize, gpu_memory_gb=args.gpu_memory_gb,
                        offload=args.offload, offload_dir=args.offload_dir, hardware=args.hardware)
@@ -319,6 +336,8 @@ def _serve(args, job: Job) -> int:
     if args.hardware is not None:
         spec.engine["hardware"] = args.hardware
     parallel = job.stage(_parallel, args, job.size)
+    if parallel is None and not spec.parallel:  # (a serve YAML's parallel section stands)
+        parallel = job.stage(_default_layout, job.size, spec.model)
     if parallel is not None:
         spec.parallel = parallel if parallel == "auto" else dataclasses.asdict(parallel)
     engine = job.stage(build_engine, spec, progress=job.leader)

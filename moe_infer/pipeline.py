@@ -254,3 +254,61 @@ class PipelineSchedule:
             tl.busy = busy.tolist()
         self.timeline = tl
         return generated, finish, first_at, last_at
+
+
+class ServingSlots:
+    """The server's side of the inference schedule under mpirun: each call of ``slot`` is
+    one slot of the shift register, on every rank of the job. Rank 0's scheduler decides
+    the unit that enters the first stage (any rows: prompt pieces, decode rows, or none)
+    and broadcasts it (``moe_infer.ranks``); every rank keeps the units in flight, runs the
+    one at its own stage, passes its output on, and when a unit leaves the last stage its
+    logits reach every stage of the pipeline. The scheduler keeps as many units in flight
+    as there are stages (each request in at most one), so a request's next token enters
+    the pipeline in the slot after its previous one left it, without draining it."""
+
+    def __init__(self, runner):
+        self.runner, self.model = runner, runner.model
+        self.pp = self.model.pp
+        self.inflight: list[list[Row] | None] = [None] * self.pp.size
+        self.hidden: torch.Tensor | None = None  # what this stage received for its next unit
+
+    @property
+    def busy(self) -> bool:
+        return any(u is not None for u in self.inflight)
+
+    def reset(self) -> None:
+        """Forgets the units in flight (after a failed step)."""
+        self.inflight, self.hidden = [None] * self.pp.size, None
+
+    @torch.no_grad()
+    def slot(self, rows: list[Row] | None) -> tuple[list[Row], torch.Tensor] | None:
+        """``rows`` (None or []: nothing) into the first stage, every unit one stage on ->
+        (the rows of the unit that left the last stage, float32 logits [B, V] of each row's
+        last new token, on every rank), or None where no unit left."""
+        pp = self.pp
+        me, last = pp.rank, pp.size - 1
+        self.inflight = [rows or None] + self.inflight[:-1]
+        mine, out = self.inflight[me], None
+        if mine is not None:
+            out, _ = self.runner.stage(mine, self.hidden)
+        ops, self.hidden = [], None
+        if me < last and mine is not None:
+            ops.append(dist.P2POp(dist.isend, out, pp.ranks[me + 1]))
+        before = self.inflight[me - 1] if me > 0 else None
+        if before is not None:
+            self.hidden = self.model.stage_input(self.runner.stage_shape(before))
+            ops.append(dist.P2POp(dist.irecv, self.hidden, pp.ranks[me - 1]))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        done = self.inflight[last]
+        self.inflight[last] = None
+        if done is None:
+            return None
+        if me == last:
+            logits = out.contiguous()
+        else:
+            logits = torch.empty(len(done), self.model.cfg.model.vocab_size, dtype=torch.float32,
+                                 device=self.runner.engine.device)
+        dist.broadcast(logits, src=pp.ranks[last], group=pp.group)
+        return done, logits

@@ -14,18 +14,22 @@ if TYPE_CHECKING:
     from moe_infer.scheduler import Scheduler
 
 
-def pack_rows(rows: list[Row] | None, all_positions: bool = False) -> torch.Tensor:
-    """A step's rows as one int64 tensor: the row count (-1: stop), whether the forward keeps
-    every position's logits (``PagedRunner.forward_all``), then per row its token count,
-    start and table length, then every row's tokens and tables."""
+FORWARD, ALL_POSITIONS, SLOT = 0, 1, 2  # what the other ranks run with a step's rows
+
+
+def pack_rows(rows: list[Row] | None, mode: int = FORWARD) -> torch.Tensor:
+    """A step's rows as one int64 tensor: the row count (-1: stop), what to run them through
+    (``FORWARD``: ``PagedRunner.forward``; ``ALL_POSITIONS``: ``forward_all``, every
+    position's logits; ``SLOT``: a pipeline slot, ``moe_infer.pipeline.ServingSlots``), then
+    per row its token count, start and table length, then every row's tokens and tables."""
     if rows is None:
         return torch.tensor([-1])
-    head = [len(rows), int(all_positions)] + [v for r in rows for v in (len(r.tokens), r.start, len(r.table))]
+    head = [len(rows), mode] + [v for r in rows for v in (len(r.tokens), r.start, len(r.table))]
     return torch.tensor(head + [t for r in rows for t in r.tokens] + [b for r in rows for b in r.table])
 
 
-def unpack_rows(data: torch.Tensor) -> tuple[list[Row], bool] | None:
-    """-> (the rows, whether every position's logits are kept), or None: stop."""
+def unpack_rows(data: torch.Tensor) -> tuple[list[Row], int] | None:
+    """-> (the rows, the mode), or None: stop."""
     values = data.tolist()
     n = values[0]
     if n < 0:
@@ -38,7 +42,7 @@ def unpack_rows(data: torch.Tensor) -> tuple[list[Row], bool] | None:
     for row, (_, _, blocks) in zip(rows, heads):
         row.table = values[at:at + blocks]
         at += blocks
-    return rows, bool(values[1])
+    return rows, values[1]
 
 
 def row_channel():
@@ -52,8 +56,8 @@ def row_channel():
     # at exit, which aborts the process.
     held: list[torch.Tensor] = []
 
-    def send(rows, all_positions: bool = False):
-        data = pack_rows(rows, all_positions).to(dev)
+    def send(rows, mode: int = FORWARD):
+        data = pack_rows(rows, mode).to(dev)
         size = torch.tensor([data.numel()], device=dev)
         dist.broadcast(size, src=0)
         dist.broadcast(data, src=0)
@@ -70,11 +74,16 @@ def row_channel():
     return send, receive
 
 
-def follow(runner: PagedRunner, receive: Callable[[], tuple[list[Row], bool] | None]):
+def follow(runner: PagedRunner, receive: Callable[[], tuple[list[Row], int] | None], slots=None):
     """Ranks other than 0: run every step rank 0 broadcasts, until it sends None."""
     while (step := receive()) is not None:
-        rows, all_positions = step
-        runner.forward_all(rows) if all_positions else runner.forward(rows)
+        rows, mode = step
+        if mode == SLOT:
+            slots.slot(rows)
+        elif mode == ALL_POSITIONS:
+            runner.forward_all(rows)
+        else:
+            runner.forward(rows)
 
 
 def lead_or_follow(scheduler: "Scheduler") -> Callable[[], None] | None:
@@ -90,7 +99,7 @@ def lead_or_follow(scheduler: "Scheduler") -> Callable[[], None] | None:
     send, receive = row_channel()
     if dist.get_rank() != 0:
         scheduler.runner.capture_all()
-        follow(scheduler.runner, receive)
+        follow(scheduler.runner, receive, scheduler.slots)
         return None
     scheduler.broadcast = send
     return lambda: send(None)  # the followers leave their loop

@@ -53,6 +53,8 @@ import torch
 
 from moe_infer.engine import Engine
 from moe_infer.outputs import Logprob, Sampled, token_logprobs, top_pairs
+from moe_infer.pipeline import ServingSlots
+from moe_infer.ranks import ALL_POSITIONS, FORWARD, SLOT
 from moe_infer.runner import PagedRunner, Row, to_device
 from moe_infer.sampling import SamplingParams, apply_penalties, knobs, sample_rows
 from moe_infer.tokenizer import decode_delta
@@ -102,6 +104,7 @@ class Request:
     arrived: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
     seed: int = 0  # the sampling noise's (``moe_infer.sampling.knobs``): the request's, or drawn at submit
+    inflight: bool = False  # pipeline stages: a unit holding it is in the pipeline
 
 
 class Scheduler:
@@ -120,8 +123,13 @@ class Scheduler:
         self.metrics = metrics
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
-        self.broadcast: Callable[[list[Row], bool], None] | None = None  # set on multi-rank jobs
+        self.broadcast: Callable[[list[Row], int], None] | None = None  # set on multi-rank jobs (ranks.row_channel)
         self.inflight: list[Sampled] = []  # launched, not yet delivered
+        # Pipeline stages under mpirun: each step is one slot of the inference schedule,
+        # with up to ``parallel.micro_batches`` units in flight (``_slot_step``).
+        pp, micro = engine.model.pp.size, engine.config.parallel.micro_batches
+        self.slots = ServingSlots(self.runner) if pp > 1 and micro > 1 else None
+        self.units: list[list[tuple[Request, bool]] | None] = [None] * pp  # rank 0's view of the slots
 
     # ----------------------------------------------------------------- from the server
 
@@ -191,6 +199,9 @@ class Scheduler:
                 self._release(r)
             self.running = []
             self.inflight = []
+            if self.slots is not None:
+                self.slots.reset()
+                self.units = [None] * len(self.units)
 
     def _release(self, r: Request):
         """Gives a request's KV blocks back (under the lock)."""
@@ -198,6 +209,11 @@ class Scheduler:
         r.table = []
 
     def step(self):
+        if self.slots is not None and self.broadcast is not None:
+            return self._slot_step()
+        self._step_in_turn()
+
+    def _step_in_turn(self):
         self._schedule()
         first, launched = self._launch()
         for sampled in self.inflight:  # the device is busy with this step meanwhile
@@ -215,27 +231,18 @@ class Scheduler:
             self.inflight = []
         self._report()
 
-    def _prefill_waits(self) -> bool:
-        """Whether a request waits for admission or has prompt tokens still to prefill."""
-        return bool(self.waiting) or any(r.finish is None and r.cached < len(r.prompt) for r in self.running)
-
-    def _launch(self) -> tuple[Sampled | None, Sampled | None]:
-        """Queues one step's forwards and sampling on the device -> (the first tokens of the
-        requests whose prefill it ends, the decoding rows' next tokens), each on its way to
-        the host (None where no row). The first tokens' copy is queued before the decode
-        forward, so a new request's first token reaches its client a decode step sooner."""
-        # Prefill at most prefill_chunk tokens a step, counted as the forward computes them
-        # (rows x the widest row), so a long prompt cannot stall the running batch's next
-        # token for long: the oldest prefilling request first (in pieces if it is longer),
-        # then every later one whose whole prompt still fits beside it, and keeps a prefill
-        # of fresh prompts within a fixed-shape bucket (``PagedRunner.prefill_bucket``): a
-        # captured prefill costs the device's time, an eager one the host's launches, which
-        # on a large model outlast several captured ones. A request samples its first token
-        # when its last piece is cached.
-        chunks, width, done = [], 0, []
-        fixed = self.runner.static
+    def _prefill_chunks(self, fixed: bool) -> list[tuple[Request, int]]:
+        """The prompt pieces a step prefills: (request, tokens) -- at most ``prefill_chunk``
+        tokens counted as the forward computes them (rows x the widest row), so a long
+        prompt cannot stall the running batch's next token for long: the oldest prefilling
+        request first (in pieces if it is longer), then every later one whose whole prompt
+        still fits beside it; with ``fixed``, a prefill of fresh prompts stays within a
+        fixed-shape bucket (``PagedRunner.prefill_bucket``): a captured prefill costs the
+        device's time, an eager one the host's launches, which on a large model outlast
+        several captured ones. Requests in the pipeline wait for their unit."""
+        chunks, width = [], 0
         for r in self.running:
-            if r.finish is None and r.cached < len(r.prompt):
+            if r.finish is None and not r.inflight and r.cached < len(r.prompt):
                 left = len(r.prompt) - r.cached
                 if chunks:
                     rows, w = len(chunks) + 1, max(width, left)
@@ -248,6 +255,71 @@ class Scheduler:
                 n = min(left, self.prefill_chunk)
                 chunks.append((r, n))
                 width = max(width, n)
+        return chunks
+
+    def _slot_step(self):
+        """One slot of the inference schedule (pipeline stages, ``moe_infer.pipeline``): the
+        rows that are ready enter the first stage -- prompt pieces, and the decoding
+        requests whose last token came back, at most a micro-batch's share of them, so the
+        units in flight stay even -- and the unit that leaves the last stage samples and
+        delivers its tokens. A request is in at most one unit: its next token enters the
+        slot after its last one left. A prefill whose prompt logprobs were asked for needs
+        every position's logits: the pipeline drains and that step runs the stages in
+        turn."""
+        self._schedule()
+        if any(r.prompt_logprobs is not None and r.finish is None and r.cached < len(r.prompt)
+               for r in self.running):
+            while any(u is not None for u in self.units):
+                self._slot([], [])
+            return self._step_in_turn()
+        entries, rows = [], []
+        for r, n in self._prefill_chunks(False):  # (stages run prompts eagerly)
+            rows.append(Row(r.prompt[r.cached:r.cached + n], r.cached, r.table, sample=self._knobs(r)))
+            r.cached += n
+            entries.append((r, r.cached == len(r.prompt)))  # a last piece draws the first token
+        going = [r for r in self.running if r.finish is None and not r.cancelled and r.sampled > 0]
+        share = -(-len(going) // self.engine.config.parallel.micro_batches)
+        ready = [r for r in going if not r.inflight and r.sampled < r.max_tokens]
+        for r in ready[:share]:
+            rows.append(Row([r.generated[-1]], r.cached, r.table, sample=self._knobs(r)))
+            r.cached += 1
+            entries.append((r, True))
+        if entries or any(u is not None for u in self.units):
+            self._slot(entries, rows)
+        self._report()
+
+    def _slot(self, entries: list[tuple[Request, bool]], rows: list[Row]):
+        """Every rank one slot on with ``rows`` entering; the unit leaving delivers."""
+        for r, _ in entries:
+            r.inflight = True
+        self.broadcast(rows, SLOT)
+        self.units = [entries or None] + self.units[:-1]
+        left = self.slots.slot(rows)
+        finished, self.units[-1] = self.units[-1], None
+        if left is None:
+            return
+        done_rows, logits = left
+        for r, _ in finished:
+            r.inflight = False
+        keep = [i for i, (_, token) in enumerate(finished) if token]
+        if keep:
+            reqs, logits = [finished[i][0] for i in keep], logits[keep]
+            drawn = sample_rows(logits, [done_rows[i].sample for i in keep], pdl=self.engine.model.options.pdl)
+            sampled, _ = self._sample_step(reqs, logits, drawn, 0)
+            self._deliver(sampled)
+
+    def _prefill_waits(self) -> bool:
+        """Whether a request waits for admission or has prompt tokens still to prefill."""
+        return bool(self.waiting) or any(r.finish is None and r.cached < len(r.prompt) for r in self.running)
+
+    def _launch(self) -> tuple[Sampled | None, Sampled | None]:
+        """Queues one step's forwards and sampling on the device -> (the first tokens of the
+        requests whose prefill it ends, the decoding rows' next tokens), each on its way to
+        the host (None where no row). The first tokens' copy is queued before the decode
+        forward, so a new request's first token reaches its client a decode step sooner."""
+        # The prompt pieces (``_prefill_chunks``); a request samples its first token when
+        # its last piece is cached.
+        chunks, done = self._prefill_chunks(self.runner.static), []
         if chunks:
             rows = [Row(r.prompt[r.cached:r.cached + n], r.cached, r.table, sample=self._knobs(r)) for r, n in chunks]
             if any(r.prompt_logprobs is not None for r, _ in chunks):
@@ -293,7 +365,7 @@ class Scheduler:
         """-> (logits [B, V] of each row's last token, the token each row's knobs draw [B]);
         with ``all_positions`` the logits [B, T, V] of every token alone."""
         if self.broadcast is not None:
-            self.broadcast(rows, all_positions)
+            self.broadcast(rows, ALL_POSITIONS if all_positions else FORWARD)
         return self.runner.forward_all(rows) if all_positions else self.runner.decode(rows)
 
     def _score_prompt(self, r: Request, logits: torch.Tensor, start: int):
@@ -312,8 +384,8 @@ class Scheduler:
             for r in self.running:
                 if r.cancelled and r.finish is None:
                     r.finish = "cancelled"
-            for r in [r for r in self.running if r.finish is not None]:
-                self._release(r)
+            for r in [r for r in self.running if r.finish is not None and not r.inflight]:
+                self._release(r)  # (one in the pipeline still writes its blocks)
                 self.running.remove(r)
             for r in [r for r in self.waiting if r.cancelled]:
                 self.waiting.remove(r)

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -245,6 +246,21 @@ def test_one_ranks_error_prints_once_with_its_rank(tmp_path):
     assert out.returncode == 2
     assert out.stderr.count(f"[rank 1] {f}: tensor {name!r} has 1 NaN") == 1, out.stderr
     assert "rank 0" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_without_layout_flags_a_configs_own_layout_stands(tmp_path):
+    """No --tp / --pp / ... under a launcher: a model YAML's parallel section is the layout
+    (it was overridden by data parallelism over the ranks); a config without one gets data
+    parallelism over every rank; one rank gets the config as it is."""
+    from moe_infer.cli import _default_layout, _parallel, build_parser
+
+    assert _parallel(build_parser().parse_args(["generate", "--prompt", "x"]), 4) is None
+    staged = tmp_path / "staged.yaml"
+    staged.write_text((Path(__file__).resolve().parent.parent / "configs" / "tiny-moe.yaml").read_text() + "\nparallel: {pp: 2}\n")
+    assert _default_layout(2, str(staged)) is None
+    p = _default_layout(4, "tiny-moe")
+    assert (p.dp, p.tp, p.pp) == (4, 1, 1)
+    assert _default_layout(1, "tiny-moe") is None and _default_layout(2, None).dp == 2
 
 
 def test_pipeline_stages_from_the_command_line_and_each_counts_its_own_blocks():

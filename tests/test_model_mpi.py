@@ -388,3 +388,54 @@ def test_expert_ranks_with_the_same_tokens_all_reduce_instead_of_exchanging(info
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
     quantize_linears(layer)
     assert rel_err(layer(x), ref) < 5e-2
+
+
+def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info, world, checkpoint):
+    """The server under pp (rank 0 schedules, the others follow its slots): requests of
+    different lengths, more than the batch holds, share the slots -- units of different
+    requests are in the pipeline at once -- and each gets generate()'s tokens, a seeded
+    sampled one too; a request cancelled while its unit is in flight frees its blocks only
+    once the unit has left."""
+    from moe_infer.ranks import lead_or_follow
+    from moe_infer.sampling import SamplingParams
+    from moe_infer.scheduler import Request, Scheduler
+
+    path, reference = checkpoint
+    engine = moe_infer.load(path, device=info.device, dtype=torch.float32, progress=False,
+                            parallel=ParallelConfig(pp=2, tp=world // 2))
+    engine.eos = set()
+    scheduler = Scheduler(engine, num_blocks=64, block_size=4, max_batch=3)
+    release = lead_or_follow(scheduler)
+    if release is None:  # a follower: it ran every slot rank 0 sent
+        return
+    lengths = [7, 3, 9, 5, 6]
+    params = [SamplingParams()] * 4 + [SamplingParams(temperature=0.8, top_k=5, seed=11)]
+    out = [[] for _ in PROMPTS + PROMPTS[:2]]
+    prompts = (PROMPTS + PROMPTS[:2])[:len(lengths)]
+    reqs = [Request(p, sp, n, lambda k, d, i=i: out[i].append(d.get("token_id")) if k == "token" else None)
+            for i, (p, sp, n) in enumerate(zip(prompts, params, lengths))]
+    doomed = Request(PROMPTS[0], SamplingParams(), 50, lambda k, d: None)
+    for r in reqs + [doomed]:
+        scheduler.submit(r)
+    busy, slot = [], scheduler.slots.slot  # units in the pipeline in each slot
+
+    def counted(rows):
+        busy.append(bool(rows) + sum(u is not None for u in scheduler.slots.inflight[:-1]))
+        return slot(rows)
+    scheduler.slots.slot = counted
+    cancelled_in_flight = False
+    try:
+        while scheduler.waiting or scheduler.running:
+            scheduler.step()
+            if doomed.inflight and not doomed.cancelled and doomed.sampled >= 2:
+                scheduler.cancel(doomed)
+                cancelled_in_flight = True
+                scheduler._schedule()
+                assert doomed in scheduler.running and doomed.table  # its unit still writes its blocks
+    finally:
+        release()
+    assert max(busy) == 2 and cancelled_in_flight and scheduler.blocks_in_use == 0
+    for i, (p, sp, n) in enumerate(zip(prompts, params, lengths)):
+        want = reference.generate([p], max_new_tokens=n, temperature=sp.temperature, top_k=sp.top_k,
+                                  seed=sp.seed)[0].token_ids
+        assert [t for t in out[i] if t is not None] == want, i

@@ -257,13 +257,13 @@ def test_prefill_warm_up_leaves_the_cache_as_requests_need_it():
 
 def test_step_rows_travel_as_one_int64_tensor():
     pytest.importorskip("fastapi")
-    from moe_infer.ranks import pack_rows, unpack_rows
+    from moe_infer.ranks import FORWARD, SLOT, pack_rows, unpack_rows
 
     rows = [Row([1, 2, 3], 0, [5, 6]), Row([9], 17, [1, 2, 3, 4]), Row([7, 7], 4, [0])]
     packed = pack_rows(rows)
     assert packed.dtype == torch.int64 and packed.dim() == 1
-    assert unpack_rows(packed) == (rows, False) and unpack_rows(pack_rows(None)) is None
-    assert unpack_rows(pack_rows(rows, all_positions=True)) == (rows, True)
+    assert unpack_rows(packed) == (rows, FORWARD) and unpack_rows(pack_rows(None)) is None
+    assert unpack_rows(pack_rows(rows, SLOT)) == (rows, SLOT) and unpack_rows(pack_rows([], SLOT)) == ([], SLOT)
 
 
 def _serve_all(scheduler, reqs):
@@ -288,7 +288,7 @@ def test_requests_ending_while_the_next_step_runs_leave_the_rest_exact():
         scheduler = Scheduler(engine, num_blocks=40, block_size=8, max_batch=3)
         scheduler.runner.static = True
         if not pipelined:
-            scheduler.broadcast = lambda rows: None  # as rank 0 of an mpirun job
+            scheduler.broadcast = lambda rows, mode: None  # as rank 0 of an mpirun job
         events = [[] for _ in prompts]
         reqs = [Request(engine.encode(p)[0], SamplingParams(), n, lambda k, d, i=i: events[i].append((k, d)), stop=s)
                 for i, (p, s, n) in enumerate(zip(prompts, stops, lengths))]
@@ -339,7 +339,7 @@ def test_graph_decode_equals_eager_decode_token_for_token_on_a_gpu():
         scheduler = Scheduler(engine, num_blocks=8 * 16, block_size=8, max_batch=8)
         scheduler.runner.static = graph
         if not graph:
-            scheduler.broadcast = lambda rows: None  # host-fed rows, delivered before the next step
+            scheduler.broadcast = lambda rows, mode: None  # host-fed rows, delivered before the next step
         reqs = [Request(p, SamplingParams(), n, lambda *a: None) for p, n in zip(prompts, lengths)]
         _serve_all(scheduler, reqs)
         return [r.generated for r in reqs], len(scheduler.runner._steps)

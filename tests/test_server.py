@@ -354,6 +354,15 @@ def test_two_ranks_serve(tmp_path, engine, layout):
         outs = [httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0},
                            timeout=60).json()["choices"][0]["text"] for p in prompts]
         assert outs == [alone(engine, p, 12).text for p in prompts]
+        # At once, with different lengths: under pp the requests share the pipeline's
+        # slots (a unit per slot, each request in one), and each still gets its own text.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda a: httpx.post(
+                url + "/v1/completions", json={"prompt": a[0], "max_tokens": a[1], "temperature": 0},
+                timeout=60).json()["choices"][0]["text"], zip(prompts * 2, (12, 5, 9, 12, 7, 3))))
+        assert together == [alone(engine, p, n).text for p, n in zip(prompts * 2, (12, 5, 9, 12, 7, 3))]
         # Echo with logprobs: rank 0 alone computes every prompt position's logits; the
         # follower runs the same layers and the server keeps answering.
         out = httpx.post(url + "/v1/completions", json={"prompt": prompts[1], "max_tokens": 3, "temperature": 0,
