@@ -167,6 +167,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, few requests")
     ap.add_argument("--tp", type=int, default=1, help="under scripts/launch.sh: tensor-parallel degree")
     ap.add_argument("--ep", type=int, default=1, help="under scripts/launch.sh: expert-parallel degree")
+    ap.add_argument("--pp", type=int, default=1, help="under scripts/launch.sh: pipeline stages")
     ap.add_argument("--expert-slicing", type=int, default=None,
                     help="under scripts/launch.sh: ranks that split each expert (default tp / ep)")
     args = ap.parse_args()
@@ -176,9 +177,10 @@ def main():
     ranks = launched_ranks()
     parallel = None
     if ranks > 1:  # every rank runs generate() and the server's steps; rank 0 alone the clients
-        if ranks % args.tp:
-            ap.error(f"--tp={args.tp}: expected a divisor of the {ranks} ranks")
-        parallel = ParallelConfig(tp=args.tp, dp=ranks // args.tp, ep=args.ep, expert_slicing=args.expert_slicing)
+        if ranks % (args.tp * args.pp):
+            ap.error(f"--tp={args.tp} x --pp={args.pp}: expected a divisor of the {ranks} ranks")
+        parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=ranks // (args.tp * args.pp), ep=args.ep,
+                                  expert_slicing=args.expert_slicing)
     engine = moe_infer.load(args.model, device=None if ranks > 1 and args.device == "cuda" else args.device,
                             parallel=parallel, progress=False)
     engine.config.engine.max_batch_size = args.max_batch
@@ -232,7 +234,7 @@ def main():
 
     run = bc.run_info(engine.device)
     m = engine.config.model
-    layout = f" x {ranks} ranks, {parallel.tp=}, {parallel.ep=}, {parallel.expert_slicing=}" if parallel else ""
+    layout = f" x {ranks} ranks, {parallel.tp=}, {parallel.pp=}, {parallel.ep=}, {parallel.expert_slicing=}" if parallel else ""
     print(f"device {run['device']}{layout} | date {run['date']} | commit {run['commit']} | {engine.dtype}")
     print(f"model {args.model}: H={m.hidden_size} layers={m.num_layers} vocab={m.vocab_size}, random weights | "
           f"{args.requests} requests, prompts {lo}-{hi} tokens, {args.max_tokens} new tokens each, "
