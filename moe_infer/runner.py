@@ -298,10 +298,11 @@ class PagedRunner:
     def capture_all(self):
         """Makes every decode step bucket now, both variants (greedy and sampling), and every
         prefill bucket, so that no request waits for a capture while it is served (the
-        server calls it before it takes requests)."""
+        server calls it before it takes requests); under pp, each stage's steps."""
         if self.static:
+            stage = self.model.pp.size > 1  # the server's pipeline slots replay each stage's own steps
             for batch, keys in self.buckets():
-                step = self.step_for(batch, keys)
+                step = self.step_for(batch, keys, stage=stage)
                 if step.graphs is not None:
                     step.capture(sampling=True)
             for batch, width in self.prefill_buckets():

@@ -390,12 +390,14 @@ def test_expert_ranks_with_the_same_tokens_all_reduce_instead_of_exchanging(info
     assert rel_err(layer(x), ref) < 5e-2
 
 
-def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info, world, checkpoint):
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info, world, checkpoint, mode):
     """The server under pp (rank 0 schedules, the others follow its slots): requests of
     different lengths, more than the batch holds, share the slots -- units of different
     requests are in the pipeline at once -- and each gets generate()'s tokens, a seeded
     sampled one too; a request cancelled while its unit is in flight frees its blocks only
-    once the unit has left."""
+    once the unit has left. "static": decode units replay each stage's fixed-shape step
+    (a graph's math, run eagerly), made before the first request."""
     from moe_infer.ranks import lead_or_follow
     from moe_infer.sampling import SamplingParams
     from moe_infer.scheduler import Request, Scheduler
@@ -404,7 +406,11 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
     engine = moe_infer.load(path, device=info.device, dtype=torch.float32, progress=False,
                             parallel=ParallelConfig(pp=2, tp=world // 2))
     engine.eos = set()
+    if info.device.type != "cuda":
+        engine.decode_mode = mode
     scheduler = Scheduler(engine, num_blocks=64, block_size=4, max_batch=3)
+    if mode == "static" and dist.get_rank() == 0:
+        scheduler.warm_up()  # (the others make the same steps in lead_or_follow)
     release = lead_or_follow(scheduler)
     if release is None:  # a follower: it ran every slot rank 0 sent
         return
@@ -435,6 +441,7 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
     finally:
         release()
     assert max(busy) == 2 and cancelled_in_flight and scheduler.blocks_in_use == 0
+    assert bool(scheduler.runner._stage_steps) == scheduler.runner.static
     for i, (p, sp, n) in enumerate(zip(prompts, params, lengths)):
         want = reference.generate([p], max_new_tokens=n, temperature=sp.temperature, top_k=sp.top_k,
                                   seed=sp.seed)[0].token_ids
