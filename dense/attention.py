@@ -27,9 +27,14 @@ from kernels.options import KernelOptions
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _rotary(rotary: Rotary | None, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [B, T, D] for the query positions (None, None for learned positions)."""
-    return rotary(positions, dtype) if rotary is not None else (None, None)
+def _rotary(rotary: Rotary | None, positions: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor):
+    """cos, sin [B, T, D] for the query positions (None, None for learned positions); the
+    frequencies that follow the forward's positions take the largest of the ``valid`` ones
+    (padding's positions do not count)."""
+    if rotary is None:
+        return None, None
+    longest = torch.where(valid, positions, 0).max() + 1 if rotary.per_step and positions.numel() else None
+    return rotary(positions, dtype, longest)
 
 
 @dataclass
@@ -60,7 +65,7 @@ class StepContext:
             mask &= positions[:, :, None] - positions[:, None, :] < sliding_window
         # A padding query may have no valid key; let it see itself so softmax stays finite.
         mask |= slot[None, :] == slot[:, None]
-        cos, sin = _rotary(rotary, positions, dtype)
+        cos, sin = _rotary(rotary, positions, dtype, key_valid)
         causal = no_padding and sliding_window is None and t > 1
         return cls(positions, mask.unsqueeze(1), cos, sin, causal)
 
@@ -78,7 +83,7 @@ class StepContext:
         built, nothing gathered from the pool); a padding query's output is garbage that no
         one reads."""
         causal = causal and positions.shape[1] > 1 and sliding_window is None
-        cos, sin = _rotary(rotary, positions, dtype)
+        cos, sin = _rotary(rotary, positions, dtype, query_valid)
         if causal:  # SDPA takes no mask then
             return cls(positions, None, cos, sin, True)
         k_pos = torch.arange(num_keys, device=positions.device)  # [S]

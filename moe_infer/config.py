@@ -39,6 +39,49 @@ def _check_choice(section: str, obj, name: str, choices: tuple[str, ...]):
         _fail(f"{section}.{name}", value, "one of " + ", ".join(choices))
 
 
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
+
+
+@dataclass
+class RopeScaling:
+    """Scaled rotary positions, as transformers' ``rope_parameters`` name them (the keys a
+    type does not use stay unset): ``linear`` (positions divided by ``factor``), ``dynamic``
+    (NTK: the base grows once a forward's positions pass ``model.max_position``), ``yarn``,
+    ``llama3`` and ``longrope`` (``short_factor`` / ``long_factor`` per frequency, the long
+    ones once a forward's positions pass ``original_max_position_embeddings``)."""
+
+    rope_type: str
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    attention_factor: float | None = None  # yarn / longrope: cos and sin scaled by it
+    beta_fast: float | None = None  # yarn (default 32)
+    beta_slow: float | None = None  # yarn (default 1)
+    mscale: float | None = None  # yarn (DeepSeek): attention_factor from mscale / mscale_all_dim
+    mscale_all_dim: float | None = None
+    truncate: bool = True  # yarn: the correction range rounded out to whole dimensions
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    short_factor: tuple[float, ...] = ()  # longrope, one per frequency (head_dim / 2)
+    long_factor: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        s = "model.rope_scaling"
+        _check_choice(s, self, "rope_type", ROPE_TYPES)
+        need = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("original_max_position_embeddings",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "longrope": ("original_max_position_embeddings",)}[self.rope_type]
+        for name in need:
+            if getattr(self, name) is None:
+                _fail(f"{s}.{name}", None, f"a value for rope_type {self.rope_type}")
+        for name in ("factor", "original_max_position_embeddings", "attention_factor", "low_freq_factor",
+                     "high_freq_factor"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                _fail(f"{s}.{name}", getattr(self, name), "a positive number")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            _fail(f"{s}.high_freq_factor", self.high_freq_factor, f"more than low_freq_factor={self.low_freq_factor}")
+        self.short_factor, self.long_factor = tuple(self.short_factor), tuple(self.long_factor)
+
+
 @dataclass
 class ModelConfig:
     """The dense backbone. ``num_kv_heads``/``head_dim`` of None mean MHA / hidden // heads."""
@@ -55,6 +98,7 @@ class ModelConfig:
     activation: str = "swiglu"  # swiglu (gated SiLU) | gelu (plain, GPT style)
     positions: str = "rope"  # rope | learned
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     max_position: int = 4096
     tied_embeddings: bool = False
     parallel_block: bool = False  # x + attn(norm(x)) + ffn(norm(x)), one norm (GPT-J / PaLM)
@@ -84,6 +128,14 @@ class ModelConfig:
                   f"a divisor of model.num_heads={self.num_heads}")
         if self.positions == "rope" and self.head_dim % 2:
             _fail(f"{s}.head_dim", self.head_dim, "an even number for rotary positions")
+        r = self.rope_scaling
+        if isinstance(r, dict):
+            r = self.rope_scaling = section_from_dict(RopeScaling, r, f"{s}.rope_scaling")
+        if r is not None and r.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(r, name)) != self.head_dim // 2:
+                    _fail(f"{s}.rope_scaling.{name}", list(getattr(r, name)),
+                          f"{self.head_dim // 2} numbers (model.head_dim / 2)")
         _check_choice(s, self, "norm", ("rmsnorm", "layernorm"))
         _check_choice(s, self, "activation", ("swiglu", "gelu"))
         _check_choice(s, self, "positions", ("rope", "learned"))
@@ -378,6 +430,8 @@ def _convert(key: str, value, annotation):
         if not isinstance(value, str):
             _fail(key, value, "a string")
         return value
+    if dataclasses.is_dataclass(annotation):
+        return section_from_dict(annotation, value, key)
     raise TypeError(f"unsupported annotation {annotation!r} for {key}")
 
 

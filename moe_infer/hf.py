@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_infer.config import Config, ConfigError, EngineConfig, ModelConfig, MoEConfig
+from moe_infer.config import ROPE_TYPES, Config, ConfigError, EngineConfig, ModelConfig, MoEConfig, RopeScaling
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,33 @@ def family_of(hf: dict, source: str) -> Family:
                       f"{hf.get('architectures')!r}: expected one of {', '.join(_ARCHITECTURES)}")
 
 
-def _rope_theta(hf: dict, source: str) -> float:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ConfigError(f"{source}: rope_type={kind!r}: expected 'default' (scaled RoPE is not supported)")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+_ROPE_KEYS = ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim", "truncate", "low_freq_factor", "high_freq_factor", "short_factor", "long_factor")
+
+
+def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, the scaling) from ``rope_parameters`` (transformers 5) or ``rope_scaling``
+    (older configs: ``type`` or ``rope_type``); a key it does not know is refused."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ConfigError(f"{source}: partial_rotary_factor={partial}: expected 1.0 (rotary over the whole head)")
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"{source}: rope_type={kind!r}: expected default or one of {', '.join(ROPE_TYPES)}")
+    unknown = sorted(k for k in rope if k not in _ROPE_KEYS)
+    if unknown:
+        raise ConfigError(f"{source}: rope parameter {unknown[0]!r} of rope_type {kind}: expected only "
+                          f"{', '.join(_ROPE_KEYS)}")
+    if rope.get("original_max_position_embeddings") is None and hf.get("original_max_position_embeddings"):
+        rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+    from moe_infer.config import section_from_dict
+
+    return theta, section_from_dict(RopeScaling, {"rope_type": kind, **{k: v for k, v in rope.items()
+                                                                         if v is not None}}, f"{source}: rope")
 
 
 def _token_ids(value) -> tuple[int, ...]:
@@ -78,6 +99,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: hidden_act={hf['hidden_act']!r}: expected 'silu'")
     sliding = get("sliding_window")
+    theta, scaling = _rope(hf, source)
     if fam.name in ("qwen2_moe", "qwen3_moe") and not get("use_sliding_window"):
         sliding = None
     try:
@@ -89,7 +111,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
             num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
             ffn_hidden=hf["intermediate_size"], norm="rmsnorm", norm_eps=get("rms_norm_eps"),
-            activation="swiglu", positions="rope", rope_theta=_rope_theta(hf, source),
+            activation="swiglu", positions="rope", rope_theta=theta, rope_scaling=scaling,
             max_position=hf.get("max_position_embeddings", 4096),
             tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(fam.name, "none"),

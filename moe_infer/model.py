@@ -142,7 +142,8 @@ class Transformer(nn.Module):
         self.tied = m.tied_embeddings
         self.embed = nn.Embedding(m.vocab_size, m.hidden_size) if first or (last and self.tied) else None
         self.pos_embed = nn.Embedding(m.max_position, m.hidden_size) if first and m.positions == "learned" else None
-        self.rotary = Rotary(m.head_dim, m.rope_theta) if m.positions == "rope" else None
+        self.rotary = Rotary(m.head_dim, m.rope_theta, m.rope_scaling, m.max_position) if m.positions == "rope" \
+            else None
         self.own = stage_layers(cfg, self.pp.size)[self.pp.rank]
         self.layers = nn.ModuleList(Block(cfg, i, groups, options, i - self.own.start) if i in self.own
                                     else OtherStage() for i in range(m.num_layers))
@@ -203,9 +204,12 @@ class Transformer(nn.Module):
                             self.anchor.dtype, self.device)
 
     def rotary_tables(self, slots: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The rotary cos / sin rows of positions 0 .. slots - 1 (None for learned positions),
-        computed once for a static decode step over ``slots`` cache slots."""
-        return self.rotary.table(slots, self.anchor.dtype, self.device) if self.rotary is not None else None
+        """The rotary cos / sin rows of positions 0 .. slots - 1, computed once for a static
+        decode step over ``slots`` cache slots (None for learned positions, and for rotary
+        frequencies that follow each step's positions: the step computes those)."""
+        if self.rotary is None or self.rotary.per_step:
+            return None
+        return self.rotary.table(slots, self.anchor.dtype, self.device)
 
     def paged_context(self, positions: torch.Tensor, query_valid: torch.Tensor,
                       context_lens: torch.Tensor, num_keys: int, causal: bool = False) -> StepContext:
@@ -228,7 +232,10 @@ class Transformer(nn.Module):
         else:
             c = paged_decode_context_ref(*args)
         cache.use_slots(c["write"], c["read"])
-        return c["tokens"], StepContext(c["positions"], c["mask"], c["cos"], c["sin"])
+        cos, sin = c["cos"], c["sin"]
+        if self.rotary is not None and self.rotary.per_step:  # from this step's positions, on the device
+            cos, sin = self.rotary(c["positions"], self.anchor.dtype)
+        return c["tokens"], StepContext(c["positions"], c["mask"], cos, sin)
 
     def context(self, positions: torch.Tensor, key_valid: torch.Tensor, no_padding: bool = False) -> StepContext:
         """A forward without a cache (``StepContext.build``)."""

@@ -30,6 +30,7 @@ Writes bench/results/decode-<model>[-int8]-<device>-<date>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import sys
@@ -295,7 +296,9 @@ def hf_config(cfg):
                                         intermediate_size=m.ffn_hidden, norm_topk_prob=e.renormalize)
     else:
         c = transformers.MixtralConfig(**common, intermediate_size=e.expert_hidden, num_local_experts=e.num_experts)
-    c.rope_parameters = {"rope_type": "default", "rope_theta": m.rope_theta}
+    scaled = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(m.rope_scaling).items()
+              if v not in (None, ())} if m.rope_scaling is not None else {"rope_type": "default"}
+    c.rope_parameters = {"rope_theta": m.rope_theta, **scaled}
     return c
 
 

@@ -27,14 +27,16 @@ FAMILIES = {
 }
 
 
-def make_hf_model(family: str, seed: int = 0):
+def make_hf_model(family: str, seed: int = 0, rope: dict | None = None, **overrides):
+    """``rope``: transformers' rope_parameters besides rope_theta (default: unscaled);
+    ``overrides``: config keys over the family's."""
     import transformers
 
     spec = FAMILIES[family]
-    kw = dict(spec["kw"])
+    kw = {**spec["kw"], **overrides}
     theta = kw.pop("rope_theta", 10000.0)
     cfg = getattr(transformers, spec["cfg"])(**kw)
-    cfg.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    cfg.rope_parameters = {"rope_theta": theta, **(rope or {"rope_type": "default"})}
     torch.manual_seed(seed)
     model = getattr(transformers, spec["cls"])(cfg).eval()
     # The per-expert loop is transformers' plain reference; its grouped_mm path needs 16-byte
@@ -53,7 +55,7 @@ def make_hf_model(family: str, seed: int = 0):
     return model
 
 
-def save_hf_model(family: str, path, seed: int = 0):
-    model = make_hf_model(family, seed)
+def save_hf_model(family: str, path, seed: int = 0, **kw):
+    model = make_hf_model(family, seed, **kw)
     model.save_pretrained(path)
     return model

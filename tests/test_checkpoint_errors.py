@@ -237,9 +237,9 @@ def test_unsupported_architecture_and_rope(copy):
     (copy / "config.json").write_text(json.dumps({**cfg, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ConfigError, match=r"config\.json: model_type='llama'.*expected one of MixtralForCausalLM"):
         load(copy)
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+    cfg["rope_parameters"] = {"rope_type": "proportional", "factor": 4.0, "rope_theta": 1e4}
     (copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=r"rope_type='yarn'"):
+    with pytest.raises(ConfigError, match=r"rope_type='proportional': expected default or one of linear"):
         load(copy)
 
 
