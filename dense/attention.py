@@ -191,7 +191,8 @@ class Attention(nn.Module):
         # An all-heads q/k norm over heads split across ranks needs their sums of squares
         # from every rank: the fused kernels then take q and k already normed (``_prenorm``).
         self.sharded_norm = cfg.qk_norm == "full" and tp.size > 1
-        self.fusable = qkv_decode_supported(d)  # the fused decode kernels: power-of-two head dims
+        # The fused decode kernels: power-of-two head dims, rotary over the whole head.
+        self.fusable = qkv_decode_supported(d) and (cfg.positions != "rope" or cfg.rotary_width == d)
 
     def _epilogue(self) -> tuple:
         """The fused kernels' q / k norm, its weights and eps, and the clip."""

@@ -136,7 +136,15 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D]; cos, sin [B, T, D]."""
+    """x [B, heads, T, D]; cos, sin [B, T, R]: the first R <= D dimensions of each head
+    turn (partial rotary, GLM-4.5), the rest pass as they are."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rotary_all(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+    return apply_rotary_all(x, cos, sin)
+
+
+def apply_rotary_all(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

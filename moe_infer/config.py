@@ -99,6 +99,7 @@ class ModelConfig:
     positions: str = "rope"  # rope | learned
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rotary_dim: int | None = None  # None: the whole head; GLM-4.5: the first half of each head
     max_position: int = 4096
     tied_embeddings: bool = False
     parallel_block: bool = False  # x + attn(norm(x)) + ffn(norm(x)), one norm (GPT-J / PaLM)
@@ -128,14 +129,16 @@ class ModelConfig:
                   f"a divisor of model.num_heads={self.num_heads}")
         if self.positions == "rope" and self.head_dim % 2:
             _fail(f"{s}.head_dim", self.head_dim, "an even number for rotary positions")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            _fail(f"{s}.rotary_dim", self.rotary_dim, f"an even number in (0, model.head_dim={self.head_dim}]")
         r = self.rope_scaling
         if isinstance(r, dict):
             r = self.rope_scaling = section_from_dict(RopeScaling, r, f"{s}.rope_scaling")
         if r is not None and r.rope_type == "longrope":
             for name in ("short_factor", "long_factor"):
-                if len(getattr(r, name)) != self.head_dim // 2:
+                if len(getattr(r, name)) != self.rotary_width // 2:
                     _fail(f"{s}.rope_scaling.{name}", list(getattr(r, name)),
-                          f"{self.head_dim // 2} numbers (model.head_dim / 2)")
+                          f"{self.rotary_width // 2} numbers (half the rotary dimensions)")
         _check_choice(s, self, "norm", ("rmsnorm", "layernorm"))
         _check_choice(s, self, "activation", ("swiglu", "gelu"))
         _check_choice(s, self, "positions", ("rope", "learned"))
@@ -149,6 +152,11 @@ class ModelConfig:
             if tok is not None and not 0 <= tok < self.vocab_size:
                 _fail(f"{s}.eos_token_ids/bos_token_id", tok,
                       f"token ids in [0, {self.vocab_size})")
+
+    @property
+    def rotary_width(self) -> int:
+        """The dimensions of each head that rotary positions turn (the first ones)."""
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
 
 
 @dataclass
@@ -167,6 +175,13 @@ class MoEConfig:
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ g) scales the shared output
     score: str = "softmax"  # softmax | sigmoid
     renormalize: bool = True  # divide the top-k weights by their sum
+    # DeepSeek-V3 / GLM-4.5 routing: a learned bias on the scores that picks the experts (not
+    # their weights), experts in n_group groups of which the topk_group best stay eligible,
+    # the weights scaled by routed_scaling_factor (``kernels.grouped_topk``).
+    score_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     capacity_factor: float | None = None  # None: dropless
 
     def __post_init__(self):
@@ -184,9 +199,21 @@ class MoEConfig:
         if self.shared_expert_gate and not self.shared_experts:
             _fail(f"{s}.shared_expert_gate", True, "false when moe.shared_experts is 0")
         _check_choice(s, self, "score", ("softmax", "sigmoid"))
+        _check_positive(s, self, "n_group", "topk_group", "routed_scaling_factor")
+        if self.num_experts % self.n_group:
+            _fail(f"{s}.n_group", self.n_group, f"a divisor of moe.num_experts={self.num_experts}")
+        if self.topk_group > self.n_group:
+            _fail(f"{s}.topk_group", self.topk_group, f"at most moe.n_group={self.n_group}")
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            _fail(f"{s}.top_k", self.top_k, f"at most the experts of moe.topk_group={self.topk_group} groups")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             _fail(f"{s}.capacity_factor", self.capacity_factor, "a positive number or null")
         self.dense_layers = tuple(self.dense_layers)
+
+    @property
+    def grouped(self) -> bool:
+        """Routing through ``kernels.grouped_topk`` (a score bias, groups or a scale)."""
+        return self.score_bias or self.n_group > 1 or self.routed_scaling_factor != 1.0
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_dense and (i + 1) % self.every == 0 and i not in self.dense_layers
@@ -394,6 +421,11 @@ class Config:
     @property
     def max_seq_len(self) -> int:
         return self.engine.max_seq_len or self.model.max_position
+
+    @property
+    def grouped(self) -> bool:
+        """Routing through ``kernels.grouped_topk`` (a score bias, groups or a scale)."""
+        return self.score_bias or self.n_group > 1 or self.routed_scaling_factor != 1.0
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(i)

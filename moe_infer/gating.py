@@ -26,11 +26,17 @@ class Router(nn.Module):
     """x [T, H] -> Routing. No one-hot tensors."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, score: str, renormalize: bool,
-                 with_maps: bool = True, options: KernelOptions = KernelOptions()):
+                 with_maps: bool = True, options: KernelOptions = KernelOptions(), groups: tuple | None = None,
+                 score_bias: bool = False):
+        """``groups`` (n_group, topk_group, routed_scaling_factor) with ``score_bias``:
+        DeepSeek-V3 / GLM-4.5 routing (``kernels.grouped_topk``); its maps come from the
+        dispatcher."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.score_bias = nn.Parameter(torch.zeros(num_experts)) if score_bias else None
         self.top_k, self.score, self.renormalize = top_k, score, renormalize
-        self.with_maps = with_maps  # dropless maps built in the gating launch
+        self.groups = groups
+        self.with_maps = with_maps and groups is None  # dropless maps built in the gating launch
         self.options = options
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None, maps: bool = True) -> Routing:
@@ -38,6 +44,11 @@ class Router(nn.Module):
         False: the caller's experts need none (ids and weights only, the gating launch)."""
         if logits is None:
             logits = x @ self.weight.t()  # [T, E]
+        if self.groups is not None:
+            n_group, topk_group, scale = self.groups
+            bias = self.score_bias if self.score_bias is not None else logits.new_zeros(logits.shape[1])
+            return Routing(*kernels.grouped_topk(logits, bias, self.top_k, n_group, topk_group, self.score,
+                                                 self.renormalize, scale, pdl=self.options.pdl))
         if self.with_maps and maps:
             return Routing(*kernels.route(logits, self.top_k, self.score, self.renormalize, pdl=self.options.pdl))
         return Routing(*kernels.topk_gating(logits, self.top_k, self.score, self.renormalize, pdl=self.options.pdl))

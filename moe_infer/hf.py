@@ -35,9 +35,13 @@ FAMILIES = {
     "olmoe": Family("olmoe", "mlp", ("gate_proj", "up_proj", "down_proj"),
                     {"rms_norm_eps": 1e-5, "norm_topk_prob": False, "attention_bias": False,
                      "clip_qkv": None}),
+    "glm4_moe": Family("glm4_moe", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                       {"rms_norm_eps": 1e-5, "norm_topk_prob": True, "attention_bias": False, "use_qk_norm": False,
+                        "partial_rotary_factor": 0.5, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                        "first_k_dense_replace": 1, "n_shared_experts": 1}),
 }
 _ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                  "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe"}
+                  "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe", "Glm4MoeForCausalLM": "glm4_moe"}
 
 
 def read_json(path: Path) -> dict:
@@ -62,17 +66,18 @@ _ROPE_KEYS = ("factor", "original_max_position_embeddings", "attention_factor", 
               "mscale_all_dim", "truncate", "low_freq_factor", "high_freq_factor", "short_factor", "long_factor")
 
 
-def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, the scaling) from ``rope_parameters`` (transformers 5) or ``rope_scaling``
-    (older configs: ``type`` or ``rope_type``); a key it does not know is refused."""
+def _rope(hf: dict, source: str, partial_default: float = 1.0) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, the scaling, the share of each head that turns) from ``rope_parameters``
+    (transformers 5) or ``rope_scaling`` (older configs: ``type`` or ``rope_type``); a key
+    it does not know is refused."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     kind = rope.pop("rope_type", rope.pop("type", "default"))
     theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-    partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ConfigError(f"{source}: partial_rotary_factor={partial}: expected 1.0 (rotary over the whole head)")
+    partial = float(rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", partial_default)))
+    if not 0 < partial <= 1:
+        raise ConfigError(f"{source}: partial_rotary_factor={partial}: expected a share in (0, 1]")
     if kind == "default":
-        return theta, None
+        return theta, None, partial
     if kind not in ROPE_TYPES:
         raise ConfigError(f"{source}: rope_type={kind!r}: expected default or one of {', '.join(ROPE_TYPES)}")
     unknown = sorted(k for k in rope if k not in _ROPE_KEYS)
@@ -84,7 +89,7 @@ def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
     from moe_infer.config import section_from_dict
 
     return theta, section_from_dict(RopeScaling, {"rope_type": kind, **{k: v for k, v in rope.items()
-                                                                         if v is not None}}, f"{source}: rope")
+                                                                         if v is not None}}, f"{source}: rope"), partial
 
 
 def _token_ids(value) -> tuple[int, ...]:
@@ -99,13 +104,20 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: hidden_act={hf['hidden_act']!r}: expected 'silu'")
     sliding = get("sliding_window")
-    theta, scaling = _rope(hf, source)
+    theta, scaling, partial = _rope(hf, source, fam.defaults.get("partial_rotary_factor", 1.0))
+    glm = fam.name == "glm4_moe"
     if fam.name in ("qwen2_moe", "qwen3_moe") and not get("use_sliding_window"):
         sliding = None
     try:
         # transformers writes either name, depending on the family and version.
-        num_experts = hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"]
+        num_experts = hf["n_routed_experts"] if glm else hf["num_local_experts"] if "num_local_experts" in hf \
+            else hf["num_experts"]
         expert_width = hf["intermediate_size"] if fam.name in ("mixtral", "olmoe") else hf["moe_intermediate_size"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim % 2 or rotary_dim == 0:
+            raise ConfigError(f"partial_rotary_factor={partial}: {rotary_dim} of head_dim={head_dim} turn, "
+                              f"expected an even, positive number")
         model = ModelConfig(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
@@ -114,18 +126,27 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
             activation="swiglu", positions="rope", rope_theta=theta, rope_scaling=scaling,
             max_position=hf.get("max_position_embeddings", 4096),
             tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(fam.name, "none"),
+            rotary_dim=rotary_dim if rotary_dim != head_dim else None,
+            qk_norm="head" if glm and get("use_qk_norm") else {"qwen3_moe": "head", "olmoe": "full"}.get(fam.name, "none"),
             qkv_bias=bool(get("qkv_bias") if fam.name == "qwen2_moe" else get("attention_bias")),
             out_bias=bool(get("attention_bias")) if fam.name in ("qwen3_moe", "olmoe") else False,
             sliding_window=sliding, clip_qkv=get("clip_qkv"),
             bos_token_id=hf.get("bos_token_id"), eos_token_ids=_token_ids(hf.get("eos_token_id")))
         shared = hf.get("shared_expert_intermediate_size", 0) if fam.name == "qwen2_moe" else 0
-        moe = MoEConfig(
-            num_experts=num_experts, top_k=hf["num_experts_per_tok"], expert_hidden=expert_width,
-            every=get("decoder_sparse_step") or 1, dense_layers=tuple(hf.get("mlp_only_layers") or ()),
-            shared_experts=1 if shared else 0, shared_expert_hidden=shared,
-            shared_expert_gate=bool(shared), score="softmax",
-            renormalize=True if fam.name == "mixtral" else bool(get("norm_topk_prob")))
+        if glm:  # sigmoid scores, a score bias, grouped top-k, plain shared experts, dense first layers
+            moe = MoEConfig(
+                num_experts=num_experts, top_k=hf["num_experts_per_tok"], expert_hidden=expert_width,
+                first_dense=get("first_k_dense_replace"), shared_experts=get("n_shared_experts"),
+                shared_expert_hidden=expert_width, score="sigmoid", renormalize=bool(get("norm_topk_prob")),
+                score_bias=True, n_group=get("n_group"), topk_group=get("topk_group"),
+                routed_scaling_factor=float(get("routed_scaling_factor")))
+        else:
+            moe = MoEConfig(
+                num_experts=num_experts, top_k=hf["num_experts_per_tok"], expert_hidden=expert_width,
+                every=get("decoder_sparse_step") or 1, dense_layers=tuple(hf.get("mlp_only_layers") or ()),
+                shared_experts=1 if shared else 0, shared_expert_hidden=shared,
+                shared_expert_gate=bool(shared), score="softmax",
+                renormalize=True if fam.name == "mixtral" else bool(get("norm_topk_prob")))
     except KeyError as exc:
         raise ConfigError(f"{source}: missing key {exc.args[0]!r} required for {fam.name}") from None
     except ConfigError as exc:
@@ -225,6 +246,8 @@ def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
     e, f = (cfg.moe.num_experts, cfg.moe.expert_hidden) if cfg.moe else (0, 0)
     if rest == "ffn.router.weight":
         return [one(m + "gate.weight", (e, h))]
+    if rest == "ffn.router.score_bias":
+        return [one(m + "gate.e_score_correction_bias", (e,))]
     if rest == "ffn.experts.w13":
         per_expert = Source(tuple((f"{m}experts.{j}.{gate}.weight", f"{m}experts.{j}.{up}.weight")
                                   for j in range(e)), (((f, h), (f, h)),) * e, stacked=True)
@@ -234,11 +257,11 @@ def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
                             stacked=True)
         return [per_expert, one(m + "experts.down_proj", (e, h, f))]
     shared = cfg.moe.shared_experts * cfg.moe.shared_expert_hidden if cfg.moe else 0
+    s = m + ("shared_experts." if fam.name == "glm4_moe" else "shared_expert.")
     if rest == "ffn.shared.up_proj.weight":
-        return [Source(((m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight"),),
-                       (((shared, h), (shared, h)),))]
+        return [Source(((s + "gate_proj.weight", s + "up_proj.weight"),), (((shared, h), (shared, h)),))]
     if rest == "ffn.shared.down_proj.weight":
-        return [one(m + "shared_expert.down_proj.weight", (h, shared))]
+        return [one(s + "down_proj.weight", (h, shared))]
     if rest == "ffn.shared_gate.weight":
         return [one(m + "shared_expert_gate.weight", (1, h))]
     # A dense layer of an MoE model (Qwen2/3 mlp_only_layers).

@@ -142,8 +142,8 @@ class Transformer(nn.Module):
         self.tied = m.tied_embeddings
         self.embed = nn.Embedding(m.vocab_size, m.hidden_size) if first or (last and self.tied) else None
         self.pos_embed = nn.Embedding(m.max_position, m.hidden_size) if first and m.positions == "learned" else None
-        self.rotary = Rotary(m.head_dim, m.rope_theta, m.rope_scaling, m.max_position) if m.positions == "rope" \
-            else None
+        self.rotary = Rotary(m.rotary_width, m.rope_theta, m.rope_scaling, m.max_position) \
+            if m.positions == "rope" else None
         self.own = stage_layers(cfg, self.pp.size)[self.pp.rank]
         self.layers = nn.ModuleList(Block(cfg, i, groups, options, i - self.own.start) if i in self.own
                                     else OtherStage() for i in range(m.num_layers))

@@ -271,10 +271,10 @@ class ServingSlots:
         self.pp = self.model.pp
         self.inflight: list[list[Row] | None] = [None] * self.pp.size
         self.hidden: torch.Tensor | None = None  # what this stage received for its next unit
-
-    @property
-    def busy(self) -> bool:
-        return any(u is not None for u in self.inflight)
+        # The last slot's sent and broadcast tensors stay referenced here: otherwise a gloo
+        # worker thread may drop the last reference to one while the interpreter is already
+        # finalizing at exit, which aborts the process (as ``ranks.row_channel`` keeps its own).
+        self.held: list[torch.Tensor] = []
 
     def reset(self) -> None:
         """Forgets the units in flight (after a failed step)."""
@@ -301,6 +301,7 @@ class ServingSlots:
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
+        self.held = [t for t in (out, self.hidden) if t is not None]
         done = self.inflight[last]
         self.inflight[last] = None
         if done is None:
@@ -311,4 +312,5 @@ class ServingSlots:
             logits = torch.empty(len(done), self.model.cfg.model.vocab_size, dtype=torch.float32,
                                  device=self.runner.engine.device)
         dist.broadcast(logits, src=pp.ranks[last], group=pp.group)
+        self.held.append(logits)
         return done, logits

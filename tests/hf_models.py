@@ -24,6 +24,14 @@ FAMILIES = {
         vocab_size=97, hidden_size=84, intermediate_size=28, num_hidden_layers=2,
         num_attention_heads=6, num_key_value_heads=2, num_experts=9, num_experts_per_tok=3,
         clip_qkv=4.0, max_position_embeddings=96, eos_token_id=None, pad_token_id=None)),
+    # GLM-4.5: partial rotary (half of each head), q/k norms and biases, sigmoid scores with a
+    # learned bias, grouped top-k (3 groups, 2 kept), a scale, a dense first layer.
+    "glm4_moe": dict(cls="Glm4MoeForCausalLM", cfg="Glm4MoeConfig", kw=dict(
+        vocab_size=95, hidden_size=60, head_dim=12, intermediate_size=44, moe_intermediate_size=20,
+        num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=5, n_routed_experts=9,
+        num_experts_per_tok=3, n_group=3, topk_group=2, routed_scaling_factor=1.7, n_shared_experts=2,
+        first_k_dense_replace=1, use_qk_norm=True, attention_bias=True, norm_topk_prob=True,
+        max_position_embeddings=96, eos_token_id=None, pad_token_id=None)),
 }
 
 
@@ -36,7 +44,9 @@ def make_hf_model(family: str, seed: int = 0, rope: dict | None = None, **overri
     kw = {**spec["kw"], **overrides}
     theta = kw.pop("rope_theta", 10000.0)
     cfg = getattr(transformers, spec["cfg"])(**kw)
-    cfg.rope_parameters = {"rope_theta": theta, **(rope or {"rope_type": "default"})}
+    partial = (cfg.rope_parameters or {}).get("partial_rotary_factor")  # (GLM-4.5's: 0.5)
+    cfg.rope_parameters = {"rope_theta": theta, **(rope or {"rope_type": "default"}),
+                           **({"partial_rotary_factor": partial} if partial is not None else {})}
     torch.manual_seed(seed)
     model = getattr(transformers, spec["cls"])(cfg).eval()
     # The per-expert loop is transformers' plain reference; its grouped_mm path needs 16-byte
@@ -52,6 +62,9 @@ def make_hf_model(family: str, seed: int = 0, rope: dict | None = None, **overri
                 p.normal_(0, 0.1)
             else:
                 p.normal_(0, 0.08)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # picks experts: must not stay 0
+                b.normal_(0, 0.3)
     return model
 
 

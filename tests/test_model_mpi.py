@@ -446,3 +446,21 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
         want = reference.generate([p], max_new_tokens=n, temperature=sp.temperature, top_k=sp.top_k,
                                   seed=sp.seed)[0].token_ids
         assert [t for t in out[i] if t is not None] == want, i
+
+
+def test_glm4_moe_split_over_ranks_matches_one_process(info, world, tmp_path_factory):
+    """GLM-4.5 (partial rotary, q/k norms and biases, sigmoid scores with a learned bias,
+    grouped top-k, a scale, shared experts, a dense first layer) under tensor and expert
+    parallelism gives the single process's logits and greedy tokens."""
+    box = [str(tmp_path_factory.mktemp("glm")) if dist.get_rank() == 0 else None]
+    if dist.get_rank() == 0:
+        save_hf_model("glm4_moe", box[0], num_attention_heads=8, num_key_value_heads=4, hidden_size=64,
+                      n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2)
+    dist.broadcast_object_list(box, src=0)
+    reference = moe_infer.load(box[0], device=info.device, dtype=torch.float32, progress=False)
+    ref, ref_tokens = reference.logits(PROMPTS), [o.token_ids for o in reference.generate(PROMPTS, max_new_tokens=5)]
+    for kw in (dict(tp=world), dict(dp=world, ep=world)):
+        engine = moe_infer.load(box[0], device=info.device, dtype=torch.float32, progress=False,
+                                parallel=ParallelConfig(**kw))
+        assert rel_err(engine.logits(PROMPTS), ref) < 1e-4, kw
+        assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=5)] == ref_tokens, kw
