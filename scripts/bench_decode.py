@@ -278,16 +278,26 @@ def prefill_rate(engine, prompt_len: int, batch: int, reps: int, gen, profile: b
 
 
 def hf_config(cfg):
-    """A transformers config of the same shape (Mixtral, Qwen3-MoE or OLMoE), or None."""
+    """A transformers config of the same shape (Mixtral, Qwen3-MoE, OLMoE or GLM-4.5), or None."""
     import transformers
 
     m, e = cfg.model, cfg.moe
-    if e is None or m.positions != "rope" or e.shared_experts:
+    glm = e is not None and e.score_bias
+    if e is None or m.positions != "rope" or (e.shared_experts and not glm):
         return None
     common = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
                   num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim,
                   max_position_embeddings=m.max_position, rms_norm_eps=m.norm_eps,
                   num_experts_per_tok=e.top_k, tie_word_embeddings=m.tied_embeddings)
+    if glm:
+        c = transformers.Glm4MoeConfig(**common, intermediate_size=m.ffn_hidden, moe_intermediate_size=e.expert_hidden,
+                                       n_routed_experts=e.num_experts, n_shared_experts=e.shared_experts,
+                                       first_k_dense_replace=e.first_dense, n_group=e.n_group, topk_group=e.topk_group,
+                                       routed_scaling_factor=e.routed_scaling_factor, norm_topk_prob=e.renormalize,
+                                       use_qk_norm=m.qk_norm == "head", attention_bias=m.qkv_bias)
+        c.rope_parameters = {"rope_type": "default", "rope_theta": m.rope_theta,
+                             "partial_rotary_factor": m.rotary_width / m.head_dim}
+        return c
     if m.qk_norm == "full":
         c = transformers.OlmoeConfig(**common, intermediate_size=e.expert_hidden, num_experts=e.num_experts,
                                      norm_topk_prob=e.renormalize)

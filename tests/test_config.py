@@ -20,7 +20,7 @@ def with_change(section, **kw):
 
 def test_every_preset_loads():
     names = preset_names()
-    for expected in ["default", "mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "olmoe-1b-7b",
+    for expected in ["default", "mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "olmoe-1b-7b", "glm-4.5-air",
                      "ds-moe-1.3b-e128", "ds-moe-47b-e128", "gpt-j-6b", "lm-530b"]:
         assert expected in names
     for name in names:
@@ -115,3 +115,23 @@ def test_yaml_file_round_trip_and_syntax_error(tmp_path):
     bad.write_text("model: {hidden_size: 4\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML"):
         load_yaml_config(bad)
+
+
+def test_glm_preset_is_what_a_glm_config_json_gives():
+    """The glm-4.5-air preset's model and MoE sections equal those read from a transformers
+    GLM-4.5 config of its shape (bench_decode's peer config)."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        from bench_decode import hf_config
+    finally:
+        sys.path.pop(0)
+    from moe_infer.hf import config_from_hf
+
+    preset = load_preset("glm-4.5-air")
+    hf = {**hf_config(preset).to_dict(), "architectures": ["Glm4MoeForCausalLM"]}
+    read = config_from_hf(hf)
+    assert read.model == preset.model and read.moe == preset.moe
