@@ -42,6 +42,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 import moe_infer  # noqa: E402
+from comm import shutdown  # noqa: E402
 from moe_infer.frontend import EngineHost  # noqa: E402
 from moe_infer import ParallelConfig  # noqa: E402
 from moe_infer.job import launched_ranks  # noqa: E402
@@ -210,6 +211,7 @@ def main():
     scheduler = build_scheduler(engine, cfg)
     release = lead_or_follow(scheduler)
     if release is None:  # a rank > 0: it followed rank 0's server to the end
+        shutdown()  # (waits for rank 0: a rank that left first would make gloo end it)
         return
     stop, url = start_server(engine, cfg, scheduler)
     clients(url, prompts, args.max_tokens, float("inf"), 0)  # warm-up: the whole workload
@@ -260,6 +262,7 @@ def main():
             "offline": {"tokens": offline_tokens, "seconds": offline_s, "decode_step_s": step_s,
                         "median_prefill_s": prefill_s},
             "rates": rows})
+    shutdown()
 
 
 if __name__ == "__main__":
