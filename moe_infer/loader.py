@@ -34,6 +34,8 @@ def resolve_config(path_or_name: str | Path | None) -> Config:
         if not path.is_file():
             raise ConfigError(f"{path}: YAML config not found")
         return load_yaml_config(path)
+    if str(path_or_name) in preset_names():  # (names such as qwen1.5-moe-a2.7b end in what looks like a suffix)
+        return load_preset(str(path_or_name))
     if "/" in str(path_or_name) or path.suffix:
         raise ConfigError(f"{path_or_name}: not a checkpoint directory or a .yaml file")
     if str(path_or_name) not in preset_names():

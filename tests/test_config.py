@@ -135,3 +135,13 @@ def test_glm_preset_is_what_a_glm_config_json_gives():
     hf = {**hf_config(preset).to_dict(), "architectures": ["Glm4MoeForCausalLM"]}
     read = config_from_hf(hf)
     assert read.model == preset.model and read.moe == preset.moe
+
+
+def test_every_preset_resolves_by_its_name():
+    """Names with dots (qwen1.5-moe-a2.7b, glm-4.5-air) are presets, not file names with a suffix."""
+    from moe_infer.loader import resolve_config
+
+    for name in preset_names():
+        assert resolve_config(name).model == load_preset(name).model, name
+    with pytest.raises(ConfigError, match=r"no-such\.7b: not a checkpoint directory or a \.yaml file"):
+        resolve_config("no-such.7b")
