@@ -192,7 +192,8 @@ class Attention(nn.Module):
         # from every rank: the fused kernels then take q and k already normed (``_prenorm``).
         self.sharded_norm = cfg.qk_norm == "full" and tp.size > 1
         # The fused decode kernels: power-of-two head dims, rotary over the whole head.
-        self.fusable = qkv_decode_supported(d) and (cfg.positions != "rope" or cfg.rotary_width == d)
+        partial = getattr(cfg, "rotary_dim", None) not in (None, d) and getattr(cfg, "positions", "rope") == "rope"
+        self.fusable = qkv_decode_supported(d) and not partial
 
     def _epilogue(self) -> tuple:
         """The fused kernels' q / k norm, its weights and eps, and the clip."""
