@@ -39,7 +39,7 @@ def test_frequencies_equal_transformers(scaled):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     name, path, hf = scaled
-    rotary = moe_infer.load(path, progress=False).model.rotary
+    rotary = moe_infer.load(path, device="cpu", progress=False).model.rotary
     kind = SCALINGS[name]["rope_type"]
     for longest in (4, 12, 40):
         want, factor = ROPE_INIT_FUNCTIONS[kind](hf.config, "cpu", seq_len=torch.tensor(longest))
@@ -50,7 +50,7 @@ def test_frequencies_equal_transformers(scaled):
 
 def test_logits_and_cached_greedy_generation_match_transformers(scaled):
     name, path, hf = scaled
-    engine = moe_infer.load(path, progress=False, dtype=torch.float32)
+    engine = moe_infer.load(path, device="cpu", progress=False, dtype=torch.float32)
     engine.config.engine.max_seq_len = 64  # past max_position_embeddings, where dynamic scaling is for
     gen = torch.Generator().manual_seed(len(name))
     prompts = [torch.randint(0, 99, (n,), generator=gen).tolist() for n in (6, 13, 21)]
@@ -98,7 +98,7 @@ def test_unknown_or_incomplete_scaling_is_refused_with_its_key(tmp_path):
                          r"partial_rotary_factor=0\.5")):
         (tmp_path / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_theta": 1e4, **rope}}))
         with pytest.raises(ConfigError, match=match):
-            moe_infer.load(tmp_path, progress=False)
+            moe_infer.load(tmp_path, device="cpu", progress=False)
 
 
 def test_a_model_yaml_names_its_scaling_and_a_wrong_key_is_named(tmp_path):
@@ -114,7 +114,7 @@ def test_a_model_yaml_names_its_scaling_and_a_wrong_key_is_named(tmp_path):
     cfg = config_from_dict({"model": model})
     assert cfg.model.rope_scaling.rope_type == "yarn" and cfg.model.rope_scaling.factor == 4.0
     (tmp_path / "m.yaml").write_text(yaml.safe_dump({"model": model, "moe": dataclasses.asdict(base.moe)}))
-    assert moe_infer.load(str(tmp_path / "m.yaml"), progress=False).model.rotary.attention_factor > 1
+    assert moe_infer.load(str(tmp_path / "m.yaml"), device="cpu", progress=False).model.rotary.attention_factor > 1
     model["rope_scaling"] = {"rope_type": "yarn", "factr": 4.0, "original_max_position_embeddings": 64}
     with pytest.raises(ConfigError, match=r"model\.rope_scaling\.factr=4\.0: unknown key \(did you mean 'factor'\?\)"):
         config_from_dict({"model": model})
