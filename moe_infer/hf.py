@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_infer.config import ROPE_TYPES, Config, ConfigError, EngineConfig, ModelConfig, MoEConfig, RopeScaling
+from moe_infer.config import (ROPE_TYPES, Config, ConfigError, EngineConfig, ModelConfig, MoEConfig, RopeScaling,
+                              section_from_dict)
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,6 @@ def _rope(hf: dict, source: str, partial_default: float = 1.0) -> tuple[float, R
                           f"{', '.join(_ROPE_KEYS)}")
     if rope.get("original_max_position_embeddings") is None and hf.get("original_max_position_embeddings"):
         rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-    from moe_infer.config import section_from_dict
-
     return theta, section_from_dict(RopeScaling, {"rope_type": kind, **{k: v for k, v in rope.items()
                                                                          if v is not None}}, f"{source}: rope"), partial
 
@@ -127,7 +126,8 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
             max_position=hf.get("max_position_embeddings", 4096),
             tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-            qk_norm="head" if glm and get("use_qk_norm") else {"qwen3_moe": "head", "olmoe": "full"}.get(fam.name, "none"),
+            qk_norm="head" if glm and get("use_qk_norm")
+            else {"qwen3_moe": "head", "olmoe": "full"}.get(fam.name, "none"),
             qkv_bias=bool(get("qkv_bias") if fam.name == "qwen2_moe" else get("attention_bias")),
             out_bias=bool(get("attention_bias")) if fam.name in ("qwen3_moe", "olmoe") else False,
             sliding_window=sliding, clip_qkv=get("clip_qkv"),

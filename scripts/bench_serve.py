@@ -236,7 +236,8 @@ def main():
 
     run = bc.run_info(engine.device)
     m = engine.config.model
-    layout = f" x {ranks} ranks, {parallel.tp=}, {parallel.pp=}, {parallel.ep=}, {parallel.expert_slicing=}" if parallel else ""
+    layout = (f" x {ranks} ranks, {parallel.tp=}, {parallel.pp=}, {parallel.ep=}, {parallel.expert_slicing=}"
+              if parallel else "")
     print(f"device {run['device']}{layout} | date {run['date']} | commit {run['commit']} | {engine.dtype}")
     print(f"model {args.model}: H={m.hidden_size} layers={m.num_layers} vocab={m.vocab_size}, random weights | "
           f"{args.requests} requests, prompts {lo}-{hi} tokens, {args.max_tokens} new tokens each, "
