@@ -416,7 +416,7 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
         return
     lengths = [7, 3, 9, 5, 6]
     params = [SamplingParams()] * 4 + [SamplingParams(temperature=0.8, top_k=5, seed=11)]
-    out = [[] for _ in PROMPTS + PROMPTS[:2]]
+    out = [[] for _ in range(6)]
     prompts = (PROMPTS + PROMPTS[:2])[:len(lengths)]
     reqs = [Request(p, sp, n, lambda k, d, i=i: out[i].append(d.get("token_id")) if k == "token" else None)
             for i, (p, sp, n) in enumerate(zip(prompts, params, lengths))]
@@ -430,9 +430,18 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
         return slot(rows)
     scheduler.slots.slot = counted
     cancelled_in_flight = False
+    # Prompt logprobs, asked for while units are in flight: the pipeline drains for its prefill.
+    prompt_events = []
+    scored = Request(PROMPTS[2], SamplingParams(), 4, lambda k, d: prompt_events.append(d) if k == "prompt" else
+                     (out[-1].append(d.get("token_id")) if k == "token" else None), logprobs=1, prompt_logprobs=1)
+    steps = 0
     try:
         while scheduler.waiting or scheduler.running:
             scheduler.step()
+            steps += 1
+            if steps == 3:
+                assert any(u is not None for u in scheduler.units)
+                scheduler.submit(scored)
             if doomed.inflight and not doomed.cancelled and doomed.sampled >= 2:
                 scheduler.cancel(doomed)
                 cancelled_in_flight = True
@@ -441,6 +450,8 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
     finally:
         release()
     assert max(busy) == 2 and cancelled_in_flight and scheduler.blocks_in_use == 0
+    assert len(prompt_events) == 1 and len(prompt_events[0]["logprobs"]) == len(PROMPTS[2])
+    assert [t for t in out[-1] if t is not None] == reference.generate([PROMPTS[2]], max_new_tokens=4)[0].token_ids
     assert bool(scheduler.runner._stage_steps) == scheduler.runner.static
     for i, (p, sp, n) in enumerate(zip(prompts, params, lengths)):
         want = reference.generate([p], max_new_tokens=n, temperature=sp.temperature, top_k=sp.top_k,
