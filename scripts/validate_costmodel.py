@@ -8,7 +8,9 @@ device's hardware profile, with the error of each.
     python scripts/validate_costmodel.py --files a.json b.json --hardware my-h200.yaml
 
 The context of a step is the prompt plus half the new tokens (the mean over the timed
-steps). No GPU needed.
+steps). Then, per (model, device, batch) with several layouts of one world size measured,
+whether the layout the model ranks first among them is the measured-fastest one or within
+5% of it (``choices``). No GPU needed.
 """
 from __future__ import annotations
 
@@ -57,6 +59,24 @@ def compare(files: list[Path], hardware: str | None = None) -> list[dict]:
     return out
 
 
+def choices(rows: list[dict]) -> list[dict]:
+    """Per (model, device, batch) with two or more multi-rank layouts measured: the layout the
+    model predicts fastest among them, the measured-fastest, and whether the first ran
+    within 5% of the second."""
+    cases: dict = {}
+    for r in rows:
+        if r["layout"] != "one GPU":
+            cases.setdefault((r["model"], r["device"], r["batch"]), []).append(r)
+    out = []
+    for (model, device, batch), rs in sorted(cases.items()):
+        if len(rs) < 2:
+            continue
+        picked, best = min(rs, key=lambda r: r["predicted"]), min(rs, key=lambda r: r["ms"])
+        out.append(dict(model=model, device=device, batch=batch, picked=picked["layout"], best=best["layout"],
+                        ratio=picked["ms"] / best["ms"], hit=picked["ms"] <= 1.05 * best["ms"]))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", nargs="*", help="results JSON files (default: bench/results/layouts-*.json)")
@@ -71,6 +91,12 @@ def main():
         errors = sorted(abs(r["error"]) for r in rows)
         print(f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15%; median |error| "
               f"{errors[len(errors) // 2]:.0%}")
+    picks = choices(rows)
+    if picks:
+        print()
+        print(bc.format_table(["model", "batch", "model's first choice", "measured fastest", "its time / fastest"], [
+            [p["model"], p["batch"], p["picked"], p["best"], f"{p['ratio']:.2f}"] for p in picks]))
+        print(f"first choice fastest or within 5%: {sum(p['hit'] for p in picks)} of {len(picks)} cases")
 
 
 if __name__ == "__main__":
