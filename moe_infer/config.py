@@ -61,7 +61,7 @@ class RopeScaling:
     truncate: bool = True  # yarn: the correction range rounded out to whole dimensions
     low_freq_factor: float | None = None  # llama3
     high_freq_factor: float | None = None  # llama3
-    short_factor: tuple[float, ...] = ()  # longrope, one per frequency (head_dim / 2)
+    short_factor: tuple[float, ...] = ()  # longrope, one per frequency (half the rotary dimensions)
     long_factor: tuple[float, ...] = ()
 
     def __post_init__(self):
@@ -414,18 +414,15 @@ class Config:
                     _fail("moe.dense_layers", i, f"layer indices in [0, {m.num_layers})")
             if not any(e.is_moe_layer(i) for i in range(m.num_layers)):
                 _fail("moe", "no MoE layer", "at least one layer selected by every/first_dense")
-        if self.engine.max_seq_len is not None and self.engine.max_seq_len > m.max_position:
+        # (dynamic NTK scaling is for running past the trained context: its max_position is that)
+        dynamic = m.rope_scaling is not None and m.rope_scaling.rope_type == "dynamic"
+        if self.engine.max_seq_len is not None and self.engine.max_seq_len > m.max_position and not dynamic:
             _fail("engine.max_seq_len", self.engine.max_seq_len,
                   f"at most model.max_position={m.max_position}")
 
     @property
     def max_seq_len(self) -> int:
         return self.engine.max_seq_len or self.model.max_position
-
-    @property
-    def grouped(self) -> bool:
-        """Routing through ``kernels.grouped_topk`` (a score bias, groups or a scale)."""
-        return self.score_bias or self.n_group > 1 or self.routed_scaling_factor != 1.0
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(i)

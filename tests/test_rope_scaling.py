@@ -51,7 +51,7 @@ def test_frequencies_equal_transformers(scaled):
 def test_logits_and_cached_greedy_generation_match_transformers(scaled):
     name, path, hf = scaled
     engine = moe_infer.load(path, device="cpu", progress=False, dtype=torch.float32)
-    engine.config.engine.max_seq_len = 64  # past max_position_embeddings, where dynamic scaling is for
+    engine.config.engine.max_seq_len = 64  # past max_position_embeddings (a config allows it for dynamic scaling)
     gen = torch.Generator().manual_seed(len(name))
     prompts = [torch.randint(0, 99, (n,), generator=gen).tolist() for n in (6, 13, 21)]
     for p in prompts:  # one forward, across the original context and past max_position
@@ -118,3 +118,19 @@ def test_a_model_yaml_names_its_scaling_and_a_wrong_key_is_named(tmp_path):
     model["rope_scaling"] = {"rope_type": "yarn", "factr": 4.0, "original_max_position_embeddings": 64}
     with pytest.raises(ConfigError, match=r"model\.rope_scaling\.factr=4\.0: unknown key \(did you mean 'factor'\?\)"):
         config_from_dict({"model": model})
+
+
+def test_only_dynamic_scaling_lets_the_engine_run_past_max_position():
+    import dataclasses
+
+    from moe_infer.config import config_from_dict, load_preset
+
+    base = load_preset("tiny-moe")
+    model = {k: v for k, v in dataclasses.asdict(base.model).items() if v not in (None, ())}
+    moe = dataclasses.asdict(base.moe)
+    longer = {"max_seq_len": 2 * base.model.max_position}
+    model["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    assert config_from_dict({"model": model, "moe": moe, "engine": longer}).max_seq_len == longer["max_seq_len"]
+    model["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ConfigError, match=r"engine\.max_seq_len=.*: expected at most model\.max_position"):
+        config_from_dict({"model": model, "moe": moe, "engine": longer})
