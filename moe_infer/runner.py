@@ -300,7 +300,9 @@ class PagedRunner:
         prefill bucket, so that no request waits for a capture while it is served (the
         server calls it before it takes requests); under pp, each stage's steps."""
         if self.static:
-            stage = self.model.pp.size > 1  # the server's pipeline slots replay each stage's own steps
+            # The server's pipeline slots replay each stage's own steps (micro_batches 1: the
+            # whole model's, stage after stage).
+            stage = self.model.pp.size > 1 and self.engine.config.parallel.micro_batches > 1
             for batch, keys in self.buckets():
                 step = self.step_for(batch, keys, stage=stage)
                 if step.graphs is not None:
