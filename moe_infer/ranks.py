@@ -87,18 +87,18 @@ def follow(runner: PagedRunner, receive: Callable[[], tuple[list[Row], int] | No
 
 
 def lead_or_follow(scheduler: "Scheduler") -> Callable[[], None] | None:
-    """Multi-rank serving. Ranks other than 0 capture the same steps as rank 0's warm-up
-    (captures run collectives: the same ones, in the same order), then run every step rank
-    0 broadcasts until it stops, and return None. Rank 0 gets its scheduler broadcasting
-    each step and returns the function that releases the others once it stops serving
-    (one rank: a function that does nothing)."""
+    """Multi-rank serving. Every rank captures the steps the server replays (captures run
+    collectives: the same ones, in the same order, on every rank); ranks other than 0 then
+    run every step rank 0 broadcasts until it stops, and return None. Rank 0 gets its
+    scheduler broadcasting each step and returns the function that releases the others
+    once it stops serving (one rank: a function that does nothing)."""
     import torch.distributed as dist
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return lambda: None
     send, receive = row_channel()
+    scheduler.runner.capture_all()  # on every rank here, so that no rank's warm-up is left unmatched
     if dist.get_rank() != 0:
-        scheduler.runner.capture_all()
         follow(scheduler.runner, receive, scheduler.slots)
         return None
     scheduler.broadcast = send

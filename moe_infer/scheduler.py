@@ -162,7 +162,7 @@ class Scheduler:
 
     def warm_up(self):
         """Before the first request, on a GPU: every decode and prefill bucket captured (on
-        several ranks the others capture the same ones: ``ranks.lead_or_follow``), and on one rank
+        several ranks ``ranks.lead_or_follow`` made them on every rank already), and on one rank
         the kernels compiled for eager prefills of each power-of-two width up to
         ``prefill_chunk`` (not on several: a forward there needs every rank, and the others
         wait for steps)."""

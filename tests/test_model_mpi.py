@@ -409,11 +409,10 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
     if info.device.type != "cuda":
         engine.decode_mode = mode
     scheduler = Scheduler(engine, num_blocks=64, block_size=4, max_batch=3)
-    if mode == "static" and dist.get_rank() == 0:
-        scheduler.warm_up()  # (the others make the same steps in lead_or_follow)
     release = lead_or_follow(scheduler)
     if release is None:  # a follower: it ran every slot rank 0 sent
         return
+    scheduler.warm_up()  # as the server's: after lead_or_follow, which made every rank's captures
     lengths = [7, 3, 9, 5, 6]
     params = [SamplingParams()] * 4 + [SamplingParams(temperature=0.8, top_k=5, seed=11)]
     out = [[] for _ in range(6)]
