@@ -17,29 +17,38 @@ if TYPE_CHECKING:
 FORWARD, ALL_POSITIONS, SLOT = 0, 1, 2  # what the other ranks run with a step's rows
 
 
+# The knobs a follower's row gets where rank 0's row samples: a follower discards its own
+# draw (rank 0 sends the tokens), but it must replay the same variant of a captured step
+# as rank 0 (the sampling one), or a capture of that variant on rank 0 alone would leave
+# its collectives unmatched.
+FOLLOWER_KNOBS = (0, 0, 0, 1.0, 1.0)
+
+
 def pack_rows(rows: list[Row] | None, mode: int = FORWARD) -> torch.Tensor:
     """A step's rows as one int64 tensor: the row count (-1: stop), what to run them through
     (``FORWARD``: ``PagedRunner.forward``; ``ALL_POSITIONS``: ``forward_all``, every
     position's logits; ``SLOT``: a pipeline slot, ``moe_infer.pipeline.ServingSlots``), then
-    per row its token count, start and table length, then every row's tokens and tables."""
+    per row its token count, start, table length and whether it samples, then every row's
+    tokens and tables."""
     if rows is None:
         return torch.tensor([-1])
-    head = [len(rows), mode] + [v for r in rows for v in (len(r.tokens), r.start, len(r.table))]
+    head = [len(rows), mode] + [v for r in rows for v in (len(r.tokens), r.start, len(r.table), r.sample is not None)]
     return torch.tensor(head + [t for r in rows for t in r.tokens] + [b for r in rows for b in r.table])
 
 
 def unpack_rows(data: torch.Tensor) -> tuple[list[Row], int] | None:
-    """-> (the rows, the mode), or None: stop."""
+    """-> (the rows, the mode), or None: stop. A row that samples on rank 0 gets
+    ``FOLLOWER_KNOBS``."""
     values = data.tolist()
     n = values[0]
     if n < 0:
         return None
-    rows, at = [], 2 + 3 * n
-    heads = [values[2 + 3 * i:5 + 3 * i] for i in range(n)]
-    for count, start, _ in heads:
-        rows.append(Row(values[at:at + count], start, []))
+    rows, at = [], 2 + 4 * n
+    heads = [values[2 + 4 * i:6 + 4 * i] for i in range(n)]
+    for count, start, _, samples in heads:
+        rows.append(Row(values[at:at + count], start, [], sample=FOLLOWER_KNOBS if samples else None))
         at += count
-    for row, (_, _, blocks) in zip(rows, heads):
+    for row, (_, _, blocks, _) in zip(rows, heads):
         row.table = values[at:at + blocks]
         at += blocks
     return rows, values[1]

@@ -264,6 +264,11 @@ def test_step_rows_travel_as_one_int64_tensor():
     assert packed.dtype == torch.int64 and packed.dim() == 1
     assert unpack_rows(packed) == (rows, FORWARD) and unpack_rows(pack_rows(None)) is None
     assert unpack_rows(pack_rows(rows, SLOT)) == (rows, SLOT) and unpack_rows(pack_rows([], SLOT)) == ([], SLOT)
+    # A row that samples samples on the followers too (the same variant of a captured step),
+    # with knobs of their own: their draws are not used.
+    rows[1].sample = (11, 3, 5, 0.8, 0.9)
+    got, _ = unpack_rows(pack_rows(rows))
+    assert [r.sample is not None for r in got] == [False, True, False] and got[1].tokens == [9]
 
 
 def _serve_all(scheduler, reqs):
