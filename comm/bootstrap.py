@@ -9,6 +9,7 @@ rank instead of leaving the others blocked in a collective.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -85,7 +86,11 @@ def bootstrap(backend: str | None = None, timeout_s: float = 300.0) -> RankInfo:
 def shutdown() -> None:
     """Ends this rank's part of the job's process group: waits for every rank, then
     destroys it. (A rank that exits while a peer's gloo connection to it is still open
-    makes gloo terminate that peer.)"""
+    makes gloo terminate that peer.) Free what holds captured graphs first
+    (``Engine.release_graphs``)."""
     if dist.is_initialized():
+        # NCCL destroys a communicator only once every CUDA graph holding its collectives is
+        # gone, and an engine's graphs may still wait for the collector in a reference cycle.
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()

@@ -130,6 +130,12 @@ class Engine:
         self.auto_layout: str | None = None  # parallel: auto: the cost model's choice, in one line
         self._calls = 0  # generate() calls: unseeded sampling draws anew in each
 
+    def release_graphs(self) -> None:
+        """Drops generate()'s captured steps (``PagedRunner.release_graphs``): before the
+        process group of a multi-rank job is destroyed."""
+        if self.runner is not None:
+            self.runner.release_graphs()
+
     def runner_for(self, blocks: int) -> PagedRunner:
         """generate()'s runner with a cache of at least ``blocks`` blocks. The cache grows in
         powers of two; a new one drops the old one first, and with it the captured steps

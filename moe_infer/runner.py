@@ -223,6 +223,14 @@ class PagedRunner:
         self.prev = torch.zeros(1 << (max_batch - 1).bit_length(), dtype=torch.long, device=engine.device)
         self.steps = 0  # forwards run: an offloaded model re-places its experts every REBALANCE_STEPS
 
+    def release_graphs(self) -> None:
+        """Drops every fixed-shape step made so far, and with them their CUDA graphs; a later
+        step is made again at its first use. A multi-rank job calls it before it destroys
+        its process group: NCCL waits for every graph that holds its collectives to go."""
+        self._steps.clear()
+        self._stage_steps.clear()
+        self._prefills.clear()
+
     def decode_bucket(self, batch: int, keys: int) -> tuple[int, int] | None:
         """The (rows, keys) bucket of the fixed-shape decode step holding ``batch`` rows of at
         most ``keys`` keys (None where none fits)."""

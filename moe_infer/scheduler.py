@@ -171,6 +171,13 @@ class Scheduler:
             widths = [1 << i for i in range(self.prefill_chunk.bit_length())]
             self.runner.warm_up(widths + [self.prefill_chunk] * (widths[-1] != self.prefill_chunk))
 
+    def release_graphs(self) -> None:
+        """Drops the captured steps of this scheduler's runner and of the engine's generate()
+        (``PagedRunner.release_graphs``): once it stops serving, before a multi-rank job
+        destroys its process group."""
+        self.runner.release_graphs()
+        self.engine.release_graphs()
+
     @property
     def blocks_in_use(self) -> int:
         return self.runner.cache.num_blocks - len(self.free_blocks)

@@ -497,6 +497,7 @@ def serve(spec: ServeSpec, engine: Engine | None = None):
     scheduler = build_scheduler(engine, cfg)
     release = lead_or_follow(scheduler)
     if release is None:  # a rank > 0, done following
+        scheduler.release_graphs()
         return
     try:
         if cfg.api_process:
@@ -505,3 +506,4 @@ def serve(spec: ServeSpec, engine: Engine | None = None):
             uvicorn.run(create_app(engine, cfg, scheduler), host=cfg.host, port=cfg.port, log_level="info")
     finally:
         release()
+        scheduler.release_graphs()

@@ -211,6 +211,7 @@ def main():
     scheduler = build_scheduler(engine, cfg)
     release = lead_or_follow(scheduler)
     if release is None:  # a rank > 0: it followed rank 0's server to the end
+        scheduler.release_graphs()
         shutdown()  # (waits for rank 0: a rank that left first would make gloo end it)
         return
     stop, url = start_server(engine, cfg, scheduler)
@@ -233,6 +234,7 @@ def main():
     finally:
         stop()
         release()
+        scheduler.release_graphs()
 
     run = bc.run_info(engine.device)
     m = engine.config.model

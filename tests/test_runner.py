@@ -118,6 +118,23 @@ def test_prefill_buckets_and_the_rows_that_take_them(engine):
     assert runner._prefills == made
 
 
+def test_released_steps_are_made_again_at_their_next_use(engine):
+    """release_graphs (before a job destroys its process group: NCCL waits for every graph
+    holding its collectives) drops every step; a later forward makes its own again and
+    gives the same logits."""
+    runner = PagedRunner(engine, num_blocks=16, block_size=4, max_batch=2)
+    runner.static = True
+    rows = [Row([3], 5, [0, 1]), Row([7], 2, [2])]
+    runner.decode([Row([1, 2, 3, 4, 5], 0, [0, 1]), Row([6, 7], 0, [2])])  # fills the rows' keys
+    before = runner.decode(rows)[0].clone()
+    runner.capture_all()
+    assert runner._steps and runner._prefills
+    runner.release_graphs()
+    assert not (runner._steps or runner._stage_steps or runner._prefills)
+    torch.testing.assert_close(runner.decode(rows)[0], before)
+    assert list(runner._steps) == [runner.decode_bucket(2, 6)]
+
+
 def test_rows_beyond_every_bucket_take_the_eager_forward(engine):
     runner = PagedRunner(engine, num_blocks=8, block_size=4, max_batch=2)
     runner.static = True
