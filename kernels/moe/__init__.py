@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels.moe.reference import ACTIVATIONS, fused_moe_ref, quantize_int8
+from kernels.moe.reference import ACTIVATIONS, GATED, fused_moe_ref, quantize_int8
 
 
-def _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale):
+def _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, b13=None, b2=None):
     _check_experts(x, w13, w2, activation, w13_scale, w2_scale)
+    for name, b, w in (("b13", b13, w13), ("b2", b2, w2)):
+        if b is not None and tuple(b.shape) != tuple(w.shape[:2]):
+            raise ValueError(f"{name} {list(b.shape)}: expected [E, rows of {name.replace('b', 'w')}] = "
+                             f"{list(w.shape[:2])}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids {list(topk_ids.shape)} / topk_weights "
                          f"{list(topk_weights.shape)}: expected both [T={x.shape[0]}, k]")
@@ -38,10 +42,10 @@ def _check_experts(x, w13, w2, activation, w13_scale, w2_scale):
         raise ValueError(f"w13 / w2: expected [E, 2F, H] / [E, H, F], got "
                          f"{list(w13.shape)} / {list(w2.shape)}")
     e, f = w2.shape[0], w2.shape[2]
-    rows13 = 2 * f if activation == "silu" else f
+    rows13 = 2 * f if activation in GATED else f
     if tuple(w13.shape) != (e, rows13, h) or w2.shape[1] != h:
         raise ValueError(f"w13 {list(w13.shape)} / w2 {list(w2.shape)}: expected "
-                         f"[E, {'2F' if activation == 'silu' else 'F'}, H={h}] / [E, H={h}, F]")
+                         f"[E, {'2F' if activation in GATED else 'F'}, H={h}] / [E, H={h}, F]")
     for name, w, s in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
         if (w.dtype == torch.int8) != (s is not None):
             raise ValueError(f"{name}_scale: expected per-channel scales exactly when {name} is int8")
@@ -53,7 +57,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               capacity: int | None = None, maps: tuple | None = None, *, pdl: bool = True,
-              masked: bool = False) -> torch.Tensor:
+              masked: bool = False, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
     """MoE expert computation on one device: x [T, H] -> [T, H].
 
     w13 [E, 2F, H] holds each expert's gate rows then up rows (Hugging Face / vLLM layout;
@@ -64,14 +68,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     GPU kernels launch with programmatic dependent launch where the device has it
     (``kernels.pdl``; every op here takes it). ``masked``: a pair whose expert id is negative
     (its expert lives on another rank) adds nothing and reads no weights; ``maps`` are then
-    not taken.
+    not taken. ``b13`` [E, 2F or F] / ``b2`` [E, H]: per-expert biases (GPT-OSS), added
+    after each GEMM, before the activation and before the combine weight.
     """
-    _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale)
+    _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, b13, b2)
     if x.is_cuda:
         from kernels.moe.triton import fused_moe_triton
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
-                                capacity, maps=None if masked else maps, pdl=pdl, masked=masked)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity, masked)
+                                capacity, maps=None if masked else maps, pdl=pdl, masked=masked, b13=b13, b2=b2)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity, masked,
+                         b13, b2)
 
 
 __all__ = ["fused_moe", "quantize_int8"]

@@ -48,13 +48,13 @@ from kernels.pdl import pdl_enter, pdl_launch
 
 @triton.jit
 def _gemm_tile(
-    a_ptr, row_pair_ptr, w_ptr, scale_ptr, offsets_ptr, pair_w_ptr, out_ptr,
+    a_ptr, row_pair_ptr, w_ptr, scale_ptr, bias_ptr, offsets_ptr, pair_w_ptr, out_ptr,
     N_OUT, K, W_ROWS, e, ids, r0, hi, pid_n, pid_k,
-    stride_a, stride_we, stride_wn, stride_se, stride_os, stride_om,
+    stride_a, stride_we, stride_wn, stride_se, stride_be, stride_os, stride_om,
     TOPK: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
+    ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr, FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
 ):
     """One [TM, BN] output tile of expert e: buffer rows r0 .. min(r0 + TM, hi) (FROM_IDS:
     the pairs among the first TM whose ids [TM] name e), columns pid_n * BN .., split pid_k of K."""
@@ -112,8 +112,19 @@ def _gemm_tile(
         acc *= tl.load(s_base + cols, mask=col_ok, other=0.0)[None, :]
         if GATED:
             acc_up *= tl.load(s_base + N_OUT + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:  # [E, W_ROWS] per expert and output row, added once (by split pid_k 0)
+        b_base = bias_ptr + e * stride_be
+        first = (pid_k == 0).to(tl.float32)
+        acc += first * tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += first * tl.load(b_base + N_OUT + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # SiLU(gate) * up
+        if ACT == "swiglu_oai":  # GPT-OSS: the gate clamped above, up clamped both ways, (up + 1)
+            g = tl.minimum(acc, 7.0)
+            u = tl.minimum(tl.maximum(acc_up, -7.0), 7.0)
+            acc = g / (1.0 + tl.exp(-1.702 * g)) * (u + 1.0)
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # SiLU(gate) * up
     elif ACT == "gelu":
         acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
     if ROW_WEIGHT:
@@ -128,18 +139,19 @@ def _grouped_gemm_kernel(
     row_pair_ptr,  # [N] int32 pair held by each buffer row (token = pair // TOPK)
     w_ptr,  # [E, W_ROWS, K] weights, K contiguous (W_TMA: a descriptor over [E * W_ROWS, K])
     scale_ptr,  # [E, W_ROWS] float32 per-output-channel scales (INT8_W only)
+    bias_ptr,  # [E, W_ROWS] per-output-channel biases (HAS_BIAS only)
     offsets_ptr,  # [E + 1] int32 expert segments of the buffer; FROM_IDS: [N] int32 expert of each pair
     pair_w_ptr,  # [T * TOPK] float32 combine weight of each pair (ROW_WEIGHT only)
     out_ptr,  # [S, N, N_OUT] out
     N_OUT, K, W_ROWS,  # output columns (F for gated up: gate rows, then up rows at +F)
     N_ROWS,  # pairs (FROM_IDS only)
     M_TILES, GROUP_M,  # row tiles in the grid; row tiles per group of the tile order
-    stride_a, stride_we, stride_wn, stride_se, stride_os, stride_om,
+    stride_a, stride_we, stride_wn, stride_se, stride_be, stride_os, stride_om,
     E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, SUB_M: tl.constexpr,
     A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
+    ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr, FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -185,20 +197,20 @@ def _grouped_gemm_kernel(
             fit += (hi - r0 <= BM // 2).to(tl.int32)
         if SUB_M >= 4:
             fit += (hi - r0 <= BM // 4).to(tl.int32)
-    args = (a_ptr, row_pair_ptr, w_ptr, scale_ptr, offsets_ptr, pair_w_ptr, out_ptr,
+    args = (a_ptr, row_pair_ptr, w_ptr, scale_ptr, bias_ptr, offsets_ptr, pair_w_ptr, out_ptr,
             N_OUT, K, W_ROWS, e, ids, r0, hi, pid_n, pid_k,
-            stride_a, stride_we, stride_wn, stride_se, stride_os, stride_om)
+            stride_a, stride_we, stride_wn, stride_se, stride_be, stride_os, stride_om)
     if fit == 0:
-        _gemm_tile(*args, TOPK, BM, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, UPCAST, IEEE,
-                   FROM_IDS, EVEN_K, W_TMA)
+        _gemm_tile(*args, TOPK, BM, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, HAS_BIAS, UPCAST,
+                   IEEE, FROM_IDS, EVEN_K, W_TMA)
     if SUB_M >= 2:
         if fit == 1:
-            _gemm_tile(*args, TOPK, BM // 2, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, UPCAST,
-                       IEEE, FROM_IDS, EVEN_K, W_TMA)
+            _gemm_tile(*args, TOPK, BM // 2, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, HAS_BIAS,
+                       UPCAST, IEEE, FROM_IDS, EVEN_K, W_TMA)
     if SUB_M >= 4:
         if fit == 2:
-            _gemm_tile(*args, TOPK, BM // 4, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, UPCAST,
-                       IEEE, FROM_IDS, EVEN_K, W_TMA)
+            _gemm_tile(*args, TOPK, BM // 4, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, HAS_BIAS,
+                       UPCAST, IEEE, FROM_IDS, EVEN_K, W_TMA)
 
 
 def max_row_tiles(num_rows: int, num_experts: int, bm: int) -> int:
@@ -221,7 +233,7 @@ def tma_ok(w: torch.Tensor, cfg: dict) -> bool:
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None, row_pair: torch.Tensor | None,
                  cfg: dict, *, num_rows: int, topk: int, a_from_tokens: bool, gated: bool,
-                 act: str = "none", scale: torch.Tensor | None = None,
+                 act: str = "none", scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                  pair_weights: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                  pair_ids: torch.Tensor | None = None, pdl: bool) -> torch.Tensor:
     """Runs one expert GEMM; returns [S, num_rows, N_OUT] (S = cfg["split_k"]).
@@ -236,6 +248,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
     e, w_rows, k = w.shape
     n_out = w_rows // 2 if gated else w_rows
     split = cfg["split_k"]
+    if bias is not None and tuple(bias.shape) != (e, w_rows):
+        raise ValueError(f"bias {list(bias.shape)}: expected [E, W_ROWS] = {[e, w_rows]}")
     if split > 1 and (gated or act != "none"):
         raise ValueError("split_k > 1 needs a linear epilogue (the down GEMM)")
     out = torch.empty(split, num_rows, n_out, device=a.device,
@@ -256,14 +270,14 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
     tma = tma_ok(w, cfg)
     w_arg = TensorDescriptor.from_tensor(w.view(e * w_rows, k), [cfg["bn"], cfg["bk"]]) if tma else w
     _grouped_gemm_kernel[grid](
-        a, row_pair if row_pair is not None else table, w_arg, scale if int8 else w, table,
-        pair_weights if pair_weights is not None else table, out,
+        a, row_pair if row_pair is not None else table, w_arg, scale if int8 else w,
+        bias if bias is not None else w, table, pair_weights if pair_weights is not None else table, out,
         n_out, k, w_rows, num_rows, tiles, group_m, a.stride(0), w.stride(0), w.stride(1),
-        scale.stride(0) if int8 else 0, out.stride(0), out.stride(1),
+        scale.stride(0) if int8 else 0, bias.stride(0) if bias is not None else 0, out.stride(0), out.stride(1),
         E=e, E_PAD=triton.next_power_of_2(e), TOPK=topk,
         BM=cfg["bm"], BN=cfg["bn"], BK=cfg["bk"], SPLIT_K=split, SUB_M=sub_m,
         A_FROM_TOKENS=a_from_tokens, GATED=gated, ACT=act, ROW_WEIGHT=pair_weights is not None,
-        INT8_W=int8, UPCAST=a.device.type == "cpu" or a.dtype == torch.float32,
+        INT8_W=int8, HAS_BIAS=bias is not None, UPCAST=a.device.type == "cpu" or a.dtype == torch.float32,
         IEEE=a.dtype == torch.float32, FROM_IDS=from_ids, EVEN_K=k % (split * cfg["bk"]) == 0, W_TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(a.device, pdl))
     return out

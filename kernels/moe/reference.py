@@ -20,32 +20,44 @@ import torch.nn.functional as F
 
 from kernels.layout.reference import gather_rows_ref, scatter_rows_ref, token_maps_ref
 
-ACTIVATIONS = ("silu", "gelu")  # silu: SwiGLU, w13 holds gate rows then up rows; gelu: plain
+# silu: SwiGLU, w13 holds gate rows then up rows; gelu: plain; swiglu_oai: GPT-OSS's
+# SwiGLU (gate clamped above at 7, up to [-7, 7], gate * sigmoid(1.702 gate) * (up + 1)).
+ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
+GATED = ("silu", "swiglu_oai")  # w13 holds 2F rows
 
 
-def expert_ffn_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   activation: str = "silu") -> torch.Tensor:
-    """One expert: x [n, H], w13 [2F or F, H], w2 [H, F] -> [n, H]."""
+def expert_ffn_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str = "silu",
+                   b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert: x [n, H], w13 [2F or F, H], w2 [H, F] (biases b13 [2F or F], b2 [H]) -> [n, H]."""
     h = x @ w13.t()
+    if b13 is not None:
+        h = h + b13
     if activation == "silu":
         gate, up = h.chunk(2, dim=-1)
         h = F.silu(gate) * up
+    elif activation == "swiglu_oai":
+        gate, up = h.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        h = gate * torch.sigmoid(1.702 * gate) * (up + 1)
     elif activation == "gelu":
         h = F.gelu(h)
     else:
         raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
-    return h @ w2.t()
+    h = h @ w2.t()
+    return h if b2 is None else h + b2
 
 
-def grouped_ffn_ref(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+def grouped_ffn_ref(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    activation: str = "silu", b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped expert FFN over the expert-major buffer; only experts with rows run."""
     ys = torch.zeros_like(xs)  # [N, H]
     bounds = offsets.tolist()  # a host sync: fine for the reference
     for e in range(w13.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
-            ys[lo:hi] = expert_ffn_ref(xs[lo:hi], w13[e], w2[e], activation)
+            ys[lo:hi] = expert_ffn_ref(xs[lo:hi], w13[e], w2[e], activation, None if b13 is None else b13[e],
+                                       None if b2 is None else b2[e])
     return ys
 
 
@@ -82,15 +94,17 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   activation: str = "silu", w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None, capacity: int | None = None,
-                  masked: bool = False) -> torch.Tensor:
+                  masked: bool = False, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None) -> torch.Tensor:
     """The single-device expert computation: maps, scatter, grouped FFN, gather. ``masked``:
     pairs with a negative expert id add nothing (their rows, in a bin past the experts,
-    never run)."""
+    never run). Biases b13 [E, 2F or F], b2 [E, H] are added before each activation and
+    before the combine weight."""
     w13, w2 = dequantize_ref(w13, w13_scale, x.dtype), dequantize_ref(w2, w2_scale, x.dtype)
     e = w13.shape[0]
     if masked:
         topk_ids = torch.where(topk_ids < 0, e, topk_ids)
     offsets, rows = token_maps_ref(topk_ids, e + masked, capacity)
     xs = scatter_rows_ref(x, rows)
-    ys = grouped_ffn_ref(xs, offsets, w13, w2, activation)
+    ys = grouped_ffn_ref(xs, offsets, w13, w2, activation, b13, b2)
     return gather_rows_ref(ys, rows, topk_weights)

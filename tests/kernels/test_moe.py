@@ -359,3 +359,57 @@ def test_fused_moe_rejects_bad_arguments(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         fused_moe(**args)
+
+
+def gpt_oss_experts(t, h, f, e, k, device, dtype, seed):
+    """x, w13, w2, b13, b2, ids, weights of GPT-OSS-style experts, biases large enough that
+    the clamps at +-7 bind for some rows."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(t, h, generator=gen)).to(device, dtype)
+    w13 = (torch.randn(e, 2 * f, h, generator=gen) / h ** 0.5 * 2).to(device, dtype)
+    w2 = (torch.randn(e, h, f, generator=gen) / f ** 0.5).to(device, dtype)
+    b13 = (3 * torch.randn(e, 2 * f, generator=gen)).to(device, dtype)
+    b2 = torch.randn(e, h, generator=gen).to(device, dtype)
+    ids, w = routing(t, e, k, device, gen)
+    return x, w13, w2, b13, b2, ids, w
+
+
+def test_gpt_oss_experts_reference_matches_transformers_formula():
+    """fused_moe's biases and swiglu_oai against GPT-OSS's own expert math, written as
+    transformers does: gate and up interleaved in one [H, 2F] matrix, biases added, the
+    clamped SwiGLU with (up + 1), the down bias before the routing weight."""
+    x, w13, w2, b13, b2, ids, w = gpt_oss_experts(9, 24, 10, 5, 2, "cpu", torch.float64, 3)
+    w = w.double()
+    out = fused_moe(x, w13, w2, w, ids, "swiglu_oai", b13=b13, b2=b2)
+    e, f = w13.shape[0], w2.shape[2]
+    gate_up = torch.empty(e, x.shape[1], 2 * f, dtype=x.dtype)  # the checkpoint's layout
+    gate_up[:, :, ::2], gate_up[:, :, 1::2] = w13[:, :f].transpose(1, 2), w13[:, f:].transpose(1, 2)
+    bias = torch.empty(e, 2 * f, dtype=x.dtype)
+    bias[:, ::2], bias[:, 1::2] = b13[:, :f], b13[:, f:]
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            ex = int(ids[t, j])
+            gu = x[t] @ gate_up[ex] + bias[ex]
+            gate, up = gu[::2].clamp(max=7.0), gu[1::2].clamp(-7.0, 7.0)
+            glu = gate * torch.sigmoid(gate * 1.702) * (up + 1)
+            want[t] += w[t, j] * (glu @ w2[ex].t() + b2[ex])
+    assert (gu.abs() > 7).any()  # the clamps bind somewhere
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # (the combine sums in float32)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_gpt_oss_experts_kernels_match_the_reference(device, t):
+    """The grouped GEMMs' bias and swiglu_oai epilogues (decode ids, maps, a split-K down
+    GEMM whose bias is added once) against the float64 reference."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x, w13, w2, b13, b2, ids, w = gpt_oss_experts(t, 48, 20, 6, 2, device, dtype, t)
+    ref = fused_moe_ref(*(z.double() for z in (x, w13, w2, w)), ids, "swiglu_oai",
+                        b13=b13.double(), b2=b2.double())
+    up, down = moe_triton._table_configs(x, w13, w2, 2)
+    up = moe_triton.triton_entry(up, "up", x.device, t, 6, 40, 48, 2, x.element_size())
+    down = moe_triton.triton_entry(down, "down", x.device, t, 6, 48, 20, 2, x.element_size())
+    for configs in (None, (up, replace(down, split_k=2))):
+        out = fused_moe_triton(x, w13, w2, w, ids, "swiglu_oai", configs=configs, b13=b13, b2=b2)
+        assert rel(out.double(), ref) < TOL[dtype], configs
