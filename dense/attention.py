@@ -6,7 +6,7 @@ marks real tokens (left or right padding both work) and positions are per row.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,32 @@ class StepContext:
     sin: torch.Tensor | None
     causal: bool = False  # the queries are every row's first T tokens with no padding and no
     # sliding window: attention is plain causal over these T keys (``is_causal``, no mask)
+    # Where only some layers attend within a sliding window (``ModelConfig.sliding_layers``):
+    # their mask (``window_mask``), in the form of ``attn_mask``; None: every layer alike.
+    window_mask: torch.Tensor | None = None
+
+    def windowed(self, window: int, key_positions: torch.Tensor) -> "StepContext":
+        """This context with ``window_mask`` set: this step's mask (the causal one where
+        ``causal``) with the keys ``window`` or more positions before each query masked
+        too. key_positions [S] or [B, S]: the position of each key slot."""
+        q = self.positions[:, None, :, None]  # [B, 1, T, 1]
+        k = key_positions.reshape(key_positions.shape[0] if key_positions.dim() > 1 else 1, 1, 1, -1)
+        far = q - k >= window
+        mask = self.attn_mask
+        if mask is None:  # causal over this step's own keys
+            return replace(self, window_mask=(k <= q) & ~far)
+        if mask.dtype == torch.bool:
+            return replace(self, window_mask=mask & ~far)
+        mask = mask.masked_fill(far, float("-inf"))
+        # A padding query may lose its one key: it keeps the first, so softmax stays finite.
+        first = torch.arange(mask.shape[-1], device=mask.device) == 0
+        return replace(self, window_mask=mask.masked_fill(torch.isinf(mask).all(-1, keepdim=True) & first, 0.0))
+
+    def for_window(self) -> "StepContext":
+        """The context a sliding-window layer attends with (this one where every layer does)."""
+        if self.window_mask is None:
+            return self
+        return replace(self, attn_mask=self.window_mask, causal=False, window_mask=None)
 
     @classmethod
     def build(cls, positions: torch.Tensor, key_valid: torch.Tensor, rotary: Rotary | None,
@@ -155,7 +181,7 @@ class Attention(nn.Module):
     ranks when there are fewer KV heads than ranks. The output projection is row-parallel
     (one all-reduce); the KV cache holds only this rank's KV heads."""
 
-    def __init__(self, cfg, tp: Group | None = None, options: KernelOptions = KernelOptions()):
+    def __init__(self, cfg, tp: Group | None = None, options: KernelOptions = KernelOptions(), layer: int = 0):
         super().__init__()
         tp = tp or Group.alone()
         self.options = options
@@ -188,12 +214,19 @@ class Attention(nn.Module):
             self.q_norm = ShardedRMSNorm(q_width, q_total, cfg.norm_eps, tp, q_first * d)
             self.k_norm = ShardedRMSNorm(kv_width, kv_total, cfg.norm_eps, tp, kv_first * d, replicas)
         self.clip_qkv = cfg.clip_qkv
+        # GPT-OSS: this layer alone of every other one attends within the sliding window.
+        self.sliding = layer in getattr(cfg, "sliding_layers", ())
+        # GPT-OSS: a learned logit per query head joins its softmax as one more key that adds
+        # no value (``_sdpa``); no fused kernel takes it, so such a layer runs unfused.
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if getattr(cfg, "attention_sinks", False) else None
+        heads = self.num_heads
+        self.shard_fns = {"sinks": lambda full: full[q_first:q_first + heads]}
         # An all-heads q/k norm over heads split across ranks needs their sums of squares
         # from every rank: the fused kernels then take q and k already normed (``_prenorm``).
         self.sharded_norm = cfg.qk_norm == "full" and tp.size > 1
         # The fused decode kernels: power-of-two head dims, rotary over the whole head.
         partial = getattr(cfg, "rotary_dim", None) not in (None, d) and getattr(cfg, "positions", "rope") == "rope"
-        self.fusable = qkv_decode_supported(d) and not partial
+        self.fusable = qkv_decode_supported(d) and not partial and self.sinks is None
 
     def _epilogue(self) -> tuple:
         """The fused kernels' q / k norm, its weights and eps, and the clip."""
@@ -215,6 +248,8 @@ class Attention(nn.Module):
 
     def _attend(self, qkv: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None, layer: int) -> torch.Tensor:
         b, t, _ = qkv.shape
+        if self.sliding:
+            ctx = ctx.for_window()
         if cache is not None:
             out = self._paged(qkv, ctx, cache, layer)
         else:  # a forward without a cache (Engine.logits): the step's own keys, through torch ops
@@ -225,6 +260,8 @@ class Attention(nn.Module):
         """SDPA -> [B, Hq, T, D]. A full prefill from position 0 attends causally over its own
         T keys: no mask, so the flash kernels skip the masked half; otherwise the mask over
         every key slot."""
+        if self.sinks is not None:
+            return self._sdpa_sinks(q, k, v, ctx)
         gqa = self.num_heads != self.num_kv_heads
         if gqa and not ctx.causal and q.is_cuda:
             # The memory-efficient kernel takes a mask but not grouped heads: give it every
@@ -233,6 +270,25 @@ class Attention(nn.Module):
             gqa = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if ctx.causal else ctx.attn_mask,
                                               is_causal=ctx.causal, enable_gqa=gqa)
+
+    def _sdpa_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """SDPA with each head's sink logit: one more key of zeros (its value adds nothing)
+        whose score is the sink, through an additive mask column -> [B, Hq, T, D]."""
+        b, hq, t, d = q.shape
+        s = k.shape[2]
+        mask = ctx.attn_mask
+        if mask is None:  # causal over this step's own keys
+            i = torch.arange(t, device=q.device)
+            mask = (i[None, :] <= i[:, None])[None, None]
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        sink = self.sinks.to(q.dtype)[None, :, None, None].expand(b, hq, t, 1)
+        mask = torch.cat([mask.to(q.dtype).expand(b, hq, t, s), sink], dim=-1)
+        zero = k.new_zeros(b, k.shape[1], 1, d)
+        k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
+        if hq != k.shape[1]:
+            k, v = (z.repeat_interleave(hq // k.shape[1], dim=1) for z in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def _paged(self, qkv: torch.Tensor, ctx: StepContext, cache: PagedKVCache, layer: int) -> torch.Tensor:
         """Attention over a ``PagedKVCache`` -> [B, Hq, T, D]. Where the layer is fusable the
@@ -265,7 +321,7 @@ class Attention(nn.Module):
             cache.write(layer, k, v)
         if ctx.causal:
             return self._sdpa(q, k, v, ctx)
-        if t == 1:
+        if t == 1 and self.sinks is None:
             # A decode step: its keys are read where they lie in the pool, not gathered row
             # by row into a copy first (a gather and SDPA measured about twice the time, at
             # 1 and at 8 query heads per KV head).

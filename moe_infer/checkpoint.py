@@ -114,6 +114,8 @@ class _Lazy:
         first = shapes[src.parts[0][0]]
         inner = [sum(r) for r in self.rows]
         self.shape = torch.Size(([len(inner)] if src.stacked else []) + [inner[0], *first[1:]])
+        if src.transform is not None:  # another layout: read whole, then rearranged
+            self.shape = torch.Size(src.ours)
 
     def dim(self) -> int:
         return len(self.shape)
@@ -131,6 +133,8 @@ class _Lazy:
 
     def __getitem__(self, index) -> torch.Tensor:
         index = index if isinstance(index, tuple) else (index,)
+        if self.src.transform is not None:
+            return self.src.transform(self._group(0, ()))[index]
         if not self.src.stacked:
             return self._group(0, index)
         experts = range(len(self.src.parts))[index[0]]

@@ -95,7 +95,9 @@ class ModelConfig:
     head_dim: int | None = None
     norm: str = "rmsnorm"  # rmsnorm | layernorm
     norm_eps: float = 1e-5
-    activation: str = "swiglu"  # swiglu (gated SiLU) | gelu (plain, GPT style)
+    # swiglu (gated SiLU) | gelu (plain, GPT style) | swiglu_oai (GPT-OSS's experts: the
+    # gate clamped above at 7, up to [-7, 7], gate * sigmoid(1.702 gate) * (up + 1))
+    activation: str = "swiglu"
     positions: str = "rope"  # rope | learned
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -108,6 +110,10 @@ class ModelConfig:
     out_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    # The layers that attend within ``sliding_window``; empty: every layer (GPT-OSS: every
+    # other one)
+    sliding_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax
     clip_qkv: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -140,11 +146,17 @@ class ModelConfig:
                     _fail(f"{s}.rope_scaling.{name}", list(getattr(r, name)),
                           f"{self.rotary_width // 2} numbers (half the rotary dimensions)")
         _check_choice(s, self, "norm", ("rmsnorm", "layernorm"))
-        _check_choice(s, self, "activation", ("swiglu", "gelu"))
+        _check_choice(s, self, "activation", ("swiglu", "gelu", "swiglu_oai"))
         _check_choice(s, self, "positions", ("rope", "learned"))
         _check_choice(s, self, "qk_norm", ("none", "head", "full"))
         if self.sliding_window is not None and self.sliding_window <= 0:
             _fail(f"{s}.sliding_window", self.sliding_window, "a positive number or null")
+        self.sliding_layers = tuple(self.sliding_layers)
+        if self.sliding_layers and self.sliding_window is None:
+            _fail(f"{s}.sliding_layers", list(self.sliding_layers), "empty when model.sliding_window is null")
+        bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+        if bad:
+            _fail(f"{s}.sliding_layers", list(self.sliding_layers), f"layer indices in [0, {self.num_layers})")
         if self.clip_qkv is not None and self.clip_qkv <= 0:
             _fail(f"{s}.clip_qkv", self.clip_qkv, "a positive number or null")
         self.eos_token_ids = tuple(self.eos_token_ids)
@@ -182,6 +194,8 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    router_bias: bool = False  # GPT-OSS: the router's logits have a learned bias
+    expert_bias: bool = False  # GPT-OSS: each expert's two projections have biases
     capacity_factor: float | None = None  # None: dropless
 
     def __post_init__(self):
@@ -392,6 +406,10 @@ class Config:
 
     def __post_init__(self):
         m, e, p = self.model, self.moe, self.parallel
+        if m.activation == "swiglu_oai" and (e is None or e.shared_experts or e.every > 1 or e.first_dense
+                                             or e.dense_layers):
+            _fail("model.activation", m.activation, "swiglu or gelu where a layer has a dense MLP or shared "
+                  "experts (swiglu_oai is GPT-OSS's, for routed experts only)")
         if m.num_heads % p.tp:
             _fail("parallel.tp", p.tp, f"a divisor of model.num_heads={m.num_heads}")
         if m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:

@@ -11,11 +11,12 @@ from torch import nn
 import kernels
 from kernels.options import KernelOptions
 
-_KERNEL_ACTIVATION = {"swiglu": "silu", "gelu": "gelu"}
+_KERNEL_ACTIVATION = {"swiglu": "silu", "gelu": "gelu", "swiglu_oai": "swiglu_oai"}
 
 
 class Experts(nn.Module):
-    """w13 [E, 2F, H] (gate rows, then up rows; [E, F, H] for GeLU), w2 [E, H, F].
+    """w13 [E, 2F, H] (gate rows, then up rows; [E, F, H] for GeLU), w2 [E, H, F]; with
+    ``bias`` (GPT-OSS) b13 [E, 2F] and b2 [E, H].
 
     With expert parallelism this rank holds experts ``expert_range`` (E / ep of them); with
     expert-slicing, F / expert_slicing of each one's width (its gate and up rows, and the
@@ -23,13 +24,15 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, width: int, activation: str,
                  ep_rank: int = 0, ep: int = 1, slice_rank: int = 0, slices: int = 1,
-                 options: KernelOptions = KernelOptions()):
+                 options: KernelOptions = KernelOptions(), bias: bool = False):
         super().__init__()
         self.options = options
         e, f = num_experts // ep, width // slices
-        gated = activation == "swiglu"
+        gated = activation in ("swiglu", "swiglu_oai")
         self.w13 = nn.Parameter(torch.empty(e, 2 * f if gated else f, hidden))
         self.w2 = nn.Parameter(torch.empty(e, hidden, f))
+        self.b13 = nn.Parameter(torch.empty(e, 2 * f if gated else f)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(e, hidden)) if bias else None
         self.activation = _KERNEL_ACTIVATION[activation]
         first, end = self.expert_range = (ep_rank * e, (ep_rank + 1) * e)
         lo = slice_rank * f
@@ -39,22 +42,29 @@ class Experts(nn.Module):
         def experts_of(full):  # the loader may already have read only this rank's experts
             return full if full.shape[0] == e else full[first:end]
 
-        def w13(full):
+        def w13(full):  # (and b13: the same rows)
             full = experts_of(full)
             if not gated:
                 return full[:, lo:lo + f]
             return torch.cat([full[:, lo:lo + f], full[:, width + lo:width + lo + f]], dim=1)
-        self.shard_fns = {"w13": w13, "w2": lambda full: experts_of(full)[:, :, lo:lo + f]}
+
+        self.shard_fns = {"w13": w13, "w2": lambda full: experts_of(full)[:, :, lo:lo + f], "b13": w13,
+                          "b2": experts_of}
+        self.adds_b2 = slice_rank == 0  # the slices' outputs are partial sums: one of them adds b2
 
     def scales(self) -> dict:
         return {}
+
+    def biases(self) -> dict:
+        return {} if self.b13 is None else {"b13": self.b13, "b2": self.b2 if self.adds_b2 else None}
 
     def fused(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
               capacity: int | None = None, maps: tuple | None = None, masked: bool = False) -> torch.Tensor:
         """Tokens x [T, H] -> weighted sum of their experts' outputs [T, H], in one pass
         (``masked``: negative ids are experts on other ranks, which add nothing)."""
         return kernels.fused_moe(x, self.w13, self.w2, weights, expert_ids, self.activation,
-                                 capacity=capacity, maps=maps, pdl=self.options.pdl, masked=masked, **self.scales())
+                                 capacity=capacity, maps=maps, pdl=self.options.pdl, masked=masked, **self.scales(),
+                                 **self.biases())
 
     def pairs_from_ids(self, x: torch.Tensor, top_k: int) -> bool:
         """Whether ``fused`` (dropless, no maps) runs on x from the routing ids alone, so the
@@ -72,6 +82,7 @@ class Int8Experts(Experts):
     def __init__(self, experts: Experts):
         nn.Module.__init__(self)
         self.activation, self.expert_range, self.options = experts.activation, experts.expert_range, experts.options
+        self.b13, self.b2, self.adds_b2 = experts.b13, experts.b2, experts.adds_b2  # biases stay unquantized
         q13, s13 = kernels.quantize_int8(experts.w13.detach())
         q2, s2 = kernels.quantize_int8(experts.w2.detach())
         self.w13 = nn.Parameter(q13, requires_grad=False)

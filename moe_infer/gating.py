@@ -27,13 +27,14 @@ class Router(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, score: str, renormalize: bool,
                  with_maps: bool = True, options: KernelOptions = KernelOptions(), groups: tuple | None = None,
-                 score_bias: bool = False):
+                 score_bias: bool = False, bias: bool = False):
         """``groups`` (n_group, topk_group, routed_scaling_factor) with ``score_bias``:
         DeepSeek-V3 / GLM-4.5 routing (``kernels.grouped_topk``); its maps come from the
         dispatcher."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.score_bias = nn.Parameter(torch.zeros(num_experts)) if score_bias else None
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None  # on the logits (GPT-OSS)
         self.top_k, self.score, self.renormalize = top_k, score, renormalize
         self.groups = groups
         self.with_maps = with_maps and groups is None  # dropless maps built in the gating launch
@@ -44,6 +45,8 @@ class Router(nn.Module):
         False: the caller's experts need none (ids and weights only, the gating launch)."""
         if logits is None:
             logits = x @ self.weight.t()  # [T, E]
+        if self.bias is not None:  # (the fused norm + router launch computes x @ weight alone)
+            logits = logits + self.bias
         if self.groups is not None:
             n_group, topk_group, scale = self.groups
             bias = self.score_bias if self.score_bias is not None else logits.new_zeros(logits.shape[1])

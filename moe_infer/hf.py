@@ -1,9 +1,10 @@
 """Hugging Face MoE checkpoints: ``config.json`` -> ``Config``, and where each of our
 tensors comes from in the checkpoint's safetensors.
 
-Families: Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE. Per-expert tensors are
-stacked into ``w13 [E, 2F, H]`` (gate rows, then up rows) and ``w2 [E, H, F]``; q, k
-and v are concatenated into one ``qkv_proj``. Each checkpoint tensor comes with the shape
+Families: Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE, GLM-4.5, GPT-OSS. Per-expert
+tensors are stacked into ``w13 [E, 2F, H]`` (gate rows, then up rows) and ``w2 [E, H, F]``
+(GPT-OSS's fused, transposed and interleaved ones rearranged so); q, k and v are
+concatenated into one ``qkv_proj``. Each checkpoint tensor comes with the shape
 the config implies for it, so that a wrong one is named before anything is joined.
 """
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 from moe_infer.config import (ROPE_TYPES, Config, ConfigError, EngineConfig, ModelConfig, MoEConfig, RopeScaling,
                               section_from_dict)
@@ -40,9 +44,13 @@ FAMILIES = {
                        {"rms_norm_eps": 1e-5, "norm_topk_prob": True, "attention_bias": False, "use_qk_norm": False,
                         "partial_rotary_factor": 0.5, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
                         "first_k_dense_replace": 1, "n_shared_experts": 1}),
+    "gpt_oss": Family("gpt_oss", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                      {"rms_norm_eps": 1e-5, "attention_bias": True, "sliding_window": 128, "swiglu_limit": 7.0,
+                       "swiglu_alpha": 1.702}),
 }
 _ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                  "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe", "Glm4MoeForCausalLM": "glm4_moe"}
+                  "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe", "Glm4MoeForCausalLM": "glm4_moe",
+                  "GptOssForCausalLM": "gpt_oss"}
 
 
 def read_json(path: Path) -> dict:
@@ -104,14 +112,18 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
         raise ConfigError(f"{source}: hidden_act={hf['hidden_act']!r}: expected 'silu'")
     sliding = get("sliding_window")
     theta, scaling, partial = _rope(hf, source, fam.defaults.get("partial_rotary_factor", 1.0))
-    glm = fam.name == "glm4_moe"
+    glm, gpt = fam.name == "glm4_moe", fam.name == "gpt_oss"
     if fam.name in ("qwen2_moe", "qwen3_moe") and not get("use_sliding_window"):
         sliding = None
+    sliding_layers = ()
+    if gpt:
+        sliding, sliding_layers = _gpt_oss_layers(hf, sliding, source)
     try:
         # transformers writes either name, depending on the family and version.
         num_experts = hf["n_routed_experts"] if glm else hf["num_local_experts"] if "num_local_experts" in hf \
             else hf["num_experts"]
-        expert_width = hf["intermediate_size"] if fam.name in ("mixtral", "olmoe") else hf["moe_intermediate_size"]
+        expert_width = hf["intermediate_size"] if fam.name in ("mixtral", "olmoe", "gpt_oss") \
+            else hf["moe_intermediate_size"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         rotary_dim = int(head_dim * partial)
         if rotary_dim % 2 or rotary_dim == 0:
@@ -122,15 +134,15 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
             num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
             ffn_hidden=hf["intermediate_size"], norm="rmsnorm", norm_eps=get("rms_norm_eps"),
-            activation="swiglu", positions="rope", rope_theta=theta, rope_scaling=scaling,
+            activation="swiglu_oai" if gpt else "swiglu", positions="rope", rope_theta=theta, rope_scaling=scaling,
             max_position=hf.get("max_position_embeddings", 4096),
             tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
             qk_norm="head" if glm and get("use_qk_norm")
             else {"qwen3_moe": "head", "olmoe": "full"}.get(fam.name, "none"),
             qkv_bias=bool(get("qkv_bias") if fam.name == "qwen2_moe" else get("attention_bias")),
-            out_bias=bool(get("attention_bias")) if fam.name in ("qwen3_moe", "olmoe") else False,
-            sliding_window=sliding, clip_qkv=get("clip_qkv"),
+            out_bias=bool(get("attention_bias")) if fam.name in ("qwen3_moe", "olmoe", "gpt_oss") else False,
+            sliding_window=sliding, sliding_layers=sliding_layers, attention_sinks=gpt, clip_qkv=get("clip_qkv"),
             bos_token_id=hf.get("bos_token_id"), eos_token_ids=_token_ids(hf.get("eos_token_id")))
         shared = hf.get("shared_expert_intermediate_size", 0) if fam.name == "qwen2_moe" else 0
         if glm:  # sigmoid scores, a score bias, grouped top-k, plain shared experts, dense first layers
@@ -146,13 +158,37 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
                 every=get("decoder_sparse_step") or 1, dense_layers=tuple(hf.get("mlp_only_layers") or ()),
                 shared_experts=1 if shared else 0, shared_expert_hidden=shared,
                 shared_expert_gate=bool(shared), score="softmax",
-                renormalize=True if fam.name == "mixtral" else bool(get("norm_topk_prob")))
+                # GPT-OSS's softmax over the top-k logits is the softmax renormalized over them
+                renormalize=True if fam.name in ("mixtral", "gpt_oss") else bool(get("norm_topk_prob")),
+                router_bias=gpt, expert_bias=gpt)
     except KeyError as exc:
         raise ConfigError(f"{source}: missing key {exc.args[0]!r} required for {fam.name}") from None
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     return Config(model=model, moe=moe, name=fam.name,
                   engine=EngineConfig(max_seq_len=model.max_position))
+
+
+def _gpt_oss_layers(hf: dict, window: int | None, source: str) -> tuple[int | None, tuple[int, ...]]:
+    """GPT-OSS's (sliding window, the layers that use it) from ``layer_types``; its expert
+    activation checked against the one the kernels compute."""
+    for key, value in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):
+        if float(hf.get(key, value)) != value:
+            raise ConfigError(f"{source}: {key}={hf[key]}: expected {value} (GPT-OSS's clamped SwiGLU)")
+    if hf.get("quantization_config"):
+        q = hf["quantization_config"]
+        raise ConfigError(f"{source}: quantization_config quant_method={q.get('quant_method')!r}: expected an "
+                          f"unquantized checkpoint (MXFP4 experts are not read yet: dequantize them to bf16 first)")
+    n = hf.get("num_hidden_layers", 0)
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    bad = [t for t in types if t not in ("sliding_attention", "full_attention")]
+    if bad or len(types) != n:
+        raise ConfigError(f"{source}: layer_types={types!r}: expected num_hidden_layers={n} entries of "
+                          f"'sliding_attention' or 'full_attention'")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not sliding or window is None:
+        return None, ()
+    return window, (() if len(sliding) == n else sliding)
 
 
 def read_hf_config(checkpoint_dir: str | Path) -> Config:
@@ -177,6 +213,10 @@ class Source:
     parts: tuple[tuple[str, ...], ...]
     shapes: tuple[tuple[Shape, ...], ...]
     stacked: bool = False
+    # A checkpoint layout other than ours (GPT-OSS's experts): ``transform`` turns the
+    # tensor read whole into ours, of shape ``ours``.
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ours: Shape | None = None
 
     def __post_init__(self):
         if [len(g) for g in self.parts] != [len(g) for g in self.shapes]:
@@ -204,6 +244,25 @@ def one(name: str, shape: Shape) -> Source:
     return Source(((name,),), ((shape,),))
 
 
+def _uninterleave(t: torch.Tensor) -> torch.Tensor:
+    """[..., 2F] with gate and up alternating (GPT-OSS) -> [..., 2F]: gate, then up."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+def _gate_up(t: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's gate_up_proj [E, H, 2F] (interleaved) -> our w13 [E, 2F, H]."""
+    return _uninterleave(t).transpose(1, 2).contiguous()
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's down_proj [E, F, H] -> our w2 [E, H, F]."""
+    return t.transpose(1, 2).contiguous()
+
+
+def rearranged(name: str, shape: Shape, transform, ours: Shape) -> Source:
+    return Source(((name,),), ((shape,),), transform=transform, ours=ours)
+
+
 def tensor_plan(cfg: Config, family: Family, our_names: list[str]) -> dict[str, list[Source]]:
     """For each of our parameter names, the checkpoint sources to try in order (a
     per-expert layout first, then a layout with experts already fused)."""
@@ -228,6 +287,8 @@ def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
             "ffn_norm.weight": ("post_attention_layernorm.weight", (h,)),
             "attn.o_proj.weight": ("self_attn.o_proj.weight", (h, q)),
             "attn.o_proj.bias": ("self_attn.o_proj.bias", (h,))}
+    if rest == "attn.sinks":
+        return [one(p + "self_attn.sinks", (m_cfg.num_heads,))]
     if rest in ("attn.q_norm.weight", "attn.k_norm.weight"):
         norm = rest.split(".")[1]
         # Over one head (Qwen3) or over all heads together (OLMoE).
@@ -244,6 +305,14 @@ def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
     gate, up, down = fam.expert_names
     m = p + fam.moe_prefix + "."
     e, f = (cfg.moe.num_experts, cfg.moe.expert_hidden) if cfg.moe else (0, 0)
+    if fam.name == "gpt_oss":
+        gpt = {"ffn.router.weight": one(m + "router.weight", (e, h)), "ffn.router.bias": one(m + "router.bias", (e,)),
+               "ffn.experts.w13": rearranged(m + "experts.gate_up_proj", (e, h, 2 * f), _gate_up, (e, 2 * f, h)),
+               "ffn.experts.b13": rearranged(m + "experts.gate_up_proj_bias", (e, 2 * f), _uninterleave, (e, 2 * f)),
+               "ffn.experts.w2": rearranged(m + "experts.down_proj", (e, f, h), _transposed, (e, h, f)),
+               "ffn.experts.b2": one(m + "experts.down_proj_bias", (e, h))}
+        if rest in gpt:
+            return [gpt[rest]]
     if rest == "ffn.router.weight":
         return [one(m + "gate.weight", (e, h))]
     if rest == "ffn.router.score_bias":

@@ -77,7 +77,7 @@ class Block(nn.Module):
         m = cfg.model
         self.parallel = m.parallel_block
         self.attn_norm = make_norm(m.norm, m.hidden_size, m.norm_eps, options)
-        self.attn = Attention(m, groups.tp, options)
+        self.attn = Attention(m, groups.tp, options, index)
         # A parallel block feeds the same normed input to attention and FFN.
         self.ffn_norm = None if self.parallel else make_norm(m.norm, m.hidden_size, m.norm_eps, options)
         if cfg.is_moe_layer(index):
@@ -215,8 +215,9 @@ class Transformer(nn.Module):
                       context_lens: torch.Tensor, num_keys: int, causal: bool = False) -> StepContext:
         """``causal``: every row starts at position 0 with no padding (fresh prompts of one
         length; see ``StepContext.paged``)."""
-        return StepContext.paged(positions, query_valid, context_lens, num_keys, self.rotary,
-                                 self.anchor.dtype, self.cfg.model.sliding_window, causal=causal)
+        ctx = StepContext.paged(positions, query_valid, context_lens, num_keys, self.rotary,
+                                self.anchor.dtype, self._every_layer_window, causal=causal)
+        return self._windowed(ctx, positions[0] if ctx.causal else torch.arange(num_keys, device=positions.device))
 
     def paged_decode_context(self, inputs: torch.Tensor, prev: torch.Tensor, cache: PagedKVCache, num_keys: int,
                              tables: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, StepContext]:
@@ -225,7 +226,7 @@ class Transformer(nn.Module):
         slots set for the step: one launch on a GPU (``kernels.attention.paged_context``),
         the same values through torch ops elsewhere. ``tables``: ``rotary_tables(num_keys)``."""
         args = (inputs, prev, cache.block_size, num_keys, cache.trash, self.anchor.dtype, tables,
-                self.cfg.model.sliding_window, True)  # the additive mask, as StepContext.paged makes it
+                self._every_layer_window, True)  # the additive mask, as StepContext.paged makes it
         if inputs.is_cuda:
             from kernels.attention.paged_context import paged_decode_context_triton
             c = paged_decode_context_triton(*args, pdl=self.options.pdl)
@@ -235,12 +236,25 @@ class Transformer(nn.Module):
         cos, sin = c["cos"], c["sin"]
         if self.rotary is not None and self.rotary.per_step:  # from this step's positions, on the device
             cos, sin = self.rotary(c["positions"], self.anchor.dtype)
-        return c["tokens"], StepContext(c["positions"], c["mask"], cos, sin)
+        ctx = StepContext(c["positions"], c["mask"], cos, sin)
+        return c["tokens"], self._windowed(ctx, torch.arange(num_keys, device=inputs.device))
 
     def context(self, positions: torch.Tensor, key_valid: torch.Tensor, no_padding: bool = False) -> StepContext:
         """A forward without a cache (``StepContext.build``)."""
-        return StepContext.build(positions, key_valid, self.rotary, self.anchor.dtype,
-                                 self.cfg.model.sliding_window, no_padding)
+        ctx = StepContext.build(positions, key_valid, self.rotary, self.anchor.dtype, self._every_layer_window,
+                                no_padding)
+        return self._windowed(ctx, positions)
+
+    @property
+    def _every_layer_window(self) -> int | None:
+        """The sliding window of every layer's mask (None where only some layers have one)."""
+        m = self.cfg.model
+        return None if m.sliding_layers else m.sliding_window
+
+    def _windowed(self, ctx: StepContext, key_positions: torch.Tensor) -> StepContext:
+        """``ctx`` with the sliding-window layers' own mask where only some layers have one."""
+        m = self.cfg.model
+        return ctx.windowed(m.sliding_window, key_positions) if m.sliding_layers else ctx
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
                 cache: PagedKVCache | None = None, last_only: bool = False,

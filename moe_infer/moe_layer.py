@@ -32,12 +32,12 @@ class MoELayer(nn.Module):
         groups_ = (moe_cfg.n_group, moe_cfg.topk_group, moe_cfg.routed_scaling_factor) if moe_cfg.grouped else None
         self.router = Router(h, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.score, moe_cfg.renormalize,
                              with_maps=moe_cfg.capacity_factor is None and local, options=options, groups=groups_,
-                             score_bias=moe_cfg.score_bias)
+                             score_bias=moe_cfg.score_bias, bias=moe_cfg.router_bias)
         self.local_dropless = moe_cfg.capacity_factor is None and local
         self._maps_at: dict = {}  # _maps_needed's answers
         ep_index = groups.ep.rank // es
         self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation,
-                               ep_index, ep, groups.ep.rank % es, es, options)
+                               ep_index, ep, groups.ep.rank % es, es, options, bias=moe_cfg.expert_bias)
         if same_tokens:
             self.dispatcher = SameTokensDispatcher(moe_cfg.num_experts, moe_cfg.top_k, self.experts.expert_range,
                                                    groups.ep, moe_cfg.capacity_factor)

@@ -182,8 +182,9 @@ class OffloadedExperts(nn.Module):
             mapped = getattr(t.untyped_storage(), "filename", None) is not None  # engine.offload_dir: stays on disk
             return t.pin_memory() if pinned and not t.is_pinned() and not mapped else t
 
-        self.host = {"w13": host(experts.w13), "w2": host(experts.w2),
-                     **{k: host(v) for k, v in experts.scales().items()}}
+        # (int8 scales and GPT-OSS's biases: per expert, beside its weights)
+        extras = {**experts.scales(), **{k: v for k, v in experts.biases().items() if v is not None}}
+        self.host = {"w13": host(experts.w13), "w2": host(experts.w2), **{k: host(v) for k, v in extras.items()}}
         self.register_buffer("slot", torch.full((e,), -1, dtype=torch.long, device=device),
                              persistent=False)  # expert -> device slot, -1: cold
         # Routed pairs per expert, weighed down at each ``rebalance``.
@@ -200,7 +201,7 @@ class OffloadedExperts(nn.Module):
         device, index = self.slot.device, torch.tensor(hot, dtype=torch.long)
         self.w13 = nn.Parameter(self.host["w13"][index].to(device), requires_grad=False)
         self.w2 = nn.Parameter(self.host["w2"][index].to(device), requires_grad=False)
-        self.device_scales = {k: self.host[k][index].to(device) for k in self.host if k.endswith("_scale")}
+        self.device_extras = {k: self.host[k][index].to(device) for k in self.host if k not in ("w13", "w2")}
         slot = torch.full(self.slot.shape, -1, dtype=torch.long)
         slot[index] = torch.arange(len(hot))
         self.slot.copy_(slot)
@@ -211,7 +212,7 @@ class OffloadedExperts(nn.Module):
         return len(self.slot) - len(self.hot)
 
     def scales(self) -> dict:
-        return self.device_scales
+        return {k: v for k, v in self.device_extras.items() if k.endswith("_scale")}
 
     def pairs_from_ids(self, x: torch.Tensor, top_k: int) -> bool:
         return True  # no maps: the pairs are split here
@@ -237,7 +238,7 @@ class OffloadedExperts(nn.Module):
         cold_t, cold_s = cold.nonzero(as_tuple=True)  # the call's wait for the host
         if not len(cold_t):
             return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, pdl=self.options.pdl,
-                                     masked=masked, **self.device_scales)
+                                     masked=masked, **self.device_extras)
         pair_ids = ids[cold_t, cold_s]
         used = sorted(set(pair_ids.tolist()))
         mode = self.mode if self.mode != "auto" else self.cost.mode(len(cold_t), len(used))
@@ -251,7 +252,7 @@ class OffloadedExperts(nn.Module):
         if len(hot_t):  # one row a pair: the cold pairs cost the device nothing
             y = kernels.fused_moe(x[hot_t], self.w13, self.w2, weights[hot_t, hot_s, None],
                                   slot[hot_t, hot_s, None], self.activation, pdl=self.options.pdl,
-                                  **self.device_scales)
+                                  **self.device_extras)
             out.index_add_(0, hot_t, y.float())
         pair_w = weights[cold_t, cold_s]
         if mode == "cpu":
@@ -268,11 +269,13 @@ class OffloadedExperts(nn.Module):
         dtype = xc.dtype if self.host["w13"].dtype == torch.int8 else self.host["w13"].dtype
         yc = torch.zeros(xc.shape, dtype=torch.float32)
         s13, s2 = self.host.get("w13_scale"), self.host.get("w2_scale")  # int8 only
+        b13, b2 = self.host.get("b13"), self.host.get("b2")  # GPT-OSS only
         for e in used:
             rows = (ids_c == e).nonzero(as_tuple=True)[0]
             w13 = dequantize_ref(self.host["w13"][e], None if s13 is None else s13[e], dtype)
             w2 = dequantize_ref(self.host["w2"][e], None if s2 is None else s2[e], dtype)
-            y = expert_ffn_ref(xc[rows].to(dtype), w13, w2, self.activation)
+            y = expert_ffn_ref(xc[rows].to(dtype), w13, w2, self.activation, None if b13 is None else b13[e].to(dtype),
+                               None if b2 is None else b2[e].to(dtype))
             yc.index_add_(0, rows, y.float() * wc[rows, None])
         return yc.to(x.device, non_blocking=True)
 
@@ -314,9 +317,9 @@ class OffloadedExperts(nn.Module):
             s = self._stage_slot[ids]
             rows = (s >= 0).nonzero(as_tuple=True)[0]
             n = len(chunk)
-            scales = {k: self._stage[k][:n] for k in self.host if k.endswith("_scale")}
+            extras = {k: self._stage[k][:n] for k in self.host if k not in ("w13", "w2")}
             part = kernels.fused_moe(x[rows], self._stage["w13"][:n], self._stage["w2"][:n], w[rows, None],
-                                     s[rows, None], self.activation, pdl=self.options.pdl, **scales)
+                                     s[rows, None], self.activation, pdl=self.options.pdl, **extras)
             y.index_add_(0, rows, part.float())
         return y
 

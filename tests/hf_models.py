@@ -32,6 +32,13 @@ FAMILIES = {
         num_experts_per_tok=3, n_group=3, topk_group=2, routed_scaling_factor=1.7, n_shared_experts=2,
         first_k_dense_replace=1, use_qk_norm=True, attention_bias=True, norm_topk_prob=True,
         max_position_embeddings=96, eos_token_id=None, pad_token_id=None)),
+    # GPT-OSS: attention sinks, a sliding window (5) on two layers of three, biases on q/k/v/o,
+    # the router and the experts, the clamped SwiGLU, softmax over the top-k logits.
+    "gpt_oss": dict(cls="GptOssForCausalLM", cfg="GptOssConfig", kw=dict(
+        vocab_size=97, hidden_size=60, head_dim=12, intermediate_size=20, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, num_local_experts=7, num_experts_per_tok=3,
+        sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=96, eos_token_id=None, pad_token_id=None)),
 }
 
 
@@ -58,6 +65,8 @@ def make_hf_model(family: str, seed: int = 0, rope: dict | None = None, **overri
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("sinks"):  # a logit beside the scores: large enough to matter
+                p.normal_(0, 1.0)
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
             else:

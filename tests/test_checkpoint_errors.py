@@ -279,3 +279,47 @@ def test_lazy_view_reads_the_same_values_as_the_whole_tensor(good):
     lazy = _Lazy(experts, reader)
     assert lazy.shape == full.shape
     torch.testing.assert_close(lazy[1:4, 30:50, 7:20], full[1:4, 30:50, 7:20], rtol=0, atol=0)
+
+
+def test_gpt_oss_configs_the_kernels_do_not_compute_are_refused(saved, tmp_path):
+    """Another clamp or slope of GPT-OSS's SwiGLU, an MXFP4-quantized checkpoint (read only
+    once dequantized) and layer types other than sliding / full attention: one line each."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved("gpt_oss"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    for edit, match in (({"swiglu_limit": 10.0}, r"swiglu_limit=10\.0: expected 7\.0"),
+                        ({"swiglu_alpha": 1.0}, r"swiglu_alpha=1\.0: expected 1\.702"),
+                        ({"quantization_config": {"quant_method": "mxfp4"}},
+                         r"quant_method='mxfp4': expected an unquantized checkpoint"),
+                        ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+                         r"layer_types=.*'chunked_attention'.*expected num_hidden_layers=3 entries"),
+                        ({"layer_types": ["full_attention"]}, r"expected num_hidden_layers=3 entries")):
+        (path / "config.json").write_text(json.dumps({**cfg, **edit}))
+        with pytest.raises(ConfigError, match=match):
+            load(path)
+    # Every layer full attention: no window at all; every layer sliding: the one window for all.
+    from moe_infer.hf import config_from_hf
+    m = config_from_hf({**cfg, "layer_types": ["full_attention"] * 3}).model
+    assert m.sliding_window is None and m.sliding_layers == ()
+    m = config_from_hf({**cfg, "layer_types": ["sliding_attention"] * 3}).model
+    assert m.sliding_window == 5 and m.sliding_layers == ()
+    m = config_from_hf(cfg).model
+    assert m.sliding_layers == (0, 2) and m.attention_sinks and m.activation == "swiglu_oai"
+
+
+def test_gpt_oss_expert_layout_is_rearranged_lazily(saved):
+    """GPT-OSS's gate_up_proj [E, H, 2F] (gate and up interleaved) and down_proj [E, F, H]
+    read as our w13 [E, 2F, H] and w2 [E, H, F], sliced as any other tensor."""
+    from moe_infer.checkpoint import _Lazy, _Reader, safetensors_files
+    from moe_infer.hf import _gate_up, _transposed, rearranged
+
+    reader = _Reader(safetensors_files(saved("gpt_oss")))
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    raw = reader.get(name)  # [7, 60, 40]
+    lazy = _Lazy(rearranged(name, (7, 60, 40), _gate_up, (7, 40, 60)), reader)
+    assert lazy.shape == (7, 40, 60)
+    torch.testing.assert_close(lazy[2:5, 3:9], torch.cat([raw[2:5, :, 0::2], raw[2:5, :, 1::2]], -1)
+                               .transpose(1, 2)[:, 3:9], rtol=0, atol=0)
+    down = reader.get("model.layers.0.mlp.experts.down_proj")
+    lazy = _Lazy(rearranged("model.layers.0.mlp.experts.down_proj", (7, 20, 60), _transposed, (7, 60, 20)), reader)
+    torch.testing.assert_close(lazy[:], down.transpose(1, 2), rtol=0, atol=0)

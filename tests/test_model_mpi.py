@@ -34,6 +34,10 @@ FAMILY_KW = {
                       num_hidden_layers=4),
     "olmoe": dict(num_attention_heads=8, num_key_value_heads=4, num_experts=8, hidden_size=64,
                   intermediate_size=24, num_hidden_layers=4),
+    # sinks split with the heads, biased experts split by rank (and by width under slicing)
+    "gpt_oss": dict(num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, hidden_size=64,
+                    head_dim=8, intermediate_size=24, num_hidden_layers=4,
+                    layer_types=["sliding_attention", "full_attention"] * 2),
 }
 
 
