@@ -70,7 +70,7 @@ class _Reader:
     def __init__(self, files: dict[str, Path]):
         self.files, self.handles = files, {}
 
-    def slice(self, name: str):
+    def slice(self, name: str, kinds: set[str] = _SAFE_FLOAT):
         path = self.files[name]
         if path not in self.handles:
             self.handles[path] = _open(path)
@@ -78,21 +78,22 @@ class _Reader:
             view = self.handles[path].get_slice(name)
         except Exception as exc:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc}); is the file truncated?") from None
-        if view.get_dtype() not in _SAFE_FLOAT:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {view.get_dtype()}, expected a float type")
+        if view.get_dtype() not in kinds:
+            what = "a float type" if kinds is _SAFE_FLOAT else " or ".join(sorted(kinds))
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {view.get_dtype()}, expected {what}")
         return view
 
-    def shape(self, name: str, expected: tuple[int, ...]) -> list[int]:
+    def shape(self, name: str, expected: tuple[int, ...], kinds: set[str] = _SAFE_FLOAT) -> list[int]:
         """The tensor's shape from its header, which must be ``expected``."""
-        found, want = list(self.slice(name).get_shape()), list(expected)
+        found, want = list(self.slice(name, kinds).get_shape()), list(expected)
         if found != want:
             hint = " (transposed?)" if len(want) == 2 and found == want[::-1] else ""
             raise CheckpointError(f"{self.files[name]}: tensor {name!r} has shape {found}, expected "
                                   f"{want} from config.json{hint}")
         return found
 
-    def get(self, name: str, index: tuple = ()) -> torch.Tensor:
-        view = self.slice(name)
+    def get(self, name: str, index: tuple = (), kinds: set[str] = _SAFE_FLOAT) -> torch.Tensor:
+        view = self.slice(name, kinds)
         try:
             return view[index] if index else view[:]
         except Exception as exc:
@@ -107,9 +108,10 @@ class _Lazy:
 
     def __init__(self, src: Source, reader: _Reader):
         self.src, self.reader = src, reader
+        self.kinds = {"U8"} if src.packed else _SAFE_FLOAT
         # Every header against the config first, so that no concatenation or stacking
         # below ever sees a tensor of the wrong shape.
-        shapes = {name: reader.shape(name, expected) for name, expected in src.expected()}
+        shapes = {name: reader.shape(name, expected, self.kinds) for name, expected in src.expected()}
         self.rows = [[shapes[n][0] for n in group] for group in src.parts]
         first = shapes[src.parts[0][0]]
         inner = [sum(r) for r in self.rows]
@@ -133,8 +135,10 @@ class _Lazy:
 
     def __getitem__(self, index) -> torch.Tensor:
         index = index if isinstance(index, tuple) else (index,)
-        if self.src.transform is not None:
-            return self.src.transform(self._group(0, ()))[index]
+        if self.src.transform is not None:  # expert-major: only the experts asked for are read
+            experts = index[0] if index else slice(None)
+            parts = [self.reader.get(name, (experts,), self.kinds) for name in self.src.names()]
+            return self.src.transform(*parts)[(slice(None), *index[1:])]
         if not self.src.stacked:
             return self._group(0, index)
         experts = range(len(self.src.parts))[index[0]]

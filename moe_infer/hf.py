@@ -175,10 +175,14 @@ def _gpt_oss_layers(hf: dict, window: int | None, source: str) -> tuple[int | No
     for key, value in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):
         if float(hf.get(key, value)) != value:
             raise ConfigError(f"{source}: {key}={hf[key]}: expected {value} (GPT-OSS's clamped SwiGLU)")
-    if hf.get("quantization_config"):
-        q = hf["quantization_config"]
-        raise ConfigError(f"{source}: quantization_config quant_method={q.get('quant_method')!r}: expected an "
-                          f"unquantized checkpoint (MXFP4 experts are not read yet: dequantize them to bf16 first)")
+    q = hf.get("quantization_config")
+    if q:
+        if q.get("quant_method") != "mxfp4":
+            raise ConfigError(f"{source}: quantization_config quant_method={q.get('quant_method')!r}: expected "
+                              f"mxfp4 or an unquantized checkpoint")
+        for key in ("hidden_size", "intermediate_size"):
+            if hf.get(key, 0) % 32:
+                raise ConfigError(f"{source}: {key}={hf[key]}: expected a multiple of 32 (MXFP4 groups of 32)")
     n = hf.get("num_hidden_layers", 0)
     types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     bad = [t for t in types if t not in ("sliding_attention", "full_attention")]
@@ -214,9 +218,11 @@ class Source:
     shapes: tuple[tuple[Shape, ...], ...]
     stacked: bool = False
     # A checkpoint layout other than ours (GPT-OSS's experts): ``transform`` turns the
-    # tensor read whole into ours, of shape ``ours``.
-    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # tensors read (each part, expert-major, the experts asked for) into ours, of shape
+    # ``ours``; ``packed``: the parts are bytes (MXFP4 blocks and scales), not floats.
+    transform: Callable[..., torch.Tensor] | None = None
     ours: Shape | None = None
+    packed: bool = False
 
     def __post_init__(self):
         if [len(g) for g in self.parts] != [len(g) for g in self.shapes]:
@@ -263,6 +269,34 @@ def rearranged(name: str, shape: Shape, transform, ours: Shape) -> Source:
     return Source(((name,),), ((shape,),), transform=transform, ours=ours)
 
 
+# The 16 values of a 4-bit e2m1 code (OCP microscaling FP4), sign in the top bit.
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks [..., R, G, 16] uint8 (two e2m1 codes a byte, the low nibble first) and
+    scales [..., R, G] uint8 (a power of two, exponent bias 127) -> bfloat16 [..., R, 32 G].
+    bf16 holds every such value exactly (a 2-bit mantissa, fp32's exponent range)."""
+    lut = torch.tensor(_FP4, dtype=torch.bfloat16)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., R, G, 32]
+    scale = torch.exp2(scales.float() - 127).to(torch.bfloat16)[..., None]
+    return (lut[codes] * scale).flatten(-2)
+
+
+def _mxfp4_gate_up(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's MXFP4 gate_up_proj ([E, 2F, H] once unpacked, gate and up rows alternating)
+    -> our w13 [E, 2F, H]."""
+    return _uninterleave(mxfp4(blocks, scales).transpose(1, 2)).transpose(1, 2).contiguous()
+
+
+def packed(name: str, rows: Shape, transform, ours: Shape) -> Source:
+    """An MXFP4 tensor (``name``_blocks, ``name``_scales) whose unpacked shape is ``rows`` +
+    [K], K = ours[-1] (packed along the GEMM's reduction)."""
+    k = ours[-1]
+    return Source(((name + "_blocks", name + "_scales"),), (((*rows, k // 32, 16), (*rows, k // 32)),),
+                  transform=transform, ours=ours, packed=True)
+
+
 def tensor_plan(cfg: Config, family: Family, our_names: list[str]) -> dict[str, list[Source]]:
     """For each of our parameter names, the checkpoint sources to try in order (a
     per-expert layout first, then a layout with experts already fused)."""
@@ -307,12 +341,16 @@ def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
     e, f = (cfg.moe.num_experts, cfg.moe.expert_hidden) if cfg.moe else (0, 0)
     if fam.name == "gpt_oss":
         gpt = {"ffn.router.weight": one(m + "router.weight", (e, h)), "ffn.router.bias": one(m + "router.bias", (e,)),
-               "ffn.experts.w13": rearranged(m + "experts.gate_up_proj", (e, h, 2 * f), _gate_up, (e, 2 * f, h)),
                "ffn.experts.b13": rearranged(m + "experts.gate_up_proj_bias", (e, 2 * f), _uninterleave, (e, 2 * f)),
-               "ffn.experts.w2": rearranged(m + "experts.down_proj", (e, f, h), _transposed, (e, h, f)),
                "ffn.experts.b2": one(m + "experts.down_proj_bias", (e, h))}
         if rest in gpt:
             return [gpt[rest]]
+        if rest == "ffn.experts.w13":  # bf16 / fp32, or MXFP4 (dequantized as it is read)
+            return [rearranged(m + "experts.gate_up_proj", (e, h, 2 * f), _gate_up, (e, 2 * f, h)),
+                    packed(m + "experts.gate_up_proj", (e, 2 * f), _mxfp4_gate_up, (e, 2 * f, h))]
+        if rest == "ffn.experts.w2":
+            return [rearranged(m + "experts.down_proj", (e, f, h), _transposed, (e, h, f)),
+                    packed(m + "experts.down_proj", (e, h), mxfp4, (e, h, f))]
     if rest == "ffn.router.weight":
         return [one(m + "gate.weight", (e, h))]
     if rest == "ffn.router.score_bias":

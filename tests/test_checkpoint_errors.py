@@ -282,15 +282,15 @@ def test_lazy_view_reads_the_same_values_as_the_whole_tensor(good):
 
 
 def test_gpt_oss_configs_the_kernels_do_not_compute_are_refused(saved, tmp_path):
-    """Another clamp or slope of GPT-OSS's SwiGLU, an MXFP4-quantized checkpoint (read only
-    once dequantized) and layer types other than sliding / full attention: one line each."""
+    """Another clamp or slope of GPT-OSS's SwiGLU, a quantization other than MXFP4 and layer
+    types other than sliding / full attention: one line each."""
     path = tmp_path / "ckpt"
     shutil.copytree(saved("gpt_oss"), path)
     cfg = json.loads((path / "config.json").read_text())
     for edit, match in (({"swiglu_limit": 10.0}, r"swiglu_limit=10\.0: expected 7\.0"),
                         ({"swiglu_alpha": 1.0}, r"swiglu_alpha=1\.0: expected 1\.702"),
-                        ({"quantization_config": {"quant_method": "mxfp4"}},
-                         r"quant_method='mxfp4': expected an unquantized checkpoint"),
+                        ({"quantization_config": {"quant_method": "fp8"}},
+                         r"quant_method='fp8': expected mxfp4 or an unquantized checkpoint"),
                         ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
                          r"layer_types=.*'chunked_attention'.*expected num_hidden_layers=3 entries"),
                         ({"layer_types": ["full_attention"]}, r"expected num_hidden_layers=3 entries")):
@@ -323,3 +323,49 @@ def test_gpt_oss_expert_layout_is_rearranged_lazily(saved):
     down = reader.get("model.layers.0.mlp.experts.down_proj")
     lazy = _Lazy(rearranged("model.layers.0.mlp.experts.down_proj", (7, 20, 60), _transposed, (7, 60, 20)), reader)
     torch.testing.assert_close(lazy[:], down.transpose(1, 2), rtol=0, atol=0)
+
+
+def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, K] -> MXFP4 blocks [..., R, K / 32, 16] and scales [..., R, K / 32] (the
+    nearest e2m1 code under a power-of-two scale per group of 32), the checkpoint format."""
+    g = w.float().reshape(*w.shape[:-1], -1, 32)
+    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+    q = g / torch.exp2(exp)[..., None]
+    mag = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    code = (q.abs()[..., None] - mag).abs().argmin(-1) + 8 * (q < 0)
+    code = code.reshape(*g.shape[:-1], 16, 2)
+    return (code[..., 0] | (code[..., 1] << 4)).to(torch.uint8), (exp + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
+    """A checkpoint in GPT-OSS's MXFP4 layout (``*_blocks`` / ``*_scales``, written from known
+    weights) loads to the values of transformers' own dequantization, rearranged to ours;
+    and the model generates."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from moe_infer.hf import _gate_up
+
+    save_hf_model("gpt_oss", tmp_path, hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=32)
+    tensors, expected = load_file(tmp_path / "model.safetensors"), {}
+    for i in range(3):
+        m = f"model.layers.{i}.mlp.experts."
+        for kind in ("gate_up_proj", "down_proj"):
+            blocks, scales = to_mxfp4(tensors.pop(m + kind).transpose(1, 2))  # [E, out, in]: packed along in
+            tensors[m + kind + "_blocks"], tensors[m + kind + "_scales"] = blocks, scales
+            ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # the unquantized layout
+            expected[(i, kind)] = _gate_up(ref) if kind == "gate_up_proj" else ref.transpose(1, 2)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    engine = moe_infer.load(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    for i in range(3):
+        experts = engine.model.layers[i].ffn.experts
+        torch.testing.assert_close(experts.w13.data, expected[(i, "gate_up_proj")], rtol=0, atol=0)
+        torch.testing.assert_close(experts.w2.data, expected[(i, "down_proj")], rtol=0, atol=0)
+    assert len(engine.generate([[5, 17, 3]], max_new_tokens=4)[0].token_ids) == 4
+    cfg["intermediate_size"] = 40
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"intermediate_size=40: expected a multiple of 32"):
+        load(tmp_path)
