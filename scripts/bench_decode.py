@@ -278,7 +278,7 @@ def prefill_rate(engine, prompt_len: int, batch: int, reps: int, gen, profile: b
 
 
 def hf_config(cfg):
-    """A transformers config of the same shape (Mixtral, Qwen3-MoE, OLMoE or GLM-4.5), or None."""
+    """A transformers config of the same shape (Mixtral, Qwen3-MoE, OLMoE, GLM-4.5 or GPT-OSS), or None."""
     import transformers
 
     m, e = cfg.model, cfg.moe
@@ -298,7 +298,13 @@ def hf_config(cfg):
         c.rope_parameters = {"rope_type": "default", "rope_theta": m.rope_theta,
                              "partial_rotary_factor": m.rotary_width / m.head_dim}
         return c
-    if m.qk_norm == "full":
+    if m.attention_sinks:
+        sliding = set(m.sliding_layers) if m.sliding_layers else set(range(m.num_layers) if m.sliding_window else ())
+        c = transformers.GptOssConfig(**common, intermediate_size=e.expert_hidden, num_local_experts=e.num_experts,
+                                      sliding_window=m.sliding_window, attention_bias=m.qkv_bias,
+                                      layer_types=["sliding_attention" if i in sliding else "full_attention"
+                                                   for i in range(m.num_layers)])
+    elif m.qk_norm == "full":
         c = transformers.OlmoeConfig(**common, intermediate_size=e.expert_hidden, num_experts=e.num_experts,
                                      norm_topk_prob=e.renormalize)
     elif m.qk_norm == "head":
