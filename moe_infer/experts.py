@@ -48,8 +48,9 @@ class Experts(nn.Module):
                 return full[:, lo:lo + f]
             return torch.cat([full[:, lo:lo + f], full[:, width + lo:width + lo + f]], dim=1)
 
-        self.shard_fns = {"w13": w13, "w2": lambda full: experts_of(full)[:, :, lo:lo + f], "b13": w13,
-                          "b2": experts_of}
+        self.shard_fns = {"w13": w13, "w2": lambda full: experts_of(full)[:, :, lo:lo + f]}
+        if bias:
+            self.shard_fns.update(b13=w13, b2=experts_of)
         self.adds_b2 = slice_rank == 0  # the slices' outputs are partial sums: one of them adds b2
 
     def scales(self) -> dict:
