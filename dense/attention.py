@@ -52,13 +52,14 @@ class StepContext:
     # their mask (``window_mask``), in the form of ``attn_mask``; None: every layer alike.
     window_mask: torch.Tensor | None = None
 
-    def windowed(self, window: int, key_positions: torch.Tensor) -> "StepContext":
+    def windowed(self, window: int, key_positions: torch.Tensor, chunk: bool = False) -> "StepContext":
         """This context with ``window_mask`` set: this step's mask (the causal one where
         ``causal``) with the keys ``window`` or more positions before each query masked
-        too. key_positions [S] or [B, S]: the position of each key slot."""
+        too (``chunk``: the keys outside the query's chunk of ``window`` positions).
+        key_positions [S] or [B, S]: the position of each key slot."""
         q = self.positions[:, None, :, None]  # [B, 1, T, 1]
         k = key_positions.reshape(key_positions.shape[0] if key_positions.dim() > 1 else 1, 1, 1, -1)
-        far = q - k >= window
+        far = (q // window != k // window) if chunk else q - k >= window
         mask = self.attn_mask
         if mask is None:  # causal over this step's own keys
             return replace(self, window_mask=(k <= q) & ~far)
@@ -214,8 +215,16 @@ class Attention(nn.Module):
             self.q_norm = ShardedRMSNorm(q_width, q_total, cfg.norm_eps, tp, q_first * d)
             self.k_norm = ShardedRMSNorm(kv_width, kv_total, cfg.norm_eps, tp, kv_first * d, replicas)
         self.clip_qkv = cfg.clip_qkv
-        # GPT-OSS: this layer alone of every other one attends within the sliding window.
-        self.sliding = layer in getattr(cfg, "sliding_layers", ())
+        # GPT-OSS: this layer alone of every other one attends within the sliding window;
+        # Llama 4: within its chunk.
+        self.sliding = layer in getattr(cfg, "sliding_layers", ()) or layer in getattr(cfg, "chunked_layers", ())
+        # Llama 4: rotary positions or none (NoPE, its queries scaled by the position), an
+        # L2 q/k norm on the rotary layers, rotary over interleaved pairs.
+        self.rope = layer not in getattr(cfg, "nope_layers", ())
+        self.l2_norm = cfg.qk_norm == "l2" and self.rope
+        self.temperature = None if self.rope else getattr(cfg, "nope_temperature", None)
+        self.interleaved = getattr(cfg, "rope_interleaved", False)
+        self.norm_eps = cfg.norm_eps
         # GPT-OSS: a learned logit per query head joins its softmax as one more key that adds
         # no value (``_sdpa``); no fused kernel takes it, so such a layer runs unfused.
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if getattr(cfg, "attention_sinks", False) else None
@@ -226,7 +235,8 @@ class Attention(nn.Module):
         self.sharded_norm = cfg.qk_norm == "full" and tp.size > 1
         # The fused decode kernels: power-of-two head dims, rotary over the whole head.
         partial = getattr(cfg, "rotary_dim", None) not in (None, d) and getattr(cfg, "positions", "rope") == "rope"
-        self.fusable = qkv_decode_supported(d) and not partial and self.sinks is None
+        self.fusable = (qkv_decode_supported(d) and not partial and self.sinks is None and self.rope
+                        and not self.interleaved and cfg.qk_norm != "l2")
 
     def _epilogue(self) -> tuple:
         """The fused kernels' q / k norm, its weights and eps, and the clip."""
@@ -355,6 +365,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, D]
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if ctx.cos is not None:
+        if ctx.cos is not None and self.rope:
+            if self.interleaved:  # pairs (2i, 2i + 1) -> halves; q . k is the same in either order
+                d = self.head_dim
+                order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(q.device)
+                q, k = q[..., order], k[..., order]
             q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+        if self.l2_norm:  # (a rotation keeps each head's norm: before or after it, the same)
+            q, k = ((z.float() * torch.rsqrt(z.float().pow(2).mean(-1, keepdim=True) + self.norm_eps)).to(z.dtype)
+                    for z in (q, k))
+        if self.temperature is not None:  # log1p(floor((position + 1) / floor)) * scale + 1
+            floor, scale = self.temperature
+            t_scale = torch.log1p(torch.floor((ctx.positions.float() + 1.0) / floor)) * scale + 1.0  # [B, T]
+            q = (q * t_scale[:, None, :, None]).to(q.dtype)
         return q, k, v

@@ -105,7 +105,9 @@ class ModelConfig:
     max_position: int = 4096
     tied_embeddings: bool = False
     parallel_block: bool = False  # x + attn(norm(x)) + ffn(norm(x)), one norm (GPT-J / PaLM)
-    qk_norm: str = "none"  # none | head (Qwen3: per head) | full (OLMoE: over all heads)
+    # none | head (Qwen3: per head) | full (OLMoE: over all heads) | l2 (Llama 4: per head,
+    # no weights, rotary layers only)
+    qk_norm: str = "none"
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
@@ -114,6 +116,16 @@ class ModelConfig:
     # other one)
     sliding_layers: tuple[int, ...] = ()
     attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax
+    # Llama 4: the layers that attend within chunks of ``attention_chunk`` positions (a query
+    # sees the earlier keys of its own chunk), the layers without rotary positions (NoPE),
+    # whose queries scale with log1p(floor((position + 1) / floor)) * scale + 1 where
+    # ``nope_temperature`` = (floor, scale) is set, and rotary over interleaved pairs of each
+    # head (dimensions 2i, 2i + 1) instead of its two halves.
+    attention_chunk: int | None = None
+    chunked_layers: tuple[int, ...] = ()
+    nope_layers: tuple[int, ...] = ()
+    nope_temperature: tuple[float, float] | None = None
+    rope_interleaved: bool = False
     clip_qkv: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -148,15 +160,25 @@ class ModelConfig:
         _check_choice(s, self, "norm", ("rmsnorm", "layernorm"))
         _check_choice(s, self, "activation", ("swiglu", "gelu", "swiglu_oai"))
         _check_choice(s, self, "positions", ("rope", "learned"))
-        _check_choice(s, self, "qk_norm", ("none", "head", "full"))
+        _check_choice(s, self, "qk_norm", ("none", "head", "full", "l2"))
         if self.sliding_window is not None and self.sliding_window <= 0:
             _fail(f"{s}.sliding_window", self.sliding_window, "a positive number or null")
-        self.sliding_layers = tuple(self.sliding_layers)
-        if self.sliding_layers and self.sliding_window is None:
-            _fail(f"{s}.sliding_layers", list(self.sliding_layers), "empty when model.sliding_window is null")
-        bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
-        if bad:
-            _fail(f"{s}.sliding_layers", list(self.sliding_layers), f"layer indices in [0, {self.num_layers})")
+        for name, needs in (("sliding_layers", "sliding_window"), ("chunked_layers", "attention_chunk"),
+                            ("nope_layers", None)):
+            layers = tuple(getattr(self, name))
+            setattr(self, name, layers)
+            if layers and needs is not None and getattr(self, needs) is None:
+                _fail(f"{s}.{name}", list(layers), f"empty when model.{needs} is null")
+            if any(not 0 <= i < self.num_layers for i in layers):
+                _fail(f"{s}.{name}", list(layers), f"layer indices in [0, {self.num_layers})")
+        if self.sliding_layers and self.chunked_layers:
+            _fail(f"{s}.chunked_layers", list(self.chunked_layers), "empty where model.sliding_layers is set")
+        if self.attention_chunk is not None and self.attention_chunk <= 0:
+            _fail(f"{s}.attention_chunk", self.attention_chunk, "a positive number or null")
+        if self.nope_temperature is not None:
+            self.nope_temperature = tuple(self.nope_temperature)
+            if len(self.nope_temperature) != 2 or self.nope_temperature[0] <= 0:
+                _fail(f"{s}.nope_temperature", list(self.nope_temperature), "[floor > 0, scale] or null")
         if self.clip_qkv is not None and self.clip_qkv <= 0:
             _fail(f"{s}.clip_qkv", self.clip_qkv, "a positive number or null")
         self.eos_token_ids = tuple(self.eos_token_ids)
@@ -164,6 +186,11 @@ class ModelConfig:
             if tok is not None and not 0 <= tok < self.vocab_size:
                 _fail(f"{s}.eos_token_ids/bos_token_id", tok,
                       f"token ids in [0, {self.vocab_size})")
+
+    @property
+    def gated(self) -> bool:
+        """Whether the FFN's up projection holds gate and up rows (SwiGLU, GPT-OSS's too)."""
+        return self.activation in ("swiglu", "swiglu_oai")
 
     @property
     def rotary_width(self) -> int:
@@ -196,6 +223,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     router_bias: bool = False  # GPT-OSS: the router's logits have a learned bias
     expert_bias: bool = False  # GPT-OSS: each expert's two projections have biases
+    weighted_input: bool = False  # Llama 4: the routing weight scales the expert's input, not its output
     capacity_factor: float | None = None  # None: dropless
 
     def __post_init__(self):

@@ -208,7 +208,7 @@ class CostModel:
         """(bytes read, FLOPs) of block ``index``'s FFN on a rank; ``tokens`` the replica's
         tokens, ``group_tokens`` those the rank's experts see."""
         m, e = self.cfg.model, self.cfg.moe
-        gated = 3 if m.activation == "swiglu" else 2
+        gated = 3 if m.gated else 2
         if e is None or not self.cfg.is_moe_layer(index):
             w = gated * m.hidden_size * m.ffn_hidden / p.tp
             return w * self.wb, 2 * tokens * w
@@ -297,7 +297,7 @@ class CostModel:
     def _ffn_weights(self, p: ParallelConfig, index: int) -> float:
         """Bytes of block ``index``'s FFN weights a rank holds."""
         m, e = self.cfg.model, self.cfg.moe
-        gated = 3 if m.activation == "swiglu" else 2
+        gated = 3 if m.gated else 2
         if e is None or not self.cfg.is_moe_layer(index):
             return gated * m.hidden_size * m.ffn_hidden / p.tp * self.wb
         w = e.num_experts // p.ep * gated * m.hidden_size * e.expert_hidden / p.expert_slicing

@@ -147,11 +147,12 @@ class ExpertParallelDispatcher:
         where the call used fixed buffers)."""
         return int(self._sent)
 
-    def dispatch(self, x: torch.Tensor, routing) -> "Sent":
+    def dispatch(self, x: torch.Tensor, routing, weighted_input: bool = False) -> "Sent":
         """The layout transform by destination rank (the maps kernel of the local path, over
         ranks instead of experts, then one kernel writing the send buffer), then one
         all-to-all of the rows, each carrying its local expert id in its padding: one count
-        exchange and one host wait, or none with fixed buffers."""
+        exchange and one host wait, or none with fixed buffers. ``weighted_input`` (Llama 4):
+        each row goes out scaled by its pair's weight, and comes back to a plain sum."""
         t, h = x.shape
         group = self.group
         ints = TAG_INTS[x.element_size()]
@@ -174,10 +175,14 @@ class ExpertParallelDispatcher:
             self._sent = sum(send)
             payload = torch.empty(dest.numel(), h + PAD, dtype=x.dtype, device=x.device)
         kernels.dispatch_rows(x, rows, routing.expert_ids, self.e_local, payload, pdl=self.pdl)
-        received, _ = all_to_all(payload[:sum(send)], send, group, recv_counts=recv)
         weights = routing.weights.float()
         if self.es > 1:  # every slice returns a partial sum with the pair's weight
             weights = weights.repeat_interleave(self.es, dim=1)
+        if weighted_input:
+            at = rows.reshape(-1).long()
+            payload[at, :h] = (payload[at, :h].float() * weights.reshape(-1, 1)).to(x.dtype)
+            weights = torch.ones_like(weights)
+        received, _ = all_to_all(payload[:sum(send)], send, group, recv_counts=recv)
         return Sent(received[:, :h], received.view(ints)[:, h:h + 1], recv, send, rows, weights, group,
                     padded=t <= self.fixed_tokens)
 
@@ -207,7 +212,7 @@ class ExpertParallelDispatcher:
         return out
 
     def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
-        sent = self.dispatch(x, routing)
+        sent = self.dispatch(x, routing, experts.weighted_input)
         return self.combine(self.compute(sent, experts), sent)
 
 

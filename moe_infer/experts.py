@@ -24,9 +24,9 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, width: int, activation: str,
                  ep_rank: int = 0, ep: int = 1, slice_rank: int = 0, slices: int = 1,
-                 options: KernelOptions = KernelOptions(), bias: bool = False):
+                 options: KernelOptions = KernelOptions(), bias: bool = False, weighted_input: bool = False):
         super().__init__()
-        self.options = options
+        self.options, self.weighted_input = options, weighted_input
         e, f = num_experts // ep, width // slices
         gated = activation in ("swiglu", "swiglu_oai")
         self.w13 = nn.Parameter(torch.empty(e, 2 * f if gated else f, hidden))
@@ -65,7 +65,7 @@ class Experts(nn.Module):
         (``masked``: negative ids are experts on other ranks, which add nothing)."""
         return kernels.fused_moe(x, self.w13, self.w2, weights, expert_ids, self.activation,
                                  capacity=capacity, maps=maps, pdl=self.options.pdl, masked=masked, **self.scales(),
-                                 **self.biases())
+                                 **self.biases(), weighted_input=self.weighted_input)
 
     def pairs_from_ids(self, x: torch.Tensor, top_k: int) -> bool:
         """Whether ``fused`` (dropless, no maps) runs on x from the routing ids alone, so the
@@ -84,6 +84,7 @@ class Int8Experts(Experts):
         nn.Module.__init__(self)
         self.activation, self.expert_range, self.options = experts.activation, experts.expert_range, experts.options
         self.b13, self.b2, self.adds_b2 = experts.b13, experts.b2, experts.adds_b2  # biases stay unquantized
+        self.weighted_input = experts.weighted_input
         q13, s13 = kernels.quantize_int8(experts.w13.detach())
         q2, s2 = kernels.quantize_int8(experts.w2.detach())
         self.w13 = nn.Parameter(q13, requires_grad=False)

@@ -1,7 +1,7 @@
 """Hugging Face MoE checkpoints: ``config.json`` -> ``Config``, and where each of our
 tensors comes from in the checkpoint's safetensors.
 
-Families: Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE, GLM-4.5, GPT-OSS. Per-expert
+Families: Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE, GLM-4.5, GPT-OSS, Llama 4 (text). Per-expert
 tensors are stacked into ``w13 [E, 2F, H]`` (gate rows, then up rows) and ``w2 [E, H, F]``
 (GPT-OSS's fused, transposed and interleaved ones rearranged so); q, k and v are
 concatenated into one ``qkv_proj``. Each checkpoint tensor comes with the shape
@@ -47,10 +47,14 @@ FAMILIES = {
     "gpt_oss": Family("gpt_oss", "mlp", ("gate_proj", "up_proj", "down_proj"),
                       {"rms_norm_eps": 1e-5, "attention_bias": True, "sliding_window": 128, "swiglu_limit": 7.0,
                        "swiglu_alpha": 1.702}),
+    "llama4_text": Family("llama4_text", "feed_forward", ("gate_proj", "up_proj", "down_proj"),
+                          {"rms_norm_eps": 1e-5, "attention_bias": False, "use_qk_norm": True,
+                           "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+                           "attention_chunk_size": 8192, "interleave_moe_layer_step": 1}),
 }
 _ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                   "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe", "Glm4MoeForCausalLM": "glm4_moe",
-                  "GptOssForCausalLM": "gpt_oss"}
+                  "GptOssForCausalLM": "gpt_oss", "Llama4ForCausalLM": "llama4_text"}
 
 
 def read_json(path: Path) -> dict:
@@ -118,11 +122,13 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
     sliding_layers = ()
     if gpt:
         sliding, sliding_layers = _gpt_oss_layers(hf, sliding, source)
+    llama4 = fam.name == "llama4_text"
+    attention = _llama4_layers(hf, get, source) if llama4 else {}
     try:
         # transformers writes either name, depending on the family and version.
         num_experts = hf["n_routed_experts"] if glm else hf["num_local_experts"] if "num_local_experts" in hf \
             else hf["num_experts"]
-        expert_width = hf["intermediate_size"] if fam.name in ("mixtral", "olmoe", "gpt_oss") \
+        expert_width = hf["intermediate_size"] if fam.name in ("mixtral", "olmoe", "gpt_oss", "llama4_text") \
             else hf["moe_intermediate_size"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         rotary_dim = int(head_dim * partial)
@@ -133,16 +139,18 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
-            ffn_hidden=hf["intermediate_size"], norm="rmsnorm", norm_eps=get("rms_norm_eps"),
+            ffn_hidden=hf["intermediate_size_mlp" if llama4 else "intermediate_size"], norm="rmsnorm", norm_eps=get("rms_norm_eps"),
             activation="swiglu_oai" if gpt else "swiglu", positions="rope", rope_theta=theta, rope_scaling=scaling,
             max_position=hf.get("max_position_embeddings", 4096),
             tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
             rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-            qk_norm="head" if glm and get("use_qk_norm")
+            qk_norm="head" if glm and get("use_qk_norm") else "l2" if llama4 and get("use_qk_norm")
             else {"qwen3_moe": "head", "olmoe": "full"}.get(fam.name, "none"),
             qkv_bias=bool(get("qkv_bias") if fam.name == "qwen2_moe" else get("attention_bias")),
-            out_bias=bool(get("attention_bias")) if fam.name in ("qwen3_moe", "olmoe", "gpt_oss") else False,
+            out_bias=bool(get("attention_bias")) if fam.name in ("qwen3_moe", "olmoe", "gpt_oss", "llama4_text")
+            else False,
             sliding_window=sliding, sliding_layers=sliding_layers, attention_sinks=gpt, clip_qkv=get("clip_qkv"),
+            **attention,
             bos_token_id=hf.get("bos_token_id"), eos_token_ids=_token_ids(hf.get("eos_token_id")))
         shared = hf.get("shared_expert_intermediate_size", 0) if fam.name == "qwen2_moe" else 0
         if glm:  # sigmoid scores, a score bias, grouped top-k, plain shared experts, dense first layers
@@ -152,6 +160,14 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
                 shared_expert_hidden=expert_width, score="sigmoid", renormalize=bool(get("norm_topk_prob")),
                 score_bias=True, n_group=get("n_group"), topk_group=get("topk_group"),
                 routed_scaling_factor=float(get("routed_scaling_factor")))
+        elif llama4:  # top-k of sigmoid scores (no renormalizing) on the expert's input, a shared expert
+            moe_layers = set(hf.get("moe_layers") or range(get("interleave_moe_layer_step") - 1,
+                                                           hf["num_hidden_layers"], get("interleave_moe_layer_step")))
+            moe = MoEConfig(
+                num_experts=num_experts, top_k=hf["num_experts_per_tok"], expert_hidden=expert_width,
+                dense_layers=tuple(i for i in range(hf["num_hidden_layers"]) if i not in moe_layers),
+                shared_experts=1, shared_expert_hidden=expert_width, score="sigmoid", renormalize=False,
+                weighted_input=True)
         else:
             moe = MoEConfig(
                 num_experts=num_experts, top_k=hf["num_experts_per_tok"], expert_hidden=expert_width,
@@ -193,6 +209,23 @@ def _gpt_oss_layers(hf: dict, window: int | None, source: str) -> tuple[int | No
     if not sliding or window is None:
         return None, ()
     return window, (() if len(sliding) == n else sliding)
+
+
+def _llama4_layers(hf: dict, get, source: str) -> dict:
+    """Llama 4's per-layer attention: the chunked layers (``layer_types``), the NoPE ones
+    (``no_rope_layers``: 0 where a layer has no rotary positions) and their temperature."""
+    n = hf["num_hidden_layers"]
+    rope = hf.get("no_rope_layers") or [1] * n
+    types = hf.get("layer_types") or ["chunked_attention" if r else "full_attention" for r in rope]
+    if len(rope) != n or len(types) != n or any(t not in ("chunked_attention", "full_attention") for t in types):
+        raise ConfigError(f"{source}: no_rope_layers={rope!r}, layer_types={types!r}: expected "
+                          f"num_hidden_layers={n} entries each ('chunked_attention' or 'full_attention')")
+    chunk = get("attention_chunk_size")
+    chunked = tuple(i for i, t in enumerate(types) if t == "chunked_attention") if chunk else ()
+    nope = tuple(i for i, r in enumerate(rope) if not r)
+    temperature = (float(get("floor_scale")), float(get("attn_scale"))) if get("attn_temperature_tuning") else None
+    return dict(attention_chunk=chunk if chunked else None, chunked_layers=chunked, nope_layers=nope,
+                nope_temperature=temperature if nope else None, rope_interleaved=True)
 
 
 def read_hf_config(checkpoint_dir: str | Path) -> Config:
@@ -261,7 +294,7 @@ def _gate_up(t: torch.Tensor) -> torch.Tensor:
 
 
 def _transposed(t: torch.Tensor) -> torch.Tensor:
-    """GPT-OSS's down_proj [E, F, H] -> our w2 [E, H, F]."""
+    """Experts stored [E, K, N] (GPT-OSS's down_proj, Llama 4's both) -> ours, [E, N, K]."""
     return t.transpose(1, 2).contiguous()
 
 
@@ -339,6 +372,12 @@ def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
     gate, up, down = fam.expert_names
     m = p + fam.moe_prefix + "."
     e, f = (cfg.moe.num_experts, cfg.moe.expert_hidden) if cfg.moe else (0, 0)
+    if fam.name == "llama4_text":  # fused experts [E, H, 2F] (gate, then up) and [E, F, H]
+        llama = {"ffn.experts.w13": rearranged(m + "experts.gate_up_proj", (e, h, 2 * f), _transposed, (e, 2 * f, h)),
+                 "ffn.experts.w2": rearranged(m + "experts.down_proj", (e, f, h), _transposed, (e, h, f)),
+                 "ffn.router.weight": one(m + "router.weight", (e, h))}
+        if rest in llama:
+            return [llama[rest]]
     if fam.name == "gpt_oss":
         gpt = {"ffn.router.weight": one(m + "router.weight", (e, h)), "ffn.router.bias": one(m + "router.bias", (e,)),
                "ffn.experts.b13": rearranged(m + "experts.gate_up_proj_bias", (e, 2 * f), _uninterleave, (e, 2 * f)),
@@ -374,7 +413,7 @@ def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
     # A dense layer of an MoE model (Qwen2/3 mlp_only_layers).
     if rest == "ffn.up_proj.weight":
         width = m_cfg.ffn_hidden
-        return [Source(((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),), (((width, h), (width, h)),))]
+        return [Source(((m + "gate_proj.weight", m + "up_proj.weight"),), (((width, h), (width, h)),))]
     if rest == "ffn.down_proj.weight":
-        return [one(p + "mlp.down_proj.weight", (h, m_cfg.ffn_hidden))]
+        return [one(m + "down_proj.weight", (h, m_cfg.ffn_hidden))]
     raise ConfigError(f"{ours}: no Hugging Face {fam.name} tensor maps to this parameter")

@@ -35,10 +35,10 @@ def layer_cost(cfg: Config, index: int) -> float:
     m, e = cfg.model, cfg.moe
     attn = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
     if e is not None and cfg.is_moe_layer(index):
-        gated = 3 if m.activation == "swiglu" else 2
+        gated = 3 if m.gated else 2
         ffn = gated * m.hidden_size * (e.top_k * e.expert_hidden + e.shared_experts * e.shared_expert_hidden)
     else:
-        ffn = (3 if m.activation == "swiglu" else 2) * m.hidden_size * m.ffn_hidden
+        ffn = (3 if m.gated else 2) * m.hidden_size * m.ffn_hidden
     return attn + ffn
 
 
@@ -254,7 +254,9 @@ class Transformer(nn.Module):
     def _windowed(self, ctx: StepContext, key_positions: torch.Tensor) -> StepContext:
         """``ctx`` with the sliding-window layers' own mask where only some layers have one."""
         m = self.cfg.model
-        return ctx.windowed(m.sliding_window, key_positions) if m.sliding_layers else ctx
+        if m.sliding_layers:
+            return ctx.windowed(m.sliding_window, key_positions)
+        return ctx.windowed(m.attention_chunk, key_positions, chunk=True) if m.chunked_layers else ctx
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
                 cache: PagedKVCache | None = None, last_only: bool = False,

@@ -37,7 +37,8 @@ class MoELayer(nn.Module):
         self._maps_at: dict = {}  # _maps_needed's answers
         ep_index = groups.ep.rank // es
         self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation,
-                               ep_index, ep, groups.ep.rank % es, es, options, bias=moe_cfg.expert_bias)
+                               ep_index, ep, groups.ep.rank % es, es, options, bias=moe_cfg.expert_bias,
+                               weighted_input=moe_cfg.weighted_input)
         if same_tokens:
             self.dispatcher = SameTokensDispatcher(moe_cfg.num_experts, moe_cfg.top_k, self.experts.expert_range,
                                                    groups.ep, moe_cfg.capacity_factor)

@@ -173,6 +173,7 @@ class OffloadedExperts(nn.Module):
                  staging: int = 8):
         super().__init__()
         self.activation, self.options = experts.activation, experts.options
+        self.weighted_input = experts.weighted_input  # (Llama 4: the weight on the expert's input)
         self.mode, self.cost = mode, cost
         pinned = device.type == "cuda"
         e = experts.w13.shape[0]
@@ -238,7 +239,7 @@ class OffloadedExperts(nn.Module):
         cold_t, cold_s = cold.nonzero(as_tuple=True)  # the call's wait for the host
         if not len(cold_t):
             return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, pdl=self.options.pdl,
-                                     masked=masked, **self.device_extras)
+                                     masked=masked, weighted_input=self.weighted_input, **self.device_extras)
         pair_ids = ids[cold_t, cold_s]
         used = sorted(set(pair_ids.tolist()))
         mode = self.mode if self.mode != "auto" else self.cost.mode(len(cold_t), len(used))
@@ -252,7 +253,7 @@ class OffloadedExperts(nn.Module):
         if len(hot_t):  # one row a pair: the cold pairs cost the device nothing
             y = kernels.fused_moe(x[hot_t], self.w13, self.w2, weights[hot_t, hot_s, None],
                                   slot[hot_t, hot_s, None], self.activation, pdl=self.options.pdl,
-                                  **self.device_extras)
+                                  weighted_input=self.weighted_input, **self.device_extras)
             out.index_add_(0, hot_t, y.float())
         pair_w = weights[cold_t, cold_s]
         if mode == "cpu":
@@ -274,9 +275,12 @@ class OffloadedExperts(nn.Module):
             rows = (ids_c == e).nonzero(as_tuple=True)[0]
             w13 = dequantize_ref(self.host["w13"][e], None if s13 is None else s13[e], dtype)
             w2 = dequantize_ref(self.host["w2"][e], None if s2 is None else s2[e], dtype)
-            y = expert_ffn_ref(xc[rows].to(dtype), w13, w2, self.activation, None if b13 is None else b13[e].to(dtype),
+            xr, wr = xc[rows].float(), wc[rows, None]
+            if self.weighted_input:
+                xr, wr = xr * wr, torch.ones_like(wr)
+            y = expert_ffn_ref(xr.to(dtype), w13, w2, self.activation, None if b13 is None else b13[e].to(dtype),
                                None if b2 is None else b2[e].to(dtype))
-            yc.index_add_(0, rows, y.float() * wc[rows, None])
+            yc.index_add_(0, rows, y.float() * wr)
         return yc.to(x.device, non_blocking=True)
 
     def _stage_round(self, chunk: list[int]):
@@ -319,7 +323,8 @@ class OffloadedExperts(nn.Module):
             n = len(chunk)
             extras = {k: self._stage[k][:n] for k in self.host if k not in ("w13", "w2")}
             part = kernels.fused_moe(x[rows], self._stage["w13"][:n], self._stage["w2"][:n], w[rows, None],
-                                     s[rows, None], self.activation, pdl=self.options.pdl, **extras)
+                                     s[rows, None], self.activation, pdl=self.options.pdl,
+                                     weighted_input=self.weighted_input, **extras)
             y.index_add_(0, rows, part.float())
         return y
 

@@ -39,6 +39,15 @@ FAMILIES = {
         num_attention_heads=6, num_key_value_heads=2, num_local_experts=7, num_experts_per_tok=3,
         sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         max_position_embeddings=96, eos_token_id=None, pad_token_id=None)),
+    # Llama 4 (text): MoE every other layer (top-1 sigmoid weights on the expert's input, a
+    # shared expert), chunked attention (4 positions) on the rotary layers, a NoPE layer with
+    # the attention temperature (floor 3, so it moves within the prompts), L2 q/k norms,
+    # interleaved rotary pairs.
+    "llama4_text": dict(cls="Llama4ForCausalLM", cfg="Llama4TextConfig", kw=dict(
+        vocab_size=97, hidden_size=60, intermediate_size=20, intermediate_size_mlp=44, num_hidden_layers=4,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=10, num_local_experts=5, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, attention_chunk_size=4, floor_scale=3, attn_scale=0.5,
+        max_position_embeddings=96, eos_token_id=None, pad_token_id=None, bos_token_id=None)),
 }
 
 

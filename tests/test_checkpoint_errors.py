@@ -369,3 +369,20 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"intermediate_size=40: expected a multiple of 32"):
         load(tmp_path)
+
+
+def test_llama4_layer_lists_of_the_wrong_length_or_kind_are_refused(saved, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved("llama4_text"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    for edit in ({"no_rope_layers": [1, 0]}, {"layer_types": ["chunked_attention", "sliding_attention"] * 2}):
+        (path / "config.json").write_text(json.dumps({**cfg, **edit}))
+        with pytest.raises(ConfigError, match=r"expected num_hidden_layers=4 entries each"):
+            load(path)
+    from moe_infer.hf import config_from_hf
+    read = config_from_hf(cfg)
+    m, e = read.model, read.moe
+    assert (m.chunked_layers, m.nope_layers, m.attention_chunk, m.nope_temperature) == ((0, 1, 2), (3,), 4, (3.0, 0.5))
+    assert m.qk_norm == "l2" and m.rope_interleaved and e.weighted_input and e.dense_layers == (0, 2)
+    m = config_from_hf({**cfg, "attn_temperature_tuning": False, "use_qk_norm": False, "attention_chunk_size": None}).model
+    assert (m.nope_temperature, m.qk_norm, m.chunked_layers, m.attention_chunk) == (None, "none", (), None)

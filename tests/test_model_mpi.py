@@ -38,6 +38,9 @@ FAMILY_KW = {
     "gpt_oss": dict(num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, hidden_size=64,
                     head_dim=8, intermediate_size=24, num_hidden_layers=4,
                     layer_types=["sliding_attention", "full_attention"] * 2),
+    # weights on the experts' inputs (scaled before the all-to-all under ep), chunks, NoPE
+    "llama4_text": dict(num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, hidden_size=64,
+                        head_dim=8, intermediate_size=24, intermediate_size_mlp=32, num_hidden_layers=4),
 }
 
 

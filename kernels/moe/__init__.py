@@ -57,7 +57,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               capacity: int | None = None, maps: tuple | None = None, *, pdl: bool = True,
-              masked: bool = False, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+              masked: bool = False, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              weighted_input: bool = False) -> torch.Tensor:
     """MoE expert computation on one device: x [T, H] -> [T, H].
 
     w13 [E, 2F, H] holds each expert's gate rows then up rows (Hugging Face / vLLM layout;
@@ -70,14 +71,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (its expert lives on another rank) adds nothing and reads no weights; ``maps`` are then
     not taken. ``b13`` [E, 2F or F] / ``b2`` [E, H]: per-expert biases (GPT-OSS), added
     after each GEMM, before the activation and before the combine weight.
+    ``weighted_input`` (Llama 4): each pair's weight scales its expert's input, not its output
+    (the same as scaling the up GEMM's output before the activation).
     """
     _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, b13, b2)
     if x.is_cuda:
         from kernels.moe.triton import fused_moe_triton
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
-                                capacity, maps=None if masked else maps, pdl=pdl, masked=masked, b13=b13, b2=b2)
+                                capacity, maps=None if masked else maps, pdl=pdl, masked=masked, b13=b13, b2=b2,
+                                weighted_input=weighted_input)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity, masked,
-                         b13, b2)
+                         b13, b2, weighted_input)
 
 
 __all__ = ["fused_moe", "quantize_int8"]

@@ -55,6 +55,7 @@ def _gemm_tile(
     A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr,
 ):
     """One [TM, BN] output tile of expert e: buffer rows r0 .. min(r0 + TM, hi) (FROM_IDS:
     the pairs among the first TM whose ids [TM] name e), columns pid_n * BN .., split pid_k of K."""
@@ -112,6 +113,11 @@ def _gemm_tile(
         acc *= tl.load(s_base + cols, mask=col_ok, other=0.0)[None, :]
         if GATED:
             acc_up *= tl.load(s_base + N_OUT + cols, mask=col_ok, other=0.0)[None, :]
+    if ROW_WEIGHT and WEIGHT_FIRST:  # the pair's weight on the expert's input (Llama 4): (w x) W = w (x W)
+        row_w = tl.load(pair_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+        acc *= row_w
+        if GATED:
+            acc_up *= row_w
     if HAS_BIAS:  # [E, W_ROWS] per expert and output row, added once (by split pid_k 0)
         b_base = bias_ptr + e * stride_be
         first = (pid_k == 0).to(tl.float32)
@@ -127,7 +133,7 @@ def _gemm_tile(
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # SiLU(gate) * up
     elif ACT == "gelu":
         acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-    if ROW_WEIGHT:
+    if ROW_WEIGHT and not WEIGHT_FIRST:
         acc *= tl.load(pair_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out = out_ptr + pid_k * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -152,7 +158,7 @@ def _grouped_gemm_kernel(
     A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
-    PDL: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -202,15 +208,15 @@ def _grouped_gemm_kernel(
             stride_a, stride_we, stride_wn, stride_se, stride_be, stride_os, stride_om)
     if fit == 0:
         _gemm_tile(*args, TOPK, BM, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, HAS_BIAS, UPCAST,
-                   IEEE, FROM_IDS, EVEN_K, W_TMA)
+                   IEEE, FROM_IDS, EVEN_K, W_TMA, WEIGHT_FIRST)
     if SUB_M >= 2:
         if fit == 1:
             _gemm_tile(*args, TOPK, BM // 2, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, HAS_BIAS,
-                       UPCAST, IEEE, FROM_IDS, EVEN_K, W_TMA)
+                       UPCAST, IEEE, FROM_IDS, EVEN_K, W_TMA, WEIGHT_FIRST)
     if SUB_M >= 4:
         if fit == 2:
             _gemm_tile(*args, TOPK, BM // 4, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, HAS_BIAS,
-                       UPCAST, IEEE, FROM_IDS, EVEN_K, W_TMA)
+                       UPCAST, IEEE, FROM_IDS, EVEN_K, W_TMA, WEIGHT_FIRST)
 
 
 def max_row_tiles(num_rows: int, num_experts: int, bm: int) -> int:
@@ -234,7 +240,8 @@ def tma_ok(w: torch.Tensor, cfg: dict) -> bool:
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None, row_pair: torch.Tensor | None,
                  cfg: dict, *, num_rows: int, topk: int, a_from_tokens: bool, gated: bool,
                  act: str = "none", scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 pair_weights: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 pair_weights: torch.Tensor | None = None, weight_first: bool = False,
+                 out_dtype: torch.dtype | None = None,
                  pair_ids: torch.Tensor | None = None, pdl: bool) -> torch.Tensor:
     """Runs one expert GEMM; returns [S, num_rows, N_OUT] (S = cfg["split_k"]).
 
@@ -279,5 +286,6 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
         A_FROM_TOKENS=a_from_tokens, GATED=gated, ACT=act, ROW_WEIGHT=pair_weights is not None,
         INT8_W=int8, HAS_BIAS=bias is not None, UPCAST=a.device.type == "cpu" or a.dtype == torch.float32,
         IEEE=a.dtype == torch.float32, FROM_IDS=from_ids, EVEN_K=k % (split * cfg["bk"]) == 0, W_TMA=tma,
+        WEIGHT_FIRST=weight_first,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(a.device, pdl))
     return out

@@ -95,16 +95,23 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   activation: str = "silu", w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None, capacity: int | None = None,
                   masked: bool = False, b13: torch.Tensor | None = None,
-                  b2: torch.Tensor | None = None) -> torch.Tensor:
+                  b2: torch.Tensor | None = None, weighted_input: bool = False) -> torch.Tensor:
     """The single-device expert computation: maps, scatter, grouped FFN, gather. ``masked``:
     pairs with a negative expert id add nothing (their rows, in a bin past the experts,
     never run). Biases b13 [E, 2F or F], b2 [E, H] are added before each activation and
-    before the combine weight."""
+    before the combine weight. ``weighted_input`` (Llama 4): each pair's weight scales the
+    expert's input instead of its output."""
     w13, w2 = dequantize_ref(w13, w13_scale, x.dtype), dequantize_ref(w2, w2_scale, x.dtype)
     e = w13.shape[0]
     if masked:
         topk_ids = torch.where(topk_ids < 0, e, topk_ids)
     offsets, rows = token_maps_ref(topk_ids, e + masked, capacity)
     xs = scatter_rows_ref(x, rows)
+    if weighted_input:
+        flat, w = rows.reshape(-1).long(), topk_weights.reshape(-1)
+        row_w = torch.zeros(xs.shape[0], dtype=torch.float32, device=x.device)
+        row_w[flat[flat >= 0]] = w[flat >= 0].float()
+        xs = (xs.float() * row_w[:, None]).to(xs.dtype)
+        topk_weights = torch.ones_like(topk_weights)
     ys = grouped_ffn_ref(xs, offsets, w13, w2, activation, b13, b2)
     return gather_rows_ref(ys, rows, topk_weights)

@@ -156,7 +156,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                      capacity: int | None = None, configs: tuple[MoeEntry, MoeEntry] | None = None,
                      maps: tuple | None = None, pdl: bool = True, masked: bool = False,
-                     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+                     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                     weighted_input: bool = False) -> torch.Tensor:
     """Same contract as ``kernels.fused_moe``; ``configs`` overrides the (up, down) launch
     configurations (``kernels.tuning`` entries; the tuning script uses it); ``maps`` are
     (offsets, rows, row_pair) already built from ``topk_ids`` (``kernels.route``)."""
@@ -173,8 +174,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         # dtype for the call.
         return fused_moe_triton(x, dequantize_int8(w13, w13_scale, x.dtype), dequantize_int8(w2, w2_scale, x.dtype),
                                 topk_weights, topk_ids, activation, capacity=capacity, maps=maps, pdl=pdl,
-                                masked=masked, b13=b13, b2=b2)
-    plain = b13 is None and b2 is None and activation != "swiglu_oai"  # what the CUDA kernels take
+                                masked=masked, b13=b13, b2=b2, weighted_input=weighted_input)
+    # what the CUDA kernels take
+    plain = b13 is None and b2 is None and activation != "swiglu_oai" and not weighted_input
     if plain and isinstance(up_cfg, MoeCuda) and (capacity is None or capacity >= t):
         # Where the table chose the CUDA decode kernels (small T, measured faster) and they
         # can take the operands (not fp32, odd widths: then Triton). No pair is dropped when
@@ -204,21 +206,23 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     else:
         offsets, rows, row_pair = maps if maps is not None else token_maps_triton(topk_ids, e, capacity, pdl)
     x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided (padded all-to-all rows)
+    pair_w = topk_weights.reshape(-1).float().contiguous()
     hidden = grouped_gemm(x, w13, offsets, row_pair, up_cfg.kernel_args(), num_rows=n, topk=topk,
                           a_from_tokens=True, gated=activation in ("silu", "swiglu_oai"),
                           act=activation if activation in ("gelu", "swiglu_oai") else "none", scale=w13_scale, bias=b13,
+                          pair_weights=pair_w if weighted_input else None, weight_first=weighted_input,
                           pair_ids=pair_ids, pdl=pdl)[0]  # [N, F]
     if pair_ids is None and b2 is None and grouped_mm_ok(down_cfg, hidden, w2):
         # Large T, where the table says so: the down GEMM by torch's grouped GEMM (CUTLASS)
         # over the expert-major rows; the combine weights move into the combine.
         ys = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets[1:])  # [N, H], buffer rows
-        return combine_rows_triton(ys[None], rows, topk_weights, x.dtype, topk, pdl=pdl)
+        return combine_rows_triton(ys[None], rows, None if weighted_input else topk_weights, x.dtype, topk, pdl=pdl)
     # Without split-K each weighted pair row is stored in x's dtype (half the bytes written
     # and read again at large T; the sum over slots is still float32); split-K partials
     # stay float32.
     partial = grouped_gemm(hidden, w2, offsets, row_pair, down_cfg.kernel_args(), num_rows=n, topk=topk,
                            a_from_tokens=False, gated=False, scale=w2_scale, bias=b2,
-                           pair_weights=topk_weights.reshape(-1).float().contiguous(),
+                           pair_weights=None if weighted_input else pair_w,
                            out_dtype=x.dtype, pair_ids=pair_ids, pdl=pdl)  # [S, N, H], already weighted
     return combine_rows_triton(partial, rows, None, x.dtype, topk, pdl=pdl)
 

@@ -413,3 +413,38 @@ def test_gpt_oss_experts_kernels_match_the_reference(device, t):
     for configs in (None, (up, replace(down, split_k=2))):
         out = fused_moe_triton(x, w13, w2, w, ids, "swiglu_oai", configs=configs, b13=b13, b2=b2)
         assert rel(out.double(), ref) < TOL[dtype], configs
+
+
+def test_weighted_input_scales_each_experts_input():
+    """Llama 4's experts: the routing weight scales the expert's input, not its output."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 24, generator=gen, dtype=torch.float64)
+    w13, w2 = weights(5, 24, 10, "silu", torch.float64, "cpu", gen)
+    ids, w = routing(7, 5, 2, "cpu", gen)
+    w = w.double()
+    out = fused_moe(x, w13, w2, w, ids, "silu", weighted_input=True)
+    want = torch.zeros_like(x)
+    for t in range(7):
+        for j in range(2):
+            want[t] += expert_ffn_ref(w[t, j] * x[t:t + 1], w13[int(ids[t, j])], w2[int(ids[t, j])])[0]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # (the combine sums in float32)
+    assert rel(fused_moe(x, w13, w2, w, ids, "silu"), want) > 1e-2  # not what the output weighting gives
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("t", [1, 40])
+def test_weighted_input_kernels_match_the_reference(device, t):
+    """The up GEMM's weight-first epilogue (decode ids and maps; a split-K down GEMM then
+    adds unweighted partials), against the float64 reference."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 48, generator=gen).to(device, dtype)
+    w13, w2 = weights(6, 48, 20, "silu", dtype, device, gen)
+    ids, w = routing(t, 6, 1, device, gen)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w.double(), ids, weighted_input=True)
+    up, down = moe_triton._table_configs(x, w13, w2, 1)
+    up = moe_triton.triton_entry(up, "up", x.device, t, 6, 40, 48, 1, x.element_size())
+    down = moe_triton.triton_entry(down, "down", x.device, t, 6, 48, 20, 1, x.element_size())
+    for configs in (None, (up, replace(down, split_k=2))):
+        out = fused_moe_triton(x, w13, w2, w, ids, configs=configs, weighted_input=True)
+        assert rel(out.double(), ref) < TOL[dtype], configs
