@@ -212,7 +212,7 @@ class ExpertParallelDispatcher:
         return out
 
     def run(self, x: torch.Tensor, routing, experts) -> torch.Tensor:
-        sent = self.dispatch(x, routing, experts.weighted_input)
+        sent = self.dispatch(x, routing, getattr(experts, "weighted_input", False))
         return self.combine(self.compute(sent, experts), sent)
 
 
