@@ -136,10 +136,12 @@ class PagedKVCache:
     place, or ``gather``s them)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, v_dim: int | None = None):
+        """``v_dim``: the values' width where it is not ``head_dim`` (0: keys alone, as latent
+        attention caches them)."""
         shape = (num_layers, num_blocks * block_size + 1, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(*shape[:-1], head_dim if v_dim is None else v_dim, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.trash = num_blocks * block_size
         self.write_slots = self.read_slots = None
@@ -168,7 +170,7 @@ class PagedKVCache:
         b, h, t, d = k.shape
         slots = self.write_slots.reshape(-1)
         self.k[layer].index_copy_(0, slots, k.transpose(1, 2).reshape(b * t, h, d))
-        self.v[layer].index_copy_(0, slots, v.transpose(1, 2).reshape(b * t, h, d))
+        self.v[layer].index_copy_(0, slots, v.transpose(1, 2).reshape(b * t, h, v.shape[-1]))
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's keys and values [B, KV heads, S, D] in token order, gathered into a copy

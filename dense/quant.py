@@ -61,7 +61,12 @@ class Int8Linear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def linear_targets(model: nn.Module, skip: tuple[str, ...] = ("router", "shared_gate"),
+# Not converted: the routers and gates (small, and their logits pick experts), and latent
+# attention's kv_b_proj, whose weight is read as per-head matrices, not through a GEMM.
+SKIP = ("router", "shared_gate", "kv_b_proj")
+
+
+def linear_targets(model: nn.Module, skip: tuple[str, ...] = SKIP,
                    min_out: int = 16) -> list[tuple[nn.Module, str]]:
     """(parent, name) of the linear layers ``quantize_linears`` converts."""
     return [(parent, name) for parent_name, parent in model.named_modules()
@@ -70,7 +75,7 @@ def linear_targets(model: nn.Module, skip: tuple[str, ...] = ("router", "shared_
             and not any(s in f"{parent_name}.{name}".split(".") for s in skip)]
 
 
-def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ("router", "shared_gate"),
+def quantize_linears(model: nn.Module, skip: tuple[str, ...] = SKIP,
                      min_out: int = 16, device: torch.device | None = None, prepare=None) -> int:
     """Swaps the model's linear layers for ``Int8Linear`` in place (each moved to ``device``
     first, when given, then passed to ``prepare``); returns how many."""

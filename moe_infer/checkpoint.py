@@ -4,6 +4,7 @@ index). Nothing is ever unpickled: ``.bin`` / ``.pt`` files are refused by name.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from tqdm import tqdm
 
 from moe_infer.config import Config
 from moe_infer.hf import Source, family_of, read_json, tensor_plan
+
+log = logging.getLogger(__name__)
 
 _PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
@@ -221,6 +224,13 @@ def load_checkpoint(model: torch.nn.Module, cfg: Config, directory: str | Path, 
         ours, read = loaded[finite.index(False)]
         raise _non_finite(read, reader, params[ours].dtype, ours)
     unexpected = sorted(set(files) - used)
+    if family.name == "deepseek_v3":  # multi-token-prediction layers: past the model's last
+        n = cfg.model.num_layers
+        mtp = [t for t in unexpected if (m := re.search(r"\blayers\.(\d+)\.", t)) and int(m.group(1)) >= n]
+        if mtp:
+            unexpected = [t for t in unexpected if t not in set(mtp)]
+            log.warning("%s: skipped %d tensors of the multi-token-prediction layers (layers %d and on): "
+                        "decoding uses the main model alone", directory, len(mtp), n)
     pp = getattr(model, "pp", None)
     if pp is not None and pp.size > 1:  # a pipeline stage leaves the others' tensors: only its blocks' count
         own = model.own

@@ -123,6 +123,12 @@ class ModelConfig:
     # head (dimensions 2i, 2i + 1) instead of its two halves.
     attention_chunk: int | None = None
     chunked_layers: tuple[int, ...] = ()
+    # DeepSeek-V2 / V3 multi-head latent attention (``dense/mla.py``): keys and values from
+    # a latent of kv_lora_rank a token, queries through a q_lora_rank bottleneck where set;
+    # head_dim is a query / key head (rotary_dim of it rotary), v_head_dim a value head.
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    v_head_dim: int | None = None
     nope_layers: tuple[int, ...] = ()
     nope_temperature: tuple[float, float] | None = None
     rope_interleaved: bool = False
@@ -173,6 +179,11 @@ class ModelConfig:
                 _fail(f"{s}.{name}", list(layers), f"layer indices in [0, {self.num_layers})")
         if self.sliding_layers and self.chunked_layers:
             _fail(f"{s}.chunked_layers", list(self.chunked_layers), "empty where model.sliding_layers is set")
+        if self.kv_lora_rank is not None:
+            _check_positive(s, self, "kv_lora_rank", "v_head_dim")
+            if self.rotary_dim is None or self.rotary_dim >= self.head_dim:
+                _fail(f"{s}.rotary_dim", self.rotary_dim, f"the rotary part of model.head_dim={self.head_dim} "
+                      "(qk_rope_head_dim), less than it, with model.kv_lora_rank")
         if self.attention_chunk is not None and self.attention_chunk <= 0:
             _fail(f"{s}.attention_chunk", self.attention_chunk, "a positive number or null")
         if self.nope_temperature is not None:
@@ -186,6 +197,14 @@ class ModelConfig:
             if tok is not None and not 0 <= tok < self.vocab_size:
                 _fail(f"{s}.eos_token_ids/bos_token_id", tok,
                       f"token ids in [0, {self.vocab_size})")
+
+    @property
+    def kv_widths(self) -> tuple[int, int]:
+        """(key, value) widths of one KV head in the cache: the latent and the rotary key
+        in one "key" under latent attention, no value."""
+        if self.kv_lora_rank is not None:
+            return self.kv_lora_rank + self.rotary_width, 0
+        return self.head_dim, self.head_dim
 
     @property
     def gated(self) -> bool:

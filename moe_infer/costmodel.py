@@ -198,6 +198,13 @@ class CostModel:
         attention on a rank: ``rows`` sequences of ``tokens`` new tokens over ``context`` keys."""
         m, d = self.cfg.model, self.head_dim
         hq = m.num_heads / p.tp
+        if m.kv_lora_rank is not None:  # latent attention: the latent and its projection whole on each rank
+            c, r, v, ql, h = m.kv_lora_rank, m.rotary_width, m.v_head_dim, m.q_lora_rank, m.hidden_size
+            q = h * ql + ql * hq * d if ql else h * hq * d
+            weights = (q + h * (c + r) + c * hq * (d - r + v) + hq * v * h) * self.wb
+            kv_token = (c + r) * self.ab
+            flops = 2 * rows * tokens * weights / self.wb + 2 * rows * tokens * context * hq * (2 * c + r)
+            return weights, rows * context * kv_token, flops, kv_token
         hkv = max(1.0, self.kv_heads / p.tp)  # fewer KV heads than ranks: each holds one
         weights = m.hidden_size * d * (hq + 2 * hkv + hq) * self.wb
         kv_token = 2 * hkv * d * self.ab

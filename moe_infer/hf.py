@@ -1,7 +1,8 @@
 """Hugging Face MoE checkpoints: ``config.json`` -> ``Config``, and where each of our
 tensors comes from in the checkpoint's safetensors.
 
-Families: Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE, GLM-4.5, GPT-OSS, Llama 4 (text). Per-expert
+Families: Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE, GLM-4.5, GPT-OSS, Llama 4 (text),
+DeepSeek-V2 (greedy routing) and V3 (and Kimi K2, V3's architecture). Per-expert
 tensors are stacked into ``w13 [E, 2F, H]`` (gate rows, then up rows) and ``w2 [E, H, F]``
 (GPT-OSS's fused, transposed and interleaved ones rearranged so); q, k and v are
 concatenated into one ``qkv_proj``. Each checkpoint tensor comes with the shape
@@ -47,6 +48,14 @@ FAMILIES = {
     "gpt_oss": Family("gpt_oss", "mlp", ("gate_proj", "up_proj", "down_proj"),
                       {"rms_norm_eps": 1e-5, "attention_bias": True, "sliding_window": 128, "swiglu_limit": 7.0,
                        "swiglu_alpha": 1.702}),
+    "deepseek_v3": Family("deepseek_v3", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                          {"rms_norm_eps": 1e-6, "attention_bias": False, "norm_topk_prob": True, "n_group": 1,
+                           "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
+                           "n_shared_experts": 0, "rope_interleave": True, "q_lora_rank": None}),
+    "deepseek_v2": Family("deepseek_v2", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                          {"rms_norm_eps": 1e-6, "attention_bias": False, "routed_scaling_factor": 1.0,
+                           "first_k_dense_replace": 0, "n_shared_experts": 0, "q_lora_rank": None,
+                           "topk_method": "greedy"}),
     "llama4_text": Family("llama4_text", "feed_forward", ("gate_proj", "up_proj", "down_proj"),
                           {"rms_norm_eps": 1e-5, "attention_bias": False, "use_qk_norm": True,
                            "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
@@ -54,7 +63,8 @@ FAMILIES = {
 }
 _ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                   "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe", "Glm4MoeForCausalLM": "glm4_moe",
-                  "GptOssForCausalLM": "gpt_oss", "Llama4ForCausalLM": "llama4_text"}
+                  "GptOssForCausalLM": "gpt_oss", "Llama4ForCausalLM": "llama4_text",
+                  "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 
 
 def read_json(path: Path) -> dict:
@@ -117,6 +127,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
     sliding = get("sliding_window")
     theta, scaling, partial = _rope(hf, source, fam.defaults.get("partial_rotary_factor", 1.0))
     glm, gpt = fam.name == "glm4_moe", fam.name == "gpt_oss"
+    ds, v2 = fam.name in ("deepseek_v2", "deepseek_v3"), fam.name == "deepseek_v2"
     if fam.name in ("qwen2_moe", "qwen3_moe") and not get("use_sliding_window"):
         sliding = None
     sliding_layers = ()
@@ -126,20 +137,31 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
     attention = _llama4_layers(hf, get, source) if llama4 else {}
     try:
         # transformers writes either name, depending on the family and version.
-        num_experts = hf["n_routed_experts"] if glm else hf["num_local_experts"] if "num_local_experts" in hf \
+        num_experts = hf["n_routed_experts"] if glm or ds else hf["num_local_experts"] if "num_local_experts" in hf \
             else hf["num_experts"]
         expert_width = hf["intermediate_size"] if fam.name in ("mixtral", "olmoe", "gpt_oss", "llama4_text") \
             else hf["moe_intermediate_size"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         rotary_dim = int(head_dim * partial)
+        latent = {}
+        if ds:  # latent attention: a query / key head is nope + rope wide, its rotary part rope
+            head_dim, rotary_dim = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], hf["qk_rope_head_dim"]
+            latent = dict(kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=get("q_lora_rank"),
+                          v_head_dim=hf["v_head_dim"], rope_interleaved=v2 or bool(get("rope_interleave")))
+            method, want = get("topk_method"), ("greedy",) if v2 else (None, "noaux_tc")
+            if method not in want:
+                raise ConfigError(f"topk_method={method!r}: expected {want[-1]!r} ({fam.name}'s routing"
+                                  f"{'; group_limited_greedy is not built' if v2 else ''})")
         if rotary_dim % 2 or rotary_dim == 0:
             raise ConfigError(f"partial_rotary_factor={partial}: {rotary_dim} of head_dim={head_dim} turn, "
                               f"expected an even, positive number")
         model = ModelConfig(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads"), head_dim=hf.get("head_dim"),
-            ffn_hidden=hf["intermediate_size_mlp" if llama4 else "intermediate_size"], norm="rmsnorm", norm_eps=get("rms_norm_eps"),
+            num_kv_heads=hf["num_attention_heads"] if ds else hf.get("num_key_value_heads"),
+            head_dim=head_dim if ds else hf.get("head_dim"),
+            ffn_hidden=hf["intermediate_size_mlp" if llama4 else "intermediate_size"], norm="rmsnorm",
+            norm_eps=get("rms_norm_eps"),
             activation="swiglu_oai" if gpt else "swiglu", positions="rope", rope_theta=theta, rope_scaling=scaling,
             max_position=hf.get("max_position_embeddings", 4096),
             tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -148,12 +170,18 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
             else {"qwen3_moe": "head", "olmoe": "full"}.get(fam.name, "none"),
             qkv_bias=bool(get("qkv_bias") if fam.name == "qwen2_moe" else get("attention_bias")),
             out_bias=bool(get("attention_bias")) if fam.name in ("qwen3_moe", "olmoe", "gpt_oss", "llama4_text")
-            else False,
+            or ds else False,
             sliding_window=sliding, sliding_layers=sliding_layers, attention_sinks=gpt, clip_qkv=get("clip_qkv"),
-            **attention,
+            **attention, **latent,
             bos_token_id=hf.get("bos_token_id"), eos_token_ids=_token_ids(hf.get("eos_token_id")))
         shared = hf.get("shared_expert_intermediate_size", 0) if fam.name == "qwen2_moe" else 0
-        if glm:  # sigmoid scores, a score bias, grouped top-k, plain shared experts, dense first layers
+        if v2:  # softmax top-k, not renormalized, scaled; plain shared experts, dense first layers
+            moe = MoEConfig(
+                num_experts=num_experts, top_k=hf["num_experts_per_tok"], expert_hidden=expert_width,
+                first_dense=get("first_k_dense_replace"), shared_experts=get("n_shared_experts"),
+                shared_expert_hidden=expert_width, score="softmax", renormalize=False,
+                routed_scaling_factor=float(get("routed_scaling_factor")))
+        elif glm or ds:  # sigmoid scores, a score bias, grouped top-k, plain shared experts, dense first layers
             moe = MoEConfig(
                 num_experts=num_experts, top_k=hf["num_experts_per_tok"], expert_hidden=expert_width,
                 first_dense=get("first_k_dense_replace"), shared_experts=get("n_shared_experts"),
@@ -354,6 +382,21 @@ def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
             "ffn_norm.weight": ("post_attention_layernorm.weight", (h,)),
             "attn.o_proj.weight": ("self_attn.o_proj.weight", (h, q)),
             "attn.o_proj.bias": ("self_attn.o_proj.bias", (h,))}
+    if m_cfg.kv_lora_rank is not None and rest.startswith("attn."):  # latent attention (DeepSeek)
+        n, r, c, ql, v_ = (m_cfg.num_heads, m_cfg.rotary_width, m_cfg.kv_lora_rank, m_cfg.q_lora_rank,
+                           m_cfg.v_head_dim)
+        mla = {"attn.q_a_proj.weight": ("q_a_proj.weight", (ql, h)), "attn.q_a_proj.bias": ("q_a_proj.bias", (ql,)),
+               "attn.q_a_norm.weight": ("q_a_layernorm.weight", (ql,)),
+               "attn.q_b_proj.weight": ("q_b_proj.weight", (n * d, ql)),
+               "attn.q_proj.weight": ("q_proj.weight", (n * d, h)),
+               "attn.kv_a_proj.weight": ("kv_a_proj_with_mqa.weight", (c + r, h)),
+               "attn.kv_a_proj.bias": ("kv_a_proj_with_mqa.bias", (c + r,)),
+               "attn.kv_a_norm.weight": ("kv_a_layernorm.weight", (c,)),
+               "attn.kv_b_proj.weight": ("kv_b_proj.weight", (n * (d - r + v_), c)),
+               "attn.o_proj.weight": ("o_proj.weight", (h, n * v_)), "attn.o_proj.bias": ("o_proj.bias", (h,))}
+        if rest in mla:
+            name, shape = mla[rest]
+            return [one(f"{p}self_attn.{name}", shape)]
     if rest == "attn.sinks":
         return [one(p + "self_attn.sinks", (m_cfg.num_heads,))]
     if rest in ("attn.q_norm.weight", "attn.k_norm.weight"):
@@ -403,7 +446,7 @@ def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
                             stacked=True)
         return [per_expert, one(m + "experts.down_proj", (e, h, f))]
     shared = cfg.moe.shared_experts * cfg.moe.shared_expert_hidden if cfg.moe else 0
-    s = m + ("shared_experts." if fam.name == "glm4_moe" else "shared_expert.")
+    s = m + ("shared_experts." if fam.name in ("glm4_moe", "deepseek_v2", "deepseek_v3") else "shared_expert.")
     if rest == "ffn.shared.up_proj.weight":
         return [Source(((s + "gate_proj.weight", s + "up_proj.weight"),), (((shared, h), (shared, h)),))]
     if rest == "ffn.shared.down_proj.weight":

@@ -15,6 +15,7 @@ import kernels
 from comm import ParallelGroups
 from dense import MLP, Attention, PagedKVCache, Rotary, StepContext, make_norm
 from dense.attention import SDPA_BACKENDS
+from dense.mla import LatentAttention
 from dense.norm import RMSNorm
 from dense.parallel_linear import Linear, VocabParallelHead
 from kernels.attention.reference import paged_decode_context_ref
@@ -77,7 +78,8 @@ class Block(nn.Module):
         m = cfg.model
         self.parallel = m.parallel_block
         self.attn_norm = make_norm(m.norm, m.hidden_size, m.norm_eps, options)
-        self.attn = Attention(m, groups.tp, options, index)
+        self.attn = LatentAttention(m, groups.tp, options, index) if m.kv_lora_rank is not None \
+            else Attention(m, groups.tp, options, index)
         # A parallel block feeds the same normed input to attention and FFN.
         self.ffn_norm = None if self.parallel else make_norm(m.norm, m.hidden_size, m.norm_eps, options)
         if cfg.is_moe_layer(index):
@@ -94,7 +96,8 @@ class Block(nn.Module):
         # its wait. The tables give "norm" only to the entries where the decode step
         # measured faster with it (see kernels.linear.select).
         # A parallel block also feeds the normed input to its FFN, so it keeps the norm's output.
-        self.norm_fusable = isinstance(self.attn_norm, RMSNorm) and not self.parallel
+        self.norm_fusable = (isinstance(self.attn_norm, RMSNorm) and not self.parallel
+                             and isinstance(self.attn, Attention))  # (latent attention: its own projections)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None,
                 pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,8 +203,9 @@ class Transformer(nn.Module):
 
     def make_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         m = self.cfg.model
-        return PagedKVCache(len(self.own), num_blocks, block_size, self.num_kv_heads, m.head_dim,
-                            self.anchor.dtype, self.device)
+        k, v = m.kv_widths
+        return PagedKVCache(len(self.own), num_blocks, block_size, self.num_kv_heads, k, self.anchor.dtype,
+                            self.device, v)
 
     def rotary_tables(self, slots: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary cos / sin rows of positions 0 .. slots - 1, computed once for a static

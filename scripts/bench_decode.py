@@ -278,11 +278,26 @@ def prefill_rate(engine, prompt_len: int, batch: int, reps: int, gen, profile: b
 
 
 def hf_config(cfg):
-    """A transformers config of the same shape (Mixtral, Qwen3-MoE, OLMoE, GLM-4.5 or GPT-OSS), or None."""
+    """A transformers config of the same shape (Mixtral, Qwen3-MoE, OLMoE, GLM-4.5, GPT-OSS or
+    DeepSeek-V2), or None."""
     import transformers
 
     m, e = cfg.model, cfg.moe
     glm = e is not None and e.score_bias
+    if e is not None and m.kv_lora_rank is not None and not e.score_bias:  # DeepSeek-V2 (greedy routing)
+        c = transformers.DeepseekV2Config(
+            vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, intermediate_size=m.ffn_hidden,
+            moe_intermediate_size=e.expert_hidden, n_routed_experts=e.num_experts, num_experts_per_tok=e.top_k,
+            n_shared_experts=e.shared_experts, first_k_dense_replace=e.first_dense, q_lora_rank=m.q_lora_rank,
+            kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.rotary_width, qk_nope_head_dim=m.head_dim - m.rotary_width,
+            v_head_dim=m.v_head_dim, routed_scaling_factor=e.routed_scaling_factor, topk_method="greedy",
+            max_position_embeddings=m.max_position, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tied_embeddings,
+            bos_token_id=m.bos_token_id, eos_token_id=list(m.eos_token_ids) or None)
+        scaled = {k: v for k, v in dataclasses.asdict(m.rope_scaling).items() if v not in (None, ())} \
+            if m.rope_scaling is not None else {"rope_type": "default"}
+        c.rope_parameters = {"rope_theta": m.rope_theta, **scaled}
+        return c
     if e is None or m.positions != "rope" or (e.shared_experts and not glm):
         return None
     common = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,

@@ -39,6 +39,23 @@ FAMILIES = {
         num_attention_heads=6, num_key_value_heads=2, num_local_experts=7, num_experts_per_tok=3,
         sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         max_position_embeddings=96, eos_token_id=None, pad_token_id=None)),
+    # DeepSeek-V3: latent attention (a q bottleneck, a KV latent of 20, rotary on 8 of each
+    # head's 20, values of 14), sigmoid scores with a bias, grouped top-k (3 groups, 2 kept),
+    # a scale, two shared experts, a dense first layer.
+    "deepseek_v3": dict(cls="DeepseekV3ForCausalLM", cfg="DeepseekV3Config", kw=dict(
+        vocab_size=97, hidden_size=60, intermediate_size=44, moe_intermediate_size=20, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=6, n_routed_experts=9, num_experts_per_tok=3, n_group=3,
+        topk_group=2, routed_scaling_factor=1.7, n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=24,
+        kv_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=14, norm_topk_prob=True,
+        max_position_embeddings=96, eos_token_id=None, pad_token_id=None, bos_token_id=None)),
+    # DeepSeek-V2-Lite style: no q bottleneck, softmax top-k scaled (not renormalized), one
+    # shared expert, a dense first layer, complex (interleaved) rotary.
+    "deepseek_v2": dict(cls="DeepseekV2ForCausalLM", cfg="DeepseekV2Config", kw=dict(
+        vocab_size=97, hidden_size=60, intermediate_size=44, moe_intermediate_size=20, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=6, n_routed_experts=7, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=20, qk_rope_head_dim=8,
+        qk_nope_head_dim=12, v_head_dim=14, routed_scaling_factor=1.5, topk_method="greedy",
+        max_position_embeddings=96, eos_token_id=None, pad_token_id=None, bos_token_id=None)),
     # Llama 4 (text): MoE every other layer (top-1 sigmoid weights on the expert's input, a
     # shared expert), chunked attention (4 positions) on the rotary layers, a NoPE layer with
     # the attention temperature (floor 3, so it moves within the prompts), L2 q/k norms,

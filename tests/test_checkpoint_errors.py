@@ -386,3 +386,18 @@ def test_llama4_layer_lists_of_the_wrong_length_or_kind_are_refused(saved, tmp_p
     assert m.qk_norm == "l2" and m.rope_interleaved and e.weighted_input and e.dense_layers == (0, 2)
     m = config_from_hf({**cfg, "attn_temperature_tuning": False, "use_qk_norm": False, "attention_chunk_size": None}).model
     assert (m.nope_temperature, m.qk_norm, m.chunked_layers, m.attention_chunk) == (None, "none", (), None)
+
+
+def test_deepseek_multi_token_prediction_layers_are_skipped_with_a_note(saved, tmp_path, caplog):
+    """DeepSeek-V3 checkpoints carry the multi-token-prediction layer after the last one:
+    skipped at load, with a note; a stray tensor of a real layer is still refused."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved("deepseek_v3"), path)
+    edit_tensors(path, lambda t: t.update({"model.layers.3.eh_proj.weight": torch.zeros(60, 120),
+                                           "model.layers.3.enorm.weight": torch.ones(60)}))
+    with caplog.at_level("WARNING", logger="moe_infer.checkpoint"):
+        load(path)
+    assert "skipped 2 tensors of the multi-token-prediction layers (layers 3 and on)" in caplog.text
+    edit_tensors(path, lambda t: t.update({"model.layers.1.eh_proj.weight": torch.zeros(60, 120)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.1\.eh_proj\.weight'"):
+        load(path)

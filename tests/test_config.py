@@ -21,7 +21,7 @@ def with_change(section, **kw):
 def test_every_preset_loads():
     names = preset_names()
     for expected in ["default", "mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "olmoe-1b-7b", "glm-4.5-air",
-                     "gpt-oss-20b", "ds-moe-1.3b-e128", "ds-moe-47b-e128", "gpt-j-6b", "lm-530b"]:
+                     "gpt-oss-20b", "deepseek-v2-lite", "ds-moe-1.3b-e128", "ds-moe-47b-e128", "gpt-j-6b", "lm-530b"]:
         assert expected in names
     for name in names:
         cfg = load_preset(name)
@@ -117,10 +117,11 @@ def test_yaml_file_round_trip_and_syntax_error(tmp_path):
         load_yaml_config(bad)
 
 
-@pytest.mark.parametrize("name,arch", [("glm-4.5-air", "Glm4MoeForCausalLM"), ("gpt-oss-20b", "GptOssForCausalLM")])
+@pytest.mark.parametrize("name,arch", [("glm-4.5-air", "Glm4MoeForCausalLM"), ("gpt-oss-20b", "GptOssForCausalLM"),
+                                       ("deepseek-v2-lite", "DeepseekV2ForCausalLM")])
 def test_family_preset_is_what_its_config_json_gives(name, arch):
-    """The glm-4.5-air and gpt-oss-20b presets' model and MoE sections equal those read from
-    a transformers config of their shape (bench_decode's peer config)."""
+    """The glm-4.5-air, gpt-oss-20b and deepseek-v2-lite presets' model and MoE sections equal
+    those read from a transformers config of their shape (bench_decode's peer config)."""
     pytest.importorskip("transformers")
     import sys
     from pathlib import Path

@@ -38,6 +38,10 @@ FAMILY_KW = {
     "gpt_oss": dict(num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, hidden_size=64,
                     head_dim=8, intermediate_size=24, num_hidden_layers=4,
                     layer_types=["sliding_attention", "full_attention"] * 2),
+    # latent attention: heads split, the latent and its cache whole on every rank
+    "deepseek_v3": dict(num_attention_heads=8, num_key_value_heads=8, n_routed_experts=8, n_group=2, topk_group=1,
+                        hidden_size=64, moe_intermediate_size=24, intermediate_size=48, num_hidden_layers=4,
+                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
     # weights on the experts' inputs (scaled before the all-to-all under ep), chunks, NoPE
     "llama4_text": dict(num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, hidden_size=64,
                         head_dim=8, intermediate_size=24, intermediate_size_mlp=32, num_hidden_layers=4),

@@ -134,3 +134,21 @@ def test_only_dynamic_scaling_lets_the_engine_run_past_max_position():
     model["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
     with pytest.raises(ConfigError, match=r"engine\.max_seq_len=.*: expected at most model\.max_position"):
         config_from_dict({"model": model, "moe": moe, "engine": longer})
+
+
+def test_latent_attention_takes_yarn_with_its_softmax_scale(tmp_path):
+    """DeepSeek-V3 (latent attention, interleaved rotary pairs) under YaRN with
+    mscale_all_dim, which also scales the softmax (by mscale squared): logits and cached
+    greedy generation, eager and fixed-shape, against transformers."""
+    hf = save_hf_model("deepseek_v3", tmp_path, rope=SCALINGS["yarn-mscale"], max_position_embeddings=MAX_POSITION,
+                       rope_theta=50.0)
+    engine = moe_infer.load(tmp_path, device="cpu", progress=False, dtype=torch.float32)
+    assert engine.model.layers[0].attn.scale != pytest.approx(20 ** -0.5)
+    p = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(2)).tolist()  # past the original 8
+    with torch.no_grad():
+        ref = copy.deepcopy(hf)(torch.tensor([p])).logits[0]
+    assert rel_err(engine.logits([p])[0, :len(p)], ref) < 1e-4
+    want = cached_greedy(hf, p, 6)
+    for mode in ("eager", "static"):
+        engine.decode_mode = mode
+        assert engine.generate([p], max_new_tokens=6)[0].token_ids == want, mode

@@ -1,0 +1,106 @@
+"""Multi-head latent attention (DeepSeek-V2 / V3) over a compressed KV cache.
+
+Shape letters: B batch, T tokens this step, S key slots, H hidden, N heads on this rank,
+C the KV latent (``kv_lora_rank``), R the rotary part of a query / key head
+(``qk_rope_head_dim``), P its position-free part (``qk_nope_head_dim``), V the value width.
+
+Keys and values come from one latent c [C] a token (after its norm) and one rotary key
+k_r [R] shared by every head; the cache holds [c, k_r] alone, one "KV head" of C + R.
+The up-projections are absorbed, as the DeepSeek-V2 paper describes, so the cache is read
+once and never expanded: head n's score is (q_p W_UK[n]) . c + q_r . k_r, its output
+(softmax . c) W_UV[n], where kv_b_proj = [W_UK; W_UV] per head. No fused kernel takes this
+layout: every step runs these torch ops (SDPA over the latent: one key head, C + R wide).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comm import Group
+from dense.attention import PagedKVCache, StepContext
+from dense.norm import RMSNorm
+from dense.parallel_linear import Linear, RowParallelLinear
+from dense.rotary import apply_rotary
+from kernels.options import KernelOptions
+
+
+def softmax_scale(cfg) -> float:
+    """head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared where the
+    scaling sets mscale_all_dim (DeepSeek's long-context checkpoints)."""
+    scale = cfg.head_dim ** -0.5
+    r = cfg.rope_scaling
+    if r is not None and r.mscale_all_dim and (r.factor or 1.0) > 1.0:
+        m = 0.1 * r.mscale_all_dim * math.log(r.factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+class LatentAttention(nn.Module):
+    """With a tensor-parallel group each rank holds num_heads / P heads: their rows of the
+    query projection and of kv_b_proj, their columns of the row-parallel output projection
+    (one all-reduce); the latent projection and the cache (shared by every head) are whole
+    on every rank."""
+
+    def __init__(self, cfg, tp: Group | None = None, options: KernelOptions = KernelOptions(), layer: int = 0):
+        super().__init__()
+        tp = tp or Group.alone()
+        self.options = options
+        h = cfg.hidden_size
+        self.rope_dim = r = cfg.rotary_width
+        self.nope_dim = p = cfg.head_dim - r
+        self.latent = c = cfg.kv_lora_rank
+        self.v_dim = v = cfg.v_head_dim
+        self.num_heads = n = cfg.num_heads // tp.size
+        self.num_kv_heads = 1  # the cache's one latent "head"
+        self.interleaved = cfg.rope_interleaved
+        self.scale = softmax_scale(cfg)
+        first = tp.rank * n
+
+        def heads(width):  # this rank's heads' rows of a [num_heads * width, K] weight
+            return lambda full: full[first * width:(first + n) * width]
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=cfg.qkv_bias, options=options)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, options)
+            self.q_b_proj = Linear(cfg.q_lora_rank, n * (p + r), bias=False, options=options)
+            self.q_b_proj.shard_fns = {"weight": heads(p + r)}
+        else:
+            self.q_proj = Linear(h, n * (p + r), bias=False, options=options)
+            self.q_proj.shard_fns = {"weight": heads(p + r)}
+        self.kv_a_proj = Linear(h, c + r, bias=cfg.qkv_bias, options=options)
+        self.kv_a_norm = RMSNorm(c, cfg.norm_eps, options)
+        self.kv_b_proj = Linear(c, n * (p + v), bias=False, options=options)
+        self.kv_b_proj.shard_fns = {"weight": heads(p + v)}
+        self.o_proj = RowParallelLinear(cfg.num_heads * v, h, cfg.out_bias, tp, options)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
+        b, t, _ = x.shape
+        n, p, r, c = self.num_heads, self.nope_dim, self.rope_dim, self.latent
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        q = q.view(b, t, n, p + r).transpose(1, 2)  # [B, N, T, P + R]
+        q_p, q_r = q.split([p, r], dim=-1)
+        latent, k_r = self.kv_a_proj(x).split([c, r], dim=-1)  # [B, T, C], [B, T, R]
+        latent = self.kv_a_norm(latent)
+        k_r = k_r[:, None]  # [B, 1, T, R]: one rotary key for every head
+        if ctx.cos is not None:
+            if self.interleaved:  # pairs (2i, 2i + 1) -> halves: q . k is the same in either order
+                order = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)]).to(x.device)
+                q_r, k_r = q_r[..., order], k_r[..., order]
+            q_r, k_r = apply_rotary(q_r, ctx.cos, ctx.sin), apply_rotary(k_r, ctx.cos, ctx.sin)
+        w = self.kv_b_proj.weight.view(n, p + self.v_dim, c)  # [N, P + V, C]: W_UK rows, then W_UV
+        # The absorbed query: q_p W_UK per head, in the latent's space.
+        q_c = torch.einsum("bntp,npc->bntc", q_p, w[:, :p].to(q_p.dtype))
+        query = torch.cat([q_c, q_r], dim=-1)  # [B, N, T, C + R]
+        key = torch.cat([latent[:, None], k_r], dim=-1)  # [B, 1, T, C + R]
+        if cache is not None:
+            cache.write(layer, key, key[..., :0])
+            if not ctx.causal:  # earlier keys too: the row's slots, in token order
+                key = cache.gather(layer)[0]  # [B, 1, S, C + R]
+        mask = None if ctx.causal else ctx.attn_mask
+        out = F.scaled_dot_product_attention(query, key.expand(-1, n, -1, -1), key[..., :c].expand(-1, n, -1, -1),
+                                             attn_mask=mask, is_causal=ctx.causal, scale=self.scale)  # [B, N, T, C]
+        out = torch.einsum("bntc,nvc->btnv", out, w[:, p:].to(out.dtype))  # (softmax . c) W_UV
+        return self.o_proj(out.reshape(b, t, n * self.v_dim))
