@@ -370,7 +370,7 @@ class Attention(nn.Module):
         if ctx.cos is not None and self.rope:
             if self.interleaved:  # pairs (2i, 2i + 1) -> halves; q . k is the same in either order
                 d = self.head_dim
-                order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(q.device)
+                order = torch.cat([torch.arange(0, d, 2, device=q.device), torch.arange(1, d, 2, device=q.device)])
                 q, k = q[..., order], k[..., order]
             q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         if self.l2_norm:  # (a rotation keeps each head's norm: before or after it, the same)

@@ -87,7 +87,8 @@ class LatentAttention(nn.Module):
         k_r = k_r[:, None]  # [B, 1, T, R]: one rotary key for every head
         if ctx.cos is not None:
             if self.interleaved:  # pairs (2i, 2i + 1) -> halves: q . k is the same in either order
-                order = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)]).to(x.device)
+                # (made on the device: a captured step copies nothing from the host)
+                order = torch.cat([torch.arange(0, r, 2, device=x.device), torch.arange(1, r, 2, device=x.device)])
                 q_r, k_r = q_r[..., order], k_r[..., order]
             q_r, k_r = apply_rotary(q_r, ctx.cos, ctx.sin), apply_rotary(k_r, ctx.cos, ctx.sin)
         w = self.kv_b_proj.weight.view(n, p + self.v_dim, c)  # [N, P + V, C]: W_UK rows, then W_UV
