@@ -240,6 +240,7 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    group_score: str = "top2"  # a group's score: its two best choices' sum (V3) | max: its best (V2)
     router_bias: bool = False  # GPT-OSS: the router's logits have a learned bias
     expert_bias: bool = False  # GPT-OSS: each expert's two projections have biases
     weighted_input: bool = False  # Llama 4: the routing weight scales the expert's input, not its output
@@ -248,6 +249,7 @@ class MoEConfig:
     def __post_init__(self):
         s = "moe"
         _check_positive(s, self, "num_experts", "top_k", "expert_hidden", "every")
+        _check_choice(s, self, "group_score", ("top2", "max"))
         if self.top_k > self.num_experts:
             _fail(f"{s}.top_k", self.top_k, f"at most moe.num_experts={self.num_experts}")
         if self.first_dense < 0:

@@ -28,9 +28,9 @@ class Router(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, score: str, renormalize: bool,
                  with_maps: bool = True, options: KernelOptions = KernelOptions(), groups: tuple | None = None,
                  score_bias: bool = False, bias: bool = False):
-        """``groups`` (n_group, topk_group, routed_scaling_factor) with ``score_bias``:
-        DeepSeek-V3 / GLM-4.5 routing (``kernels.grouped_topk``); its maps come from the
-        dispatcher."""
+        """``groups`` (n_group, topk_group, routed_scaling_factor, whether a group scores its
+        best choice alone) with ``score_bias``: DeepSeek-V3 / GLM-4.5 routing, or V2's
+        (``kernels.grouped_topk``); its maps come from the dispatcher."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.score_bias = nn.Parameter(torch.zeros(num_experts)) if score_bias else None
@@ -48,10 +48,10 @@ class Router(nn.Module):
         if self.bias is not None:  # (the fused norm + router launch computes x @ weight alone)
             logits = logits + self.bias
         if self.groups is not None:
-            n_group, topk_group, scale = self.groups
+            n_group, topk_group, scale, group_max = self.groups
             bias = self.score_bias if self.score_bias is not None else logits.new_zeros(logits.shape[1])
             return Routing(*kernels.grouped_topk(logits, bias, self.top_k, n_group, topk_group, self.score,
-                                                 self.renormalize, scale, pdl=self.options.pdl))
+                                                 self.renormalize, scale, group_max, pdl=self.options.pdl))
         if self.with_maps and maps:
             return Routing(*kernels.route(logits, self.top_k, self.score, self.renormalize, pdl=self.options.pdl))
         return Routing(*kernels.topk_gating(logits, self.top_k, self.score, self.renormalize, pdl=self.options.pdl))

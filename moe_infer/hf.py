@@ -148,10 +148,10 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
             head_dim, rotary_dim = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], hf["qk_rope_head_dim"]
             latent = dict(kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=get("q_lora_rank"),
                           v_head_dim=hf["v_head_dim"], rope_interleaved=v2 or bool(get("rope_interleave")))
-            method, want = get("topk_method"), ("greedy",) if v2 else (None, "noaux_tc")
+            method, want = get("topk_method"), ("greedy", "group_limited_greedy") if v2 else (None, "noaux_tc")
             if method not in want:
-                raise ConfigError(f"topk_method={method!r}: expected {want[-1]!r} ({fam.name}'s routing"
-                                  f"{'; group_limited_greedy is not built' if v2 else ''})")
+                raise ConfigError(f"topk_method={method!r}: expected {' or '.join(repr(w) for w in want if w)} "
+                                  f"({fam.name}'s routing)")
         if rotary_dim % 2 or rotary_dim == 0:
             raise ConfigError(f"partial_rotary_factor={partial}: {rotary_dim} of head_dim={head_dim} turn, "
                               f"expected an even, positive number")
@@ -175,12 +175,15 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
             **attention, **latent,
             bos_token_id=hf.get("bos_token_id"), eos_token_ids=_token_ids(hf.get("eos_token_id")))
         shared = hf.get("shared_expert_intermediate_size", 0) if fam.name == "qwen2_moe" else 0
-        if v2:  # softmax top-k, not renormalized, scaled; plain shared experts, dense first layers
+        if v2:  # softmax top-k (in the best groups, by their best expert), not renormalized, scaled
+            limited = get("topk_method") == "group_limited_greedy"
             moe = MoEConfig(
                 num_experts=num_experts, top_k=hf["num_experts_per_tok"], expert_hidden=expert_width,
                 first_dense=get("first_k_dense_replace"), shared_experts=get("n_shared_experts"),
                 shared_expert_hidden=expert_width, score="softmax", renormalize=False,
-                routed_scaling_factor=float(get("routed_scaling_factor")))
+                routed_scaling_factor=float(get("routed_scaling_factor")),
+                n_group=hf["n_group"] if limited else 1, topk_group=hf["topk_group"] if limited else 1,
+                group_score="max")
         elif glm or ds:  # sigmoid scores, a score bias, grouped top-k, plain shared experts, dense first layers
             moe = MoEConfig(
                 num_experts=num_experts, top_k=hf["num_experts_per_tok"], expert_hidden=expert_width,

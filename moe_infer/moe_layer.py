@@ -29,7 +29,8 @@ class MoELayer(nn.Module):
         local = ep * es == 1 or (same_tokens and ep == 1)  # every expert here (maybe sliced): its maps
         # With a capacity the maps depend on it: the dispatcher builds them, not the router;
         # with expert parallelism the maps are built per destination rank instead.
-        groups_ = (moe_cfg.n_group, moe_cfg.topk_group, moe_cfg.routed_scaling_factor) if moe_cfg.grouped else None
+        groups_ = (moe_cfg.n_group, moe_cfg.topk_group, moe_cfg.routed_scaling_factor,
+                   moe_cfg.group_score == "max") if moe_cfg.grouped else None
         self.router = Router(h, moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.score, moe_cfg.renormalize,
                              with_maps=moe_cfg.capacity_factor is None and local, options=options, groups=groups_,
                              score_bias=moe_cfg.score_bias, bias=moe_cfg.router_bias)

@@ -74,3 +74,16 @@ def test_greedy_generation_matches_transformers(checkpoint, device_dtype):
     for p, out in zip(PROMPTS, outs):
         assert out.finish_reason == "length" and len(out.token_ids) == 8
         assert_same_or_near_tie(out.token_ids, greedy_reference(hf, p, 8, device), hf, p, dtype, device)
+
+
+def test_deepseek_v2_group_limited_routing_matches_transformers(tmp_path):
+    """DeepSeek-V2's group-limited greedy routing (the 236B model's): experts only in the
+    topk_group groups whose best expert scores highest."""
+    hf = save_hf_model("deepseek_v2", tmp_path, topk_method="group_limited_greedy", n_routed_experts=8, n_group=4,
+                       topk_group=2)
+    engine = moe_infer.load(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    assert engine.config.moe.n_group == 4 and engine.config.moe.group_score == "max"
+    for p in PROMPTS:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].double()
+        assert rel_err(engine.logits([p])[0, :len(p)], ref) < 1e-4

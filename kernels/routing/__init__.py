@@ -35,13 +35,15 @@ def route(logits, k, score="softmax", renormalize=True, *, pdl=True):
 
 
 def grouped_topk(logits, bias, k, n_group, topk_group, score="sigmoid", renormalize=True,
-                 routed_scaling_factor=1.0, *, pdl=True):
-    """DeepSeek-V3's bias-corrected grouped top-k (see ``grouped_topk_ref``)."""
+                 routed_scaling_factor=1.0, group_max=False, *, pdl=True):
+    """DeepSeek-V3's bias-corrected grouped top-k, or V2's group-limited greedy top-k
+    (``group_max``; see ``grouped_topk_ref``)."""
     if logits.is_cuda:
         from kernels.routing.gating import grouped_topk_triton
         return grouped_topk_triton(logits, bias, k, n_group, topk_group, score, renormalize, routed_scaling_factor,
-                                   pdl)
-    return grouped_topk_ref(logits, bias, k, n_group, topk_group, score, renormalize, routed_scaling_factor)
+                                   pdl, group_max)
+    return grouped_topk_ref(logits, bias, k, n_group, topk_group, score, renormalize, routed_scaling_factor,
+                            group_max)
 
 
 __all__ = ["topk_gating", "grouped_topk", "route"]

@@ -182,6 +182,7 @@ def _grouped_topk_kernel(
     TOPK_GROUP: tl.constexpr,  # groups kept per token
     SOFTMAX: tl.constexpr,  # softmax scores, else sigmoid
     RENORMALIZE: tl.constexpr,  # divide the k weights by their sum
+    GROUP_MAX: tl.constexpr,  # a group's score is its best choice (DeepSeek-V2), else its best two's sum
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
@@ -214,7 +215,7 @@ def _grouped_topk_kernel(
     # Group score: the sum of the group's two best choices (the only one for S = 1).
     first = tl.max(choice, axis=2)  # [BLOCK_T, BLOCK_G]
     first_at = tl.min(tl.where(choice == first[:, :, None], within[None, None, :], BLOCK_S), axis=2)
-    if GROUP_SIZE > 1:
+    if GROUP_SIZE > 1 and not GROUP_MAX:
         rest = tl.where(within[None, None, :] == first_at[:, :, None], float("-inf"), choice)
         group_score = first + tl.max(rest, axis=2)  # padding groups: -inf
     else:
@@ -338,7 +339,8 @@ def _check_grouped_args(logits: torch.Tensor, bias: torch.Tensor, k: int, n_grou
 
 def grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
                         topk_group: int, score: str = "sigmoid", renormalize: bool = True,
-                        routed_scaling_factor: float = 1.0, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        routed_scaling_factor: float = 1.0, pdl: bool = True,
+                        group_max: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing: ids [T, k] int32 (descending ``scores + bias``) and weights [T, k]
     float32 (unbiased scores, renormalised if asked, times ``routed_scaling_factor``); the
     same contract as ``grouped_topk_ref``."""
@@ -355,7 +357,7 @@ def grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, n_grou
         logits, bias, ids, weights, t, logits.stride(0), logits.stride(1), bias.stride(0),
         float(routed_scaling_factor),
         K=k, N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
-        SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
+        SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), GROUP_MAX=bool(group_max),
         BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_S=block_s,
         BLOCK_K=triton.next_power_of_2(k), num_warps=4, **pdl_launch(logits.device, pdl))
     return ids, weights

@@ -55,12 +55,14 @@ def topk_gating_ref(logits: torch.Tensor, k: int, score: str = "softmax",
 
 def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
                      topk_group: int, score: str = "sigmoid", renormalize: bool = True,
-                     routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     routed_scaling_factor: float = 1.0,
+                     group_max: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing: ids [T, k] int32 and weights [T, k] float32.
 
     ``choice = scores + bias`` picks the experts (the bias is the e_score_correction_bias); the
     E experts form ``n_group`` contiguous groups, a group's score is the sum of its two best
-    choices (its only one for groups of one expert), and only the ``topk_group`` best groups
+    choices (its only one for groups of one expert; ``group_max``: its best alone, DeepSeek-V2's
+    group-limited greedy routing), and only the ``topk_group`` best groups
     stay eligible. ids are in descending choice order; the weights are the unbiased scores at
     those ids, renormalised if asked, then multiplied by ``routed_scaling_factor``.
     """
@@ -69,7 +71,8 @@ def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: 
     if e % n_group:
         raise ValueError(f"n_group={n_group}: expected a divisor of E={e}")
     choice = (scores + bias.float()).view(t, n_group, e // n_group)  # [T, G, E / G]
-    group_score = choice.topk(min(2, e // n_group), dim=-1).values.sum(dim=-1)  # [T, G]
+    best = 1 if group_max else min(2, e // n_group)
+    group_score = choice.topk(best, dim=-1).values.sum(dim=-1)  # [T, G]
     kept = group_score.topk(topk_group, dim=-1).indices  # [T, topk_group]
     dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, kept, False)
     # -inf, not 0 as in some ports: a negative bias can push a kept expert's choice below 0.

@@ -40,10 +40,10 @@ def _topk_margin(logits, k, score):
     return _order_gap(_scores(logits, score), min(k + 1, logits.shape[1]))  # [T]
 
 
-def _grouped_margin(logits, bias, k, n_group, topk_group, score):
+def _grouped_margin(logits, bias, k, n_group, topk_group, score, group_max=False):
     t, e = logits.shape
     choice = (_scores(logits, score) + bias.float()).view(t, n_group, e // n_group)
-    group_score = choice.topk(min(2, e // n_group), dim=-1).values.sum(-1)  # [T, G]
+    group_score = choice.topk(1 if group_max else min(2, e // n_group), dim=-1).values.sum(-1)  # [T, G]
     # Only the boundary between the last kept and the first dropped group decides anything.
     ranked = group_score.sort(dim=-1, descending=True).values
     margin = (ranked[:, topk_group - 1] - ranked[:, topk_group] if topk_group < n_group
@@ -168,6 +168,27 @@ def test_grouped_topk_triton_matches_ref(device, t, e, n_group, topk_group, k, s
     assert ids.shape == weights.shape == (t, k)
     torch.testing.assert_close(ids, ref_ids, rtol=0, atol=0)
     torch.testing.assert_close(weights, ref_weights)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t,e,n_group,topk_group,k", [(1, 64, 8, 3, 6), (33, 160, 8, 3, 6), (7, 60, 4, 2, 4)])
+def test_group_limited_greedy_triton_matches_ref(device, t, e, n_group, topk_group, k):
+    """DeepSeek-V2's routing: softmax scores, each group scored by its best expert, the
+    weights scaled, not renormalised."""
+    logits = _draw_logits(t, e, F32, seed=t + e, margin_fn=lambda x: _grouped_margin(
+        x, torch.zeros(e), k, n_group, topk_group, "softmax", group_max=True))
+    args = (k, n_group, topk_group, "softmax", False, 16.0)
+    bias = torch.zeros(e, device=device)
+    ids, weights = grouped_topk_triton(logits.to(device), bias, *args, group_max=True)
+    ref_ids, ref_weights = grouped_topk_ref(logits, bias.cpu(), *args, group_max=True)
+    torch.testing.assert_close(ids.cpu(), ref_ids, rtol=0, atol=0)
+    torch.testing.assert_close(weights.cpu(), ref_weights)
+    # By hand: a group whose best expert leads but whose second is poor beats a group of two
+    # good ones under group_max, and loses to it under the V3 sum.
+    row = torch.log(torch.tensor([[0.40, 0.01, 0.25, 0.24, 0.05, 0.05]]))
+    one = grouped_topk_ref(row, torch.zeros(6), 1, 3, 1, "softmax", False, group_max=True)[0]
+    two = grouped_topk_ref(row, torch.zeros(6), 1, 3, 1, "softmax", False)[0]
+    assert one.tolist() == [[0]] and two.tolist() == [[2]]
 
 
 def test_grouped_topk_ref_by_hand():
