@@ -141,7 +141,7 @@ def floor_bytes(engine, batch: int, context: int) -> int:
         per_expert = sum(t.numel() * t.element_size() for t in experts.state_dict().values()) / e
         total += hit * per_expert
     m = cfg.model
-    kv = 2 * m.num_layers * model.num_kv_heads * m.head_dim * engine.dtype.itemsize
+    kv = m.num_layers * model.num_kv_heads * sum(m.kv_widths) * engine.dtype.itemsize  # (latent: one, compressed)
     return int(total + batch * context * kv)
 
 
@@ -231,7 +231,7 @@ def floor_parts(engine, batch: int, context: int, copy_gbs: float) -> dict:
     if model.lm_head is None:
         dense += model.embed.weight.numel() * model.embed.weight.element_size()
     m = cfg.model
-    kv = batch * context * 2 * m.num_layers * model.num_kv_heads * m.head_dim * engine.dtype.itemsize
+    kv = batch * context * m.num_layers * model.num_kv_heads * sum(m.kv_widths) * engine.dtype.itemsize
     experts = floor_bytes(engine, batch, 0) - dense - batch * m.hidden_size * engine.dtype.itemsize
     return {"dense GEMM": dense, "MoE experts": max(experts, 0) if cfg.moe else None, "attention": kv,
             "copy_gbs": copy_gbs}
