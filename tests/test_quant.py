@@ -171,3 +171,26 @@ def test_converter_frees_each_full_precision_module_as_it_goes():
     finally:
         gc.enable()
     assert not alive, [type(m).__name__ for m in alive]
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4_text", "deepseek_v3"])
+def test_int8_keeps_the_new_families_close(family, tmp_path):
+    """int8 weights for GPT-OSS (experts with biases, the biases kept in full precision),
+    Llama 4 (weights on the experts' inputs) and DeepSeek-V3 (latent attention: kv_b_proj,
+    read as per-head matrices, stays in full precision): logits near the fp32 model's."""
+    from hf_models import save_hf_model
+
+    save_hf_model(family, tmp_path)
+    full = moe_infer.load(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    q = moe_infer.load(tmp_path, device="cpu", dtype=torch.float32, progress=False, quantize="int8")
+    experts = [m for m in q.model.modules() if isinstance(m, Int8Experts)]
+    assert experts and all(e.w13.dtype == torch.int8 for e in experts)
+    if family == "gpt_oss":
+        assert all(e.b13.dtype == torch.float32 and e.b2 is not None for e in experts)
+    if family == "llama4_text":
+        assert all(e.weighted_input for e in experts)
+    if family == "deepseek_v3":
+        assert all(not isinstance(layer.attn.kv_b_proj, Int8Linear) and isinstance(layer.attn.kv_a_proj, Int8Linear)
+                   for layer in q.model.layers)
+    ids = [[5, 17, 3, 44, 12, 9, 31], [8, 2, 60]]
+    assert rel(q.logits(ids), full.logits(ids)) < 5e-2
