@@ -11,7 +11,7 @@ the config implies for it, so that a wrong one is named before anything is joine
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -27,8 +27,14 @@ class Family:
     moe_prefix: str  # module name of the sparse block inside a layer
     expert_names: tuple[str, str, str]  # gate, up, down projection names of one expert
     defaults: dict  # the transformers config class defaults that matter when a key is absent
+    # A multimodal checkpoint's text model (Llama 4's): its config under ``text_config``, its
+    # tensors under ``prefix``; the tensors under ``ignored`` (the vision tower) stay unread.
+    prefix: str = ""
+    ignored: tuple[str, ...] = ()
 
 
+_LLAMA4 = {"rms_norm_eps": 1e-5, "attention_bias": False, "use_qk_norm": True, "attn_temperature_tuning": True,
+           "floor_scale": 8192, "attn_scale": 0.1, "attention_chunk_size": 8192, "interleave_moe_layer_step": 1}
 FAMILIES = {
     "mixtral": Family("mixtral", "block_sparse_moe", ("w1", "w3", "w2"),
                       {"rms_norm_eps": 1e-5, "sliding_window": None}),
@@ -56,14 +62,14 @@ FAMILIES = {
                           {"rms_norm_eps": 1e-6, "attention_bias": False, "routed_scaling_factor": 1.0,
                            "first_k_dense_replace": 0, "n_shared_experts": 0, "q_lora_rank": None,
                            "topk_method": "greedy"}),
-    "llama4_text": Family("llama4_text", "feed_forward", ("gate_proj", "up_proj", "down_proj"),
-                          {"rms_norm_eps": 1e-5, "attention_bias": False, "use_qk_norm": True,
-                           "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
-                           "attention_chunk_size": 8192, "interleave_moe_layer_step": 1}),
+    "llama4_text": Family("llama4_text", "feed_forward", ("gate_proj", "up_proj", "down_proj"), _LLAMA4),
+    "llama4": Family("llama4_text", "feed_forward", ("gate_proj", "up_proj", "down_proj"), _LLAMA4,
+                     prefix="language_model.", ignored=("vision_model.", "multi_modal_projector.")),
 }
 _ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                   "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe", "Glm4MoeForCausalLM": "glm4_moe",
                   "GptOssForCausalLM": "gpt_oss", "Llama4ForCausalLM": "llama4_text",
+                  "Llama4ForConditionalGeneration": "llama4",
                   "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 
 
@@ -121,6 +127,10 @@ def _token_ids(value) -> tuple[int, ...]:
 
 def config_from_hf(hf: dict, source: str = "config.json") -> Config:
     fam = family_of(hf, source)
+    if fam.prefix:  # the text model of a multimodal checkpoint
+        if not isinstance(hf.get("text_config"), dict):
+            raise ConfigError(f"{source}: text_config: expected the text model's config (a {fam.name} model)")
+        hf = {**hf["text_config"], "model_type": fam.name}
     get = lambda key: hf[key] if key in hf else fam.defaults.get(key)  # noqa: E731
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: hidden_act={hf['hidden_act']!r}: expected 'silu'")
@@ -367,6 +377,9 @@ def tensor_plan(cfg: Config, family: Family, our_names: list[str]) -> dict[str, 
     plan = {}
     for ours in our_names:
         plan[ours] = _sources(ours, cfg, family)
+        if family.prefix:
+            plan[ours] = [replace(s, parts=tuple(tuple(family.prefix + n for n in g) for g in s.parts))
+                          for s in plan[ours]]
     return plan
 
 

@@ -87,3 +87,40 @@ def test_deepseek_v2_group_limited_routing_matches_transformers(tmp_path):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0].double()
         assert rel_err(engine.logits([p])[0, :len(p)], ref) < 1e-4
+
+
+def test_llama4_multimodal_checkpoint_serves_its_text_model(tmp_path, caplog):
+    """Llama 4 as released (Llama4ForConditionalGeneration): the text model's config under
+    text_config, its tensors under language_model.; the vision tower is left unread, with a
+    note. Text logits equal transformers' on token ids alone."""
+    import transformers
+
+    from hf_models import FAMILIES
+
+    text = dict(FAMILIES["llama4_text"]["kw"])
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    torch.manual_seed(0)
+    hf = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=text,
+                                                                              vision_config=vision)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.08)
+    hf.save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="moe_infer.checkpoint"):
+        engine = moe_infer.load(tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    assert "the text model alone" in caplog.text and "vision_model / multi_modal_projector" in caplog.text
+    # The reference: transformers' text model holding the checkpoint's language_model tensors.
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "model.safetensors")
+    lm = transformers.Llama4ForCausalLM(hf.config.text_config).eval()
+    lm.load_state_dict({k.removeprefix("language_model."): v for k, v in saved.items()
+                        if k.startswith("language_model.")})
+    for p in PROMPTS:
+        with torch.no_grad():
+            ref = lm(torch.tensor([p])).logits[0].double()
+        assert rel_err(engine.logits([p])[0, :len(p)], ref) < 1e-4
