@@ -17,7 +17,7 @@ import kernels
 from comm import Group, all_reduce
 from dense.norm import RMSNorm, ShardedRMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
-from dense.rotary import Rotary, apply_rotary
+from dense.rotary import Rotary, apply_rotary, pairs_to_halves
 from kernels.attention import qkv_attention_fits, qkv_decode_supported
 from kernels.options import KernelOptions
 
@@ -225,8 +225,16 @@ class Attention(nn.Module):
         self.rope = layer not in getattr(cfg, "nope_layers", ())
         self.l2_norm = cfg.qk_norm == "l2" and self.rope
         self.temperature = None if self.rope else getattr(cfg, "nope_temperature", None)
-        self.interleaved = getattr(cfg, "rope_interleaved", False)
         self.norm_eps = cfg.norm_eps
+        self._ones: torch.Tensor | None = None  # the L2 norm's unit weights, for the fused kernels
+        if getattr(cfg, "rope_interleaved", False):
+            # The checkpoint rotates interleaved pairs: its q and k rows are read as halves.
+            q_rows, k_rows = self.split[0], self.split[1]
+
+            def halves(t):  # this rank's [q; k; v] rows (weight or bias)
+                q, k, v = t.split([q_rows, k_rows, t.shape[0] - q_rows - k_rows])
+                return torch.cat([pairs_to_halves(q, d, 0, d), pairs_to_halves(k, d, 0, d), v])
+            self.qkv_proj.load_fns = {"weight": halves, "bias": halves}
         # GPT-OSS: a learned logit per query head joins its softmax as one more key that adds
         # no value (``_sdpa``); no fused kernel takes it, so such a layer runs unfused.
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if getattr(cfg, "attention_sinks", False) else None
@@ -237,12 +245,17 @@ class Attention(nn.Module):
         self.sharded_norm = cfg.qk_norm == "full" and tp.size > 1
         # The fused decode kernels: power-of-two head dims, rotary over the whole head.
         partial = getattr(cfg, "rotary_dim", None) not in (None, d) and getattr(cfg, "positions", "rope") == "rope"
-        self.fusable = (qkv_decode_supported(d) and not partial and self.sinks is None and self.rope
-                        and not self.interleaved and cfg.qk_norm != "l2")
+        # (NoPE layers: their query temperature is not in the kernels)
+        self.fusable = qkv_decode_supported(d) and not partial and self.sinks is None and self.rope
 
-    def _epilogue(self) -> tuple:
+    def _epilogue(self, device: torch.device) -> tuple:
         """The fused kernels' q / k norm, its weights and eps, and the clip."""
         norm = getattr(self, "q_norm", None)
+        if self.l2_norm:  # a per-head RMS norm of unit weights (before the rotation, where a
+            # rotation keeps each head's norm: the same)
+            if self._ones is None or self._ones.device != device:
+                self._ones = torch.ones(self.head_dim, device=device)
+            return "head", self._ones, self._ones, self.norm_eps, self.clip_qkv
         if norm is None or self.sharded_norm:  # (sharded: q and k come normed)
             return None, None, None, 1e-6, self.clip_qkv
         return self.qk_norm, norm.weight, self.k_norm.weight, norm.eps, self.clip_qkv
@@ -319,14 +332,15 @@ class Attention(nn.Module):
                     b, hq, hkv, d, cache.read_slots.shape[1],
                     torch.cuda.get_device_properties(qkv.device).multi_processor_count))):
             out = kernels.qkv_attention(qkv.reshape(b, -1), hq, hkv, d, k_pool, v_pool, cache.write_slots,
-                                        ctx.attn_mask, ctx.cos, ctx.sin, *self._epilogue(), pdl=self.options.pdl,
-                                        read_slots=cache.read_slots, positions=ctx.positions)  # [B, Hq, D]
+                                        ctx.attn_mask, ctx.cos, ctx.sin, *self._epilogue(qkv.device),
+                                        pdl=self.options.pdl, read_slots=cache.read_slots,
+                                        positions=ctx.positions)  # [B, Hq, D]
             return out[:, :, None]
         if self.fusable:
             # A fresh prompt attends over its own keys: the epilogue stores them for SDPA too.
             fresh = tuple(qkv.new_empty(b, t, hkv, d) for _ in range(2)) if ctx.causal else None
             q = kernels.qkv_decode(qkv, hq, hkv, d, k_pool, v_pool, cache.write_slots, ctx.cos, ctx.sin,
-                                   *self._epilogue(), pdl=self.options.pdl, kv_out=fresh)  # [B, Hq, T, D]
+                                   *self._epilogue(qkv.device), pdl=self.options.pdl, kv_out=fresh)  # [B, Hq, T, D]
             k, v = (fresh[0].transpose(1, 2), fresh[1].transpose(1, 2)) if ctx.causal else (None, None)
         else:
             q, k, v = self._unfused(qkv, ctx)
@@ -368,10 +382,6 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, D]
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if ctx.cos is not None and self.rope:
-            if self.interleaved:  # pairs (2i, 2i + 1) -> halves; q . k is the same in either order
-                d = self.head_dim
-                order = torch.cat([torch.arange(0, d, 2, device=q.device), torch.arange(1, d, 2, device=q.device)])
-                q, k = q[..., order], k[..., order]
             q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
         if self.l2_norm:  # (a rotation keeps each head's norm: before or after it, the same)
             q, k = ((z.float() * torch.rsqrt(z.float().pow(2).mean(-1, keepdim=True) + self.norm_eps)).to(z.dtype)

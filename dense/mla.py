@@ -23,7 +23,7 @@ from comm import Group
 from dense.attention import PagedKVCache, StepContext
 from dense.norm import RMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
-from dense.rotary import apply_rotary
+from dense.rotary import apply_rotary, pairs_to_halves
 from kernels.options import KernelOptions
 
 
@@ -55,7 +55,6 @@ class LatentAttention(nn.Module):
         self.v_dim = v = cfg.v_head_dim
         self.num_heads = n = cfg.num_heads // tp.size
         self.num_kv_heads = 1  # the cache's one latent "head"
-        self.interleaved = cfg.rope_interleaved
         self.scale = softmax_scale(cfg)
         first = tp.rank * n
 
@@ -74,6 +73,11 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = Linear(c, n * (p + v), bias=False, options=options)
         self.kv_b_proj.shard_fns = {"weight": heads(p + v)}
         self.o_proj = RowParallelLinear(cfg.num_heads * v, h, cfg.out_bias, tp, options)
+        if cfg.rope_interleaved:  # the checkpoint rotates interleaved pairs: its rotary rows read as halves
+            q = self.q_b_proj if cfg.q_lora_rank else self.q_proj
+            q.load_fns = {"weight": lambda t: pairs_to_halves(t, p + r, p, r)}
+            kv = lambda t: pairs_to_halves(t, c + r, c, r)  # noqa: E731  (one "head": the latent, then the rotary key)
+            self.kv_a_proj.load_fns = {"weight": kv, "bias": kv}
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
@@ -86,10 +90,6 @@ class LatentAttention(nn.Module):
         latent = self.kv_a_norm(latent)
         k_r = k_r[:, None]  # [B, 1, T, R]: one rotary key for every head
         if ctx.cos is not None:
-            if self.interleaved:  # pairs (2i, 2i + 1) -> halves: q . k is the same in either order
-                # (made on the device: a captured step copies nothing from the host)
-                order = torch.cat([torch.arange(0, r, 2, device=x.device), torch.arange(1, r, 2, device=x.device)])
-                q_r, k_r = q_r[..., order], k_r[..., order]
             q_r, k_r = apply_rotary(q_r, ctx.cos, ctx.sin), apply_rotary(k_r, ctx.cos, ctx.sin)
         w = self.kv_b_proj.weight.view(n, p + self.v_dim, c)  # [N, P + V, C]: W_UK rows, then W_UV
         # The absorbed query: q_p W_UK per head, in the latent's space.

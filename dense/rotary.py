@@ -135,6 +135,18 @@ class Rotary(nn.Module):
         return cos[0], sin[0]
 
 
+def pairs_to_halves(rows: torch.Tensor, head_dim: int, first: int, width: int) -> torch.Tensor:
+    """Rows of a projection whose heads of ``head_dim`` rows rotate dimensions (2i, 2i + 1)
+    as pairs (Llama 4, DeepSeek) -> the same heads' rows with rotary dimensions i and
+    i + width / 2 as the pairs, the halves ``apply_rotary`` turns: within each head, rows
+    first .. first + width - 1 (the rotary ones) reordered evens first, then odds. A query
+    and a key both reordered keep their dot product; so does their rotation."""
+    order = torch.arange(rows.shape[0], device=rows.device).view(-1, head_dim)
+    part = order[:, first:first + width]
+    order[:, first:first + width] = torch.cat([part[:, 0::2], part[:, 1::2]], dim=1)
+    return rows[order.reshape(-1)]
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, T, D]; cos, sin [B, T, R]: the first R <= D dimensions of each head
     turn (partial rotary, GLM-4.5), the rest pass as they are."""

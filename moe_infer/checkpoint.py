@@ -204,6 +204,9 @@ def load_checkpoint(model: torch.nn.Module, cfg: Config, directory: str | Path, 
             tensor = shard(lazy)  # reads only this rank's slice of a parallel weight
         else:
             tensor = lazy[:]
+        arrange = getattr(module, "load_fns", {}).get(param)
+        if arrange is not None:  # a layout the module keeps otherwise (interleaved rotary pairs as halves)
+            tensor = arrange(tensor)
         target = params[ours]
         if tensor.shape != target.shape:
             raise CheckpointError(

@@ -152,3 +152,29 @@ def test_latent_attention_takes_yarn_with_its_softmax_scale(tmp_path):
     for mode in ("eager", "static"):
         engine.decode_mode = mode
         assert engine.generate([p], max_new_tokens=6)[0].token_ids == want, mode
+
+
+def test_pairs_to_halves_turns_the_interleaved_rotation_into_the_halves_one():
+    """Rows read with pairs_to_halves, rotated as halves, are the interleaved rotation's
+    rows reordered alike (Llama 4, DeepSeek): in every head, only its rotary rows move."""
+    from dense.rotary import apply_rotary_all, pairs_to_halves
+
+    gen = torch.Generator().manual_seed(0)
+    nope, rope, heads = 3, 8, 2
+    rows = torch.randn(heads * (nope + rope), 5, generator=gen)
+    theta = torch.rand(rope // 2, generator=gen) * 3
+    c, s = theta.cos(), theta.sin()
+
+    def interleaved(v):  # [heads, nope + rope]: pairs (2i, 2i + 1) turn by theta_i
+        out = v.clone()
+        a, b = v[:, nope::2], v[:, nope + 1::2]
+        out[:, nope::2], out[:, nope + 1::2] = a * c - b * s, a * s + b * c
+        return out
+
+    x = torch.randn(5, generator=gen)
+    want = pairs_to_halves(interleaved((rows @ x).view(heads, -1)).reshape(-1, 1), nope + rope, nope, rope)
+    got = (pairs_to_halves(rows, nope + rope, nope, rope) @ x).view(heads, -1)
+    got[:, nope:] = apply_rotary_all(got[:, nope:], torch.cat([c, c]), torch.cat([s, s]))
+    torch.testing.assert_close(got.reshape(-1, 1), want)
+    assert torch.equal(pairs_to_halves(rows, nope + rope, nope, rope).view(heads, -1, 5)[:, :nope],
+                       rows.view(heads, -1, 5)[:, :nope])
