@@ -193,7 +193,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
                 shared_expert_hidden=expert_width, score="softmax", renormalize=False,
                 routed_scaling_factor=float(get("routed_scaling_factor")),
                 n_group=hf["n_group"] if limited else 1, topk_group=hf["topk_group"] if limited else 1,
-                group_score="max")
+                group_score="max" if limited else "top2")
         elif glm or ds:  # sigmoid scores, a score bias, grouped top-k, plain shared experts, dense first layers
             moe = MoEConfig(
                 num_experts=num_experts, top_k=hf["num_experts_per_tok"], expert_hidden=expert_width,
