@@ -217,8 +217,8 @@ class Attention(nn.Module):
             self.q_norm = ShardedRMSNorm(q_width, q_total, cfg.norm_eps, tp, q_first * d)
             self.k_norm = ShardedRMSNorm(kv_width, kv_total, cfg.norm_eps, tp, kv_first * d, replicas)
         self.clip_qkv = cfg.clip_qkv
-        # GPT-OSS: this layer alone of every other one attends within the sliding window;
-        # Llama 4: within its chunk.
+        # Whether this layer's keys are limited to a local span: GPT-OSS's sliding window (on
+        # every other layer), Llama 4's chunk (on its rotary layers).
         self.sliding = layer in getattr(cfg, "sliding_layers", ()) or layer in getattr(cfg, "chunked_layers", ())
         # Llama 4: rotary positions or none (NoPE, its queries scaled by the position), an
         # L2 q/k norm on the rotary layers, rotary over interleaved pairs.
@@ -238,8 +238,9 @@ class Attention(nn.Module):
         # GPT-OSS: a learned logit per query head joins its softmax as one more key that adds
         # no value (``_sdpa``); no fused kernel takes it, so such a layer runs unfused.
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if getattr(cfg, "attention_sinks", False) else None
-        heads = self.num_heads
-        self.shard_fns = {"sinks": lambda full: full[q_first:q_first + heads]}
+        if self.sinks is not None:
+            heads = self.num_heads
+            self.shard_fns = {"sinks": lambda full: full[q_first:q_first + heads]}
         # An all-heads q/k norm over heads split across ranks needs their sums of squares
         # from every rank: the fused kernels then take q and k already normed (``_prenorm``).
         self.sharded_norm = cfg.qk_norm == "full" and tp.size > 1

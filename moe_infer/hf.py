@@ -227,8 +227,9 @@ def config_from_hf(hf: dict, source: str = "config.json") -> Config:
 
 
 def _gpt_oss_layers(hf: dict, window: int | None, source: str) -> tuple[int | None, tuple[int, ...]]:
-    """GPT-OSS's (sliding window, the layers that use it) from ``layer_types``; its expert
-    activation checked against the one the kernels compute."""
+    """GPT-OSS's (sliding window, the layers that use it) from ``layer_types``; its SwiGLU's
+    clamp and slope checked against the ones the kernels compute, and its quantization
+    (MXFP4 or none)."""
     for key, value in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):
         if float(hf.get(key, value)) != value:
             raise ConfigError(f"{source}: {key}={hf[key]}: expected {value} (GPT-OSS's clamped SwiGLU)")

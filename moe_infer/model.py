@@ -256,7 +256,8 @@ class Transformer(nn.Module):
         return None if m.sliding_layers else m.sliding_window
 
     def _windowed(self, ctx: StepContext, key_positions: torch.Tensor) -> StepContext:
-        """``ctx`` with the sliding-window layers' own mask where only some layers have one."""
+        """``ctx`` with the local layers' own mask (a sliding window, or chunks) where only
+        some layers attend locally."""
         m = self.cfg.model
         if m.sliding_layers:
             return ctx.windowed(m.sliding_window, key_positions)
