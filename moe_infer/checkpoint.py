@@ -119,7 +119,7 @@ class _Lazy:
         first = shapes[src.parts[0][0]]
         inner = [sum(r) for r in self.rows]
         self.shape = torch.Size(([len(inner)] if src.stacked else []) + [inner[0], *first[1:]])
-        if src.transform is not None:  # another layout: read whole, then rearranged
+        if src.transform is not None:  # another layout: rearranged as it is read
             self.shape = torch.Size(src.ours)
 
     def dim(self) -> int:

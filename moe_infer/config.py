@@ -123,15 +123,15 @@ class ModelConfig:
     # head (dimensions 2i, 2i + 1) instead of its two halves.
     attention_chunk: int | None = None
     chunked_layers: tuple[int, ...] = ()
+    nope_layers: tuple[int, ...] = ()
+    nope_temperature: tuple[float, float] | None = None
+    rope_interleaved: bool = False
     # DeepSeek-V2 / V3 multi-head latent attention (``dense/mla.py``): keys and values from
     # a latent of kv_lora_rank a token, queries through a q_lora_rank bottleneck where set;
     # head_dim is a query / key head (rotary_dim of it rotary), v_head_dim a value head.
     kv_lora_rank: int | None = None
     q_lora_rank: int | None = None
     v_head_dim: int | None = None
-    nope_layers: tuple[int, ...] = ()
-    nope_temperature: tuple[float, float] | None = None
-    rope_interleaved: bool = False
     clip_qkv: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
