@@ -68,10 +68,14 @@ _SAFE_FLOAT = {"F32", "F16", "BF16"}
 
 class _Reader:
     """Keeps each shard open once while tensors are read; reads whole tensors or row /
-    column ranges of them (safetensors slices: only those bytes leave the file)."""
+    column ranges of them (safetensors slices: only those bytes leave the file).
 
-    def __init__(self, files: dict[str, Path]):
-        self.files, self.handles = files, {}
+    ``fp8_block`` (rows, columns): the checkpoint stores float8 e4m3 weights with one
+    float32 ``<name>_scale_inv`` per block of that size (DeepSeek-V3's, Kimi K2's, the
+    FP8 releases of GLM-4.5 and Qwen3): such a weight reads as float32, w * scale_inv."""
+
+    def __init__(self, files: dict[str, Path], fp8_block: tuple[int, int] | None = None):
+        self.files, self.handles, self.fp8_block = files, {}, fp8_block
 
     def slice(self, name: str, kinds: set[str] = _SAFE_FLOAT):
         path = self.files[name]
@@ -81,10 +85,21 @@ class _Reader:
             view = self.handles[path].get_slice(name)
         except Exception as exc:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc}); is the file truncated?") from None
-        if view.get_dtype() not in kinds:
+        fp8 = view.get_dtype() == "F8_E4M3" and self.fp8_block is not None and name + "_scale_inv" in self.files
+        if view.get_dtype() not in kinds and not (fp8 and kinds is _SAFE_FLOAT):
             what = "a float type" if kinds is _SAFE_FLOAT else " or ".join(sorted(kinds))
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {view.get_dtype()}, expected {what}")
         return view
+
+    def _fp8(self, name: str, view) -> torch.Tensor:
+        w = view[:]
+        scale = self.slice(name + "_scale_inv")[:]
+        rows, cols = w.shape
+        br, bc = self.fp8_block
+        if tuple(scale.shape) != (-(-rows // br), -(-cols // bc)):
+            raise CheckpointError(f"{self.files[name]}: tensor {name + '_scale_inv'!r} has shape {list(scale.shape)}, "
+                                  f"expected {[-(-rows // br), -(-cols // bc)]}: one scale per {br} x {bc} block")
+        return dequantize_fp8(w, scale, self.fp8_block)
 
     def shape(self, name: str, expected: tuple[int, ...], kinds: set[str] = _SAFE_FLOAT) -> list[int]:
         """The tensor's shape from its header, which must be ``expected``."""
@@ -97,6 +112,9 @@ class _Reader:
 
     def get(self, name: str, index: tuple = (), kinds: set[str] = _SAFE_FLOAT) -> torch.Tensor:
         view = self.slice(name, kinds)
+        if view.get_dtype() == "F8_E4M3" and kinds is _SAFE_FLOAT:  # block-scaled float8: dequantized whole
+            w = self._fp8(name, view)
+            return w[index] if index else w
         try:
             return view[index] if index else view[:]
         except Exception as exc:
@@ -148,6 +166,13 @@ class _Lazy:
         return torch.stack([self._group(g, index[1:]) for g in experts])
 
 
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float8 w [R, C] and its block scales [ceil(R / br), ceil(C / bc)] -> float32 w * scale."""
+    br, bc = block
+    s = scale_inv.float().repeat_interleave(br, 0)[:w.shape[0]].repeat_interleave(bc, 1)[:, :w.shape[1]]
+    return w.float() * s
+
+
 def _extremes(t: torch.Tensor) -> torch.Tensor:
     """[min, max] of t: finite exactly when all of t is (both propagate NaN). One pass and
     no [*t.shape] temporary, unlike isfinite(t).all(), several times slower on CPU."""
@@ -183,7 +208,9 @@ def load_checkpoint(model: torch.nn.Module, cfg: Config, directory: str | Path, 
     family = family_of(read_json(directory / "config.json"), str(directory / "config.json"))
     params = dict(model.named_parameters())
     plan = tensor_plan(cfg, family, list(params))
-    reader, used = _Reader(files), set()
+    quant = read_json(directory / "config.json").get("quantization_config") or {}
+    fp8 = tuple(quant.get("weight_block_size") or (128, 128)) if quant.get("quant_method") == "fp8" else None
+    reader, used = _Reader(files, fp8), set()
     loaded, extremes = [], []  # per parameter: (name, sources read), [min, max]
     for ours, sources in tqdm(plan.items(), desc=f"loading {directory.name}", unit="tensor",
                               disable=not progress, leave=False):
@@ -226,6 +253,7 @@ def load_checkpoint(model: torch.nn.Module, cfg: Config, directory: str | Path, 
     if not all(finite):
         ours, read = loaded[finite.index(False)]
         raise _non_finite(read, reader, params[ours].dtype, ours)
+    used |= {n + "_scale_inv" for n in used if fp8 and n + "_scale_inv" in files}  # (read with their weights)
     unexpected = sorted(set(files) - used)
     if family.ignored:
         other = [t for t in unexpected if t.startswith(family.ignored)]

@@ -401,3 +401,45 @@ def test_deepseek_multi_token_prediction_layers_are_skipped_with_a_note(saved, t
     edit_tensors(path, lambda t: t.update({"model.layers.1.eh_proj.weight": torch.zeros(60, 120)}))
     with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.1\.eh_proj\.weight'"):
         load(path)
+
+
+def test_fp8_block_scaled_weights_load_dequantized(saved, tmp_path):
+    """DeepSeek-V3's release format (quant_method fp8): float8 e4m3 linear weights, each
+    with a float32 weight_scale_inv per 16 x 16 block here (partial blocks at the edges),
+    load as w * scale; the scales count as read; a scale of the wrong shape is named."""
+    from moe_infer.checkpoint import dequantize_fp8
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved("deepseek_v3"), path)
+    block, expected = (16, 16), {}
+
+    def to_fp8(t):
+        for name in [n for n in t if n.endswith("proj.weight") and "layers." in n]:
+            w = t[name].float()
+            rows, cols = -(-w.shape[0] // 16), -(-w.shape[1] // 16)
+            amax = torch.zeros(rows, cols)
+            for i in range(rows):
+                for j in range(cols):
+                    amax[i, j] = w[16 * i:16 * i + 16, 16 * j:16 * j + 16].abs().max()
+            scale = (amax / 448.0).clamp(min=1e-12)
+            full = scale.repeat_interleave(16, 0)[:w.shape[0]].repeat_interleave(16, 1)[:, :w.shape[1]]
+            t[name] = (w / full).to(torch.float8_e4m3fn)
+            t[name + "_scale_inv"] = scale
+            expected[name] = dequantize_fp8(t[name], scale, block)
+    edit_tensors(path, to_fp8)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    (path / "config.json").write_text(json.dumps(cfg))
+    engine = load(path)
+    attn = engine.model.layers[1].attn
+    torch.testing.assert_close(attn.kv_b_proj.weight.data, expected["model.layers.1.self_attn.kv_b_proj.weight"],
+                               rtol=0, atol=0)
+    w13 = engine.model.layers[1].ffn.experts.w13.data[4]
+    m = "model.layers.1.mlp.experts.4."
+    torch.testing.assert_close(w13, torch.cat([expected[m + "gate_proj.weight"], expected[m + "up_proj.weight"]]),
+                               rtol=0, atol=0)
+    assert len(engine.generate([[5, 17, 3]], max_new_tokens=3)[0].token_ids) == 3
+    name = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
+    edit_tensors(path, lambda t: t.update({name: t[name][:1]}))
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor {name!r} has shape [1, 4], expected [2, 4]")):
+        load(path)
