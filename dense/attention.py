@@ -236,7 +236,8 @@ class Attention(nn.Module):
                 return torch.cat([pairs_to_halves(q, d, 0, d), pairs_to_halves(k, d, 0, d), v])
             self.qkv_proj.load_fns = {"weight": halves, "bias": halves}
         # GPT-OSS: a learned logit per query head joins its softmax as one more key that adds
-        # no value (``_sdpa``); no fused kernel takes it, so such a layer runs unfused.
+        # no value (``_sdpa``; a decode step's paged kernel joins it in its combine); the
+        # fused QKV kernels do not take it, so such a layer's QKV epilogue runs unfused.
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if getattr(cfg, "attention_sinks", False) else None
         if self.sinks is not None:
             heads = self.num_heads
@@ -348,12 +349,12 @@ class Attention(nn.Module):
             cache.write(layer, k, v)
         if ctx.causal:
             return self._sdpa(q, k, v, ctx)
-        if t == 1 and self.sinks is None:
+        if t == 1:
             # A decode step: its keys are read where they lie in the pool, not gathered row
             # by row into a copy first (a gather and SDPA measured about twice the time, at
-            # 1 and at 8 query heads per KV head).
+            # 1 and at 8 query heads per KV head); sinks join the splits' combine.
             out = kernels.paged_decode_attention(q[:, :, 0], k_pool, v_pool, cache.read_slots,
-                                                 ctx.attn_mask[:, 0, 0])  # [B, Hq, D]
+                                                 ctx.attn_mask[:, 0, 0], sinks=self.sinks)  # [B, Hq, D]
             return out[:, :, None]
         return self._sdpa(q, *cache.gather(layer), ctx)
 

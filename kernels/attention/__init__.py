@@ -20,15 +20,16 @@ from kernels.attention.reference import (paged_decode_attention_ref, qkv_attenti
                                          qkv_decode_supported)
 
 
-def paged_decode_attention(q, k, v, slots, visible, scale=None):
+def paged_decode_attention(q, k, v, slots, visible, scale=None, sinks=None):
     """One query token per row over a paged cache: q [B, Hq, D], k / v pools [N, Hkv, D],
     slots [B, S] int64 the pool row of each row's key s, visible [B, S] bool or an additive
     mask of 0 / -inf floats -> [B, Hq, D] (split over the keys on a GPU, GQA-aware). A GPU
-    reads the keys in place, without gathering them into a copy."""
+    reads the keys in place, without gathering them into a copy. ``sinks`` [Hq]: GPT-OSS's
+    logit per head, in the softmax beside the keys, adding no value."""
     if q.is_cuda:
         from kernels.attention.decode import paged_decode_attention_triton
-        return paged_decode_attention_triton(q, k, v, slots, visible, scale)
-    return paged_decode_attention_ref(q, k, v, slots, visible, scale)
+        return paged_decode_attention_triton(q, k, v, slots, visible, scale, sinks=sinks)
+    return paged_decode_attention_ref(q, k, v, slots, visible, scale, sinks)
 
 
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,

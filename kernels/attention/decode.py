@@ -44,9 +44,10 @@ def mask_bytes(mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
 @triton.jit
 def _combine_kernel(
     m_ptr, l_ptr, acc_ptr,  # as written by _paged_split_kernel
+    sink_ptr,  # [Hq] float: each head's sink logit (HAS_SINK only)
     out_ptr,  # [B, Hq, D]
     D, stride_ob, stride_oh, HQ,
-    P: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    P: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     b, hq = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, P_PAD)
@@ -55,10 +56,16 @@ def _combine_kernel(
     m = tl.load(m_ptr + base + p, mask=p < P, other=float("-inf"))
     l = tl.load(l_ptr + base + p, mask=p < P, other=0.0)
     m_all = tl.max(m, axis=0)
+    if HAS_SINK:  # one more key, of this logit and no value: the denominator alone grows
+        sink = tl.load(sink_ptr + hq).to(tl.float32)
+        m_all = tl.maximum(m_all, sink)
     w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # splits that saw no key weigh 0
     acc = tl.load(acc_ptr + (base + p)[:, None] * D + d[None, :], mask=(p < P)[:, None] & (d < D)[None, :],
                   other=0.0)
-    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+    den = tl.sum(w * l, axis=0)
+    if HAS_SINK:
+        den += tl.exp(sink - m_all)
+    out = tl.sum(w[:, None] * acc, axis=0) / den
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
@@ -123,11 +130,12 @@ def _paged_split_kernel(
 
 def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                                   visible: torch.Tensor, scale: float | None = None, splits: int | None = None,
-                                  block_s: int = 32) -> torch.Tensor:
+                                  block_s: int = 32, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over a paged cache, read in place: q [B, Hq, D], k / v pools
     [N, Hkv, D], slots [B, S] int64 (the pool row of each row's key s), visible [B, S] bool,
     or an additive mask of 0 / -inf floats (read as it is: a step builds it once for every
-    layer) -> out [B, Hq, D]."""
+    layer) -> out [B, Hq, D]. ``sinks`` [Hq]: a logit per head in the softmax, no value
+    (GPT-OSS), joined in the combine."""
     b, hq, d = q.shape
     _, hkv, _ = k.shape
     s = slots.shape[1]
@@ -135,6 +143,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise ValueError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, slots {list(slots.shape)}, "
                          f"visible {list(visible.shape)}: expected [B, Hq, D], [N, Hkv, D] twice with Hkv dividing "
                          "Hq, and [B, S] twice")
+    if sinks is not None and tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks {list(sinks.shape)}: expected one logit per query head, [{hq}]")
     if slots.dtype != torch.int64 or slots.stride(1) != 1:
         raise ValueError(f"slots: expected contiguous int64 rows, got {slots.dtype} with strides {slots.stride()}")
     g = hq // hkv
@@ -150,13 +160,16 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0), slots.stride(0),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_S=block_s,
         SPLIT_LEN=split_len, P=splits, IEEE=k.dtype == torch.float32, ADDITIVE=additive, num_warps=2)
-    return _combine(m, l, acc, q.dtype)
+    return _combine(m, l, acc, q.dtype, sinks)
 
 
-def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The splits' partial results [B, Hq, P] (m, l) and [B, Hq, P, D] (acc) -> [B, Hq, D]."""
+def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype,
+             sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The splits' partial results [B, Hq, P] (m, l) and [B, Hq, P, D] (acc), and each head's
+    sink logit where given -> [B, Hq, D]."""
     b, hq, splits, d = acc.shape
     out = torch.empty(b, hq, d, dtype=dtype, device=acc.device)
-    _combine_kernel[(b, hq)](m, l, acc, out, d, out.stride(0), out.stride(1), hq, P=splits,
-                             P_PAD=max(2, triton.next_power_of_2(splits)), D_PAD=triton.next_power_of_2(d), num_warps=1)
+    _combine_kernel[(b, hq)](m, l, acc, sinks if sinks is not None else m, out, d, out.stride(0), out.stride(1), hq,
+                             P=splits, P_PAD=max(2, triton.next_power_of_2(splits)), D_PAD=triton.next_power_of_2(d),
+                             HAS_SINK=sinks is not None, num_warps=1)
     return out

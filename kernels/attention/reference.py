@@ -19,10 +19,11 @@ QK_NORMS = {None: 0, "head": 1, "full": 2}
 
 
 def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                         scale: float | None = None) -> torch.Tensor:
+                         scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row over a KV cache with torch's softmax, in float32 (float64
     inputs stay float64): q [B, Hq, D], k / v [B, Hkv, S, D], visible [B, S] bool
-    -> [B, Hq, D]."""
+    -> [B, Hq, D]. ``sinks`` [Hq] (GPT-OSS): a logit per head that joins the softmax and
+    adds no value."""
     b, hq, d = q.shape
     g = hq // k.shape[1]
     ct = torch.promote_types(q.dtype, torch.float32)
@@ -30,11 +31,15 @@ def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visi
     vv = v.to(ct).repeat_interleave(g, dim=1)
     scores = torch.einsum("bhd,bhsd->bhs", q.to(ct), kk) * (scale if scale is not None else d ** -0.5)
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(ct)[None, :, None].expand(b, -1, 1)], dim=-1)
+        return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1)[..., :-1], vv).to(q.dtype)
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv).to(q.dtype)
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-                               visible: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                               visible: torch.Tensor, scale: float | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``decode_attention_ref`` over a paged cache: k / v pools [N, Hkv, D], slots [B, S] the
     pool row of each row's key s -> [B, Hq, D]. ``visible`` [B, S] bool, or an additive
     mask of 0 / -inf floats (as ``StepContext.paged`` builds it)."""
@@ -42,7 +47,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         visible = visible > float("-inf")
     hidden = ~visible[:, :, None, None]  # [B, S, 1, 1]: whatever a hidden slot holds is never read
     kk, vv = k[slots].masked_fill(hidden, 0), v[slots].masked_fill(hidden, 0)  # [B, S, Hkv, D]
-    return decode_attention_ref(q, kk.transpose(1, 2), vv.transpose(1, 2), visible, scale)
+    return decode_attention_ref(q, kk.transpose(1, 2), vv.transpose(1, 2), visible, scale, sinks)
 
 
 def qkv_decode_supported(head_dim: int) -> bool:

@@ -129,6 +129,30 @@ def test_paged_decode_attention_reads_the_pool_in_place(device, dtype, b, hq, hk
         paged_decode_attention_triton(q, k, v, slots.int(), visible)
 
 
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_decode_attention_with_sinks(device, splits):
+    """GPT-OSS's sinks: a logit per head in the softmax beside the keys, adding no value --
+    the kernel (joined in the combine of the splits) against the reference, which appends
+    the sink as one more score; large sinks shrink the output, as they should."""
+    gen = torch.Generator().manual_seed(7)
+    b, hq, hkv, s, d = 3, 8, 2, 37, 16
+    lens = torch.tensor([37, 5, 1])
+    slots, k, v = _paged_pool(device, torch.float32, hkv, d, s, 8, lens, gen)
+    q = torch.randn(b, hq, d, generator=gen).to(device)
+    visible = (torch.arange(s)[None, :] < lens[:, None]).to(device)
+    sinks = (2 * torch.randn(hq, generator=gen)).to(device)
+    out = paged_decode_attention_triton(q, k, v, slots, visible, splits=splits, sinks=sinks)
+    ref = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible, sinks=sinks.double())
+    assert rel(out, ref) < DECODE_TOL[torch.float32]
+    plain = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible)
+    assert rel(ref, plain) > 1e-2
+    huge = paged_decode_attention_triton(q, k, v, slots, visible, splits=splits, sinks=sinks + 30)
+    assert huge.abs().max() < 1e-6 * out.abs().max()
+    with pytest.raises(ValueError, match=r"sinks \[4\]: expected one logit per query head, \[8\]"):
+        paged_decode_attention_triton(q, k, v, slots, visible, sinks=sinks[:4])
+
+
 def _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, rope, seed):
     """One token per row: qkv [B, W], its rotary rows at random positions (None, None
     without ``rope``) and the q / k norm weights -> (qkv, cos, sin, qw, kw)."""
