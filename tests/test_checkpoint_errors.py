@@ -384,7 +384,8 @@ def test_llama4_layer_lists_of_the_wrong_length_or_kind_are_refused(saved, tmp_p
     m, e = read.model, read.moe
     assert (m.chunked_layers, m.nope_layers, m.attention_chunk, m.nope_temperature) == ((0, 1, 2), (3,), 4, (3.0, 0.5))
     assert m.qk_norm == "l2" and m.rope_interleaved and e.weighted_input and e.dense_layers == (0, 2)
-    m = config_from_hf({**cfg, "attn_temperature_tuning": False, "use_qk_norm": False, "attention_chunk_size": None}).model
+    m = config_from_hf({**cfg, "attn_temperature_tuning": False, "use_qk_norm": False,
+                        "attention_chunk_size": None}).model
     assert (m.nope_temperature, m.qk_norm, m.chunked_layers, m.attention_chunk) == (None, "none", (), None)
 
 
