@@ -36,7 +36,8 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 import moe_infer  # noqa: E402
-from bench_decode import decode_step_ms, hf_config, prefill_flops  # noqa: E402
+from bench_decode import decode_step_ms, prefill_flops  # noqa: E402
+from peer_configs import hf_config  # noqa: E402
 from moe_infer import offload as off  # noqa: E402
 
 

@@ -128,7 +128,7 @@ def test_family_preset_is_what_its_config_json_gives(name, arch):
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     try:
-        from bench_decode import hf_config
+        from peer_configs import hf_config
     finally:
         sys.path.pop(0)
     from moe_infer.hf import config_from_hf
