@@ -261,7 +261,7 @@ def load_checkpoint(model: torch.nn.Module, cfg: Config, directory: str | Path, 
             unexpected = [t for t in unexpected if not t.startswith(family.ignored)]
             log.warning("%s: the text model alone: %d tensors of %s not read", directory, len(other),
                         " / ".join(p.rstrip(".") for p in family.ignored))
-    if family.name == "deepseek_v3":  # multi-token-prediction layers: past the model's last
+    if family.mtp_layers:
         n = cfg.model.num_layers
         mtp = [t for t in unexpected if (m := re.search(r"\blayers\.(\d+)\.", t)) and int(m.group(1)) >= n]
         if mtp:

@@ -31,6 +31,9 @@ class Family:
     # tensors under ``prefix``; the tensors under ``ignored`` (the vision tower) stay unread.
     prefix: str = ""
     ignored: tuple[str, ...] = ()
+    # Tensors of layers past the model's last are multi-token-prediction layers (DeepSeek-V3),
+    # skipped: decoding uses the main model alone.
+    mtp_layers: bool = False
 
 
 _LLAMA4 = {"rms_norm_eps": 1e-5, "attention_bias": False, "use_qk_norm": True, "attn_temperature_tuning": True,
@@ -57,7 +60,7 @@ FAMILIES = {
     "deepseek_v3": Family("deepseek_v3", "mlp", ("gate_proj", "up_proj", "down_proj"),
                           {"rms_norm_eps": 1e-6, "attention_bias": False, "norm_topk_prob": True, "n_group": 1,
                            "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
-                           "n_shared_experts": 0, "rope_interleave": True, "q_lora_rank": None}),
+                           "n_shared_experts": 0, "rope_interleave": True, "q_lora_rank": None}, mtp_layers=True),
     "deepseek_v2": Family("deepseek_v2", "mlp", ("gate_proj", "up_proj", "down_proj"),
                           {"rms_norm_eps": 1e-6, "attention_bias": False, "routed_scaling_factor": 1.0,
                            "first_k_dense_replace": 0, "n_shared_experts": 0, "q_lora_rank": None,

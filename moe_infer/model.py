@@ -221,7 +221,7 @@ class Transformer(nn.Module):
         length; see ``StepContext.paged``)."""
         ctx = StepContext.paged(positions, query_valid, context_lens, num_keys, self.rotary,
                                 self.anchor.dtype, self._every_layer_window, causal=causal)
-        return self._windowed(ctx, positions[0] if ctx.causal else torch.arange(num_keys, device=positions.device))
+        return self._windowed(ctx, positions[0] if ctx.causal else num_keys)
 
     def paged_decode_context(self, inputs: torch.Tensor, prev: torch.Tensor, cache: PagedKVCache, num_keys: int,
                              tables: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, StepContext]:
@@ -241,7 +241,7 @@ class Transformer(nn.Module):
         if self.rotary is not None and self.rotary.per_step:  # from this step's positions, on the device
             cos, sin = self.rotary(c["positions"], self.anchor.dtype)
         ctx = StepContext(c["positions"], c["mask"], cos, sin)
-        return c["tokens"], self._windowed(ctx, torch.arange(num_keys, device=inputs.device))
+        return c["tokens"], self._windowed(ctx, num_keys)
 
     def context(self, positions: torch.Tensor, key_valid: torch.Tensor, no_padding: bool = False) -> StepContext:
         """A forward without a cache (``StepContext.build``)."""
@@ -255,13 +255,19 @@ class Transformer(nn.Module):
         m = self.cfg.model
         return None if m.sliding_layers else m.sliding_window
 
-    def _windowed(self, ctx: StepContext, key_positions: torch.Tensor) -> StepContext:
+    def _windowed(self, ctx: StepContext, keys: torch.Tensor | int) -> StepContext:
         """``ctx`` with the local layers' own mask (a sliding window, or chunks) where only
-        some layers attend locally."""
+        some layers attend locally; ``keys``: the key slots' positions, or their count where
+        key s is at position s (made here only where needed: a decode step launches nothing
+        more for other models)."""
         m = self.cfg.model
+        if not (m.sliding_layers or m.chunked_layers):
+            return ctx
+        if isinstance(keys, int):
+            keys = torch.arange(keys, device=ctx.positions.device)
         if m.sliding_layers:
-            return ctx.windowed(m.sliding_window, key_positions)
-        return ctx.windowed(m.attention_chunk, key_positions, chunk=True) if m.chunked_layers else ctx
+            return ctx.windowed(m.sliding_window, keys)
+        return ctx.windowed(m.attention_chunk, keys, chunk=True)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
                 cache: PagedKVCache | None = None, last_only: bool = False,
