@@ -42,6 +42,7 @@ import moe_infer  # noqa: E402
 from bench_decode import decode_step_ms  # noqa: E402
 from comm import Group, all_gather_json  # noqa: E402
 from moe_infer import ParallelConfig  # noqa: E402
+from moe_infer.config import ConfigError  # noqa: E402
 
 def layouts(world: int) -> list[tuple[str, dict]]:
     """(name, parallel settings) of every layout for ``world`` ranks; data parallelism of
@@ -144,7 +145,12 @@ def main():
     chosen = [(n, kw) for n, kw in layouts(world) if not args.layouts or n in args.layouts.split(",")]
     results = []
     for name, kw in chosen:
-        engine = load(ParallelConfig(**kw))
+        try:  # every rank validates alike, so every rank skips alike
+            engine = load(ParallelConfig(**kw))
+        except ConfigError as e:
+            if rank == 0:
+                print(f"{name} skipped: {e}", flush=True)
+            continue
         for b in batches:
             ps = prompts(engine, b)
             ms = decode_step_ms(engine, ps, args.new_tokens, args.reps)
