@@ -238,6 +238,8 @@ class OffloadedExperts(nn.Module):
         self.stats["pairs"] += ids.numel()
         cold_t, cold_s = cold.nonzero(as_tuple=True)  # the call's wait for the host
         if not len(cold_t):
+            if not self.hot:  # no expert here at all (every pair is elsewhere): the kernels take none
+                return torch.zeros_like(x)
             return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, pdl=self.options.pdl,
                                      masked=masked, weighted_input=self.weighted_input, **self.device_extras)
         pair_ids = ids[cold_t, cold_s]

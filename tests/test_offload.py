@@ -95,6 +95,18 @@ def test_cold_experts_in_several_staging_rounds_and_mixed_pairs(mode):
     torch.testing.assert_close(every.fused(x, ids, w), experts.fused(x, ids, w), rtol=1e-5, atol=1e-6)
 
 
+def test_a_layer_with_no_device_experts_whose_pairs_are_all_elsewhere_adds_nothing(monkeypatch):
+    """Under expert parallelism a rank's layer may keep none of its experts on the device
+    and meet only pairs of other ranks (masked ids): zeros, no kernel over zero experts."""
+    experts = Experts(4, 16, 24, "swiglu")
+    layer = off.OffloadedExperts(experts, [], torch.device("cpu"), "cpu",
+                                 off.ColdCost(off.MachineProfile(1e9, 1e9, 1e9), 1, 1))
+    monkeypatch.setattr(off.kernels, "fused_moe", lambda *a, **k: pytest.fail("a kernel ran over zero experts"))
+    x = torch.randn(5, 16)
+    out = layer.fused(x, torch.full((5, 2), -1), torch.rand(5, 2), masked=True)
+    assert out.shape == x.shape and not out.any()
+
+
 def test_a_budget_below_the_dense_part_fails_at_load_with_one_line(full):
     fixed, _ = budgets(full)
     with pytest.raises(ConfigError, match=r"^engine\.gpu_memory_gb=[0-9.e-]+: the weights that are not routed experts"):
