@@ -11,6 +11,12 @@ import torch
 # memory were the same, so the cause lies below torch.
 GRAPH_PRIMERS = 2
 
+# Captures guard only their own thread. In the default ("global") mode a call another thread
+# makes while a capture runs can invalidate it: torch's NCCL watchdog polls the events of
+# point-to-point sends still in flight, which a pipeline stage has when it captures its
+# first decode step. The capturing thread's own forbidden calls still fail it.
+CAPTURE_MODE = "thread_local"
+
 
 def prime_cuda_graphs(device: torch.device, count: int = GRAPH_PRIMERS) -> None:
     """Captures, replays and drops ``count`` one-kernel CUDA graphs on ``device``, so the
@@ -23,7 +29,7 @@ def prime_cuda_graphs(device: torch.device, count: int = GRAPH_PRIMERS) -> None:
     torch.cuda.current_stream(device).wait_stream(side)
     for _ in range(count):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):
             x.add_(1)
         graph.replay()
     torch.cuda.synchronize(device)
@@ -39,6 +45,6 @@ def capture(step, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph
             step()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_MODE):
         out = step()
     return graph, out
