@@ -11,11 +11,12 @@ import torch
 # memory were the same, so the cause lies below torch.
 GRAPH_PRIMERS = 2
 
-# Captures guard only their own thread. In the default ("global") mode a call another thread
-# makes while a capture runs can invalidate it: torch's NCCL watchdog polls the events of
-# point-to-point sends still in flight, which a pipeline stage has when it captures its
-# first decode step. The capturing thread's own forbidden calls still fail it.
-CAPTURE_MODE = "thread_local"
+# While a capture runs, CUDA forbids other threads' "unsafe" calls unless the capture is
+# relaxed, and such a call invalidates the capture: torch's NCCL watchdog polls, from its own
+# thread, the events of point-to-point sends still in flight, which a pipeline stage has when
+# it captures its first decode step. Relaxed mode still fails any stream-ordered wait (a copy
+# to the host, a synchronize) made on the capturing stream itself.
+CAPTURE_MODE = "relaxed"
 
 
 def prime_cuda_graphs(device: torch.device, count: int = GRAPH_PRIMERS) -> None:
