@@ -60,20 +60,21 @@ def compare(files: list[Path], hardware: str | None = None) -> list[dict]:
 
 
 def choices(rows: list[dict]) -> list[dict]:
-    """Per (model, device, batch) with two or more multi-rank layouts measured: the layout the
-    model predicts fastest among them, the measured-fastest, and whether the first ran
-    within 5% of the second."""
+    """Per (model, device, number of GPUs, batch) with two or more multi-rank layouts
+    measured: the layout the model predicts fastest among them, the measured-fastest, and
+    whether the first ran within 5% of the second."""
     cases: dict = {}
     for r in rows:
         if r["layout"] != "one GPU":
-            cases.setdefault((r["model"], r["device"], r["batch"]), []).append(r)
+            gpus = ParallelConfig(**r["parallel"]).world_size
+            cases.setdefault((r["model"], r["device"], gpus, r["batch"]), []).append(r)
     out = []
-    for (model, device, batch), rs in sorted(cases.items()):
+    for (model, device, gpus, batch), rs in sorted(cases.items()):
         if len(rs) < 2:
             continue
         picked, best = min(rs, key=lambda r: r["predicted"]), min(rs, key=lambda r: r["ms"])
-        out.append(dict(model=model, device=device, batch=batch, picked=picked["layout"], best=best["layout"],
-                        ratio=picked["ms"] / best["ms"], hit=picked["ms"] <= 1.05 * best["ms"]))
+        out.append(dict(model=model, device=device, gpus=gpus, batch=batch, picked=picked["layout"],
+                        best=best["layout"], ratio=picked["ms"] / best["ms"], hit=picked["ms"] <= 1.05 * best["ms"]))
     return out
 
 
@@ -94,8 +95,10 @@ def main():
     picks = choices(rows)
     if picks:
         print()
-        print(bc.format_table(["model", "batch", "model's first choice", "measured fastest", "its time / fastest"], [
-            [p["model"], p["batch"], p["picked"], p["best"], f"{p['ratio']:.2f}"] for p in picks]))
+        print(bc.format_table(["model", "GPUs", "batch", "model's first choice", "measured fastest",
+                               "its time / fastest"],
+                              [[p["model"], p["gpus"], p["batch"], p["picked"], p["best"], f"{p['ratio']:.2f}"]
+                               for p in picks]))
         print(f"first choice fastest or within 5%: {sum(p['hit'] for p in picks)} of {len(picks)} cases")
 
 

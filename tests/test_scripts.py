@@ -142,16 +142,20 @@ def test_dense_shapes_of_a_tensor_parallel_rank_are_the_model_layers(name, tp):
 
 def test_cost_model_choice_counts_a_pick_within_five_percent_of_the_fastest():
     validate = _script("validate_costmodel")
+    kw = {"tp2": dict(tp=2), "ep2": dict(dp=2, ep=2), "tp4": dict(tp=4), "ep4": dict(dp=4, ep=4), "one GPU": {}}
 
     def row(layout, batch, ms, predicted):
-        return dict(model="m", device="d", layout=layout, batch=batch, ms=ms, predicted=predicted)
+        return dict(model="m", device="d", layout=layout, parallel=kw[layout], batch=batch, ms=ms,
+                    predicted=predicted)
     rows = [row("one GPU", 1, 1.0, 0.1),  # (never a choice: another world size)
             row("tp2", 1, 2.0, 1.0), row("ep2", 1, 1.0, 1.5),  # picks tp2, twice the fastest
             row("tp2", 8, 1.04, 1.0), row("ep2", 8, 1.0, 1.2),  # picks tp2, within 5%
-            row("tp2", 64, 1.0, 1.0)]  # one layout: no choice to make
+            row("tp2", 64, 1.0, 1.0),  # one layout of 2 GPUs: no choice to make ...
+            row("tp4", 64, 0.5, 0.9)]  # ... nor with the one of 4 (not a rival of 2 GPUs' tp2)
+    rows += [row("tp4", 1, 1.0, 0.5), row("ep4", 1, 0.9, 0.6)]  # 4 GPUs: picks tp4, 11% slower
     picks = validate.choices(rows)
-    assert [(p["batch"], p["picked"], p["best"], p["hit"]) for p in picks] == [(1, "tp2", "ep2", False),
-                                                                                  (8, "tp2", "ep2", True)]
+    assert [(p["gpus"], p["batch"], p["picked"], p["best"], p["hit"]) for p in picks] == [
+        (2, 1, "tp2", "ep2", False), (2, 8, "tp2", "ep2", True), (4, 1, "tp4", "ep4", False)]
 
 
 def test_tune_moe_large_t_candidates_try_short_last_tiles():
