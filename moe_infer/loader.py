@@ -1,6 +1,7 @@
 """``moe_infer.load``: a checkpoint directory, a YAML config or a built-in name -> Engine."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from pathlib import Path
@@ -22,9 +23,11 @@ from moe_infer.tokenizer import Tokenizer
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_config(path_or_name: str | Path | None) -> Config:
+def resolve_config(path_or_name: str | Path | Config | None) -> Config:
     """None or "default": the embedded model; a directory: a Hugging Face checkpoint;
-    a .yaml/.yml file: a YAML config; otherwise a built-in preset name."""
+    a .yaml/.yml file: a YAML config; a ``Config``: itself; otherwise a built-in preset name."""
+    if isinstance(path_or_name, Config):  # a copy: an engine's settings change on it
+        return copy.deepcopy(path_or_name)
     if path_or_name is None:
         return load_preset("default")
     path = Path(path_or_name).expanduser()

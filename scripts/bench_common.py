@@ -11,6 +11,8 @@ pair of events (so host syncs inside the timed function are fine); on CPU it is
 """
 from __future__ import annotations
 
+import dataclasses
+
 import datetime
 import json
 import os
@@ -292,6 +294,18 @@ def _is_number(value: Any) -> bool:
         return True
     except ValueError:
         return False
+
+
+def first_layers(cfg, n: int):
+    """``cfg`` (a ``moe_infer.config.Config``) with only its first ``n`` layers: a model of the
+    real layer shapes that fits one GPU where the whole one does not."""
+    m, e = cfg.model, cfg.moe
+    if not 0 < n <= m.num_layers:
+        raise SystemExit(f"--layers {n}: expected 1 .. {m.num_layers} (the model's layers)")
+    kept = {f: tuple(i for i in getattr(m, f) if i < n) for f in ("sliding_layers", "chunked_layers", "nope_layers")}
+    model = dataclasses.replace(m, num_layers=n, **kept)
+    moe = e and dataclasses.replace(e, dense_layers=tuple(i for i in e.dense_layers if i < n))
+    return dataclasses.replace(cfg, model=model, moe=moe)
 
 
 def results_path(name: str, device: torch.device | str, date: str | None = None) -> Path:

@@ -331,6 +331,12 @@ def print_matrix(cells: list[dict], mm_tflops: float | None) -> None:
           opt(c.get("peer_prefill_s") and 1e3 * c["peer_prefill_s"], ".1f")] for c in cells]))
 
 
+def model_slug(args) -> str:
+    """The model's part of a results file name (``--layers``: its layer count too)."""
+    name = Path(args.model).stem if args.model else "default"
+    return name if args.layers is None else f"{name}-{args.layers}layers"
+
+
 def peer_ms(engine, args, prompts_for: dict) -> tuple[dict, dict, str]:
     """transformers generate() per token (static cache, greedy, no early EOS) and its
     prefill (the call with 2 new tokens less one decode step), for each key of
@@ -403,7 +409,7 @@ def run_matrix(engine, args, lens: list[int], batches: list[int], peer_cells: se
           f"peer: {peer_note}")
     print_matrix(cells, mm)
     if not args.smoke:
-        name = f"decode-matrix-{Path(args.model).stem if args.model else 'default'}{'-int8' if args.quantize else ''}"
+        name = f"decode-matrix-{model_slug(args)}{'-int8' if args.quantize else ''}"
         bc.write_results(name, engine.device, {"run": run, "model": args.model or "default", "args": vars(args),
                                                    "copy_gbs": copy_gbs, "matmul_tflops": mm, "peer": peer_note,
                                                    "cells": cells})
@@ -440,6 +446,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny run (CPU: the static step without a graph)")
     ap.add_argument("--peer", action="store_true", help="also time transformers generate() on the same shape")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep the model's first N layers (its real layer shapes, on one GPU where the whole "
+                         "model does not fit)")
     ap.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights for every linear layer")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel device time of one decode step (first batch size, fast mode) and of "
@@ -460,7 +469,10 @@ def main():
     if any(n < 1 for n in lens) or any(len(c) != 2 for c in peer_cells or ()):
         ap.error(f"--prompt-lens {args.prompt_lens!r} / --peer-cells {args.peer_cells!r}: expected positive token "
                  f"counts / LEN:BATCH pairs")
-    engine = moe_infer.load(args.model, device=args.device, progress=False, quantize=args.quantize)
+    source = args.model
+    if args.layers is not None:
+        source = bc.first_layers(moe_infer.loader.resolve_config(args.model), args.layers)
+    engine = moe_infer.load(source, device=args.device, progress=False, quantize=args.quantize)
     engine.eos = set()  # every timed run decodes its full number of tokens (random weights can hit EOS)
     fast = "graph" if engine.decode_mode == "graph" else "static"
     vocab = engine.config.model.vocab_size
@@ -572,7 +584,7 @@ def main():
                 print(bc.format_table(["µs", "after", "before"],
                                       [[f"{g['us']:.0f}", g["after"], g["before"]] for g in tl["gaps"]]))
     if not args.smoke:
-        name = f"decode-{Path(args.model).stem if args.model else 'default'}{'-int8' if args.quantize else ''}"
+        name = f"decode-{model_slug(args)}{'-int8' if args.quantize else ''}"
         bc.write_results(name, engine.device, {"run": run, "model": args.model or "default", "args": vars(args),
                                                    "copy_gbs": copy_gbs, "peer": peer_note, "rows": rows,
                                                    "profile": profile, "prefill": prefill})

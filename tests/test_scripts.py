@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import moe_infer
+
 ROOT = Path(__file__).resolve().parent.parent
 SMOKES = {
     "bench_moe": (["--smoke", "--no-json"], "routing-graph"),
@@ -248,3 +250,19 @@ def test_scaling_runs_every_world_size_and_predicts_each_row(tmp_path):
     assert "one GPU" in layouts and {"tp2", "ep2", "pp2"} <= layouts
     assert all(r["predicted"] > 0 for r in data["rows"])
 
+
+
+def test_first_layers_keeps_the_layer_shapes_and_the_per_layer_lists_that_still_apply():
+    """bench_decode --layers: a model of the real layer shapes, cut to fit one GPU; the engine
+    loads from the Config object itself."""
+    bc = _script("bench_common")
+    from moe_infer.loader import resolve_config
+
+    cut = bc.first_layers(resolve_config("gpt-oss-20b"), 5)
+    whole = resolve_config("gpt-oss-20b")
+    assert cut.model.num_layers == 5 and cut.model.sliding_layers == tuple(i for i in whole.model.sliding_layers if i < 5)
+    assert cut.model.hidden_size == whole.model.hidden_size and cut.moe == whole.moe
+    engine = moe_infer.load(bc.first_layers(resolve_config("tiny-moe"), 1), device="cpu", progress=False)
+    assert engine.config.model.num_layers == 1 and len(engine.model.layers) == 1
+    with pytest.raises(SystemExit, match="--layers 0"):
+        bc.first_layers(whole, 0)
