@@ -125,6 +125,11 @@ class StepContext:
         return cls(positions, bias, cos, sin)
 
 
+# Extra q / k / v coordinates of a sink attention's SDPA (``Attention._sdpa_sinks``), and the
+# multiple its key count is rounded up to: a multiple of 8 keeps the fused kernels' alignment.
+SINK_PAD = 8
+
+
 class PagedKVCache:
     """Keys and values in fixed-size blocks shared by every sequence (continuous batching):
     [layers, blocks * block_size + 1, KV heads, D]; the last slot takes padding writes.
@@ -299,23 +304,41 @@ class Attention(nn.Module):
                                               is_causal=ctx.causal, enable_gqa=gqa)
 
     def _sdpa_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """SDPA with each head's sink logit: one more key of zeros (its value adds nothing)
-        whose score is the sink, through an additive mask column -> [B, Hq, T, D]."""
+        """SDPA with each head's sink logit -> [B, Hq, T, D]: one more key, of zero value, whose
+        score is the head's sink. q, k and v gain SINK_PAD coordinates, zero but for one: q's
+        holds its head's sink / scale, the sink key's 1, every real key's 0. So the sink varies
+        by head while the mask stays one per row ([B, 1, T, S']), never one per head: a long
+        prompt's mask is T x S, not heads x T x S. Keys past S + 1, masked, round S' up to a
+        multiple of SINK_PAD so the fused kernels take the mask without padding a copy of it."""
         b, hq, t, d = q.shape
-        s = k.shape[2]
+        hkv, s, dv = k.shape[1], k.shape[2], v.shape[-1]
+        pad, width = SINK_PAD, max(d, dv) + SINK_PAD
+        keys = -(-(s + 1) // pad) * pad  # the real keys, the sink, masked padding
         mask = ctx.attn_mask
         if mask is None:  # causal over this step's own keys
             i = torch.arange(t, device=q.device)
             mask = (i[None, :] <= i[:, None])[None, None]
-        if mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        sink = self.sinks.to(q.dtype)[None, :, None, None].expand(b, hq, t, 1)
-        mask = torch.cat([mask.to(q.dtype).expand(b, hq, t, s), sink], dim=-1)
-        zero = k.new_zeros(b, k.shape[1], 1, d)
-        k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
-        if hq != k.shape[1]:
-            k, v = (z.repeat_interleave(hq // k.shape[1], dim=1) for z in (k, v))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if mask.dtype != torch.bool:  # additive: whatever it holds, then 0 (the sink), then -inf
+            extra = torch.full((*mask.shape[:-1], keys - s), float("-inf"), dtype=mask.dtype, device=mask.device)
+            extra[..., 0] = 0
+        else:
+            extra = torch.zeros((*mask.shape[:-1], keys - s), dtype=torch.bool, device=mask.device)
+            extra[..., 0] = True
+        mask = torch.cat([mask, extra], dim=-1)  # [B or 1, 1, T, S']
+        wide = torch.promote_types(q.dtype, torch.float32)
+        sink_col = (self.sinks.to(wide) * d ** 0.5).to(q.dtype)  # the softmax scale is d ** -0.5
+        qs = q.new_zeros(b, hq, t, width)
+        qs[..., :d] = q
+        qs[..., width - 1] = sink_col[None, :, None]
+        ks = k.new_zeros(b, hkv, keys, width)
+        ks[:, :, :s, :d] = k
+        ks[:, :, s, width - 1] = 1
+        vs = v.new_zeros(b, hkv, keys, width)
+        vs[:, :, :s, :dv] = v
+        if hq != hkv:
+            ks, vs = (z.repeat_interleave(hq // hkv, dim=1) for z in (ks, vs))
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=d ** -0.5)
+        return out[..., :dv]
 
     def _paged(self, qkv: torch.Tensor, ctx: StepContext, cache: PagedKVCache, layer: int) -> torch.Tensor:
         """Attention over a ``PagedKVCache`` -> [B, Hq, T, D]. Where the layer is fusable the

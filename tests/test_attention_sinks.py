@@ -1,0 +1,59 @@
+"""Attention sinks (GPT-OSS) outside the decode kernel: ``Attention._sdpa_sinks`` against the
+softmax written out with the sink column, for every mask a step passes, and with a mask of one
+row's size, never one per head (a long prompt's prefill would hold heads x T x S of it)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dense.attention import Attention, StepContext
+
+
+def _sink_attention(heads, head_dim, seed=0):
+    cfg = SimpleNamespace(head_dim=head_dim, num_heads=heads[0], num_kv_heads=heads[1], hidden_size=4 * head_dim,
+                          qkv_bias=True, out_bias=True, qk_norm=None, norm_eps=1e-6, clip_qkv=None,
+                          attention_sinks=True)
+    attn = Attention(cfg).double()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        attn.sinks.normal_(0, 2.0)
+    return attn
+
+
+def _reference(q, k, v, sinks, allowed):
+    """softmax([scores, sink]) @ [v, 0] in float64; ``allowed`` [B or 1, 1, T, S] bool."""
+    hq, hkv = q.shape[1], k.shape[1]
+    k, v = (z.repeat_interleave(hq // hkv, dim=1) for z in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks[None, :, None, None].expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return weights @ v
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("mask", ["causal", "bool", "additive"])
+def test_sink_attention_equals_the_softmax_with_a_sink_column(heads, mask, monkeypatch):
+    attn = _sink_attention(heads, head_dim=16)
+    b, t, s, d = 3, 5, 5 if mask == "causal" else 11, 16
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(b, heads[0], t, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, heads[1], s, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    if mask == "causal":
+        allowed = torch.ones(t, s, dtype=torch.bool).tril()[None, None]
+        ctx = StepContext(None, None, None, None, causal=True)
+    else:
+        allowed = torch.rand(b, 1, t, s, generator=gen) < 0.6
+        allowed[..., 0] = True  # every query sees a key (a row of none is the sink's alone: also fine)
+        given = allowed if mask == "bool" else torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(
+            ~allowed, float("-inf"))
+        ctx = StepContext(None, given, None, None)
+    shapes = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: shapes.append(kw["attn_mask"].shape) or real(*a, **kw))
+    got = attn._sdpa_sinks(q, k, v, ctx)
+    want = _reference(q, k, v, attn.sinks.detach().double(), allowed)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert len(shapes) == 1 and shapes[0][1] == 1, shapes  # one mask row per sequence, not per head
