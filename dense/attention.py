@@ -145,11 +145,24 @@ class PagedKVCache:
         """``v_dim``: the values' width where it is not ``head_dim`` (0: keys alone, as latent
         attention caches them)."""
         shape = (num_layers, num_blocks * block_size + 1, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(*shape[:-1], head_dim if v_dim is None else v_dim, dtype=dtype, device=device)
+        self.num_layers = num_layers
+        self.k, self.v = self._allocate(shape, head_dim if v_dim is None else v_dim, dtype, torch.device(device))
         self.num_blocks, self.block_size = num_blocks, block_size
         self.trash = num_blocks * block_size
         self.write_slots = self.read_slots = None
+
+    def _allocate(self, shape: tuple, v_dim: int, dtype: torch.dtype, device: torch.device):
+        """-> the key and value pools of every layer, [layers, slots, KV heads, D / v_dim]."""
+        return (torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(*shape[:-1], v_dim, dtype=dtype, device=device))
+
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s key and value pools [slots, KV heads, D], on the device, for this
+        step's attention to read and write in place."""
+        return self.k[layer], self.v[layer]
+
+    def finish_step(self) -> None:
+        """After a forward (``OffloadedKVCache``: its keys back to host memory)."""
 
     def slots(self, table: list[int], start: int, stop: int) -> list[int]:
         """Flat slots of a sequence's tokens start .. stop - 1."""
@@ -174,13 +187,15 @@ class PagedKVCache:
         """Stores k, v [B, KV heads, T, D] at the step's write slots."""
         b, h, t, d = k.shape
         slots = self.write_slots.reshape(-1)
-        self.k[layer].index_copy_(0, slots, k.transpose(1, 2).reshape(b * t, h, d))
-        self.v[layer].index_copy_(0, slots, v.transpose(1, 2).reshape(b * t, h, v.shape[-1]))
+        k_pool, v_pool = self.pools(layer)
+        k_pool.index_copy_(0, slots, k.transpose(1, 2).reshape(b * t, h, d))
+        v_pool.index_copy_(0, slots, v.transpose(1, 2).reshape(b * t, h, v.shape[-1]))
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's keys and values [B, KV heads, S, D] in token order, gathered into a copy
         (where no kernel reads the pool in place)."""
-        return self.k[layer][self.read_slots].transpose(1, 2), self.v[layer][self.read_slots].transpose(1, 2)
+        k_pool, v_pool = self.pools(layer)
+        return k_pool[self.read_slots].transpose(1, 2), v_pool[self.read_slots].transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -349,7 +364,7 @@ class Attention(nn.Module):
         from its values."""
         b, t, _ = qkv.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        k_pool, v_pool = cache.k[layer], cache.v[layer]
+        k_pool, v_pool = cache.pools(layer)
         if self.fusable and self.sharded_norm:
             qkv = self._prenorm(qkv)
         if (t == 1 and self.fusable and self.options.fused_decode_attention

@@ -81,7 +81,12 @@ def _link(device: torch.device, small: int, large: int, reps: int) -> Link | Non
     t_large = timed(large)
     steps = 2 * (p - 1)
     beta = steps * large / p / max(t_large - steps * alpha, 1e-9) / 1e9
-    return Link(alpha_us=round(alpha * 1e6, 2), gbps=round(beta, 1))
+    return Link(alpha_us=_figure(alpha * 1e6), gbps=_figure(beta))
+
+
+def _figure(x: float) -> float:
+    """A measured figure to three significant digits: a slow machine's rates stay above zero."""
+    return float(f"{x:.3g}")
 
 
 def _slowest(value: float, device: torch.device) -> float:
@@ -118,9 +123,9 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
         network = link
     sources.append("per-block overhead not measured: 15 us")
     return Hardware(name=name or kind.lower().replace(" ", "-"), memory_gb=round(memory_gb, 1),
-                    mem_gbps=round(_copy_gbps(device, big, reps), 1),
-                    matmul_tflops={"bfloat16": round(bf16, 2), "int8": round(int8 if int8 else bf16, 2)},
+                    mem_gbps=_figure(_copy_gbps(device, big, reps)),
+                    matmul_tflops={"bfloat16": _figure(bf16), "int8": _figure(int8 if int8 else bf16)},
                     nvlink=link, network=network, gpus_per_node=dist.get_world_size() if dist.is_initialized() else 1,
-                    layer_overhead_us=15.0, h2d_gbps=round(_h2d_gbps(device, big, reps), 1),
-                    cpu_matmul_gbps=round(_cpu_matmul_gbps(*((512, 1024) if smoke else (14336, 4096)), reps), 1),
+                    layer_overhead_us=15.0, h2d_gbps=_figure(_h2d_gbps(device, big, reps)),
+                    cpu_matmul_gbps=_figure(_cpu_matmul_gbps(*((512, 1024) if smoke else (14336, 4096)), reps)),
                     source="; ".join(sources) + f" ({kind}, {time.strftime('%Y-%m-%d')})")

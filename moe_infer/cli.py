@@ -51,6 +51,9 @@ def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
     src.add_argument("--offload-dir",
                      help="memory-map the weights kept in host memory from files in this directory (for "
                           "hosts whose memory cannot hold them)")
+    src.add_argument("--kv-offload", action="store_true", default=None,
+                     help="keep the KV cache in host memory, each layer's copied in as it runs (batches whose "
+                          "cache the GPU cannot hold)")
     src.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                      help="weight and activation dtype (default: bfloat16 on GPU, float32 on CPU)")
     par = parser.add_argument_group("parallelism (launch with scripts/launch.sh -n N -- moe-infer ...)")
@@ -229,7 +232,8 @@ def _generate(args, job: Job) -> int:
         parallel = job.stage(_default_layout, job.size, args.model)
     engine = job.stage(load, args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
                        parallel=parallel, quantize=args.quantize, gpu_memory_gb=args.gpu_memory_gb,
-                       offload=args.offload, offload_dir=args.offload_dir, hardware=args.hardware)
+                       offload=args.offload, offload_dir=args.offload_dir, hardware=args.hardware,
+                       kv_offload=args.kv_offload)
     if engine.auto_layout and job.leader and not args.quiet:
         print(f"moe-infer: {engine.auto_layout}", file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -331,7 +335,8 @@ def _serve(args, job: Job) -> int:
         spec.checkpoint = args.checkpoint
     spec.engine.update({k: v for k, v in (("device", args.device), ("dtype", args.dtype),
                                           ("quantize", args.quantize), ("gpu_memory_gb", args.gpu_memory_gb),
-                                          ("offload", args.offload), ("offload_dir", args.offload_dir))
+                                          ("offload", args.offload), ("offload_dir", args.offload_dir),
+                                          ("kv_offload", args.kv_offload))
                         if v is not None})
     if args.hardware is not None:
         spec.engine["hardware"] = args.hardware

@@ -394,6 +394,9 @@ class EngineConfig:
     # RAM, for hosts whose memory cannot hold them: the operating system reads them from
     # disk as calls need them. None: in RAM (pinned on a GPU host).
     offload_dir: str | None = None
+    # The KV cache in host memory (pinned on a GPU), each layer's copied in as it runs, for
+    # batches whose cache the device cannot hold (``dense.kv_offload``); steps run eagerly.
+    kv_offload: bool = False
     # The cost model's hardware profile for ``parallel: auto``: a shipped name (moe_infer/
     # hardware/) or a YAML from ``moe-infer calibrate``; None: the shipped profile of this GPU.
     hardware: str | None = None
@@ -421,7 +424,7 @@ class EngineConfig:
             _fail(f"{s}.prefetch_layers", v, "an integer >= 0")
         if self.quantize is not None:
             _check_choice(s, self, "quantize", ("int8",))
-        for name in ("cuda_graphs", "pdl", "fused_decode_attention"):
+        for name in ("cuda_graphs", "pdl", "fused_decode_attention", "kv_offload"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{s}.{name}", getattr(self, name), "true or false")
         if self.max_seq_len is not None:

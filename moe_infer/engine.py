@@ -118,9 +118,9 @@ class Engine:
         # shapes grow with the cache (any device, any layout).
         nccl = not (dist.is_initialized() and dist.get_world_size() > 1) or dist.get_backend() == "nccl"
         # Offloaded experts wait for the host in every call (which pairs are cold); streamed
-        # layers run on weights that move.
+        # layers run on weights that move, an offloaded KV cache on pools that move.
         self.offloaded = config.engine.gpu_memory_gb is not None
-        moving = self.offloaded or config.engine.offload == "layers"
+        moving = self.offloaded or config.engine.offload == "layers" or config.engine.kv_offload
         graphs = self.device.type == "cuda" and nccl and config.engine.cuda_graphs and not moving
         self.decode_mode = "graph" if graphs else "eager"
         self.graph_primers = GRAPH_PRIMERS  # graphs made before the first decode step's (0: none)
@@ -145,7 +145,8 @@ class Engine:
         if r is None or r.cache.num_blocks < blocks or r.max_batch < batch or r.graph != graph:
             self.runner = None
             r = self.runner = PagedRunner(self, 1 << (blocks - 1).bit_length(), self.BLOCK_SIZE, batch)
-        r.static = self.decode_mode != "eager"
+        # (an offloaded KV cache's steps end on the host: no fixed-shape step runs them)
+        r.static = self.decode_mode != "eager" and not self.config.engine.kv_offload
         return r
 
     # ----------------------------------------------------------------- inputs

@@ -117,7 +117,7 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
          dtype: str | torch.dtype | None = None, parallel: ParallelConfig | str | None = None,
          checkpoint: str | Path | None = None, progress: bool = True, quantize: str | None = None,
          gpu_memory_gb: float | None = None, offload: str | None = None, offload_dir: str | None = None,
-         hardware: str | None = None) -> Engine:
+         hardware: str | None = None, kv_offload: bool | None = None) -> Engine:
     """Builds an inference engine. See ``resolve_config`` for what ``path_or_name`` may be;
     ``checkpoint`` takes the model and weights from a Hugging Face directory instead, keeping
     the engine and parallel settings of ``path_or_name`` when that is given too. ``parallel``
@@ -134,9 +134,10 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         cfg = resolve_config(path_or_name)
     # EngineConfig fields applied at load: quantize ("int8": weight-only int8), the device's
     # weight budget and how offloaded experts run (``moe_infer.offload``), the cost model's
-    # hardware profile (``parallel: auto``).
+    # hardware profile (``parallel: auto``), the KV cache in host memory (``kv_offload``).
     given = {k: v for k, v in (("quantize", quantize), ("gpu_memory_gb", gpu_memory_gb), ("offload", offload),
-                               ("offload_dir", offload_dir), ("hardware", hardware)) if v is not None}
+                               ("offload_dir", offload_dir), ("hardware", hardware), ("kv_offload", kv_offload))
+             if v is not None}
     if given:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **given))
     auto_note = None

@@ -104,7 +104,9 @@ def memory_need(cfg: Config, dtype: torch.dtype, model=None, int8: bool | None =
             staging = max(staging, w.numel() * size)
     weights = sum(stored.get(id(p), p.numel() * size) for p in model.parameters())
     m = cfg.model
-    kv_per_token = m.num_layers * model.num_kv_heads * sum(m.kv_widths) * size
+    # (an offloaded KV cache: two layers' pools on the device, whatever the model's depth)
+    layers = min(2, m.num_layers) if cfg.engine.kv_offload else m.num_layers
+    kv_per_token = layers * model.num_kv_heads * sum(m.kv_widths) * size
     return MemoryNeed(weights, kv_per_token, cfg.max_seq_len, staging)
 
 

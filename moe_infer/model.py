@@ -204,8 +204,10 @@ class Transformer(nn.Module):
     def make_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         m = self.cfg.model
         k, v = m.kv_widths
-        return PagedKVCache(len(self.own), num_blocks, block_size, self.num_kv_heads, k, self.anchor.dtype,
-                            self.device, v)
+        kind = PagedKVCache
+        if self.cfg.engine.kv_offload:
+            from dense.kv_offload import OffloadedKVCache as kind
+        return kind(len(self.own), num_blocks, block_size, self.num_kv_heads, k, self.anchor.dtype, self.device, v)
 
     def rotary_tables(self, slots: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary cos / sin rows of positions 0 .. slots - 1, computed once for a static

@@ -453,8 +453,11 @@ class PagedRunner:
             tokens[at, slot] = self.prev[src]
         model = (lambda *a, **k: self.model.stage_forward(*a, **k, hidden=hidden)) if stage else self.model
         if fresh and last_only:
-            return model(tokens, ctx, self.cache, last=to_device(last, dev))
-        return model(tokens, ctx, self.cache, last_only=last_only)
+            out = model(tokens, ctx, self.cache, last=to_device(last, dev))
+        else:
+            out = model(tokens, ctx, self.cache, last_only=last_only)
+        self.cache.finish_step()
+        return out
 
 
 def to_device(data: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -19,6 +19,10 @@ The peer: transformers' ``generate()`` on a model of the same shape placed by ac
 (``device_map="auto"``, ``max_memory`` = the budget on the GPU, the rest in CPU memory).
 ``--layers-batches``: ZeRO-Inference mode (``engine.offload: layers``), prefill tokens/s and
 TFLOP/s at large batches against the bf16 matmul rate measured in the same run.
+``--kv-batches``: the KV cache in host memory (``engine.kv_offload``), decode ms per step at
+each batch beside the same batch with the cache on the device (where it fits) and the floor
+of the cache's trips: its whole pools in, the written slots out, over the pinned
+host-to-device bandwidth measured in this run.
 Writes bench/results/offload-<model>-<device>-<date>.json.
 """
 from __future__ import annotations
@@ -117,6 +121,38 @@ def peer_ms(model_name: str, budget_gb: float, prompts, n: int) -> float | None:
     return 1e3 * (run(n + 1) - run(2)) / (n - 1)
 
 
+def kv_rows(args, device, prompts_of) -> list[dict]:
+    """Decode with the KV cache in host memory at each of ``--kv-batches``, beside the cache on
+    the device (None where it does not fit) and the floor of the cache's trips."""
+    out = []
+    for b in [int(x) for x in args.kv_batches.split(",")]:
+        row = {"batch": b}
+        for kv_offload in (True, False):
+            engine = moe_infer.load(args.model, device=device, progress=False, kv_offload=kv_offload)
+            engine.eos = set()
+            ps = prompts_of(engine, b, args.prompt_len)
+            try:
+                ms = decode_step_ms(engine, ps, args.new_tokens, args.reps)
+            except torch.OutOfMemoryError:
+                ms = None
+            if kv_offload:
+                cache, m = engine.runner.cache, engine.config.model
+                pools = cache.host_k.numel() * cache.host_k.element_size() + \
+                    cache.host_v.numel() * cache.host_v.element_size()
+                per_token = pools / cache.host_k.shape[1]  # every layer's keys and values of one slot
+                h2d = off.MachineProfile.measure(engine.device, engine.dtype, m.hidden_size,
+                                                 m.hidden_size).h2d_bytes_s
+                row.update(ms_per_token=ms, cache_gb=pools / 1e9, floor_ms=1e3 * (pools + b * per_token) / h2d)
+            else:
+                row["device_ms_per_token"] = ms
+            del engine
+            gc.collect()
+            bc.empty_cache(device or "cuda")
+        out.append(row)
+        print(f"kv offload batch {b}: {row['ms_per_token']:.3f} ms/token", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="mixtral-8x7b", help="a preset name or config YAML (random weights)")
@@ -132,6 +168,7 @@ def main():
                     help="ZeRO-Inference (offload: layers): prefill throughput at these batches of "
                          "--layers-prompt-len prompts, against the matmul rate")
     ap.add_argument("--layers-prompt-len", type=int, default=512)
+    ap.add_argument("--kv-batches", default="", help="batches to decode with the KV cache in host memory")
     ap.add_argument("--peer", action="store_true", help="transformers + accelerate at each budget (GPU)")
     ap.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, every mode, few tokens")
     ap.add_argument("--no-json", action="store_true")
@@ -140,7 +177,7 @@ def main():
     if args.smoke:
         args.model, args.budgets, args.batches, args.new_tokens, args.reps = "tiny-moe", "0.0016", "1,4", 4, 1
         args.prefill, args.prompt_len, args.all_gpu, device = "2x16", 8, True, "cpu"
-        args.layers_batches, args.layers_prompt_len = "2,4", 16
+        args.layers_batches, args.layers_prompt_len, args.kv_batches = "2,4", 16, "2,4"
     gen = torch.Generator().manual_seed(0)
     rows, width = map(int, args.prefill.split("x"))
     rows_out = []
@@ -185,6 +222,7 @@ def main():
                            "matmul_tflops": rate})
             print(f"layers batch {b}: {tps:.0f} tokens/s, {tflops:.1f} TFLOP/s", flush=True)
         del engine
+    kv = kv_rows(args, device, prompts_of) if args.kv_batches else []
     if args.peer and not args.smoke:
         for budget in {r["budget_gb"] for r in rows_out if r["budget_gb"] is not None}:
             b = 1
@@ -211,9 +249,16 @@ def main():
         print(bc.format_table(["batch", "tokens/s", "TFLOP/s", "% of matmul"],
                               [[r["batch"], f"{r['tokens_s']:.0f}", f"{r['tflops']:.1f}",
                                 f"{100 * r['tflops'] / r['matmul_tflops']:.0f}"] for r in layers]))
+    if kv:
+        print(f"KV cache in host memory (engine.kv_offload), {args.prompt_len}-token prompts: decode ms/token")
+        print(bc.format_table(["batch", "cache GB", "host cache", "device cache", "floor", "x floor"],
+                              [[r["batch"], f"{r['cache_gb']:.2f}", f"{r['ms_per_token']:.3f}",
+                                opt(r["device_ms_per_token"], ".3f"), f"{r['floor_ms']:.3f}",
+                                f"{r['ms_per_token'] / r['floor_ms']:.2f}"] for r in kv]))
     if not args.no_json and not args.smoke:
         bc.write_results(f"offload-{Path(args.model).stem}", device or "cuda",
-                         {"run": run, "model": args.model, "args": vars(args), "rows": rows_out, "layers": layers})
+                         {"run": run, "model": args.model, "args": vars(args), "rows": rows_out, "layers": layers,
+                          "kv_offload": kv})
 
 
 if __name__ == "__main__":

@@ -55,6 +55,20 @@ def test_serve_takes_checkpoint_dtype_quantize_and_layout(served):
     assert engine.config.parallel.pcc is False and spec.parallel["tp"] == 1
 
 
+def test_serve_and_generate_take_kv_offload(served, monkeypatch, capsys):
+    spec, engine = served("--model", "tiny-moe", "--device", "cpu", "--kv-offload")
+    assert engine.config.engine.kv_offload is True and spec.engine["kv_offload"] is True
+    spec, engine = served("--model", "tiny-moe", "--device", "cpu")
+    assert engine.config.engine.kv_offload is False
+    import moe_infer.loader as loader
+
+    loaded = []
+    real = loader.load
+    monkeypatch.setattr(loader, "load", lambda *a, **kw: loaded.append(real(*a, **kw)) or loaded[-1])
+    assert cli.main(["generate", "--model", "tiny-moe", "--prompt-ids", "1,2,3", "--kv-offload", "--quiet"]) == 0
+    assert loaded[0].config.engine.kv_offload and type(loaded[0].runner.cache).__name__ == "OffloadedKVCache"
+
+
 def test_serve_flags_override_a_serve_yaml(served, tmp_path):
     yaml_file = tmp_path / "serve.yaml"
     yaml_file.write_text("model: default\nengine: {max_batch_size: 4}\nserver: {port: 9000}\n")

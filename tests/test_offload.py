@@ -171,8 +171,10 @@ def test_the_runner_re_places_offloaded_experts_every_few_steps(full, monkeypatc
     assert len(calls) == 8 // 3 and all(m is engine.model for m in calls)
 
 
-def test_the_server_runs_an_offloaded_model(full):
-    """Experts in host memory behind the OpenAI server: the tokens of the unbounded model."""
+@pytest.mark.parametrize("what", ["experts", "kv"])
+def test_the_server_runs_an_offloaded_model(full, what):
+    """Experts (or the KV cache) in host memory behind the OpenAI server: the tokens of the
+    unbounded model."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
     from test_server import LiveServer
@@ -180,9 +182,12 @@ def test_the_server_runs_an_offloaded_model(full):
     from moe_infer.server import ServerConfig, create_app
 
     fixed, one = budgets(full)
-    engine = moe_infer.load("tiny-moe", progress=False, device="cpu",
-                            gpu_memory_gb=fixed + 2 * one / 1e9, offload="auto")
-    engine.REBALANCE_STEPS = 4  # experts move while it serves
+    if what == "kv":
+        engine = moe_infer.load("tiny-moe", progress=False, device="cpu", kv_offload=True)
+    else:
+        engine = moe_infer.load("tiny-moe", progress=False, device="cpu",
+                                gpu_memory_gb=fixed + 2 * one / 1e9, offload="auto")
+        engine.REBALANCE_STEPS = 4  # experts move while it serves
     live = LiveServer(create_app(engine, ServerConfig(model_name="tiny")))
     try:
         for prompt in PROMPTS:
@@ -236,3 +241,55 @@ def test_offloaded_bf16_on_a_gpu_is_as_close_to_float32_as_the_whole_model(full,
     assert rel_err(engine.logits(PROMPTS), ref) <= bound
     out = engine.generate(PROMPTS, max_new_tokens=8)
     assert all(len(o.token_ids) == 8 or o.finish_reason == "stop" for o in out)
+
+
+@pytest.mark.parametrize("source", ["tiny-moe", "deepseek_v3", "gpt_oss"])
+def test_an_offloaded_kv_cache_gives_the_tokens_and_the_pools_of_the_device_cache(source, tmp_path):
+    """engine.kv_offload: the keys and values in host memory, two layers' pools on the
+    "device" -- the same tokens as the cache on the device (prompts prefilled in pieces,
+    decode steps, latent attention's one-pool cache, sliding layers and sinks), and the
+    same keys in the host pools afterwards."""
+    if source != "tiny-moe":
+        from hf_models import save_hf_model
+
+        save_hf_model(source, tmp_path)
+        source = tmp_path
+    kw = dict(device="cpu", dtype=torch.float32, progress=False)
+    plain, offloaded = moe_infer.load(source, **kw), moe_infer.load(source, **kw, kv_offload=True)
+    prompts = PROMPTS + [[(7 * i) % 50 + 1 for i in range(23)]]
+    for engine in (plain, offloaded):
+        engine.config.engine.prefill_tokens = 24  # the long prompt in pieces beside the others
+    want = [o.token_ids for o in plain.generate(prompts, max_new_tokens=6)]
+    assert [o.token_ids for o in offloaded.generate(prompts, max_new_tokens=6)] == want
+    cache, ref = offloaded.runner.cache, plain.runner.cache
+    assert cache.k.shape[0] == 2 < cache.host_k.shape[0] == ref.k.shape[0]
+    torch.testing.assert_close(cache.host_k[:, :-1], ref.k[:, :-1])  # (the last slot takes padding)
+    torch.testing.assert_close(cache.host_v[:, :-1], ref.v[:, :-1])
+
+
+def test_an_offloaded_kv_cache_is_read_in_layer_order():
+    from dense.kv_offload import OffloadedKVCache
+
+    cache = OffloadedKVCache(3, 2, 4, 1, 8, torch.float32, "cpu")
+    slots = torch.tensor([[0]])
+    cache.use_slots(slots, slots)
+    cache.pools(0), cache.pools(1), cache.pools(1)  # (a layer may ask twice: latent attention)
+    with pytest.raises(RuntimeError, match="layer 0 after layer 1"):
+        cache.pools(0)
+    with pytest.raises(IndexError, match="layers 0 .. 2"):
+        cache.pools(3)
+
+
+@pytest.mark.gpu
+def test_an_offloaded_kv_cache_on_a_gpu_gives_the_device_caches_tokens():
+    """The copy stream, the two device buffers taking the layers in turn and the pinned
+    write-back: in float32 (no bf16 ties), the tokens and keys of the cache on the device."""
+    kw = dict(device="cuda", dtype=torch.float32, progress=False)
+    plain, offloaded = moe_infer.load("tiny-moe", **kw), moe_infer.load("tiny-moe", **kw, kv_offload=True)
+    plain.decode_mode = "eager"  # the same forwards on both
+    prompts = PROMPTS * 3
+    want = [o.token_ids for o in plain.generate(prompts, max_new_tokens=12)]
+    assert [o.token_ids for o in offloaded.generate(prompts, max_new_tokens=12)] == want
+    cache, ref = offloaded.runner.cache, plain.runner.cache
+    assert cache.host_k.is_pinned() and cache.k.is_cuda and cache.k.shape[0] == 2
+    torch.testing.assert_close(cache.host_k[:, :-1], ref.k[:, :-1].cpu(), rtol=1e-5, atol=1e-6)
