@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.moe.mxfp4 import GROUP, quantize_mxfp4
 from kernels.moe.reference import ACTIVATIONS, GATED, fused_moe_ref, quantize_int8
 
 
@@ -41,16 +42,24 @@ def _check_experts(x, w13, w2, activation, w13_scale, w2_scale):
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"w13 / w2: expected [E, 2F, H] / [E, H, F], got "
                          f"{list(w13.shape)} / {list(w2.shape)}")
-    e, f = w2.shape[0], w2.shape[2]
+    if (w13.dtype == torch.uint8) != (w2.dtype == torch.uint8):
+        raise ValueError(f"w13 {w13.dtype} / w2 {w2.dtype}: expected both MXFP4 (uint8) or neither")
+    packs = 2 if w13.dtype == torch.uint8 else 1  # MXFP4: two weights a byte along K
+    e, f = w2.shape[0], w2.shape[2] * packs
     rows13 = 2 * f if activation in GATED else f
-    if tuple(w13.shape) != (e, rows13, h) or w2.shape[1] != h:
+    if tuple(w13.shape) != (e, rows13, h // packs) or w2.shape[1] != h or h % packs:
         raise ValueError(f"w13 {list(w13.shape)} / w2 {list(w2.shape)}: expected "
-                         f"[E, {'2F' if activation in GATED else 'F'}, H={h}] / [E, H={h}, F]")
+                         f"[E, {'2F' if activation in GATED else 'F'}, H={h}{' / 2' * (packs > 1)}] / "
+                         f"[E, H={h}, F{' / 2' * (packs > 1)}]")
     for name, w, s in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
-        if (w.dtype == torch.int8) != (s is not None):
-            raise ValueError(f"{name}_scale: expected per-channel scales exactly when {name} is int8")
-        if s is not None and tuple(s.shape) != tuple(w.shape[:2]):
-            raise ValueError(f"{name}_scale {list(s.shape)}: expected {list(w.shape[:2])}")
+        if (w.dtype in (torch.int8, torch.uint8)) != (s is not None):
+            raise ValueError(f"{name}_scale: expected scales exactly when {name} is int8 or MXFP4 (uint8)")
+        if s is None:
+            continue
+        want = (*w.shape[:2], w.shape[2] * 2 // GROUP) if w.dtype == torch.uint8 else tuple(w.shape[:2])
+        if tuple(s.shape) != want or (w.dtype == torch.uint8) != (s.dtype == torch.uint8):
+            raise ValueError(f"{name}_scale {list(s.shape)} {s.dtype}: expected {list(want)} "
+                             f"{'uint8 (E8M0 group scales)' if w.dtype == torch.uint8 else 'per-channel floats'}")
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -64,7 +73,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     w13 [E, 2F, H] holds each expert's gate rows then up rows (Hugging Face / vLLM layout;
     [E, F, H] for the plain GeLU experts of GPT-style models), w2 [E, H, F]. int8 weights
     come with per-output-channel scales ``w13_scale [E, 2F]``, ``w2_scale [E, H]``
-    (``quantize_int8``). ``capacity`` drops pairs past that many per expert (None: dropless).
+    (``quantize_int8``); MXFP4 weights (uint8, two a byte: w13 [E, 2F, H / 2], w2 [E, H, F / 2])
+    with group scales ``w13_scale [E, 2F, H / 32]``, ``w2_scale [E, H, F / 32]`` uint8
+    (``quantize_mxfp4``). ``capacity`` drops pairs past that many per expert (None: dropless).
     ``maps`` (from ``route``) saves recomputing the maps of ``topk_ids`` on a GPU. ``pdl``: the
     GPU kernels launch with programmatic dependent launch where the device has it
     (``kernels.pdl``; every op here takes it). ``masked``: a pair whose expert id is negative
@@ -84,4 +95,4 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          b13, b2, weighted_input)
 
 
-__all__ = ["fused_moe", "quantize_int8"]
+__all__ = ["fused_moe", "quantize_int8", "quantize_mxfp4"]

@@ -35,6 +35,8 @@ cannot do, so A always loads through pointers.
 
 int8 weights carry per-output-channel scales: the tile is widened to the activation
 dtype before the dot and the scale multiplies the accumulator once, in the epilogue.
+MXFP4 weights (``kernels.moe.mxfp4``) come two a byte with a power-of-two scale per 32 along
+K: each tile's codes are decoded and scaled in registers before the dot.
 """
 from __future__ import annotations
 
@@ -47,14 +49,38 @@ from kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
+def _e2m1(code):
+    """4-bit E2M1 codes (sign in bit 3) -> float32: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives."""
+    c = code.to(tl.int32)
+    ex = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    mag = tl.where(ex == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((ex - 1).to(tl.float32)))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _mxfp4_tile(w_cols, s_cols, k0, K, col_ok, BK: tl.constexpr, BN: tl.constexpr):
+    """[BK, BN] float32 weights k0 .. k0 + BK of an MXFP4 tile: w_cols / s_cols [1, BN] point at
+    each output row's packed bytes [K / 2] and group scales [K / 32] (BK a multiple of 32)."""
+    kb = k0 // 2 + tl.arange(0, BK // 2)
+    p = tl.load(w_cols + kb[:, None], mask=(kb < K // 2)[:, None] & col_ok[None, :], other=0)  # [BK / 2, BN]
+    pairs = tl.join(_e2m1(p & 15), _e2m1(p >> 4))  # [BK / 2, BN, 2]: the even K index in the low nibble
+    v = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BK, BN))
+    kg = k0 // 32 + tl.arange(0, BK // 32)
+    sc = tl.load(s_cols + kg[:, None], mask=(kg < K // 32)[:, None] & col_ok[None, :], other=127)
+    scale = tl.exp2(sc.to(tl.float32) - 127.0)  # [BK / 32, BN]: E8M0
+    return tl.reshape(tl.reshape(v, (BK // 32, 32, BN)) * scale[:, None, :], (BK, BN))
+
+
+@triton.jit
 def _gemm_tile(
     a_ptr, row_pair_ptr, w_ptr, scale_ptr, bias_ptr, offsets_ptr, pair_w_ptr, out_ptr,
     N_OUT, K, W_ROWS, e, ids, r0, hi, pid_n, pid_k,
-    stride_a, stride_we, stride_wn, stride_se, stride_be, stride_os, stride_om,
+    stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_os, stride_om,
     TOPK: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr, FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
+    ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, MXFP4_W: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
     WEIGHT_FIRST: tl.constexpr,
 ):
     """One [TM, BN] output tile of expert e: buffer rows r0 .. min(r0 + TM, hi) (FROM_IDS:
@@ -82,6 +108,8 @@ def _gemm_tile(
         w_row = e * W_ROWS + pid_n * BN
     else:
         w_base = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    if MXFP4_W:  # each output row's group scales
+        s_cols = scale_ptr + e.to(tl.int64) * stride_se + cols[None, :].to(tl.int64) * stride_sn
     acc = tl.zeros([TM, BN], dtype=tl.float32)
     acc_up = tl.zeros([TM, BN], dtype=tl.float32)
     for k0 in range(0, k_span, BK):
@@ -95,13 +123,20 @@ def _gemm_tile(
             a = a.to(tl.float32)
         # int8 weights widen to the activation dtype (exact up to 127). Columns past N_OUT
         # (and, by TMA, K past the end, zero-filled) only reach masked outputs.
-        if W_TMA:
+        # MXFP4 weights widen to float32 (scaled by their groups' powers of two), then to
+        # the activation dtype (exact: a code times a power of two).
+        if MXFP4_W:
+            b = _mxfp4_tile(w_base, s_cols, k_lo + k0, K, col_ok, BK, BN).to(a.dtype)
+        elif W_TMA:
             b = w_ptr.load([w_row, k_lo + k0]).T.to(a.dtype)
         else:
             b = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0).to(a.dtype)
         acc += tl.dot(a, b, input_precision="ieee" if IEEE else None)
         if GATED:
-            if W_TMA:
+            if MXFP4_W:
+                b_up = _mxfp4_tile(w_base + N_OUT * stride_wn, s_cols + N_OUT * stride_sn, k_lo + k0, K, col_ok,
+                                   BK, BN).to(a.dtype)
+            elif W_TMA:
                 b_up = w_ptr.load([w_row + N_OUT, k_lo + k0]).T.to(a.dtype)
             else:
                 b_up = tl.load(w_base + N_OUT * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
@@ -143,8 +178,8 @@ def _gemm_tile(
 def _grouped_gemm_kernel(
     a_ptr,  # [*, K] activations: x [T, H] (A_FROM_TOKENS) or the buffer [N, K]
     row_pair_ptr,  # [N] int32 pair held by each buffer row (token = pair // TOPK)
-    w_ptr,  # [E, W_ROWS, K] weights, K contiguous (W_TMA: a descriptor over [E * W_ROWS, K])
-    scale_ptr,  # [E, W_ROWS] float32 per-output-channel scales (INT8_W only)
+    w_ptr,  # [E, W_ROWS, K] weights, K contiguous (W_TMA: a descriptor over [E * W_ROWS, K]; MXFP4_W: K / 2 bytes)
+    scale_ptr,  # [E, W_ROWS] float32 per-output-channel scales (INT8_W); [E, W_ROWS, K / 32] uint8 (MXFP4_W)
     bias_ptr,  # [E, W_ROWS] per-output-channel biases (HAS_BIAS only)
     offsets_ptr,  # [E + 1] int32 expert segments of the buffer; FROM_IDS: [N] int32 expert of each pair
     pair_w_ptr,  # [T * TOPK] float32 combine weight of each pair (ROW_WEIGHT only)
@@ -152,12 +187,12 @@ def _grouped_gemm_kernel(
     N_OUT, K, W_ROWS,  # output columns (F for gated up: gate rows, then up rows at +F)
     N_ROWS,  # pairs (FROM_IDS only)
     M_TILES, GROUP_M,  # row tiles in the grid; row tiles per group of the tile order
-    stride_a, stride_we, stride_wn, stride_se, stride_be, stride_os, stride_om,
+    stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_os, stride_om,
     E: tl.constexpr, E_PAD: tl.constexpr, TOPK: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, SUB_M: tl.constexpr,
     A_FROM_TOKENS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr, FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
+    ROW_WEIGHT: tl.constexpr, INT8_W: tl.constexpr, MXFP4_W: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, FROM_IDS: tl.constexpr, EVEN_K: tl.constexpr, W_TMA: tl.constexpr,
     WEIGHT_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -205,18 +240,18 @@ def _grouped_gemm_kernel(
             fit += (hi - r0 <= BM // 4).to(tl.int32)
     args = (a_ptr, row_pair_ptr, w_ptr, scale_ptr, bias_ptr, offsets_ptr, pair_w_ptr, out_ptr,
             N_OUT, K, W_ROWS, e, ids, r0, hi, pid_n, pid_k,
-            stride_a, stride_we, stride_wn, stride_se, stride_be, stride_os, stride_om)
+            stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_os, stride_om)
     if fit == 0:
-        _gemm_tile(*args, TOPK, BM, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, HAS_BIAS, UPCAST,
-                   IEEE, FROM_IDS, EVEN_K, W_TMA, WEIGHT_FIRST)
+        _gemm_tile(*args, TOPK, BM, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, MXFP4_W,
+                   HAS_BIAS, UPCAST, IEEE, FROM_IDS, EVEN_K, W_TMA, WEIGHT_FIRST)
     if SUB_M >= 2:
         if fit == 1:
-            _gemm_tile(*args, TOPK, BM // 2, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, HAS_BIAS,
-                       UPCAST, IEEE, FROM_IDS, EVEN_K, W_TMA, WEIGHT_FIRST)
+            _gemm_tile(*args, TOPK, BM // 2, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, MXFP4_W,
+                       HAS_BIAS, UPCAST, IEEE, FROM_IDS, EVEN_K, W_TMA, WEIGHT_FIRST)
     if SUB_M >= 4:
         if fit == 2:
-            _gemm_tile(*args, TOPK, BM // 4, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, HAS_BIAS,
-                       UPCAST, IEEE, FROM_IDS, EVEN_K, W_TMA, WEIGHT_FIRST)
+            _gemm_tile(*args, TOPK, BM // 4, BN, BK, SPLIT_K, A_FROM_TOKENS, GATED, ACT, ROW_WEIGHT, INT8_W, MXFP4_W,
+                       HAS_BIAS, UPCAST, IEEE, FROM_IDS, EVEN_K, W_TMA, WEIGHT_FIRST)
 
 
 def max_row_tiles(num_rows: int, num_experts: int, bm: int) -> int:
@@ -253,6 +288,14 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
     buffer rows are pair indices and each program finds its expert itself (decode sizes).
     """
     e, w_rows, k = w.shape
+    mx = w.dtype == torch.uint8  # MXFP4: two weights a byte, group scales
+    if mx:
+        k *= 2
+        if scale is None or tuple(scale.shape) != (e, w_rows, k // 32):
+            raise ValueError(f"MXFP4 weights {list(w.shape)} need group scales [E, W_ROWS, K / 32] = "
+                             f"{[e, w_rows, k // 32]}")
+        if cfg["bk"] < 32:  # a tile holds whole groups
+            cfg = {**cfg, "bk": 32}
     n_out = w_rows // 2 if gated else w_rows
     split = cfg["split_k"]
     if bias is not None and tuple(bias.shape) != (e, w_rows):
@@ -274,17 +317,19 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor | None,
     grid = (tiles * triton.cdiv(n_out, cfg["bn"]), split)
     table = pair_ids if from_ids else offsets
     group_m = max(1, min(cfg.get("group_m") or tiles, tiles))
-    tma = tma_ok(w, cfg)
+    tma = tma_ok(w, cfg) and not mx
     w_arg = TensorDescriptor.from_tensor(w.view(e * w_rows, k), [cfg["bn"], cfg["bk"]]) if tma else w
+    scaled = int8 or mx
     _grouped_gemm_kernel[grid](
-        a, row_pair if row_pair is not None else table, w_arg, scale if int8 else w,
+        a, row_pair if row_pair is not None else table, w_arg, scale if scaled else w,
         bias if bias is not None else w, table, pair_weights if pair_weights is not None else table, out,
         n_out, k, w_rows, num_rows, tiles, group_m, a.stride(0), w.stride(0), w.stride(1),
-        scale.stride(0) if int8 else 0, bias.stride(0) if bias is not None else 0, out.stride(0), out.stride(1),
+        scale.stride(0) if scaled else 0, scale.stride(1) if mx else 0, bias.stride(0) if bias is not None else 0,
+        out.stride(0), out.stride(1),
         E=e, E_PAD=triton.next_power_of_2(e), TOPK=topk,
         BM=cfg["bm"], BN=cfg["bn"], BK=cfg["bk"], SPLIT_K=split, SUB_M=sub_m,
         A_FROM_TOKENS=a_from_tokens, GATED=gated, ACT=act, ROW_WEIGHT=pair_weights is not None,
-        INT8_W=int8, HAS_BIAS=bias is not None, UPCAST=a.device.type == "cpu" or a.dtype == torch.float32,
+        INT8_W=int8, MXFP4_W=mx, HAS_BIAS=bias is not None, UPCAST=a.device.type == "cpu" or a.dtype == torch.float32,
         IEEE=a.dtype == torch.float32, FROM_IDS=from_ids, EVEN_K=k % (split * cfg["bk"]) == 0, W_TMA=tma,
         WEIGHT_FIRST=weight_first,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(a.device, pdl))

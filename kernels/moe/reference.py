@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.layout.reference import gather_rows_ref, scatter_rows_ref, token_maps_ref
+from kernels.moe.mxfp4 import dequantize_mxfp4
 
 # silu: SwiGLU, w13 holds gate rows then up rows; gelu: plain; swiglu_oai: GPT-OSS's
 # SwiGLU (gate clamped above at 7, up to [-7, 7], gate * sigmoid(1.702 gate) * (up + 1)).
@@ -62,9 +63,12 @@ def grouped_ffn_ref(xs: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, 
 
 
 def dequantize_ref(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """int8 [E, N, K] with per-channel scales [E, N] -> ``dtype``; other weights pass through."""
+    """int8 [E, N, K] with per-channel scales [E, N], or MXFP4 (uint8 [E, N, K / 2] with
+    group scales [E, N, K / 32], ``kernels.moe.mxfp4``) -> ``dtype``; other weights pass through."""
     if scale is None:
         return q
+    if q.dtype == torch.uint8:
+        return dequantize_mxfp4(q, scale, dtype)
     return (q.float() * scale.float()[..., None]).to(dtype)
 
 

@@ -102,6 +102,7 @@ def grouped_mm_ok(cfg: MoeEntry, a: torch.Tensor, w: torch.Tensor) -> bool:
 def _table_configs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int) -> tuple[MoeEntry, MoeEntry]:
     """The (up, down) launch configurations of the table (or the heuristic) for x [T, H]."""
     (t, h), (e, _, f) = x.shape, w2.shape
+    f *= 2 if w2.dtype == torch.uint8 else 1  # MXFP4: two weights a byte
     return (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, x.element_size(), True),
             launch_config("down", x.device, t, e, h, f, w2.dtype, topk, x.element_size(), True))
 
@@ -163,11 +164,12 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (offsets, rows, row_pair) already built from ``topk_ids`` (``kernels.route``)."""
     t, h = x.shape
     e, topk = w2.shape[0], topk_ids.shape[1]
-    f = w2.shape[2]
+    mxfp4 = w2.dtype == torch.uint8
+    f = w2.shape[2] * (2 if mxfp4 else 1)
     n = t * topk
     size = x.element_size()
     up_cfg, down_cfg = configs if configs is not None else _table_configs(x, w13, w2, topk)
-    if isinstance(up_cfg, MoeDequant) and w13_scale is not None:
+    if isinstance(up_cfg, MoeDequant) and w13.dtype == torch.int8:
         # Large T, where the table says so: the int8 experts widened to x's dtype in one pass,
         # then x's own GEMMs and table entries. Widening every tile inside the tensor-core
         # GEMM costs more there than the bytes it saves. Holds one layer's experts in x's
@@ -176,7 +178,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                 topk_weights, topk_ids, activation, capacity=capacity, maps=maps, pdl=pdl,
                                 masked=masked, b13=b13, b2=b2, weighted_input=weighted_input)
     # what the CUDA kernels take
-    plain = b13 is None and b2 is None and activation != "swiglu_oai" and not weighted_input
+    plain = b13 is None and b2 is None and activation != "swiglu_oai" and not weighted_input and not mxfp4
     if plain and isinstance(up_cfg, MoeCuda) and (capacity is None or capacity >= t):
         # Where the table chose the CUDA decode kernels (small T, measured faster) and they
         # can take the operands (not fp32, odd widths: then Triton). No pair is dropped when

@@ -448,3 +448,51 @@ def test_weighted_input_kernels_match_the_reference(device, t):
     for configs in (None, (up, replace(down, split_k=2))):
         out = fused_moe_triton(x, w13, w2, w, ids, configs=configs, weighted_input=True)
         assert rel(out.double(), ref) < TOL[dtype], configs
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("t,activation", [(1, "swiglu_oai"), (5, "silu"), (40, "swiglu_oai"), (9, "gelu")])
+def test_mxfp4_experts_kernels_match_their_dequantized_weights(device, t, activation):
+    """MXFP4 experts (two codes a byte, a power-of-two scale per 32 along K) through the
+    grouped GEMMs -- decode ids, maps, split-K, a K past the last whole tile (96 = 64 + 32),
+    biases -- equal the same GEMMs on the dequantized weights, which are exact."""
+    from kernels.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    gen = torch.Generator().manual_seed(t)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    e, h, f, k = 6, 96, 64, 2
+    x = torch.randn(t, h, generator=gen).to(device, dtype)
+    w13, w2 = weights(e, h, f, "silu" if activation != "gelu" else "gelu", torch.float32, "cpu", gen)
+    (q13, s13), (q2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    d13, d2 = (dequantize_mxfp4(q, s, dtype).to(device) for q, s in ((q13, s13), (q2, s2)))
+    q13, s13, q2, s2 = (z.to(device) for z in (q13, s13, q2, s2))
+    b13 = (torch.randn(e, w13.shape[1], generator=gen) * 0.1).to(device, dtype)
+    b2 = (torch.randn(e, h, generator=gen) * 0.1).to(device, dtype)
+    ids, w = routing(t, e, k, device, gen)
+    want = fused_moe_ref(*(z.double() for z in (x, d13, d2, w)), ids, activation, b13=b13.double(),
+                         b2=b2.double())
+    ref = fused_moe(x, q13, q2, w, ids, activation, w13_scale=s13, w2_scale=s2, b13=b13, b2=b2)  # the reference path
+    assert rel(ref.double(), want) < TOL[dtype]
+    up, down = moe_triton._table_configs(x, q13, q2, k)
+    up = moe_triton.triton_entry(up, "up", x.device, t, e, q13.shape[1], h, k, x.element_size())
+    down = moe_triton.triton_entry(down, "down", x.device, t, e, h, f, k, x.element_size())
+    for configs in (None, (replace(up, bk=64), replace(down, bk=32, split_k=2))):
+        out = fused_moe_triton(x, q13, q2, w, ids, activation, s13, s2, configs=configs, b13=b13, b2=b2)
+        assert rel(out.double(), want) < TOL[dtype], configs
+
+
+def test_mxfp4_quantizer_rounds_to_the_nearest_code_and_keeps_mxfp4_weights():
+    from kernels.moe.mxfp4 import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 3, 64, generator=gen) * torch.logspace(-3, 3, 4)[:, None, None]
+    w[0, 0, :32] = 0  # an all-zero group
+    q, s = quantize_mxfp4(w)
+    assert q.shape == (4, 3, 32) and s.shape == (4, 3, 2) and q.dtype == s.dtype == torch.uint8
+    d = dequantize_mxfp4(q, s, torch.float32)
+    scale = torch.ldexp(torch.ones(s.shape), (s.int() - 127).float())[..., None]  # [4, 3, 2, 1]
+    grid = torch.tensor(FP4_VALUES) * scale[..., None]  # every code's value in each group
+    best = (w.unflatten(-1, (2, 32))[..., None] - grid).abs().amin(-1)
+    torch.testing.assert_close((d - w).abs().unflatten(-1, (2, 32)), best, rtol=0, atol=1e-6 * w.abs().max())
+    assert not d[0, 0, :32].any()
+    assert all(torch.equal(a, b) for a, b in zip(quantize_mxfp4(d), (q, s)))  # MXFP4 weights keep their codes
