@@ -41,7 +41,8 @@ def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
                      help="a Hugging Face checkpoint directory (config.json + *.safetensors); "
                           "with --model, its engine/parallel settings apply")
     src.add_argument("--device", help="cpu, cuda or cuda:N (default: the config's, else auto)")
-    src.add_argument("--quantize", choices=["int8"], help="weight-only int8 experts and linear layers")
+    src.add_argument("--quantize", choices=["int8", "mxfp4"],
+                     help="int8: weight-only int8 experts and linear layers; mxfp4: 4-bit experts (GPT-OSS's format)")
     src.add_argument("--gpu-memory-gb", type=float,
                      help="GB of weights kept on the device; the experts hit least live in host memory")
     src.add_argument("--offload", choices=["auto", "cpu", "stream", "layers"],

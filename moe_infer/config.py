@@ -361,7 +361,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0  # seeds random weights for configs without a checkpoint
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (GPUs, one or several ranks)
-    quantize: str | None = None  # "int8": weight-only int8 experts and linear layers, at load
+    # At load: "int8": weight-only int8 experts and linear layers; "mxfp4": the routed experts
+    # 4-bit (MXFP4, as GPT-OSS releases them), the rest in the model dtype.
+    quantize: str | None = None
     # Most prompt tokens one prefill forward takes (rows x prompt width): a larger batch
     # prefills in groups of whole rows, a longer prompt in pieces, so the activations of a
     # prefill stay bounded (a 47B MoE's expert activations for 64 prompts of 2048 tokens
@@ -423,7 +425,7 @@ class EngineConfig:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             _fail(f"{s}.prefetch_layers", v, "an integer >= 0")
         if self.quantize is not None:
-            _check_choice(s, self, "quantize", ("int8",))
+            _check_choice(s, self, "quantize", ("int8", "mxfp4"))
         for name in ("cuda_graphs", "pdl", "fused_decode_attention", "kv_offload"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{s}.{name}", getattr(self, name), "true or false")
@@ -462,6 +464,9 @@ class Config:
                                              or e.dense_layers):
             _fail("model.activation", m.activation, "swiglu or gelu where a layer has a dense MLP or shared "
                   "experts (swiglu_oai is GPT-OSS's, for routed experts only)")
+        if self.engine.quantize == "mxfp4" and (e is None or m.hidden_size % 32 or e.expert_hidden % 32):
+            _fail("engine.quantize", "mxfp4", "int8 or null: MXFP4 takes a MoE model whose hidden size and expert "
+                  "width are multiples of 32 (its groups)")
         if m.num_heads % p.tp:
             _fail("parallel.tp", p.tp, f"a divisor of model.num_heads={m.num_heads}")
         if m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:

@@ -1,7 +1,8 @@
 """Step 4: the experts' weights, run by the fused MoE kernels (``Experts.fused``).
 
 Shape letters: E experts, H hidden, F expert width, T tokens, k slots.
-``Int8Experts`` is the weight-only int8 variant, swapped in by ``quantize_experts``.
+``Int8Experts`` (weight-only int8) and ``Mxfp4Experts`` (4-bit, groups of 32) are swapped in
+by ``quantize_experts``.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 
 import kernels
 from kernels.options import KernelOptions
+from moe_infer.config import ConfigError
 
 _KERNEL_ACTIVATION = {"swiglu": "silu", "gelu": "gelu", "swiglu_oai": "swiglu_oai"}
 
@@ -96,6 +98,33 @@ class Int8Experts(Experts):
         return {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale}
 
 
+class Mxfp4Experts(Experts):
+    """MXFP4 experts (``engine.quantize: mxfp4``; GPT-OSS's release format): w13 / w2 two
+    E2M1 codes a byte with a power-of-two scale per 32 weights along K (``kernels.moe.mxfp4``),
+    decoded inside the grouped GEMM. Weights that came from an MXFP4 checkpoint keep their
+    codes exactly (dequantized at load, quantized back here)."""
+
+    def __init__(self, experts: Experts):
+        nn.Module.__init__(self)
+        self.activation, self.expert_range, self.options = experts.activation, experts.expert_range, experts.options
+        self.b13, self.b2, self.adds_b2 = experts.b13, experts.b2, experts.adds_b2  # biases stay unquantized
+        self.weighted_input = experts.weighted_input
+        for name in ("w13", "w2"):
+            k = getattr(experts, name).shape[-1]
+            if k % 32:
+                raise ConfigError(f"engine.quantize=mxfp4: expected the experts' {name} rows (K = {k}) in groups of "
+                                  f"32; this model's (or this rank's share of them) are not")
+        q13, s13 = kernels.quantize_mxfp4(experts.w13.detach())
+        q2, s2 = kernels.quantize_mxfp4(experts.w2.detach())
+        self.w13 = nn.Parameter(q13, requires_grad=False)
+        self.w2 = nn.Parameter(q2, requires_grad=False)
+        self.register_buffer("w13_scale", s13)
+        self.register_buffer("w2_scale", s2)
+
+    def scales(self) -> dict:
+        return {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale}
+
+
 def expert_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(parent, name) of every full-precision ``Experts`` module of ``model``."""
     # Pairs, not the modules: a list holding every bf16 Experts would keep them all alive
@@ -104,17 +133,19 @@ def expert_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
             if type(child) is Experts]
 
 
-def quantize_experts(model: nn.Module, device: torch.device | None = None, prepare=None) -> nn.Module:
-    """Swaps every ``Experts`` module of ``model`` for its int8 version, in place; with
-    ``device``, each module moves there first (weights staged in host memory), and
-    ``prepare(module)`` runs before it is quantized."""
+def quantize_experts(model: nn.Module, device: torch.device | None = None, prepare=None,
+                     kind: str = "int8") -> nn.Module:
+    """Swaps every ``Experts`` module of ``model`` for its ``kind`` ("int8" or "mxfp4")
+    version, in place; with ``device``, each module moves there first (weights staged in
+    host memory), and ``prepare(module)`` runs before it is quantized."""
+    quantized = {"int8": Int8Experts, "mxfp4": Mxfp4Experts}[kind]
     for parent, name in expert_targets(model):
         experts = getattr(parent, name)
         if device is not None:
             experts.to(device)
         if prepare is not None:
             prepare(experts)
-        setattr(parent, name, Int8Experts(experts))  # the full-precision module is freed here
+        setattr(parent, name, quantized(experts))  # the full-precision module is freed here
     return model
 
 

@@ -132,7 +132,7 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         cfg = base
     else:
         cfg = resolve_config(path_or_name)
-    # EngineConfig fields applied at load: quantize ("int8": weight-only int8), the device's
+    # EngineConfig fields applied at load: quantize (int8, or MXFP4 experts), the device's
     # weight budget and how offloaded experts run (``moe_infer.offload``), the cost model's
     # hardware profile (``parallel: auto``), the KV cache in host memory (``kv_offload``).
     given = {k: v for k, v in (("quantize", quantize), ("gpu_memory_gb", gpu_memory_gb), ("offload", offload),
@@ -178,8 +178,8 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         check_offload_fits(cfg, dt, dev, model)
     else:
         staged = check_fits(cfg, dt, dev, model, dist.get_world_size() if multi and dev.type == "cpu" else 1)
-    # int8 whose full-precision weights do not fit on the GPU: load them into host memory
-    # and quantize onto the GPU one module at a time.
+    # Quantized weights whose full-precision ones do not fit on the GPU: load them into host
+    # memory and quantize onto the GPU one module at a time.
     _materialize(model, torch.device("cpu") if staged else dev, dt, on_host, cfg.engine.offload_dir)
     prepare = None
     if cfg.checkpoint is not None:
@@ -189,10 +189,15 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         prepare = functools.partial(init_random, generator=generator)
     else:
         model.init_random(cfg.engine.seed)
-    if cfg.engine.quantize == "int8":  # bf16 / fp32 weights in, int8 weights on the device
-        from moe_infer.experts import quantize_model
+    if cfg.engine.quantize is not None:  # bf16 / fp32 weights in, int8 (or MXFP4 experts) on the device
+        from moe_infer.experts import quantize_experts, quantize_model
 
-        quantize_model(model, dev if staged else None, prepare)
+        if cfg.engine.quantize == "int8":
+            quantize_model(model, dev if staged else None, prepare)
+        else:
+            quantize_experts(model, dev if staged else None, prepare, kind=cfg.engine.quantize)
+            if staged:
+                model.to(dev)
         if prepare is not None:
             init_random(model, generator)  # what stayed in full precision (norms, embeddings, routers)
     if offload:

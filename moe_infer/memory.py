@@ -87,17 +87,20 @@ def memory_need(cfg: Config, dtype: torch.dtype, model=None, int8: bool | None =
     from dense.quant import linear_targets
     from moe_infer.experts import expert_targets
 
-    int8 = cfg.engine.quantize == "int8" if int8 is None else int8
+    kind = cfg.engine.quantize if int8 is None else ("int8" if int8 else None)
     model = model if model is not None else meta_model(cfg)
     size = dtype.itemsize
-    stored = {}  # id(parameter) -> bytes when int8 replaces it
+    stored = {}  # id(parameter) -> bytes when int8 / MXFP4 replaces it
     staging = 0
-    if int8:
+    if kind is not None:
         for parent, name in expert_targets(model):
             experts = getattr(parent, name)
             for w in (experts.w13, experts.w2):
-                stored[id(w)] = w.numel() + 4 * w.shape[0] * w.shape[1]  # int8 and float32 scales
+                # int8 and float32 scales; MXFP4: half a byte a weight and a byte per 32
+                stored[id(w)] = (w.numel() + 4 * w.shape[0] * w.shape[1] if kind == "int8"
+                                 else w.numel() // 2 + w.numel() // 32)
             staging = max(staging, (experts.w13.numel() + experts.w2.numel()) * size)
+    if kind == "int8":
         for parent, name in linear_targets(model):
             w = getattr(parent, name).weight
             stored[id(w)] = w.numel() + 4 * w.shape[0]
@@ -171,22 +174,22 @@ def check_fits(cfg: Config, dtype: torch.dtype, device: torch.device, model, ran
     cache fit in the device's free memory; ``ranks_here`` ranks share it (CPU ranks share
     the host's memory).
 
-    Returns whether an int8 model must be staged: loaded in full precision into host
+    Returns whether a quantized model must be staged: loaded in full precision into host
     memory and quantized onto the GPU module by module, because its full-precision
     weights do not fit on the GPU (they are what the direct path loads first)."""
     have = available_bytes(device)
     full = memory_need(cfg, dtype, model, int8=False)
     if full.total * ranks_here <= have:
         return False
-    if cfg.engine.quantize == "int8" and device.type == "cuda":
+    if cfg.engine.quantize is not None and device.type == "cuda":
         need = memory_need(cfg, dtype, model)
         host = available_bytes(torch.device("cpu"))
         if need.total + need.staging <= have and full.weights * ranks_here <= host:
             return True
         if full.weights * ranks_here > host:
-            raise ConfigError(f"{cfg.name}: int8 weights {need.weights / GB:.1f} GB fit on {device}, but they are "
-                              f"loaded in full precision first ({full.weights / GB:.1f} GB per rank) and the host "
-                              f"has {host / GB:.1f} GB available")
+            raise ConfigError(f"{cfg.name}: {cfg.engine.quantize} weights {need.weights / GB:.1f} GB fit on {device}, "
+                              f"but they are loaded in full precision first ({full.weights / GB:.1f} GB per rank) "
+                              f"and the host has {host / GB:.1f} GB available")
     else:
         need = full
     where = f"{device}" + (f", shared by {ranks_here} ranks" if ranks_here > 1 else "")
@@ -211,7 +214,8 @@ def check_fits(cfg: Config, dtype: torch.dtype, device: torch.device, model, ran
         hints.append(f"a shorter engine.max_seq_len (KV cache {need.kv_per_token * 1024 / GB:.2f} GB per 1024 "
                      f"tokens)")
     advice = "; it would fit with " + ", or ".join(hints) if hints else ""
-    kind = str(dtype).removeprefix("torch.") + (" + int8" if cfg.engine.quantize == "int8" else "")
+    kind = str(dtype).removeprefix("torch.") + {"int8": " + int8", "mxfp4": " + MXFP4 experts"}.get(
+        cfg.engine.quantize, "")
     raise ConfigError(
         f"{cfg.name} needs {need.total * ranks_here / GB:.1f} GB{per_rank} ({kind}: weights {need.weights / GB:.1f} "
         f"GB + KV cache {need.kv / GB:.1f} GB for one {need.tokens}-token sequence), but {where} has "

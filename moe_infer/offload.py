@@ -269,9 +269,9 @@ class OffloadedExperts(nn.Module):
         """The cold pairs [P, H] on the CPU, expert by expert over the host weights -> their
         weighted outputs [P, H] float32 on x's device."""
         xc, ids_c, wc = x.cpu(), ids.cpu(), w.float().cpu()
-        dtype = xc.dtype if self.host["w13"].dtype == torch.int8 else self.host["w13"].dtype
+        dtype = xc.dtype if self.host["w13"].dtype in (torch.int8, torch.uint8) else self.host["w13"].dtype
         yc = torch.zeros(xc.shape, dtype=torch.float32)
-        s13, s2 = self.host.get("w13_scale"), self.host.get("w2_scale")  # int8 only
+        s13, s2 = self.host.get("w13_scale"), self.host.get("w2_scale")  # int8 / MXFP4 only
         b13, b2 = self.host.get("b13"), self.host.get("b2")  # GPT-OSS only
         for e in used:
             rows = (ids_c == e).nonzero(as_tuple=True)[0]
@@ -345,9 +345,11 @@ def offload_experts(model: nn.Module, engine_cfg, device: torch.device, dtype: t
     layers = expert_layers(model)
     if layers:
         first = layers[0][2]
-        f, h = first.w2.shape[2], first.w2.shape[1]
-        profile = MachineProfile.measure(device, dtype if first.w13.dtype == torch.int8 else first.w13.dtype, h, f)
-        per_token = 2 * (first.w13[0].numel() + first.w2[0].numel())
+        packs = 2 if first.w13.dtype == torch.uint8 else 1  # MXFP4: two weights a byte
+        f, h = first.w2.shape[2] * packs, first.w2.shape[1]
+        quantized = first.w13.dtype in (torch.int8, torch.uint8)
+        profile = MachineProfile.measure(device, dtype if quantized else first.w13.dtype, h, f)
+        per_token = 2 * packs * (first.w13[0].numel() + first.w2[0].numel())
         apply(model, placement, device, engine_cfg.offload, ColdCost(profile, placement.expert_bytes, per_token))
     return placement
 

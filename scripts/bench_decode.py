@@ -25,7 +25,7 @@ Floor per step: every weight but the experts and the embedding table; the expert
 of B is expected to hit (E * (1 - (1 - k/E)^B) per MoE layer, routing taken as uniform);
 the KV cache up to the middle of the generated span. Read once, at the measured copy
 bandwidth (device-to-device, read + write counted).
-Writes bench/results/decode-<model>[-int8]-<device>-<date>.json.
+Writes bench/results/decode-<model>[-int8|-mxfp4]-<device>-<date>.json.
 """
 from __future__ import annotations
 
@@ -245,10 +245,10 @@ def prefill_flops(engine, prompt_len: int, batch: int) -> float:
     m, moe, model = engine.config.model, engine.config.moe, engine.model
     tokens, per_token = batch * prompt_len, 0.0
     for name, w in model.state_dict().items():  # int8 weights are buffers
-        if name == "embed.weight" or name.startswith("lm_head.") or w.dim() < 2:
+        if name == "embed.weight" or name.startswith("lm_head.") or w.dim() < 2 or name.endswith("_scale"):
             continue
-        if ".experts." in name and moe is not None:
-            per_token += w.numel() * moe.top_k / moe.num_experts
+        if ".experts." in name and moe is not None:  # (MXFP4: two weights a byte)
+            per_token += w.numel() * (2 if w.dtype == torch.uint8 else 1) * moe.top_k / moe.num_experts
         elif w.dim() == 2:
             per_token += w.numel()
     attn = 4 * m.num_layers * m.num_heads * m.head_dim * batch * prompt_len * (prompt_len + 1) / 2
@@ -401,7 +401,7 @@ def run_matrix(engine, args, lens: list[int], batches: list[int], peer_cells: se
     run = bc.run_info(engine.device)
     m = engine.config.model
     print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {engine.dtype}"
-          f"{' | int8 weights' if args.quantize else ''} | decode mode {engine.decode_mode}")
+          f"{' | ' + args.quantize + ' weights' if args.quantize else ''} | decode mode {engine.decode_mode}")
     print(f"model {args.model or 'default (embedded)'}: H={m.hidden_size} layers={m.num_layers} | "
           f"{args.new_tokens} new tokens, greedy, medians of {args.reps} | prefill: time to the first token, "
           f"{engine.config.engine.prefill_tokens} tokens a forward at most | decode: host loop between tokens")
@@ -409,7 +409,7 @@ def run_matrix(engine, args, lens: list[int], batches: list[int], peer_cells: se
           f"peer: {peer_note}")
     print_matrix(cells, mm)
     if not args.smoke:
-        name = f"decode-matrix-{model_slug(args)}{'-int8' if args.quantize else ''}"
+        name = f"decode-matrix-{model_slug(args)}{'-' + args.quantize if args.quantize else ''}"
         bc.write_results(name, engine.device, {"run": run, "model": args.model or "default", "args": vars(args),
                                                    "copy_gbs": copy_gbs, "matmul_tflops": mm, "peer": peer_note,
                                                    "cells": cells})
@@ -449,7 +449,8 @@ def main():
     ap.add_argument("--layers", type=int, default=None,
                     help="keep the model's first N layers (its real layer shapes, on one GPU where the whole "
                          "model does not fit)")
-    ap.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights for every linear layer")
+    ap.add_argument("--quantize", choices=["int8", "mxfp4"], default=None,
+                    help="int8 weights for every linear layer, or MXFP4 experts")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel device time of one decode step (first batch size, fast mode) and of "
                          "the first --prefill case")
@@ -526,7 +527,7 @@ def main():
     run = bc.run_info(engine.device)
     m = engine.config.model
     print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {engine.dtype}"
-          f"{' | int8 weights' if args.quantize else ''}")
+          f"{' | ' + args.quantize + ' weights' if args.quantize else ''}")
     print(f"model {args.model or 'default (embedded)'}: H={m.hidden_size} layers={m.num_layers} | prompts "
           f"{args.prompt_len} tokens, {args.new_tokens} new tokens, greedy")
     if copy_gbs:
@@ -584,7 +585,7 @@ def main():
                 print(bc.format_table(["µs", "after", "before"],
                                       [[f"{g['us']:.0f}", g["after"], g["before"]] for g in tl["gaps"]]))
     if not args.smoke:
-        name = f"decode-{model_slug(args)}{'-int8' if args.quantize else ''}"
+        name = f"decode-{model_slug(args)}{'-' + args.quantize if args.quantize else ''}"
         bc.write_results(name, engine.device, {"run": run, "model": args.model or "default", "args": vars(args),
                                                    "copy_gbs": copy_gbs, "peer": peer_note, "rows": rows,
                                                    "profile": profile, "prefill": prefill})

@@ -7,7 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import kernels
 import moe_infer
+from kernels.moe.mxfp4 import dequantize_mxfp4
 from moe_infer import CheckpointError, ConfigError
 from hf_models import save_hf_model
 
@@ -326,15 +328,10 @@ def test_gpt_oss_expert_layout_is_rearranged_lazily(saved):
 
 
 def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., R, K] -> MXFP4 blocks [..., R, K / 32, 16] and scales [..., R, K / 32] (the
-    nearest e2m1 code under a power-of-two scale per group of 32), the checkpoint format."""
-    g = w.float().reshape(*w.shape[:-1], -1, 32)
-    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
-    q = g / torch.exp2(exp)[..., None]
-    mag = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    code = (q.abs()[..., None] - mag).abs().argmin(-1) + 8 * (q < 0)
-    code = code.reshape(*g.shape[:-1], 16, 2)
-    return (code[..., 0] | (code[..., 1] << 4)).to(torch.uint8), (exp + 127).to(torch.uint8)
+    """w [..., R, K] -> MXFP4 blocks [..., R, K / 32, 16] and scales [..., R, K / 32], the
+    checkpoint format (``kernels.quantize_mxfp4``'s codes, in groups of 16 bytes)."""
+    packed, scales = kernels.quantize_mxfp4(w.float())
+    return packed.unflatten(-1, (-1, 16)), scales
 
 
 def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
@@ -365,6 +362,18 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
         torch.testing.assert_close(experts.w13.data, expected[(i, "gate_up_proj")], rtol=0, atol=0)
         torch.testing.assert_close(experts.w2.data, expected[(i, "down_proj")], rtol=0, atol=0)
     assert len(engine.generate([[5, 17, 3]], max_new_tokens=4)[0].token_ids) == 4
+    # kept 4-bit (engine.quantize: mxfp4): the checkpoint's codes and scales, the same tokens
+    four = moe_infer.load(tmp_path, device="cpu", dtype=torch.float32, progress=False, quantize="mxfp4")
+    for i in range(3):
+        experts = four.model.layers[i].ffn.experts
+        assert experts.w13.dtype == torch.uint8 and experts.w13.shape[-1] == expected[(i, "gate_up_proj")].shape[-1] // 2
+        torch.testing.assert_close(dequantize_mxfp4(experts.w13, experts.w13_scale, torch.float32),
+                                   expected[(i, "gate_up_proj")], rtol=0, atol=0)
+        torch.testing.assert_close(dequantize_mxfp4(experts.w2, experts.w2_scale, torch.float32),
+                                   expected[(i, "down_proj")], rtol=0, atol=0)
+    prompts = [[5, 17, 3], [9, 2, 44, 1]]
+    assert [o.token_ids for o in four.generate(prompts, max_new_tokens=6)] == \
+        [o.token_ids for o in engine.generate(prompts, max_new_tokens=6)]
     cfg["intermediate_size"] = 40
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"intermediate_size=40: expected a multiple of 32"):

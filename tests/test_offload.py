@@ -64,11 +64,12 @@ def test_an_offloaded_model_gives_the_unbounded_tokens(full, mode, hot):
     torch.testing.assert_close(engine.logits(PROMPTS), full.logits(PROMPTS), rtol=1e-5, atol=1e-5)
 
 
-def test_int8_experts_offload_too():
-    q = moe_infer.load("tiny-moe", progress=False, device="cpu", quantize="int8")
+@pytest.mark.parametrize("quantize,mode", [("int8", "cpu"), ("mxfp4", "cpu"), ("mxfp4", "stream")])
+def test_quantized_experts_offload_too(quantize, mode):
+    q = moe_infer.load("tiny-moe", progress=False, device="cpu", quantize=quantize)
     fixed, one = budgets(q)
-    engine = moe_infer.load("tiny-moe", progress=False, device="cpu", quantize="int8", gpu_memory_gb=fixed + one / 1e9,
-                            offload="cpu")
+    engine = moe_infer.load("tiny-moe", progress=False, device="cpu", quantize=quantize,
+                            gpu_memory_gb=fixed + one / 1e9, offload=mode)
     assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
         [o.token_ids for o in q.generate(PROMPTS, max_new_tokens=8)]
 

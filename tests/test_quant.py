@@ -194,3 +194,40 @@ def test_int8_keeps_the_new_families_close(family, tmp_path):
                    for layer in q.model.layers)
     ids = [[5, 17, 3, 44, 12, 9, 31], [8, 2, 60]]
     assert rel(q.logits(ids), full.logits(ids)) < 5e-2
+
+
+def test_mxfp4_experts_run_the_models_experts_at_their_4_bit_values():
+    """engine.quantize: mxfp4 keeps the routed experts 4-bit (half a byte a weight and a scale
+    byte per 32) and the rest in full precision: its logits are those of the same model with
+    the experts' weights replaced by their MXFP4 values."""
+    from kernels.moe.mxfp4 import dequantize_mxfp4
+    from moe_infer.experts import Experts, Mxfp4Experts
+    from moe_infer.memory import memory_need
+
+    full = moe_infer.load("tiny-moe", device="cpu", progress=False)
+    four = moe_infer.load("tiny-moe", device="cpu", progress=False, quantize="mxfp4")
+    mx = [m for m in four.model.modules() if isinstance(m, Mxfp4Experts)]
+    plain = [m for m in full.model.modules() if type(m) is Experts]
+    assert len(mx) == len(plain) > 0 and not any(isinstance(m, Int8Linear) for m in four.model.modules())
+    with torch.no_grad():
+        for a, b in zip(plain, mx):
+            a.w13.copy_(dequantize_mxfp4(b.w13, b.w13_scale, a.w13.dtype))
+            a.w2.copy_(dequantize_mxfp4(b.w2, b.w2_scale, a.w2.dtype))
+    prompts = [[5, 17, 3, 44], [8, 2]]
+    torch.testing.assert_close(four.logits(prompts), full.logits(prompts), rtol=1e-6, atol=1e-6)
+    assert [o.token_ids for o in four.generate(prompts, max_new_tokens=5)] == \
+        [o.token_ids for o in full.generate(prompts, max_new_tokens=5)]
+    need, plain_need = memory_need(four.config, torch.float32), memory_need(full.config, torch.float32)
+    expert_weights = sum(m.w13.numel() + m.w2.numel() for m in mx) * 2  # (packed two a byte)
+    assert plain_need.weights - need.weights == expert_weights * 4 - expert_weights * (1 / 2 + 1 / 32)
+
+
+def test_mxfp4_needs_experts_in_groups_of_32():
+    import dataclasses
+
+    from moe_infer.loader import resolve_config
+
+    cfg = resolve_config("tiny-moe")
+    odd = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_hidden=100))
+    with pytest.raises(ConfigError, match=r"engine\.quantize='mxfp4': expected int8 or null: MXFP4 takes a MoE"):
+        moe_infer.load(odd, device="cpu", progress=False, quantize="mxfp4")
