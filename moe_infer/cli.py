@@ -52,9 +52,9 @@ def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
     src.add_argument("--offload-dir",
                      help="memory-map the weights kept in host memory from files in this directory (for "
                           "hosts whose memory cannot hold them)")
-    src.add_argument("--kv-offload", action="store_true", default=None,
+    src.add_argument("--kv-offload", nargs="?", const="all", choices=["all", "alternate"],
                      help="keep the KV cache in host memory, each layer's copied in as it runs (batches whose "
-                          "cache the GPU cannot hold)")
+                          "cache the GPU cannot hold); alternate: only the layers of the GPU's parity")
     src.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                      help="weight and activation dtype (default: bfloat16 on GPU, float32 on CPU)")
     par = parser.add_argument_group("parallelism (launch with scripts/launch.sh -n N -- moe-infer ...)")

@@ -398,7 +398,9 @@ class EngineConfig:
     offload_dir: str | None = None
     # The KV cache in host memory (pinned on a GPU), each layer's copied in as it runs, for
     # batches whose cache the device cannot hold (``dense.kv_offload``); steps run eagerly.
-    kv_offload: bool = False
+    # "all": every layer's; "alternate": the layers of the GPU's parity (GPUs that share a
+    # PCIe link never copy at once; the other layers stay on the device); null: none.
+    kv_offload: str | None = None
     # The cost model's hardware profile for ``parallel: auto``: a shipped name (moe_infer/
     # hardware/) or a YAML from ``moe-infer calibrate``; None: the shipped profile of this GPU.
     hardware: str | None = None
@@ -426,7 +428,9 @@ class EngineConfig:
             _fail(f"{s}.prefetch_layers", v, "an integer >= 0")
         if self.quantize is not None:
             _check_choice(s, self, "quantize", ("int8", "mxfp4"))
-        for name in ("cuda_graphs", "pdl", "fused_decode_attention", "kv_offload"):
+        if self.kv_offload is not None:
+            _check_choice(s, self, "kv_offload", ("all", "alternate"))
+        for name in ("cuda_graphs", "pdl", "fused_decode_attention"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{s}.{name}", getattr(self, name), "true or false")
         if self.max_seq_len is not None:

@@ -120,7 +120,7 @@ class Engine:
         # Offloaded experts wait for the host in every call (which pairs are cold); streamed
         # layers run on weights that move, an offloaded KV cache on pools that move.
         self.offloaded = config.engine.gpu_memory_gb is not None
-        moving = self.offloaded or config.engine.offload == "layers" or config.engine.kv_offload
+        moving = self.offloaded or config.engine.offload == "layers" or config.engine.kv_offload is not None
         graphs = self.device.type == "cuda" and nccl and config.engine.cuda_graphs and not moving
         self.decode_mode = "graph" if graphs else "eager"
         self.graph_primers = GRAPH_PRIMERS  # graphs made before the first decode step's (0: none)
@@ -146,7 +146,7 @@ class Engine:
             self.runner = None
             r = self.runner = PagedRunner(self, 1 << (blocks - 1).bit_length(), self.BLOCK_SIZE, batch)
         # (an offloaded KV cache's steps end on the host: no fixed-shape step runs them)
-        r.static = self.decode_mode != "eager" and not self.config.engine.kv_offload
+        r.static = self.decode_mode != "eager" and self.config.engine.kv_offload is None
         return r
 
     # ----------------------------------------------------------------- inputs

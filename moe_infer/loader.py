@@ -117,7 +117,7 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
          dtype: str | torch.dtype | None = None, parallel: ParallelConfig | str | None = None,
          checkpoint: str | Path | None = None, progress: bool = True, quantize: str | None = None,
          gpu_memory_gb: float | None = None, offload: str | None = None, offload_dir: str | None = None,
-         hardware: str | None = None, kv_offload: bool | None = None) -> Engine:
+         hardware: str | None = None, kv_offload: str | None = None) -> Engine:
     """Builds an inference engine. See ``resolve_config`` for what ``path_or_name`` may be;
     ``checkpoint`` takes the model and weights from a Hugging Face directory instead, keeping
     the engine and parallel settings of ``path_or_name`` when that is given too. ``parallel``

@@ -107,8 +107,10 @@ def memory_need(cfg: Config, dtype: torch.dtype, model=None, int8: bool | None =
             staging = max(staging, w.numel() * size)
     weights = sum(stored.get(id(p), p.numel() * size) for p in model.parameters())
     m = cfg.model
-    # (an offloaded KV cache: two layers' pools on the device, whatever the model's depth)
-    layers = min(2, m.num_layers) if cfg.engine.kv_offload else m.num_layers
+    # (an offloaded KV cache: two layers' pools on the device, whatever the model's depth, and
+    # with "alternate" the other half of the layers)
+    layers = {None: m.num_layers, "all": min(2, m.num_layers),
+              "alternate": m.num_layers // 2 + min(2, (m.num_layers + 1) // 2)}[cfg.engine.kv_offload]
     kv_per_token = layers * model.num_kv_heads * sum(m.kv_widths) * size
     return MemoryNeed(weights, kv_per_token, cfg.max_seq_len, staging)
 

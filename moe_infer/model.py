@@ -204,10 +204,15 @@ class Transformer(nn.Module):
     def make_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         m = self.cfg.model
         k, v = m.kv_widths
-        kind = PagedKVCache
-        if self.cfg.engine.kv_offload:
-            from dense.kv_offload import OffloadedKVCache as kind
-        return kind(len(self.own), num_blocks, block_size, self.num_kv_heads, k, self.anchor.dtype, self.device, v)
+        args = (len(self.own), num_blocks, block_size, self.num_kv_heads, k, self.anchor.dtype, self.device, v)
+        mode = self.cfg.engine.kv_offload
+        if mode is None:
+            return PagedKVCache(*args)
+        from dense.kv_offload import OffloadedKVCache
+
+        parity = (self.device.index or 0) % 2  # GPUs 2i and 2i + 1 share a PCIe link
+        mine = [i for i, layer in enumerate(self.own) if mode == "all" or layer % 2 == parity]
+        return OffloadedKVCache(*args, offloaded=mine) if mine else PagedKVCache(*args)
 
     def rotary_tables(self, slots: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary cos / sin rows of positions 0 .. slots - 1, computed once for a static

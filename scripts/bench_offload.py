@@ -127,7 +127,7 @@ def kv_rows(args, device, prompts_of) -> list[dict]:
     out = []
     for b in [int(x) for x in args.kv_batches.split(",")]:
         row = {"batch": b}
-        for kv_offload in (True, False):
+        for kv_offload in ("all", None):
             engine = moe_infer.load(args.model, device=device, progress=False, kv_offload=kv_offload)
             engine.eos = set()
             ps = prompts_of(engine, b, args.prompt_len)

@@ -57,9 +57,11 @@ def test_serve_takes_checkpoint_dtype_quantize_and_layout(served):
 
 def test_serve_and_generate_take_kv_offload(served, monkeypatch, capsys):
     spec, engine = served("--model", "tiny-moe", "--device", "cpu", "--kv-offload")
-    assert engine.config.engine.kv_offload is True and spec.engine["kv_offload"] is True
+    assert engine.config.engine.kv_offload == "all" and spec.engine["kv_offload"] == "all"
+    spec, engine = served("--model", "tiny-moe", "--device", "cpu", "--kv-offload", "alternate")
+    assert engine.config.engine.kv_offload == "alternate"
     spec, engine = served("--model", "tiny-moe", "--device", "cpu")
-    assert engine.config.engine.kv_offload is False
+    assert engine.config.engine.kv_offload is None
     import moe_infer.loader as loader
 
     loaded = []

@@ -184,7 +184,7 @@ def test_the_server_runs_an_offloaded_model(full, what):
 
     fixed, one = budgets(full)
     if what == "kv":
-        engine = moe_infer.load("tiny-moe", progress=False, device="cpu", kv_offload=True)
+        engine = moe_infer.load("tiny-moe", progress=False, device="cpu", kv_offload="all")
     else:
         engine = moe_infer.load("tiny-moe", progress=False, device="cpu",
                                 gpu_memory_gb=fixed + 2 * one / 1e9, offload="auto")
@@ -244,10 +244,12 @@ def test_offloaded_bf16_on_a_gpu_is_as_close_to_float32_as_the_whole_model(full,
     assert all(len(o.token_ids) == 8 or o.finish_reason == "stop" for o in out)
 
 
-@pytest.mark.parametrize("source", ["tiny-moe", "deepseek_v3", "gpt_oss"])
-def test_an_offloaded_kv_cache_gives_the_tokens_and_the_pools_of_the_device_cache(source, tmp_path):
+@pytest.mark.parametrize("source,mode", [("tiny-moe", "all"), ("tiny-moe", "alternate"), ("deepseek_v3", "all"),
+                                         ("gpt_oss", "alternate")])
+def test_an_offloaded_kv_cache_gives_the_tokens_and_the_pools_of_the_device_cache(source, mode, tmp_path):
     """engine.kv_offload: the keys and values in host memory, two layers' pools on the
-    "device" -- the same tokens as the cache on the device (prompts prefilled in pieces,
+    "device" (with "alternate", the even layers' on this device 0 offloaded, the odd ones
+    kept) -- the same tokens as the cache on the device (prompts prefilled in pieces,
     decode steps, latent attention's one-pool cache, sliding layers and sinks), and the
     same keys in the host pools afterwards."""
     if source != "tiny-moe":
@@ -256,16 +258,21 @@ def test_an_offloaded_kv_cache_gives_the_tokens_and_the_pools_of_the_device_cach
         save_hf_model(source, tmp_path)
         source = tmp_path
     kw = dict(device="cpu", dtype=torch.float32, progress=False)
-    plain, offloaded = moe_infer.load(source, **kw), moe_infer.load(source, **kw, kv_offload=True)
+    plain, offloaded = moe_infer.load(source, **kw), moe_infer.load(source, **kw, kv_offload=mode)
     prompts = PROMPTS + [[(7 * i) % 50 + 1 for i in range(23)]]
     for engine in (plain, offloaded):
         engine.config.engine.prefill_tokens = 24  # the long prompt in pieces beside the others
     want = [o.token_ids for o in plain.generate(prompts, max_new_tokens=6)]
     assert [o.token_ids for o in offloaded.generate(prompts, max_new_tokens=6)] == want
     cache, ref = offloaded.runner.cache, plain.runner.cache
-    assert cache.k.shape[0] == 2 < cache.host_k.shape[0] == ref.k.shape[0]
-    torch.testing.assert_close(cache.host_k[:, :-1], ref.k[:, :-1])  # (the last slot takes padding)
-    torch.testing.assert_close(cache.host_v[:, :-1], ref.v[:, :-1])
+    layers = ref.k.shape[0]
+    off = list(range(layers)) if mode == "all" else list(range(0, layers, 2))
+    assert cache.offloaded == off and cache.k.shape[0] == min(2, len(off)) and cache.host_k.shape[0] == len(off)
+    assert cache.kept_k.shape[0] == layers - len(off)
+    torch.testing.assert_close(cache.host_k[:, :-1], ref.k[off, :-1])  # (the last slot takes padding)
+    torch.testing.assert_close(cache.host_v[:, :-1], ref.v[off, :-1])
+    kept = [i for i in range(layers) if i not in off]
+    torch.testing.assert_close(cache.kept_k[:, :-1], ref.k[kept, :-1])
 
 
 def test_an_offloaded_kv_cache_is_read_in_layer_order():
@@ -282,15 +289,16 @@ def test_an_offloaded_kv_cache_is_read_in_layer_order():
 
 
 @pytest.mark.gpu
-def test_an_offloaded_kv_cache_on_a_gpu_gives_the_device_caches_tokens():
+@pytest.mark.parametrize("mode", ["all", "alternate"])
+def test_an_offloaded_kv_cache_on_a_gpu_gives_the_device_caches_tokens(mode):
     """The copy stream, the two device buffers taking the layers in turn and the pinned
     write-back: in float32 (no bf16 ties), the tokens and keys of the cache on the device."""
     kw = dict(device="cuda", dtype=torch.float32, progress=False)
-    plain, offloaded = moe_infer.load("tiny-moe", **kw), moe_infer.load("tiny-moe", **kw, kv_offload=True)
+    plain, offloaded = moe_infer.load("tiny-moe", **kw), moe_infer.load("tiny-moe", **kw, kv_offload=mode)
     plain.decode_mode = "eager"  # the same forwards on both
     prompts = PROMPTS * 3
     want = [o.token_ids for o in plain.generate(prompts, max_new_tokens=12)]
     assert [o.token_ids for o in offloaded.generate(prompts, max_new_tokens=12)] == want
     cache, ref = offloaded.runner.cache, plain.runner.cache
-    assert cache.host_k.is_pinned() and cache.k.is_cuda and cache.k.shape[0] == 2
-    torch.testing.assert_close(cache.host_k[:, :-1], ref.k[:, :-1].cpu(), rtol=1e-5, atol=1e-6)
+    assert cache.host_k.is_pinned() and cache.k.is_cuda and cache.k.shape[0] == min(2, len(cache.offloaded))
+    torch.testing.assert_close(cache.host_k[:, :-1], ref.k[cache.offloaded, :-1].cpu(), rtol=1e-5, atol=1e-6)
