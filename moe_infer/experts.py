@@ -79,16 +79,19 @@ class Experts(nn.Module):
         return pairs_from_ids(x, self.w13, self.w2, top_k, **self.scales())
 
 
-class Int8Experts(Experts):
-    """Weight-only int8 experts: int8 w13 / w2 with per-output-channel float32 scales."""
+class QuantizedExperts(Experts):
+    """Experts whose w13 / w2 are stored quantized by ``quantize`` (w -> (q, scales)), with
+    the scales as buffers; the biases stay unquantized."""
+
+    quantize = None  # w [E, N, K] -> (stored weights, their scales)
 
     def __init__(self, experts: Experts):
         nn.Module.__init__(self)
         self.activation, self.expert_range, self.options = experts.activation, experts.expert_range, experts.options
-        self.b13, self.b2, self.adds_b2 = experts.b13, experts.b2, experts.adds_b2  # biases stay unquantized
+        self.b13, self.b2, self.adds_b2 = experts.b13, experts.b2, experts.adds_b2
         self.weighted_input = experts.weighted_input
-        q13, s13 = kernels.quantize_int8(experts.w13.detach())
-        q2, s2 = kernels.quantize_int8(experts.w2.detach())
+        q13, s13 = type(self).quantize(experts.w13.detach())
+        q2, s2 = type(self).quantize(experts.w2.detach())
         self.w13 = nn.Parameter(q13, requires_grad=False)
         self.w2 = nn.Parameter(q2, requires_grad=False)
         self.register_buffer("w13_scale", s13)
@@ -98,31 +101,27 @@ class Int8Experts(Experts):
         return {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale}
 
 
-class Mxfp4Experts(Experts):
+class Int8Experts(QuantizedExperts):
+    """Weight-only int8 experts: int8 w13 / w2 with per-output-channel float32 scales."""
+
+    quantize = staticmethod(kernels.quantize_int8)
+
+
+class Mxfp4Experts(QuantizedExperts):
     """MXFP4 experts (``engine.quantize: mxfp4``; GPT-OSS's release format): w13 / w2 two
     E2M1 codes a byte with a power-of-two scale per 32 weights along K (``kernels.moe.mxfp4``),
     decoded inside the grouped GEMM. Weights that came from an MXFP4 checkpoint keep their
     codes exactly (dequantized at load, quantized back here)."""
 
+    quantize = staticmethod(kernels.quantize_mxfp4)
+
     def __init__(self, experts: Experts):
-        nn.Module.__init__(self)
-        self.activation, self.expert_range, self.options = experts.activation, experts.expert_range, experts.options
-        self.b13, self.b2, self.adds_b2 = experts.b13, experts.b2, experts.adds_b2  # biases stay unquantized
-        self.weighted_input = experts.weighted_input
         for name in ("w13", "w2"):
             k = getattr(experts, name).shape[-1]
             if k % 32:
                 raise ConfigError(f"engine.quantize=mxfp4: expected the experts' {name} rows (K = {k}) in groups of "
                                   f"32; this model's (or this rank's share of them) are not")
-        q13, s13 = kernels.quantize_mxfp4(experts.w13.detach())
-        q2, s2 = kernels.quantize_mxfp4(experts.w2.detach())
-        self.w13 = nn.Parameter(q13, requires_grad=False)
-        self.w2 = nn.Parameter(q2, requires_grad=False)
-        self.register_buffer("w13_scale", s13)
-        self.register_buffer("w2_scale", s2)
-
-    def scales(self) -> dict:
-        return {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale}
+        super().__init__(experts)
 
 
 def expert_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
