@@ -54,6 +54,7 @@ class Experts(nn.Module):
         if bias:
             self.shard_fns.update(b13=w13, b2=experts_of)
         self.adds_b2 = slice_rank == 0  # the slices' outputs are partial sums: one of them adds b2
+        self.width_range = (lo, lo + f)  # this rank's columns of each expert's width F
 
     def scales(self) -> dict:
         return {}
@@ -80,22 +81,29 @@ class Experts(nn.Module):
 
 
 class QuantizedExperts(Experts):
-    """Experts whose w13 / w2 are stored quantized by ``quantize`` (w -> (q, scales)), with
-    the scales as buffers; the biases stay unquantized."""
+    """Experts whose w13 / w2 are stored quantized by ``quantize`` (w -> (q, scales)); the
+    biases stay unquantized."""
 
     quantize = None  # w [E, N, K] -> (stored weights, their scales)
+    scale_parameters = False  # the scales as parameters (a checkpoint fills them), else buffers
 
-    def __init__(self, experts: Experts):
+    def __init__(self, experts: Experts, stored: tuple | None = None):
+        """``stored``: (w13, w13_scale, w2, w2_scale) as they are to be kept (else quantized
+        from ``experts``' weights)."""
         nn.Module.__init__(self)
         self.activation, self.expert_range, self.options = experts.activation, experts.expert_range, experts.options
         self.b13, self.b2, self.adds_b2 = experts.b13, experts.b2, experts.adds_b2
-        self.weighted_input = experts.weighted_input
-        q13, s13 = type(self).quantize(experts.w13.detach())
-        q2, s2 = type(self).quantize(experts.w2.detach())
+        self.weighted_input, self.width_range = experts.weighted_input, experts.width_range
+        if stored is None:
+            stored = (*type(self).quantize(experts.w13.detach()), *type(self).quantize(experts.w2.detach()))
+        q13, s13, q2, s2 = stored
         self.w13 = nn.Parameter(q13, requires_grad=False)
         self.w2 = nn.Parameter(q2, requires_grad=False)
-        self.register_buffer("w13_scale", s13)
-        self.register_buffer("w2_scale", s2)
+        for name, scale in (("w13_scale", s13), ("w2_scale", s2)):
+            if self.scale_parameters:
+                setattr(self, name, nn.Parameter(scale, requires_grad=False))
+            else:
+                self.register_buffer(name, scale)
 
     def scales(self) -> dict:
         return {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale}
@@ -110,18 +118,45 @@ class Int8Experts(QuantizedExperts):
 class Mxfp4Experts(QuantizedExperts):
     """MXFP4 experts (``engine.quantize: mxfp4``; GPT-OSS's release format): w13 / w2 two
     E2M1 codes a byte with a power-of-two scale per 32 weights along K (``kernels.moe.mxfp4``),
-    decoded inside the grouped GEMM. Weights that came from an MXFP4 checkpoint keep their
-    codes exactly (dequantized at load, quantized back here)."""
+    decoded inside the grouped GEMM. Made from full-precision experts (quantized), or
+    ``packed_like`` them, empty, for an MXFP4 checkpoint's codes to be read into as they are
+    (or random codes drawn): the model's experts then never exist in full precision."""
 
     quantize = staticmethod(kernels.quantize_mxfp4)
+    scale_parameters = True
 
-    def __init__(self, experts: Experts):
+    def __init__(self, experts: Experts, stored: tuple | None = None):
         for name in ("w13", "w2"):
             k = getattr(experts, name).shape[-1]
             if k % 32:
                 raise ConfigError(f"engine.quantize=mxfp4: expected the experts' {name} rows (K = {k}) in groups of "
                                   f"32; this model's (or this rank's share of them) are not")
-        super().__init__(experts)
+        super().__init__(experts, stored)
+
+    @classmethod
+    def packed_like(cls, experts: Experts) -> "Mxfp4Experts":
+        """Empty MXFP4 experts of ``experts``' shapes, on its device, with sharding functions
+        that cut a checkpoint's packed tensors as ``experts``' cut the unpacked ones (w13's
+        rows alike; w2's columns of F in bytes and in groups)."""
+        dev = experts.w13.device
+        (e, r13, h), f = experts.w13.shape, experts.w2.shape[2]
+
+        def empty(*shape):
+            return torch.empty(shape, dtype=torch.uint8, device=dev)
+
+        out = cls(experts, (empty(e, r13, h // 2), empty(e, r13, h // 32), empty(e, h, f // 2), empty(e, h, f // 32)))
+        (first, end), (lo, hi) = experts.expert_range, experts.width_range
+
+        def w2_columns(per: int):  # this rank's experts and columns, ``per`` weights an element
+            def cut(full):
+                full = full if full.shape[0] == e else full[first:end]
+                return full[:, :, lo // per:hi // per]
+            return cut
+
+        w13 = experts.shard_fns["w13"]
+        out.shard_fns = {"w13": w13, "w13_scale": w13, "w2": w2_columns(2), "w2_scale": w2_columns(32)}
+        out.shard_fns.update({k: v for k, v in experts.shard_fns.items() if k in ("b13", "b2")})
+        return out
 
 
 def expert_targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -145,6 +180,15 @@ def quantize_experts(model: nn.Module, device: torch.device | None = None, prepa
         if prepare is not None:
             prepare(experts)
         setattr(parent, name, quantized(experts))  # the full-precision module is freed here
+    return model
+
+
+def pack_experts(model: nn.Module) -> nn.Module:
+    """Swaps every ``Experts`` module of ``model`` (on the meta device, before loading) for
+    empty ``Mxfp4Experts`` of its shapes, in place: an MXFP4 checkpoint's codes load into them
+    as they are, or random codes are drawn (``moe_infer.model.init_random``)."""
+    for parent, name in expert_targets(model):
+        setattr(parent, name, Mxfp4Experts.packed_like(getattr(parent, name)))
     return model
 
 

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from kernels.moe.mxfp4 import dequantize_mxfp4
 from moe_infer.config import (ROPE_TYPES, Config, ConfigError, EngineConfig, ModelConfig, MoEConfig, RopeScaling,
                               section_from_dict)
 
@@ -347,24 +348,36 @@ def rearranged(name: str, shape: Shape, transform, ours: Shape) -> Source:
     return Source(((name,),), ((shape,),), transform=transform, ours=ours)
 
 
-# The 16 values of a 4-bit e2m1 code (OCP microscaling FP4), sign in the top bit.
-_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
 def mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """MXFP4 blocks [..., R, G, 16] uint8 (two e2m1 codes a byte, the low nibble first) and
     scales [..., R, G] uint8 (a power of two, exponent bias 127) -> bfloat16 [..., R, 32 G].
     bf16 holds every such value exactly (a 2-bit mantissa, fp32's exponent range)."""
-    lut = torch.tensor(_FP4, dtype=torch.bfloat16)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., R, G, 32]
-    scale = torch.exp2(scales.float() - 127).to(torch.bfloat16)[..., None]
-    return (lut[codes] * scale).flatten(-2)
+    return dequantize_mxfp4(blocks.flatten(-2), scales, torch.bfloat16)
 
 
 def _mxfp4_gate_up(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """GPT-OSS's MXFP4 gate_up_proj ([E, 2F, H] once unpacked, gate and up rows alternating)
     -> our w13 [E, 2F, H]."""
     return _uninterleave(mxfp4(blocks, scales).transpose(1, 2)).transpose(1, 2).contiguous()
+
+
+def _raw_mxfp4(m: str, ours: str, e: int, h: int, f: int) -> Source:
+    """Our ``ours`` (experts.w13 / w13_scale / w2 / w2_scale of ``Mxfp4Experts``) from GPT-OSS's
+    MXFP4 blocks or scales as stored: gate_up's rows (gate and up alternating) put gate rows
+    first, the 16-byte blocks of a row joined."""
+    name, rows, k = ((m + "experts.gate_up_proj", (e, 2 * f), h) if ours.startswith("ffn.experts.w13")
+                     else (m + "experts.down_proj", (e, h), f))
+    gate_up = name.endswith("gate_up_proj")
+
+    def arrange(t: torch.Tensor) -> torch.Tensor:
+        t = _uninterleave(t.transpose(1, -1)).transpose(1, -1) if gate_up else t  # rows are dim 1
+        return t.flatten(2).contiguous()
+
+    if ours.endswith("_scale"):
+        return Source(((name + "_scales",),), (((*rows, k // 32),),), transform=arrange, ours=(*rows, k // 32),
+                      packed=True)
+    return Source(((name + "_blocks",),), (((*rows, k // 32, 16),),), transform=arrange, ours=(*rows, k // 2),
+                  packed=True)
 
 
 def packed(name: str, rows: Shape, transform, ours: Shape) -> Source:
@@ -379,15 +392,16 @@ def tensor_plan(cfg: Config, family: Family, our_names: list[str]) -> dict[str, 
     """For each of our parameter names, the checkpoint sources to try in order (a
     per-expert layout first, then a layout with experts already fused)."""
     plan = {}
+    packed = any(n.endswith("ffn.experts.w13_scale") for n in our_names)  # MXFP4 experts read as they are
     for ours in our_names:
-        plan[ours] = _sources(ours, cfg, family)
+        plan[ours] = _sources(ours, cfg, family, packed)
         if family.prefix:
             plan[ours] = [replace(s, parts=tuple(tuple(family.prefix + n for n in g) for g in s.parts))
                           for s in plan[ours]]
     return plan
 
 
-def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
+def _sources(ours: str, cfg: Config, fam: Family, packed_experts: bool = False) -> list[Source]:
     m_cfg = cfg.model
     h, v, d = m_cfg.hidden_size, m_cfg.vocab_size, m_cfg.head_dim
     q, kv = m_cfg.num_heads * d, m_cfg.num_kv_heads * d  # q rows; k rows = v rows
@@ -447,6 +461,8 @@ def _sources(ours: str, cfg: Config, fam: Family) -> list[Source]:
                "ffn.experts.b2": one(m + "experts.down_proj_bias", (e, h))}
         if rest in gpt:
             return [gpt[rest]]
+        if packed_experts and rest.startswith("ffn.experts.w"):  # MXFP4 kept: codes and scales as stored
+            return [_raw_mxfp4(m, rest, e, h, f)]
         if rest == "ffn.experts.w13":  # bf16 / fp32, or MXFP4 (dequantized as it is read)
             return [rearranged(m + "experts.gate_up_proj", (e, h, 2 * f), _gate_up, (e, 2 * f, h)),
                     packed(m + "experts.gate_up_proj", (e, 2 * f), _mxfp4_gate_up, (e, 2 * f, h))]

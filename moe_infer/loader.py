@@ -16,7 +16,7 @@ from moe_infer.checkpoint import load_checkpoint
 from moe_infer.config import Config, ConfigError, ParallelConfig, load_preset, load_yaml_config, preset_names
 from moe_infer.engine import Engine
 from moe_infer.memory import check_fits, check_offload_fits
-from moe_infer.hf import read_hf_config
+from moe_infer.hf import read_hf_config, read_json
 from moe_infer.model import Transformer, init_random
 from moe_infer.tokenizer import Tokenizer
 
@@ -101,16 +101,23 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype, on_
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
+            kind = dtype if p.is_floating_point() else p.dtype  # (MXFP4 codes and scales stay bytes)
             if id(p) in host_params and host_dir is not None:
                 file = Path(host_dir) / f"{path}.{name}.bin"
                 with open(file, "wb") as f:
-                    f.truncate(p.numel() * dtype.itemsize)
-                t = torch.from_file(str(file), shared=True, size=p.numel(), dtype=dtype).view(p.shape)
+                    f.truncate(p.numel() * kind.itemsize)
+                t = torch.from_file(str(file), shared=True, size=p.numel(), dtype=kind).view(p.shape)
             else:
                 host = id(p) in host_params
-                t = torch.empty(p.shape, device="cpu" if host else device, dtype=dtype,
+                t = torch.empty(p.shape, device="cpu" if host else device, dtype=kind,
                                 pin_memory=host and device.type == "cuda")
             module._parameters[name] = nn.Parameter(t, requires_grad=False)
+
+
+def _mxfp4_checkpoint(directory: str | Path) -> bool:
+    """Whether a checkpoint's experts are stored in MXFP4 (GPT-OSS's release format)."""
+    quant = read_json(Path(directory) / "config.json").get("quantization_config") or {}
+    return quant.get("quant_method") == "mxfp4"
 
 
 def load(path_or_name: str | Path | None = None, *, device: str | torch.device | None = None,
@@ -161,6 +168,12 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
     dt = resolve_dtype(dtype if dtype is not None else cfg.engine.dtype, dev)
     with torch.device("meta"):
         model = Transformer(cfg, groups)
+    if cfg.engine.quantize == "mxfp4" and (cfg.checkpoint is None or _mxfp4_checkpoint(cfg.checkpoint)):
+        # Random codes, or an MXFP4 checkpoint's codes read as they are: the experts never
+        # exist in full precision (a model whose bf16 experts exceed the host loads too).
+        from moe_infer.experts import pack_experts
+
+        pack_experts(model)
     # Models larger than the device (``moe_infer.offload``): the routed experts, or with
     # offload "layers" every block, loaded into host memory.
     offload = cfg.engine.gpu_memory_gb is not None

@@ -105,7 +105,8 @@ def memory_need(cfg: Config, dtype: torch.dtype, model=None, int8: bool | None =
             w = getattr(parent, name).weight
             stored[id(w)] = w.numel() + 4 * w.shape[0]
             staging = max(staging, w.numel() * size)
-    weights = sum(stored.get(id(p), p.numel() * size) for p in model.parameters())
+    weights = sum(stored.get(id(p), p.numel() * (size if p.is_floating_point() else p.element_size()))
+                  for p in model.parameters())
     m = cfg.model
     # (an offloaded KV cache: two layers' pools on the device, whatever the model's depth, and
     # with "alternate" the other half of the layers)

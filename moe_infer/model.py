@@ -345,8 +345,17 @@ class Transformer(nn.Module):
 @torch.no_grad()
 def init_random(module: nn.Module, generator: torch.Generator):
     """GPT-2 style random values for the full-precision parameters of ``module`` (int8
-    ones, already quantized, stay): biases 0, norm scales 1, the rest N(0, 0.02)."""
+    ones, already quantized, stay): biases 0, norm scales 1, the rest N(0, 0.02). Empty MXFP4
+    experts (uint8 codes and scales) get uniform random codes under scales of 2 ** -7, which
+    give their weights a standard deviation of about 0.02."""
     for name, p in module.named_parameters():
+        if p.dtype == torch.uint8:
+            if name.endswith("_scale"):
+                p.fill_(127 - 7)
+            else:
+                p.copy_(torch.randint(0, 256, p.shape, dtype=torch.uint8, device=generator.device,
+                                      generator=generator))
+            continue
         if not p.is_floating_point():
             continue
         if name.endswith("bias"):

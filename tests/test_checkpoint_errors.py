@@ -334,7 +334,7 @@ def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.unflatten(-1, (-1, 16)), scales
 
 
-def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path, monkeypatch):
     """A checkpoint in GPT-OSS's MXFP4 layout (``*_blocks`` / ``*_scales``, written from known
     weights) loads to the values of transformers' own dequantization, rearranged to ours;
     and the model generates."""
@@ -362,8 +362,13 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
         torch.testing.assert_close(experts.w13.data, expected[(i, "gate_up_proj")], rtol=0, atol=0)
         torch.testing.assert_close(experts.w2.data, expected[(i, "down_proj")], rtol=0, atol=0)
     assert len(engine.generate([[5, 17, 3]], max_new_tokens=4)[0].token_ids) == 4
-    # kept 4-bit (engine.quantize: mxfp4): the checkpoint's codes and scales, the same tokens
-    four = moe_infer.load(tmp_path, device="cpu", dtype=torch.float32, progress=False, quantize="mxfp4")
+    from moe_infer.experts import Mxfp4Experts
+
+    # kept 4-bit (engine.quantize: mxfp4): the checkpoint's codes and scales read as they are
+    # (nothing quantized: the experts never exist in full precision), the same tokens
+    with monkeypatch.context() as patch:
+        patch.setattr(Mxfp4Experts, "quantize", staticmethod(lambda *a: pytest.fail("quantized instead of read")))
+        four = moe_infer.load(tmp_path, device="cpu", dtype=torch.float32, progress=False, quantize="mxfp4")
     for i in range(3):
         experts = four.model.layers[i].ffn.experts
         assert experts.w13.dtype == torch.uint8 and experts.w13.shape[-1] == expected[(i, "gate_up_proj")].shape[-1] // 2

@@ -198,8 +198,9 @@ def test_int8_keeps_the_new_families_close(family, tmp_path):
 
 def test_mxfp4_experts_run_the_models_experts_at_their_4_bit_values():
     """engine.quantize: mxfp4 keeps the routed experts 4-bit (half a byte a weight and a scale
-    byte per 32) and the rest in full precision: its logits are those of the same model with
-    the experts' weights replaced by their MXFP4 values."""
+    byte per 32; random codes drawn as they are, never in full precision) and the rest in
+    full precision: its logits are those of the same model with the experts' weights
+    replaced by their MXFP4 values."""
     from kernels.moe.mxfp4 import dequantize_mxfp4
     from moe_infer.experts import Experts, Mxfp4Experts
     from moe_infer.memory import memory_need
@@ -209,7 +210,11 @@ def test_mxfp4_experts_run_the_models_experts_at_their_4_bit_values():
     mx = [m for m in four.model.modules() if isinstance(m, Mxfp4Experts)]
     plain = [m for m in full.model.modules() if type(m) is Experts]
     assert len(mx) == len(plain) > 0 and not any(isinstance(m, Int8Linear) for m in four.model.modules())
-    with torch.no_grad():
+    with torch.no_grad():  # the same dense weights (random draws differ once codes are drawn), the 4-bit experts'
+        params = dict(full.model.named_parameters())
+        for name, p in four.model.named_parameters():
+            if p.is_floating_point():
+                params[name].copy_(p)
         for a, b in zip(plain, mx):
             a.w13.copy_(dequantize_mxfp4(b.w13, b.w13_scale, a.w13.dtype))
             a.w2.copy_(dequantize_mxfp4(b.w2, b.w2_scale, a.w2.dtype))
@@ -231,3 +236,23 @@ def test_mxfp4_needs_experts_in_groups_of_32():
     odd = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_hidden=100))
     with pytest.raises(ConfigError, match=r"engine\.quantize='mxfp4': expected int8 or null: MXFP4 takes a MoE"):
         moe_infer.load(odd, device="cpu", progress=False, quantize="mxfp4")
+
+
+@pytest.mark.parametrize("ep_rank,ep,slice_rank,slices", [(1, 2, 0, 1), (0, 1, 1, 2), (1, 2, 1, 2)])
+def test_packed_mxfp4_experts_cut_a_checkpoint_as_the_unpacked_ones_do(ep_rank, ep, slice_rank, slices):
+    """An expert-parallel or expert-sliced rank's empty MXFP4 experts take their share of the
+    whole packed tensors: the codes and scales of their share of the whole float weights."""
+    from moe_infer.experts import Experts, Mxfp4Experts
+
+    e, h, f = 4, 64, 128
+    with torch.device("meta"):
+        plain = Experts(e, h, f, "swiglu_oai", ep_rank, ep, slice_rank, slices, bias=True)
+    packed = Mxfp4Experts.packed_like(plain)
+    gen = torch.Generator().manual_seed(3)
+    w13, w2 = torch.randn(e, 2 * f, h, generator=gen), torch.randn(e, h, f, generator=gen)
+    (q13, s13), (q2, s2) = kernels.quantize_mxfp4(w13), kernels.quantize_mxfp4(w2)
+    for name, full, want in (("w13", q13, plain.shard_fns["w13"](w13)), ("w13_scale", s13, plain.shard_fns["w13"](w13)),
+                             ("w2", q2, plain.shard_fns["w2"](w2)), ("w2_scale", s2, plain.shard_fns["w2"](w2))):
+        got = packed.shard_fns[name](full)
+        assert got.shape == getattr(packed, name).shape, name
+        assert torch.equal(got, kernels.quantize_mxfp4(want)[name.endswith("_scale")]), name
