@@ -137,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--batch", type=int, default=1, help="rows (default 1)")
     pln.add_argument("--context", type=int, default=1024, help="cached tokens a row at decode (default 1024)")
     pln.add_argument("--prompt", type=int, default=1024, help="prompt tokens at prefill (default 1024)")
-    pln.add_argument("--int8", action="store_true", help="weight-only int8 weights")
+    weights = pln.add_mutually_exclusive_group()
+    weights.add_argument("--int8", action="store_true", help="weight-only int8 weights")
+    weights.add_argument("--mxfp4", action="store_true", help="MXFP4 experts (4.25 bits a weight), the rest bf16")
     pln.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
 
     cal = sub.add_parser("calibrate", help="measure this machine into a hardware profile for plan",
@@ -250,14 +252,15 @@ def _generate(args, job: Job) -> int:
 
 
 def _plan(args) -> int:
-    from moe_infer.costmodel import CostModel, Hardware
+    from moe_infer.costmodel import CostModel, Hardware, weight_sizes
     from moe_infer.loader import resolve_config
 
     if args.gpus < 1 or args.batch < 1 or args.context < 0 or args.prompt < 1:
         raise ConfigError("--gpus, --batch and --prompt: expected positive numbers (--context >= 0)")
     cfg = resolve_config(args.model)
     hw = Hardware.load(args.hardware)
-    model = CostModel(cfg, hw, weight_bytes=1.0 if args.int8 else 2.0)
+    quantize = "int8" if args.int8 else "mxfp4" if args.mxfp4 else None
+    model = CostModel(cfg, hw, **weight_sizes(quantize))
     if args.parallel:
         preds = [model.predict(parse_layout(args.parallel, args.gpus), args.phase, args.batch, args.context,
                                args.prompt)]
@@ -265,10 +268,11 @@ def _plan(args) -> int:
         preds = model.rank(args.gpus, args.phase, args.batch, args.context, args.goal, args.prompt)
         if not preds:
             raise ConfigError(f"{args.model} on {args.gpus} x {hw.name}: no layout fits the memory "
-                              f"({hw.memory_gb:g} GB a GPU); try more GPUs, --int8 or a smaller --batch")
+                              f"({hw.memory_gb:g} GB a GPU); try more GPUs, --int8, --mxfp4 or a smaller --batch")
     what = (f"decode step, batch {args.batch}, {args.context} cached tokens" if args.phase == "decode"
             else f"prefill of {args.batch} x {args.prompt} tokens")
-    print(f"{cfg.name} on {args.gpus} x {hw.name} ({'int8' if args.int8 else 'bf16'} weights): {what}, "
+    kinds = {"int8": "int8 weights", "mxfp4": "MXFP4 experts", None: "bf16 weights"}
+    print(f"{cfg.name} on {args.gpus} x {hw.name} ({kinds[quantize]}): {what}, "
           f"best {args.goal} first")
     rows = [("layout", "ms", "tokens/s", "GB/GPU", "memory ms", "compute ms", "collectives ms", "fits")]
     for q in preds[:args.top]:

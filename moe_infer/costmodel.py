@@ -184,9 +184,11 @@ class CostModel:
     USABLE = 0.9  # of a GPU's memory, for weights and KV (the rest: activations, workspaces)
 
     def __init__(self, cfg: Config, hw: Hardware, weight_bytes: float = 2.0, act_bytes: float = 2.0,
-                 histogram: list[float] | None = None):
+                 histogram: list[float] | None = None, expert_bytes: float | None = None):
+        """``expert_bytes``: of a routed expert's weight, where it differs (MXFP4 experts)."""
         self.cfg, self.hw = cfg, hw
         self.wb, self.ab = weight_bytes, act_bytes
+        self.eb = weight_bytes if expert_bytes is None else expert_bytes
         self.histogram = histogram
         m = cfg.model
         self.head_dim = m.head_dim or m.hidden_size // m.num_heads
@@ -226,7 +228,7 @@ class CostModel:
         else:
             hit = distinct_experts(e.num_experts, e.top_k, group_tokens, local, self.histogram)
         pairs = group_tokens * e.top_k / p.ep
-        reads, flops = hit * expert * self.wb, 2 * pairs * expert
+        reads, flops = hit * expert * self.eb, 2 * pairs * expert
         if e.shared_experts:
             w = gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp
             reads, flops = reads + w * self.wb, flops + 2 * tokens * w
@@ -307,10 +309,10 @@ class CostModel:
         gated = 3 if m.gated else 2
         if e is None or not self.cfg.is_moe_layer(index):
             return gated * m.hidden_size * m.ffn_hidden / p.tp * self.wb
-        w = e.num_experts // p.ep * gated * m.hidden_size * e.expert_hidden / p.expert_slicing
+        w = e.num_experts // p.ep * gated * m.hidden_size * e.expert_hidden / p.expert_slicing * self.eb
         if e.shared_experts:
-            w += gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp
-        return w * self.wb
+            w += gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp * self.wb
+        return w
 
     def _block_collectives(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float) -> float:
         """Seconds of one block's collectives on a rank."""
@@ -380,9 +382,16 @@ def local_profile() -> str | None:
     return DEVICE_PROFILES.get(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
+def weight_sizes(quantize: str | None) -> dict:
+    """The cost model's bytes a weight (``weight_bytes``) and a routed expert's weight
+    (``expert_bytes``) under ``engine.quantize``: MXFP4 keeps 4 bits and a scale byte per 32."""
+    return {None: dict(weight_bytes=2.0), "int8": dict(weight_bytes=1.0),
+            "mxfp4": dict(weight_bytes=2.0, expert_bytes=4.25 / 8)}[quantize]
+
+
 def choose_layout(cfg: Config, ranks: int, hardware: str | Path | None = None, batch: int | None = None,
                   goal: str = "latency", weight_bytes: float = 2.0,
-                  dp_attention: bool = True) -> tuple[ParallelConfig, str]:
+                  dp_attention: bool = True, expert_bytes: float | None = None) -> tuple[ParallelConfig, str]:
     """``parallel: auto``: the layout of ``ranks`` ranks the cost model ranks first for a
     decode step of ``batch`` rows (default the engine's max_batch_size) at half the
     context (``dp_attention`` False: none of its layouts, as the server runs none) ->
@@ -395,7 +404,8 @@ def choose_layout(cfg: Config, ranks: int, hardware: str | Path | None = None, b
     e = cfg.engine
     rows = batch or e.max_batch_size
     context = (e.max_seq_len or cfg.model.max_position) // 2
-    ranked = [q for q in CostModel(cfg, hw, weight_bytes).rank(ranks, "decode", rows, context, goal)
+    ranked = [q for q in CostModel(cfg, hw, weight_bytes, expert_bytes=expert_bytes).rank(ranks, "decode", rows,
+                                                                                         context, goal)
               if dp_attention or not q.parallel.dp_attention]
     if not ranked:
         raise ConfigError(f"parallel: auto: no layout of {ranks} ranks fits {cfg.name} in {hw.memory_gb:g} GB a "

@@ -152,11 +152,11 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         raise ConfigError(f"parallel={parallel!r}: expected a ParallelConfig, None or 'auto'")
     if parallel == "auto" or (parallel is None and cfg.parallel_auto):
         # The layout of the job's ranks, by the cost model (the same choice on every rank).
-        from moe_infer.costmodel import choose_layout
+        from moe_infer.costmodel import choose_layout, weight_sizes
         from moe_infer.job import launched_ranks
 
         chosen, auto_note = choose_layout(cfg, launched_ranks(), cfg.engine.hardware,
-                                          weight_bytes=1.0 if cfg.engine.quantize == "int8" else 2.0)
+                                          **weight_sizes(cfg.engine.quantize))
         keep = {k: getattr(cfg.parallel, k) for k in ("timeout_s", "all_reduce", "a2a_fixed_tokens")}
         parallel = dataclasses.replace(chosen, **keep)
     if parallel is not None:

@@ -148,14 +148,14 @@ def build_engine(spec: ServeSpec, progress: bool = True) -> Engine:
 
     e = spec.engine
     if spec.parallel == "auto":  # the cost model's layout of the job's ranks, none with dp-attention
-        from moe_infer.costmodel import choose_layout
+        from moe_infer.costmodel import choose_layout, weight_sizes
         from moe_infer.hf import read_hf_config
         from moe_infer.job import launched_ranks
         from moe_infer.loader import resolve_config
 
         cfg = read_hf_config(spec.checkpoint) if spec.checkpoint else resolve_config(spec.model)
         parallel, note = choose_layout(cfg, launched_ranks(), e.get("hardware"), goal="throughput",
-                                       weight_bytes=1.0 if e.get("quantize") == "int8" else 2.0, dp_attention=False)
+                                       dp_attention=False, **weight_sizes(e.get("quantize")))
     else:
         parallel, note = section_from_dict(ParallelConfig, spec.parallel, "parallel") if spec.parallel else None, None
     if parallel is not None and parallel.dp_attention:

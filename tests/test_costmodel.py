@@ -103,6 +103,22 @@ def test_expert_terms_follow_the_layout():
     assert dpa.split["collectives"] >= 0 and dpa.tokens_per_s > 0
 
 
+def test_mxfp4_experts_read_and_hold_a_quarter_and_a_bit_of_their_bf16_bytes():
+    from moe_infer.costmodel import weight_sizes
+
+    cfg = resolve_config("mixtral-8x7b")
+    bf16, mx = CostModel(cfg, machine()), CostModel(cfg, machine(), **weight_sizes("mxfp4"))
+    a, b = (cm.predict(ParallelConfig(), "decode", 1, 0) for cm in (bf16, mx))
+    expert = 3 * cfg.model.hidden_size * cfg.moe.expert_hidden  # weights of one expert
+    layers = cfg.model.num_layers
+    # batch 1 reads its two experts a layer at 4.25 bits a weight in place of 16
+    assert a.split["memory"] - b.split["memory"] == pytest.approx(
+        layers * 2 * expert * (2 - 4.25 / 8) / 1e12 * 1e3, rel=1e-3)
+    held = layers * cfg.moe.num_experts * expert * (2 - 4.25 / 8) / 1e9
+    assert a.memory_gb - b.memory_gb == pytest.approx(held, rel=0.02)
+    assert weight_sizes("int8") == {"weight_bytes": 1.0} and weight_sizes(None) == {"weight_bytes": 2.0}
+
+
 def test_shipped_profiles_load_and_round_trip(tmp_path):
     names = sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
     assert {"nvidia-a100-sxm", "nvidia-h100-sxm", "nvidia-h200", "tpu-v4"} <= set(names)
