@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend
 
 import kernels
-from comm import Group, all_reduce
+from comm import Group, all_gather, all_reduce
 from dense.norm import RMSNorm, ShardedRMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
 from dense.rotary import Rotary, apply_rotary, pairs_to_halves
@@ -265,6 +265,7 @@ class Attention(nn.Module):
         # An all-heads q/k norm over heads split across ranks needs their sums of squares
         # from every rank: the fused kernels then take q and k already normed (``_prenorm``).
         self.sharded_norm = cfg.qk_norm == "full" and tp.size > 1
+        self.tp, self.kv_replicas = tp, replicas
         # The fused decode kernels: power-of-two head dims, rotary over the whole head.
         partial = getattr(cfg, "rotary_dim", None) not in (None, d) and getattr(cfg, "positions", "rope") == "rope"
         # (NoPE layers: their query temperature is not in the kernels)
@@ -362,6 +363,8 @@ class Attention(nn.Module):
         step that fits runs its whole attention in one (``kernels.qkv_attention``). A decode
         step is captured in a CUDA graph: nothing here waits for the device or takes a shape
         from its values."""
+        if getattr(cache, "own_keys", None) is not None:  # a cache split over the ranks by tokens
+            return self._paged_by_tokens(qkv, ctx, cache, layer)
         b, t, _ = qkv.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         k_pool, v_pool = cache.pools(layer)
@@ -395,6 +398,29 @@ class Attention(nn.Module):
                                                  ctx.attn_mask[:, 0, 0], sinks=self.sinks)  # [B, Hq, D]
             return out[:, :, None]
         return self._sdpa(q, *cache.gather(layer), ctx)
+
+    def _paged_by_tokens(self, qkv: torch.Tensor, ctx: StepContext, cache, layer: int) -> torch.Tensor:
+        """``_paged`` over a ``dense.kv_shard.TokenShardedKVCache``: every rank's queries and new
+        keys gathered, the keys of this rank's blocks stored, attention over them with every
+        query head, and the ranks' partial outputs combined -> this rank's heads [B, Hq, T, D]."""
+        from dense.kv_shard import combine, partial_attention
+
+        q, k, v = self._unfused(qkv, ctx)  # this rank's heads
+        tp, first = self.tp, self.tp.rank * self.num_heads
+        # (each KV head comes from each of its replicas: keep one)
+        k_all, v_all = (all_gather(z.contiguous(), tp, dim=1)[:, ::self.kv_replicas] for z in (k, v))
+        cache.write(layer, k_all, v_all)
+        if ctx.causal:  # fresh prompts attend over their own keys: this rank's heads, as unsplit
+            return self._sdpa(q, k, v, ctx)
+        mask = ctx.attn_mask
+        allowed = (mask if mask.dtype == torch.bool else torch.isfinite(mask)) & cache.own_keys[:, None, None, :]
+        out, lse = partial_attention(all_gather(q.contiguous(), tp, dim=1), *cache.gather(layer), allowed,
+                                     self.head_dim ** -0.5)
+        # every rank's partial outputs, of which this rank combines its own heads'
+        heads = slice(first, first + self.num_heads)
+        outs = all_gather(out[None].contiguous(), tp, dim=0)[:, :, heads]  # [P, B, Hq, T, D]
+        lses = all_gather(lse[None].contiguous(), tp, dim=0)[:, :, heads]
+        return combine(outs, lses, self.sinks)
 
     def _prenorm(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [B, T, W] with q and k through their all-heads norms, in place: the sums of

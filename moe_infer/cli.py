@@ -76,6 +76,9 @@ def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
                      help="parallelism-coordinated all-to-all (default on; --no-pcc: naive baseline)")
     par.add_argument("--dp-attention", action="store_true", default=None,
                      help="data-parallel replicas that share experts split the prompts (generate)")
+    par.add_argument("--kv-shard", choices=["heads", "tokens"],
+                     help="how the tp ranks split the KV cache (default heads; tokens: every head of 1 / tp of the "
+                          "tokens, no cache copied where the KV heads are fewer than the ranks)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,15 +182,15 @@ def parse_layout(text: str, gpus: int) -> ParallelConfig:
 
 def _parallel(args, ranks: int) -> ParallelConfig | str | None:
     """The layout from --parallel, or from --tp / --pp / --ep / --expert-slicing / --pcc /
-    --dp-attention and the pipeline's micro-batch counts; data parallelism of the dense part
+    --dp-attention / --kv-shard and the pipeline's micro-batch counts; data parallelism of the dense part
     fills the ranks the launcher started. "auto": the loader asks the cost model. None:
     no layout flags (``_default_layout``)."""
     flags = (args.tp, args.pp, args.ep, args.expert_slicing, args.pcc, args.dp_attention, args.micro_batches,
-             args.prompt_micro_batches)
+             args.prompt_micro_batches, args.kv_shard)
     if args.parallel is not None:
         if any(v is not None for v in flags):
             raise ConfigError(f"--parallel {args.parallel}: expected no --tp / --pp / --ep / --expert-slicing / "
-                              f"--pcc / --dp-attention / --micro-batches beside it")
+                              f"--pcc / --dp-attention / --micro-batches / --kv-shard beside it")
         return "auto" if args.parallel == "auto" else parse_layout(args.parallel, ranks)
     if all(v is None for v in flags):
         return None
@@ -196,7 +199,8 @@ def _parallel(args, ranks: int) -> ParallelConfig | str | None:
         raise ConfigError(f"--tp={tp} x --pp={pp}: expected a divisor of the {ranks} ranks this job runs")
     return ParallelConfig(tp=tp, pp=pp, dp=ranks // (tp * pp), ep=args.ep or 1, expert_slicing=args.expert_slicing,
                           pcc=True if args.pcc is None else args.pcc, dp_attention=bool(args.dp_attention),
-                          micro_batches=args.micro_batches, prompt_micro_batches=args.prompt_micro_batches)
+                          micro_batches=args.micro_batches, prompt_micro_batches=args.prompt_micro_batches,
+                          kv_shard=args.kv_shard or "heads")
 
 
 def _default_layout(ranks: int, model: str | None) -> ParallelConfig | None:

@@ -320,9 +320,17 @@ class ParallelConfig:
     # more and smaller micro-batches shorten the fill and drain (None: 4 * pp).
     micro_batches: int | None = None
     prompt_micro_batches: int | None = None
+    # How the tensor-parallel ranks split the KV cache: "heads", each its KV heads (one
+    # replicated over tp / num_kv_heads ranks where there are fewer); "tokens", every rank
+    # all heads of the tokens in every tp-th block, the queries gathered and each rank's
+    # partial attention combined (``dense.kv_shard``): no copy of the cache on two ranks.
+    kv_shard: str = "heads"
 
     def __post_init__(self):
         _check_positive("parallel", self, "tp", "ep", "pp", "dp", "timeout_s")
+        _check_choice("parallel", self, "kv_shard", ("heads", "tokens"))
+        if self.kv_shard == "tokens" and self.tp == 1:
+            _fail("parallel.kv_shard", "tokens", "heads with tp = 1 (tokens splits the cache over the tp ranks)")
         if self.micro_batches is None:
             self.micro_batches = self.pp
         if self.prompt_micro_batches is None:
@@ -468,6 +476,8 @@ class Config:
                                              or e.dense_layers):
             _fail("model.activation", m.activation, "swiglu or gelu where a layer has a dense MLP or shared "
                   "experts (swiglu_oai is GPT-OSS's, for routed experts only)")
+        if p.kv_shard == "tokens" and (m.kv_lora_rank is not None or self.engine.kv_offload is not None):
+            _fail("parallel.kv_shard", "tokens", "heads for latent attention or with engine.kv_offload (not built)")
         if self.engine.quantize == "mxfp4" and (e is None or m.hidden_size % 32 or e.expert_hidden % 32):
             _fail("engine.quantize", "mxfp4", "int8 or null: MXFP4 takes a MoE model whose hidden size and expert "
                   "width are multiples of 32 (its groups)")

@@ -151,6 +151,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, groups, options, i - self.own.start) if i in self.own
                                     else OtherStage() for i in range(m.num_layers))
         self.num_kv_heads = self.layers[self.own.start].attn.num_kv_heads  # on this rank
+        self.tp = groups.tp
         self.norm = make_norm(m.norm, m.hidden_size, m.norm_eps, options) if last else None
         self.lm_head = None
         if last and not self.tied:  # split by vocabulary over the TP ranks (a tied head stays whole)
@@ -204,6 +205,11 @@ class Transformer(nn.Module):
     def make_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         m = self.cfg.model
         k, v = m.kv_widths
+        if self.cfg.parallel.kv_shard == "tokens":  # every KV head, this rank's blocks (dense.kv_shard)
+            from dense.kv_shard import TokenShardedKVCache
+
+            return TokenShardedKVCache(len(self.own), num_blocks, block_size, self.cfg.model.num_kv_heads, k,
+                                       self.anchor.dtype, self.device, v, rank=self.tp.rank, ranks=self.tp.size)
         args = (len(self.own), num_blocks, block_size, self.num_kv_heads, k, self.anchor.dtype, self.device, v)
         mode = self.cfg.engine.kv_offload
         if mode is None:

@@ -50,7 +50,8 @@ def layouts(world: int) -> list[tuple[str, dict]]:
     out = [(f"tp{world}", dict(tp=world)), (f"tp{world}-nccl", dict(tp=world, all_reduce="nccl")),
            (f"ep{world}", dict(dp=world, ep=world)),
            (f"ep{world}-dp-attention", dict(dp=world, ep=world, dp_attention=True)),
-           (f"slicing{world}", dict(dp=world, expert_slicing=world)), (f"pp{world}", dict(pp=world))]
+           (f"slicing{world}", dict(dp=world, expert_slicing=world)), (f"pp{world}", dict(pp=world)),
+           (f"tp{world}-kv-tokens", dict(tp=world, kv_shard="tokens"))]
     if world >= 4 and world % 2 == 0:
         out += [(f"tp2-ep{world}-pcc", dict(tp=2, dp=world // 2, ep=world, pcc=True)),
                 (f"tp2-ep{world}-naive", dict(tp=2, dp=world // 2, ep=world, pcc=False)),

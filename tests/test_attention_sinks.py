@@ -57,3 +57,26 @@ def test_sink_attention_equals_the_softmax_with_a_sink_column(heads, mask, monke
     want = _reference(q, k, v, attn.sinks.detach().double(), allowed)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert len(shapes) == 1 and shapes[0][1] == 1, shapes  # one mask row per sequence, not per head
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_partial_attentions_over_split_keys_combine_to_the_whole(sinks):
+    """``dense.kv_shard``: attention over each rank's share of the keys, combined by the
+    shares of the softmax's denominator, equals attention over all keys; a row with no key
+    in a share, or none at all (padding), gets no NaN."""
+    from dense.kv_shard import combine, partial_attention
+
+    gen = torch.Generator().manual_seed(2)
+    b, h, hkv, t, s, d, ranks = 3, 4, 2, 2, 10, 8, 3
+    q = torch.randn(b, h, t, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, s, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    allowed = torch.rand(b, 1, t, s, generator=gen) < 0.7
+    allowed[2] = False  # a padding row: no key at all
+    owner = torch.arange(s) % ranks  # each key on one rank
+    parts = [partial_attention(q, k, v, allowed & (owner == r), d ** -0.5) for r in range(ranks)]
+    sink = torch.randn(h, generator=gen, dtype=torch.float64) if sinks else None
+    got = combine(torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts]), sink)
+    assert torch.isfinite(got).all() and not got[2].any()
+    want = _reference(q[:2], k[:2], v[:2], sink if sinks else torch.full((h,), -torch.inf, dtype=torch.float64),
+                      allowed[:2])
+    torch.testing.assert_close(got[:2], want, rtol=1e-10, atol=1e-12)

@@ -147,3 +147,20 @@ def test_every_preset_resolves_by_its_name():
         assert resolve_config(name).model == load_preset(name).model, name
     with pytest.raises(ConfigError, match=r"no-such\.7b: not a checkpoint directory or a \.yaml file"):
         resolve_config("no-such.7b")
+
+
+def test_kv_shard_is_checked_against_the_layout_and_the_attention():
+    import dataclasses
+
+    from moe_infer.config import ParallelConfig
+    from moe_infer.loader import resolve_config
+
+    with pytest.raises(ConfigError, match=r"parallel\.kv_shard='rows': expected one of heads, tokens"):
+        ParallelConfig(kv_shard="rows")
+    with pytest.raises(ConfigError, match=r"parallel\.kv_shard='tokens': expected heads with tp = 1"):
+        ParallelConfig(kv_shard="tokens")
+    latent = resolve_config("deepseek-v2-lite")
+    with pytest.raises(ConfigError, match=r"parallel\.kv_shard='tokens': expected heads for latent attention"):
+        dataclasses.replace(latent, parallel=ParallelConfig(tp=2, kv_shard="tokens"))
+    cfg = resolve_config("tiny-moe")
+    assert dataclasses.replace(cfg, parallel=ParallelConfig(tp=2, kv_shard="tokens")).parallel.kv_shard == "tokens"
