@@ -323,7 +323,8 @@ class ParallelConfig:
     # How the tensor-parallel ranks split the KV cache: "heads", each its KV heads (one
     # replicated over tp / num_kv_heads ranks where there are fewer); "tokens", every rank
     # all heads of the tokens in every tp-th block, the queries gathered and each rank's
-    # partial attention combined (``dense.kv_shard``): no copy of the cache on two ranks.
+    # partial attention combined (``dense.kv_shard``): no copy of the cache on two ranks (a
+    # latent cache, one "head", is whole on every rank split by heads).
     kv_shard: str = "heads"
 
     def __post_init__(self):
@@ -476,8 +477,8 @@ class Config:
                                              or e.dense_layers):
             _fail("model.activation", m.activation, "swiglu or gelu where a layer has a dense MLP or shared "
                   "experts (swiglu_oai is GPT-OSS's, for routed experts only)")
-        if p.kv_shard == "tokens" and (m.kv_lora_rank is not None or self.engine.kv_offload is not None):
-            _fail("parallel.kv_shard", "tokens", "heads for latent attention or with engine.kv_offload (not built)")
+        if p.kv_shard == "tokens" and self.engine.kv_offload is not None:
+            _fail("parallel.kv_shard", "tokens", "heads with engine.kv_offload (the two together are not built)")
         if self.engine.quantize == "mxfp4" and (e is None or m.hidden_size % 32 or e.expert_hidden % 32):
             _fail("engine.quantize", "mxfp4", "int8 or null: MXFP4 takes a MoE model whose hidden size and expert "
                   "width are multiples of 32 (its groups)")

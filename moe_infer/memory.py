@@ -113,7 +113,9 @@ def memory_need(cfg: Config, dtype: torch.dtype, model=None, int8: bool | None =
     layers = {None: m.num_layers, "all": min(2, m.num_layers),
               "alternate": m.num_layers // 2 + min(2, (m.num_layers + 1) // 2)}[cfg.engine.kv_offload]
     # (split by tokens: every KV head of 1 / tp of the tokens)
-    heads = m.num_kv_heads / cfg.parallel.tp if cfg.parallel.kv_shard == "tokens" else model.num_kv_heads
+    heads = model.num_kv_heads
+    if cfg.parallel.kv_shard == "tokens":
+        heads = (1 if m.kv_lora_rank is not None else m.num_kv_heads) / cfg.parallel.tp
     kv_per_token = int(layers * heads * sum(m.kv_widths) * size)
     return MemoryNeed(weights, kv_per_token, cfg.max_seq_len, staging)
 

@@ -208,8 +208,9 @@ class Transformer(nn.Module):
         if self.cfg.parallel.kv_shard == "tokens":  # every KV head, this rank's blocks (dense.kv_shard)
             from dense.kv_shard import TokenShardedKVCache
 
-            return TokenShardedKVCache(len(self.own), num_blocks, block_size, self.cfg.model.num_kv_heads, k,
-                                       self.anchor.dtype, self.device, v, rank=self.tp.rank, ranks=self.tp.size)
+            heads = 1 if m.kv_lora_rank is not None else m.num_kv_heads  # (latent attention: one latent "head")
+            return TokenShardedKVCache(len(self.own), num_blocks, block_size, heads, k, self.anchor.dtype, self.device,
+                                       v, rank=self.tp.rank, ranks=self.tp.size)
         args = (len(self.own), num_blocks, block_size, self.num_kv_heads, k, self.anchor.dtype, self.device, v)
         mode = self.cfg.engine.kv_offload
         if mode is None:

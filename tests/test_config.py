@@ -159,8 +159,9 @@ def test_kv_shard_is_checked_against_the_layout_and_the_attention():
         ParallelConfig(kv_shard="rows")
     with pytest.raises(ConfigError, match=r"parallel\.kv_shard='tokens': expected heads with tp = 1"):
         ParallelConfig(kv_shard="tokens")
-    latent = resolve_config("deepseek-v2-lite")
-    with pytest.raises(ConfigError, match=r"parallel\.kv_shard='tokens': expected heads for latent attention"):
-        dataclasses.replace(latent, parallel=ParallelConfig(tp=2, kv_shard="tokens"))
+    cfg = resolve_config("tiny-moe")
+    offloaded = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, kv_offload="all"))
+    with pytest.raises(ConfigError, match=r"parallel\.kv_shard='tokens': expected heads with engine\.kv_offload"):
+        dataclasses.replace(offloaded, parallel=ParallelConfig(tp=2, kv_shard="tokens"))
     cfg = resolve_config("tiny-moe")
     assert dataclasses.replace(cfg, parallel=ParallelConfig(tp=2, kv_shard="tokens")).parallel.kv_shard == "tokens"

@@ -117,8 +117,6 @@ def test_layouts_match_single_process(info, checkpoint):
         bf16_bound = 2 * rel_err(bf16_alone.logits(PROMPTS), ref)
         del bf16_alone
     for name, kw in layouts(info.world_size):
-        if kw.get("kv_shard") == "tokens" and reference.config.model.kv_lora_rank is not None:
-            continue  # (latent attention keeps its heads' split)
         engine = moe_infer.load(path, device=info.device, dtype=torch.float32, parallel=ParallelConfig(**kw),
                                 progress=False)
         err = rel_err(engine.logits(PROMPTS), ref)
