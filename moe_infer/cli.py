@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a shipped profile (nvidia-a100-sxm, nvidia-h100-sxm, nvidia-h200, tpu-v4) or a YAML "
                           "from measurement (default: nvidia-h100-sxm)")
     pln.add_argument("--parallel", metavar="LAYOUT", help="one layout to evaluate, e.g. tp2-ep4 or tp=2,pp=2 "
-                                                           "(keys tp, ep, pp, dp, slicing, dp-attention)")
+                                                           "(keys tp, ep, pp, dp, slicing, dp-attention, kv-tokens)")
     pln.add_argument("--goal", choices=["latency", "throughput"], default="latency")
     pln.add_argument("--phase", choices=["decode", "prefill"], default="decode")
     pln.add_argument("--batch", type=int, default=1, help="rows (default 1)")
@@ -158,20 +158,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_layout(text: str, gpus: int) -> ParallelConfig:
-    """``tp2-ep4``, ``tp=2,pp=2``, ``ep2-dp-attention``... -> the layout of ``gpus`` ranks
+    """``tp2-ep4``, ``tp=2,pp=2``, ``ep2-dp-attention``, ``tp4-kv-tokens``... -> the layout of ``gpus`` ranks
     (dp fills what tp and pp leave)."""
     keys = {"tp": "tp", "ep": "ep", "pp": "pp", "dp": "dp", "slicing": "expert_slicing",
             "expert_slicing": "expert_slicing"}
-    kw, flags = {}, text.replace("dp-attention", "dp_attention")
+    kw, flags = {}, text.replace("dp-attention", "dp_attention").replace("kv-tokens", "kv_tokens")
     for part in filter(None, (p.strip() for p in flags.replace(",", "-").split("-"))):
         if part == "dp_attention":
             kw["dp_attention"] = True
+            continue
+        if part == "kv_tokens":
+            kw["kv_shard"] = "tokens"
             continue
         name = part.rstrip("=0123456789").rstrip("=")
         value = part[len(name):].lstrip("=")
         if name not in keys or not value.isdigit():
             raise ConfigError(f"--parallel {text}: {part!r} is not one of tp N, ep N, pp N, dp N, slicing N, "
-                              f"dp-attention")
+                              f"dp-attention, kv-tokens")
         kw[keys[name]] = int(value)
     tp, pp = kw.get("tp", 1), kw.get("pp", 1)
     dp = kw.setdefault("dp", gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0)

@@ -170,6 +170,8 @@ def layout_name(p: ParallelConfig) -> str:
         parts.append(f"slicing{p.expert_slicing}")
     if p.dp_attention:
         parts.append("dp-attention")
+    if p.kv_shard == "tokens":
+        parts.append("kv-tokens")
     return "-".join(parts) or "one GPU"
 
 
@@ -204,12 +206,14 @@ class CostModel:
             c, r, v, ql, h = m.kv_lora_rank, m.rotary_width, m.v_head_dim, m.q_lora_rank, m.hidden_size
             q = h * ql + ql * hq * d if ql else h * hq * d
             weights = (q + h * (c + r) + c * hq * (d - r + v) + hq * v * h) * self.wb
-            kv_token = (c + r) * self.ab
+            # split by tokens: every head's queries over 1 / tp of the tokens (one latent "head")
+            share = 1 / p.tp if p.kv_shard == "tokens" else 1
+            kv_token = (c + r) * self.ab * share
             flops = 2 * rows * tokens * weights / self.wb + 2 * rows * tokens * context * hq * (2 * c + r)
             return weights, rows * context * kv_token, flops, kv_token
         hkv = max(1.0, self.kv_heads / p.tp)  # fewer KV heads than ranks: each holds one
         weights = m.hidden_size * d * (hq + 2 * hkv + hq) * self.wb
-        kv_token = 2 * hkv * d * self.ab
+        kv_token = 2 * (self.kv_heads / p.tp if p.kv_shard == "tokens" else hkv) * d * self.ab
         flops = 2 * rows * tokens * weights / self.wb + 4 * rows * tokens * context * hq * d
         return weights, rows * context * kv_token, flops, kv_token
 
@@ -319,6 +323,11 @@ class CostModel:
         m, e, hw = self.cfg.model, self.cfg.moe, self.hw
         act = tokens * m.hidden_size * self.ab
         seconds = all_reduce_s(act, p.tp, hw.link(p.tp))  # after attention
+        if p.kv_shard == "tokens":  # the queries (and new keys) gathered, then the partial outputs
+            heads = m.num_heads * self.head_dim * self.ab
+            q_and_kv = tokens * (heads + (0 if m.kv_lora_rank is not None else 2 * self.kv_heads * self.head_dim * self.ab))
+            outs = tokens * m.num_heads * ((m.kv_lora_rank or self.head_dim) * self.ab + 4) * p.tp
+            seconds += all_to_all_s(q_and_kv, p.tp, hw.link(p.tp)) + all_to_all_s(outs, p.tp, hw.link(p.tp))
         if m.qk_norm == "full":  # an all-heads q/k norm over split heads: the sums of squares (float32)
             seconds += all_reduce_s(tokens * 2 * 4, p.tp, hw.link(p.tp))
         moe = e is not None and self.cfg.is_moe_layer(index)
@@ -339,7 +348,8 @@ class CostModel:
     # -- choosing
     def layouts(self, gpus: int) -> list[ParallelConfig]:
         """Every layout of ``gpus`` ranks the model takes: tp x pp x dp, each with the expert
-        placements (ep, expert slicing) and data-parallel attention where they apply."""
+        placements (ep, expert slicing), data-parallel attention and the KV cache split by
+        tokens where they apply."""
         out, seen = [], set()
         divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
         for tp, pp in itertools.product(divisors, divisors):
@@ -349,9 +359,14 @@ class CostModel:
             for ep, es in itertools.product(divisors, divisors):
                 if (tp * dp) % (ep * es):
                     continue
-                for dp_attention in (False, True):
+                # the KV cache split by tokens where split by heads would copy it (fewer KV
+                # heads than ranks, or one latent "head")
+                copied = self.cfg.model.kv_lora_rank is not None or self.kv_heads < tp
+                shards = ("heads", "tokens") if tp > 1 and copied else ("heads",)
+                for dp_attention, kv_shard in itertools.product((False, True), shards):
                     try:
-                        p = ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep, expert_slicing=es, dp_attention=dp_attention)
+                        p = ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep, expert_slicing=es, dp_attention=dp_attention,
+                                           kv_shard=kv_shard)
                         with_layout(self.cfg, p)
                     except ConfigError:
                         continue

@@ -13,7 +13,7 @@ import pytest
 from moe_infer.cli import main, parse_layout
 from moe_infer.config import ConfigError, ModelConfig, ParallelConfig
 from moe_infer.costmodel import (HARDWARE_DIR, CostModel, Hardware, Link, all_reduce_s, all_to_all_s,
-                                 busiest_rank_experts, distinct_experts, pipeline_slots)
+                                 busiest_rank_experts, distinct_experts, layout_name, pipeline_slots)
 from moe_infer.loader import resolve_config
 from moe_infer.pipeline import simulate
 
@@ -117,6 +117,21 @@ def test_mxfp4_experts_read_and_hold_a_quarter_and_a_bit_of_their_bf16_bytes():
     held = layers * cfg.moe.num_experts * expert * (2 - 4.25 / 8) / 1e9
     assert a.memory_gb - b.memory_gb == pytest.approx(held, rel=0.02)
     assert weight_sizes("int8") == {"weight_bytes": 1.0} and weight_sizes(None) == {"weight_bytes": 2.0}
+
+
+def test_the_kv_cache_split_by_tokens_holds_1_over_tp_of_a_copied_cache():
+    from moe_infer.cli import parse_layout
+
+    latent, gqa = resolve_config("deepseek-v2-lite"), resolve_config("qwen3-30b-a3b")  # one latent head; 4 KV heads
+    cm = CostModel(latent, machine())
+    heads, tokens = (cm.predict(parse_layout(f"tp4{s}", 4), "decode", 8, 4096) for s in ("", "-kv-tokens"))
+    kv = latent.model.num_layers * 8 * 4096 * (latent.model.kv_lora_rank + latent.model.rotary_width) * 2
+    assert heads.split["memory"] - tokens.split["memory"] == pytest.approx(kv * (1 - 1 / 4) / 1e12 * 1e3, rel=1e-3)
+    assert tokens.split["collectives"] > heads.split["collectives"]
+    names = {layout_name(p) for p in cm.layouts(4)}
+    assert "tp4-kv-tokens" in names and "tp2-dp2-kv-tokens" in names
+    gqa_names = {layout_name(p) for p in CostModel(gqa, machine()).layouts(8)}
+    assert "tp8-ep8-kv-tokens" in gqa_names and not any(n.startswith("tp4") and "kv-tokens" in n for n in gqa_names)
 
 
 def test_shipped_profiles_load_and_round_trip(tmp_path):
