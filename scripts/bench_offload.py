@@ -149,7 +149,7 @@ def kv_rows(args, device, prompts_of) -> list[dict]:
             gc.collect()
             bc.empty_cache(device or "cuda")
         out.append(row)
-        print(f"kv offload batch {b}: {row['ms_per_token']:.3f} ms/token", flush=True)
+        print(f"kv offload batch {b}: {row['ms_per_token'] or float('nan'):.3f} ms/token", flush=True)
     return out
 
 
@@ -252,9 +252,9 @@ def main():
     if kv:
         print(f"KV cache in host memory (engine.kv_offload), {args.prompt_len}-token prompts: decode ms/token")
         print(bc.format_table(["batch", "cache GB", "host cache", "device cache", "floor", "x floor"],
-                              [[r["batch"], f"{r['cache_gb']:.2f}", f"{r['ms_per_token']:.3f}",
+                              [[r["batch"], f"{r['cache_gb']:.2f}", opt(r["ms_per_token"], ".3f"),
                                 opt(r["device_ms_per_token"], ".3f"), f"{r['floor_ms']:.3f}",
-                                f"{r['ms_per_token'] / r['floor_ms']:.2f}"] for r in kv]))
+                                opt(r["ms_per_token"] and r["ms_per_token"] / r["floor_ms"], ".2f")] for r in kv]))
     if not args.no_json and not args.smoke:
         bc.write_results(f"offload-{Path(args.model).stem}", device or "cuda",
                          {"run": run, "model": args.model, "args": vars(args), "rows": rows_out, "layers": layers,
