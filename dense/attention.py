@@ -140,6 +140,8 @@ class PagedKVCache:
     ``read_slots`` where each row's keys lie in token order (the attention reads them in
     place, or ``gather``s them)."""
 
+    by_tokens = False  # split over the tensor-parallel ranks by tokens (``dense.kv_shard``)
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str, v_dim: int | None = None):
         """``v_dim``: the values' width where it is not ``head_dim`` (0: keys alone, as latent
@@ -363,7 +365,7 @@ class Attention(nn.Module):
         step that fits runs its whole attention in one (``kernels.qkv_attention``). A decode
         step is captured in a CUDA graph: nothing here waits for the device or takes a shape
         from its values."""
-        if getattr(cache, "own_keys", None) is not None:  # a cache split over the ranks by tokens
+        if cache.by_tokens:  # a cache split over the ranks by tokens
             return self._paged_by_tokens(qkv, ctx, cache, layer)
         b, t, _ = qkv.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -400,27 +402,19 @@ class Attention(nn.Module):
         return self._sdpa(q, *cache.gather(layer), ctx)
 
     def _paged_by_tokens(self, qkv: torch.Tensor, ctx: StepContext, cache, layer: int) -> torch.Tensor:
-        """``_paged`` over a ``dense.kv_shard.TokenShardedKVCache``: every rank's queries and new
-        keys gathered, the keys of this rank's blocks stored, attention over them with every
-        query head, and the ranks' partial outputs combined -> this rank's heads [B, Hq, T, D]."""
-        from dense.kv_shard import combine, partial_attention
+        """``_paged`` over a ``dense.kv_shard.TokenShardedKVCache``: every rank's new keys
+        gathered and this rank's blocks' stored, then ``split_attention`` -> this rank's heads
+        [B, Hq, T, D]."""
+        from dense.kv_shard import split_attention
 
         q, k, v = self._unfused(qkv, ctx)  # this rank's heads
-        tp, first = self.tp, self.tp.rank * self.num_heads
         # (each KV head comes from each of its replicas: keep one)
-        k_all, v_all = (all_gather(z.contiguous(), tp, dim=1)[:, ::self.kv_replicas] for z in (k, v))
+        k_all, v_all = (all_gather(z.contiguous(), self.tp, dim=1)[:, ::self.kv_replicas] for z in (k, v))
         cache.write(layer, k_all, v_all)
         if ctx.causal:  # fresh prompts attend over their own keys: this rank's heads, as unsplit
             return self._sdpa(q, k, v, ctx)
-        mask = ctx.attn_mask
-        allowed = (mask if mask.dtype == torch.bool else torch.isfinite(mask)) & cache.own_keys[:, None, None, :]
-        out, lse = partial_attention(all_gather(q.contiguous(), tp, dim=1), *cache.gather(layer), allowed,
-                                     self.head_dim ** -0.5)
-        # every rank's partial outputs, of which this rank combines its own heads'
-        heads = slice(first, first + self.num_heads)
-        outs = all_gather(out[None].contiguous(), tp, dim=0)[:, :, heads]  # [P, B, Hq, T, D]
-        lses = all_gather(lse[None].contiguous(), tp, dim=0)[:, :, heads]
-        return combine(outs, lses, self.sinks)
+        return split_attention(q, *cache.gather(layer), ctx.attn_mask, cache.own_keys, self.head_dim ** -0.5, self.tp,
+                               self.sinks)
 
     def _prenorm(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [B, T, W] with q and k through their all-heads norms, in place: the sums of

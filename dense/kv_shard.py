@@ -8,8 +8,9 @@ tokens in blocks b with b % tp == r, so no token is cached twice, and each atten
 1. gathers every rank's queries and new keys and values (each rank computes its heads');
 2. stores the new keys and values whose blocks are its own;
 3. attends with all query heads over its own tokens only, keeping each row's log-sum-exp;
-4. gathers the ranks' partial outputs and combines them (each weighted by its share of the
-   softmax's denominator), keeping its own heads for the output projection.
+4. sends each rank the partial outputs of that rank's heads (an all-to-all), and combines
+   those of its own (each weighted by its share of the softmax's denominator) for the output
+   projection (``split_attention``).
 
 Splitting by tokens rather than by sequences (PaLM's batch-sharded attention) keeps every
 rank busy whatever the batch, one sequence included, and leaves the block tables, the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from comm import Group, all_gather, all_to_all
 from dense.attention import PagedKVCache
 
 
@@ -27,6 +29,8 @@ class TokenShardedKVCache(PagedKVCache):
     blocks, every KV head. Callers pass global slots (``set_step`` / ``use_slots``); the
     step's slots become this rank's: a token in another rank's block is written to the
     trash slot and not read (``own_keys`` masks it)."""
+
+    by_tokens = True
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, v_dim: int | None = None, *, rank: int, ranks: int):
@@ -79,3 +83,19 @@ def combine(outs: torch.Tensor, lses: torch.Tensor, sinks: torch.Tensor | None =
     # zeros, not NaN: its keys go to the padding slot, which masked reads still multiply.
     share = torch.exp(lses - total.clamp(min=torch.finfo(total.dtype).min)[None])  # [P, B, H, T]
     return (outs.to(share.dtype) * share[..., None]).sum(0).to(outs.dtype)
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, own_keys: torch.Tensor,
+                    scale: float, tp: Group, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of this rank's query heads q [B, Hr, T, D] over a cache split by tokens: k / v
+    [B, Hkv, S, D] every head of this rank's keys (``own_keys`` [B, S]), ``mask`` [B, 1, T, S]
+    (bool, or additive 0 / -inf). Every rank's queries attend over its own keys; each rank's
+    partials of a rank's heads go to that rank, which combines them -> [B, Hr, T, Dv]."""
+    allowed = (mask if mask.dtype == torch.bool else torch.isfinite(mask)) & own_keys[:, None, None, :]
+    out, lse = partial_attention(all_gather(q.contiguous(), tp, dim=1), k, v, allowed, scale)
+    hr, counts = q.shape[1], [q.shape[1]] * tp.size  # heads a rank: rank j receives its own from all
+
+    def exchange(t: torch.Tensor) -> torch.Tensor:  # [B, H, ...] -> [P, B, Hr, ...]
+        got = all_to_all(t.transpose(0, 1).contiguous(), counts, tp, counts)[0]  # [P * Hr, B, ...]
+        return got.unflatten(0, (tp.size, hr)).transpose(1, 2)
+    return combine(exchange(out), exchange(lse), sinks)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comm import Group, all_gather
+from comm import Group
 from dense.attention import PagedKVCache, StepContext
 from dense.norm import RMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
@@ -101,27 +101,13 @@ class LatentAttention(nn.Module):
             cache.write(layer, key, key[..., :0])
             if not ctx.causal:  # earlier keys too: the row's slots, in token order
                 key = cache.gather(layer)[0]  # [B, 1, S, C + R]
-        if cache is not None and not ctx.causal and getattr(cache, "own_keys", None) is not None:
-            out = self._by_tokens(query, key, ctx, cache)  # the latent split over the ranks by tokens
+        if cache is not None and not ctx.causal and cache.by_tokens:  # the latent split over the ranks by tokens:
+            from dense.kv_shard import split_attention  # (every rank computed the same new latent)
+
+            out = split_attention(query, key, key[..., :c], ctx.attn_mask, cache.own_keys, self.scale, self.tp)
         else:
             mask = None if ctx.causal else ctx.attn_mask
             out = F.scaled_dot_product_attention(query, key.expand(-1, n, -1, -1), key[..., :c].expand(-1, n, -1, -1),
                                                  attn_mask=mask, is_causal=ctx.causal, scale=self.scale)  # [B, N, T, C]
         out = torch.einsum("bntc,nvc->btnv", out, w[:, p:].to(out.dtype))  # (softmax . c) W_UV
         return self.o_proj(out.reshape(b, t, n * self.v_dim))
-
-    def _by_tokens(self, query: torch.Tensor, key: torch.Tensor, ctx: StepContext, cache) -> torch.Tensor:
-        """Attention over a latent cache split by tokens (``dense.kv_shard``): every rank's
-        absorbed queries gathered, attention over this rank's tokens (every rank computed the
-        same new latent: nothing else to gather), the partial outputs combined -> this rank's
-        heads [B, N, T, C]."""
-        from dense.kv_shard import combine, partial_attention
-
-        tp, n = self.tp, self.num_heads
-        mask = ctx.attn_mask
-        allowed = (mask if mask.dtype == torch.bool else torch.isfinite(mask)) & cache.own_keys[:, None, None, :]
-        out, lse = partial_attention(all_gather(query.contiguous(), tp, dim=1), key, key[..., :self.latent], allowed,
-                                     self.scale)
-        heads = slice(tp.rank * n, (tp.rank + 1) * n)
-        return combine(all_gather(out[None].contiguous(), tp, dim=0)[:, :, heads],
-                       all_gather(lse[None].contiguous(), tp, dim=0)[:, :, heads])
