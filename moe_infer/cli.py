@@ -7,7 +7,8 @@ import sys
 
 from comm import shutdown
 from moe_infer import __version__
-from moe_infer.config import ConfigError, ParallelConfig, preset_names
+from moe_infer.config import ConfigError, ParallelConfig
+from moe_infer.config_files import preset_names
 from moe_infer.job import USER_ERRORS, Job, JobError
 
 EPILOG = """examples:
@@ -313,7 +314,7 @@ def _calibrate(args, job: Job) -> int:
 
 
 def _presets() -> int:
-    from moe_infer.config import load_preset
+    from moe_infer.config_files import load_preset
     from moe_infer.memory import model_size
 
     def count(n):

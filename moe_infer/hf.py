@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 
 from kernels.moe.mxfp4 import dequantize_mxfp4
-from moe_infer.config import (ROPE_TYPES, Config, ConfigError, EngineConfig, ModelConfig, MoEConfig, RopeScaling,
-                              section_from_dict)
+from moe_infer.config import ROPE_TYPES, Config, ConfigError, EngineConfig, ModelConfig, MoEConfig, RopeScaling
+from moe_infer.config_files import section_from_dict
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from torch import nn
 from comm import ParallelGroups, bootstrap
 
 from moe_infer.checkpoint import load_checkpoint
-from moe_infer.config import Config, ConfigError, ParallelConfig, load_preset, load_yaml_config, preset_names
+from moe_infer.config import Config, ConfigError, ParallelConfig
+from moe_infer.config_files import load_preset, load_yaml_config, preset_names
 from moe_infer.engine import Engine
 from moe_infer.memory import check_fits, check_offload_fits
 from moe_infer.hf import read_hf_config, read_json

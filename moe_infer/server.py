@@ -101,7 +101,7 @@ def read_serve_config(path: str | Path | None, overrides: dict | None = None) ->
     default server settings). ``overrides`` (CLI flags) replace keys of the server section."""
     import yaml
 
-    from moe_infer.config import preset_names
+    from moe_infer.config_files import preset_names
 
     data = {}
     if path is not None and not Path(path).is_file() and str(path) in preset_names():
@@ -144,7 +144,7 @@ def build_engine(spec: ServeSpec, progress: bool = True) -> Engine:
     """The engine a serve spec asks for; its parallel and engine sections are checked as a
     model config's are (unknown keys and wrong types named)."""
     import moe_infer
-    from moe_infer.config import section_from_dict
+    from moe_infer.config_files import section_from_dict
 
     e = spec.engine
     if spec.parallel == "auto":  # the cost model's layout of the job's ranks, none with dp-attention

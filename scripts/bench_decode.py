@@ -345,7 +345,7 @@ def peer_ms(engine, args, prompts_for: dict) -> tuple[dict, dict, str]:
 
     device, dtype = engine.device, engine.dtype
     if args.model is None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(moe_infer.config.DEFAULT_MODEL, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(moe_infer.config_files.DEFAULT_MODEL, dtype=dtype)
         model = model.to(device)
     else:
         cfg = hf_config(engine.config)

@@ -101,7 +101,7 @@ def peer_ms(model_name: str, budget_gb: float, prompts, n: int) -> float | None:
     import transformers
     from accelerate import dispatch_model, infer_auto_device_map
 
-    cfg = hf_config(moe_infer.config.load_preset(model_name))
+    cfg = hf_config(moe_infer.config_files.load_preset(model_name))
     if cfg is None:
         return None
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)

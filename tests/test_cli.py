@@ -16,7 +16,8 @@ import torch
 
 import moe_infer
 from moe_infer import cli, memory
-from moe_infer.config import DEFAULT_MODEL, ConfigError, load_preset
+from moe_infer.config import ConfigError
+from moe_infer.config_files import DEFAULT_MODEL, load_preset
 from moe_infer.experts import Int8Experts
 
 PROMPTS = ["Shall I compare thee", "Let me not to the marriage", "When in disgrace"]
@@ -80,7 +81,7 @@ def test_serve_flags_override_a_serve_yaml(served, tmp_path):
 
 
 def test_serve_takes_a_model_yaml(served, tmp_path):
-    from moe_infer.config import configs_dir
+    from moe_infer.config_files import configs_dir
 
     model_yaml = tmp_path / "m.yaml"
     model_yaml.write_text((configs_dir() / "tiny-moe.yaml").read_text().replace("num_layers: 4", "num_layers: 1"))

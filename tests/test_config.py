@@ -3,8 +3,8 @@ import pytest
 import yaml
 
 from kernels.options import KernelOptions
-from moe_infer.config import (ConfigError, EngineConfig, config_from_dict, load_preset, load_yaml_config,
-                              preset_names)
+from moe_infer.config import ConfigError, EngineConfig
+from moe_infer.config_files import config_from_dict, load_preset, load_yaml_config, preset_names
 
 BASE = {
     "model": dict(vocab_size=128, hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2, ffn_hidden=64),

@@ -5,7 +5,7 @@ import sys
 import torch
 
 import moe_infer
-from moe_infer.config import DEFAULT_MODEL
+from moe_infer.config_files import DEFAULT_MODEL
 from parity import check_logits
 
 LINES = (DEFAULT_MODEL / "corpus.txt").read_text().splitlines()

@@ -7,7 +7,7 @@ import torch
 import moe_infer
 from moe_infer import ConfigError, ParallelConfig
 from moe_infer.cli import main
-from moe_infer.config import config_from_dict
+from moe_infer.config_files import config_from_dict
 from moe_infer.engine import Engine
 from moe_infer.graphs import GRAPH_PRIMERS
 from moe_infer.loader import _materialize
@@ -351,7 +351,7 @@ def test_pipeline_stages_are_contiguous_and_as_balanced_as_any_split(stages):
     as much on its costliest stage (the LM head on the last) as the one chosen."""
     import itertools
 
-    from moe_infer.config import load_preset
+    from moe_infer.config_files import load_preset
     from moe_infer.model import layer_cost, stage_layers
 
     cfg = load_preset("olmoe-1b-7b")
@@ -370,7 +370,7 @@ def test_pipeline_stages_are_contiguous_and_as_balanced_as_any_split(stages):
 
 def test_each_pipeline_stage_holds_only_its_own_weights():
     from comm import Group, ParallelGroups
-    from moe_infer.config import load_preset
+    from moe_infer.config_files import load_preset
     from moe_infer.model import Transformer, stage_layers
 
     cfg = load_preset("tiny-moe")

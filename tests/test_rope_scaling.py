@@ -106,7 +106,7 @@ def test_a_model_yaml_names_its_scaling_and_a_wrong_key_is_named(tmp_path):
 
     import yaml
 
-    from moe_infer.config import config_from_dict, load_preset
+    from moe_infer.config_files import config_from_dict, load_preset
 
     base = load_preset("tiny-moe")
     model = {k: v for k, v in dataclasses.asdict(base.model).items() if v not in (None, ())}
@@ -123,7 +123,7 @@ def test_a_model_yaml_names_its_scaling_and_a_wrong_key_is_named(tmp_path):
 def test_only_dynamic_scaling_lets_the_engine_run_past_max_position():
     import dataclasses
 
-    from moe_infer.config import config_from_dict, load_preset
+    from moe_infer.config_files import config_from_dict, load_preset
 
     base = load_preset("tiny-moe")
     model = {k: v for k, v in dataclasses.asdict(base.model).items() if v not in (None, ())}

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import moe_infer
-from moe_infer.config import DEFAULT_MODEL, ConfigError
+from moe_infer.config import ConfigError
+from moe_infer.config_files import DEFAULT_MODEL
 from moe_infer.server import ServerConfig, build_engine, create_app, read_serve_config
 
 openai = pytest.importorskip("openai")
@@ -422,7 +423,7 @@ def test_top_k_top_p_and_the_checkpoints_chat_template(tmp_path, server, engine)
     b = c.completions.create(**kw, extra_body=kw_extra).choices[0].text
     assert a == b and a
     # A checkpoint whose tokenizer_config.json has a chat template: that template is used.
-    from moe_infer.config import DEFAULT_MODEL
+    from moe_infer.config_files import DEFAULT_MODEL
     from moe_infer.server import Handler
 
     ckpt = tmp_path / "ckpt"

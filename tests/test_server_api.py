@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import moe_infer
-from moe_infer.config import DEFAULT_MODEL
+from moe_infer.config_files import DEFAULT_MODEL
 from moe_infer.server import ServerConfig, create_app
 
 openai = pytest.importorskip("openai")

@@ -11,7 +11,7 @@ from dense import Attention, RMSNorm
 from dense.parallel_linear import ColumnParallelLinear, Linear, RowParallelLinear
 from dense.quant import Int8Linear
 from kernels.options import KernelOptions
-from moe_infer.config import config_from_dict
+from moe_infer.config_files import config_from_dict
 from moe_infer.engine import Engine
 from moe_infer.experts import Experts, Int8Experts, quantize_model
 from moe_infer.loader import _materialize
