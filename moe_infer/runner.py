@@ -45,6 +45,33 @@ class Row:
     sample: Knobs | None = None  # how its next token is drawn (``moe_infer.sampling.knobs``); None: greedy
 
 
+class HostStaging:
+    """Pinned host buffers shaped like ``targets`` (device tensors), filled on the host and
+    copied in without a host wait. Their next fill waits for the last copies out of them:
+    a caller that runs ahead of its device (a pipeline stage whose stream waits on a send,
+    the decode loop that queues a step before reading the last) would otherwise overwrite
+    inputs the device has not yet read."""
+
+    def __init__(self, targets: tuple[torch.Tensor, ...]):
+        self.targets = targets
+        cuda = targets[0].device.type == "cuda"
+        self.host = [torch.zeros_like(t, device="cpu", pin_memory=cuda) for t in targets]
+        self.copied = torch.cuda.Event() if cuda else None
+
+    def arrays(self) -> list:
+        """The host buffers as numpy arrays, once the device has read the last fill."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return [t.numpy() for t in self.host]
+
+    def upload(self, *which: int) -> None:
+        """Copies the buffers ``which`` (all where none is named) into their targets."""
+        for i in which or range(len(self.host)):
+            self.targets[i].copy_(self.host[i], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
 class PagedDecodeStep:
     """The decode step of at most ``batch`` rows over at most ``keys`` key slots each, with
     fixed shapes. ``inputs`` [B, 4 + N] holds per row: the new token, its position (the
@@ -69,9 +96,7 @@ class PagedDecodeStep:
         self.inputs = torch.zeros(batch, 4 + self.blocks, dtype=torch.long, device=dev)
         self.ints = torch.zeros(batch, 3, dtype=torch.long, device=dev)
         self.floats = torch.zeros(batch, 2, dtype=torch.float32, device=dev)
-        pinned = dev.type == "cuda"
-        self.host = [torch.zeros_like(t, device="cpu", pin_memory=pinned) for t in (self.inputs, self.ints,
-                                                                                    self.floats)]
+        self.staging = HostStaging((self.inputs, self.ints, self.floats))
         self.tables = runner.model.rotary_tables(keys)  # rotary rows looked up by position each step
         self.pool = pool
         self.graphs: dict[bool, tuple] | None = {} if graph else None  # sampling variant -> (graph, outputs)
@@ -108,13 +133,12 @@ class PagedDecodeStep:
         returns (its hidden states [B, 1, H] for the whole bucket, None)."""
         if self.hidden is not None:
             self.hidden.copy_(hidden)
-        h, hi, hf = (t.numpy() for t in self.host)  # the pinned buffers themselves
+        h, hi, hf = self.staging.arrays()
         h.fill(0)
         for i, r in enumerate(rows):
             blocks = r.table[:self.blocks]
             h[i, :4] = r.tokens[0], r.start, 1, r.src
             h[i, 4:4 + len(blocks)] = blocks
-        self.inputs.copy_(self.host[0], non_blocking=True)
         sampling = self.last and any(r.sample is not None for r in rows)
         if sampling:
             hi.fill(0)
@@ -122,8 +146,7 @@ class PagedDecodeStep:
             for i, r in enumerate(rows):
                 if r.sample is not None:
                     hi[i], hf[i] = r.sample[:3], r.sample[3:]
-            self.ints.copy_(self.host[1], non_blocking=True)
-            self.floats.copy_(self.host[2], non_blocking=True)
+        self.staging.upload(*((0, 1, 2) if sampling else (0,)))
         n = len(rows)
         if self.graphs is None:
             logits, ids = self._step(sampling)
@@ -152,8 +175,7 @@ class PagedPrefillStep:
         self.blocks = -(-width // runner.block_size)
         self.inputs = torch.zeros(batch, 1 + self.blocks, dtype=torch.long, device=dev)
         self.tokens = torch.zeros(batch, width, dtype=torch.long, device=dev)
-        pinned = dev.type == "cuda"
-        self.host = [torch.zeros_like(t, device="cpu", pin_memory=pinned) for t in (self.inputs, self.tokens)]
+        self.staging = HostStaging((self.inputs, self.tokens))
         self.graph = None
         if graph:  # every row padding: the warm-up runs write only the cache's trash slot
             self.graph, self.outputs = capture(self._step, dev, pool)
@@ -172,7 +194,7 @@ class PagedPrefillStep:
     def run(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (float32 logits [len(rows), V] of each row's last token, its draw [len(rows)]),
         views of the graph's outputs where there is one: see ``PagedDecodeStep.run``."""
-        h, ht = (t.numpy() for t in self.host)
+        h, ht = self.staging.arrays()
         h.fill(0)
         ht.fill(0)
         for i, r in enumerate(rows):
@@ -180,8 +202,7 @@ class PagedPrefillStep:
             h[i, 0] = len(r.tokens)
             h[i, 1:1 + len(blocks)] = blocks
             ht[i, :len(r.tokens)] = r.tokens
-        self.inputs.copy_(self.host[0], non_blocking=True)
-        self.tokens.copy_(self.host[1], non_blocking=True)
+        self.staging.upload()
         if self.graph is None:
             logits, ids = self._step()
         else:
