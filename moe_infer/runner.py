@@ -47,29 +47,26 @@ class Row:
 
 class HostStaging:
     """Pinned host buffers shaped like ``targets`` (device tensors), filled on the host and
-    copied in without a host wait. Their next fill waits for the last copies out of them:
-    a caller that runs ahead of its device (a pipeline stage whose stream waits on a send,
-    the decode loop that queues a step before reading the last) would otherwise overwrite
-    inputs the device has not yet read."""
+    copied in without a host wait. Each fill takes fresh buffers from torch's pinned-memory
+    cache, which hands a block out again only once the copies out of it have run: a caller
+    that runs ahead of its device (a pipeline stage whose stream waits on a send, the
+    decode loop that queues a step before reading the last) would otherwise overwrite
+    inputs the device has not read yet. Zeroed."""
 
     def __init__(self, targets: tuple[torch.Tensor, ...]):
         self.targets = targets
-        cuda = targets[0].device.type == "cuda"
-        self.host = [torch.zeros_like(t, device="cpu", pin_memory=cuda) for t in targets]
-        self.copied = torch.cuda.Event() if cuda else None
+        self.pinned = targets[0].device.type == "cuda"
+        self.host: list[torch.Tensor] = []
 
     def arrays(self) -> list:
-        """The host buffers as numpy arrays, once the device has read the last fill."""
-        if self.copied is not None:
-            self.copied.synchronize()
+        """This fill's buffers, as numpy arrays."""
+        self.host = [torch.zeros(t.shape, dtype=t.dtype, pin_memory=self.pinned) for t in self.targets]
         return [t.numpy() for t in self.host]
 
     def upload(self, *which: int) -> None:
         """Copies the buffers ``which`` (all where none is named) into their targets."""
         for i in which or range(len(self.host)):
             self.targets[i].copy_(self.host[i], non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
 
 
 class PagedDecodeStep:
@@ -134,14 +131,12 @@ class PagedDecodeStep:
         if self.hidden is not None:
             self.hidden.copy_(hidden)
         h, hi, hf = self.staging.arrays()
-        h.fill(0)
         for i, r in enumerate(rows):
             blocks = r.table[:self.blocks]
             h[i, :4] = r.tokens[0], r.start, 1, r.src
             h[i, 4:4 + len(blocks)] = blocks
         sampling = self.last and any(r.sample is not None for r in rows)
         if sampling:
-            hi.fill(0)
             hf[:] = (0.0, 1.0)
             for i, r in enumerate(rows):
                 if r.sample is not None:
@@ -195,8 +190,6 @@ class PagedPrefillStep:
         """-> (float32 logits [len(rows), V] of each row's last token, its draw [len(rows)]),
         views of the graph's outputs where there is one: see ``PagedDecodeStep.run``."""
         h, ht = self.staging.arrays()
-        h.fill(0)
-        ht.fill(0)
         for i, r in enumerate(rows):
             blocks = r.table[:self.blocks]
             h[i, 0] = len(r.tokens)
