@@ -6,9 +6,11 @@ Rank 0 writes a tiny Hugging Face checkpoint; every rank loads it once alone (th
 reference) and once with the layout. float32 logits must agree to 1e-5 relative on CPU
 (1e-4 on GPUs, where cuBLAS picks different kernels for the split shapes) with identical
 greedy tokens. On GPUs each layout also runs in bf16: its error against the float32
-single-process logits may be at most twice the single-process bf16 model's own error, and
-its captured decode steps (collectives inside the graphs) give the eager decode's tokens.
+single-process logits may be at most twice the single-process bf16 model's own error (times
+the root of tp / 2 beyond two TP ranks), and its captured decode steps (collectives inside
+the graphs) give the eager decode's tokens (in float32 where NCCL sums the TP partials).
 """
+import math
 import tempfile
 
 import pytest
@@ -114,7 +116,7 @@ def test_layouts_match_single_process(info, checkpoint):
     on_gpu = info.device.type == "cuda"
     if on_gpu:
         bf16_alone = moe_infer.load(path, device=info.device, dtype=torch.bfloat16, progress=False)
-        bf16_bound = 2 * rel_err(bf16_alone.logits(PROMPTS), ref)
+        bf16_error = rel_err(bf16_alone.logits(PROMPTS), ref)
         del bf16_alone
     for name, kw in layouts(info.world_size):
         engine = moe_infer.load(path, device=info.device, dtype=torch.float32, parallel=ParallelConfig(**kw),
@@ -135,18 +137,32 @@ def test_layouts_match_single_process(info, checkpoint):
             # stages run their own blocks' steps, the prompts eagerly)
             assert (engine.runner._stage_steps if kw.get("pp", 1) > 1 else
                     engine.runner._steps and (engine.runner._prefills or engine.lockstep)), name
+        if on_gpu and kw.get("all_reduce") == "nccl":
+            # NCCL picks its all-reduce algorithm per call, so an eager and a captured sum may
+            # add the ranks in different orders: in bfloat16 a near-tie may then pick another
+            # token. Captured against eager decode in float32 here, in bfloat16 below.
+            check_captured_decode(engine, kw, name)
         if on_gpu:
             del engine
             engine = moe_infer.load(path, device=info.device, dtype=torch.bfloat16,
                                     parallel=ParallelConfig(**kw), progress=False)
             err = rel_err(engine.logits(PROMPTS), ref)
-            assert err <= bf16_bound, f"{name} bf16: relative error {err:.2e} > {bf16_bound:.2e}"
-            # Captured decode (the collectives inside the graphs) against eager decode.
-            graph = [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=12)]
-            steps = engine.runner._stage_steps if kw.get("pp", 1) > 1 else engine.runner._steps
-            assert engine.decode_mode == "graph" and any(s.graphs for s in steps.values()), name
-            engine.decode_mode = "eager"
-            assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=12)] == graph, name
+            # Each TP rank's partial sums are rounded to bfloat16 before they are added, so
+            # the error grows with the ranks (as the root of their number: independent roundings).
+            bound = 2 * math.sqrt(max(1.0, kw.get("tp", 1) / 2)) * bf16_error
+            assert err <= bound, f"{name} bf16: relative error {err:.2e} > {bound:.2e}"
+            if kw.get("all_reduce") != "nccl":
+                check_captured_decode(engine, kw, name)
+
+
+def check_captured_decode(engine, kw, name):
+    """Captured decode (the collectives inside the graphs) against eager decode."""
+    graph = [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=12)]
+    steps = engine.runner._stage_steps if kw.get("pp", 1) > 1 else engine.runner._steps
+    assert engine.decode_mode == "graph" and any(s.graphs for s in steps.values()), name
+    engine.decode_mode = "eager"
+    assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=12)] == graph, name
+    engine.decode_mode = "graph"
 
 
 def test_pipeline_schedule_with_rows_that_end_at_different_steps(info, checkpoint):
