@@ -403,18 +403,26 @@ class Attention(nn.Module):
 
     def _paged_by_tokens(self, qkv: torch.Tensor, ctx: StepContext, cache, layer: int) -> torch.Tensor:
         """``_paged`` over a ``dense.kv_shard.TokenShardedKVCache``: every rank's new keys
-        gathered and this rank's blocks' stored, then ``split_attention`` -> this rank's heads
-        [B, Hq, T, D]."""
-        from dense.kv_shard import split_attention
+        (and queries, where earlier keys are read) gathered and this rank's blocks' stored,
+        then attention over this rank's keys -> this rank's heads [B, Hq, T, D]."""
+        from dense.kv_shard import combine_heads, gather_heads, own, split_attention
 
         q, k, v = self._unfused(qkv, ctx)  # this rank's heads
-        # (each KV head comes from each of its replicas: keep one)
-        k_all, v_all = (all_gather(z.contiguous(), self.tp, dim=1)[:, ::self.kv_replicas] for z in (k, v))
-        cache.write(layer, k_all, v_all)
         if ctx.causal:  # fresh prompts attend over their own keys: this rank's heads, as unsplit
+            k_all, v_all = gather_heads(self.tp, k, v)
+        else:
+            q_all, k_all, v_all = gather_heads(self.tp, q, k, v)
+        r = self.kv_replicas  # (each KV head comes from each of its replicas: keep one)
+        cache.write(layer, k_all[:, ::r], v_all[:, ::r])
+        if ctx.causal:
             return self._sdpa(q, k, v, ctx)
-        return split_attention(q, *cache.gather(layer), ctx.attn_mask, cache.own_keys, self.head_dim ** -0.5, self.tp,
-                               self.sinks)
+        scale = self.head_dim ** -0.5
+        if qkv.shape[1] == 1:  # a decode step reads this rank's keys where they lie in the pool
+            k_pool, v_pool = cache.pools(layer)
+            out, lse = kernels.paged_decode_partial(q_all[:, :, 0], k_pool, v_pool, cache.read_slots,
+                                                    own(ctx.attn_mask, cache.own_keys)[:, 0, 0], scale)
+            return combine_heads(out[:, :, None], lse[:, :, None], self.tp, self.sinks)
+        return split_attention(q_all, *cache.gather(layer), ctx.attn_mask, cache.own_keys, scale, self.tp, self.sinks)
 
     def _prenorm(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [B, T, W] with q and k through their all-heads norms, in place: the sums of

@@ -5,12 +5,15 @@ is copied on tp / num_kv_heads ranks. Split by tokens, rank r caches all KV head
 tokens in blocks b with b % tp == r, so no token is cached twice, and each attention
 (``Attention._paged_by_tokens``):
 
-1. gathers every rank's queries and new keys and values (each rank computes its heads');
+1. gathers every rank's queries and new keys and values (each rank computes its heads'), in
+   one all-gather (``gather_heads``);
 2. stores the new keys and values whose blocks are its own;
-3. attends with all query heads over its own tokens only, keeping each row's log-sum-exp;
-4. sends each rank the partial outputs of that rank's heads (an all-to-all), and combines
-   those of its own (each weighted by its share of the softmax's denominator) for the output
-   projection (``split_attention``).
+3. attends with all query heads over its own tokens only, keeping each row's log-sum-exp: a
+   decode step reads its keys in place (``kernels.paged_decode_partial``), other steps
+   through a gathered copy (``split_attention``);
+4. sends each rank the partial outputs of that rank's heads with their log-sum-exps (one
+   all-to-all), and combines those of its own (each weighted by its share of the softmax's
+   denominator) for the output projection (``combine_heads``).
 
 Splitting by tokens rather than by sequences (PaLM's batch-sharded attention) keeps every
 rank busy whatever the batch, one sequence included, and leaves the block tables, the
@@ -22,6 +25,7 @@ import torch
 
 from comm import Group, all_gather, all_to_all
 from dense.attention import PagedKVCache
+from kernels.attention.reference import partial_attention_ref
 
 
 class TokenShardedKVCache(PagedKVCache):
@@ -55,21 +59,15 @@ class TokenShardedKVCache(PagedKVCache):
         return torch.where(self._own(slots), local, self.local_trash)
 
 
-def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention over some of the keys: q [B, H, T, D], k / v [B, Hkv, S, D] (grouped
-    heads), ``allowed`` [B, 1, T, S] bool -> (out [B, H, T, Dv] normalized over the allowed
-    keys, zero where none is; lse [B, H, T], the log of the softmax's denominator,
-    -inf where none is; float32, or float64 for float64 inputs)."""
-    h, hkv = q.shape[1], k.shape[1]
-    if h != hkv:
-        k, v = (z.repeat_interleave(h // hkv, dim=1) for z in (k, v))
-    wide = torch.promote_types(q.dtype, torch.float32)
-    scores = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
-    weights = torch.exp(scores - lse.clamp(min=torch.finfo(wide).min)[..., None])  # 0 where masked
-    return (weights @ v.to(wide)).to(q.dtype), lse
+def gather_heads(tp: Group, *parts: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's heads of each of ``parts`` ([B, h_i, T, D] each, this rank's; the same
+    h_i on every rank) -> [B, P * h_i, T, D] each, rank by rank: one all-gather for all."""
+    if tp.size == 1:
+        return list(parts)
+    sizes = [z.shape[1] for z in parts]
+    got = all_gather(torch.cat(parts, dim=1), tp, dim=0)  # [P * B, sum h_i, T, D]
+    got = got.unflatten(0, (tp.size, parts[0].shape[0])).transpose(0, 1)  # [B, P, sum h_i, T, D]
+    return [z.flatten(1, 2) for z in got.split(sizes, dim=2)]
 
 
 def combine(outs: torch.Tensor, lses: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,17 +83,30 @@ def combine(outs: torch.Tensor, lses: torch.Tensor, sinks: torch.Tensor | None =
     return (outs.to(share.dtype) * share[..., None]).sum(0).to(outs.dtype)
 
 
+def combine_heads(out: torch.Tensor, lse: torch.Tensor, tp: Group, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's partial attention of every rank's query heads over its own keys, out
+    [B, H, T, Dv] and lse [B, H, T] -> the whole attention of this rank's heads
+    [B, H / P, T, Dv]: each rank's partials of a rank's heads go to that rank (one
+    all-to-all of both, packed), which combines them (``sinks``: this rank's heads')."""
+    b, h, t, dv = out.shape
+    hr = h // tp.size
+    packed = torch.cat([out.to(lse.dtype), lse[..., None]], dim=-1).transpose(0, 1).contiguous()  # [H, B, T, Dv + 1]
+    counts = [hr] * tp.size  # heads a rank: rank j receives its own from every rank
+    got = all_to_all(packed, counts, tp, counts)[0].unflatten(0, (tp.size, hr)).transpose(1, 2)  # [P, B, Hr, T, Dv + 1]
+    return combine(got[..., :dv], got[..., dv], sinks).to(out.dtype)
+
+
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, own_keys: torch.Tensor,
                     scale: float, tp: Group, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of this rank's query heads q [B, Hr, T, D] over a cache split by tokens: k / v
-    [B, Hkv, S, D] every head of this rank's keys (``own_keys`` [B, S]), ``mask`` [B, 1, T, S]
-    (bool, or additive 0 / -inf). Every rank's queries attend over its own keys; each rank's
-    partials of a rank's heads go to that rank, which combines them -> [B, Hr, T, Dv]."""
-    allowed = (mask if mask.dtype == torch.bool else torch.isfinite(mask)) & own_keys[:, None, None, :]
-    out, lse = partial_attention(all_gather(q.contiguous(), tp, dim=1), k, v, allowed, scale)
-    hr, counts = q.shape[1], [q.shape[1]] * tp.size  # heads a rank: rank j receives its own from all
+    """Attention of every rank's query heads q [B, H, T, D] (``gather_heads``) over a cache
+    split by tokens: k / v [B, Hkv, S, D] every head of this rank's keys (``own_keys``
+    [B, S]), ``mask`` [B, 1, T, S] (bool, or additive 0 / -inf) -> this rank's heads'
+    [B, H / P, T, Dv] (``combine_heads``)."""
+    out, lse = partial_attention_ref(q, k, v, own(mask, own_keys), scale)
+    return combine_heads(out, lse, tp, sinks)
 
-    def exchange(t: torch.Tensor) -> torch.Tensor:  # [B, H, ...] -> [P, B, Hr, ...]
-        got = all_to_all(t.transpose(0, 1).contiguous(), counts, tp, counts)[0]  # [P * Hr, B, ...]
-        return got.unflatten(0, (tp.size, hr)).transpose(1, 2)
-    return combine(exchange(out), exchange(lse), sinks)
+
+def own(mask: torch.Tensor, own_keys: torch.Tensor) -> torch.Tensor:
+    """A step's mask [B, 1, T, S] (bool, or additive 0 / -inf) and this rank's keys [B, S] ->
+    the keys each query may read here, bool [B, 1, T, S]."""
+    return (mask if mask.dtype == torch.bool else torch.isfinite(mask)) & own_keys[:, None, None, :]

@@ -102,9 +102,10 @@ class LatentAttention(nn.Module):
             if not ctx.causal:  # earlier keys too: the row's slots, in token order
                 key = cache.gather(layer)[0]  # [B, 1, S, C + R]
         if cache is not None and not ctx.causal and cache.by_tokens:  # the latent split over the ranks by tokens:
-            from dense.kv_shard import split_attention  # (every rank computed the same new latent)
+            from dense.kv_shard import gather_heads, split_attention  # (every rank computed the same new latent)
 
-            out = split_attention(query, key, key[..., :c], ctx.attn_mask, cache.own_keys, self.scale, self.tp)
+            out = split_attention(gather_heads(self.tp, query)[0], key, key[..., :c], ctx.attn_mask, cache.own_keys,
+                                  self.scale, self.tp)
         else:
             mask = None if ctx.causal else ctx.attn_mask
             out = F.scaled_dot_product_attention(query, key.expand(-1, n, -1, -1), key[..., :c].expand(-1, n, -1, -1),

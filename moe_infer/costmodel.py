@@ -326,7 +326,7 @@ class CostModel:
         if p.kv_shard == "tokens":  # the queries (and new keys) gathered, then the partial outputs
             heads = m.num_heads * self.head_dim * self.ab
             q_and_kv = tokens * (heads + (0 if m.kv_lora_rank is not None else 2 * self.kv_heads * self.head_dim * self.ab))
-            outs = tokens * m.num_heads * ((m.kv_lora_rank or self.head_dim) * self.ab + 4) * p.tp
+            outs = tokens * m.num_heads * ((m.kv_lora_rank or self.head_dim) + 1) * 4 * p.tp  # float32, with the lse
             seconds += all_to_all_s(q_and_kv, p.tp, hw.link(p.tp)) + all_to_all_s(outs, p.tp, hw.link(p.tp))
         if m.qk_norm == "full":  # an all-heads q/k norm over split heads: the sums of squares (float32)
             seconds += all_reduce_s(tokens * 2 * 4, p.tp, hw.link(p.tp))

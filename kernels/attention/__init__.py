@@ -16,8 +16,8 @@ of that name from the function to the module.
 """
 from __future__ import annotations
 
-from kernels.attention.reference import (paged_decode_attention_ref, qkv_attention_ref, qkv_decode_ref,
-                                         qkv_decode_supported)
+from kernels.attention.reference import (paged_decode_attention_ref, paged_decode_partial_ref, qkv_attention_ref,
+                                         qkv_decode_ref, qkv_decode_supported)
 
 
 def paged_decode_attention(q, k, v, slots, visible, scale=None, sinks=None):
@@ -30,6 +30,17 @@ def paged_decode_attention(q, k, v, slots, visible, scale=None, sinks=None):
         from kernels.attention.decode import paged_decode_attention_triton
         return paged_decode_attention_triton(q, k, v, slots, visible, scale, sinks=sinks)
     return paged_decode_attention_ref(q, k, v, slots, visible, scale, sinks)
+
+
+def paged_decode_partial(q, k, v, slots, visible, scale=None):
+    """``paged_decode_attention`` over the visible keys alone, for a caller that merges it
+    with attention over other keys (a KV cache split over ranks by tokens) -> (out
+    [B, Hq, D] normalized over these keys, zero where none is; lse [B, Hq] float32, the log
+    of the softmax's denominator over them, -inf where none is)."""
+    if q.is_cuda:
+        from kernels.attention.decode import paged_decode_partial_triton
+        return paged_decode_partial_triton(q, k, v, slots, visible, scale)
+    return paged_decode_partial_ref(q, k, v, slots, visible, scale)
 
 
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,

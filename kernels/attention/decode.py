@@ -136,6 +136,26 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     or an additive mask of 0 / -inf floats (read as it is: a step builds it once for every
     layer) -> out [B, Hq, D]. ``sinks`` [Hq]: a logit per head in the softmax, no value
     (GPT-OSS), joined in the combine."""
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks {list(sinks.shape)}: expected one logit per query head, [{q.shape[1]}]")
+    return _combine(*_splits(q, k, v, slots, visible, scale, splits, block_s), q.dtype, sinks)
+
+
+def paged_decode_partial_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                                visible: torch.Tensor, scale: float | None = None, splits: int | None = None,
+                                block_s: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_decode_attention_triton`` over the visible keys, for a caller that merges it
+    with attention over other keys (a cache split over ranks by tokens) -> (out [B, Hq, D]
+    normalized over these keys, zero where none is visible; lse [B, Hq] float32, the log of
+    the softmax's denominator over them, -inf where none is)."""
+    m, l, acc = _splits(q, k, v, slots, visible, scale, splits, block_s)
+    lse = torch.logsumexp(m + l.log(), dim=-1)  # [B, Hq] (a split that saw no key: -inf)
+    return torch.where(torch.isfinite(lse)[..., None], _combine(m, l, acc, q.dtype), 0), lse
+
+
+def _splits(q, k, v, slots, visible, scale, splits, block_s) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split kernel's launch (operands as ``paged_decode_attention_triton`` takes them)
+    -> each split's (m, l [B, Hq, P], acc [B, Hq, P, D])."""
     b, hq, d = q.shape
     _, hkv, _ = k.shape
     s = slots.shape[1]
@@ -143,8 +163,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         raise ValueError(f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, slots {list(slots.shape)}, "
                          f"visible {list(visible.shape)}: expected [B, Hq, D], [N, Hkv, D] twice with Hkv dividing "
                          "Hq, and [B, S] twice")
-    if sinks is not None and tuple(sinks.shape) != (hq,):
-        raise ValueError(f"sinks {list(sinks.shape)}: expected one logit per query head, [{hq}]")
     if slots.dtype != torch.int64 or slots.stride(1) != 1:
         raise ValueError(f"slots: expected contiguous int64 rows, got {slots.dtype} with strides {slots.stride()}")
     g = hq // hkv
@@ -160,7 +178,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0), slots.stride(0),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_S=block_s,
         SPLIT_LEN=split_len, P=splits, IEEE=k.dtype == torch.float32, ADDITIVE=additive, num_warps=2)
-    return _combine(m, l, acc, q.dtype, sinks)
+    return m, l, acc
 
 
 def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype,

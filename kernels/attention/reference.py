@@ -50,6 +50,41 @@ def paged_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return decode_attention_ref(q, kk.transpose(1, 2), vv.transpose(1, 2), visible, scale, sinks)
 
 
+
+def partial_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over some of the keys, for a caller that merges it with attention
+    over the others: q [B, Hq, T, D], k / v [B, Hkv, S, D] (Hkv dividing Hq; each KV head
+    read once for its query heads, not copied per head), ``allowed`` [B, 1, T, S] bool ->
+    (out [B, Hq, T, Dv] normalized over the allowed keys, zero where none is; lse
+    [B, Hq, T], the log of the softmax's denominator, -inf where none is; float32, or
+    float64 for float64 inputs)."""
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    qg = q.to(wide).reshape(b, hkv, (h // hkv) * t, d)  # each KV head's query heads, as rows
+    scores = (qg @ k.to(wide).transpose(-1, -2)).view(b, hkv, h // hkv, t, -1) * scale
+    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))  # [B, Hkv, G, T, S]
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.clamp(min=torch.finfo(wide).min)[..., None])  # 0 where masked
+    out = (weights.view(b, hkv, -1, scores.shape[-1]) @ v.to(wide)).view(b, h, t, -1)
+    return out.to(q.dtype), lse.view(b, h, t)
+
+
+def paged_decode_partial_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                             visible: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partial_attention_ref`` of one query token per row over a paged pool: q [B, Hq, D],
+    k / v pools [N, Hkv, D], slots [B, S], visible [B, S] bool or additive 0 / -inf -> (out
+    [B, Hq, D], lse [B, Hq] float32)."""
+    if visible.is_floating_point():
+        visible = visible > float("-inf")
+    hidden = ~visible[:, :, None, None]  # [B, S, 1, 1]: whatever a hidden slot holds is never read
+    kk, vv = k[slots].masked_fill(hidden, 0), v[slots].masked_fill(hidden, 0)  # [B, S, Hkv, D]
+    out, lse = partial_attention_ref(q[:, :, None], kk.transpose(1, 2), vv.transpose(1, 2), visible[:, None, None],
+                                     scale if scale is not None else q.shape[-1] ** -0.5)
+    return out[:, :, 0], lse[:, :, 0].float()
+
+
 def qkv_decode_supported(head_dim: int) -> bool:
     """The fused kernel needs a power-of-two head dim (every model in configs/ has one)."""
     return head_dim >= 2 and head_dim & (head_dim - 1) == 0

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.decode import paged_decode_attention_triton
+from kernels.attention.decode import paged_decode_attention_triton, paged_decode_partial_triton
 from kernels.attention.qkv_attention_triton import default_splits, fits, qkv_attention_triton
 from kernels.attention.qkv_decode_triton import qkv_decode_triton
-from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, qkv_attention_ref,
-                                         qkv_decode_ref)
+from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, paged_decode_partial_ref,
+                                         qkv_attention_ref, qkv_decode_ref)
 from tests.hopper import compile_in_subprocess
 from tests.kernels.common import BACKENDS, CPU, GPU, rel
 
@@ -151,6 +151,41 @@ def test_paged_decode_attention_with_sinks(device, splits):
     assert huge.abs().max() < 1e-6 * out.abs().max()
     with pytest.raises(ValueError, match=r"sinks \[4\]: expected one logit per query head, \[8\]"):
         paged_decode_attention_triton(q, k, v, slots, visible, sinks=sinks[:4])
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4, None])
+def test_paged_decode_partials_over_shares_of_the_keys_merge_to_the_whole(device, dtype, splits):
+    """The partial form (a KV cache split over ranks by tokens): each of three shares of the
+    keys (every third block) gives out and log-sum-exp as the reference does, zero and -inf
+    for a row with no key in its share; the shares merged by their denominators equal the
+    attention over every key, sinks included."""
+    from dense.kv_shard import combine
+
+    gen = torch.Generator().manual_seed(5)
+    b, hq, hkv, s, d, block, ranks = 4, 8, 2, 70, 16, 8, 3
+    lens = torch.tensor([70, 9, 1, 30])  # the rows of 9 and 1 keys have none in some shares
+    slots, k, v = _paged_pool(device, dtype, hkv, d, s, block, lens, gen)
+    q = torch.randn(b, hq, d, generator=gen).to(device, dtype)
+    visible = (torch.arange(s)[None, :] < lens[:, None]).to(device)
+    owner = (torch.arange(s, device=device) // block) % ranks
+    outs, lses = [], []
+    for r in range(ranks):
+        mine = visible & (owner == r)
+        out, lse = paged_decode_partial_triton(q, k, v, slots, mine, splits=splits)
+        ref_out, ref_lse = paged_decode_partial_ref(q.double(), k.double(), v.double(), slots, mine)
+        assert out.dtype == dtype and lse.dtype == torch.float32 and torch.isfinite(out).all()
+        assert rel(out, ref_out) < DECODE_TOL[dtype]
+        assert torch.equal(torch.isinf(lse), ~mine.any(1)[:, None].expand(-1, hq))
+        assert not out[~mine.any(1)].any()
+        assert (lse - ref_lse).abs().nan_to_num().max() < 1e-4
+        outs.append(out.double())
+        lses.append(lse.double())
+    sinks = torch.randn(hq, generator=gen, dtype=torch.float64).to(device)
+    merged = combine(torch.stack(outs)[:, :, :, None], torch.stack(lses)[:, :, :, None], sinks)[:, :, 0]
+    whole = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible, sinks=sinks)
+    assert rel(merged, whole) < DECODE_TOL[dtype]
 
 
 def _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, rope, seed):
