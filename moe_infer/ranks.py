@@ -24,15 +24,19 @@ FORWARD, ALL_POSITIONS, SLOT = 0, 1, 2  # what the other ranks run with a step's
 FOLLOWER_KNOBS = (0, 0, 0, 1.0, 1.0)
 
 
+HEAD = 5  # values a row's header holds
+
+
 def pack_rows(rows: list[Row] | None, mode: int = FORWARD) -> torch.Tensor:
     """A step's rows as one int64 tensor: the row count (-1: stop), what to run them through
     (``FORWARD``: ``PagedRunner.forward``; ``ALL_POSITIONS``: ``forward_all``, every
     position's logits; ``SLOT``: a pipeline slot, ``moe_infer.pipeline.ServingSlots``), then
-    per row its token count, start, table length and whether it samples, then every row's
-    tokens and tables."""
+    per row its token count, start, table length, whether it samples and its ``src``, then
+    every row's tokens and tables."""
     if rows is None:
         return torch.tensor([-1])
-    head = [len(rows), mode] + [v for r in rows for v in (len(r.tokens), r.start, len(r.table), r.sample is not None)]
+    head = [len(rows), mode] + [v for r in rows
+                                for v in (len(r.tokens), r.start, len(r.table), r.sample is not None, r.src)]
     return torch.tensor(head + [t for r in rows for t in r.tokens] + [b for r in rows for b in r.table])
 
 
@@ -43,20 +47,27 @@ def unpack_rows(data: torch.Tensor) -> tuple[list[Row], int] | None:
     n = values[0]
     if n < 0:
         return None
-    rows, at = [], 2 + 4 * n
-    heads = [values[2 + 4 * i:6 + 4 * i] for i in range(n)]
-    for count, start, _, samples in heads:
-        rows.append(Row(values[at:at + count], start, [], sample=FOLLOWER_KNOBS if samples else None))
+    rows, at = [], 2 + HEAD * n
+    heads = [values[2 + HEAD * i:2 + HEAD * (i + 1)] for i in range(n)]
+    for count, start, _, samples, src in heads:
+        rows.append(Row(values[at:at + count], start, [], src, FOLLOWER_KNOBS if samples else None))
         at += count
-    for row, (_, _, blocks, _) in zip(rows, heads):
+    for row, (_, _, blocks, _, _) in zip(rows, heads):
         row.table = values[at:at + blocks]
         at += blocks
     return rows, values[1]
 
 
-def row_channel():
+def fed_tokens(rows: list[Row] | None) -> int:
+    """How many of ``runner.prev``'s leading tokens the rows feed (``Row.src``): 0 for none."""
+    return max((r.src + 1 for r in rows or []), default=0)
+
+
+def row_channel(prev: torch.Tensor):
     """(send, receive) of each step's rows from rank 0 over torch.distributed, as one
-    device tensor (on the GPU under NCCL) after its size."""
+    device tensor (on the GPU under NCCL) after its size. Where rows feed tokens that rank
+    0 sampled on its device (``Row.src``), rank 0's ``prev`` (the runner's) follows them
+    into every rank's, device to device: no host waits for them."""
     import torch.distributed as dist
 
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -71,6 +82,8 @@ def row_channel():
         dist.broadcast(size, src=0)
         dist.broadcast(data, src=0)
         held[:] = [size, data]
+        if n := fed_tokens(rows):
+            dist.broadcast(prev[:n], src=0)
 
     def receive():
         size = torch.empty(1, dtype=torch.int64, device=dev)
@@ -78,7 +91,10 @@ def row_channel():
         data = torch.empty(int(size), dtype=torch.int64, device=dev)
         dist.broadcast(data, src=0)
         held[:] = [size, data]
-        return unpack_rows(data.cpu())
+        step = unpack_rows(data.cpu())
+        if step is not None and (n := fed_tokens(step[0])):
+            dist.broadcast(prev[:n], src=0)
+        return step
 
     return send, receive
 
@@ -105,7 +121,7 @@ def lead_or_follow(scheduler: "Scheduler") -> Callable[[], None] | None:
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return lambda: None
-    send, receive = row_channel()
+    send, receive = row_channel(scheduler.runner.prev)
     scheduler.runner.capture_all()  # on every rank here, so that no rank's warm-up is left unmatched
     if dist.get_rank() != 0:
         follow(scheduler.runner, receive, scheduler.slots)

@@ -18,17 +18,18 @@ Each iteration of ``Scheduler.step`` is schedule / launch / deliver:
   finished request's blocks go back), stream the text delta and any log-probabilities
   asked for.
 
-On one rank the host delivers step k while the device runs step k + 1: step k + 1 feeds
-each row the token step k sampled straight from the device (``PagedRunner.prev``), so the
+The host delivers step k while the device runs step k + 1: step k + 1 feeds each row the
+token step k sampled straight from the device (the request's lane of ``PagedRunner.prev``;
+on several ranks the step's rows carry rank 0's to every rank's, device to device), so the
 host's work per token (detokenizing, stop strings, streaming) hides behind the device's.
+Pipeline stages do the same a slot apart: a unit's tokens reach the host while the next
+slot runs, and its requests re-enter the pipeline from their lanes.
 A request that step k ends (EOS, a stop string) has already joined step k + 1: that row's
 token is dropped, and its KV write lands in the blocks it reserved (a request never feeds
 a token past ``max_tokens``), before any later step can reuse them. The first tokens of the
 requests whose prefill step k ends are the exception where no other prompt waits: their
 copy is queued before step k's decode forward, and the host delivers them as soon as the
-prefill is done. Under mpirun rank 0
-delivers each step before it launches the next, so that every row's token is known on the
-host and can be broadcast.
+prefill is done.
 
 Log-probabilities are those of the raw model output (vLLM's default ``raw_logprobs``):
 log_softmax of the logits before logit bias, penalties, temperature, top-k and top-p. So a
@@ -40,6 +41,7 @@ broadcasts each step's rows so the others run the same forward (``moe_infer.rank
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import random
@@ -90,7 +92,7 @@ class Request:
     table: list[int] = field(default_factory=list)
     cached: int = 0  # tokens of this sequence in the KV cache
     sampled: int = 0  # tokens sampled, delivered or not (``generated`` holds the delivered ones)
-    src: int = -1  # the row of its last sampled token in ``PagedRunner.prev``
+    src: int = -1  # its lane while it runs: the row of ``PagedRunner.prev`` its sampled tokens go to
     text: str = ""  # decoded text of ``generated`` (stop strings cut it)
     detok: tuple[int, int] = (0, 0)  # ``decode_delta``'s (prefix, read) over ``generated``
     sent: int = 0  # characters already streamed
@@ -118,6 +120,7 @@ class Scheduler:
         self.block_size, self.max_batch, self.max_queue = block_size, max_batch, max_queue
         self.prefill_chunk = prefill_chunk
         self.free_blocks = list(range(num_blocks))
+        self.free_lanes = list(range(max_batch))  # rows of ``runner.prev``, one a running request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.metrics = metrics
@@ -211,8 +214,11 @@ class Scheduler:
                 self.units = [None] * len(self.units)
 
     def _release(self, r: Request):
-        """Gives a request's KV blocks back (under the lock)."""
+        """Gives a request's KV blocks and lane back (under the lock)."""
         self.free_blocks += r.table
+        if r.src >= 0:
+            bisect.insort(self.free_lanes, r.src)  # (the lowest first: broadcasts send the lanes up to the last)
+            r.src = -1
         r.table = []
 
     def step(self):
@@ -232,10 +238,6 @@ class Scheduler:
         if early:
             self._deliver(first)
         self.inflight = [s for s in (None if early else first, launched) if s is not None]
-        if self.broadcast is not None:
-            for sampled in self.inflight:
-                self._deliver(sampled)
-            self.inflight = []
         self._report()
 
     def _prefill_chunks(self, fixed: bool) -> list[tuple[Request, int]]:
@@ -287,12 +289,17 @@ class Scheduler:
         going = [r for r in self.running if r.finish is None and not r.cancelled and r.sampled > 0]
         share = -(-len(going) // self.engine.config.parallel.micro_batches)
         ready = [r for r in going if not r.inflight and r.sampled < r.max_tokens]
-        for r in ready[:share]:
-            rows.append(Row([r.generated[-1]], r.cached, r.table, sample=self._knobs(r)))
+        for r in ready[:share]:  # each feeds its token from its lane, delivered or not
+            rows.append(Row([0], r.cached, r.table, r.src, self._knobs(r)))
             r.cached += 1
             entries.append((r, True))
+        # The tokens of the unit that left in the last slot reach the host while this slot
+        # runs: the device never waits for this loop.
+        last, self.inflight = self.inflight, []
         if entries or any(u is not None for u in self.units):
             self._slot(entries, rows)
+        for sampled in last:
+            self._deliver(sampled)
         self._report()
 
     def _slot(self, entries: list[tuple[Request, bool]], rows: list[Row]):
@@ -312,8 +319,7 @@ class Scheduler:
         if keep:
             reqs, logits = [finished[i][0] for i in keep], logits[keep]
             drawn = sample_rows(logits, [done_rows[i].sample for i in keep], pdl=self.engine.model.options.pdl)
-            sampled, _ = self._sample_step(reqs, logits, drawn, 0)
-            self._deliver(sampled)
+            self.inflight.append(self._sample_step(reqs, logits, drawn))
 
     def _prefill_waits(self) -> bool:
         """Whether a request waits for admission or has prompt tokens still to prefill."""
@@ -344,23 +350,18 @@ class Scheduler:
         # Every request with a sampled token to feed, delivered or not; never past max_tokens
         # (the requests whose prefill ends now feed theirs at the next step).
         decoding = [r for r in self.running if r.finish is None and not r.cancelled and 0 < r.sampled < r.max_tokens]
-        first, tokens = None, []
+        first = launched = None
         if done:  # indexing copies: a one-token prompt may have run as a captured decode step,
             # whose outputs the decode below rewrites if it replays the same one
-            first, t = self._sample_step([chunks[i][0] for i in done], logits[done], ids[done], 0)
-            tokens.append(t)
-        launched = None
+            first = self._sample_step([chunks[i][0] for i in done], logits[done], ids[done])
         if decoding:
-            on_device = self.broadcast is None
-            rows = [Row([0], r.cached, r.table, r.src, self._knobs(r)) if on_device
-                    else Row([r.generated[-1]], r.cached, r.table, sample=self._knobs(r)) for r in decoding]
-            logits, ids = self._forward(rows)  # it reads the tokens the last step left in ``runner.prev``
+            # Each row feeds the token the last step left in ``runner.prev`` (on several ranks
+            # the rows' broadcast carries it to every rank's): the host need not have it.
+            rows = [Row([0], r.cached, r.table, r.src, self._knobs(r)) for r in decoding]
+            logits, ids = self._forward(rows)
             for r in decoding:
                 r.cached += 1
-            launched, t = self._sample_step(decoding, logits, ids, len(done))
-            tokens.append(t)
-        if tokens:  # for the next step to feed, by each row's ``src``
-            self.runner.prev[:sum(map(len, tokens))].copy_(torch.cat(tokens) if len(tokens) > 1 else tokens[0])
+            launched = self._sample_step(decoding, logits, ids)
         return first, launched
 
     @staticmethod
@@ -403,25 +404,25 @@ class Scheduler:
                     break  # first come, first served: wait for blocks to come back
                 self.waiting.popleft()
                 r.table, self.free_blocks = self.free_blocks[:need], self.free_blocks[need:]
+                r.src = self.free_lanes.pop(0)
                 self.running.append(r)
 
-    def _sample_step(self, reqs: list[Request], logits: torch.Tensor, drawn: torch.Tensor,
-                     at: int) -> tuple[Sampled, torch.Tensor]:
-        """-> (each row's next token on its way to the host, with the logprobs asked for
-        (taken from ``logits`` as the model gave them, not the processed ones); the tokens
-        [B] on the device, which the caller puts in ``runner.prev`` from row ``at`` on).
-        The tokens are ``drawn`` by the forward, drawn again from the processed logits for
-        rows with logit processors; they go into the penalty state too."""
+    def _sample_step(self, reqs: list[Request], logits: torch.Tensor, drawn: torch.Tensor) -> Sampled:
+        """-> each row's next token on its way to the host, with the logprobs asked for
+        (taken from ``logits`` as the model gave them, not the processed ones). The tokens
+        are ``drawn`` by the forward, drawn again from the processed logits for rows with
+        logit processors; on the device they go to each request's lane of ``runner.prev``
+        (the next step feeds them from there) and into the penalty state."""
         tokens = self._redraw(reqs, logits, drawn)  # [B] on the device
+        self.runner.prev.index_copy_(0, to_device([r.src for r in reqs], tokens.device), tokens)
         lp_rows = [i for i, r in enumerate(reqs) if r.logprobs is not None]
         scored = [r for r in reqs if r.prompt_logprobs is not None and r.sampled == 0]
         for i, r in enumerate(reqs):
-            r.src, r.sampled = at + i, r.sampled + 1
+            r.sampled += 1
             if r.counts is not None:  # penalty state, on the device
                 r.counts.index_add_(0, tokens[i:i + 1], self._one(r.counts))
                 r.seen.index_fill_(0, tokens[i:i + 1], True)
-        return Sampled.start(reqs, lp_rows, scored,
-                             [tokens] + self._logprob_parts(reqs, lp_rows, scored, logits, tokens)), tokens
+        return Sampled.start(reqs, lp_rows, scored, [tokens] + self._logprob_parts(reqs, lp_rows, scored, logits, tokens))
 
     @staticmethod
     def _one(like: torch.Tensor) -> torch.Tensor:

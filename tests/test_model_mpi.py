@@ -424,8 +424,9 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
     different lengths, more than the batch holds, share the slots -- units of different
     requests are in the pipeline at once -- and each gets generate()'s tokens, a seeded
     sampled one too; a request cancelled while its unit is in flight frees its blocks only
-    once the unit has left. "static": decode units replay each stage's fixed-shape step
-    (a graph's math, run eagerly), made before the first request."""
+    once the unit has left. Decode rows feed their tokens from the device (each request's
+    lane), which reach the host a slot later. "static": decode units replay each stage's
+    fixed-shape step (a graph's math, run eagerly), made before the first request."""
     from moe_infer.ranks import lead_or_follow
     from moe_infer.sampling import SamplingParams
     from moe_infer.scheduler import Request, Scheduler
@@ -461,11 +462,12 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
     prompt_events = []
     scored = Request(PROMPTS[2], SamplingParams(), 4, lambda k, d: prompt_events.append(d) if k == "prompt" else
                      (out[-1].append(d.get("token_id")) if k == "token" else None), logprobs=1, prompt_logprobs=1)
-    steps = 0
+    steps, deferred = 0, False
     try:
         while scheduler.waiting or scheduler.running:
             scheduler.step()
             steps += 1
+            deferred |= bool(scheduler.inflight)  # a unit's tokens reach the host while the next slot runs
             if steps == 3:
                 assert any(u is not None for u in scheduler.units)
                 scheduler.submit(scored)
@@ -476,7 +478,8 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
                 assert doomed in scheduler.running and doomed.table  # its unit still writes its blocks
     finally:
         release()
-    assert max(busy) == 2 and cancelled_in_flight and scheduler.blocks_in_use == 0
+    assert max(busy) == 2 and cancelled_in_flight and scheduler.blocks_in_use == 0 and deferred
+    assert scheduler.free_lanes == list(range(3))  # every request's lane of runner.prev back
     assert len(prompt_events) == 1 and len(prompt_events[0]["logprobs"]) == len(PROMPTS[2])
     assert [t for t in out[-1] if t is not None] == reference.generate([PROMPTS[2]], max_new_tokens=4)[0].token_ids
     assert bool(scheduler.runner._stage_steps) == scheduler.runner.static

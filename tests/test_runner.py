@@ -274,12 +274,17 @@ def test_prefill_warm_up_leaves_the_cache_as_requests_need_it():
 
 def test_step_rows_travel_as_one_int64_tensor():
     pytest.importorskip("fastapi")
-    from moe_infer.ranks import FORWARD, SLOT, pack_rows, unpack_rows
+    from moe_infer.ranks import FORWARD, SLOT, fed_tokens, pack_rows, unpack_rows
 
     rows = [Row([1, 2, 3], 0, [5, 6]), Row([9], 17, [1, 2, 3, 4]), Row([7, 7], 4, [0])]
     packed = pack_rows(rows)
     assert packed.dtype == torch.int64 and packed.dim() == 1
     assert unpack_rows(packed) == (rows, FORWARD) and unpack_rows(pack_rows(None)) is None
+    assert fed_tokens(rows) == 0 and fed_tokens(None) == 0
+    # A decode row that feeds its token from a lane of ``runner.prev``: the lanes up to the
+    # last one fed follow the rows to every rank.
+    fed = rows + [Row([0], 8, [2], 5), Row([0], 3, [3], 2)]
+    assert unpack_rows(pack_rows(fed)) == (fed, FORWARD) and fed_tokens(fed) == 6
     assert unpack_rows(pack_rows(rows, SLOT)) == (rows, SLOT) and unpack_rows(pack_rows([], SLOT)) == ([], SLOT)
     # A row that samples samples on the followers too (the same variant of a captured step),
     # with knobs of their own: their draws are not used.
