@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from moe_infer.scheduler import Scheduler
 
 
-FORWARD, ALL_POSITIONS, SLOT = 0, 1, 2  # what the other ranks run with a step's rows
+FORWARD, ALL_POSITIONS, SLOT, IDLE = 0, 1, 2, 3  # what the other ranks run with a step's rows
 
 
 # The knobs a follower's row gets where rank 0's row samples: a follower discards its own
@@ -30,7 +30,9 @@ HEAD = 5  # values a row's header holds
 def pack_rows(rows: list[Row] | None, mode: int = FORWARD) -> torch.Tensor:
     """A step's rows as one int64 tensor: the row count (-1: stop), what to run them through
     (``FORWARD``: ``PagedRunner.forward``; ``ALL_POSITIONS``: ``forward_all``, every
-    position's logits; ``SLOT``: a pipeline slot, ``moe_infer.pipeline.ServingSlots``), then
+    position's logits; ``SLOT``: a pipeline slot, ``moe_infer.pipeline.ServingSlots``;
+    ``IDLE``: nothing, a message that keeps the followers' wait under the collective
+    timeout while no request comes), then
     per row its token count, start, table length, whether it samples and its ``src``, then
     every row's tokens and tables."""
     if rows is None:
@@ -103,6 +105,8 @@ def follow(runner: PagedRunner, receive: Callable[[], tuple[list[Row], int] | No
     """Ranks other than 0: run every step rank 0 broadcasts, until it sends None."""
     while (step := receive()) is not None:
         rows, mode = step
+        if mode == IDLE:
+            continue
         if mode == SLOT:
             slots.slot(rows)
         elif mode == ALL_POSITIONS:

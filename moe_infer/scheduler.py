@@ -56,7 +56,7 @@ import torch
 from moe_infer.engine import Engine
 from moe_infer.outputs import Logprob, Sampled, token_logprobs, top_pairs
 from moe_infer.pipeline import ServingSlots
-from moe_infer.ranks import ALL_POSITIONS, FORWARD, SLOT
+from moe_infer.ranks import ALL_POSITIONS, FORWARD, IDLE, SLOT
 from moe_infer.runner import PagedRunner, Row, to_device
 from moe_infer.sampling import SamplingParams, apply_penalties, knobs, sample_rows
 from moe_infer.tokenizer import decode_delta
@@ -127,6 +127,10 @@ class Scheduler:
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.broadcast: Callable[[list[Row], int], None] | None = None  # set on multi-rank jobs (ranks.row_channel)
+        # The followers wait for each step in a collective, which fails the job past the
+        # collective timeout: an idle rank 0 sends a step of nothing well within it.
+        self.keepalive_s = engine.config.parallel.timeout_s / 4
+        self.sent_at = time.monotonic()
         self.inflight: list[Sampled] = []  # launched, not yet delivered
         # Pipeline stages under mpirun: each step is one slot of the inference schedule,
         # with up to ``parallel.micro_batches`` units in flight (``_slot_step``).
@@ -192,7 +196,9 @@ class Scheduler:
         while not stop.is_set():
             with self.lock:
                 while not stop.is_set() and not self.waiting and not self.running and not self.inflight:
-                    self.wake.wait(timeout=0.5)
+                    if self.broadcast is not None and time.monotonic() - self.sent_at > self.keepalive_s:
+                        self._send([], IDLE)
+                    self.wake.wait(timeout=min(0.5, self.keepalive_s))
             if not stop.is_set():
                 try:
                     self.step()
@@ -306,7 +312,7 @@ class Scheduler:
         """Every rank one slot on with ``rows`` entering; the unit leaving delivers."""
         for r, _ in entries:
             r.inflight = True
-        self.broadcast(rows, SLOT)
+        self._send(rows, SLOT)
         self.units = [entries or None] + self.units[:-1]
         left = self.slots.slot(rows)
         finished, self.units[-1] = self.units[-1], None
@@ -373,8 +379,13 @@ class Scheduler:
         """-> (logits [B, V] of each row's last token, the token each row's knobs draw [B]);
         with ``all_positions`` the logits [B, T, V] of every token alone."""
         if self.broadcast is not None:
-            self.broadcast(rows, ALL_POSITIONS if all_positions else FORWARD)
+            self._send(rows, ALL_POSITIONS if all_positions else FORWARD)
         return self.runner.forward_all(rows) if all_positions else self.runner.decode(rows)
+
+    def _send(self, rows: list[Row], mode: int):
+        """A step's rows to the other ranks (``ranks.row_channel``)."""
+        self.broadcast(rows, mode)
+        self.sent_at = time.monotonic()
 
     def _score_prompt(self, r: Request, logits: torch.Tensor, start: int):
         """Keeps, on the device, the logprobs of the prompt tokens that a chunk's logits

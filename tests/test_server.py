@@ -390,6 +390,43 @@ def test_two_ranks_serve(tmp_path, engine, layout):
             proc.wait(timeout=30)
 
 
+def test_an_idle_multi_rank_server_outlasts_the_collective_timeout(tmp_path, engine):
+    """Rank 1 waits on a collective for rank 0's next step; idle longer than
+    ``parallel.timeout_s``, rank 0 keeps it alive (a step of no rows), and a request after
+    the idle spell gets its answer."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if shutil.which("mpiexec") is None:
+        pytest.skip("needs mpiexec (the test extras install mpich)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: default\nparallel: {{tp: 2, timeout_s: 8}}\nengine: {{max_batch_size: 2}}\n"
+                   f"server: {{port: {port}, model_name: default, block_size: 8}}\n")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(["bash", str(root / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-m",
+                             "moe_infer", "serve", "--config", str(cfg)], env=env, cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url)
+        time.sleep(12)
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        out = httpx.post(url + "/v1/completions", json={"prompt": "Let me", "max_tokens": 6, "temperature": 0},
+                         timeout=60).json()
+        assert out["choices"][0]["text"] == alone(engine, "Let me", 6).text, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+            proc.wait(timeout=30)
+
+
 def test_a_failing_forward_answers_500_and_the_server_keeps_serving(engine, monkeypatch):
     live = LiveServer(create_app(engine, ServerConfig(model_name="default")))
     try:
