@@ -32,9 +32,8 @@ def pack_rows(rows: list[Row] | None, mode: int = FORWARD) -> torch.Tensor:
     (``FORWARD``: ``PagedRunner.forward``; ``ALL_POSITIONS``: ``forward_all``, every
     position's logits; ``SLOT``: a pipeline slot, ``moe_infer.pipeline.ServingSlots``;
     ``IDLE``: nothing, a message that keeps the followers' wait under the collective
-    timeout while no request comes), then
-    per row its token count, start, table length, whether it samples and its ``src``, then
-    every row's tokens and tables."""
+    timeout while no request comes), then per row its token count, start, table length,
+    whether it samples and its ``src``, then every row's tokens and tables."""
     if rows is None:
         return torch.tensor([-1])
     head = [len(rows), mode] + [v for r in rows

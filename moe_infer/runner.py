@@ -51,7 +51,7 @@ class HostStaging:
     cache, which hands a block out again only once the copies out of it have run: a caller
     that runs ahead of its device (a pipeline stage whose stream waits on a send, the
     decode loop that queues a step before reading the last) would otherwise overwrite
-    inputs the device has not read yet. Zeroed."""
+    inputs the device has not read yet. Each fill's buffers start zeroed."""
 
     def __init__(self, targets: tuple[torch.Tensor, ...]):
         self.targets = targets

@@ -309,7 +309,8 @@ class Scheduler:
         self._report()
 
     def _slot(self, entries: list[tuple[Request, bool]], rows: list[Row]):
-        """Every rank one slot on with ``rows`` entering; the unit leaving delivers."""
+        """Every rank one slot on with ``rows`` entering; the unit leaving samples (its tokens
+        reach the host during the next slot: ``self.inflight``)."""
         for r, _ in entries:
             r.inflight = True
         self._send(rows, SLOT)
