@@ -11,12 +11,12 @@ for ranks in 2 4; do
     # One thread per rank: 4 ranks on a 2-core machine, each spinning several OpenMP
     # threads, can be ten times slower. A run that times out is tried once more: on a
     # loaded 2-core machine one of 4 gloo ranks was seen stuck inside a test the other three
-    # had passed (3 of 20 runs, 2026-11-23); a hang that repeats still fails here, and
+    # had passed (3 of 20 runs); a hang that repeats still fails here, and
     # any test failure fails at once.
     # The limit grows with the ranks (they share the cores): it catches hangs, not slow runs.
     for attempt in 1 2; do
         rc=0
-        OMP_NUM_THREADS=1 timeout $((75 * ranks)) mpiexec -n "$ranks" $py -m pytest -q --color=no -p no:cacheprovider -m mpi \
+        OMP_NUM_THREADS=1 timeout $((90 * ranks)) mpiexec -n "$ranks" $py -m pytest -q --color=no -p no:cacheprovider -m mpi \
             tests/test_comm_mpi.py tests/test_model_mpi.py || rc=$?
         [ "$rc" -eq 124 ] && [ "$attempt" -eq 1 ] && { echo "== mpi tests, $ranks ranks: timed out, once more"; continue; }
         [ "$rc" -eq 0 ] || exit "$rc"

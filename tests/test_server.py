@@ -324,15 +324,13 @@ def front_ends(root: int) -> list[int]:
     return sorted(p for p in spawned if p != root and descends(p))
 
 
-@pytest.mark.parametrize("layout", ["{tp: 2}", "{ep: 2, dp: 2}", "{pp: 2}"], ids=["tp2", "ep2", "pp2"])
-def test_two_ranks_serve(tmp_path, engine, layout):
-    """Under the launcher, rank 0 serves HTTP and broadcasts every step; rank 1 follows.
-    With tp = 2 each rank holds half the heads, with ep = 2 half the experts, with pp = 2
-    half the blocks; the answers equal one process's."""
+def serve_two_ranks(tmp_path, parallel: str, engine_yaml: str, server_yaml: str):
+    """``moe_infer serve`` under the launcher at 2 ranks (gloo), from a config of the default
+    model with these ``parallel`` / ``engine`` / extra ``server`` YAML mappings' bodies ->
+    (the launcher's process, in a session of its own; the server's URL, answering /health)."""
     import os
     import shutil
     import subprocess
-    import sys
     from pathlib import Path
 
     if shutil.which("mpiexec") is None:
@@ -341,16 +339,40 @@ def test_two_ranks_serve(tmp_path, engine, layout):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text(f"model: default\nparallel: {layout}\nengine: {{max_batch_size: 4}}\n"
-                   f"server: {{port: {port}, model_name: default, block_size: 8, api_process: true}}\n")
+    cfg.write_text(f"model: default\nparallel: {{{parallel}}}\nengine: {{{engine_yaml}}}\n"
+                   f"server: {{port: {port}, model_name: default, block_size: 8{server_yaml}}}\n")
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(["bash", str(root / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-m",
                              "moe_infer", "serve", "--config", str(cfg)], env=env, cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
     try:
-        url = f"http://127.0.0.1:{port}"
         wait_healthy(proc, url)
+    except BaseException:
+        stop_job(proc)
+        raise
+    return proc, url
+
+
+def stop_job(proc):
+    """Ends a launcher's whole session (its ranks and their children)."""
+    import os
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("layout", ["tp: 2", "ep: 2, dp: 2", "pp: 2"], ids=["tp2", "ep2", "pp2"])
+def test_two_ranks_serve(tmp_path, engine, layout):
+    """Under the launcher, rank 0 serves HTTP and broadcasts every step; rank 1 follows.
+    With tp = 2 each rank holds half the heads, with ep = 2 half the experts, with pp = 2
+    half the blocks; the answers equal one process's."""
+    import os
+
+    proc, url = serve_two_ranks(tmp_path, layout, "max_batch_size: 4", ", api_process: true")
+    try:
         prompts = ["Shall I compare thee", "When in disgrace with fortune", "Let me"]
         outs = [httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0},
                            timeout=60).json()["choices"][0]["text"] for p in prompts]
@@ -385,46 +407,22 @@ def test_two_ranks_serve(tmp_path, engine, layout):
         assert "the HTTP front end exited with code -9; stopping the engine" in log, log[-3000:]
         assert code == 0, log[-3000:]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 15)
-            proc.wait(timeout=30)
+        stop_job(proc)
 
 
 def test_an_idle_multi_rank_server_outlasts_the_collective_timeout(tmp_path, engine):
     """Rank 1 waits on a collective for rank 0's next step; idle longer than
     ``parallel.timeout_s``, rank 0 keeps it alive (a step of no rows), and a request after
     the idle spell gets its answer."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if shutil.which("mpiexec") is None:
-        pytest.skip("needs mpiexec (the test extras install mpich)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = tmp_path / "serve.yaml"
-    cfg.write_text(f"model: default\nparallel: {{tp: 2, timeout_s: 8}}\nengine: {{max_batch_size: 2}}\n"
-                   f"server: {{port: {port}, model_name: default, block_size: 8}}\n")
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(["bash", str(root / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-m",
-                             "moe_infer", "serve", "--config", str(cfg)], env=env, cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, url = serve_two_ranks(tmp_path, "tp: 2, timeout_s: 8", "max_batch_size: 2", "")
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url)
         time.sleep(12)
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
         out = httpx.post(url + "/v1/completions", json={"prompt": "Let me", "max_tokens": 6, "temperature": 0},
                          timeout=60).json()
         assert out["choices"][0]["text"] == alone(engine, "Let me", 6).text, out
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 15)
-            proc.wait(timeout=30)
+        stop_job(proc)
 
 
 def test_a_failing_forward_answers_500_and_the_server_keeps_serving(engine, monkeypatch):
