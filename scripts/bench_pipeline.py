@@ -10,8 +10,8 @@ own clock over the decode steps) for pp P with the re-queueing schedule (P micro
 draining the pipeline every token (1 micro-batch), and the tp P and ep P layouts; the
 pipeline's bubble, 1 - (summed stage busy time) / (stages x wall time), of each schedule's
 last timed run. Prompt processing: ``--prompts`` prompts of ``--prompt-len`` tokens, one new
-token, with the hybrid micro-batch count (4 P) and with equal counts (P), seconds and
-bubble. Writes bench/results/pipeline-<model>-<P>ranks-<device>-<date>.json.
+token, with the hybrid micro-batch counts (``--hybrid``: multiples of P, by default 4 P, the
+default of ``parallel.prompt_micro_batches``) and with equal counts (P), seconds and bubble. Writes bench/results/pipeline-<model>-<P>ranks-<device>-<date>.json.
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=16, help="prompts of the prompt-processing rows")
     ap.add_argument("--prompt-tokens", type=int, default=1024, help="tokens of each of those prompts")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--hybrid", default="4",
+                    help="comma list: prompt micro-batch counts to time, as multiples of the stage count P")
     ap.add_argument("--peers", default="tp,ep", help="comma list of the other layouts to run (tp, ep)")
     ap.add_argument("--smoke", action="store_true", help="tiny-moe on CPU ranks, few tokens")
     ap.add_argument("--no-json", action="store_true", help="do not write bench/results/*.json")
@@ -95,7 +97,8 @@ def main():
                 + (f", bubble {bubble:.1%}" if bubble is not None else ""))
         if name == "pp":  # prompt processing: hybrid against equal micro-batch counts
             ps = prompts(args.prompts, args.prompt_tokens, 7, vocab)
-            for label, count in (("hybrid", 4 * world), ("equal", world)):
+            counts = [("hybrid", int(m) * world) for m in args.hybrid.split(",")] + [("equal", world)]
+            for label, count in counts:
                 engine.config.parallel.prompt_micro_batches = count
                 timed(engine, ps, 1)  # warm-up at these sizes
                 s = statistics.median(timed(engine, ps, 1) for _ in range(args.reps))
@@ -118,8 +121,8 @@ def main():
         print(bc.format_table(["schedule", "micro-batches", "ms", "tokens/s", "bubble"], [
             [r["schedule"], r["micro_batches"], f"{r['seconds'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}",
              f"{r['bubble']:.1%}"] for r in prompt_rows]))
-        if len(prompt_rows) == 2:
-            print(f"hybrid / equal: {prompt_rows[0]['seconds'] / prompt_rows[1]['seconds']:.2f}")
+        for r in prompt_rows[:-1]:  # (the last row: equal counts)
+            print(f"hybrid ({r['micro_batches']}) / equal: {r['seconds'] / prompt_rows[-1]['seconds']:.2f}")
         if not args.no_json:
             bc.write_results(f"pipeline-{Path(args.model).stem}-{world}ranks", info.device,
                              {"run": run, "model": args.model, "args": vars(args), "decode": decode,
