@@ -74,7 +74,7 @@ MULTI_RANK = {  # run under scripts/launch.sh with 2 ranks (gloo)
     "bench_ep": (["--device", "cpu", "--smoke", "--no-json"], "PCC / naive"),
     # (the scaling smoke below runs its baseline and tp2, ep2, pp2)
     "bench_layouts": (["--smoke", "--no-json", "--layouts", "ep2-dp-attention,slicing2"], "collectives/token"),
-    "bench_pipeline": (["--smoke", "--no-json", "--peers", "tp"], "hybrid / equal"),
+    "bench_pipeline": (["--smoke", "--no-json", "--peers", "tp"], "hybrid (8) / equal"),  # 4 P micro-batches against P
     "bench_serve": (["--smoke", "--pp", "2"], "TTFT p50"),  # rank 0 serves, rank 1 follows its slots
 }
 
