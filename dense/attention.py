@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend
 
 import kernels
-from comm import Group, all_gather, all_reduce
+from comm import Group, all_reduce
 from dense.norm import RMSNorm, ShardedRMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
 from dense.rotary import Rotary, apply_rotary, pairs_to_halves

@@ -434,7 +434,8 @@ class Scheduler:
             if r.counts is not None:  # penalty state, on the device
                 r.counts.index_add_(0, tokens[i:i + 1], self._one(r.counts))
                 r.seen.index_fill_(0, tokens[i:i + 1], True)
-        return Sampled.start(reqs, lp_rows, scored, [tokens] + self._logprob_parts(reqs, lp_rows, scored, logits, tokens))
+        parts = self._logprob_parts(reqs, lp_rows, scored, logits, tokens)
+        return Sampled.start(reqs, lp_rows, scored, [tokens] + parts)
 
     @staticmethod
     def _one(like: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ draining the pipeline every token (1 micro-batch), and the tp P and ep P layouts
 pipeline's bubble, 1 - (summed stage busy time) / (stages x wall time), of each schedule's
 last timed run. Prompt processing: ``--prompts`` prompts of ``--prompt-len`` tokens, one new
 token, with the hybrid micro-batch counts (``--hybrid``: multiples of P, by default 4 P, the
-default of ``parallel.prompt_micro_batches``) and with equal counts (P), seconds and bubble. Writes bench/results/pipeline-<model>-<P>ranks-<device>-<date>.json.
+default of ``parallel.prompt_micro_batches``) and with equal counts (P), seconds and bubble.
+Writes bench/results/pipeline-<model>-<P>ranks-<device>-<date>.json.
 """
 from __future__ import annotations
 

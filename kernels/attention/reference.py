@@ -50,7 +50,6 @@ def paged_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return decode_attention_ref(q, kk.transpose(1, 2), vv.transpose(1, 2), visible, scale, sinks)
 
 
-
 def partial_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over some of the keys, for a caller that merges it with attention
