@@ -541,8 +541,13 @@ class Scheduler:
 
     def _finish(self, r: Request, reason: str):
         r.finish = reason
-        with self.lock:  # its blocks go back before its client hears that it is done
-            self._release(r)
+        # Its blocks and lane go back before its client hears that it is done, unless a unit
+        # holding it is in the pipeline (it learnt of its last token a slot late): that unit
+        # still writes its blocks and samples into its lane, and ``_schedule`` frees them
+        # once it has left.
+        if not r.inflight:
+            with self.lock:
+                self._release(r)
         r.on_event("done", {"finish_reason": reason, "prompt_tokens": len(r.prompt),
                             "completion_tokens": len(r.generated)})
 

@@ -489,6 +489,42 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
         assert [t for t in out[i] if t is not None] == want, i
 
 
+def test_served_pipeline_ends_a_request_at_eos_while_its_next_token_is_in_flight(info, world, checkpoint, request):
+    """Under pp the server learns of a unit's tokens a slot after the unit left, so a
+    request whose token is EOS has already re-entered the pipeline: it finishes with the
+    tokens before EOS, and keeps its blocks and lane until that unit has left."""
+    if request.node.callspec.params["checkpoint"] != "qwen2_moe":
+        pytest.skip("the schedule is the same for every family")
+    from moe_infer.ranks import lead_or_follow
+    from moe_infer.sampling import SamplingParams
+    from moe_infer.scheduler import Request, Scheduler
+
+    path, reference = checkpoint
+    # A prompt whose continuation has a new token after its first: that token is EOS here.
+    prompt, want = next((p, w) for p in PROMPTS for w in [reference.generate([p], max_new_tokens=8)[0].token_ids]
+                        if any(t not in w[:i] for i, t in enumerate(w) if i >= 1))
+    eos = next(t for i, t in enumerate(want) if i >= 1 and t not in want[:i])
+    engine = moe_infer.load(path, device=info.device, dtype=torch.float32, progress=False,
+                            parallel=ParallelConfig(pp=2, tp=world // 2))
+    engine.eos = {eos}
+    scheduler = Scheduler(engine, num_blocks=64, block_size=4, max_batch=3)
+    release = lead_or_follow(scheduler)
+    if release is None:  # a follower: it ran every slot rank 0 sent
+        return
+    out = []
+    ending = Request(prompt, SamplingParams(), 8, lambda k, d: out.append(d["token_id"]) if k == "token" else None)
+    others = [Request(p, SamplingParams(), 4, lambda k, d: None, ignore_eos=True) for p in PROMPTS[:2]]
+    for r in [ending] + others:
+        scheduler.submit(r)
+    try:
+        while scheduler.waiting or scheduler.running:
+            scheduler.step()
+    finally:
+        release()
+    assert ending.finish == "stop" and out == want[:want.index(eos)]
+    assert scheduler.blocks_in_use == 0 and scheduler.free_lanes == list(range(3))
+
+
 def test_glm4_moe_split_over_ranks_matches_one_process(info, world, tmp_path_factory):
     """GLM-4.5 (partial rotary, q/k norms and biases, sigmoid scores with a learned bias,
     grouped top-k, a scale, shared experts, a dense first layer) under tensor and expert

@@ -159,6 +159,9 @@ def test_scheduler_through_the_fixed_shape_step_matches_generate():
         scheduler.submit(r)
     while scheduler.waiting or scheduler.running:
         scheduler.step()
+        lanes = [r.src for r in scheduler.running if r.finish is None]  # each one's row of runner.prev
+        assert len(set(lanes)) == len(lanes) and all(0 <= lane < 4 for lane in lanes)
+    assert scheduler.free_lanes == [0, 1, 2, 3]  # six requests through four lanes, each given back
     assert len(scheduler.runner._steps) >= 1  # decode steps went through the fixed-shape path
     for r, p in zip(reqs, prompts):
         assert r.generated == engine.generate([p], max_new_tokens=12)[0].token_ids[:len(r.generated)]
