@@ -16,7 +16,9 @@ for ranks in 2 4; do
     # The limit grows with the ranks (they share the cores): it catches hangs, not slow runs.
     for attempt in 1 2; do
         rc=0
-        OMP_NUM_THREADS=1 timeout $((90 * ranks)) mpiexec -n "$ranks" $py -m pytest -q --color=no -p no:cacheprovider -m mpi \
+        # (a test past 120 s prints every thread's stack: where a hang waits)
+        OMP_NUM_THREADS=1 timeout $((90 * ranks)) mpiexec -n "$ranks" $py -m pytest -q --color=no -p no:cacheprovider \
+            -o faulthandler_timeout=120 -m mpi \
             tests/test_comm_mpi.py tests/test_model_mpi.py || rc=$?
         [ "$rc" -eq 124 ] && [ "$attempt" -eq 1 ] && { echo "== mpi tests, $ranks ranks: timed out, once more"; continue; }
         [ "$rc" -eq 0 ] || exit "$rc"
