@@ -124,7 +124,7 @@ def peer_ms(model_name: str, budget_gb: float, prompts, n: int) -> float | None:
 def kv_rows(args, device, prompts_of) -> list[dict]:
     """Decode with the KV cache in host memory at each of ``--kv-batches``, beside the cache on
     the device (None where it does not fit) and the floor of the cache's trips."""
-    out = []
+    out, h2d = [], None  # pinned host-to-device bytes/s, measured once
     for b in [int(x) for x in args.kv_batches.split(",")]:
         row = {"batch": b}
         for kv_offload in ("all", None):
@@ -140,8 +140,9 @@ def kv_rows(args, device, prompts_of) -> list[dict]:
                 pools = cache.host_k.numel() * cache.host_k.element_size() + \
                     cache.host_v.numel() * cache.host_v.element_size()
                 per_token = pools / cache.host_k.shape[1]  # every layer's keys and values of one slot
-                h2d = off.MachineProfile.measure(engine.device, engine.dtype, m.hidden_size,
-                                                 m.hidden_size).h2d_bytes_s
+                if h2d is None:
+                    h2d = off.MachineProfile.measure(engine.device, engine.dtype, m.hidden_size,
+                                                     m.hidden_size).h2d_bytes_s
                 row.update(ms_per_token=ms, cache_gb=pools / 1e9, floor_ms=1e3 * (pools + b * per_token) / h2d)
             else:
                 row["device_ms_per_token"] = ms
