@@ -1,5 +1,5 @@
 """Serving under mpirun: rank 0 runs the scheduler and broadcasts each step's rows as one
-int64 device tensor; every other rank runs the same forward (tensor- and expert-parallel
+int64 host tensor; every other rank runs the same forward (tensor- and expert-parallel
 layers need every rank in each collective, and so does the vocabulary-parallel LM head:
 a forward that keeps every position's logits is marked as such)."""
 from __future__ import annotations
@@ -65,34 +65,38 @@ def fed_tokens(rows: list[Row] | None) -> int:
 
 
 def row_channel(prev: torch.Tensor):
-    """(send, receive) of each step's rows from rank 0 over torch.distributed, as one
-    device tensor (on the GPU under NCCL) after its size. Where rows feed tokens that rank
-    0 sampled on its device (``Row.src``), rank 0's ``prev`` (the runner's) follows them
-    into every rank's, device to device: no host waits for them."""
+    """(send, receive) of each step's rows from rank 0 over torch.distributed. The rows
+    travel host to host, through a gloo group beside NCCL's on GPUs: rank 0 sends a step
+    without waiting for its device to finish the one before, and a follower learns its
+    next step while its device still runs the last, so every rank's host keeps a step
+    ahead of its device, as one process does. Where rows feed tokens that rank 0 sampled
+    on its device (``Row.src``), rank 0's ``prev`` (the runner's) follows them into every
+    rank's device to device, in stream order after the step that sampled them: no host
+    waits for them."""
     import torch.distributed as dist
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None  # collective: every rank
     # The last step's tensors stay referenced here: otherwise a gloo worker thread may drop
     # the last reference to one, and free it, while the interpreter is already finalizing
     # at exit, which aborts the process.
     held: list[torch.Tensor] = []
 
     def send(rows, mode: int = FORWARD):
-        data = pack_rows(rows, mode).to(dev)
-        size = torch.tensor([data.numel()], device=dev)
-        dist.broadcast(size, src=0)
-        dist.broadcast(data, src=0)
+        data = pack_rows(rows, mode)
+        size = torch.tensor([data.numel()])
+        dist.broadcast(size, src=0, group=group)
+        dist.broadcast(data, src=0, group=group)
         held[:] = [size, data]
         if n := fed_tokens(rows):
             dist.broadcast(prev[:n], src=0)
 
     def receive():
-        size = torch.empty(1, dtype=torch.int64, device=dev)
-        dist.broadcast(size, src=0)
-        data = torch.empty(int(size), dtype=torch.int64, device=dev)
-        dist.broadcast(data, src=0)
+        size = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=group)
+        data = torch.empty(int(size), dtype=torch.int64)
+        dist.broadcast(data, src=0, group=group)
         held[:] = [size, data]
-        step = unpack_rows(data.cpu())
+        step = unpack_rows(data)
         if step is not None and (n := fed_tokens(step[0])):
             dist.broadcast(prev[:n], src=0)
         return step

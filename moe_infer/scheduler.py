@@ -324,7 +324,8 @@ class Scheduler:
             r.inflight = False
         keep = [i for i, (_, token) in enumerate(finished) if token]
         if keep:
-            reqs, logits = [finished[i][0] for i in keep], logits[keep]
+            # (indices on the device: a host list would make the indexing wait for the stream)
+            reqs, logits = [finished[i][0] for i in keep], logits[to_device(keep, logits.device)]
             drawn = sample_rows(logits, [done_rows[i].sample for i in keep], pdl=self.engine.model.options.pdl)
             self.inflight.append(self._sample_step(reqs, logits, drawn))
 
@@ -360,7 +361,8 @@ class Scheduler:
         first = launched = None
         if done:  # indexing copies: a one-token prompt may have run as a captured decode step,
             # whose outputs the decode below rewrites if it replays the same one
-            first = self._sample_step([chunks[i][0] for i in done], logits[done], ids[done])
+            at = to_device(done, logits.device)  # (a host list would make the indexing wait for the stream)
+            first = self._sample_step([chunks[i][0] for i in done], logits[at], ids[at])
         if decoding:
             # Each row feeds the token the last step left in ``runner.prev`` (on several ranks
             # the rows' broadcast carries it to every rank's): the host need not have it.
@@ -587,7 +589,7 @@ class Scheduler:
                                         torch.stack([reqs[i].seen for i in pen]), p[:, 0:1], p[:, 1:2], p[:, 2:3])
             logits.index_copy_(0, rows, penalized)
         again = sorted(set(bias + no_eos + pen))
-        redrawn = sample_rows(logits[again], [self._knobs(reqs[i]) for i in again], pdl=self.engine.model.options.pdl)
+        redrawn = sample_rows(logits[to_device(again, dev)], [self._knobs(reqs[i]) for i in again], pdl=self.engine.model.options.pdl)
         return drawn.index_copy(0, to_device(again, dev), redrawn)
 
     def _report(self):
