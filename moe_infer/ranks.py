@@ -80,13 +80,20 @@ def row_channel(prev: torch.Tensor):
     # the last reference to one, and free it, while the interpreter is already finalizing
     # at exit, which aborts the process.
     held: list[torch.Tensor] = []
+    # Rank 0 posts its sends and goes on (a blocking one would hand the interpreter to the
+    # HTTP thread while it waits); the next send waits for them first, the last at once.
+    posted: list = []
 
     def send(rows, mode: int = FORWARD):
         data = pack_rows(rows, mode)
         size = torch.tensor([data.numel()])
-        dist.broadcast(size, src=0, group=group)
-        dist.broadcast(data, src=0, group=group)
+        for work in posted:
+            work.wait()
+        posted[:] = [dist.broadcast(t, src=0, group=group, async_op=True) for t in (size, data)]
         held[:] = [size, data]
+        if rows is None:
+            for work in posted:
+                work.wait()
         if n := fed_tokens(rows):
             dist.broadcast(prev[:n], src=0)
 
