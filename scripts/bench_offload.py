@@ -77,14 +77,32 @@ def floor_ms(engine, batch: int, tokens: int, seen: dict, copy_bytes_s: float) -
 
 
 def decode_counters(engine, prompts, n: int) -> dict:
-    """The layers' counters over n - 1 decode steps: generate() with n + 1 new tokens less
-    generate() with 2 (the same prefill and first step)."""
+    """The layers' counters over the n - 1 decode steps of generate() with n new tokens: a
+    call of more tokens than the batch (the prefill) leaves them as they were. (Differencing
+    two generate() runs instead mixes placements: the experts are re-placed between them.)"""
+    layers = [m for m in engine.model.modules() if isinstance(m, off.OffloadedExperts)]
+    rows = 1 << (len(prompts) - 1).bit_length()  # a decode step's tokens, padded to its bucket at most
+
+    def counting(m):
+        call = m.fused
+
+        def fused(x, *args, **kwargs):
+            before = dict(m.stats)
+            out = call(x, *args, **kwargs)
+            if x.shape[0] > rows:
+                m.stats.update(before)
+            return out
+        return fused
+
     counters(engine)
-    engine.generate(prompts, max_new_tokens=n + 1)
-    long = counters(engine)
-    engine.generate(prompts, max_new_tokens=2)
-    short = counters(engine)
-    return {k: long[k] - short[k] for k in long}
+    for m in layers:
+        m.fused = counting(m)
+    try:
+        engine.generate(prompts, max_new_tokens=n)
+    finally:
+        for m in layers:
+            del m.fused  # the class's method again
+    return counters(engine)
 
 
 def prefill_tokens_s(engine, prompts) -> float:
