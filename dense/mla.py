@@ -8,8 +8,9 @@ Keys and values come from one latent c [C] a token (after its norm) and one rota
 k_r [R] shared by every head; the cache holds [c, k_r] alone, one "KV head" of C + R.
 The up-projections are absorbed, as the DeepSeek-V2 paper describes, so the cache is read
 once and never expanded: head n's score is (q_p W_UK[n]) . c + q_r . k_r, its output
-(softmax . c) W_UV[n], where kv_b_proj = [W_UK; W_UV] per head. No fused kernel takes this
-layout: every step runs these torch ops (SDPA over the latent: one key head, C + R wide).
+(softmax . c) W_UV[n], where kv_b_proj = [W_UK; W_UV] per head. A decode step reads the
+cache in place, each cached row once for every head (``kernels.paged_latent_decode``); a
+prefill runs SDPA over the latent (one key head, C + R wide).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from comm import Group
 from dense.attention import PagedKVCache, StepContext
 from dense.norm import RMSNorm
@@ -99,14 +101,19 @@ class LatentAttention(nn.Module):
         key = torch.cat([latent[:, None], k_r], dim=-1)  # [B, 1, T, C + R]
         if cache is not None:
             cache.write(layer, key, key[..., :0])
-            if not ctx.causal:  # earlier keys too: the row's slots, in token order
-                key = cache.gather(layer)[0]  # [B, 1, S, C + R]
-        if cache is not None and not ctx.causal and cache.by_tokens:  # the latent split over the ranks by tokens:
+        if cache is not None and t == 1 and not ctx.causal and not cache.by_tokens:
+            # A decode step reads the pool in place, each cached row once for every head.
+            out = kernels.paged_latent_decode(query[:, :, 0], cache.pools(layer)[0], cache.read_slots,
+                                              ctx.attn_mask[:, 0, 0], c, self.scale)[:, :, None]  # [B, N, 1, C]
+        elif cache is not None and not ctx.causal and cache.by_tokens:  # the latent split over the ranks by tokens:
             from dense.kv_shard import gather_heads, split_attention  # (every rank computed the same new latent)
 
+            key = cache.gather(layer)[0]  # [B, 1, S, C + R], the row's slots in token order
             out = split_attention(gather_heads(self.tp, query)[0], key, key[..., :c], ctx.attn_mask, cache.own_keys,
                                   self.scale, self.tp)
         else:
+            if cache is not None and not ctx.causal:  # earlier keys too: the row's slots, in token order
+                key = cache.gather(layer)[0]  # [B, 1, S, C + R]
             mask = None if ctx.causal else ctx.attn_mask
             out = F.scaled_dot_product_attention(query, key.expand(-1, n, -1, -1), key[..., :c].expand(-1, n, -1, -1),
                                                  attn_mask=mask, is_causal=ctx.causal, scale=self.scale)  # [B, N, T, C]

@@ -7,7 +7,7 @@ slots per row, N pool rows of a paged cache, W = (Hq + 2 Hkv) * D the QKV width.
 
 Backends: a CPU tensor runs the plain-torch reference (``reference.py``); a CUDA tensor
 runs the Triton kernels, imported at that first call: ``decode.py`` (decode attention,
-split over the keys), ``qkv_decode_triton.py`` (the epilogue) and
+split over the keys; its latent-attention form), ``qkv_decode_triton.py`` (the epilogue) and
 ``qkv_attention_triton.py`` (epilogue and attention in one launch, where
 ``qkv_attention_fits``). A paged decode step's shared inputs in one launch are
 ``paged_context.py``'s (``moe_infer.model.Transformer.paged_decode_context``). No module
@@ -16,8 +16,8 @@ of that name from the function to the module.
 """
 from __future__ import annotations
 
-from kernels.attention.reference import (paged_decode_attention_ref, paged_decode_partial_ref, qkv_attention_ref,
-                                         qkv_decode_ref, qkv_decode_supported)
+from kernels.attention.reference import (paged_decode_attention_ref, paged_decode_partial_ref, paged_latent_decode_ref,
+                                         qkv_attention_ref, qkv_decode_ref, qkv_decode_supported)
 
 
 def paged_decode_attention(q, k, v, slots, visible, scale=None, sinks=None):
@@ -41,6 +41,17 @@ def paged_decode_partial(q, k, v, slots, visible, scale=None):
         from kernels.attention.decode import paged_decode_partial_triton
         return paged_decode_partial_triton(q, k, v, slots, visible, scale)
     return paged_decode_partial_ref(q, k, v, slots, visible, scale)
+
+
+def paged_latent_decode(q, kv, slots, visible, latent, scale=None):
+    """Multi-head latent attention's decode step over a paged cache (DeepSeek-V2 / V3, the
+    up-projections absorbed): q [B, Hq, C + R], kv pool [N, 1, C + R] (the latent, which is
+    also the value, then the rotary key; ``latent`` = C), slots [B, S], visible [B, S] ->
+    [B, Hq, C]. A GPU reads each cached row once for all heads, in place."""
+    if q.is_cuda:
+        from kernels.attention.decode import paged_latent_decode_triton
+        return paged_latent_decode_triton(q, kv, slots, visible, latent, scale)
+    return paged_latent_decode_ref(q, kv, slots, visible, latent, scale)
 
 
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,

@@ -10,7 +10,9 @@ weighted value sum in float32 (flash-decoding); the combine kernel merges the P 
 Masked-off key blocks (past the current slot, padding) are skipped, not just zeroed.
 
 ``_paged_split_kernel`` reads each row's keys in place in the pool [N, Hkv, D], through
-the row's slots, with both products on the tensor cores.
+the row's slots, with both products on the tensor cores. ``_latent_split_kernel`` is its
+form for multi-head latent attention (DeepSeek-V2 / V3): one cached row of C + R a token
+(the latent, which is also the value, then the rotary key) read once for every head.
 """
 from __future__ import annotations
 
@@ -189,5 +191,100 @@ def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, dtype: torch.d
     out = torch.empty(b, hq, d, dtype=dtype, device=acc.device)
     _combine_kernel[(b, hq)](m, l, acc, sinks if sinks is not None else m, out, d, out.stride(0), out.stride(1), hq,
                              P=splits, P_PAD=max(2, triton.next_power_of_2(splits)), D_PAD=triton.next_power_of_2(d),
-                             HAS_SINK=sinks is not None, num_warps=1)
+                             HAS_SINK=sinks is not None, num_warps=1 if d <= 128 else 4)
     return out
+
+
+@triton.jit
+def _latent_split_kernel(
+    q_ptr,  # [B, Hq, C + R]: each head's absorbed query (latent part, then rotary part)
+    kv_ptr,  # pool [N, C + R]: each token's latent (its value too), then its rotary key
+    slot_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,  # as in _paged_split_kernel, acc [B, Hq, P, C]
+    S, scale, stride_qb, stride_qh, stride_kn, stride_mb, stride_slb,
+    HQ: tl.constexpr, HB: tl.constexpr, C: tl.constexpr, C_PAD: tl.constexpr, R: tl.constexpr,
+    R_PAD: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_LEN: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr,
+    ADDITIVE: tl.constexpr,
+):
+    """Program (b, head block, split p): its share of row b's keys for HB >= 16 query heads
+    (padding heads masked). Each key block is read once as [BLOCK_S, C] latents and
+    [BLOCK_S, R] rotary keys; scores are the two parts' dots, and the latents weigh into
+    the [HB, C] accumulator (the values are the latents)."""
+    b, hb, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    heads = hb * HB + tl.arange(0, HB)
+    h_ok = heads < HQ
+    c = tl.arange(0, C_PAD)
+    r = tl.arange(0, R_PAD)
+    c_ok, r_ok = c < C, r < R
+    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_c = tl.load(q_row + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32) * scale
+    q_r = tl.load(q_row + C + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32) * scale
+    m = tl.full([HB], -1e30, tl.float32)  # finite: a block with no visible key leaves it as it was
+    l = tl.zeros([HB], tl.float32)
+    acc = tl.zeros([HB, C_PAD], tl.float32)
+    lo = p * SPLIT_LEN
+    for s0 in range(lo, lo + SPLIT_LEN, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        visible = mask_visible(mask_ptr + b * stride_mb, s, s < S, ADDITIVE)
+        if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no reads
+            rows = tl.load(slot_ptr + b * stride_slb + s, mask=visible, other=0)
+            base = kv_ptr + rows[:, None] * stride_kn
+            kc = tl.load(base + c[None, :], mask=visible[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+            kr = tl.load(base + C + r[None, :], mask=visible[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+            if IEEE:
+                scores = (tl.dot(q_c, tl.trans(kc), input_precision="ieee")
+                          + tl.dot(q_r, tl.trans(kr), input_precision="ieee"))  # [HB, BLOCK_S]
+            else:
+                scores = tl.dot(q_c, tl.trans(kc)) + tl.dot(q_r, tl.trans(kr))
+            scores = tl.where(visible[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(scores - m_new[:, None])
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(w, kc, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(w, kc)
+            l = l * alpha + tl.sum(w, axis=1)
+            m = m_new
+    row = (b * HQ + heads) * P + p
+    tl.store(m_ptr + row, tl.where(l > 0, m, float("-inf")), mask=h_ok)
+    tl.store(l_ptr + row, l, mask=h_ok)
+    tl.store(acc_ptr + row[:, None] * C + c[None, :], acc, mask=h_ok[:, None] & c_ok[None, :])
+
+
+def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
+                               latent: int, scale: float | None = None, splits: int | None = None,
+                               block_s: int = 16) -> torch.Tensor:
+    """Decode attention of multi-head latent attention over a paged cache read in place:
+    q [B, Hq, C + R] (absorbed queries), kv pool [N, C + R] or [N, 1, C + R] (each token's
+    latent, which is also its value, then its rotary key; ``latent`` = C), slots [B, S]
+    int64, visible [B, S] bool or additive 0 / -inf -> out [B, Hq, C], the softmax-weighted
+    latents."""
+    if kv.dim() == 3:
+        if kv.shape[1] != 1:
+            raise ValueError(f"kv {list(kv.shape)}: expected one latent row a slot, [N, 1, C + R]")
+        kv = kv[:, 0]
+    b, hq, width = q.shape
+    s = slots.shape[1]
+    if (kv.dim() != 2 or kv.shape[1] != width or not 0 < latent < width or visible.shape != (b, s)
+            or slots.shape[0] != b or kv.stride(1) != 1 or q.stride(2) != 1):
+        raise ValueError(f"q {list(q.shape)}, kv {list(kv.shape)}, latent {latent}, slots {list(slots.shape)}, "
+                         f"visible {list(visible.shape)}: expected [B, Hq, C + R], [N, C + R] (rows contiguous), "
+                         "0 < C < C + R, and [B, S] twice")
+    if slots.dtype != torch.int64 or slots.stride(1) != 1:
+        raise ValueError(f"slots: expected contiguous int64 rows, got {slots.dtype} with strides {slots.stride()}")
+    rope = width - latent
+    if splits is None:  # one cached row serves every head: many splits keep the device's SMs busy
+        splits = min(64, 1 << (max(1, s // 64).bit_length() - 1))
+    split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
+    mask, additive = mask_bytes(visible)
+    m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(b, hq, splits, latent, dtype=torch.float32, device=q.device)
+    hb = 16
+    _latent_split_kernel[(b, triton.cdiv(hq, hb), splits)](
+        q, kv, slots, mask, m, l, acc, s, scale if scale is not None else 1.0 / math.sqrt(width),
+        q.stride(0), q.stride(1), kv.stride(0), mask.stride(0), slots.stride(0),
+        HQ=hq, HB=hb, C=latent, C_PAD=max(16, triton.next_power_of_2(latent)), R=rope,
+        R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_S=block_s, SPLIT_LEN=split_len, P=splits,
+        IEEE=kv.dtype == torch.float32, ADDITIVE=additive, num_warps=8)
+    return _combine(m, l, acc, q.dtype)

@@ -50,6 +50,16 @@ def paged_decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return decode_attention_ref(q, kk.transpose(1, 2), vv.transpose(1, 2), visible, scale, sinks)
 
 
+def paged_latent_decode_ref(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
+                            latent: int, scale: float | None = None) -> torch.Tensor:
+    """Multi-head latent attention's decode over a paged cache: q [B, Hq, C + R], kv pool
+    [N, C + R] or [N, 1, C + R] (each token's latent, also its value, then its rotary key;
+    ``latent`` = C) -> [B, Hq, C]: ``paged_decode_attention_ref`` with one KV head whose
+    values are the keys' first C columns."""
+    pool = kv if kv.dim() == 3 else kv[:, None]
+    return paged_decode_attention_ref(q, pool, pool[..., :latent], slots, visible, scale)
+
+
 def partial_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over some of the keys, for a caller that merges it with attention

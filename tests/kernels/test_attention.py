@@ -3,7 +3,9 @@ CPU under the interpreter and on a GPU, and the kernels' Triton compiles for sm_
 (tests.hopper):
 - split-K decode attention over a paged pool read in place, also against torch's SDPA: GQA
   ratios 1, 4 and 6 (MQA), odd head dims, ragged visible keys (left padding, a current
-  slot), one or several splits;
+  slot), one or several splits; its latent-attention form (one cached row of latent and
+  rotary key for every head, the latent also the value) against the same keys expanded
+  per head, with head counts past one block of 16 and widths that are not powers of two;
 - the QKV epilogue (q/k norms, clip, rotary, the append into a paged pool at each token's
   pool row) of a decode step and of a prefill;
 - the fused decode attention over a paged pool (QKV epilogue + attention + split combine in
@@ -17,11 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.decode import paged_decode_attention_triton, paged_decode_partial_triton
+from kernels.attention.decode import paged_decode_attention_triton, paged_decode_partial_triton, paged_latent_decode_triton
 from kernels.attention.qkv_attention_triton import default_splits, fits, qkv_attention_triton
 from kernels.attention.qkv_decode_triton import qkv_decode_triton
 from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, paged_decode_partial_ref,
-                                         qkv_attention_ref, qkv_decode_ref)
+                                         paged_latent_decode_ref, qkv_attention_ref, qkv_decode_ref)
 from tests.hopper import compile_in_subprocess
 from tests.kernels.common import BACKENDS, CPU, GPU, rel
 
@@ -186,6 +188,68 @@ def test_paged_decode_partials_over_shares_of_the_keys_merge_to_the_whole(device
     merged = combine(torch.stack(outs)[:, :, :, None], torch.stack(lses)[:, :, :, None], sinks)[:, :, 0]
     whole = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible, sinks=sinks)
     assert rel(merged, whole) < DECODE_TOL[dtype]
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,hq,latent,rope,s,splits", [(1, 4, 32, 16, 5, 1), (3, 20, 24, 8, 45, 4),
+                                                         (2, 16, 64, 16, 130, None)])
+def test_paged_latent_decode_matches_per_head_attention(device, dtype, b, hq, latent, rope, s, splits):
+    """Latent attention's decode: every head attends over one shared cached row (latent,
+    then rotary key) and takes the latent as its value -- the same as ordinary attention
+    with that row copied to each head as key and its latent part as value (float64 SDPA)."""
+    gen = torch.Generator().manual_seed(hq + s)
+    q = torch.randn(b, hq, latent + rope, generator=gen).to(device, dtype)
+    rows = torch.randn(b, 1, s, latent + rope, generator=gen).to(device, dtype)
+    _, _, _, visible = case(device, dtype, b, 1, 1, s, 16, seed=s)
+    pool, _, slots = in_pool(rows, rows, 8, gen)  # [N, 1, C + R]
+    scale = 0.3
+    out = paged_latent_decode_triton(q, pool, slots, visible, latent, scale, splits=splits)
+    assert out.shape == (b, hq, latent) and out.dtype == dtype
+    k = rows.double().expand(b, hq, s, latent + rope)
+    want = F.scaled_dot_product_attention(q.double()[:, :, None], k, k[..., :latent], attn_mask=visible[:, None, None],
+                                          scale=scale)[:, :, 0]
+    assert rel(out, want) < DECODE_TOL[dtype]
+    ref = paged_latent_decode_ref(q.double(), pool.double(), slots, visible, latent, scale)
+    assert rel(ref, want) < 1e-12
+
+
+def test_paged_latent_decode_rejects_bad_shapes():
+    q, pool = torch.zeros(1, 4, 48), torch.zeros(16, 1, 48)
+    slots, visible = torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match="0 < C < C \\+ R"):
+        paged_latent_decode_triton(q, pool, slots, visible, latent=48)
+    with pytest.raises(ValueError, match="one latent row a slot"):
+        paged_latent_decode_triton(q, torch.zeros(16, 2, 48), slots, visible, latent=32)
+    with pytest.raises(ValueError, match="int64"):
+        paged_latent_decode_triton(q, pool, slots.int(), visible, latent=32)
+
+
+_COMPILE_LATENT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.attention.decode import _latent_split_kernel as kernel
+
+additive = bool(int(sys.argv[1]))
+const = dict(HQ=16, HB=16, C=512, C_PAD=512, R=64, R_PAD=64, BLOCK_S=16, SPLIT_LEN=128, P=16, IEEE=False,
+             ADDITIVE=additive)
+assert {p.name for p in kernel.params if p.is_constexpr} == set(const)
+types = {"slot_ptr": "*i64", "mask_ptr": "*fp32" if additive else "*i8", "m_ptr": "*fp32", "l_ptr": "*fp32",
+         "acc_ptr": "*fp32", "S": "i32", "scale": "fp32"}
+sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
+       for n in kernel.arg_names}
+compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+print("cubin bytes", len(compiled.asm["cubin"]))
+"""
+
+
+@pytest.mark.parametrize("additive", [0, 1])
+def test_paged_latent_decode_compiles_for_hopper(additive):
+    """The latent-attention decode kernel's whole Triton compile for sm_90 (tests.hopper) at
+    DeepSeek's widths (latent 512, rotary 64), with an additive mask or a bool one."""
+    assert int(compile_in_subprocess(_COMPILE_LATENT, additive).split()[-1]) > 0
 
 
 def _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, rope, seed):
