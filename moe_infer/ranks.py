@@ -64,7 +64,7 @@ def fed_tokens(rows: list[Row] | None) -> int:
     return max((r.src + 1 for r in rows or []), default=0)
 
 
-def row_channel(prev: torch.Tensor):
+def row_channel(prev: torch.Tensor, timeout_s: float):
     """(send, receive) of each step's rows from rank 0 over torch.distributed. The rows
     travel host to host, through a gloo group beside NCCL's on GPUs: rank 0 sends a step
     without waiting for its device to finish the one before, and a follower learns its
@@ -72,10 +72,15 @@ def row_channel(prev: torch.Tensor):
     ahead of its device, as one process does. Where rows feed tokens that rank 0 sampled
     on its device (``Row.src``), rank 0's ``prev`` (the runner's) follows them into every
     rank's device to device, in stream order after the step that sampled them: no host
-    waits for them."""
+    waits for them. A wait for rows fails past ``timeout_s`` (``parallel.timeout_s``), as
+    the job's other collectives do."""
+    import datetime
+
     import torch.distributed as dist
 
-    group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None  # collective: every rank
+    group = None
+    if dist.get_backend() == "nccl":  # (collective: every rank makes it)
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     # The last step's tensors stay referenced here: otherwise a gloo worker thread may drop
     # the last reference to one, and free it, while the interpreter is already finalizing
     # at exit, which aborts the process.
@@ -135,7 +140,7 @@ def lead_or_follow(scheduler: "Scheduler") -> Callable[[], None] | None:
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return lambda: None
-    send, receive = row_channel(scheduler.runner.prev)
+    send, receive = row_channel(scheduler.runner.prev, scheduler.engine.config.parallel.timeout_s)
     scheduler.runner.capture_all()  # on every rank here, so that no rank's warm-up is left unmatched
     if dist.get_rank() != 0:
         follow(scheduler.runner, receive, scheduler.slots)

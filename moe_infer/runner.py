@@ -164,9 +164,14 @@ class PagedPrefillStep:
     runs eagerly (the same math, for CPU tests). The greedy token is taken inside it; a
     row that samples draws from its logits after (a prefill is one step of many)."""
 
-    def __init__(self, runner: "PagedRunner", batch: int, width: int, graph: bool, pool=None):
+    def __init__(self, runner: "PagedRunner", batch: int, width: int, graph: bool, pool=None, stage: bool = False):
         self.runner, self.batch, self.width = runner, batch, width
         dev = runner.engine.device
+        # ``stage``: this pipeline stage's blocks alone, as ``PagedDecodeStep``'s: from
+        # ``hidden`` [B, T, H] after the first stage, the hidden states out before the last.
+        pp = runner.model.pp
+        self.stage, self.last = stage, not stage or pp.rank == pp.size - 1
+        self.hidden = runner.model.stage_input((batch, width)).zero_() if stage and pp.rank > 0 else None
         self.blocks = -(-width // runner.block_size)
         self.inputs = torch.zeros(batch, 1 + self.blocks, dtype=torch.long, device=dev)
         self.tokens = torch.zeros(batch, width, dtype=torch.long, device=dev)
@@ -183,12 +188,22 @@ class PagedPrefillStep:
         slots = torch.where(valid, tables[:, p // bs] * bs + p % bs, cache.trash)
         cache.use_slots(slots, slots)  # the keys each row reads are the ones it writes
         ctx = model.paged_context(p.expand(self.batch, -1), valid, n, self.width, causal=True)
-        logits = model(self.tokens, ctx, cache, last=(n - 1).clamp(min=0))[:, -1].float()
+        last = (n - 1).clamp(min=0)
+        if not self.stage:
+            logits = model(self.tokens, ctx, cache, last=last)[:, -1].float()
+        else:
+            out = model.stage_forward(self.tokens, ctx, cache, last=last, hidden=self.hidden)
+            if not self.last:
+                return out, None
+            logits = out[:, -1].float()
         return logits, kernels.argmax(logits, pdl=model.options.pdl)
 
-    def run(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, rows: list[Row], hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (float32 logits [len(rows), V] of each row's last token, its draw [len(rows)]),
-        views of the graph's outputs where there is one: see ``PagedDecodeStep.run``."""
+        views of the graph's outputs where there is one: see ``PagedDecodeStep.run``. A
+        stage before the last returns (its hidden states [B, T, H] for the whole bucket, None)."""
+        if self.hidden is not None:
+            self.hidden.copy_(hidden)
         h, ht = self.staging.arrays()
         for i, r in enumerate(rows):
             blocks = r.table[:self.blocks]
@@ -201,6 +216,8 @@ class PagedPrefillStep:
         else:
             self.graph.replay()
             logits, ids = self.outputs
+        if not self.last:
+            return logits, None
         n = len(rows)
         if any(r.sample is not None for r in rows):
             return logits[:n], sample_rows(logits[:n], [r.sample for r in rows], pdl=self.runner.model.options.pdl)
@@ -227,6 +244,7 @@ class PagedRunner:
         self._steps: dict[tuple[int, int], PagedDecodeStep] = {}
         self._stage_steps: dict[tuple[int, int], PagedDecodeStep] = {}  # pipeline stages' own blocks
         self._prefills: dict[tuple[int, int], PagedPrefillStep] = {}
+        self._stage_prefills: dict[tuple[int, int], PagedPrefillStep] = {}
         e = engine.config.engine  # the largest fixed-shape prefill, padding counted, bounded as any prefill
         self.prefill_tokens = min(e.prefill_graph_tokens, e.prefill_tokens)
         self._pool = torch.cuda.graph_pool_handle() if self.graph else None  # one pool: steps never overlap
@@ -244,6 +262,7 @@ class PagedRunner:
         self._steps.clear()
         self._stage_steps.clear()
         self._prefills.clear()
+        self._stage_prefills.clear()
 
     def decode_bucket(self, batch: int, keys: int) -> tuple[int, int] | None:
         """The (rows, keys) bucket of the fixed-shape decode step holding ``batch`` rows of at
@@ -290,16 +309,18 @@ class PagedRunner:
             return None
         return b, t
 
-    def prefill_step_for(self, batch: int, width: int) -> PagedPrefillStep | None:
-        """The fixed-shape prefill of ``prefill_bucket(batch, width)``, made at its first use."""
+    def prefill_step_for(self, batch: int, width: int, stage: bool = False) -> PagedPrefillStep | None:
+        """The fixed-shape prefill of ``prefill_bucket(batch, width)`` (``stage``: of this
+        pipeline stage's blocks alone), made at its first use."""
         key = self.prefill_bucket(batch, width)
-        if key is not None and key not in self._prefills:
+        steps = self._stage_prefills if stage else self._prefills
+        if key is not None and key not in steps:
             self._prime()
             # A prefill whose expert all-to-alls exchange their counts first runs eagerly,
             # with the same fixed shapes.
             graph = self.graph and self.model.capturable(key[0] * key[1])
-            self._prefills[key] = PagedPrefillStep(self, *key, graph, self._pool)
-        return self._prefills.get(key)
+            steps[key] = PagedPrefillStep(self, *key, graph, self._pool, stage=stage)
+        return steps.get(key)
 
     def prefill_buckets(self) -> list[tuple[int, int]]:
         """Every (rows, width) fixed-shape prefill bucket."""
@@ -330,7 +351,7 @@ class PagedRunner:
                 if step.graphs is not None:
                     step.capture(sampling=True)
             for batch, width in self.prefill_buckets():
-                self.prefill_step_for(batch, width)
+                self.prefill_step_for(batch, width, stage=stage)
 
     @torch.no_grad()
     def warm_up(self, widths: list[int]):
@@ -400,24 +421,31 @@ class PagedRunner:
         self._count()
         return self._run(rows, last_only=False).float()
 
-    def _stage_step(self, rows: list[Row]) -> PagedDecodeStep | None:
-        """The fixed-shape stage step that runs ``rows`` (a decode step that fits a bucket)."""
-        if self.static and all(len(r.tokens) == 1 for r in rows):
+    def _stage_step(self, rows: list[Row]) -> PagedDecodeStep | PagedPrefillStep | None:
+        """The fixed-shape stage step that runs ``rows``: a decode step, or a prefill of
+        fresh prompts, that fits a bucket (as ``decode`` chooses)."""
+        if not self.static:
+            return None
+        if all(len(r.tokens) == 1 for r in rows):
             return self.step_for(len(rows), max(r.start + 1 for r in rows), stage=True)
+        if all(r.start == 0 and r.src < 0 for r in rows):
+            return self.prefill_step_for(len(rows), max(len(r.tokens) for r in rows), stage=True)
         return None
 
     def stage_shape(self, rows: list[Row]) -> tuple[int, int]:
         """(B, T) of the hidden states a pipeline stage sends on for ``rows``: a fixed-shape
         step's whole bucket, else the rows by their longest."""
         step = self._stage_step(rows)
+        if isinstance(step, PagedPrefillStep):
+            return step.batch, step.width
         return (step.batch, 1) if step is not None else (len(rows), max(len(r.tokens) for r in rows))
 
     @torch.no_grad()
     def stage(self, rows: list[Row], hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This pipeline stage's part of a forward of ``rows`` (``Transformer.stage_forward``),
         nothing sent or received: ``hidden`` [``stage_shape(rows)``, H] is the previous
-        stage's output (None on the first). A decode step that fits a bucket replays its
-        fixed-shape step (captured where decode steps are). -> (the hidden states for the
+        stage's output (None on the first). A decode step or a prefill of fresh prompts that
+        fits a bucket replays its fixed-shape step (captured where decode steps are). -> (the hidden states for the
         next stage, None), or on the last stage (float32 logits [B, V] of each row's last
         new token, each row's draw [B])."""
         self._count()

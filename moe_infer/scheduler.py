@@ -288,7 +288,7 @@ class Scheduler:
                 self._slot([], [])
             return self._step_in_turn()
         entries, rows = [], []
-        for r, n in self._prefill_chunks(False):  # (stages run prompts eagerly)
+        for r, n in self._prefill_chunks(self.runner.static):  # (fresh prompts in a bucket replay its steps)
             rows.append(Row(r.prompt[r.cached:r.cached + n], r.cached, r.table, sample=self._knobs(r)))
             r.cached += n
             entries.append((r, r.cached == len(r.prompt)))  # a last piece draws the first token

@@ -425,8 +425,9 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
     requests are in the pipeline at once -- and each gets generate()'s tokens, a seeded
     sampled one too; a request cancelled while its unit is in flight frees its blocks only
     once the unit has left. Decode rows feed their tokens from the device (each request's
-    lane), which reach the host a slot later. "static": decode units replay each stage's
-    fixed-shape step (a graph's math, run eagerly), made before the first request."""
+    lane), which reach the host a slot later. "static": decode units and units of fresh
+    prompts replay each stage's fixed-shape steps (a graph's math, run eagerly), made
+    before the first request."""
     from moe_infer.ranks import lead_or_follow
     from moe_infer.sampling import SamplingParams
     from moe_infer.scheduler import Request, Scheduler
@@ -442,6 +443,9 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
     if release is None:  # a follower: it ran every slot rank 0 sent
         return
     scheduler.warm_up()  # as the server's: after lead_or_follow, which made every rank's captures
+    prefills = []  # the stage's fixed-shape prefills that ran
+    for step in scheduler.runner._stage_prefills.values():
+        step.run = lambda rows, hidden=None, run=step.run: prefills.append(len(rows)) or run(rows, hidden)
     lengths = [7, 3, 9, 5, 6]
     params = [SamplingParams()] * 4 + [SamplingParams(temperature=0.8, top_k=5, seed=11)]
     out = [[] for _ in range(6)]
@@ -482,7 +486,7 @@ def test_served_pipeline_keeps_several_units_in_flight_and_matches_generate(info
     assert scheduler.free_lanes == list(range(3))  # every request's lane of runner.prev back
     assert len(prompt_events) == 1 and len(prompt_events[0]["logprobs"]) == len(PROMPTS[2])
     assert [t for t in out[-1] if t is not None] == reference.generate([PROMPTS[2]], max_new_tokens=4)[0].token_ids
-    assert bool(scheduler.runner._stage_steps) == scheduler.runner.static
+    assert bool(scheduler.runner._stage_steps) == bool(prefills) == scheduler.runner.static
     for i, (p, sp, n) in enumerate(zip(prompts, params, lengths)):
         want = reference.generate([p], max_new_tokens=n, temperature=sp.temperature, top_k=sp.top_k,
                                   seed=sp.seed)[0].token_ids
