@@ -200,8 +200,8 @@ class PagedPrefillStep:
 
     def run(self, rows: list[Row], hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (float32 logits [len(rows), V] of each row's last token, its draw [len(rows)]),
-        views of the graph's outputs where there is one: see ``PagedDecodeStep.run``. A
-        stage before the last returns (its hidden states [B, T, H] for the whole bucket, None)."""
+        views of the graph's outputs where there is one: see ``PagedDecodeStep.run``. A stage
+        before the last returns (its hidden states [B, T, H] for the whole bucket, None)."""
         if self.hidden is not None:
             self.hidden.copy_(hidden)
         h, ht = self.staging.arrays()
@@ -445,9 +445,9 @@ class PagedRunner:
         """This pipeline stage's part of a forward of ``rows`` (``Transformer.stage_forward``),
         nothing sent or received: ``hidden`` [``stage_shape(rows)``, H] is the previous
         stage's output (None on the first). A decode step or a prefill of fresh prompts that
-        fits a bucket replays its fixed-shape step (captured where decode steps are). -> (the hidden states for the
-        next stage, None), or on the last stage (float32 logits [B, V] of each row's last
-        new token, each row's draw [B])."""
+        fits a bucket replays its fixed-shape step (captured where decode steps are). ->
+        (the hidden states for the next stage, None), or on the last stage (float32 logits
+        [B, V] of each row's last new token, each row's draw [B])."""
         self._count()
         step = self._stage_step(rows)
         if step is not None:

@@ -589,8 +589,9 @@ class Scheduler:
                                         torch.stack([reqs[i].seen for i in pen]), p[:, 0:1], p[:, 1:2], p[:, 2:3])
             logits.index_copy_(0, rows, penalized)
         again = sorted(set(bias + no_eos + pen))
-        redrawn = sample_rows(logits[to_device(again, dev)], [self._knobs(reqs[i]) for i in again], pdl=self.engine.model.options.pdl)
-        return drawn.index_copy(0, to_device(again, dev), redrawn)
+        at = to_device(again, dev)
+        redrawn = sample_rows(logits[at], [self._knobs(reqs[i]) for i in again], pdl=self.engine.model.options.pdl)
+        return drawn.index_copy(0, at, redrawn)
 
     def _report(self):
         if self.metrics is not None:

@@ -72,6 +72,27 @@ def _combine_kernel(
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b on the tensor cores: full precision for float32 caches (IEEE), TF32 otherwise
+    (bf16 and fp16 values are exact in it)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _softmax_block(scores, visible, v, m, l, acc, IEEE: tl.constexpr):
+    """One key block of the running softmax (flash-decoding): scores [G, BLOCK_S] of the
+    block's keys, visible [BLOCK_S], v [BLOCK_S, D] their values -> the running max, sum
+    and weighted value sum after it."""
+    scores = tl.where(visible[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    w = tl.exp(scores - m_new[:, None])
+    return m_new, l * alpha + tl.sum(w, axis=1), acc * alpha[:, None] + _dot(w, v, IEEE)
+
+
+@triton.jit
 def _paged_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr, v_ptr,  # pools [N, Hkv, D] (D contiguous)
@@ -88,7 +109,7 @@ def _paged_split_kernel(
     KV head h, its two products on the tensor cores: the G query heads padded to G_PAD >= 16
     rows make [G_PAD, D] x [D, BLOCK_S] and [G_PAD, BLOCK_S] x [BLOCK_S, D] dots, where a
     broadcast-and-sum form would keep [G, BLOCK_S, D] products in registers. Keys are gathered row by row through the slots, read in place. A float32
-    cache takes full-precision dots (IEEE); bf16 and fp16 values are exact in TF32."""
+    cache takes full-precision dots (IEEE)."""
     b, h, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -110,20 +131,8 @@ def _paged_split_kernel(
                         other=0.0).to(tl.float32)  # [BLOCK_S, D]
             v = tl.load(v_ptr + h * stride_vh + rows[:, None] * stride_vn + d[None, :], mask=kv_ok,
                         other=0.0).to(tl.float32)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G_PAD, BLOCK_S]
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(visible[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            w = tl.exp(scores - m_new[:, None])
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(w, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(w, v)
-            l = l * alpha + tl.sum(w, axis=1)
-            m = m_new
+            scores = _dot(q, tl.trans(k), IEEE)  # [G_PAD, BLOCK_S]
+            m, l, acc = _softmax_block(scores, visible, v, m, l, acc, IEEE)
     row = (b * (tl.num_programs(1) * G) + heads) * P + p
     tl.store(m_ptr + row, tl.where(l > 0, m, float("-inf")), mask=g_ok)  # -inf: the combine weighs it 0
     tl.store(l_ptr + row, l, mask=g_ok)
@@ -230,21 +239,8 @@ def _latent_split_kernel(
             base = kv_ptr + rows[:, None] * stride_kn
             kc = tl.load(base + c[None, :], mask=visible[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
             kr = tl.load(base + C + r[None, :], mask=visible[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-            if IEEE:
-                scores = (tl.dot(q_c, tl.trans(kc), input_precision="ieee")
-                          + tl.dot(q_r, tl.trans(kr), input_precision="ieee"))  # [HB, BLOCK_S]
-            else:
-                scores = tl.dot(q_c, tl.trans(kc)) + tl.dot(q_r, tl.trans(kr))
-            scores = tl.where(visible[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            w = tl.exp(scores - m_new[:, None])
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(w, kc, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(w, kc)
-            l = l * alpha + tl.sum(w, axis=1)
-            m = m_new
+            scores = _dot(q_c, tl.trans(kc), IEEE) + _dot(q_r, tl.trans(kr), IEEE)  # [HB, BLOCK_S]
+            m, l, acc = _softmax_block(scores, visible, kc, m, l, acc, IEEE)
     row = (b * HQ + heads) * P + p
     tl.store(m_ptr + row, tl.where(l > 0, m, float("-inf")), mask=h_ok)
     tl.store(l_ptr + row, l, mask=h_ok)

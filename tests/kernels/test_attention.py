@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.decode import paged_decode_attention_triton, paged_decode_partial_triton, paged_latent_decode_triton
+from kernels.attention.decode import (paged_decode_attention_triton, paged_decode_partial_triton,
+                                     paged_latent_decode_triton)
 from kernels.attention.qkv_attention_triton import default_splits, fits, qkv_attention_triton
 from kernels.attention.qkv_decode_triton import qkv_decode_triton
 from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, paged_decode_partial_ref,
