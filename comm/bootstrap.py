@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from comm.groups import forget_groups
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -93,4 +95,5 @@ def shutdown() -> None:
         # gone, and an engine's graphs may still wait for the collector in a reference cycle.
         gc.collect()
         dist.barrier()
+        forget_groups()
         dist.destroy_process_group()

@@ -13,6 +13,25 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 
+# The job's process groups by their ranks. new_group is collective, and each group keeps its
+# own connections and threads (gloo) or communicator and device buffers (NCCL) until the job's
+# process group is destroyed: engines loaded one after another in one job share them, as
+# every rank makes the same builds in the same order. bootstrap.shutdown forgets them.
+_made: dict[tuple[int, ...], object] = {}
+
+
+def _process_group(ranks: list[int]):
+    key = tuple(ranks)
+    if key not in _made:
+        _made[key] = dist.new_group(ranks)
+    return _made[key]
+
+
+def forget_groups() -> None:
+    """Drops the groups made so far: the job's process group is being destroyed."""
+    _made.clear()
+
+
 @dataclass
 class Group:
     """One process group as seen from this rank."""
@@ -72,7 +91,7 @@ class ParallelGroups:
                             ("expert_slice", blocks(es)), ("pp", pipelines)):
             for ranks in lists:
                 # new_group is collective: every rank creates every group, in the same order.
-                handle = dist.new_group(ranks) if len(ranks) > 1 else None
+                handle = _process_group(ranks) if len(ranks) > 1 else None
                 if world_rank in ranks:
                     mine[name] = Group(handle, ranks.index(world_rank), len(ranks), tuple(ranks))
         tp_group = mine["tp"]
