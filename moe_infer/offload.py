@@ -42,9 +42,11 @@ class MachineProfile:
     @classmethod
     def measure(cls, device: torch.device, dtype: torch.dtype, hidden: int, width: int) -> "MachineProfile":
         """Probes this machine once (a fraction of a second): a pinned copy to ``device``
-        (on a CPU "device": a copy in host memory), and the CPU's matmuls on one expert-
-        sized weight in ``dtype``, at one token and at 256."""
+        (on a CPU "device": a copy in host memory), and the CPU's matmuls on expert-sized
+        weights in ``dtype``: at one token over enough of them that they come from memory, not
+        from the CPU's caches, as cold experts do; at 256 tokens on one."""
         w = torch.randn(2 * width, hidden).to(dtype)
+        weights = [w] + [torch.empty_like(w).copy_(w) for _ in range(max(1, (256 << 20) // _bytes([w])) - 1)]
         mb = 64 << 20
         src = torch.empty(mb, dtype=torch.uint8, pin_memory=device.type == "cuda")
         dst = torch.empty(mb, dtype=torch.uint8, device=device)
@@ -62,7 +64,7 @@ class MachineProfile:
 
         h2d = mb / best(lambda: dst.copy_(src, non_blocking=True))
         one, many = torch.randn(1, hidden).to(dtype), torch.randn(256, hidden).to(dtype)
-        cpu_bytes = w.numel() * w.element_size() / best(lambda: one @ w.t())
+        cpu_bytes = _bytes(weights) / best(lambda: [one @ v.t() for v in weights], reps=3)
         flops = 2 * 256 * w.numel() / best(lambda: many @ w.t())
         return cls(h2d, cpu_bytes, flops)
 

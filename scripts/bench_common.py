@@ -236,7 +236,8 @@ def measure_copy_bandwidth(device: torch.device | str, nbytes: int | None = None
 
 def measure_matmul_tflops(device: torch.device | str, n: int | None = None,
                           reps: int = 10, sustained: bool = False) -> float:
-    """bf16 n×n×n matmul rate in TFLOP/s (n = 8192 on a GPU, 1024 on a CPU).
+    """bf16 n×n×n matmul rate in TFLOP/s (n = 8192 on a GPU; 256 on a CPU, where one
+    without bf16 units takes seconds at 1024).
 
     Random operands: all-zero inputs draw less power and overstate the sustained rate.
     By default a burst of ``reps`` calls, at the clock a GPU boosts to when it starts from
@@ -247,7 +248,7 @@ def measure_matmul_tflops(device: torch.device | str, n: int | None = None,
     a long graph is compared with this rate, not the burst's."""
     device = torch.device(device)
     if n is None:
-        n = 8192 if device.type == "cuda" else 1024
+        n = 8192 if device.type == "cuda" else 256
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     out = torch.empty(n, n, dtype=torch.bfloat16, device=device)

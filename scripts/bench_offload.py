@@ -11,7 +11,8 @@ Random weights. Per budget and mode (``engine.offload``: auto, cpu, stream): dec
 step at each batch (``bench_decode.decode_step_ms``, 128-token prompts), prefill tokens/s of
 ``--prefill`` prompts (time to the first token), and from the layers' counters the share of
 routed pairs that found their expert on the device (hit rate) and the cold experts a token
-met. The floor of a decode step: the device-resident bytes it reads (everything but the
+met, and the share of the calls with cold pairs that ran them on the CPU (the rest
+streamed them). The floor of a decode step: the device-resident bytes it reads (everything but the
 routed experts, and the device experts it is expected to hit) over the copy bandwidth, plus
 the cold experts it met over the bandwidth of the way they ran (pinned host-to-device copy
 for streamed ones, the CPU's matmul read rate for CPU ones), both measured in this run.
@@ -117,12 +118,21 @@ def prefill_tokens_s(engine, prompts) -> float:
 def peer_ms(model_name: str, budget_gb: float, prompts, n: int) -> float | None:
     """transformers generate() ms per token with accelerate's placement at ``budget_gb``."""
     import transformers
-    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
 
     cfg = hf_config(moe_infer.config_files.load_preset(model_name))
     if cfg is None:
         return None
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    # Built without weights, then filled with random bf16 values in host memory: transformers'
+    # own initialisation of billions of parameters on the CPU takes minutes.
+    with init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        value = torch.empty(p.shape, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+        set_module_tensor_to_device(model, name, "cpu", value=value)
+    model.tie_weights()
     host_gb = max(1, int(bc.free_memory_bytes("cpu") / 2 ** 30) - 8)
     placement = infer_auto_device_map(model, max_memory={0: f"{budget_gb}GiB", "cpu": f"{host_gb}GiB"},
                                       no_split_module_classes=getattr(model, "_no_split_modules", None))
@@ -224,6 +234,7 @@ def main():
             hit = 1 - seen["cold_pairs"] / seen["pairs"] if seen["pairs"] else 1.0
             rows_out.append({"budget_gb": budget, "mode": mode, "batch": b, "ms_per_token": ms, "floor_ms": fl,
                              "hit_rate": hit, "cold_experts_per_step": seen["cold_experts"] / steps,
+                             "cpu_calls": seen["cpu"] / max(1, seen["cpu"] + seen["stream"]),
                              "prefill_tokens_s": prefill})
             print(f"budget {budget} {mode} batch {b}: {ms:.3f} ms/token", flush=True)
         del engine
@@ -248,7 +259,7 @@ def main():
             ms = peer_ms(args.model, budget, [[1] * args.prompt_len] * b, args.new_tokens)
             rows_out.append({"budget_gb": budget, "mode": "transformers+accelerate", "batch": b, "ms_per_token": ms,
                              "floor_ms": None, "hit_rate": None, "cold_experts_per_step": None,
-                             "prefill_tokens_s": None})
+                             "cpu_calls": None, "prefill_tokens_s": None})
     run = bc.run_info(device or "cuda")
     print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | model {args.model}, random "
           f"weights | copy {copy_bytes_s / 1e9:.0f} GB/s | prompts {args.prompt_len} tokens, {args.new_tokens} new, "
@@ -257,12 +268,13 @@ def main():
     def opt(v, fmt):
         return "-" if v is None else format(v, fmt)
     cols = ["budget GB", "mode", "batch", "ms/token", "floor ms", "x floor", "hit rate", "cold experts/step",
-            "prefill tok/s"]
+            "cold on CPU", "prefill tok/s"]
     print(bc.format_table(cols, [[opt(r["budget_gb"], "g"), r["mode"], r["batch"], opt(r["ms_per_token"], ".3f"),
                                   opt(r["floor_ms"], ".3f"),
                                   opt(r["ms_per_token"] / r["floor_ms"] if r["floor_ms"] else None, ".2f"),
                                   opt(r["hit_rate"], ".2f"), opt(r["cold_experts_per_step"], ".1f"),
-                                  opt(r["prefill_tokens_s"], ".0f")] for r in rows_out]))
+                                  opt(r["cpu_calls"], ".0%"), opt(r["prefill_tokens_s"], ".0f")]
+                                 for r in rows_out]))
     if layers:
         print(f"ZeRO-Inference (offload: layers, prefetch 1): prefill of {args.layers_prompt_len}-token prompts")
         print(bc.format_table(["batch", "tokens/s", "TFLOP/s", "% of matmul"],
