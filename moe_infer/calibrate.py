@@ -65,9 +65,12 @@ def _cpu_matmul_gbps(rows: int, cols: int, reps: int) -> float:
     return w.numel() * 2 / _seconds(lambda: x @ w.t(), torch.device("cpu"), reps) / 1e9
 
 
-def _link(device: torch.device, small: int, large: int, reps: int) -> Link | None:
-    """All-reduce over the job's ranks: a small tensor's time is the latency; a large one's
-    ring time 2 (p - 1) (alpha + n / (p beta)) gives the bandwidth beta."""
+def _link(device: torch.device, small: int, large: int, reps: int) -> tuple[Link, str] | None:
+    """All-reduce over the job's ranks -> the link and how its latency was measured. A
+    small tensor's time is the latency: on GPUs the sum a captured decode step makes (the
+    tensor-parallel group's own all-reduce, replayed from a CUDA graph of ``GRAPH_SUMS``),
+    elsewhere an eager call. A large one's ring time 2 (p - 1) (alpha + n / (p beta)) over
+    the process group gives the bandwidth beta."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return None
     p = dist.get_world_size()
@@ -77,11 +80,48 @@ def _link(device: torch.device, small: int, large: int, reps: int) -> Link | Non
         dist.barrier()
         return _slowest(_seconds(lambda: dist.all_reduce(x), device, reps), device)
 
-    alpha = timed(small)
+    how = "eager all-reduces"
+    alpha = _captured_sum_s(device, small, reps) if device.type == "cuda" else None
+    if alpha is None:
+        alpha = timed(small)
+    else:
+        how = "all-reduces replayed from a CUDA graph, as decode steps make them"
     t_large = timed(large)
     steps = 2 * (p - 1)
     beta = steps * large / p / max(t_large - steps * alpha, 1e-9) / 1e9
-    return Link(alpha_us=_figure(alpha * 1e6), gbps=_figure(beta))
+    return Link(alpha_us=_figure(alpha * 1e6), gbps=_figure(beta)), how
+
+
+GRAPH_SUMS = 32  # small sums a captured graph holds when the latency is timed
+
+
+def _captured_sum_s(device: torch.device, nbytes: int, reps: int) -> float | None:
+    """Seconds of one small sum over the job's ranks inside a CUDA graph, through the
+    tensor-parallel group decode steps use (its symmetric-memory one-shot sum where the GPUs
+    reach each other's memory): the slowest rank's median replay over ``GRAPH_SUMS``.
+    None where the capture fails on any rank (every rank then times eager calls)."""
+    from comm import ParallelGroups, all_reduce
+    from moe_infer.config import ParallelConfig
+
+    p = dist.get_world_size()
+    group = ParallelGroups.build(ParallelConfig(tp=p), dist.get_rank(), p).tp
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    graph = None
+    try:
+        all_reduce(x, group)  # outside the capture: the group's buffers are made (collectively)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_SUMS):
+                all_reduce(x, group)
+    except Exception:  # (e.g. a backend that cannot be captured): eager calls on every rank
+        graph = None
+    ok = torch.tensor([graph is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
+        return None
+    dist.barrier()
+    return _slowest(_seconds(graph.replay, device, reps), device) / GRAPH_SUMS
 
 
 def _figure(x: float) -> float:
@@ -108,7 +148,8 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
         memory_gb, kind = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, "cpu"
     bf16 = _matmul_tflops(device, n, torch.bfloat16, reps)
     int8 = _matmul_tflops(device, n, torch.int8, reps)
-    link = _link(device, 4096, (1 << 20) if smoke else (64 << 20), reps)
+    measured = _link(device, 4096, (1 << 20) if smoke else (64 << 20), reps)
+    link, how = measured if measured else (None, "")
     sources = ["measured by moe-infer calibrate"]
     if int8 is None:
         sources.append("int8 matmul taken at the bf16 rate (no int8 GEMM measured on this device)")
@@ -118,8 +159,8 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
         link = Link(6.0, 360.0)
         network = Link(12.0, 40.0)
     else:
-        sources.append(f"links from all-reduces over {dist.get_world_size()} ranks; the network taken as the "
-                       f"same (one node)")
+        sources.append(f"links from all-reduces over {dist.get_world_size()} ranks (latency: {how}); the "
+                       f"network taken as the same (one node)")
         network = link
     sources.append("per-block overhead not measured: 15 us")
     return Hardware(name=name or kind.lower().replace(" ", "-"), memory_gb=round(memory_gb, 1),
