@@ -15,7 +15,7 @@ waits for the host once (which pairs are cold), so an offloaded model decodes ea
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -69,22 +69,70 @@ class MachineProfile:
         return cls(h2d, cpu_bytes, flops)
 
 
-@dataclass(frozen=True)
+@dataclass
 class ColdCost:
-    """Which way the cold pairs of a call run: the time each way would take, from the
-    profile and the bytes and FLOPs of the experts the call is expected to hit."""
+    """Which way the cold pairs of a call run (``engine.offload: auto``). Each way's time is
+    predicted from the profile and the bytes and FLOPs of the experts the call hits, then
+    scaled by what that way has cost here: the measured time of its calls (from the call's
+    start to its output, read once done) over their predictions, a running mean. A probe
+    of the bare rates misses the rest of each path (host copies, launches, the CPU's loop
+    over experts, other load on the host), which decides between close ways. The way not
+    taken is tried again every ``RETRY`` calls, so its figure follows the machine too."""
 
     profile: MachineProfile
     expert_bytes: int  # one expert's weights as stored
     expert_flops: int  # per token routed to one expert (2 x its weights)
+    RETRY = 32  # calls between tries of the way not taken
+    DECAY = 0.8  # weight of the old figure at each measured call
+    scale: dict = field(default_factory=lambda: {"cpu": 1.0, "stream": 1.0})
+    since: dict = field(default_factory=lambda: {"cpu": 0, "stream": 0})  # calls since each way was taken
+    pending: list = field(default_factory=list)  # (way, predicted s, start, end): calls not yet read
+
+    def predict(self, mode: str, cold_pairs: int, cold_experts: int) -> float:
+        """Seconds the profile gives ``mode`` for a call's cold pairs."""
+        moved = cold_experts * self.expert_bytes
+        if mode == "stream":
+            return moved / self.profile.h2d_bytes_s
+        return max(moved / self.profile.cpu_bytes_s, cold_pairs * self.expert_flops / self.profile.cpu_flops)
 
     def mode(self, cold_pairs: int, cold_experts: int) -> str:
         if cold_pairs == 0:
             return "cpu"
-        moved = cold_experts * self.expert_bytes
-        stream = moved / self.profile.h2d_bytes_s
-        cpu = max(moved / self.profile.cpu_bytes_s, cold_pairs * self.expert_flops / self.profile.cpu_flops)
-        return "cpu" if cpu <= stream else "stream"
+        self._read()
+        stale = [m for m, n in self.since.items() if n >= self.RETRY]
+        if stale:
+            way = stale[0]
+        else:
+            cpu, stream = (self.predict(m, cold_pairs, cold_experts) * self.scale[m] for m in ("cpu", "stream"))
+            way = "cpu" if cpu <= stream else "stream"
+        for m in self.since:
+            self.since[m] = 0 if m == way else self.since[m] + 1
+        return way
+
+    def observe(self, mode: str, predicted_s: float, seconds: float) -> None:
+        """One call of ``mode`` took ``seconds`` where the profile said ``predicted_s``."""
+        if predicted_s > 0:
+            self.scale[mode] = self.DECAY * self.scale[mode] + (1 - self.DECAY) * seconds / predicted_s
+
+    def timed(self, mode: str, cold_pairs: int, cold_experts: int, device: torch.device):
+        """-> a function that ends the timing of this call (at its output): on a GPU, events
+        on the stream, read at a later call once they have run; elsewhere the host's clock."""
+        predicted = self.predict(mode, cold_pairs, cold_experts)
+        if device.type != "cuda":
+            start = time.perf_counter()
+            return lambda: self.observe(mode, predicted, time.perf_counter() - start)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+
+        def done():
+            end.record()
+            self.pending.append((mode, predicted, begin, end))
+        return done
+
+    def _read(self) -> None:
+        while self.pending and self.pending[0][3].query():
+            mode, predicted, begin, end = self.pending.pop(0)
+            self.observe(mode, predicted, begin.elapsed_time(end) / 1e3)
 
 
 @dataclass(frozen=True)
@@ -247,6 +295,7 @@ class OffloadedExperts(nn.Module):
         pair_ids = ids[cold_t, cold_s]
         used = sorted(set(pair_ids.tolist()))
         mode = self.mode if self.mode != "auto" else self.cost.mode(len(cold_t), len(used))
+        timed = self.cost.timed(mode, len(cold_t), len(used), x.device) if self.mode == "auto" else None
         for key, n in (("cold_pairs", len(cold_t)), ("cold_experts", len(used)), (mode, 1)):
             self.stats[key] += n
         # The cold experts' first copies (stream) start before the device experts run; the
@@ -265,6 +314,8 @@ class OffloadedExperts(nn.Module):
         else:
             y = self._streamed(x[cold_t], pair_ids, pair_w, used, first)
         out.index_add_(0, cold_t, y)
+        if timed is not None:
+            timed()
         return out.to(x.dtype)
 
     def _on_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, used: list[int]) -> torch.Tensor:

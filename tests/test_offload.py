@@ -50,6 +50,24 @@ def test_cold_experts_run_where_the_machine_says_they_are_faster(pairs, experts,
     assert off.ColdCost(fast_link, 352 << 20, 2 * 176 << 20).mode(2, 2) == "stream"
 
 
+def test_auto_follows_what_each_way_has_cost_here():
+    """The profile favours the CPU, but CPU calls took ten times their prediction and
+    streamed ones what was predicted: auto streams, and tries the CPU again every RETRY
+    calls (where it would come back if the CPU got faster)."""
+    profile = off.MachineProfile(h2d_bytes_s=25e9, cpu_bytes_s=50e9, cpu_flops=1e12)
+    cost = off.ColdCost(profile, expert_bytes=1 << 20, expert_flops=2 << 20)
+    assert cost.mode(2, 2) == "cpu"
+    cpu, stream = cost.predict("cpu", 2, 2), cost.predict("stream", 2, 2)
+    for _ in range(10):
+        cost.observe("cpu", cpu, 10 * cpu)
+        cost.observe("stream", stream, stream)
+    ways = [cost.mode(2, 2) for _ in range(2 * cost.RETRY + 2)]
+    assert ways[0] == "stream" and ways.count("cpu") == 2 and ways[cost.RETRY] == "cpu"
+    for _ in range(20):
+        cost.observe("cpu", cpu, 0.5 * cpu)
+    assert cost.mode(2, 2) == "cpu"
+
+
 @pytest.mark.parametrize("mode", ["cpu", "stream", "auto"])
 @pytest.mark.parametrize("hot", [0, 3])
 def test_an_offloaded_model_gives_the_unbounded_tokens(full, mode, hot):
@@ -62,6 +80,8 @@ def test_an_offloaded_model_gives_the_unbounded_tokens(full, mode, hot):
     assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
         [o.token_ids for o in full.generate(PROMPTS, max_new_tokens=8)]
     torch.testing.assert_close(engine.logits(PROMPTS), full.logits(PROMPTS), rtol=1e-5, atol=1e-5)
+    if mode == "auto":  # the calls' times reached the choice
+        assert layers[0].cost.scale != {"cpu": 1.0, "stream": 1.0}
 
 
 @pytest.mark.parametrize("quantize,mode", [("int8", "cpu"), ("mxfp4", "cpu"), ("mxfp4", "stream")])
