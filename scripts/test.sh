@@ -27,4 +27,7 @@ for ranks in 2 4; do
     done
 done
 echo "== main test suite"
-exec $py -m pytest -q --color=no "$@"
+# Two workers (pytest-xdist): most tests hold one core (the Triton interpreter, a tiny
+# model's Python), and the subprocess tests wait on their children. One thread each:
+# two workers' thread teams on two cores spin against each other in every small op.
+OMP_NUM_THREADS=1 exec $py -m pytest -q --color=no -n 2 "$@"
