@@ -55,6 +55,15 @@ def test_all_reduce_and_all_gather(info):
     assert got.tolist() == [list(range(g.size)), [10 + i for i in range(g.size)]]
 
 
+def orders_bound(x: torch.Tensor, size: int) -> dict:
+    """assert_close's bounds between two sums over ``size`` ranks of tensors like ``x`` made
+    in different orders: two addends give one sum whatever the order; more round on their
+    own, each of the size - 1 additions by up to an ulp of a partial sum (below size * |x|)."""
+    if size == 2:
+        return dict(rtol=0, atol=0)
+    return dict(rtol=0, atol=(size - 1) * torch.finfo(x.dtype).eps * size * x.abs().max().item())
+
+
 def test_small_sums_take_the_symmetric_memory_kernel_on_gpus_also_inside_a_graph(info):
     """On GPUs (NCCL) the TP group's small all-reduces run torch's one-shot symmetric-memory
     kernel: the same sums as NCCL's, in place, bf16 and float32, replayed from a CUDA graph
@@ -68,11 +77,7 @@ def test_small_sums_take_the_symmetric_memory_kernel_on_gpus_also_inside_a_graph
         want = all_reduce(x.clone(), nccl)
         got = x.clone()
         assert all_reduce(got, g) is got
-        # Two addends: any order gives one sum. More: each order rounds on its own, up to an
-        # ulp of the largest partial sum per addition, so the bound is absolute.
-        ulp = torch.finfo(dtype).eps * x.abs().max().item() * g.size
-        bound = dict(rtol=0, atol=0) if g.size == 2 else dict(rtol=0, atol=g.size * ulp)
-        torch.testing.assert_close(got, want, **bound)
+        torch.testing.assert_close(got, want, **orders_bound(x, g.size))
         if g.fast_sum is not None:
             assert g.fast_sum.takes(x) == (x.nbytes <= g.fast_sum.MAX_BYTES)
     if g.fast_sum is not None:
@@ -84,9 +89,7 @@ def test_small_sums_take_the_symmetric_memory_kernel_on_gpus_also_inside_a_graph
             all_reduce(buf, g)
         buf.copy_(x)
         graph.replay()
-        ulp = torch.finfo(x.dtype).eps * x.abs().max().item() * g.size
-        bound = dict(rtol=0, atol=0) if g.size == 2 else dict(rtol=0, atol=g.size * ulp)
-        torch.testing.assert_close(buf, all_reduce(x.clone(), nccl), **bound)
+        torch.testing.assert_close(buf, all_reduce(x.clone(), nccl), **orders_bound(x, g.size))
 
 
 def test_uneven_all_to_all_delivers_every_row(info):
