@@ -416,9 +416,10 @@ def run_matrix(engine, args, lens: list[int], batches: list[int], peer_cells: se
 
 
 def _wall(fn, device) -> float:
-    """Seconds of one call of ``fn``. The garbage collector runs before it and is kept off
-    during it, so no collection lands inside the timed call."""
-    gc.collect()
+    """Seconds of one call of ``fn``. The garbage collector is kept off during it, so no
+    collection lands inside the timed call; its young generations are collected before
+    (a full collection with transformers loaded takes a good part of a second)."""
+    gc.collect(1)
     gc.disable()
     try:
         bc.synchronize(device)
