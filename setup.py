@@ -30,7 +30,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=7",
-            "pytest-xdist>=3",  # the main suite on every core (scripts/test.sh)
+            "pytest-xdist>=3",  # the main suite on two workers (scripts/test.sh)
             "hypothesis>=6",  # property-based tests of the server's request parsing
             "transformers>=5.0",
             "mpi4py>=4",
