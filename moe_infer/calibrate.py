@@ -80,12 +80,10 @@ def _link(device: torch.device, small: int, large: int, reps: int) -> tuple[Link
         dist.barrier()
         return _slowest(_seconds(lambda: dist.all_reduce(x), device, reps), device)
 
-    how = "eager all-reduces"
     alpha = _captured_sum_s(device, small, reps) if device.type == "cuda" else None
+    how = "all-reduces replayed from a CUDA graph, as decode steps make them"
     if alpha is None:
-        alpha = timed(small)
-    else:
-        how = "all-reduces replayed from a CUDA graph, as decode steps make them"
+        alpha, how = timed(small), "eager all-reduces"
     t_large = timed(large)
     steps = 2 * (p - 1)
     beta = steps * large / p / max(t_large - steps * alpha, 1e-9) / 1e9

@@ -46,7 +46,7 @@ class MachineProfile:
         weights in ``dtype``: at one token over enough of them that they come from memory, not
         from the CPU's caches, as cold experts do; at 256 tokens on one."""
         w = torch.randn(2 * width, hidden).to(dtype)
-        weights = [w] + [torch.empty_like(w).copy_(w) for _ in range(max(1, (256 << 20) // _bytes([w])) - 1)]
+        weights = [w.clone() for _ in range(max(1, (256 << 20) // _bytes([w])))]
         mb = 64 << 20
         src = torch.empty(mb, dtype=torch.uint8, pin_memory=device.type == "cuda")
         dst = torch.empty(mb, dtype=torch.uint8, device=device)

@@ -108,8 +108,9 @@ def _paged_split_kernel(
     """Program (b, KV head h, split p): its share of row b's keys for the G query heads of
     KV head h, its two products on the tensor cores: the G query heads padded to G_PAD >= 16
     rows make [G_PAD, D] x [D, BLOCK_S] and [G_PAD, BLOCK_S] x [BLOCK_S, D] dots, where a
-    broadcast-and-sum form would keep [G, BLOCK_S, D] products in registers. Keys are gathered row by row through the slots, read in place. A float32
-    cache takes full-precision dots (IEEE)."""
+    broadcast-and-sum form would keep [G, BLOCK_S, D] products in registers. Keys are
+    gathered row by row through the slots, read in place. A float32 cache takes
+    full-precision dots (IEEE)."""
     b, h, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
