@@ -2,7 +2,8 @@
 rotary, KV-cache append) and the one-launch decode attention must match the unfused torch
 ops, in a decode step and a prefill, over the paged cache (on the CPU through the kernels'
 references, and on a GPU; there also replayed in a CUDA graph). The kernels alone against
-their references are in tests/kernels/ (test_attention.py, test_norm.py)."""
+their references are in tests/kernels/ (test_decode_attention.py, test_qkv_attention.py,
+test_norm.py)."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,11 +1,6 @@
-"""Attention on the decode path (``kernels.attention``) against its float64 references, on
-CPU under the interpreter and on a GPU, and the kernels' Triton compiles for sm_90
-(tests.hopper):
-- split-K decode attention over a paged pool read in place, also against torch's SDPA: GQA
-  ratios 1, 4 and 6 (MQA), odd head dims, ragged visible keys (left padding, a current
-  slot), one or several splits; its latent-attention form (one cached row of latent and
-  rotary key for every head, the latent also the value) against the same keys expanded
-  per head, with head counts past one block of 16 and widths that are not powers of two;
+"""The fused QKV kernels of the decode path (``kernels.attention.qkv_decode_triton``,
+``qkv_attention_triton``) against their float64 references, on CPU under the interpreter and
+on a GPU, and their Triton compiles for sm_90 (tests.hopper):
 - the QKV epilogue (q/k norms, clip, rotary, the append into a paged pool at each token's
   pool row) of a decode step and of a prefill;
 - the fused decode attention over a paged pool (QKV epilogue + attention + split combine in
@@ -17,240 +12,14 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from kernels.attention.decode import (paged_decode_attention_triton, paged_decode_partial_triton,
-                                     paged_latent_decode_triton)
 from kernels.attention.qkv_attention_triton import default_splits, fits, qkv_attention_triton
 from kernels.attention.qkv_decode_triton import qkv_decode_triton
-from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, paged_decode_partial_ref,
-                                         paged_latent_decode_ref, qkv_attention_ref, qkv_decode_ref)
+from kernels.attention.reference import qkv_attention_ref, qkv_decode_ref
 from tests.hopper import compile_in_subprocess
-from tests.kernels.common import BACKENDS, CPU, GPU, rel
+from tests.kernels.common import BACKENDS, paged_pool, rel
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # the QKV epilogue, fused attention
-DECODE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # decode attention
-
-
-def case(device, dtype, b, hq, hkv, s, d, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, d, generator=gen).to(device, dtype)
-    k = torch.randn(b, hkv, s, d, generator=gen).to(device, dtype)
-    v = torch.randn(b, hkv, s, d, generator=gen).to(device, dtype)
-    # Row i: left padding, then visible keys up to its current slot; later slots hidden.
-    slot = torch.randint(0, s, (b,), generator=gen)
-    pad = (torch.rand(b, generator=gen) * slot.float()).long()
-    pos = torch.arange(s)
-    visible = (pos[None, :] >= pad[:, None]) & (pos[None, :] <= slot[:, None])
-    return q, k, v, visible.to(device)
-
-
-def in_pool(k, v, block, gen):
-    """A dense cache k / v [B, Hkv, S, D] scattered in blocks of ``block`` keys over a pool
-    [N, Hkv, D] in random order -> (k pool, v pool, slots [B, S]: each key's pool row)."""
-    b, hkv, s, d = k.shape
-    blocks = -(-s // block)
-    order = torch.randperm(b * blocks, generator=gen).view(b, blocks).to(k.device)
-    pos = torch.arange(s, device=k.device)
-    slots = order[:, pos // block] * block + pos % block  # [B, S]
-    pools = []
-    for t in (k, v):
-        pool = torch.zeros(b * blocks * block, hkv, d, dtype=t.dtype, device=t.device)
-        pool[slots.reshape(-1)] = t.transpose(1, 2).reshape(b * s, hkv, d)
-        pools.append(pool)
-    return pools[0], pools[1], slots.contiguous()
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("b,hq,hkv,s,d", [(1, 4, 4, 1, 16), (3, 8, 2, 37, 24), (2, 6, 1, 130, 16)])
-@pytest.mark.parametrize("splits", [1, 4, None])
-def test_decode_attention_matches_reference(device, dtype, b, hq, hkv, s, d, splits):
-    """GQA 1, 4 and 6 (MQA), an odd head dim, ragged visible keys (left padding, a current
-    slot) over a pool: the dense reference over the same keys, and torch's SDPA."""
-    q, k, v, visible = case(device, dtype, b, hq, hkv, s, d, seed=s + d)
-    k_pool, v_pool, slots = in_pool(k, v, 8, torch.Generator().manual_seed(s))
-    out = paged_decode_attention_triton(q, k_pool, v_pool, slots, visible, splits=splits)
-    ref = decode_attention_ref(q.double(), k.double(), v.double(), visible)
-    assert out.shape == q.shape and out.dtype == dtype
-    assert rel(out, ref) < DECODE_TOL[dtype]
-    sdpa = F.scaled_dot_product_attention(q.double()[:, :, None], k.double(), v.double(),
-                                          attn_mask=visible[:, None, None, :], enable_gqa=hq != hkv)[:, :, 0]
-    assert rel(ref, sdpa) < 1e-12
-
-
-def test_decode_attention_rejects_bad_shapes():
-    q, k, v, visible = case("cpu", torch.float32, 2, 4, 2, 20, 16, seed=1)
-    k_pool, v_pool, slots = in_pool(k, v, 8, torch.Generator().manual_seed(1))
-    with pytest.raises(ValueError, match=r"Hkv dividing Hq"):
-        paged_decode_attention_triton(q, k_pool[:, :1].expand(-1, 3, 16), v_pool, slots, visible)
-    with pytest.raises(ValueError, match=r"\[B, S\] twice"):
-        paged_decode_attention_triton(q, k_pool, v_pool, slots[:, :5], visible)
-
-
-def _paged_pool(device, dtype, hkv, d, s, block, lens, gen):
-    """Each row's S key slots in scattered blocks of a shared pool, as PagedKVCache lays
-    them out: lens [B] each row's keys -> (read_slots [B, S] int64, the trash row past each
-    row's length; k, v pools [N, Hkv, D] of random values, the trash row (the last) NaN: a
-    read of it would poison the output)."""
-    b = len(lens)
-    blocks = -(-s // block)
-    n = b * blocks * block + 1  # the last pool row takes what nothing should read
-    order = torch.randperm(b * blocks, generator=gen).view(b, blocks)  # each row's block table
-    pos = torch.arange(s)
-    read = torch.where(pos[None, :] < lens[:, None], order[:, pos // block] * block + pos % block, n - 1)
-    k, v = (torch.randn(n, hkv, d, generator=gen).to(device, dtype) for _ in range(2))
-    k[-1], v[-1] = float("nan"), float("nan")
-    return read.to(device), k, v
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("b,hq,hkv,s,d,block", [(1, 4, 4, 5, 16, 4), (3, 8, 2, 37, 24, 8), (4, 6, 1, 130, 16, 16)])
-@pytest.mark.parametrize("splits", [1, 4, None])
-def test_paged_decode_attention_reads_the_pool_in_place(device, dtype, b, hq, hkv, s, d, block, splits):
-    """Each row's keys in scattered blocks of a shared pool (as PagedKVCache holds them),
-    rows of different lengths, hidden slots pointing at a trash row: the same result as
-    the dense reference over the keys gathered in order; an additive mask (0 / -inf, as
-    StepContext.paged builds it) gives the same as the bool one."""
-    gen = torch.Generator().manual_seed(b * s + d)
-    lens = torch.randint(1, s + 1, (b,), generator=gen)
-    slots, k, v = _paged_pool(device, dtype, hkv, d, s, block, lens, gen)
-    q = torch.randn(b, hq, d, generator=gen).to(device, dtype)
-    visible = (torch.arange(s)[None, :] < lens[:, None]).to(device)
-    out = paged_decode_attention_triton(q, k, v, slots, visible, splits=splits)
-    ref = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible)
-    assert out.shape == q.shape and out.dtype == dtype and not out.isnan().any()
-    assert rel(out, ref) < DECODE_TOL[dtype]
-    kd, vd = (t.double().nan_to_num()[slots].transpose(1, 2) for t in (k, v))
-    dense = decode_attention_ref(q.double(), kd, vd, visible)
-    assert rel(ref, dense) < 1e-12
-    bias = torch.zeros(b, 1, 1, s, dtype=dtype, device=device).masked_fill_(~visible[:, None, None], float("-inf"))
-    assert torch.equal(paged_decode_attention_triton(q, k, v, slots, bias[:, 0, 0], splits=splits), out)
-    assert torch.equal(paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, bias[:, 0, 0]), ref)
-    with pytest.raises(ValueError, match=r"slots: expected contiguous int64"):
-        paged_decode_attention_triton(q, k, v, slots.int(), visible)
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_paged_decode_attention_with_sinks(device, splits):
-    """GPT-OSS's sinks: a logit per head in the softmax beside the keys, adding no value --
-    the kernel (joined in the combine of the splits) against the reference, which appends
-    the sink as one more score; large sinks shrink the output, as they should."""
-    gen = torch.Generator().manual_seed(7)
-    b, hq, hkv, s, d = 3, 8, 2, 37, 16
-    lens = torch.tensor([37, 5, 1])
-    slots, k, v = _paged_pool(device, torch.float32, hkv, d, s, 8, lens, gen)
-    q = torch.randn(b, hq, d, generator=gen).to(device)
-    visible = (torch.arange(s)[None, :] < lens[:, None]).to(device)
-    sinks = (2 * torch.randn(hq, generator=gen)).to(device)
-    out = paged_decode_attention_triton(q, k, v, slots, visible, splits=splits, sinks=sinks)
-    ref = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible, sinks=sinks.double())
-    assert rel(out, ref) < DECODE_TOL[torch.float32]
-    plain = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible)
-    assert rel(ref, plain) > 1e-2
-    huge = paged_decode_attention_triton(q, k, v, slots, visible, splits=splits, sinks=sinks + 30)
-    assert huge.abs().max() < 1e-6 * out.abs().max()
-    with pytest.raises(ValueError, match=r"sinks \[4\]: expected one logit per query head, \[8\]"):
-        paged_decode_attention_triton(q, k, v, slots, visible, sinks=sinks[:4])
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [1, 4, None])
-def test_paged_decode_partials_over_shares_of_the_keys_merge_to_the_whole(device, dtype, splits):
-    """The partial form (a KV cache split over ranks by tokens): each of three shares of the
-    keys (every third block) gives out and log-sum-exp as the reference does, zero and -inf
-    for a row with no key in its share; the shares merged by their denominators equal the
-    attention over every key, sinks included."""
-    from dense.kv_shard import combine
-
-    gen = torch.Generator().manual_seed(5)
-    b, hq, hkv, s, d, block, ranks = 4, 8, 2, 70, 16, 8, 3
-    lens = torch.tensor([70, 9, 1, 30])  # the rows of 9 and 1 keys have none in some shares
-    slots, k, v = _paged_pool(device, dtype, hkv, d, s, block, lens, gen)
-    q = torch.randn(b, hq, d, generator=gen).to(device, dtype)
-    visible = (torch.arange(s)[None, :] < lens[:, None]).to(device)
-    owner = (torch.arange(s, device=device) // block) % ranks
-    outs, lses = [], []
-    for r in range(ranks):
-        mine = visible & (owner == r)
-        out, lse = paged_decode_partial_triton(q, k, v, slots, mine, splits=splits)
-        ref_out, ref_lse = paged_decode_partial_ref(q.double(), k.double(), v.double(), slots, mine)
-        assert out.dtype == dtype and lse.dtype == torch.float32 and torch.isfinite(out).all()
-        assert rel(out, ref_out) < DECODE_TOL[dtype]
-        assert torch.equal(torch.isinf(lse), ~mine.any(1)[:, None].expand(-1, hq))
-        assert not out[~mine.any(1)].any()
-        assert (lse - ref_lse).abs().nan_to_num().max() < 1e-4
-        outs.append(out.double())
-        lses.append(lse.double())
-    sinks = torch.randn(hq, generator=gen, dtype=torch.float64).to(device)
-    merged = combine(torch.stack(outs)[:, :, :, None], torch.stack(lses)[:, :, :, None], sinks)[:, :, 0]
-    whole = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible, sinks=sinks)
-    assert rel(merged, whole) < DECODE_TOL[dtype]
-
-
-@pytest.mark.parametrize("device", [CPU, GPU])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("b,hq,latent,rope,s,splits", [(1, 4, 32, 16, 5, 1), (3, 20, 24, 8, 45, 4),
-                                                         (2, 16, 64, 16, 130, None)])
-def test_paged_latent_decode_matches_per_head_attention(device, dtype, b, hq, latent, rope, s, splits):
-    """Latent attention's decode: every head attends over one shared cached row (latent,
-    then rotary key) and takes the latent as its value -- the same as ordinary attention
-    with that row copied to each head as key and its latent part as value (float64 SDPA)."""
-    gen = torch.Generator().manual_seed(hq + s)
-    q = torch.randn(b, hq, latent + rope, generator=gen).to(device, dtype)
-    rows = torch.randn(b, 1, s, latent + rope, generator=gen).to(device, dtype)
-    _, _, _, visible = case(device, dtype, b, 1, 1, s, 16, seed=s)
-    pool, _, slots = in_pool(rows, rows, 8, gen)  # [N, 1, C + R]
-    scale = 0.3
-    out = paged_latent_decode_triton(q, pool, slots, visible, latent, scale, splits=splits)
-    assert out.shape == (b, hq, latent) and out.dtype == dtype
-    k = rows.double().expand(b, hq, s, latent + rope)
-    want = F.scaled_dot_product_attention(q.double()[:, :, None], k, k[..., :latent], attn_mask=visible[:, None, None],
-                                          scale=scale)[:, :, 0]
-    assert rel(out, want) < DECODE_TOL[dtype]
-    ref = paged_latent_decode_ref(q.double(), pool.double(), slots, visible, latent, scale)
-    assert rel(ref, want) < 1e-12
-
-
-def test_paged_latent_decode_rejects_bad_shapes():
-    q, pool = torch.zeros(1, 4, 48), torch.zeros(16, 1, 48)
-    slots, visible = torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.bool)
-    with pytest.raises(ValueError, match="0 < C < C \\+ R"):
-        paged_latent_decode_triton(q, pool, slots, visible, latent=48)
-    with pytest.raises(ValueError, match="one latent row a slot"):
-        paged_latent_decode_triton(q, torch.zeros(16, 2, 48), slots, visible, latent=32)
-    with pytest.raises(ValueError, match="int64"):
-        paged_latent_decode_triton(q, pool, slots.int(), visible, latent=32)
-
-
-_COMPILE_LATENT = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels.attention.decode import _latent_split_kernel as kernel
-
-additive = bool(int(sys.argv[1]))
-const = dict(HQ=16, HB=16, C=512, C_PAD=512, R=64, R_PAD=64, BLOCK_S=16, SPLIT_LEN=128, P=16, IEEE=False,
-             ADDITIVE=additive)
-assert {p.name for p in kernel.params if p.is_constexpr} == set(const)
-types = {"slot_ptr": "*i64", "mask_ptr": "*fp32" if additive else "*i8", "m_ptr": "*fp32", "l_ptr": "*fp32",
-         "acc_ptr": "*fp32", "S": "i32", "scale": "fp32"}
-sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
-       for n in kernel.arg_names}
-compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
-print("cubin bytes", len(compiled.asm["cubin"]))
-"""
-
-
-@pytest.mark.parametrize("additive", [0, 1])
-def test_paged_latent_decode_compiles_for_hopper(additive):
-    """The latent-attention decode kernel's whole Triton compile for sm_90 (tests.hopper) at
-    DeepSeek's widths (latent 512, rotary 64), with an additive mask or a bool one."""
-    assert int(compile_in_subprocess(_COMPILE_LATENT, additive).split()[-1]) > 0
 
 
 def _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, rope, seed):
@@ -366,7 +135,7 @@ def _rotary_rows(device, dtype, positions, d):
 @pytest.mark.parametrize("device,dtype", BACKENDS)
 @pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("qk_norm,rope,clip", [(None, True, None), ("head", True, 1.5), ("full", False, None)])
-def test_qkv_decode_into_a_paged_pool(device, dtype, t, qk_norm, rope, clip):
+def test_qkv_decode_into_apaged_pool(device, dtype, t, qk_norm, rope, clip):
     """Each token's k and v at its own pool row (scattered; one padding token's at the trash
     row), also stored into ``kv_out``: bit for bit the q, k and v of the same tokens stored
     at other pool rows (in order from row 0), close to the float64 reference, no other pool
@@ -471,7 +240,7 @@ def _paged_run(device, dtype, hq, hkv, s, lens, qk_norm, rope, clip, splits, see
     gen = torch.Generator().manual_seed(seed)
     qkv, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, rope, seed)
     lens = torch.tensor(lens)
-    read, kp, vp = _paged_pool(device, dtype, hkv, d, s, 8, lens, gen)
+    read, kp, vp = paged_pool(device, dtype, hkv, d, s, 8, lens, gen)
     last = (lens - 1).clamp(min=0)  # each row's new key: its position
     write = read.gather(1, last[:, None].to(device))[:, 0]  # the pool row it goes to
     # As the runner passes them: a column of a wider int64 tensor.
@@ -497,7 +266,7 @@ def _paged_run(device, dtype, hq, hkv, s, lens, qk_norm, rope, clip, splits, see
 @pytest.mark.parametrize("hq,hkv,qk_norm,rope,clip,splits", [
     (2, 2, None, True, None, 1), (2, 2, "full", True, None, 4), (8, 2, "head", True, 1.5, 1),
     (8, 2, None, False, None, 4), (8, 1, "full", True, 1.5, 1), (8, 1, "head", True, None, 4)])
-def test_qkv_attention_over_a_paged_pool(device, dtype, hq, hkv, qk_norm, rope, clip, splits):
+def test_qkv_attention_over_apaged_pool(device, dtype, hq, hkv, qk_norm, rope, clip, splits):
     """GQA 1, 4 and 8, each with one split and several, over a pool read in place (each q/k
     norm, clip, rotary or none): rows of different lengths (a full one, a middle one, a
     first token that sees only itself) in scattered blocks, their slots past their lengths
@@ -568,7 +337,7 @@ def test_qkv_attention_repeated_calls_and_steps(device, dtype):
     next, and each step sees the keys the steps before it wrote."""
     b, hq, hkv, d, s = 2, 4, 2, 16, 24
     gen = torch.Generator().manual_seed(3)
-    read, kp, vp = _paged_pool(device, dtype, hkv, d, s, 8, torch.tensor([s, s]), gen)  # every key slot held
+    read, kp, vp = paged_pool(device, dtype, hkv, d, s, 8, torch.tensor([s, s]), gen)  # every key slot held
     kr, vr = kp.double(), vp.double()
     keys = torch.arange(s)
     for step in (10, 11, 12):
