@@ -45,9 +45,12 @@ class GenerationStats:
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    prefill_s: float = 0.0  # from each batch's start to its first tokens on the host
-    decode_s: float = 0.0  # from each batch's first tokens to its last
-    decoded_tokens: int = 0  # tokens after each row's first, made in decode_s
+    # One process: from each batch's start to its first tokens on the host, then to its
+    # last. Pipeline stages: the time a prompt was in the pipeline, then the time it held
+    # decode steps alone (moe_infer.pipeline.Timeline).
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decoded_tokens: int = 0  # tokens made in decode_s (after each row's first)
     time_to_first_token_s: float | None = None  # from the call to the first batch's first tokens
 
     def merge(self, other: "GenerationStats") -> "GenerationStats":
@@ -361,7 +364,6 @@ class Engine:
         holding the cache at a time, a waiting prompt joining as a row ends."""
         if not rows:  # a replica's empty share
             return []
-        began = time.perf_counter()
         stats.prompt_tokens += sum(map(len, rows))
         p, bs = self.config.parallel, self.BLOCK_SIZE
         need = [-(-(len(r) + max_new) // bs) for r in rows]
@@ -371,11 +373,11 @@ class Engine:
         generated, finish, first_at, last_at = schedule.run(
             rows, max_new, lambda i, t: knobs(params, seeds[i], t), slots,
             lambda i, slot: list(range(slot * width, slot * width + need[i])))
-        self.last_timeline = schedule.timeline
-        stats.prefill_s += min(first_at) - began
-        stats.decode_s += max(last_at) - min(first_at)
+        tl = self.last_timeline = schedule.timeline
+        stats.prefill_s += tl.prefill_s
+        stats.decode_s += tl.decode_s
         stats.generated_tokens += sum(map(len, generated))
-        stats.decoded_tokens += sum(max(0, len(g) - 1) for g in generated)
+        stats.decoded_tokens += tl.decoded
         if stats.time_to_first_token_s is None:
             stats.time_to_first_token_s = min(first_at) - start
         return [Completion(g, self.tokenizer.decode(g) if self.tokenizer else None, f or "length", a - start,

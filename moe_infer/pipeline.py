@@ -56,12 +56,20 @@ def split(rows: list[int], parts: int) -> list[list[int]]:
 @dataclass
 class Timeline:
     """What the stages did: ``busy[s]`` seconds stage s spent computing, ``wall`` seconds
-    from the first slot's start to the last one's end, ``slots`` the slots run."""
+    from the first slot's start to the last one's end, ``slots`` the slots run. The host
+    time from the start to each draw of the last stage, split by what the pipeline held
+    since the draw before: ``prefill_s`` where it held a prompt, ``decode_s`` where it held
+    decode units alone, and ``decoded`` the tokens drawn at the end of those decode spans.
+    (A row's first token comes while later prompts are still in the pipeline, so its first
+    token to its last is not a decode rate.)"""
 
     stages: int
     busy: list[float] = field(default_factory=list)
     wall: float = 0.0
     slots: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decoded: int = 0
 
     @property
     def bubble(self) -> float:
@@ -184,9 +192,11 @@ class PipelineSchedule:
             return [Row([generated[i][-1]], len(prompts[i]) + len(generated[i]) - 1, tables[i],
                         sample=knobs_of(i, len(generated[i]))) for i in unit.rows]
 
-        begin = time.perf_counter()
+        begin = drawn = time.perf_counter()
+        prompted = False  # a prompt unit was in the pipeline since the last draw
         while pipe.busy():
             units = pipe.advance()
+            prompted = prompted or any(u is not None and u.prefill for u in units)
             mine, out, ids = units[me], None, None
             if mine is not None:
                 start = clock()
@@ -220,6 +230,11 @@ class PipelineSchedule:
                 ids = torch.empty(len(done.rows), dtype=torch.long, device=dev)
             dist.broadcast(ids.contiguous(), src=pp.ranks[last], group=pp.group)
             now = time.perf_counter()
+            if prompted:
+                tl.prefill_s += now - drawn
+            else:
+                tl.decode_s += now - drawn
+            made = sum(len(generated[i]) for i in done.rows)
             for i, tok, whole in zip(done.rows, ids.tolist(), complete):
                 if not whole:  # a piece of a long prompt: its draw is not a token yet
                     continue
@@ -237,6 +252,9 @@ class PipelineSchedule:
                 else:  # its slot to the next waiting row
                     members[g].discard(i)
                     free.append(slot_of[i])
+            if not prompted:
+                tl.decoded += sum(len(generated[i]) for i in done.rows) - made
+            drawn, prompted = now, False
             if not done.prefill:
                 queued[done.group] = False
             pipe.ready.extend(admit(1))

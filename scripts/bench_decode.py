@@ -70,20 +70,22 @@ def per_token_ms(engine, prompts, n, reps):
 
 
 def decode_step_ms(engine, prompts, n: int, reps: int) -> float:
-    """ms per decode step from generate()'s own clock (``GenerationStats.decode_s``: from a
-    batch's first tokens to its last, every host sync included), median of ``reps`` after a
-    warm-up. Steadier than ``per_token_ms``'s difference of two runs where the prefill's
-    time varies by more than that difference can bear: experts in host memory, several
-    ranks whose collectives meet."""
+    """ms per decode step of the whole batch from generate()'s own clock
+    (``GenerationStats.decode_s`` and the tokens made in it: a batch's first tokens to its
+    last, every host sync included; over pipeline stages, the time the pipeline held decode
+    steps alone), median of ``reps`` after a warm-up. Steadier than ``per_token_ms``'s
+    difference of two runs where the prefill's time varies by more than that difference
+    can bear: experts in host memory, several ranks whose collectives meet."""
     engine.generate(prompts, max_new_tokens=n)
     times = []
     for _ in range(reps):
         engine.generate(prompts, max_new_tokens=n)
         s = engine.last_stats
-        steps = s.decoded_tokens / len(prompts)
-        if steps != n - 1:  # eos is cleared: every row runs its n - 1 decode steps
-            raise RuntimeError(f"decode_step_ms: {steps} decode steps a row, expected {n - 1}")
-        times.append(s.decode_s / steps)
+        if s.generated_tokens != n * len(prompts):  # eos is cleared: every row runs its n tokens
+            raise RuntimeError(f"decode_step_ms: {s.generated_tokens} tokens, expected {n * len(prompts)}")
+        if not s.decoded_tokens:
+            raise RuntimeError("decode_step_ms: no decode step ran apart from a prompt; raise the new tokens")
+        times.append(s.decode_s * len(prompts) / s.decoded_tokens)
     return 1e3 * statistics.median(times)
 
 

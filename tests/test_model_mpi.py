@@ -192,8 +192,16 @@ def test_pipeline_schedule_with_rows_that_end_at_different_steps(info, checkpoin
         engine.eos = {eos}
         got = [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, max_new_tokens=8)]
         assert got == want, (micro, prompt_micro, rows)
-        tl = engine.last_timeline
+        tl, stats = engine.last_timeline, engine.last_stats
         assert tl.stages == world and tl.slots > 8 and 0 <= tl.bubble < 1
+        # The host time up to the last draw, split: prompts in the pipeline, decode alone.
+        # A row's first token is no decode token; with every row in the cache at once the
+        # pipeline ends holding decode steps alone.
+        assert tl.prefill_s > 0 and tl.prefill_s + tl.decode_s <= tl.wall
+        assert stats.decoded_tokens == tl.decoded <= sum(max(0, len(g) - 1) for g, _ in got)
+        assert stats.decode_s == tl.decode_s
+        if rows >= len(prompts):
+            assert tl.decoded > 0
         got = [o.token_ids for o in engine.generate(prompts, max_new_tokens=6, temperature=0.8, seed=3)]
         assert got == sampled, (micro, prompt_micro, rows)
 
