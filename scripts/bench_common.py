@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import datetime
+import gc
 import json
 import os
 import re
@@ -92,7 +93,10 @@ def free_memory_bytes(device: torch.device | str) -> int:
 
 def empty_cache(device: torch.device | str) -> None:
     """Return cached blocks between cases, so one shape's weights don't crowd the next (the
-    pinned host blocks too: an offloaded model's experts would keep host memory)."""
+    pinned host blocks too: an offloaded model's experts would keep host memory). Collects
+    garbage first: a dropped engine's modules and steps hold their memory in reference
+    cycles."""
+    gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
         for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):  # named per torch version

@@ -162,6 +162,7 @@ def main():
             if rank == 0:  # as it comes: a run cut short keeps what it measured
                 print(f"{name} batch {b}: {ms:.3f} ms/token ({engine.decode_mode})", flush=True)
         del engine
+        bc.empty_cache(info.device)
     base = {}
     device = info.device
     path = bc.results_path(baseline_name(args.model), device)

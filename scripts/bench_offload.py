@@ -29,7 +29,6 @@ Writes bench/results/offload-<model>-<device>-<date>.json.
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 from pathlib import Path
@@ -175,7 +174,6 @@ def kv_rows(args, device, prompts_of) -> list[dict]:
             else:
                 row["device_ms_per_token"] = ms
             del engine
-            gc.collect()
             bc.empty_cache(device or "cuda")
         out.append(row)
         print(f"kv offload batch {b}: {row['ms_per_token'] or float('nan'):.3f} ms/token", flush=True)
@@ -238,7 +236,6 @@ def main():
                              "prefill_tokens_s": prefill})
             print(f"budget {budget} {mode} batch {b}: {ms:.3f} ms/token", flush=True)
         del engine
-        gc.collect()  # the modules' reference cycles hold their host and device memory
         bc.empty_cache(device or "cuda")
     layers = []
     if args.layers_batches:
@@ -252,6 +249,7 @@ def main():
                            "matmul_tflops": rate})
             print(f"layers batch {b}: {tps:.0f} tokens/s, {tflops:.1f} TFLOP/s", flush=True)
         del engine
+        bc.empty_cache(device or "cuda")
     kv = kv_rows(args, device, prompts_of) if args.kv_batches else []
     if args.peer and not args.smoke:
         for budget in {r["budget_gb"] for r in rows_out if r["budget_gb"] is not None}:

@@ -109,6 +109,7 @@ def main():
                 say(f"prompts {label} ({count} micro-batches): {s * 1e3:.1f} ms, bubble "
                     f"{engine.last_timeline.bubble:.1%}")
         del engine
+        bc.empty_cache(info.device)
     if rank == 0:
         run = bc.run_info(info.device)
         print(f"device {run['device']} x {world} ranks | date {run['date']} | commit {run['commit']} | model "
