@@ -77,12 +77,14 @@ class ColdCost:
     start to its output, read once done) over their predictions, a running mean. A probe
     of the bare rates misses the rest of each path (host copies, launches, the CPU's loop
     over experts, other load on the host), which decides between close ways. The way not
-    taken is tried again every ``RETRY`` calls, so its figure follows the machine too."""
+    taken is tried again, so its figure follows the machine too, once the calls since its
+    last try have cost ``RETRY`` times what a try of it is expected to: retries take at
+    most about 1 / ``RETRY`` of the time however much slower that way is."""
 
     profile: MachineProfile
     expert_bytes: int  # one expert's weights as stored
     expert_flops: int  # per token routed to one expert (2 x its weights)
-    RETRY = 32  # calls between tries of the way not taken
+    RETRY = 32  # the time between tries of the way not taken, in tries of it
     DECAY = 0.8  # weight of the old figure at each measured call
     scale: dict = field(default_factory=lambda: {"cpu": 1.0, "stream": 1.0})
     since: dict = field(default_factory=lambda: {"cpu": 0, "stream": 0})  # calls since each way was taken
@@ -99,12 +101,10 @@ class ColdCost:
         if cold_pairs == 0:
             return "cpu"
         self._read()
-        stale = [m for m, n in self.since.items() if n >= self.RETRY]
-        if stale:
-            way = stale[0]
-        else:
-            cpu, stream = (self.predict(m, cold_pairs, cold_experts) * self.scale[m] for m in ("cpu", "stream"))
-            way = "cpu" if cpu <= stream else "stream"
+        cost = {m: self.predict(m, cold_pairs, cold_experts) * self.scale[m] for m in ("cpu", "stream")}
+        best = min(cost, key=cost.get)
+        other = "stream" if best == "cpu" else "cpu"
+        way = other if self.since[other] * cost[best] >= self.RETRY * cost[other] else best
         for m in self.since:
             self.since[m] = 0 if m == way else self.since[m] + 1
         return way

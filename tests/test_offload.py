@@ -2,6 +2,7 @@
 as the unbounded model for every way cold experts run. On CPU the "device" is host memory
 too; what is checked is the placement and the math of each path."""
 import json
+import math
 
 import pytest
 import torch
@@ -52,8 +53,9 @@ def test_cold_experts_run_where_the_machine_says_they_are_faster(pairs, experts,
 
 def test_auto_follows_what_each_way_has_cost_here():
     """The profile favours the CPU, but CPU calls took ten times their prediction and
-    streamed ones what was predicted: auto streams, and tries the CPU again every RETRY
-    calls (where it would come back if the CPU got faster)."""
+    streamed ones what was predicted: auto streams, and tries the CPU again once the
+    streaming since its last try has cost RETRY CPU calls (where it would come back if the
+    CPU got faster), so the slower the CPU, the rarer its tries."""
     profile = off.MachineProfile(h2d_bytes_s=25e9, cpu_bytes_s=50e9, cpu_flops=1e12)
     cost = off.ColdCost(profile, expert_bytes=1 << 20, expert_flops=2 << 20)
     assert cost.mode(2, 2) == "cpu"
@@ -61,8 +63,12 @@ def test_auto_follows_what_each_way_has_cost_here():
     for _ in range(10):
         cost.observe("cpu", cpu, 10 * cpu)
         cost.observe("stream", stream, stream)
-    ways = [cost.mode(2, 2) for _ in range(2 * cost.RETRY + 2)]
-    assert ways[0] == "stream" and ways.count("cpu") == 2 and ways[cost.RETRY] == "cpu"
+    ratio = cost.scale["cpu"] * cpu / (cost.scale["stream"] * stream)
+    assert ratio > 2
+    every = math.ceil(cost.RETRY * ratio)  # streamed calls between CPU tries
+    ways = [cost.mode(2, 2) for _ in range(2 * every + 2)]
+    tries = [i for i, w in enumerate(ways) if w == "cpu"]
+    assert ways[0] == "stream" and len(tries) == 2 and tries[1] - tries[0] == every + 1
     for _ in range(20):
         cost.observe("cpu", cpu, 0.5 * cpu)
     assert cost.mode(2, 2) == "cpu"
