@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """The cost model's predictions against measured decode steps: every row of the layout
-benchmarks' JSON (``scripts/bench_layouts.py``: one GPU alone and each layout) beside
+benchmarks' JSON (``scripts/bench_layouts.py``: one GPU alone and each layout;
+``scripts/bench_pipeline.py``: pp with and without draining, its peers) beside
 ``moe_infer.costmodel``'s prediction for the same model, layout, batch and context on the
 device's hardware profile, with the error of each.
 
-    python scripts/validate_costmodel.py                      # every layouts-*.json in bench/results
+    python scripts/validate_costmodel.py        # every layouts-*.json and pipeline-*.json in bench/results
     python scripts/validate_costmodel.py --files a.json b.json --hardware my-h200.yaml
 
 The context of a step is the prompt plus half the new tokens (the mean over the timed
@@ -30,13 +31,17 @@ from moe_infer.loader import resolve_config  # noqa: E402
 
 
 def rows_of(path: Path) -> list[dict]:
-    """(model, device, layout, parallel, batch, measured ms, context) of one results file."""
+    """(model, device, layout, parallel, batch, measured ms, context) of one results file
+    (bench_layouts' or bench_pipeline's)."""
     d = json.loads(path.read_text())
     args, device = d.get("args") or {}, d["run"]["device"]
     context = args.get("prompt_len", 128) + args.get("new_tokens", 32) / 2
     if "rows" in d:
         return [dict(model=d["model"], device=device, layout=r["layout"], parallel=r["parallel"], batch=r["batch"],
                      ms=r["ms_per_token"], context=context, file=path.name) for r in d["rows"]]
+    if "decode" in d:  # scripts/bench_pipeline.py: ms a decode step of the whole batch
+        return [dict(model=d["model"], device=device, layout=r["layout"], parallel=r["parallel"], batch=r["batch"],
+                     ms=r["ms_per_step"], context=context, file=path.name) for r in d["decode"]]
     if "ms_per_token" in d:  # a --baseline run: one GPU alone
         return [dict(model=d["model"], device=device, layout="one GPU", parallel={}, batch=int(b), ms=ms,
                      context=context, file=path.name) for b, ms in d["ms_per_token"].items()]
@@ -83,7 +88,8 @@ def main():
     ap.add_argument("--files", nargs="*", help="results JSON files (default: bench/results/layouts-*.json)")
     ap.add_argument("--hardware", help="a profile for every file (default: by each file's device)")
     args = ap.parse_args()
-    files = [Path(f) for f in args.files] if args.files else sorted(bc.RESULTS_DIR.glob("layouts-*.json"))
+    files = [Path(f) for f in args.files] if args.files else sorted(
+        [*bc.RESULTS_DIR.glob("layouts-*.json"), *bc.RESULTS_DIR.glob("pipeline-*.json")])
     rows = compare(files, args.hardware)
     print(bc.format_table(["model", "layout", "batch", "measured ms", "predicted ms", "error", "profile", "file"], [
         [r["model"], r["layout"], r["batch"], f"{r['ms']:.3f}", f"{r['predicted']:.3f}", f"{r['error']:+.0%}",
