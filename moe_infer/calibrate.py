@@ -1,6 +1,7 @@
 """``moe-infer calibrate``: measures this machine into a cost-model hardware profile
 (``moe_infer.costmodel.Hardware``): device memory bandwidth (a device copy, bytes read and
-written), dense matmul rates (bf16, and int8 where the device has an int8 GEMM), pinned
+written), dense matmul rates (bf16, and int8 where the device has an int8 GEMM), the bf16
+rate by activation rows (``matmul_curve``: decode's GEMMs have few rows), pinned
 host-to-device copies, the CPU's matmul weight-read rate and, under ``scripts/launch.sh``,
 all-reduce latency and bandwidth over the job's ranks. ``smoke``: small sizes (CPU tests).
 """
@@ -48,6 +49,22 @@ def _matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, reps: int) 
         a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
         fn = lambda: a @ b  # noqa: E731
     return 2 * n ** 3 / _seconds(fn, device, reps) / 1e12
+
+
+CURVE_ROWS = (1, 8, 32, 128, 512, 2048, 8192)
+CURVE_CALLS = 8  # GEMMs a timed call runs back to back: a host sync a GEMM would outlast a short one
+
+
+def _matmul_curve(device: torch.device, k: int, rows: tuple[int, ...], reps: int) -> dict[int, float]:
+    """bf16 TFLOP/s of (rows x k) @ (k x k) at each of ``rows``, over ``CURVE_CALLS`` weights
+    (each read once a call; on a GPU their bytes pass its cache, as a step's layers do)."""
+    weights = [torch.randn(k, k, dtype=torch.bfloat16, device=device) for _ in range(CURVE_CALLS)]
+    out = {}
+    for m in rows:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+        s = _seconds(lambda: [x @ w for w in weights], device, reps)
+        out[m] = _figure(2 * m * k * k * CURVE_CALLS / s / 1e12)
+    return out
 
 
 def _h2d_gbps(device: torch.device, nbytes: int, reps: int) -> float:
@@ -146,6 +163,8 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
         memory_gb, kind = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, "cpu"
     bf16 = _matmul_tflops(device, n, torch.bfloat16, reps)
     int8 = _matmul_tflops(device, n, torch.int8, reps)
+    curve = _matmul_curve(device, 256 if smoke else (8192 if device.type == "cuda" else 1024),
+                          CURVE_ROWS[:3] if smoke else CURVE_ROWS[:None if device.type == "cuda" else 5], reps)
     measured = _link(device, 4096, (1 << 20) if smoke else (64 << 20), reps)
     link, how = measured if measured else (None, "")
     sources = ["measured by moe-infer calibrate"]
@@ -161,10 +180,12 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
                        f"network taken as the same (one node)")
         network = link
     sources.append("per-block overhead not measured: 15 us")
+    sources.append("int8 GEMMs at the int8 rate whatever their rows (the rows curve is bf16's)")
     return Hardware(name=name or kind.lower().replace(" ", "-"), memory_gb=round(memory_gb, 1),
                     mem_gbps=_figure(_copy_gbps(device, big, reps)),
                     matmul_tflops={"bfloat16": _figure(bf16), "int8": _figure(int8 if int8 else bf16)},
                     nvlink=link, network=network, gpus_per_node=dist.get_world_size() if dist.is_initialized() else 1,
                     layer_overhead_us=15.0, h2d_gbps=_figure(_h2d_gbps(device, big, reps)),
                     cpu_matmul_gbps=_figure(_cpu_matmul_gbps(*((512, 1024) if smoke else (14336, 4096)), reps)),
+                    matmul_curve={"bfloat16": curve},
                     source="; ".join(sources) + f" ({kind}, {time.strftime('%Y-%m-%d')})")

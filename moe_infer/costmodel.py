@@ -3,9 +3,10 @@ memory each GPU needs, from a hardware profile (``Hardware``: measured by ``moe-
 calibrate``, or shipped from published figures under ``moe_infer/hardware/``).
 
 Each block on a rank costs the larger of its bytes over the memory bandwidth and its
-FLOPs over the matmul rate (a roofline), plus its collectives (alpha-beta: a latency per
-message and bytes over the link's bandwidth, for the link the group spans) and a fixed
-per-block overhead (the kernels' own latency). What a rank reads and computes follows the
+FLOPs over the matmul rate its GEMMs reach at their rows (a roofline; an expert's rows are
+its share of the routed pairs), plus its collectives (alpha-beta: a latency per message
+and bytes over the link's bandwidth, for the link the group spans) and a fixed per-block
+overhead (the kernels' own latency). What a rank reads and computes follows the
 layout: attention and dense FFNs split over tp; experts over ep (whole) and expert_slicing
 (their width); pipeline stages split the blocks (``model.stage_layers``) and their
 micro-batches hide each other (``pipeline``'s schedule); replicas split the batch where
@@ -45,7 +46,10 @@ class Link:
 @dataclass
 class Hardware:
     """What the model needs to know of a machine. Rates are achievable ones (measured, or a
-    published peak times the efficiency stated in ``source``)."""
+    published peak times the efficiency stated in ``source``). ``matmul_curve``: per weight
+    dtype, the TFLOP/s a GEMM reached by its activation rows (measured by ``moe-infer
+    calibrate`` over weights larger than the cache); where a dtype has none, every GEMM
+    runs at ``matmul_tflops``."""
 
     name: str
     memory_gb: float  # per GPU
@@ -58,6 +62,7 @@ class Hardware:
     h2d_gbps: float = 0.0  # pinned host-to-device, for offload terms
     cpu_matmul_gbps: float = 0.0  # host matmul weight-read rate, for CPU experts
     source: str = ""
+    matmul_curve: dict = field(default_factory=dict)  # weight dtype -> {rows: TFLOP/s}
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "Hardware":
@@ -82,6 +87,22 @@ class Hardware:
         import yaml
 
         Path(path).write_text(yaml.safe_dump(dataclasses.asdict(self), sort_keys=False))
+
+    def matmul_rate(self, dtype: str, rows: float) -> float:
+        """FLOP/s of a GEMM of ``rows`` activation rows: ``matmul_curve``, log-linear between
+        its points, proportional to the rows below its first (a weight-bound GEMM's time
+        does not shrink with them), its last point's rate beyond; ``matmul_tflops`` without
+        one."""
+        curve = sorted((int(m), float(t)) for m, t in self.matmul_curve.get(dtype, {}).items())
+        if not curve:
+            return self.matmul_tflops[dtype] * 1e12
+        rows = max(rows, 1e-9)
+        if rows <= curve[0][0]:
+            return curve[0][1] * 1e12 * rows / curve[0][0]
+        for (m0, t0), (m1, t1) in zip(curve, curve[1:]):
+            if rows <= m1:
+                return 1e12 * (t0 + (t1 - t0) * math.log(rows / m0) / math.log(m1 / m0))
+        return curve[-1][1] * 1e12
 
     def link(self, ranks: int) -> Link:
         """The link a group of ``ranks`` consecutive ranks spans."""
@@ -218,13 +239,14 @@ class CostModel:
         return weights, rows * context * kv_token, flops, kv_token
 
     def _ffn(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float) -> tuple[float, float]:
-        """(bytes read, FLOPs) of block ``index``'s FFN on a rank; ``tokens`` the replica's
-        tokens, ``group_tokens`` those the rank's experts see."""
+        """(bytes read, seconds of its GEMMs at the matmul rate of their rows) of block
+        ``index``'s FFN on a rank; ``tokens`` the replica's tokens, ``group_tokens`` those
+        the rank's experts see."""
         m, e = self.cfg.model, self.cfg.moe
         gated = 3 if m.gated else 2
         if e is None or not self.cfg.is_moe_layer(index):
             w = gated * m.hidden_size * m.ffn_hidden / p.tp
-            return w * self.wb, 2 * tokens * w
+            return w * self.wb, 2 * tokens * w / self._rate(tokens)
         expert = gated * m.hidden_size * e.expert_hidden / p.expert_slicing  # one expert's slice here
         local = e.num_experts // p.ep
         if self.histogram is None and p.ep > 1 and group_tokens == int(group_tokens):
@@ -232,11 +254,16 @@ class CostModel:
         else:
             hit = distinct_experts(e.num_experts, e.top_k, group_tokens, local, self.histogram)
         pairs = group_tokens * e.top_k / p.ep
-        reads, flops = hit * expert * self.eb, 2 * pairs * expert
+        # each expert hit runs its GEMMs over its share of the pairs
+        reads, seconds = hit * expert * self.eb, 2 * pairs * expert / self._rate(pairs / max(hit, 1e-9))
         if e.shared_experts:
             w = gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp
-            reads, flops = reads + w * self.wb, flops + 2 * tokens * w
-        return reads, flops
+            reads, seconds = reads + w * self.wb, seconds + 2 * tokens * w / self._rate(tokens)
+        return reads, seconds
+
+    def _rate(self, rows: float) -> float:
+        """FLOP/s of a GEMM of ``rows`` rows in the weights' dtype."""
+        return self.hw.matmul_rate("int8" if self.wb == 1 else "bfloat16", rows)
 
     def _replica_rows(self, p: ParallelConfig, batch: int) -> float:
         """Rows one replica runs: replicas that hold every expert they route to, or with
@@ -262,7 +289,6 @@ class CostModel:
         from moe_infer.model import stage_layers
 
         stages = stage_layers(cfg, p.pp)
-        tflops = hw.matmul_tflops["int8" if self.wb == 1 else "bfloat16"] * 1e12
         bw = hw.mem_gbps * GB
         mb = (p.prompt_micro_batches if prefill else p.micro_batches) if p.pp > 1 else 1
         mb = max(1, min(mb, math.ceil(rows)))
@@ -272,8 +298,8 @@ class CostModel:
             weights, kv_token, busy = 0.0, 0.0, 0.0
             for i in own:
                 a_w, a_kv, a_flops, kv = self._attention(p, rows / mb, new, keys)
-                f_reads, f_flops = self._ffn(p, i, tokens / mb, group_tokens / mb)
-                t_mem, t_cmp = (a_w + a_kv + f_reads) / bw, (a_flops + f_flops) / tflops
+                f_reads, f_cmp = self._ffn(p, i, tokens / mb, group_tokens / mb)
+                t_mem, t_cmp = (a_w + a_kv + f_reads) / bw, a_flops / self._rate(tokens / mb) + f_cmp
                 busy += max(t_mem, t_cmp)  # a block's roofline
                 split["memory"] += t_mem
                 split["compute"] += t_cmp
@@ -284,7 +310,7 @@ class CostModel:
             t_stage = busy + split["collectives"] + split["overhead"]
             if own.stop == m.num_layers:  # the final norm and the LM head
                 head = m.vocab_size * m.hidden_size * self.wb / p.tp
-                t_stage += max(head / bw, 2 * tokens / mb * head / self.wb / tflops)
+                t_stage += max(head / bw, 2 * tokens / mb * head / self.wb / self._rate(tokens / mb))
                 weights += head
             if own.start == 0:  # the embeddings
                 weights += m.vocab_size * m.hidden_size * self.wb / p.tp

@@ -103,6 +103,36 @@ def test_expert_terms_follow_the_layout():
     assert dpa.split["collectives"] >= 0 and dpa.tokens_per_s > 0
 
 
+def test_matmul_rate_follows_the_measured_curve(tmp_path):
+    """Log-linear between measured rows, proportional below the first (a weight-bound GEMM
+    takes as long with fewer rows), the last rate beyond; a dtype without a curve runs at
+    its dense rate; the curve survives a dump and load."""
+    hw = machine(matmul_curve={"bfloat16": {8: 10.0, 128: 100.0, 2048: 800.0}})
+    assert hw.matmul_rate("bfloat16", 8) == pytest.approx(10e12)
+    assert hw.matmul_rate("bfloat16", 4) == pytest.approx(5e12)
+    assert hw.matmul_rate("bfloat16", 32) == pytest.approx(55e12)  # halfway from 8 to 128 in log
+    assert hw.matmul_rate("bfloat16", 512) == pytest.approx(450e12)
+    assert hw.matmul_rate("bfloat16", 1 << 20) == pytest.approx(800e12)
+    assert hw.matmul_rate("int8", 4) == pytest.approx(2000e12)
+    hw.dump(tmp_path / "curve.yaml")
+    assert Hardware.load(tmp_path / "curve.yaml") == hw
+
+
+def test_expert_gemms_run_at_the_rate_of_their_rows():
+    """Mixtral at batch 1024 on a machine whose memory costs nothing: each of the 8 experts
+    gets 256 of the 2048 pairs. A curve that halves the rate at 256 rows and keeps it at
+    1024 (the attention's and the head's rows) adds exactly the experts' FLOPs at the dense
+    rate to the compute time."""
+    cfg = resolve_config("mixtral-8x7b")
+    m, e = cfg.model, cfg.moe
+    flat = CostModel(cfg, machine(mem_gbps=1e9)).predict(ParallelConfig(), "decode", 1024, 0)
+    curved = CostModel(cfg, machine(mem_gbps=1e9, matmul_curve={"bfloat16": {256: 500.0, 1024: 1000.0}}))
+    curved = curved.predict(ParallelConfig(), "decode", 1024, 0)
+    expert_flops = m.num_layers * 2 * 1024 * e.top_k * 3 * m.hidden_size * e.expert_hidden
+    assert curved.split["compute"] - flat.split["compute"] == pytest.approx(expert_flops / 1e15 * 1e3, rel=1e-3)
+    assert curved.ms > flat.ms
+
+
 def test_mxfp4_experts_read_and_hold_a_quarter_and_a_bit_of_their_bf16_bytes():
     from moe_infer.costmodel import weight_sizes
 
@@ -178,6 +208,8 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
     hw = Hardware.load(out)
     assert hw.name == "here" and hw.mem_gbps > 0 and hw.matmul_tflops["bfloat16"] > 0 and hw.cpu_matmul_gbps > 0
     assert "links not measured" in hw.source
+    curve = hw.matmul_curve["bfloat16"]
+    assert sorted(curve) == [1, 8, 32] and all(rate > 0 for rate in curve.values())
     capsys.readouterr()
     assert main(["plan", "--model", "tiny-moe", "--gpus", "1", "--hardware", str(out)]) == 0
     assert "tiny-moe on 1 x here" in capsys.readouterr().out
