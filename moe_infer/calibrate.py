@@ -163,8 +163,12 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
         memory_gb, kind = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, "cpu"
     bf16 = _matmul_tflops(device, n, torch.bfloat16, reps)
     int8 = _matmul_tflops(device, n, torch.int8, reps)
-    curve = _matmul_curve(device, 256 if smoke else (8192 if device.type == "cuda" else 1024),
-                          CURVE_ROWS[:3] if smoke else CURVE_ROWS[:None if device.type == "cuda" else 5], reps)
+    if smoke:
+        curve = _matmul_curve(device, 256, CURVE_ROWS[:3], reps)
+    elif device.type == "cuda":
+        curve = _matmul_curve(device, 8192, CURVE_ROWS, reps)
+    else:  # a CPU's GEMMs of thousands of rows would take the run's minutes
+        curve = _matmul_curve(device, 1024, CURVE_ROWS[:5], reps)
     measured = _link(device, 4096, (1 << 20) if smoke else (64 << 20), reps)
     link, how = measured if measured else (None, "")
     sources = ["measured by moe-infer calibrate"]

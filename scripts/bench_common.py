@@ -12,7 +12,6 @@ pair of events (so host syncs inside the timed function are fine); on CPU it is
 from __future__ import annotations
 
 import dataclasses
-
 import datetime
 import gc
 import json
