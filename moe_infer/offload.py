@@ -196,18 +196,18 @@ def pick(num: list[int], slots: int, counts: list[list[float]] | None = None) ->
 
 def rebalance(model: nn.Module, decay: float = 0.5) -> int:
     """Moves experts between the device and host memory by the routing counts the
-    offloaded layers gathered (the most routed on the device, as many as now), then
-    weighs the counts by ``decay``, so later traffic counts more -> experts moved in."""
-    layers = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
-    if not layers:
-        return 0
-    counts = [m.routed.tolist() for m in layers]  # one wait for the host per layer
-    hot = pick([len(c) for c in counts], sum(len(m.hot) for m in layers), counts)
+    offloaded layers gathered: in each layer its most routed, as many as its placement
+    keeps on the device (the kernels specialise on a layer's expert count: a count that
+    changed would compile new variants inside decode steps), an expert on the device
+    staying where counts tie. Then weighs the counts by ``decay``, so later traffic counts
+    more -> experts moved in."""
     moved = 0
-    for m, h in zip(layers, hot):
-        moved += len(set(h) - set(m.hot))
-        if h != m.hot:
-            m.set_hot(h)
+    for m in (m for m in model.modules() if isinstance(m, OffloadedExperts)):
+        counts = m.routed.tolist()  # one wait for the host per layer
+        here = set(m.hot)
+        keep = sorted(range(len(counts)), key=lambda e: (-counts[e], e not in here, e))[:len(m.hot)]
+        moved += len(set(keep) - here)
+        m.set_hot(keep)
         m.routed.mul_(decay)
     return moved
 
@@ -248,15 +248,27 @@ class OffloadedExperts(nn.Module):
         self.stats = dict.fromkeys(("pairs", "cold_pairs", "cold_experts", "cpu", "stream"), 0)
 
     def set_hot(self, hot: list[int]) -> None:
-        """Keeps experts ``hot`` (sorted) on the device, copied from the host copies."""
-        device, index = self.slot.device, torch.tensor(hot, dtype=torch.long)
-        self.w13 = nn.Parameter(self.host["w13"][index].to(device), requires_grad=False)
-        self.w2 = nn.Parameter(self.host["w2"][index].to(device), requires_grad=False)
-        self.device_extras = {k: self.host[k][index].to(device) for k in self.host if k not in ("w13", "w2")}
+        """Keeps experts ``hot`` on the device, copied from the host copies. As many as
+        now (a rebalance): only the experts that come in are copied, each into the place
+        of one that leaves, so the device tensors keep their shapes; otherwise they are
+        made anew. ``self.hot``: the expert in each place."""
+        device = self.slot.device
+        if self.w13 is not None and len(hot) == len(self.hot):
+            leaving = [i for i, e in enumerate(self.hot) if e not in set(hot)]
+            coming = [e for e in hot if e not in set(self.hot)]
+            for i, e in zip(leaving, coming):
+                for name, t in (("w13", self.w13), ("w2", self.w2), *self.device_extras.items()):
+                    t.data[i].copy_(self.host[name][e], non_blocking=True)  # (pinned on a GPU host)
+                self.hot[i] = e
+        else:
+            index = torch.tensor(sorted(hot), dtype=torch.long)
+            self.w13 = nn.Parameter(self.host["w13"][index].to(device), requires_grad=False)
+            self.w2 = nn.Parameter(self.host["w2"][index].to(device), requires_grad=False)
+            self.device_extras = {k: self.host[k][index].to(device) for k in self.host if k not in ("w13", "w2")}
+            self.hot = index.tolist()
         slot = torch.full(self.slot.shape, -1, dtype=torch.long)
-        slot[index] = torch.arange(len(hot))
+        slot[torch.tensor(self.hot, dtype=torch.long)] = torch.arange(len(self.hot))
         self.slot.copy_(slot)
-        self.hot = hot
 
     @property
     def num_cold(self) -> int:
@@ -366,6 +378,9 @@ class OffloadedExperts(nn.Module):
         ``staging`` at a time (the first round's copies already queued: ``first``, their
         event) -> their weighted outputs [P, H] float32."""
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        # The kernels take the whole staging area, however few experts a round holds: they
+        # specialise on the expert count, and a count a round would compile a variant each.
+        extras = {k: self._stage[k] for k in self.host if k not in ("w13", "w2")}
         for lo in range(0, len(used), self.staging):
             chunk = used[lo:lo + self.staging]
             done = first if lo == 0 else self._stage_round(chunk)
@@ -375,9 +390,7 @@ class OffloadedExperts(nn.Module):
             self._stage_slot[torch.tensor(chunk, device=x.device)] = torch.arange(len(chunk), device=x.device)
             s = self._stage_slot[ids]
             rows = (s >= 0).nonzero(as_tuple=True)[0]
-            n = len(chunk)
-            extras = {k: self._stage[k][:n] for k in self.host if k not in ("w13", "w2")}
-            part = kernels.fused_moe(x[rows], self._stage["w13"][:n], self._stage["w2"][:n], w[rows, None],
+            part = kernels.fused_moe(x[rows], self._stage["w13"], self._stage["w2"], w[rows, None],
                                      s[rows, None], self.activation, pdl=self.options.pdl,
                                      weighted_input=self.weighted_input, **extras)
             y.index_add_(0, rows, part.float())

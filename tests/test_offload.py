@@ -140,21 +140,27 @@ def test_a_budget_below_the_dense_part_fails_at_load_with_one_line(full):
         moe_infer.load("tiny-moe", progress=False, device="cpu", gpu_memory_gb=fixed / 2)
 
 
-def test_rebalance_moves_the_most_routed_experts_onto_the_device(full):
-    """The prompts' routing counts decide which experts stay on the device (as many as the
-    budget placed), and the results do not change when experts move."""
+def test_rebalance_moves_each_layers_most_routed_experts_onto_the_device(full):
+    """The routing counts decide which experts a layer keeps on the device, as many as its
+    placement gave it (the kernels specialise on that count), an expert already there
+    staying where counts tie; the incoming ones are copied into the device tensors in
+    place, and the results do not change when experts move."""
     fixed, one = budgets(full)
     engine = moe_infer.load("tiny-moe", progress=False, device="cpu",
                             gpu_memory_gb=fixed + 3 * one / 1e9, offload="cpu")
     layers = [m for m in engine.model.modules() if isinstance(m, off.OffloadedExperts)]
+    assert [m.hot for m in layers] == [[0], [0], [0], []]  # no counts at load: spread over the layers
+    tensors = [m.w13 for m in layers]
     for m, counts in zip(layers, ([0, 0, 0, 0, 9, 8], [0, 0, 0, 0, 0, 1], [0] * 6, [0] * 6)):
         m.routed.copy_(torch.tensor(counts, dtype=torch.float32))
-    assert off.rebalance(engine.model) == 3
-    assert [m.hot for m in layers] == [[4, 5], [5], [], []]
+    assert off.rebalance(engine.model) == 2
+    assert [m.hot for m in layers] == [[4], [5], [0], []]
+    assert all(m.w13 is t for m, t in zip(layers, tensors))
+    assert torch.equal(layers[0].w13[0], layers[0].host["w13"][4]) and layers[0].slot.tolist()[4] == 0
     assert [m.routed.tolist() for m in layers][0] == [0, 0, 0, 0, 4.5, 4.0]  # weighed down
     assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
         [o.token_ids for o in full.generate(PROMPTS, max_new_tokens=8)]
-    assert sum(len(m.hot) for m in layers) == 3  # generate() placed them by its prompts' routing
+    assert [len(m.hot) for m in layers] == [1, 1, 1, 0]  # generate() placed them by its prompts' routing
 
 
 def test_streamed_layers_give_the_unbounded_results(full):
