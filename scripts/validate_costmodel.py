@@ -85,7 +85,8 @@ def choices(rows: list[dict]) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--files", nargs="*", help="results JSON files (default: bench/results/layouts-*.json)")
+    ap.add_argument("--files", nargs="*",
+                    help="results JSON files (default: bench/results/layouts-*.json and pipeline-*.json)")
     ap.add_argument("--hardware", help="a profile for every file (default: by each file's device)")
     args = ap.parse_args()
     files = [Path(f) for f in args.files] if args.files else sorted(
