@@ -254,8 +254,9 @@ class OffloadedExperts(nn.Module):
         made anew. ``self.hot``: the expert in each place."""
         device = self.slot.device
         if self.w13 is not None and len(hot) == len(self.hot):
-            leaving = [i for i, e in enumerate(self.hot) if e not in set(hot)]
-            coming = [e for e in hot if e not in set(self.hot)]
+            new, now = set(hot), set(self.hot)
+            leaving = [i for i, e in enumerate(self.hot) if e not in new]
+            coming = [e for e in hot if e not in now]
             for i, e in zip(leaving, coming):
                 for name, t in (("w13", self.w13), ("w2", self.w2), *self.device_extras.items()):
                     t.data[i].copy_(self.host[name][e], non_blocking=True)  # (pinned on a GPU host)
