@@ -282,11 +282,22 @@ def _plan(args) -> int:
     kinds = {"int8": "int8 weights", "mxfp4": "MXFP4 experts", None: "bf16 weights"}
     print(f"{cfg.name} on {args.gpus} x {hw.name} ({kinds[quantize]}): {what}, "
           f"best {args.goal} first")
-    rows = [("layout", "ms", "tokens/s", "GB/GPU", "memory ms", "compute ms", "collectives ms", "fits")]
+    # The memory's limits, each with the other held at the given value; the tokens a row
+    # no further than the model's positions.
+    longest = "max prompt" if args.phase == "prefill" else "max context"
+
+    def limit(q, vary):
+        n = model.largest(q.parallel, args.phase, args.batch, args.context, args.prompt, vary)
+        if vary == "context" and n > cfg.model.max_position:
+            return f"{cfg.model.max_position} (model)"
+        return f">={n}" if n >= model.LIMIT else str(n)
+
+    rows = [("layout", "ms", "tokens/s", "GB/GPU", "memory ms", "compute ms", "collectives ms", "fits",
+             "max batch", longest)]
     for q in preds[:args.top]:
         rows.append((q.layout, f"{q.ms:.3f}", f"{q.tokens_per_s:,.0f}", f"{q.memory_gb:.1f}",
                      f"{q.split['memory']:.3f}", f"{q.split['compute']:.3f}", f"{q.split['collectives']:.3f}",
-                     "yes" if q.fits else "no"))
+                     "yes" if q.fits else "no", limit(q, "batch"), limit(q, "context")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print(f"{r[0]:<{widths[0]}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(r[1:], widths[1:])))

@@ -402,6 +402,43 @@ class CostModel:
                         out.append(p)
         return out
 
+    LIMIT = 1 << 24  # the most rows or tokens ``largest`` looks for
+
+    def largest(self, parallel: ParallelConfig, phase: str, batch: int, context: int,
+                prompt: int | None = None, vary: str = "batch") -> int:
+        """The most rows (``vary`` "batch") or tokens a row ("context": cached tokens at
+        decode, a prefill's prompt tokens) whose weights and KV cache fit the memory, the
+        others as given; 0 where not even one does, ``LIMIT`` where that many do. The
+        memory grows linearly with either: the line through 1 and 2 gives the answer,
+        checked against ``predict`` (a bisection where the check fails)."""
+        def predict(n: int) -> Prediction:
+            if vary == "batch":
+                return self.predict(parallel, phase, n, context, prompt)
+            if phase == "prefill":
+                return self.predict(parallel, phase, batch, context, n)
+            return self.predict(parallel, phase, batch, n, prompt)
+
+        def fits(n: int) -> bool:
+            return predict(n).fits
+
+        one = predict(1)
+        if not one.fits:
+            return 0
+        slope = predict(2).memory_gb - one.memory_gb
+        if slope > 0:
+            room = self.hw.memory_gb * self.USABLE - one.memory_gb
+            guess = max(1, min(self.LIMIT, 1 + int(room / slope)))
+            if fits(guess) and (guess == self.LIMIT or not fits(guess + 1)):
+                return guess
+        good = 1  # doubling, then halving the gap: fits(good), not fits(bad)
+        while good < self.LIMIT and fits(min(2 * good, self.LIMIT)):
+            good = min(2 * good, self.LIMIT)
+        bad = 2 * good
+        while bad - good > 1 and good < self.LIMIT:
+            mid = (good + bad) // 2
+            good, bad = (mid, bad) if fits(mid) else (good, mid)
+        return good
+
     def rank(self, gpus: int, phase: str, batch: int, context: int, goal: str = "latency",
              prompt: int | None = None) -> list[Prediction]:
         """Every layout of ``gpus`` ranks that fits, best first: the shortest step

@@ -103,6 +103,37 @@ def test_expert_terms_follow_the_layout():
     assert dpa.split["collectives"] >= 0 and dpa.tokens_per_s > 0
 
 
+def test_the_largest_batch_and_context_that_fit_the_memory():
+    """The dense test model: 138,313,728 bytes of weights and 16,384 of KV cache a token
+    (4 layers x keys and values x 8 heads x 128 x 2 bytes), on a GPU whose usable memory
+    holds them and 1050.5 tokens more."""
+    cfg = dense_config()
+    weights, per_token = 138_313_728, 16_384
+    cm = CostModel(cfg, machine(memory_gb=(weights + 1050.5 * per_token) / CostModel.USABLE / 1e9))
+    assert cm.predict(ParallelConfig(), "decode", 1, 0).memory_gb * 1e9 == pytest.approx(weights + per_token)
+    one = ParallelConfig()
+    assert cm.largest(one, "decode", 1, 99) == 10  # 10 rows of 99 cached + 1 new tokens
+    assert cm.largest(one, "decode", 1, 0, vary="context") == 1049
+    assert cm.largest(one, "decode", 2, 0, vary="context") == 524
+    assert cm.largest(one, "prefill", 1, 0, 100, vary="batch") == 10  # prompts of 100 tokens
+    small = CostModel(cfg, machine(memory_gb=weights / CostModel.USABLE / 1e9))
+    assert small.largest(one, "decode", 1, 0) == 0
+    # Two pipeline stages hold half the weights and half the cache a token each.
+    assert cm.largest(ParallelConfig(pp=2), "decode", 1, 99) > 2 * 10
+
+
+def test_largest_bisects_where_the_memory_is_no_line(monkeypatch):
+    """Memory growing as the square of the rows: the line through 1 and 2 overshoots, and
+    the bisection finds the last that fits (100 GB usable: 10 rows)."""
+    import dataclasses
+
+    cm = CostModel(dense_config(), machine(memory_gb=100 / CostModel.USABLE))
+    real = cm.predict(ParallelConfig(), "decode", 1, 0)
+    monkeypatch.setattr(cm, "predict", lambda p, phase, batch, context, prompt=None: dataclasses.replace(
+        real, memory_gb=float(batch ** 2), fits=batch ** 2 <= 100))
+    assert cm.largest(ParallelConfig(), "decode", 1, 0) == 10
+
+
 def test_matmul_rate_follows_the_measured_curve(tmp_path):
     """Log-linear between measured rows, proportional below the first (a weight-bound GEMM
     takes as long with fewer rows), the last rate beyond; a dtype without a curve runs at
@@ -193,6 +224,8 @@ def test_plan_ranks_layouts_and_refuses_what_cannot_run(capsys):
     assert out[0].startswith("mixtral-8x7b on 2 x nvidia-h200") and out[1].split()[0] == "layout"
     ms = [float(line.split()[1]) for line in out[2:] if line and not line.startswith("hardware")]
     assert ms == sorted(ms) and len(ms) > 3
+    assert out[1].split()[-4:] == ["max", "batch", "max", "context"]
+    assert out[2].endswith("32768 (model)")  # Mixtral's 32k positions bind before 2 x 141 GB do
     assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "2", "--parallel", "ep2"]) == 0
     assert capsys.readouterr().out.splitlines()[2].startswith("ep2-dp2")
     assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "2", "--parallel", "ep3"]) == 2
