@@ -253,6 +253,8 @@ class OffloadedExperts(nn.Module):
         of one that leaves, so the device tensors keep their shapes; otherwise they are
         made anew. ``self.hot``: the expert in each place."""
         device = self.slot.device
+        if self.w13 is not None and set(hot) == set(self.hot):
+            return
         if self.w13 is not None and len(hot) == len(self.hot):
             new, now = set(hot), set(self.hot)
             leaving = [i for i, e in enumerate(self.hot) if e not in new]
