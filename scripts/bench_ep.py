@@ -6,6 +6,10 @@ and the peers it talks to; then the TP scaling of a dense decode layer.
     scripts/launch.sh -n 4 -- python scripts/bench_ep.py                    # GPUs (NCCL)
     scripts/launch.sh -n 4 -- python scripts/bench_ep.py --device cpu --smoke   # CPU (gloo)
 
+On GPUs, up to ``--graph-tokens`` tokens per rank, the exchange is also timed as captured
+decode runs it: fixed-capacity buffers (no count exchange, no host wait), each part
+replayed from a CUDA graph.
+
 Every rank of a TP group holds the same tokens (as after a TP layer); data-parallel
 replicas hold different ones. Times are medians over back-to-back repeats after one
 barrier and a warm-up call, measured on rank 0 (the slowest rank decides a collective, so
@@ -72,7 +76,8 @@ def layouts(world: int) -> list[tuple[str, dict]]:
     return out
 
 
-def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int, profile: bool = False) -> dict:
+def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int, profile: bool = False,
+             graph_tokens: int = 0) -> dict:
     h, f, e, k = SHAPES[shape]
     parallel = ParallelConfig(**layout)
     groups = ParallelGroups.build(parallel, dist.get_rank(), dist.get_world_size())
@@ -93,6 +98,7 @@ def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int, profile
         t_dispatch, sent = timed(lambda: d.dispatch(x, routing), device, reps)
         t_experts, y = timed(lambda: d.compute(sent, layer.experts), device, reps)
         t_combine, _ = timed(lambda: d.combine(y, sent), device, reps)
+        graphed = graph_case(d, x, routing, layer.experts, device, reps) if t <= graph_tokens else {}
         if profile:  # every rank runs the collectives; rank 0 records them
             import contextlib
 
@@ -111,11 +117,36 @@ def moe_case(shape: str, layout: dict, t: int, device, dtype, reps: int, profile
     counts = list(sent.send_counts)
     counts[sent.group.rank] = 0  # rows for this rank's own experts never leave it
     peers = sum(c > 0 for c in counts)
+    if graphed:  # every peer gets the fixed capacity, whatever the routing
+        graphed["graph_bytes_sent"] = graphed.pop("cap") * (sent.group.size - 1) * row_bytes
     del layer
     return {"shape": shape, "T_per_rank": t, "dispatch_us": t_dispatch, "experts_us": t_experts,
             "combine_us": t_combine, "pairs_sent": d.sent_pairs,
             "bytes_sent": sum(counts) * row_bytes, "a2a_group": sent.group.size,
-            "peers": peers}
+            "peers": peers, **graphed}
+
+
+def graph_case(d: ExpertParallelDispatcher, x, routing, experts, device, reps: int) -> dict:
+    """The exchange as captured decode runs it: fixed-capacity buffers (no count exchange,
+    no host wait), dispatch, experts and combine each captured in a CUDA graph of its own
+    and replayed. Each graph is replayed once before the next is captured, so the next
+    one's warm-up reads real rows and expert ids."""
+    if device.type != "cuda":
+        return {}
+    d.fixed_tokens = x.shape[0]
+    try:
+        g_dispatch, sent = capture(lambda: d.dispatch(x, routing), device)
+        g_dispatch.replay()
+        g_experts, y = capture(lambda: d.compute(sent, experts), device)
+        g_experts.replay()
+        g_combine, _ = capture(lambda: d.combine(y, sent), device)
+        out = {"graph_dispatch_us": timed(g_dispatch.replay, device, reps)[0],
+               "graph_experts_us": timed(g_experts.replay, device, reps)[0],
+               "graph_combine_us": timed(g_combine.replay, device, reps)[0],
+               "cap": sent.send_counts[0]}
+    finally:
+        d.fixed_tokens = 0
+    return out
 
 
 def dense_case(tp_size: int, device, dtype, reps: int, hidden: int, heads: int, kv: int, ffn: int,
@@ -167,6 +198,8 @@ def main():
     ap.add_argument("--shapes", default="mixtral,qwen3-30b-a3b")
     ap.add_argument("--tokens", default="1,8,64,512,4096", help="tokens per rank")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--graph-tokens", type=int, default=512,
+                    help="up to this many tokens per rank, also time the captured fixed-buffer exchange")
     ap.add_argument("--profile", action="store_true", help="rank 0 prints a torch.profiler table per case")
     ap.add_argument("--no-json", action="store_true", help="do not write bench/results/*.json")
     args = ap.parse_args()
@@ -180,7 +213,7 @@ def main():
     for shape in shapes:
         for name, layout in layouts(info.world_size):
             for t in tokens:
-                row = moe_case(shape, layout, t, device, dtype, reps, args.profile)
+                row = moe_case(shape, layout, t, device, dtype, reps, args.profile, args.graph_tokens)
                 row["layout"] = name
                 rows.append(row)
             if device.type == "cuda":
@@ -193,20 +226,34 @@ def main():
     run = bc.run_info(device)
     print(f"device {run['device']} x {info.world_size} | date {run['date']} | commit {run['commit']} | {dtype}")
     cols = ["shape", "layout", "T/rank", "dispatch µs", "experts µs", "combine µs", "pairs sent", "MB to peers",
-            "a2a group", "peers"]
+            "a2a group", "peers", "graph disp / exp / comb µs", "graph MB to peers"]
+
+    def graph_cells(r):
+        if "graph_dispatch_us" not in r:
+            return ["-", "-"]
+        return [f"{r['graph_dispatch_us']:.1f} / {r['graph_experts_us']:.1f} / {r['graph_combine_us']:.1f}",
+                f"{r['graph_bytes_sent'] / 1e6:.3f}"]
+
     print(bc.format_table(cols, [[r["shape"], r["layout"], r["T_per_rank"], f"{r['dispatch_us']:.1f}",
                                   f"{r['experts_us']:.1f}", f"{r['combine_us']:.1f}", r["pairs_sent"],
-                                  f"{r['bytes_sent'] / 1e6:.3f}", r["a2a_group"], r["peers"]] for r in rows]))
+                                  f"{r['bytes_sent'] / 1e6:.3f}", r["a2a_group"], r["peers"], *graph_cells(r)]
+                                 for r in rows]))
     ratios = []
     for r in rows:
         if r["layout"].endswith("-pcc"):
             naive = next(n for n in rows if n["layout"] == r["layout"][:-4] + "-naive"
                          and n["shape"] == r["shape"] and n["T_per_rank"] == r["T_per_rank"])
             r["pcc_over_naive"] = (r["dispatch_us"] + r["combine_us"]) / (naive["dispatch_us"] + naive["combine_us"])
-            ratios.append([r["shape"], r["layout"], r["T_per_rank"], f"{r['pcc_over_naive']:.2f}"])
+            graph = "-"
+            if "graph_dispatch_us" in r and "graph_dispatch_us" in naive:
+                r["graph_pcc_over_naive"] = ((r["graph_dispatch_us"] + r["graph_combine_us"])
+                                             / (naive["graph_dispatch_us"] + naive["graph_combine_us"]))
+                graph = f"{r['graph_pcc_over_naive']:.2f}"
+            ratios.append([r["shape"], r["layout"], r["T_per_rank"], f"{r['pcc_over_naive']:.2f}", graph])
     if ratios:
-        print("\nPCC dispatch + combine time over the naive all-to-all's (target <= 0.7 at T >= 64):")
-        print(bc.format_table(["shape", "layout", "T/rank", "PCC / naive"], ratios))
+        print("\nPCC dispatch + combine time over the naive all-to-all's (target <= 0.7 at T >= 64), eager exact "
+              "sizes and captured fixed buffers:")
+        print(bc.format_table(["shape", "layout", "T/rank", "eager PCC / naive", "graph PCC / naive"], ratios))
     print(f"\ndense decode layer (H={h}, {heads} heads / {kv} KV, F={ffn}, 512 cached tokens, batch 1):")
     print(bc.format_table(["tp", "eager µs", "graph µs", "MB weights/rank"],
                           [[r["tp"], f"{r['eager_us']:.1f}", f"{r['graph_us']:.1f}" if "graph_us" in r else "-",
