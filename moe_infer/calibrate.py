@@ -3,7 +3,9 @@
 written), dense matmul rates (bf16, and int8 where the device has an int8 GEMM), the bf16
 rate by activation rows (``matmul_curve``: decode's GEMMs have few rows), pinned
 host-to-device copies, the CPU's matmul weight-read rate and, under ``scripts/launch.sh``,
-all-reduce latency and bandwidth over the job's ranks. ``smoke``: small sizes (CPU tests).
+all-reduce latency and bandwidth over the job's ranks, and the time of an all-reduce,
+all-gather and all-to-all by message size over groups of 2, 4, ... of the job's ranks
+(``collectives``). ``smoke``: small sizes (CPU tests).
 """
 from __future__ import annotations
 
@@ -139,6 +141,62 @@ def _captured_sum_s(device: torch.device, nbytes: int, reps: int) -> float | Non
     return _slowest(_seconds(graph.replay, device, reps), device) / GRAPH_SUMS
 
 
+COLLECTIVE_BYTES = (8 << 10, 64 << 10, 512 << 10, 4 << 20, 32 << 20)
+COLLECTIVE_CALLS = 16  # calls a timed graph (or eager call) runs back to back
+
+
+def _collectives(device: torch.device, sizes: tuple[int, ...], reps: int) -> dict:
+    """-> {kind: {ranks: {bytes: µs}}}: one all-reduce (``bytes`` summed), all-gather (each
+    rank's part) and all-to-all (each rank's send buffer), over groups of 2, 4, ... up to
+    the job's consecutive ranks, every group of a size at once (as a layout's TP groups
+    run). On GPUs each call is timed as decode steps make it, replayed from a CUDA graph
+    (small sums take the symmetric-memory kernel where the GPUs reach each other); the
+    slowest rank's median."""
+    from comm import ParallelGroups, all_reduce
+    from moe_infer.config import ParallelConfig
+
+    p, rank = dist.get_world_size(), dist.get_rank()
+    out = {"all_reduce": {}, "all_gather": {}, "all_to_all": {}}
+    g = 2
+    while g <= p and p % g == 0:
+        group = ParallelGroups.build(ParallelConfig(tp=g, dp=p // g), rank, p).tp
+        for nbytes in sizes:
+            x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+            gathered = torch.empty(g * x.numel(), dtype=x.dtype, device=device)
+            received = torch.empty_like(x)
+            calls = {"all_reduce": lambda: all_reduce(x, group),
+                     "all_gather": lambda: dist.all_gather_into_tensor(gathered, x, group=group.group),
+                     "all_to_all": lambda: dist.all_to_all_single(received, x, group=group.group)}
+            for kind, call in calls.items():
+                seconds = _timed_calls(call, device, reps)
+                out[kind].setdefault(g, {})[nbytes] = _figure(seconds * 1e6)
+        g *= 2
+    return out
+
+
+def _timed_calls(call, device: torch.device, reps: int) -> float:
+    """Seconds of one ``call()`` (a collective every rank makes), the slowest rank's: from a
+    CUDA graph of ``COLLECTIVE_CALLS`` calls where every rank can capture it, else eager."""
+    graph = None
+    if device.type == "cuda":
+        try:
+            call()  # outside the capture: buffers and communicators made, collectively
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(COLLECTIVE_CALLS):
+                    call()
+        except Exception:  # a backend that cannot be captured: eager calls on every rank
+            graph = None
+    ok = torch.tensor([graph is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    dist.barrier()
+    if ok.item():
+        return _slowest(_seconds(graph.replay, device, reps), device) / COLLECTIVE_CALLS
+    return _slowest(_seconds(lambda: [call() for _ in range(COLLECTIVE_CALLS)], device, reps),
+                    device) / COLLECTIVE_CALLS
+
+
 def _figure(x: float) -> float:
     """A measured figure to three significant digits: a slow machine's rates stay above zero."""
     return float(f"{x:.3g}")
@@ -171,6 +229,9 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
         curve = _matmul_curve(device, 1024, CURVE_ROWS[:5], reps)
     measured = _link(device, 4096, (1 << 20) if smoke else (64 << 20), reps)
     link, how = measured if measured else (None, "")
+    collectives = {}
+    if measured:
+        collectives = _collectives(device, COLLECTIVE_BYTES[:2] if smoke else COLLECTIVE_BYTES, reps)
     sources = ["measured by moe-infer calibrate"]
     if int8 is None:
         sources.append("int8 matmul taken at the bf16 rate (no int8 GEMM measured on this device)")
@@ -181,7 +242,8 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
         network = Link(12.0, 40.0)
     else:
         sources.append(f"links from all-reduces over {dist.get_world_size()} ranks (latency: {how}); the "
-                       f"network taken as the same (one node)")
+                       f"network taken as the same (one node); collectives by size over groups of up to "
+                       f"{dist.get_world_size()} ranks ({'replayed from CUDA graphs' if device.type == 'cuda' else 'eager'})")
         network = link
     sources.append("per-block overhead not measured: 15 us")
     sources.append("int8 GEMMs at the int8 rate whatever their rows (the rows curve is bf16's)")
@@ -191,5 +253,5 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
                     nvlink=link, network=network, gpus_per_node=dist.get_world_size() if dist.is_initialized() else 1,
                     layer_overhead_us=15.0, h2d_gbps=_figure(_h2d_gbps(device, big, reps)),
                     cpu_matmul_gbps=_figure(_cpu_matmul_gbps(*((512, 1024) if smoke else (14336, 4096)), reps)),
-                    matmul_curve={"bfloat16": curve},
+                    matmul_curve={"bfloat16": curve}, collectives=collectives,
                     source="; ".join(sources) + f" ({kind}, {time.strftime('%Y-%m-%d')})")

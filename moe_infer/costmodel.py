@@ -49,7 +49,9 @@ class Hardware:
     published peak times the efficiency stated in ``source``). ``matmul_curve``: per weight
     dtype, the TFLOP/s a GEMM reached by its activation rows (measured by ``moe-infer
     calibrate`` over weights larger than the cache); where a dtype has none, every GEMM
-    runs at ``matmul_tflops``."""
+    runs at ``matmul_tflops``. ``collectives``: measured times of an all-reduce, all-gather
+    and all-to-all by group size and message bytes; a group size it lacks is priced from
+    the links."""
 
     name: str
     memory_gb: float  # per GPU
@@ -63,6 +65,7 @@ class Hardware:
     cpu_matmul_gbps: float = 0.0  # host matmul weight-read rate, for CPU experts
     source: str = ""
     matmul_curve: dict = field(default_factory=dict)  # weight dtype -> {rows: TFLOP/s}
+    collectives: dict = field(default_factory=dict)  # kind -> {ranks: {bytes: µs}}
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "Hardware":
@@ -103,6 +106,21 @@ class Hardware:
             if rows <= m1:
                 return 1e12 * (t0 + (t1 - t0) * math.log(rows / m0) / math.log(m1 / m0))
         return curve[-1][1] * 1e12
+
+    def collective_s(self, kind: str, nbytes: float, ranks: int) -> float | None:
+        """Seconds of a measured ``kind`` collective of ``nbytes`` over ``ranks``: linear in
+        the bytes between the measured sizes and on the last two's slope beyond them, the
+        smallest's time below it (latency-bound). None where that group size was not measured."""
+        table = {int(r): t for r, t in self.collectives.get(kind, {}).items()}.get(ranks)
+        if not table:
+            return None
+        points = sorted((float(b), float(us) * 1e-6) for b, us in table.items())
+        if nbytes <= points[0][0] or len(points) == 1:
+            return points[0][1]
+        for (b0, t0), (b1, t1) in zip(points, points[1:]):
+            if nbytes <= b1:
+                break
+        return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
 
     def link(self, ranks: int) -> Link:
         """The link a group of ``ranks`` consecutive ranks spans."""
@@ -159,6 +177,16 @@ def all_to_all_s(nbytes: float, ranks: int, link: Link) -> float:
     if ranks <= 1:
         return 0.0
     return link.alpha_us * 1e-6 * (ranks - 1) + (ranks - 1) / ranks * nbytes / (link.gbps * GB)
+
+
+def all_gather_s(nbytes: float, ranks: int, link: Link) -> float:
+    """Each rank's ``nbytes`` to every other rank, around a ring: p - 1 steps of one part."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * link.seconds(nbytes)
+
+
+CLOSED_FORMS = {"all_reduce": all_reduce_s, "all_gather": all_gather_s, "all_to_all": all_to_all_s}
 
 
 def pipeline_slots(stages: int, micro_batches: int, units: int) -> int:
@@ -261,6 +289,16 @@ class CostModel:
             reads, seconds = reads + w * self.wb, seconds + 2 * tokens * w / self._rate(tokens)
         return reads, seconds
 
+    def _collective(self, kind: str, nbytes: float, ranks: int, span: int | None = None) -> float:
+        """Seconds of one collective over ``ranks`` that lie within ``span`` consecutive
+        ranks (default: the group's own): measured where the profile has that group size
+        and the group stays inside a node, else its closed form over the link it spans."""
+        if ranks <= 1:
+            return 0.0
+        span = span or ranks
+        measured = self.hw.collective_s(kind, nbytes, ranks) if span <= self.hw.gpus_per_node else None
+        return measured if measured is not None else CLOSED_FORMS[kind](nbytes, ranks, self.hw.link(span))
+
     def _rate(self, rows: float) -> float:
         """FLOP/s of a GEMM of ``rows`` rows in the weights' dtype."""
         return self.hw.matmul_rate("int8" if self.wb == 1 else "bfloat16", rows)
@@ -308,9 +346,12 @@ class CostModel:
                 weights += a_w + self._ffn_weights(p, i)
                 kv_token += kv
             t_stage = busy + split["collectives"] + split["overhead"]
-            if own.stop == m.num_layers:  # the final norm and the LM head
+            if own.stop == m.num_layers:  # the final norm and the LM head, on each row's last token
                 head = m.vocab_size * m.hidden_size * self.wb / p.tp
-                t_stage += max(head / bw, 2 * tokens / mb * head / self.wb / self._rate(tokens / mb))
+                t_stage += max(head / bw, 2 * rows / mb * head / self.wb / self._rate(rows / mb))
+                gather = self._collective("all_gather", rows / mb * m.vocab_size / p.tp * self.ab, p.tp)
+                t_stage += gather  # every TP rank's share of the logits
+                split["collectives"] += gather
                 weights += head
             if own.start == 0:  # the embeddings
                 weights += m.vocab_size * m.hidden_size * self.wb / p.tp
@@ -346,30 +387,30 @@ class CostModel:
 
     def _block_collectives(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float) -> float:
         """Seconds of one block's collectives on a rank."""
-        m, e, hw = self.cfg.model, self.cfg.moe, self.hw
+        m, e = self.cfg.model, self.cfg.moe
         act = tokens * m.hidden_size * self.ab
-        seconds = all_reduce_s(act, p.tp, hw.link(p.tp))  # after attention
+        seconds = self._collective("all_reduce", act, p.tp)  # after attention
         if p.kv_shard == "tokens":  # the queries (and new keys) gathered, then the partial outputs
             heads = m.num_heads * self.head_dim * self.ab
             q_and_kv = tokens * (heads + (0 if m.kv_lora_rank is not None else 2 * self.kv_heads * self.head_dim * self.ab))
             outs = tokens * m.num_heads * ((m.kv_lora_rank or self.head_dim) + 1) * 4 * p.tp  # float32, with the lse
-            seconds += all_to_all_s(q_and_kv, p.tp, hw.link(p.tp)) + all_to_all_s(outs, p.tp, hw.link(p.tp))
+            seconds += self._collective("all_to_all", q_and_kv, p.tp) + self._collective("all_to_all", outs, p.tp)
         if m.qk_norm == "full":  # an all-heads q/k norm over split heads: the sums of squares (float32)
-            seconds += all_reduce_s(tokens * 2 * 4, p.tp, hw.link(p.tp))
+            seconds += self._collective("all_reduce", tokens * 2 * 4, p.tp)
         moe = e is not None and self.cfg.is_moe_layer(index)
         expert_ranks = p.ep * p.expert_slicing
         if not moe or expert_ranks == 1:
-            return seconds + all_reduce_s(act, p.tp, hw.link(p.tp))  # after the FFN
+            return seconds + self._collective("all_reduce", act, p.tp)  # after the FFN
         same_tokens = not p.dp_attention or expert_ranks <= p.tp
         if e.shared_experts and not (same_tokens and expert_ranks == p.tp):  # (else one sum with the experts')
-            seconds += all_reduce_s(act, p.tp, hw.link(p.tp))
+            seconds += self._collective("all_reduce", act, p.tp)
         if same_tokens:  # every expert rank holds the tokens: one all-reduce sums their parts
-            return seconds + all_reduce_s(act, expert_ranks, hw.link(expert_ranks))
+            return seconds + self._collective("all_reduce", act, expert_ranks)
         # dp-attention: the pairs out and back (PCC: within the ranks of one TP index)
         peers = expert_ranks // p.tp if p.pcc else expert_ranks
         pairs = tokens * e.top_k * p.expert_slicing / (p.tp if p.pcc else 1)
-        a2a = all_to_all_s(pairs * m.hidden_size * self.ab, peers, hw.link(expert_ranks))
-        return seconds + 2 * a2a + (all_reduce_s(act, p.tp, hw.link(p.tp)) if p.pcc else 0.0)
+        a2a = self._collective("all_to_all", pairs * m.hidden_size * self.ab, peers, expert_ranks)
+        return seconds + 2 * a2a + (self._collective("all_reduce", act, p.tp) if p.pcc else 0.0)
 
     # -- choosing
     def layouts(self, gpus: int) -> list[ParallelConfig]:

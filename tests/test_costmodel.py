@@ -51,6 +51,27 @@ def test_collectives_by_hand():
     assert all_to_all_s(8e9, 4, link) == pytest.approx(3 * 5e-6 + 0.75 * 8e9 / 1e11)
 
 
+def test_measured_collectives_interpolate_and_replace_the_closed_forms():
+    hw = machine(nvlink=Link(5.0, 100.0), gpus_per_node=4,
+                 collectives={"all_reduce": {2: {1000: 10.0, 3000: 30.0, 5000: 40.0}}})
+    assert hw.collective_s("all_reduce", 10, 2) == pytest.approx(10e-6)  # below the table: its latency
+    assert hw.collective_s("all_reduce", 2000, 2) == pytest.approx(20e-6)  # linear between sizes
+    assert hw.collective_s("all_reduce", 7000, 2) == pytest.approx(50e-6)  # the last slope beyond
+    assert hw.collective_s("all_reduce", 2000, 4) is None and hw.collective_s("all_to_all", 2000, 2) is None
+    # the model takes the table for tp2's sums, the closed form where the table lacks the size
+    cfg = dense_config(layers=1)
+    measured = CostModel(cfg, hw).predict(ParallelConfig(tp=2), "decode", batch=1, context=16)
+    closed = CostModel(cfg, machine(nvlink=Link(5.0, 100.0), gpus_per_node=4)).predict(
+        ParallelConfig(tp=2), "decode", batch=1, context=16)
+    act = 1024 * 2  # one row of the hidden size, bf16
+    sums = 2 * (hw.collective_s("all_reduce", act, 2) - all_reduce_s(act, 2, hw.nvlink))
+    assert measured.ms - closed.ms == pytest.approx(sums * 1e3)
+    # a group that leaves the node is priced over the network whatever the table holds
+    cm = CostModel(cfg, machine(nvlink=Link(5.0, 100.0), network=Link(50.0, 10.0), gpus_per_node=1,
+                                collectives={"all_reduce": {2: {1000: 1.0}}}))
+    assert cm._collective("all_reduce", act, 2) == pytest.approx(all_reduce_s(act, 2, Link(50.0, 10.0)))
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("groups", [1, 2, 4, 5])
 @pytest.mark.parametrize("units", [1, 7])
@@ -259,6 +280,11 @@ def test_calibrate_under_two_ranks_measures_the_link(tmp_path):
     hw = Hardware.load(out)
     assert hw.nvlink.alpha_us > 0 and hw.nvlink.gbps > 0
     assert "all-reduces over 2 ranks (latency: eager all-reduces)" in hw.source
+    # every collective measured over the one group size two ranks form, at each smoke size
+    assert sorted(hw.collectives) == ["all_gather", "all_reduce", "all_to_all"]
+    for kind, by_ranks in hw.collectives.items():
+        assert sorted(by_ranks) == [2] and len(by_ranks[2]) == 2 and all(us > 0 for us in by_ranks[2].values())
+        assert hw.collective_s(kind, 1.0, 2) > 0 and hw.collective_s(kind, 1.0, 4) is None
 
 
 def test_palm_communication_closed_forms():
