@@ -79,7 +79,10 @@ class ColdCost:
     over experts, other load on the host), which decides between close ways. The way not
     taken is tried again, so its figure follows the machine too, once the calls since its
     last try have cost ``RETRY`` times what a try of it is expected to: retries take at
-    most about 1 / ``RETRY`` of the time however much slower that way is."""
+    most about 1 / ``RETRY`` of the time however much slower that way is. The first call of
+    each way is not counted: it pays once for what later calls reuse (kernels compiled for
+    its shapes, the CPU's thread pool, host pages touched first), which can be a thousand
+    times a call, and would keep auto off that way for hundreds of retries."""
 
     profile: MachineProfile
     expert_bytes: int  # one expert's weights as stored
@@ -88,6 +91,7 @@ class ColdCost:
     DECAY = 0.8  # weight of the old figure at each measured call
     scale: dict = field(default_factory=lambda: {"cpu": 1.0, "stream": 1.0})
     since: dict = field(default_factory=lambda: {"cpu": 0, "stream": 0})  # calls since each way was taken
+    observed: dict = field(default_factory=lambda: {"cpu": 0, "stream": 0})  # calls of each way measured
     pending: list = field(default_factory=list)  # (way, predicted s, start, end): calls not yet read
 
     def predict(self, mode: str, cold_pairs: int, cold_experts: int) -> float:
@@ -111,7 +115,8 @@ class ColdCost:
 
     def observe(self, mode: str, predicted_s: float, seconds: float) -> None:
         """One call of ``mode`` took ``seconds`` where the profile said ``predicted_s``."""
-        if predicted_s > 0:
+        self.observed[mode] += 1
+        if predicted_s > 0 and self.observed[mode] > 1:
             self.scale[mode] = self.DECAY * self.scale[mode] + (1 - self.DECAY) * seconds / predicted_s
 
     def timed(self, mode: str, cold_pairs: int, cold_experts: int, device: torch.device):

@@ -111,20 +111,31 @@ async def run_rate(url, prompts, max_tokens, rate, seed):
     return res, wall
 
 
-def _client(url, prompts, max_tokens, rate, seed, conn):
-    conn.send(asyncio.run(run_rate(url, prompts, max_tokens, rate, seed)))
+def _client_loop(conn):
+    """The clients' process: one ``run_rate`` per job received, until None."""
+    while (job := conn.recv()) is not None:
+        conn.send(asyncio.run(run_rate(*job)))
 
 
-def clients(url, prompts, max_tokens, rate, seed):
-    """``run_rate`` in a process of its own: the clients' JSON parsing must not take the
-    server's interpreter lock."""
-    ctx = multiprocessing.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_client, args=(url, prompts, max_tokens, rate, seed, send), daemon=True)
-    proc.start()
-    out = recv.recv()
-    proc.join()
-    return out
+class Clients:
+    """``run_rate`` in a process of its own, started once for every run (a spawned process
+    imports this script's modules again, seconds each): the clients' JSON parsing must not
+    take the server's interpreter lock."""
+
+    def __init__(self):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_client_loop, args=(child,), daemon=True)
+        self.proc.start()
+
+    def __call__(self, url, prompts, max_tokens, rate, seed):
+        self.conn.send((url, prompts, max_tokens, rate, seed))
+        return self.conn.recv()
+
+    def close(self):
+        if self.proc.is_alive():  # (a client that raised has ended its process)
+            self.conn.send(None)
+        self.proc.join(timeout=30)
 
 
 def reference_times(engine, prompts, batch: int) -> tuple[float, float]:
@@ -215,9 +226,10 @@ def main():
         shutdown()  # (waits for rank 0: a rank that left first would make gloo end it)
         return
     stop, url = start_server(engine, cfg, scheduler)
-    clients(url, prompts, args.max_tokens, float("inf"), 0)  # warm-up: the whole workload
+    clients = Clients()
     rows = []
     try:
+        clients(url, prompts, args.max_tokens, float("inf"), 0)  # warm-up: the whole workload
         for rate_text in args.rates.split(","):
             rate = float(rate_text)
             res, wall = clients(url, prompts, args.max_tokens, rate, 1)
@@ -232,6 +244,7 @@ def main():
                          "itl_mean_ms": 1e3 * statistics.fmean(itl) if itl else float("nan"),
                          "itl_p50_vs_step": pct(itl, 50) / step_s, "ttft_p50_vs_prefill": pct(ttft, 50) / prefill_s})
     finally:
+        clients.close()
         stop()
         release()
         scheduler.release_graphs()

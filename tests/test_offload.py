@@ -60,6 +60,10 @@ def test_auto_follows_what_each_way_has_cost_here():
     cost = off.ColdCost(profile, expert_bytes=1 << 20, expert_flops=2 << 20)
     assert cost.mode(2, 2) == "cpu"
     cpu, stream = cost.predict("cpu", 2, 2), cost.predict("stream", 2, 2)
+    # each way's first call pays one-time costs (compiles, first touch): not counted
+    cost.observe("cpu", cpu, 1000 * cpu)
+    cost.observe("stream", stream, 1000 * stream)
+    assert cost.scale == {"cpu": 1.0, "stream": 1.0}
     for _ in range(10):
         cost.observe("cpu", cpu, 10 * cpu)
         cost.observe("stream", stream, stream)

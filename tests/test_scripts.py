@@ -72,8 +72,7 @@ def test_bench_decode_table_of_prompt_lengths_and_batches():
 
 MULTI_RANK = {  # run under scripts/launch.sh with 2 ranks (gloo)
     "bench_ep": (["--device", "cpu", "--smoke", "--no-json"], "PCC / naive"),
-    # (the scaling smoke below runs its baseline and tp2, ep2, pp2)
-    "bench_layouts": (["--smoke", "--no-json", "--layouts", "ep2-dp-attention,slicing2"], "collectives/token"),
+    # (bench_layouts: the scaling smoke below runs it, its baseline and five layouts)
     "bench_pipeline": (["--smoke", "--no-json", "--peers", "tp"], "hybrid (8) / equal"),  # 4 P micro-batches against P
     "bench_serve": (["--smoke", "--pp", "2"], "TTFT p50"),  # rank 0 serves, rank 1 follows its slots
 }
@@ -240,14 +239,17 @@ def test_tune_moe_offers_the_dequantizing_path_for_int8_at_large_t():
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (the test extras install mpich)")
 def test_scaling_runs_every_world_size_and_predicts_each_row(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    five = ["tp2", "ep2", "pp2", "ep2-dp-attention", "slicing2"]
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "scaling.py"), "--smoke", "--no-plot",
-                          "--results-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+                          "--layouts", ",".join(five), "--results-dir", str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(next(tmp_path.glob("scaling-tiny-moe-*.json")).read_text())
     assert data["worlds"] == [1, 2]
     layouts = {r["layout"] for r in data["rows"]}
-    assert "one GPU" in layouts and {"tp2", "ep2", "pp2"} <= layouts
+    assert "one GPU" in layouts and set(five) <= layouts
+    two_ranks = json.loads(next(tmp_path.glob("layouts-tiny-moe-2ranks-*.json")).read_text())
+    assert all(r["collectives_per_token"] > 0 for r in two_ranks["rows"] if r["layout"] != "pp2")
     assert all(r["predicted"] > 0 for r in data["rows"])
 
 
