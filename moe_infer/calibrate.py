@@ -2,7 +2,9 @@
 (``moe_infer.costmodel.Hardware``): device memory bandwidth (a device copy, bytes read and
 written), dense matmul rates (bf16, and int8 where the device has an int8 GEMM), the bf16
 rate by activation rows (``matmul_curve``: decode's GEMMs have few rows), pinned
-host-to-device copies, the CPU's matmul weight-read rate and, under ``scripts/launch.sh``,
+host-to-device copies, the CPU's matmul weight-read rate, the rate at which the fused MoE
+kernel reads its experts by expert size and rows per expert (``moe_read``), and, under
+``scripts/launch.sh``,
 all-reduce latency and bandwidth over the job's ranks, and the time of an all-reduce,
 all-gather and all-to-all by message size over groups of 2, 4, ... of the job's ranks
 (``collectives``). ``smoke``: small sizes (CPU tests).
@@ -59,14 +61,62 @@ CURVE_CALLS = 8  # GEMMs a timed call runs back to back: a host sync a GEMM woul
 
 def _matmul_curve(device: torch.device, k: int, rows: tuple[int, ...], reps: int) -> dict[int, float]:
     """bf16 TFLOP/s of (rows x k) @ (k x k) at each of ``rows``, over ``CURVE_CALLS`` weights
-    (each read once a call; on a GPU their bytes pass its cache, as a step's layers do)."""
+    (each read once a call; on a GPU their bytes pass its cache, as a step's layers do),
+    through the dense GEMM kernels the model's layers run (at decode's few rows the
+    weight-streaming kernels, which read faster than a library GEMV)."""
+    from kernels import dense_linear
+
     weights = [torch.randn(k, k, dtype=torch.bfloat16, device=device) for _ in range(CURVE_CALLS)]
     out = {}
     for m in rows:
         x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
-        s = _seconds(lambda: [x @ w for w in weights], device, reps)
+        s = _seconds(lambda: [dense_linear(x, w) for w in weights], device, reps)
         out[m] = _figure(2 * m * k * k * CURVE_CALLS / s / 1e12)
     return out
+
+
+MOE_SHAPES = ((2048, 256), (2048, 1024), (4096, 3584), (4096, 14336))  # (H, F) of one expert (or its slice)
+MOE_ROWS = (1, 4, 16)
+MOE_EXPERTS = 16
+MOE_BYTES = 256 << 20  # weights one timed step reads at least (a GPU's cache holds less)
+
+
+def _moe_read(device: torch.device, shapes: tuple, rows: tuple[int, ...], reps: int,
+              mem_gbps: float) -> dict[int, dict[int, float]]:
+    """-> {bytes of one expert: {rows per expert: the fraction of ``mem_gbps`` at which
+    ``kernels.fused_moe`` reads its weights}}: sets of ``MOE_EXPERTS`` bf16 SwiGLU experts of
+    each shape (as many sets as ``MOE_BYTES`` takes), each expert routed the same number of
+    rows (top-1), one call a set, replayed from a CUDA graph on a GPU as decode runs them.
+    A decode step's experts are many and each sees a few rows; small experts and thin
+    slices read below what one large copy reaches."""
+    from kernels import fused_moe
+
+    out = {}
+    for h, f in shapes:
+        one = 3 * h * f * 2
+        sets = max(1, -(-MOE_BYTES // (one * MOE_EXPERTS))) if device.type == "cuda" else 1
+        experts = [(torch.randn(MOE_EXPERTS, 2 * f, h, dtype=torch.bfloat16, device=device) * 0.02,
+                    torch.randn(MOE_EXPERTS, h, f, dtype=torch.bfloat16, device=device) * 0.02) for _ in range(sets)]
+        out[one] = by_rows = {}
+        for r in rows:
+            ids = torch.arange(MOE_EXPERTS, device=device, dtype=torch.int32).repeat(r)[:, None]
+            x = torch.randn(len(ids), h, dtype=torch.bfloat16, device=device)
+            weights = torch.ones(len(ids), 1, dtype=torch.float32, device=device)
+            seconds = _step_seconds(lambda: [fused_moe(x, w13, w2, weights, ids) for w13, w2 in experts], device, reps)
+            by_rows[r] = _figure(one * MOE_EXPERTS * sets / seconds / (mem_gbps * 1e9))
+        del experts
+    return out
+
+
+def _step_seconds(step, device: torch.device, reps: int) -> float:
+    """Median seconds of ``step()``: replayed from a CUDA graph on a GPU (no launch costs,
+    as a captured decode step), else called."""
+    if device.type == "cuda":
+        from moe_infer.graphs import capture
+
+        graph, _ = capture(step, device)
+        return _seconds(graph.replay, device, reps)
+    return _seconds(step, device, reps)
 
 
 def _h2d_gbps(device: torch.device, nbytes: int, reps: int) -> float:
@@ -227,6 +277,12 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
         curve = _matmul_curve(device, 8192, CURVE_ROWS, reps)
     else:  # a CPU's GEMMs of thousands of rows would take the run's minutes
         curve = _matmul_curve(device, 1024, CURVE_ROWS[:5], reps)
+    mem_gbps = _figure(_copy_gbps(device, big, reps))
+    if smoke:
+        moe_read = _moe_read(device, ((64, 32), (128, 64)), MOE_ROWS[:2], reps, mem_gbps)
+    else:  # (a CPU runs the reference experts, what its decode runs: the smaller shapes)
+        moe_read = _moe_read(device, MOE_SHAPES if device.type == "cuda" else MOE_SHAPES[:2], MOE_ROWS, reps,
+                             mem_gbps)
     measured = _link(device, 4096, (1 << 20) if smoke else (64 << 20), reps)
     link, how = measured if measured else (None, "")
     collectives = {}
@@ -246,12 +302,13 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
                        f"{dist.get_world_size()} ranks ({'replayed from CUDA graphs' if device.type == 'cuda' else 'eager'})")
         network = link
     sources.append("per-block overhead not measured: 15 us")
-    sources.append("int8 GEMMs at the int8 rate whatever their rows (the rows curve is bf16's)")
+    sources.append("int8 GEMMs at the int8 rate whatever their rows (the rows curve is bf16's); int8 experts read "
+                   "at the measured fraction of bf16 experts of the same bytes")
     return Hardware(name=name or kind.lower().replace(" ", "-"), memory_gb=round(memory_gb, 1),
-                    mem_gbps=_figure(_copy_gbps(device, big, reps)),
+                    mem_gbps=mem_gbps,
                     matmul_tflops={"bfloat16": _figure(bf16), "int8": _figure(int8 if int8 else bf16)},
                     nvlink=link, network=network, gpus_per_node=dist.get_world_size() if dist.is_initialized() else 1,
                     layer_overhead_us=15.0, h2d_gbps=_figure(_h2d_gbps(device, big, reps)),
                     cpu_matmul_gbps=_figure(_cpu_matmul_gbps(*((512, 1024) if smoke else (14336, 4096)), reps)),
-                    matmul_curve={"bfloat16": curve}, collectives=collectives,
+                    matmul_curve={"bfloat16": curve}, collectives=collectives, moe_read=moe_read,
                     source="; ".join(sources) + f" ({kind}, {time.strftime('%Y-%m-%d')})")

@@ -51,7 +51,8 @@ class Hardware:
     calibrate`` over weights larger than the cache); where a dtype has none, every GEMM
     runs at ``matmul_tflops``. ``collectives``: measured times of an all-reduce, all-gather
     and all-to-all by group size and message bytes; a group size it lacks is priced from
-    the links."""
+    the links. ``moe_read``: the fraction of ``mem_gbps`` at which the fused MoE kernel
+    reads experts of a size when each sees a number of rows (1 where not measured)."""
 
     name: str
     memory_gb: float  # per GPU
@@ -66,6 +67,7 @@ class Hardware:
     source: str = ""
     matmul_curve: dict = field(default_factory=dict)  # weight dtype -> {rows: TFLOP/s}
     collectives: dict = field(default_factory=dict)  # kind -> {ranks: {bytes: µs}}
+    moe_read: dict = field(default_factory=dict)  # bytes of one expert -> {rows per expert: fraction of mem_gbps}
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "Hardware":
@@ -106,6 +108,26 @@ class Hardware:
             if rows <= m1:
                 return 1e12 * (t0 + (t1 - t0) * math.log(rows / m0) / math.log(m1 / m0))
         return curve[-1][1] * 1e12
+
+    def expert_read(self, expert_bytes: float, rows: float) -> float:
+        """Fraction of the memory bandwidth at which experts of ``expert_bytes`` each read by
+        ``rows`` rows stream in: ``moe_read``, log-linear in both between the measured
+        points and the nearest measured beyond them; 1 without a table."""
+        table = {float(b): {float(r): float(v) for r, v in by.items()} for b, by in self.moe_read.items()}
+        if not table:
+            return 1.0
+
+        def between(points: dict, at: float) -> float:
+            keys = sorted(points)
+            at = min(max(at, keys[0]), keys[-1])
+            for lo, hi in zip(keys, keys[1:]):
+                if at <= hi:
+                    w = math.log(at / lo) / math.log(hi / lo)
+                    return points[lo] + w * (points[hi] - points[lo])
+            return points[keys[-1]]
+
+        by_size = {b: between(by, max(rows, 1e-9)) for b, by in table.items()}
+        return max(between(by_size, expert_bytes), 1e-3)
 
     def collective_s(self, kind: str, nbytes: float, ranks: int) -> float | None:
         """Seconds of a measured ``kind`` collective of ``nbytes`` over ``ranks``: linear in
@@ -267,9 +289,9 @@ class CostModel:
         return weights, rows * context * kv_token, flops, kv_token
 
     def _ffn(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float) -> tuple[float, float]:
-        """(bytes read, seconds of its GEMMs at the matmul rate of their rows) of block
-        ``index``'s FFN on a rank; ``tokens`` the replica's tokens, ``group_tokens`` those
-        the rank's experts see."""
+        """(bytes read, the experts' scaled by the rate the MoE kernel reads them at; seconds
+        of its GEMMs at the matmul rate of their rows) of block ``index``'s FFN on a rank;
+        ``tokens`` the replica's tokens, ``group_tokens`` those the rank's experts see."""
         m, e = self.cfg.model, self.cfg.moe
         gated = 3 if m.gated else 2
         if e is None or not self.cfg.is_moe_layer(index):
@@ -283,7 +305,10 @@ class CostModel:
             hit = distinct_experts(e.num_experts, e.top_k, group_tokens, local, self.histogram)
         pairs = group_tokens * e.top_k / p.ep
         # each expert hit runs its GEMMs over its share of the pairs
-        reads, seconds = hit * expert * self.eb, 2 * pairs * expert / self._rate(pairs / max(hit, 1e-9))
+        rows = pairs / max(hit, 1e-9)
+        # (bytes at the rate the MoE kernel reads experts of this size, with this many rows each)
+        reads = hit * expert * self.eb / self.hw.expert_read(expert * self.eb, rows)
+        seconds = 2 * pairs * expert / self._rate(rows)
         if e.shared_experts:
             w = gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp
             reads, seconds = reads + w * self.wb, seconds + 2 * tokens * w / self._rate(tokens)

@@ -72,6 +72,27 @@ def test_measured_collectives_interpolate_and_replace_the_closed_forms():
     assert cm._collective("all_reduce", act, 2) == pytest.approx(all_reduce_s(act, 2, Link(50.0, 10.0)))
 
 
+def test_experts_read_at_the_measured_fraction_of_the_bandwidth():
+    table = {1000: {1: 0.5, 16: 0.9}, 100000: {1: 0.8, 16: 1.0}}
+    hw = machine(moe_read=table)
+    assert hw.expert_read(1000, 1) == pytest.approx(0.5) and hw.expert_read(100000, 16) == pytest.approx(1.0)
+    assert hw.expert_read(1000, 4) == pytest.approx(0.7)  # log-linear in the rows: 4 is halfway from 1 to 16
+    assert hw.expert_read(10000, 1) == pytest.approx(0.65)  # and in the bytes
+    assert hw.expert_read(10, 0.5) == pytest.approx(0.5) and hw.expert_read(1e9, 64) == pytest.approx(1.0)
+    assert machine().expert_read(1000, 1) == 1.0  # no table: the copy rate
+    # a decode step of a memory-bound MoE model: its experts' time grows as the fraction falls
+    from moe_infer.config import Config, MoEConfig
+
+    cfg = Config(ModelConfig(vocab_size=1000, hidden_size=1024, num_layers=2, num_heads=8, num_kv_heads=8,
+                             ffn_hidden=4096), MoEConfig(num_experts=8, top_k=2, expert_hidden=4096))
+    expert = 3 * 1024 * 4096 * 2
+    fast = CostModel(cfg, machine(mem_gbps=1.0)).predict(ParallelConfig(), "decode", batch=1, context=0)
+    slow = CostModel(cfg, machine(mem_gbps=1.0, moe_read={expert: {1: 0.5}})).predict(
+        ParallelConfig(), "decode", batch=1, context=0)
+    experts_s = 2 * 2 * expert / 1e9  # two layers, two experts each at 1 GB/s
+    assert (slow.ms - fast.ms) / 1e3 == pytest.approx(experts_s, rel=1e-6)
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("groups", [1, 2, 4, 5])
 @pytest.mark.parametrize("units", [1, 7])
@@ -262,6 +283,8 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
     hw = Hardware.load(out)
     assert hw.name == "here" and hw.mem_gbps > 0 and hw.matmul_tflops["bfloat16"] > 0 and hw.cpu_matmul_gbps > 0
     assert "links not measured" in hw.source
+    assert len(hw.moe_read) == 2 and all(sorted(by) == [1, 4] and all(v > 0 for v in by.values())
+                                         for by in hw.moe_read.values())
     curve = hw.matmul_curve["bfloat16"]
     assert sorted(curve) == [1, 8, 32] and all(rate > 0 for rate in curve.values())
     capsys.readouterr()
