@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SMOKES = {
     "bench_moe": (["--smoke", "--no-json"], "routing-graph"),
     "bench_dense": (["--device", "cpu", "--smoke"], "SDPA gathered"),
-    "bench_decode": (["--device", "cpu", "--smoke"], "floor MB"),
+    # (bench_decode: the two tests of its --peer tables below run it)
     "bench_serve": (["--smoke"], "TTFT p50"),
     "bench_offload": (["--smoke"], "cold experts/step"),
     "validate_costmodel": ([], "first choice fastest or within 5%"),  # bench/results against the cost model
@@ -43,6 +43,7 @@ def test_bench_decode_peer_after_our_model_is_freed():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_decode.py"), "--device", "cpu", "--smoke",
                           "--peer"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "floor MB" in out.stdout, out.stdout[-2000:]
     lines = out.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("batch"))
     rows = [line.split() for line in lines[header + 2:header + 4]]

@@ -414,9 +414,9 @@ def test_an_idle_multi_rank_server_outlasts_the_collective_timeout(tmp_path, eng
     """Rank 1 waits on a collective for rank 0's next step; idle longer than
     ``parallel.timeout_s``, rank 0 keeps it alive (a step of no rows), and a request after
     the idle spell gets its answer."""
-    proc, url = serve_two_ranks(tmp_path, "tp: 2, timeout_s: 8", "max_batch_size: 2", "")
+    proc, url = serve_two_ranks(tmp_path, "tp: 2, timeout_s: 5", "max_batch_size: 2", "")
     try:
-        time.sleep(12)
+        time.sleep(7.5)
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
         out = httpx.post(url + "/v1/completions", json={"prompt": "Let me", "max_tokens": 6, "temperature": 0},
                          timeout=60).json()

@@ -167,7 +167,7 @@ def answer(conn, path: str, raw: bytes, body):
             assert names_a_field(err["param"], body), (err, raw[:400])
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=150, **SETTINGS)
 @given(body=bodies(COMPLETIONS, VALID_COMPLETIONS))
 @example(body={"prompt": "\ud800", "max_tokens": 2})  # each body that once answered 500, always tried
 @example(body={"prompt": "x", "seed": 2 ** 64})
@@ -175,7 +175,7 @@ def test_fuzz_completions(server, body):
     check(server, "/v1/completions", encode(body), body)
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=150, **SETTINGS)
 @given(body=bodies(CHAT, VALID_CHAT))
 @example(body={"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2})
 @example(body={"messages": [{"role": [], "content": ""}]})
