@@ -4,7 +4,6 @@ for the machine fails before anything is allocated."""
 import dataclasses
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from moe_infer import cli, memory
 from moe_infer.config import ConfigError
 from moe_infer.config_files import DEFAULT_MODEL, load_preset
 from moe_infer.experts import Int8Experts
+from ports import free_port
 
 PROMPTS = ["Shall I compare thee", "Let me not to the marriage", "When in disgrace"]
 
@@ -102,9 +102,7 @@ def test_serve_bad_sections_fail_naming_the_key(tmp_path, capsys):
 
 def test_serve_from_the_command_line_answers(tmp_path):
     pytest.importorskip("uvicorn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moe_infer", "serve", "--config", "tiny-moe", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -3,7 +3,6 @@
 import asyncio
 import gc
 import json
-import socket
 import sys
 import threading
 import time
@@ -16,6 +15,7 @@ import moe_infer
 from moe_infer.config import ConfigError
 from moe_infer.config_files import DEFAULT_MODEL
 from moe_infer.server import ServerConfig, build_engine, create_app, read_serve_config
+from ports import free_port
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -25,9 +25,7 @@ class LiveServer:
     """uvicorn in a thread, on a free loopback port."""
 
     def __init__(self, app):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -335,9 +333,7 @@ def serve_two_ranks(tmp_path, parallel: str, engine_yaml: str, server_yaml: str)
 
     if shutil.which("mpiexec") is None:
         pytest.skip("needs mpiexec (the test extras install mpich)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"model: default\nparallel: {{{parallel}}}\nengine: {{{engine_yaml}}}\n"
                    f"server: {{port: {port}, model_name: default, block_size: 8{server_yaml}}}\n")

@@ -21,6 +21,7 @@ from moe_infer.frontend import EngineHost
 from moe_infer.server import ServerConfig, build_scheduler, create_app
 
 pytest.importorskip("uvicorn")
+from ports import free_port  # noqa: E402
 from test_server import LiveServer, alone, front_ends, wait_healthy  # noqa: E402
 
 CFG = dict(block_size=8, num_blocks=32, model_name="default", retry_after_s=3)  # 256 tokens of KV cache
@@ -257,9 +258,7 @@ def test_api_process_is_validated():
 
 
 def test_sigterm_stops_both_processes(tmp_path, engine):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     root = Path(__file__).resolve().parent.parent
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"model: default\nserver: {{api_process: true, port: {port}, model_name: default}}\n")
