@@ -297,9 +297,10 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
         link = Link(6.0, 360.0)
         network = Link(12.0, 40.0)
     else:
+        timed_how = "replayed from CUDA graphs" if device.type == "cuda" else "eager"
         sources.append(f"links from all-reduces over {dist.get_world_size()} ranks (latency: {how}); the "
                        f"network taken as the same (one node); collectives by size over groups of up to "
-                       f"{dist.get_world_size()} ranks ({'replayed from CUDA graphs' if device.type == 'cuda' else 'eager'})")
+                       f"{dist.get_world_size()} ranks ({timed_how})")
         network = link
     sources.append("per-block overhead not measured: 15 us")
     sources.append("int8 GEMMs at the int8 rate whatever their rows (the rows curve is bf16's); int8 experts read "
