@@ -136,59 +136,26 @@ def _cpu_matmul_gbps(rows: int, cols: int, reps: int) -> float:
 
 def _link(device: torch.device, small: int, large: int, reps: int) -> tuple[Link, str] | None:
     """All-reduce over the job's ranks -> the link and how its latency was measured. A
-    small tensor's time is the latency: on GPUs the sum a captured decode step makes (the
-    tensor-parallel group's own all-reduce, replayed from a CUDA graph of ``GRAPH_SUMS``),
-    elsewhere an eager call. A large one's ring time 2 (p - 1) (alpha + n / (p beta)) over
-    the process group gives the bandwidth beta."""
+    small tensor's time is the latency: the sum a decode step makes (the tensor-parallel
+    group's own all-reduce; ``_timed_calls``: replayed from a CUDA graph on GPUs, where
+    every rank can capture it). A large one's ring time 2 (p - 1) (alpha + n / (p beta))
+    over the process group gives the bandwidth beta."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return None
-    p = dist.get_world_size()
-
-    def timed(nbytes):
-        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        dist.barrier()
-        return _slowest(_seconds(lambda: dist.all_reduce(x), device, reps), device)
-
-    alpha = _captured_sum_s(device, small, reps) if device.type == "cuda" else None
-    how = "all-reduces replayed from a CUDA graph, as decode steps make them"
-    if alpha is None:
-        alpha, how = timed(small), "eager all-reduces"
-    t_large = timed(large)
-    steps = 2 * (p - 1)
-    beta = steps * large / p / max(t_large - steps * alpha, 1e-9) / 1e9
-    return Link(alpha_us=_figure(alpha * 1e6), gbps=_figure(beta)), how
-
-
-GRAPH_SUMS = 32  # small sums a captured graph holds when the latency is timed
-
-
-def _captured_sum_s(device: torch.device, nbytes: int, reps: int) -> float | None:
-    """Seconds of one small sum over the job's ranks inside a CUDA graph, through the
-    tensor-parallel group decode steps use (its symmetric-memory one-shot sum where the GPUs
-    reach each other's memory): the slowest rank's median replay over ``GRAPH_SUMS``.
-    None where the capture fails on any rank (every rank then times eager calls)."""
     from comm import ParallelGroups, all_reduce
     from moe_infer.config import ParallelConfig
 
     p = dist.get_world_size()
     group = ParallelGroups.build(ParallelConfig(tp=p), dist.get_rank(), p).tp
-    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
-    graph = None
-    try:
-        all_reduce(x, group)  # outside the capture: the group's buffers are made (collectively)
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(GRAPH_SUMS):
-                all_reduce(x, group)
-    except Exception:  # (e.g. a backend that cannot be captured): eager calls on every rank
-        graph = None
-    ok = torch.tensor([graph is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not ok.item():
-        return None
+    x = torch.ones(small // 2, dtype=torch.bfloat16, device=device)
+    alpha, captured = _timed_calls(lambda: all_reduce(x, group), device, reps)
+    how = "all-reduces replayed from a CUDA graph, as decode steps make them" if captured else "eager all-reduces"
+    y = torch.ones(large // 4, dtype=torch.float32, device=device)
     dist.barrier()
-    return _slowest(_seconds(graph.replay, device, reps), device) / GRAPH_SUMS
+    t_large = _slowest(_seconds(lambda: dist.all_reduce(y), device, reps), device)
+    steps = 2 * (p - 1)
+    beta = steps * large / p / max(t_large - steps * alpha, 1e-9) / 1e9
+    return Link(alpha_us=_figure(alpha * 1e6), gbps=_figure(beta)), how
 
 
 COLLECTIVE_BYTES = (8 << 10, 64 << 10, 512 << 10, 4 << 20, 32 << 20)
@@ -218,15 +185,16 @@ def _collectives(device: torch.device, sizes: tuple[int, ...], reps: int) -> dic
                      "all_gather": lambda: dist.all_gather_into_tensor(gathered, x, group=group.group),
                      "all_to_all": lambda: dist.all_to_all_single(received, x, group=group.group)}
             for kind, call in calls.items():
-                seconds = _timed_calls(call, device, reps)
+                seconds, _ = _timed_calls(call, device, reps)
                 out[kind].setdefault(g, {})[nbytes] = _figure(seconds * 1e6)
         g *= 2
     return out
 
 
-def _timed_calls(call, device: torch.device, reps: int) -> float:
+def _timed_calls(call, device: torch.device, reps: int) -> tuple[float, bool]:
     """Seconds of one ``call()`` (a collective every rank makes), the slowest rank's: from a
-    CUDA graph of ``COLLECTIVE_CALLS`` calls where every rank can capture it, else eager."""
+    CUDA graph of ``COLLECTIVE_CALLS`` calls where every rank can capture it, else eager
+    -> (seconds, whether replayed from a graph)."""
     graph = None
     if device.type == "cuda":
         try:
@@ -241,10 +209,9 @@ def _timed_calls(call, device: torch.device, reps: int) -> float:
     ok = torch.tensor([graph is not None], dtype=torch.int32, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     dist.barrier()
-    if ok.item():
-        return _slowest(_seconds(graph.replay, device, reps), device) / COLLECTIVE_CALLS
-    return _slowest(_seconds(lambda: [call() for _ in range(COLLECTIVE_CALLS)], device, reps),
-                    device) / COLLECTIVE_CALLS
+    captured = bool(ok.item())
+    step = graph.replay if captured else (lambda: [call() for _ in range(COLLECTIVE_CALLS)])
+    return _slowest(_seconds(step, device, reps), device) / COLLECTIVE_CALLS, captured
 
 
 def _figure(x: float) -> float:

@@ -72,7 +72,7 @@ TPU_V4_PEAK = 275.0  # TFLOP/s bf16: the paper's MFU denominator
 
 
 def palm(args) -> None:
-    from moe_infer.costmodel import PALM, palm_predict
+    from moe_infer.palm import PALM, palm_predict
 
     hw = Hardware.load("tpu-v4" if args.hardware == "nvidia-a100-40gb" else args.hardware)
     shape = PALM["palm-540b"]

@@ -315,7 +315,7 @@ def test_palm_communication_closed_forms():
     weight-stationary 2 BLE / bw whatever the chips; 2D 8 BLE / (sqrt(n) bw), so 2D beats
     1D past 16 chips; weight-gathered 4 E sqrt(BLF) / (sqrt(n) bw), cheaper than 2D once
     BL exceeds 4 F."""
-    from moe_infer.costmodel import PALM, palm_ffn_comm_s
+    from moe_infer.palm import PALM, palm_ffn_comm_s
 
     s = PALM["palm-540b"]
     e, f = s.width, s.ffn
