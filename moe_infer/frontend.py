@@ -95,6 +95,13 @@ class EngineClient(abc.ABC):
         """Whether the engine still runs (else /health answers 503)."""
 
 
+def _set_switch_interval(seconds: float):
+    """sys.setswitchinterval to the nearest whole microsecond. The interpreter keeps whole
+    microseconds and truncates, so 200e-6 alone becomes 199 and restoring a value read back
+    loses one more each time; half a microsecond added makes the truncation a rounding."""
+    sys.setswitchinterval((round(seconds * 1e6) + 0.5) * 1e-6)
+
+
 class InProcessEngine(EngineClient):
     """The scheduler's thread in the app's own process: the app's lifespan starts it. While
     it runs, the interpreter switches threads every ``switch_interval`` seconds (Python's
@@ -115,7 +122,7 @@ class InProcessEngine(EngineClient):
         gc.freeze()
         if self.switch_interval is not None:
             self.saved_interval = sys.getswitchinterval()
-            sys.setswitchinterval(self.switch_interval)
+            _set_switch_interval(self.switch_interval)
         self.stopping.clear()
         self.thread = threading.Thread(target=self.scheduler.run, args=(self.stopping,), name="moe-infer-engine",
                                        daemon=True)
@@ -129,7 +136,7 @@ class InProcessEngine(EngineClient):
             self.scheduler.wake.notify_all()
         self.thread.join(timeout=30)
         if self.saved_interval is not None:
-            sys.setswitchinterval(self.saved_interval)
+            _set_switch_interval(self.saved_interval)
             self.saved_interval = None
         gc.unfreeze()
 
