@@ -51,6 +51,11 @@ class StepContext:
     # Where only some layers attend within a sliding window (``ModelConfig.sliding_layers``):
     # their mask (``window_mask``), in the form of ``attn_mask``; None: every layer alike.
     window_mask: torch.Tensor | None = None
+    # Where some queries are padding (an eager forward over rows of several lengths): the
+    # flat indices (row * T + t) of the real ones [N]. The feed-forward layers run on these
+    # alone, so padding costs no expert or MLP work; None: every query is real, or the
+    # step's shapes are fixed (a captured step).
+    tokens: torch.Tensor | None = None
 
     def windowed(self, window: int, key_positions: torch.Tensor, chunk: bool = False) -> "StepContext":
         """This context with ``window_mask`` set: this step's mask (the causal one where

@@ -5,6 +5,7 @@ Shape letters: B batch, T tokens this step, S key slots, H hidden, V vocab.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -113,8 +114,8 @@ class Block(nn.Module):
             h, x = self.attn_norm.add_and_norm(pending, x)
             a = self.attn(h, ctx, cache, self.index)
         if self.parallel:
-            return x, a + self.ffn(h)
-        if self.fused_router and a.is_cuda and a.numel() <= ROUTER_MAX_ROWS * a.shape[-1]:
+            return x, a + self._ffn(h, ctx)
+        if ctx.tokens is None and self.fused_router and a.is_cuda and a.numel() <= ROUTER_MAX_ROWS * a.shape[-1]:
             # Decode: the add, the norm and the router GEMM in one launch.
             shape = a.shape
             h, x, logits, _, _ = kernels.rms_norm_router(a.view(-1, shape[-1]), x.view(-1, shape[-1]),
@@ -122,7 +123,16 @@ class Block(nn.Module):
                                                          self.ffn.router.weight, pdl=self.options.pdl)
             return x.view(shape), self.ffn(h.view(shape), router_logits=logits)
         h, x = self.ffn_norm.add_and_norm(a, x)
-        return x, self.ffn(h)
+        return x, self._ffn(h, ctx)
+
+    def _ffn(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The feed-forward layer over ``h`` [B, T, H]: over the real tokens alone where the
+        step has padding (``StepContext.tokens``), zeros at the padding."""
+        if ctx.tokens is None:
+            return self.ffn(h)
+        flat = h.reshape(-1, h.shape[-1])
+        out = torch.zeros_like(flat).index_copy_(0, ctx.tokens, self.ffn(flat.index_select(0, ctx.tokens)))
+        return out.view(h.shape)
 
 
 class Transformer(nn.Module):
@@ -230,12 +240,14 @@ class Transformer(nn.Module):
         return self.rotary.table(slots, self.anchor.dtype, self.device)
 
     def paged_context(self, positions: torch.Tensor, query_valid: torch.Tensor,
-                      context_lens: torch.Tensor, num_keys: int, causal: bool = False) -> StepContext:
+                      context_lens: torch.Tensor, num_keys: int, causal: bool = False,
+                      tokens: torch.Tensor | None = None) -> StepContext:
         """``causal``: every row starts at position 0 with no padding (fresh prompts of one
-        length; see ``StepContext.paged``)."""
+        length; see ``StepContext.paged``). ``tokens``: the real queries' flat indices where
+        some are padding (``StepContext.tokens``)."""
         ctx = StepContext.paged(positions, query_valid, context_lens, num_keys, self.rotary,
                                 self.anchor.dtype, self._every_layer_window, causal=causal)
-        return self._windowed(ctx, positions[0] if ctx.causal else num_keys)
+        return self._windowed(replace(ctx, tokens=tokens), positions[0] if ctx.causal else num_keys)
 
     def paged_decode_context(self, inputs: torch.Tensor, prev: torch.Tensor, cache: PagedKVCache, num_keys: int,
                              tables: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, StepContext]:

@@ -486,7 +486,10 @@ class PagedRunner:
         width = math.ceil(s / bs)
         tables = to_device([r.table[:width] + [0] * (width - len(r.table[:width])) for r in rows], dev)  # [B, N]
         self.cache.set_step(to_device(write, dev), tables, lens, s)
-        ctx = self.model.paged_context(to_device(positions, dev), to_device(valid, dev), lens, s, fresh)
+        real = None  # the real tokens' flat indices, where some rows are padded
+        if any(len(r.tokens) < t for r in rows):
+            real = to_device([i * t + j for i, v in enumerate(valid) for j, ok in enumerate(v) if ok], dev)
+        ctx = self.model.paged_context(to_device(positions, dev), to_device(valid, dev), lens, s, fresh, real)
         tokens = to_device(tokens, dev)
         last = [len(r.tokens) - 1 if fresh else t - 1 for r in rows]  # each row's last token's slot
         fed = [(i, last[i], r.src) for i, r in enumerate(rows) if r.src >= 0]

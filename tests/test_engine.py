@@ -73,7 +73,7 @@ def test_unpadded_prefill_runs_causal_and_matches_the_masked_one(data, monkeypat
     prompts = ids.tolist()
     runner = PagedRunner(engine, num_blocks=9, block_size=4, max_batch=3)
     causal, paged_context = [], model.paged_context
-    monkeypatch.setattr(model, "paged_context", lambda *a: causal.append(a[-1]) or paged_context(*a))
+    monkeypatch.setattr(model, "paged_context", lambda *a: causal.append(a[4]) or paged_context(*a))  # (its causal)
     fresh = runner.forward_all([Row(prompts[0], 0, [0, 1]), Row(prompts[1], 0, [2, 3])])  # [2, 6, V]
     padded = runner.forward_all([Row(prompts[0], 0, [4, 5]), Row([7, 1], 0, [6]), Row(prompts[1], 0, [8, 7])])
     assert causal == [True, False]

@@ -50,6 +50,41 @@ def test_fixed_shape_decode_step_equals_the_eager_forward(engine, lengths):
     torch.testing.assert_close(written, k_eager[:, :runner.cache.trash])
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["fresh-right-padded", "cached-left-padded"])
+def test_an_eager_forward_over_rows_of_several_lengths_feeds_only_real_tokens_to_the_ffn(engine, cached,
+                                                                                        monkeypatch):
+    """Rows of different lengths in one eager forward: every feed-forward layer (the
+    experts here) runs on the real tokens alone, not the padding, and each row's
+    last-token logits and cached keys are those of the row run by itself."""
+    rng = random.Random(7)
+    vocab, lengths = engine.config.model.vocab_size, [3, 11, 1, 7]
+    runner = PagedRunner(engine, num_blocks=64, block_size=4, max_batch=8)
+    tables = [[4 * i + j for j in (3, 1, 0, 2)] for i in range(len(lengths))]  # 16 slots each, scattered
+    start = 5 if cached else 0
+    if cached:  # a cached prefix: the rows are left-padded then, else right-padded
+        for table in tables:
+            runner.forward([Row([rng.randrange(vocab) for _ in range(start)], 0, table)])
+    rows = [Row([rng.randrange(vocab) for _ in range(n)], start, table) for n, table in zip(lengths, tables)]
+    k_before = runner.cache.k.clone()
+    alone = []
+    for row in rows:
+        alone.append(runner.forward([row]))
+        runner.cache.k.copy_(k_before)
+    seen = []
+    for block in engine.model.layers:
+        ffn = block.ffn
+        monkeypatch.setattr(ffn, "forward", lambda x, *a, f=ffn.forward, **k: seen.append(x.shape[:-1].numel())
+                            or f(x, *a, **k))
+    together = runner.forward(rows)
+    assert seen == [sum(lengths)] * len(engine.model.layers)  # not 4 rows x 11, padding counted
+    torch.testing.assert_close(together, torch.cat(alone), rtol=1e-5, atol=1e-5)
+    k_together = runner.cache.k.clone()
+    runner.cache.k.copy_(k_before)
+    for row in rows:
+        runner.forward([row])
+    torch.testing.assert_close(k_together[:, :runner.cache.trash], runner.cache.k[:, :runner.cache.trash])
+
+
 @pytest.mark.parametrize("window", [None, 6], ids=["full", "sliding-window"])
 @pytest.mark.parametrize("lengths", [[5], [3, 17, 9], [1, 40, 2, 33, 20]])
 def test_fixed_shape_prefill_equals_the_masked_forward(engine, lengths, window, monkeypatch):
