@@ -9,9 +9,10 @@ request rate, beside the offline ``generate()`` throughput of the same requests.
 
 The server runs as ``moe-infer serve`` runs it: the engine thread and uvicorn's event loop
 (on a loopback port) in this process (``--api-process``: uvicorn in a process of its own,
-``server.api_process``); the clients run in a process of their own, as a
-user's clients would, and stream /v1/completions with token-id prompts, arriving as a Poisson
-process at each rate (inf: all at once). Every request asks for exactly ``--max-tokens`` tokens
+``server.api_process``); the clients run in processes of their own (``--client-processes``),
+as users' clients would, and stream /v1/completions with token-id prompts, arriving as a
+Poisson process at each rate (inf: all at once). Throughput counts from the first arrival to
+the last streamed token. Every request asks for exactly ``--max-tokens`` tokens
 (``ignore_eos`` is not an OpenAI field, so random-weight models may stop early at EOS;
 the tokens actually generated are counted). TTFT is arrival to the first streamed token;
 ITL the gaps between a request's streamed tokens. Their references, measured in the same
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import socket
 import statistics
@@ -75,9 +77,11 @@ def start_server(engine, cfg: ServerConfig, scheduler):
     return stop, f"http://127.0.0.1:{port}"
 
 
-async def one(client, url, prompt, max_tokens, delay, t0):
-    await asyncio.sleep(delay)
-    arrived = time.perf_counter()
+async def one(client, url, prompt, max_tokens, arrive_at):
+    """One streamed request, sent at ``arrive_at`` (``time.monotonic``: one clock for every
+    process of the machine) -> its arrival, TTFT, ITLs and token count, and when it ended."""
+    await asyncio.sleep(max(0.0, arrive_at - time.monotonic()))
+    arrived = time.monotonic()
     stamps = []
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -88,54 +92,73 @@ async def one(client, url, prompt, max_tokens, delay, t0):
                 continue
             chunk = json.loads(line[6:])
             if chunk["choices"][0].get("token_ids"):
-                stamps.append(time.perf_counter())
-    return {"arrived": arrived - t0, "ttft": stamps[0] - arrived if stamps else None,
+                stamps.append(time.monotonic())
+    return {"arrived": arrived, "ttft": stamps[0] - arrived if stamps else None,
             "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": len(stamps),
-            "done": (stamps[-1] if stamps else arrived) - t0}
+            "done": stamps[-1] if stamps else arrived}
 
 
-async def run_rate(url, prompts, max_tokens, rate, seed):
+async def run_share(url, prompts, max_tokens, arrive_at):
+    """One client process's requests, each sent at its ``arrive_at``."""
     import httpx
 
-    rng = random.Random(seed)
-    delays, t = [], 0.0
-    for _ in prompts:
-        delays.append(t)
-        if rate != float("inf"):
-            t += rng.expovariate(rate)
     limits = httpx.Limits(max_connections=len(prompts) + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*(one(client, url, p, max_tokens, d, t0) for p, d in zip(prompts, delays)))
-        wall = time.perf_counter() - t0
-    return res, wall
+        return await asyncio.gather(*(one(client, url, p, max_tokens, t) for p, t in zip(prompts, arrive_at)))
 
 
 def _client_loop(conn):
-    """The clients' process: one ``run_rate`` per job received, until None."""
+    """A clients' process: one ``run_share`` per job received, until None."""
+    import httpx  # noqa: F401  (before the first job: its import must not delay the arrivals)
+
     while (job := conn.recv()) is not None:
-        conn.send(asyncio.run(run_rate(*job)))
+        conn.send(asyncio.run(run_share(*job)))
 
 
 class Clients:
-    """``run_rate`` in a process of its own, started once for every run (a spawned process
-    imports this script's modules again, seconds each): the clients' JSON parsing must not
-    take the server's interpreter lock."""
+    """The clients, in ``processes`` processes of their own, started once for every run (a
+    spawned process imports this script's modules again, seconds each). Requests go to
+    them in turn: one process parses at most some ten thousand streamed tokens a second,
+    below what a fast model serves, and the benchmark must time the server, not its
+    clients; nor may the clients' JSON parsing take the server's interpreter lock."""
 
-    def __init__(self):
+    START_S = 0.5  # from sending the jobs to the first arrival: every process has its job by then
+
+    def __init__(self, processes: int):
         ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_client_loop, args=(child,), daemon=True)
-        self.proc.start()
+        self.conns, self.procs = [], []
+        for _ in range(processes):
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_client_loop, args=(child,), daemon=True)
+            proc.start()
+            self.conns.append(conn)
+            self.procs.append(proc)
 
-    def __call__(self, url, prompts, max_tokens, rate, seed):
-        self.conn.send((url, prompts, max_tokens, rate, seed))
-        return self.conn.recv()
+    def __call__(self, url, prompts, max_tokens, rate, seed) -> tuple[list[dict], float]:
+        """The requests of ``prompts`` arriving as a Poisson process of ``rate`` a second (inf:
+        all at once) -> (per request, in order: arrival, TTFT, ITLs, tokens, end; the
+        seconds from the first arrival to the last token)."""
+        rng = random.Random(seed)
+        delays, t = [], 0.0
+        for _ in prompts:
+            delays.append(t)
+            if rate != float("inf"):
+                t += rng.expovariate(rate)
+        start = time.monotonic() + self.START_S
+        n = len(self.conns)
+        for i, conn in enumerate(self.conns):
+            conn.send((url, prompts[i::n], max_tokens, [start + d for d in delays[i::n]]))
+        res = [None] * len(prompts)
+        for i, conn in enumerate(self.conns):
+            res[i::n] = conn.recv()
+        return res, max(r["done"] for r in res) - start
 
     def close(self):
-        if self.proc.is_alive():  # (a client that raised has ended its process)
-            self.conn.send(None)
-        self.proc.join(timeout=30)
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():  # (a client that raised has ended its process)
+                conn.send(None)
+        for proc in self.procs:
+            proc.join(timeout=30)
 
 
 def reference_times(engine, prompts, batch: int) -> tuple[float, float]:
@@ -176,7 +199,9 @@ def main():
                     help="prompt tokens prefilled per server step (server.prefill_chunk)")
     ap.add_argument("--api-process", action="store_true",
                     help="uvicorn in a process of its own (server.api_process: true)")
-    ap.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, few requests")
+    ap.add_argument("--client-processes", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+                    help="processes the clients run in (default: a quarter of the cores, 1 to 4)")
+    ap.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, few requests, 2 client processes")
     ap.add_argument("--tp", type=int, default=1, help="under scripts/launch.sh: tensor-parallel degree")
     ap.add_argument("--ep", type=int, default=1, help="under scripts/launch.sh: expert-parallel degree")
     ap.add_argument("--pp", type=int, default=1, help="under scripts/launch.sh: pipeline stages")
@@ -185,7 +210,9 @@ def main():
     args = ap.parse_args()
     if args.smoke:
         args.model, args.device, args.requests, args.prompt_len = "tiny-moe", "cpu", 8, "4,24"
-        args.max_tokens, args.rates, args.max_batch = 8, "50,inf", 4
+        args.max_tokens, args.rates, args.max_batch, args.client_processes = 8, "50,inf", 4, 2
+    if args.client_processes < 1:
+        ap.error(f"--client-processes={args.client_processes}: expected at least 1")
     ranks = launched_ranks()
     parallel = None
     if ranks > 1:  # every rank runs generate() and the server's steps; rank 0 alone the clients
@@ -226,7 +253,7 @@ def main():
         shutdown()  # (waits for rank 0: a rank that left first would make gloo end it)
         return
     stop, url = start_server(engine, cfg, scheduler)
-    clients = Clients()
+    clients = Clients(args.client_processes)
     rows = []
     try:
         clients(url, prompts, args.max_tokens, float("inf"), 0)  # warm-up: the whole workload
@@ -257,7 +284,8 @@ def main():
     print(f"model {args.model}: H={m.hidden_size} layers={m.num_layers} vocab={m.vocab_size}, random weights | "
           f"{args.requests} requests, prompts {lo}-{hi} tokens, {args.max_tokens} new tokens each, "
           f"max batch {args.max_batch}, KV blocks {blocks} x {args.block_size}, prefill chunk {args.prefill_chunk}, "
-          f"HTTP {'in a process of its own' if args.api_process else 'in this process'}")
+          f"HTTP {'in a process of its own' if args.api_process else 'in this process'}, "
+          f"clients in {args.client_processes} process{'es' if args.client_processes > 1 else ''}")
     print(f"offline generate(): {offline_tokens} tokens in {offline_s:.2f} s = {offline_tokens / offline_s:.1f} "
           "tokens/s (same prompts, batches of max batch, no server)")
     print(f"references through generate(): decode step at batch {args.max_batch} {1e3 * step_s:.2f} ms, "
