@@ -59,13 +59,18 @@ def start_server(engine, cfg: ServerConfig, scheduler):
         host = EngineHost(engine, cfg, scheduler, log_level="warning")
         _, port = host.start()
         return host.stop, f"http://127.0.0.1:{port}"
+    return serve_in_thread(create_app(engine, cfg, scheduler))
+
+
+def serve_in_thread(app):
+    """-> (a function that stops it, its URL): uvicorn serving ``app`` on a loopback port
+    from a thread of this process."""
     import uvicorn
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, cfg, scheduler), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -75,6 +80,36 @@ def start_server(engine, cfg: ServerConfig, scheduler):
         server.should_exit = True
         thread.join(timeout=30)
     return stop, f"http://127.0.0.1:{port}"
+
+
+def http_ceiling(clients, prompts, max_tokens) -> float:
+    """Streamed tokens/s these clients take from a stub with no model: uvicorn in this
+    process streaming completion chunks shaped as the server's, each request one token per
+    turn of the event loop. The server cannot stream faster than this."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        async def events():
+            for i in range(body["max_tokens"]):
+                yield "data: " + json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0,
+                                             "model": "default", "choices": [{"index": 0, "text": " t",
+                                                                              "logprobs": None, "finish_reason": None,
+                                                                              "token_ids": [i]}]}) + "\n\n"
+                await asyncio.sleep(0)
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    stop, url = serve_in_thread(app)
+    try:
+        clients(url, prompts, max_tokens, float("inf"), 0)  # warm-up
+        res, wall = clients(url, prompts, max_tokens, float("inf"), 0)
+    finally:
+        stop()
+    return sum(r["tokens"] for r in res) / wall
 
 
 async def one(client, url, prompt, max_tokens, arrive_at):
@@ -185,6 +220,21 @@ def pct(values, q):
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
+def summarize(rate_text, res, wall, offline_rate, step_s, prefill_s) -> dict:
+    """One rate's row: throughput against offline generate()'s, TTFT and ITL percentiles
+    against their references."""
+    tokens = sum(r["tokens"] for r in res)
+    ttft = [r["ttft"] for r in res if r["ttft"] is not None]
+    itl = [x for r in res for x in r["itl"]]
+    return {"rate": rate_text, "requests": len(res), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "requests_per_s": len(res) / wall,
+            "vs_offline": (tokens / wall) / offline_rate,
+            "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
+            "itl_ms": {q: 1e3 * pct(itl, q) for q in (50, 90, 99)},
+            "itl_mean_ms": 1e3 * statistics.fmean(itl) if itl else float("nan"),
+            "itl_p50_vs_step": pct(itl, 50) / step_s, "ttft_p50_vs_prefill": pct(ttft, 50) / prefill_s}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="olmoe-1b-7b", help="a preset name or config YAML (random weights)")
@@ -256,25 +306,19 @@ def main():
     clients = Clients(args.client_processes)
     rows = []
     try:
-        clients(url, prompts, args.max_tokens, float("inf"), 0)  # warm-up: the whole workload
-        for rate_text in args.rates.split(","):
-            rate = float(rate_text)
-            res, wall = clients(url, prompts, args.max_tokens, rate, 1)
-            tokens = sum(r["tokens"] for r in res)
-            ttft = [r["ttft"] for r in res if r["ttft"] is not None]
-            itl = [x for r in res for x in r["itl"]]
-            rows.append({"rate": rate_text, "requests": len(res), "tokens": tokens, "wall_s": wall,
-                         "tokens_per_s": tokens / wall, "requests_per_s": len(res) / wall,
-                         "vs_offline": (tokens / wall) / (offline_tokens / offline_s),
-                         "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
-                         "itl_ms": {q: 1e3 * pct(itl, q) for q in (50, 90, 99)},
-                         "itl_mean_ms": 1e3 * statistics.fmean(itl) if itl else float("nan"),
-                         "itl_p50_vs_step": pct(itl, 50) / step_s, "ttft_p50_vs_prefill": pct(ttft, 50) / prefill_s})
+        try:
+            clients(url, prompts, args.max_tokens, float("inf"), 0)  # warm-up: the whole workload
+            for rate_text in args.rates.split(","):
+                rate = float(rate_text)
+                res, wall = clients(url, prompts, args.max_tokens, rate, 1)
+                rows.append(summarize(rate_text, res, wall, offline_tokens / offline_s, step_s, prefill_s))
+        finally:
+            stop()
+            release()  # (the other ranks go on while the clients time the stub)
+            scheduler.release_graphs()
+        ceiling = http_ceiling(clients, prompts, args.max_tokens)
     finally:
         clients.close()
-        stop()
-        release()
-        scheduler.release_graphs()
 
     run = bc.run_info(engine.device)
     m = engine.config.model
@@ -288,6 +332,8 @@ def main():
           f"clients in {args.client_processes} process{'es' if args.client_processes > 1 else ''}")
     print(f"offline generate(): {offline_tokens} tokens in {offline_s:.2f} s = {offline_tokens / offline_s:.1f} "
           "tokens/s (same prompts, batches of max batch, no server)")
+    print(f"HTTP ceiling: these clients take {ceiling:.0f} tokens/s from a stub with no model (uvicorn in this "
+          "process, the same requests)")
     print(f"references through generate(): decode step at batch {args.max_batch} {1e3 * step_s:.2f} ms, "
           f"prefill of the median prompt {1e3 * prefill_s:.1f} ms")
     cols = ["rate req/s", "tokens/s", "x offline", "req/s", "TTFT p50 ms", "TTFT p90", "TTFT p99", "TTFT/prefill",
@@ -305,6 +351,7 @@ def main():
             "run": run, "model": args.model, "args": vars(args), "ranks": ranks,
             "offline": {"tokens": offline_tokens, "seconds": offline_s, "decode_step_s": step_s,
                         "median_prefill_s": prefill_s},
+            "http_ceiling_tokens_per_s": ceiling,
             "rates": rows})
     shutdown()
 
