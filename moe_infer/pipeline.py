@@ -11,7 +11,10 @@ A unit is a micro-batch's step: its prompts (prefill) or one new token a row (de
 While generating, the batch's rows form ``micro_batches`` groups; a group's next token
 enters the first stage in the slot after the last stage drew its previous one, so with as
 many groups as stages no stage waits for another (the paper's Fig. 3: micro-batches
-re-queued without draining). Rows that finish leave their group and free their cache
+re-queued without draining). The draws feed that next token from the device (the
+runner's ``prev`` lanes); the host reads them a slot later, while the device runs the next
+slot, so a row whose draw ended it (EOS) may run one token more, whose draw is dropped.
+Rows that finish leave their group and free their cache
 slot; a waiting prompt takes it (through the stages as a prefill unit, then into that
 slot's group), and a group whose rows are all done leaves the rotation. Prompts are
 processed in ``prompt_micro_batches`` groups, more and smaller ones than while generating
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moe_infer.outputs import Sampled
 from moe_infer.runner import Row
 
 
@@ -186,15 +190,71 @@ class PipelineSchedule:
         spans = []  # this stage's compute: (start, end) events on a GPU, host clock times elsewhere
         clock = (lambda: torch.cuda.Event(enable_timing=True)) if dev.type == "cuda" else time.perf_counter
 
+        sampled = [0] * n  # tokens drawn for each row, read on the host or not
+        lanes = self.runner.prev  # each cache slot's last draw, on the device: its row's next unit feeds it
+
         def rows_of(unit: Unit) -> list[Row]:
             if unit.prefill:
                 return [Row(prompts[i][a:e], a, tables[i], sample=knobs_of(i, 0)) for i, a, e in unit.pieces]
-            return [Row([generated[i][-1]], len(prompts[i]) + len(generated[i]) - 1, tables[i],
-                        sample=knobs_of(i, len(generated[i]))) for i in unit.rows]
+            return [Row([0], len(prompts[i]) + sampled[i] - 1, tables[i], slot_of[i], knobs_of(i, sampled[i]))
+                    for i in unit.rows]
+
+        def leave(done: Unit, ids: torch.Tensor, complete: list[bool]) -> Sampled:
+            """A unit's draws ``ids`` (on the device) into its rows' lanes, and on their way
+            to the host; its rows' next unit queued, with every row that may go on: whether
+            a draw ended its row (EOS) is known a slot later, when it is read, so such a row
+            may run one token more, whose draw is dropped."""
+            took = [k for k, (i, whole) in enumerate(zip(done.rows, complete)) if whole and finish[i] is None]
+            if took:
+                at = torch.tensor([slot_of[done.rows[k]] for k in took]).to(dev, non_blocking=True)
+                lanes.index_copy_(0, at, ids[torch.tensor(took).to(dev, non_blocking=True)])
+            for k in took:
+                i = done.rows[k]
+                sampled[i] += 1
+                if sampled[i] < max_new:  # (a prompt's row joins its slot's group)
+                    members[group_of[i]].add(i)
+                else:
+                    members[group_of[i]].discard(i)
+            if not done.prefill:
+                queued[done.group] = False
+            for g in sorted({group_of[i] for i in done.rows}):
+                enqueue(g)
+            return Sampled.start(done.rows, [], [], [ids])
+
+        def read(done: Unit, complete: list[bool], draws: Sampled, prompted: bool) -> None:
+            """A unit's draws on the host: tokens, EOS and ends; an ended row's slot goes to
+            the next waiting one."""
+            nonlocal drawn
+            ids = [int(t) for t in draws.values()[0]]
+            now = time.perf_counter()
+            if prompted:
+                tl.prefill_s += now - drawn
+            else:
+                tl.decode_s += now - drawn
+            drawn = now
+            made = sum(len(generated[i]) for i in done.rows)
+            for i, tok, whole in zip(done.rows, ids, complete):
+                if not whole or finish[i] is not None:  # a prompt's piece; a draw past the row's end
+                    continue
+                first_at[i] = first_at[i] or now
+                last_at[i] = now
+                if tok in self.engine.eos:
+                    finish[i] = "stop"
+                else:
+                    generated[i].append(tok)
+                    if len(generated[i]) == max_new:
+                        finish[i] = "length"
+                if finish[i] is not None:  # its slot to the next waiting row
+                    members[group_of[i]].discard(i)
+                    free.append(slot_of[i])
+            if not prompted:
+                tl.decoded += sum(len(generated[i]) for i in done.rows) - made
+            pipe.ready.extend(admit(1))
 
         begin = drawn = time.perf_counter()
         prompted = False  # a prompt unit was in the pipeline since the last draw
-        while pipe.busy():
+        pending = None  # the last unit that left: its draws reach the host while the next slot runs
+        while pipe.busy() or pending is not None:
             units = pipe.advance()
             prompted = prompted or any(u is not None and u.prefill for u in units)
             mine, out, ids = units[me], None, None
@@ -220,46 +280,22 @@ class PipelineSchedule:
                     req.wait()
             done = units[last]
             pipe.retire()
-            tl.slots += 1
-            if done is None:
-                continue
-            # The last stage's draws, to every stage: each rank's view of the batch stays
-            # the same, and with it the schedule every rank derives.
-            complete = [e == len(prompts[i]) for i, _, e in done.pieces] if done.prefill else [True] * len(done.rows)
-            if me != last:
-                ids = torch.empty(len(done.rows), dtype=torch.long, device=dev)
-            dist.broadcast(ids.contiguous(), src=pp.ranks[last], group=pp.group)
-            now = time.perf_counter()
-            if prompted:
-                tl.prefill_s += now - drawn
-            else:
-                tl.decode_s += now - drawn
-            made = sum(len(generated[i]) for i in done.rows)
-            for i, tok, whole in zip(done.rows, ids.tolist(), complete):
-                if not whole:  # a piece of a long prompt: its draw is not a token yet
-                    continue
-                first_at[i] = first_at[i] or now
-                last_at[i] = now
-                if tok in self.engine.eos:
-                    finish[i] = "stop"
-                else:
-                    generated[i].append(tok)
-                    if len(generated[i]) == max_new:
-                        finish[i] = "length"
-                g = group_of[i]
-                if finish[i] is None:
-                    members[g].add(i)  # (a decode row stays; a prompt's row joins its group)
-                else:  # its slot to the next waiting row
-                    members[g].discard(i)
-                    free.append(slot_of[i])
-            if not prompted:
-                tl.decoded += sum(len(generated[i]) for i in done.rows) - made
-            drawn, prompted = now, False
-            if not done.prefill:
-                queued[done.group] = False
-            pipe.ready.extend(admit(1))
-            for g in sorted({group_of[i] for i in done.rows}):
-                enqueue(g)
+            if any(u is not None for u in units):
+                tl.slots += 1
+            # The unit that left a slot before: its draws read while the device runs this
+            # slot, so the host never waits for the slot it has just queued.
+            if pending is not None:
+                read(*pending)
+                pending = None
+            if done is not None:
+                # The last stage's draws, to every stage: each rank's view of the batch stays
+                # the same, and with it the schedule every rank derives.
+                complete = ([e == len(prompts[i]) for i, _, e in done.pieces] if done.prefill
+                            else [True] * len(done.rows))
+                ids = ids.contiguous() if me == last else torch.empty(len(done.rows), dtype=torch.long, device=dev)
+                dist.broadcast(ids, src=pp.ranks[last], group=pp.group)
+                pending = (done, complete, leave(done, ids, complete), prompted)
+                prompted = False
         tl.wall = time.perf_counter() - begin
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

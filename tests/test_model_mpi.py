@@ -12,6 +12,7 @@ the graphs) give the eager decode's tokens (in float32 where NCCL sums the TP pa
 """
 import math
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from moe_infer import ParallelConfig
 from moe_infer.dispatch import ExpertParallelDispatcher
 from moe_infer.gating import Routing
 from moe_infer.moe_layer import MoELayer
+from moe_infer.outputs import Sampled
 
 pytestmark = pytest.mark.mpi
 PROMPTS = [[5, 17, 3, 44, 12, 9, 31], [8, 2], [60, 1, 19, 27, 4]]
@@ -204,6 +206,18 @@ def test_pipeline_schedule_with_rows_that_end_at_different_steps(info, checkpoin
             assert tl.decoded > 0
         got = [o.token_ids for o in engine.generate(prompts, max_new_tokens=6, temperature=0.8, seed=3)]
         assert got == sampled, (micro, prompt_micro, rows)
+    # A unit's draws reach the host while the next slot runs: the decode rows feed their
+    # tokens from the device, and each unit's draws are read after this stage has queued
+    # more work (stage calls counted when a unit leaves and when its draws are read).
+    calls, left, read = [], [], []
+    stage, start, values = engine.runner.stage, Sampled.start, Sampled.values
+    with mock.patch.object(engine.runner, "stage", lambda rows, h: calls.append(rows) or stage(rows, h)), \
+            mock.patch.object(Sampled, "start", lambda *a: left.append(len(calls)) or start(*a)), \
+            mock.patch.object(Sampled, "values", lambda s: read.append(len(calls)) or values(s)):
+        assert [(o.token_ids, o.finish_reason) for o in engine.generate(prompts, max_new_tokens=8)] == want
+    decode_rows = [r for rows in calls for r in rows if r.tokens == [0] and r.start > 0]
+    assert decode_rows and all(r.src >= 0 for r in decode_rows)
+    assert len(left) == len(read) and all(r >= u for u, r in zip(left, read)) and any(r > u for u, r in zip(left, read))
 
 
 @pytest.mark.parametrize("mode", ["eager", "static"])
