@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moe_infer.outputs import Sampled
-from moe_infer.runner import Row
+from moe_infer.runner import Row, to_device
 
 
 @dataclass
@@ -206,8 +206,7 @@ class PipelineSchedule:
             may run one token more, whose draw is dropped."""
             took = [k for k, (i, whole) in enumerate(zip(done.rows, complete)) if whole and finish[i] is None]
             if took:
-                at = torch.tensor([slot_of[done.rows[k]] for k in took]).to(dev, non_blocking=True)
-                lanes.index_copy_(0, at, ids[torch.tensor(took).to(dev, non_blocking=True)])
+                lanes.index_copy_(0, to_device([slot_of[done.rows[k]] for k in took], dev), ids[to_device(took, dev)])
             for k in took:
                 i = done.rows[k]
                 sampled[i] += 1
