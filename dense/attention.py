@@ -52,10 +52,20 @@ class StepContext:
     # their mask (``window_mask``), in the form of ``attn_mask``; None: every layer alike.
     window_mask: torch.Tensor | None = None
     # Where some queries are padding (an eager forward over rows of several lengths): the
-    # flat indices (row * T + t) of the real ones [N]. The feed-forward layers run on these
-    # alone, so padding costs no expert or MLP work; None: every query is real, or the
-    # step's shapes are fixed (a captured step).
+    # flat indices (row * T + t) of the real ones [N]. The per-token layers (the attention's
+    # projections, the feed-forward layers) run on these alone (``per_token``), so padding
+    # costs no GEMM or expert work; None: every query is real, or the step's shapes are
+    # fixed (a captured step).
     tokens: torch.Tensor | None = None
+
+    def per_token(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """``fn`` over x [B, T, H]: over its real tokens alone where some are padding, the
+        padding's rows zero; else over x as it is."""
+        if self.tokens is None:
+            return fn(x)
+        b, t = x.shape[:2]
+        y = fn(x.reshape(b * t, -1).index_select(0, self.tokens))
+        return y.new_zeros(b * t, y.shape[-1]).index_copy_(0, self.tokens, y).view(b, t, -1)
 
     def windowed(self, window: int, key_positions: torch.Tensor, chunk: bool = False) -> "StepContext":
         """This context with ``window_mask`` set: this step's mask (the causal one where
@@ -292,7 +302,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
-        return self._attend(self.qkv_proj(x), ctx, cache, layer)
+        return self._attend(ctx.per_token(self.qkv_proj, x), ctx, cache, layer)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm, ctx: StepContext,
                        cache: PagedKVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,7 +319,7 @@ class Attention(nn.Module):
             out = self._paged(qkv, ctx, cache, layer)
         else:  # a forward without a cache (Engine.logits): the step's own keys, through torch ops
             out = self._sdpa(*self._unfused(qkv, ctx), ctx)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return ctx.per_token(self.o_proj, out.transpose(1, 2).reshape(b, t, -1))
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """SDPA -> [B, Hq, T, D]. A full prefill from position 0 attends causally over its own

@@ -108,7 +108,7 @@ class Block(nn.Module):
         if pending is None:
             h = self.attn_norm(x)
             a = self.attn(h, ctx, cache, self.index)
-        elif self.norm_fusable:  # the add and the norm inside the QKV GEMM's launch
+        elif self.norm_fusable and ctx.tokens is None:  # the add and the norm inside the QKV GEMM's launch
             a, x = self.attn.forward_normed(pending, x, self.attn_norm, ctx, cache, self.index)
         else:
             h, x = self.attn_norm.add_and_norm(pending, x)
@@ -127,12 +127,8 @@ class Block(nn.Module):
 
     def _ffn(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The feed-forward layer over ``h`` [B, T, H]: over the real tokens alone where the
-        step has padding (``StepContext.tokens``), zeros at the padding."""
-        if ctx.tokens is None:
-            return self.ffn(h)
-        flat = h.reshape(-1, h.shape[-1])
-        out = torch.zeros_like(flat).index_copy_(0, ctx.tokens, self.ffn(flat.index_select(0, ctx.tokens)))
-        return out.view(h.shape)
+        step has padding (``StepContext.per_token``)."""
+        return ctx.per_token(self.ffn, h)
 
 
 class Transformer(nn.Module):

@@ -53,9 +53,10 @@ def test_fixed_shape_decode_step_equals_the_eager_forward(engine, lengths):
 @pytest.mark.parametrize("cached", [False, True], ids=["fresh-right-padded", "cached-left-padded"])
 def test_an_eager_forward_over_rows_of_several_lengths_feeds_only_real_tokens_to_the_ffn(engine, cached,
                                                                                         monkeypatch):
-    """Rows of different lengths in one eager forward: every feed-forward layer (the
-    experts here) runs on the real tokens alone, not the padding, and each row's
-    last-token logits and cached keys are those of the row run by itself."""
+    """Rows of different lengths in one eager forward: every per-token layer (the
+    attention's QKV and output projections, the experts) runs on the real tokens alone, not
+    the padding, and each row's last-token logits and cached keys are those of the row run
+    by itself."""
     rng = random.Random(7)
     vocab, lengths = engine.config.model.vocab_size, [3, 11, 1, 7]
     runner = PagedRunner(engine, num_blocks=64, block_size=4, max_batch=8)
@@ -72,11 +73,11 @@ def test_an_eager_forward_over_rows_of_several_lengths_feeds_only_real_tokens_to
         runner.cache.k.copy_(k_before)
     seen = []
     for block in engine.model.layers:
-        ffn = block.ffn
-        monkeypatch.setattr(ffn, "forward", lambda x, *a, f=ffn.forward, **k: seen.append(x.shape[:-1].numel())
-                            or f(x, *a, **k))
+        for layer in (block.attn.qkv_proj, block.attn.o_proj, block.ffn):
+            monkeypatch.setattr(layer, "forward", lambda x, *a, f=layer.forward, **k: seen.append(x.shape[:-1].numel())
+                                or f(x, *a, **k))
     together = runner.forward(rows)
-    assert seen == [sum(lengths)] * len(engine.model.layers)  # not 4 rows x 11, padding counted
+    assert seen == [sum(lengths)] * 3 * len(engine.model.layers)  # not 4 rows x 11, padding counted
     torch.testing.assert_close(together, torch.cat(alone), rtol=1e-5, atol=1e-5)
     k_together = runner.cache.k.clone()
     runner.cache.k.copy_(k_before)
