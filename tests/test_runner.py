@@ -51,8 +51,8 @@ def test_fixed_shape_decode_step_equals_the_eager_forward(engine, lengths):
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["fresh-right-padded", "cached-left-padded"])
-def test_an_eager_forward_over_rows_of_several_lengths_feeds_only_real_tokens_to_the_ffn(engine, cached,
-                                                                                        monkeypatch):
+def test_an_eager_forward_over_rows_of_several_lengths_feeds_only_real_tokens_to_per_token_layers(
+        engine, cached, monkeypatch):
     """Rows of different lengths in one eager forward: every per-token layer (the
     attention's QKV and output projections, the experts) runs on the real tokens alone, not
     the padding, and each row's last-token logits and cached keys are those of the row run
