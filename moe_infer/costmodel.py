@@ -104,30 +104,17 @@ class Hardware:
         rows = max(rows, 1e-9)
         if rows <= curve[0][0]:
             return curve[0][1] * 1e12 * rows / curve[0][0]
-        for (m0, t0), (m1, t1) in zip(curve, curve[1:]):
-            if rows <= m1:
-                return 1e12 * (t0 + (t1 - t0) * math.log(rows / m0) / math.log(m1 / m0))
-        return curve[-1][1] * 1e12
+        return _log_between(curve, rows) * 1e12
 
     def expert_read(self, expert_bytes: float, rows: float) -> float:
         """Fraction of the memory bandwidth at which experts of ``expert_bytes`` each read by
         ``rows`` rows stream in: ``moe_read``, log-linear in both between the measured
         points and the nearest measured beyond them; 1 without a table."""
-        table = {float(b): {float(r): float(v) for r, v in by.items()} for b, by in self.moe_read.items()}
-        if not table:
+        if not self.moe_read:
             return 1.0
-
-        def between(points: dict, at: float) -> float:
-            keys = sorted(points)
-            at = min(max(at, keys[0]), keys[-1])
-            for lo, hi in zip(keys, keys[1:]):
-                if at <= hi:
-                    w = math.log(at / lo) / math.log(hi / lo)
-                    return points[lo] + w * (points[hi] - points[lo])
-            return points[keys[-1]]
-
-        by_size = {b: between(by, max(rows, 1e-9)) for b, by in table.items()}
-        return max(between(by_size, expert_bytes), 1e-3)
+        by_size = [(float(b), _log_between(sorted((float(r), float(v)) for r, v in by.items()), max(rows, 1e-9)))
+                   for b, by in self.moe_read.items()]
+        return max(_log_between(sorted(by_size), expert_bytes), 1e-3)
 
     def collective_s(self, kind: str, nbytes: float, ranks: int) -> float | None:
         """Seconds of a measured ``kind`` collective of ``nbytes`` over ``ranks``: linear in
@@ -150,6 +137,16 @@ class Hardware:
 
 
 # ----------------------------------------------------------------------------- closed forms
+def _log_between(points: list[tuple[float, float]], at: float) -> float:
+    """The value at ``at`` of the curve through ``points`` (sorted (x, y)), log-linear in x
+    between them, the end points' values beyond them."""
+    at = min(max(at, points[0][0]), points[-1][0])
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if at <= x1:
+            return y0 + (y1 - y0) * math.log(at / x0) / math.log(x1 / x0)
+    return points[-1][1]
+
+
 def distinct_experts(num_experts: int, top_k: int, tokens: float, local: int | None = None,
                      histogram: list[float] | None = None) -> float:
     """Expected number of distinct experts among ``local`` of them (default all) that
