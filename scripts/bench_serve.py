@@ -30,7 +30,6 @@ import json
 import multiprocessing
 import os
 import random
-import socket
 import statistics
 import sys
 import threading
@@ -67,14 +66,13 @@ def serve_in_thread(app):
     from a thread of this process."""
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # (port 0: uvicorn binds a free one itself, so no other socket can take it in between)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
 
     def stop():
         server.should_exit = True
