@@ -87,3 +87,16 @@ def test_a_rank_that_fails_while_its_peer_replays_a_graph_ends_the_job_within_60
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     ends_within_60s(MID_GRAPH, "rank one fails on purpose", timeout=120)
+
+
+@pytest.mark.skipif(MPIEXEC is None and shutil.which("mpirun") is None, reason="needs an MPI launcher")
+def test_ranks_may_use_every_core_the_launcher_may():
+    """Open MPI binds each of a few ranks to one core unless told otherwise: rank 0's server,
+    its HTTP workers and the threads beside it would then share that core."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-c",
+                          "import os; print('cores', len(os.sched_getaffinity(0)))"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [line for line in out.stdout.splitlines() if line.startswith("cores")] == \
+        [f"cores {len(os.sched_getaffinity(0))}"] * 2
