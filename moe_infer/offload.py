@@ -15,6 +15,7 @@ waits for the host once (which pairs are cold), so an offloaded model decodes ea
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ from moe_infer.experts import Experts
 
 GB = 1e9
 MODES = ("auto", "cpu", "stream")
+WAYS = ("cpu", "stream")  # where auto may run a call's cold pairs
 
 
 @dataclass(frozen=True)
@@ -73,25 +75,27 @@ class MachineProfile:
 class ColdCost:
     """Which way the cold pairs of a call run (``engine.offload: auto``). Each way's time is
     predicted from the profile and the bytes and FLOPs of the experts the call hits, then
-    scaled by what that way has cost here: the measured time of its calls (from the call's
-    start to its output, read once done) over their predictions, a running mean. A probe
-    of the bare rates misses the rest of each path (host copies, launches, the CPU's loop
-    over experts, other load on the host), which decides between close ways. The way not
-    taken is tried again, so its figure follows the machine too, once the calls since its
-    last try have cost ``RETRY`` times what a try of it is expected to: retries take at
-    most about 1 / ``RETRY`` of the time however much slower that way is. The first call of
-    each way is not counted: it pays once for what later calls reuse (kernels compiled for
-    its shapes, the CPU's thread pool, host pages touched first), which can be a thousand
-    times a call, and would keep auto off that way for hundreds of retries."""
+    scaled by what that way has cost here: the smallest ratio of a call's measured time
+    (from its start to its output, read once done) to its prediction over the way's last
+    ``WINDOW`` calls. A probe of the bare rates misses the rest of each path (host copies,
+    launches, the CPU's loop over experts, other load on the host), which decides between
+    close ways. One-time costs (a kernel compiled for a new shape, host pages touched
+    first, the CPU's thread pool starting) only ever make a call slower, by up to a
+    thousand times a call: the smallest recent ratio passes over them, and a lasting change
+    shows once it fills the window. The way not taken is tried again, so its figure follows
+    the machine too, once the calls since its last try have cost ``RETRY`` times what a try
+    of it is expected to: retries take at most about 1 / ``RETRY`` of the time however much
+    slower that way is. Until a way has ``WINDOW`` measured calls, a try of it is expected
+    to cost no more than the profile says, so one-time costs in its first calls cannot keep
+    auto off it."""
 
     profile: MachineProfile
     expert_bytes: int  # one expert's weights as stored
     expert_flops: int  # per token routed to one expert (2 x its weights)
     RETRY = 32  # the time between tries of the way not taken, in tries of it
-    DECAY = 0.8  # weight of the old figure at each measured call
-    scale: dict = field(default_factory=lambda: {"cpu": 1.0, "stream": 1.0})
-    since: dict = field(default_factory=lambda: {"cpu": 0, "stream": 0})  # calls since each way was taken
-    observed: dict = field(default_factory=lambda: {"cpu": 0, "stream": 0})  # calls of each way measured
+    WINDOW = 8  # measured calls of a way its figure is taken over
+    ratios: dict = field(default_factory=lambda: {m: deque(maxlen=ColdCost.WINDOW) for m in WAYS})
+    since: dict = field(default_factory=lambda: dict.fromkeys(WAYS, 0))  # calls since each way was taken
     pending: list = field(default_factory=list)  # (way, predicted s, start, end): calls not yet read
 
     def predict(self, mode: str, cold_pairs: int, cold_experts: int) -> float:
@@ -101,23 +105,28 @@ class ColdCost:
             return moved / self.profile.h2d_bytes_s
         return max(moved / self.profile.cpu_bytes_s, cold_pairs * self.expert_flops / self.profile.cpu_flops)
 
+    def scale(self, mode: str) -> float:
+        """What ``mode``'s calls have cost here over what the profile said (1 before any)."""
+        return min(self.ratios[mode], default=1.0)
+
     def mode(self, cold_pairs: int, cold_experts: int) -> str:
         if cold_pairs == 0:
             return "cpu"
         self._read()
-        cost = {m: self.predict(m, cold_pairs, cold_experts) * self.scale[m] for m in ("cpu", "stream")}
+        profile = {m: self.predict(m, cold_pairs, cold_experts) for m in WAYS}
+        cost = {m: profile[m] * self.scale(m) for m in WAYS}
         best = min(cost, key=cost.get)
         other = "stream" if best == "cpu" else "cpu"
-        way = other if self.since[other] * cost[best] >= self.RETRY * cost[other] else best
+        trial = cost[other] if len(self.ratios[other]) == self.WINDOW else min(cost[other], profile[other])
+        way = other if self.since[other] * cost[best] >= self.RETRY * trial else best
         for m in self.since:
             self.since[m] = 0 if m == way else self.since[m] + 1
         return way
 
     def observe(self, mode: str, predicted_s: float, seconds: float) -> None:
         """One call of ``mode`` took ``seconds`` where the profile said ``predicted_s``."""
-        self.observed[mode] += 1
-        if predicted_s > 0 and self.observed[mode] > 1:
-            self.scale[mode] = self.DECAY * self.scale[mode] + (1 - self.DECAY) * seconds / predicted_s
+        if predicted_s > 0:
+            self.ratios[mode].append(seconds / predicted_s)
 
     def timed(self, mode: str, cold_pairs: int, cold_experts: int, device: torch.device):
         """-> a function that ends the timing of this call (at its output): on a GPU, events
