@@ -83,6 +83,21 @@ def choices(rows: list[dict]) -> list[dict]:
     return out
 
 
+def gpus_of(row: dict) -> int:
+    return 1 if row["layout"] == "one GPU" else ParallelConfig(**row["parallel"]).world_size
+
+
+def by_gpus(items: list[dict], gpus, ok) -> str:
+    """How many of ``items`` are ``ok``, per number of GPUs ("1 GPU: 20 of 23, 2 GPUs: ..."):
+    the targets are stated per machine size."""
+    counts: dict = {}
+    for it in items:
+        n = counts.setdefault(gpus(it), [0, 0])
+        n[0] += bool(ok(it))
+        n[1] += 1
+    return ", ".join(f"{g} GPU{'s' if g > 1 else ''}: {a} of {b}" for g, (a, b) in sorted(counts.items()))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", nargs="*",
@@ -97,7 +112,8 @@ def main():
          r["profile"], r["file"]] for r in rows]))
     if rows:
         errors = sorted(abs(r["error"]) for r in rows)
-        print(f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15%; median |error| "
+        print(f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15% "
+              f"({by_gpus(rows, gpus_of, lambda r: abs(r['error']) <= 0.15)}); median |error| "
               f"{errors[len(errors) // 2]:.0%}")
     picks = choices(rows)
     if picks:
@@ -106,7 +122,8 @@ def main():
                                "its time / fastest"],
                               [[p["model"], p["gpus"], p["batch"], p["picked"], p["best"], f"{p['ratio']:.2f}"]
                                for p in picks]))
-        print(f"first choice fastest or within 5%: {sum(p['hit'] for p in picks)} of {len(picks)} cases")
+        print(f"first choice fastest or within 5%: {sum(p['hit'] for p in picks)} of {len(picks)} cases "
+              f"({by_gpus(picks, lambda p: p['gpus'], lambda p: p['hit'])})")
 
 
 if __name__ == "__main__":
