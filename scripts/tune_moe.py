@@ -3,6 +3,13 @@ merges them into that GPU's moe tables, kernels/moe/tables/<device>-<dtype>.json
 weight dtype; ``kernels.tuning``, docs/tuning.md). Nothing is tuned while serving.
 
     PYTHONPATH=. python scripts/tune_moe.py [--shapes mixtral,qwen3] [--tokens 1,8,64] [--out DIR]
+    PYTHONPATH=. python scripts/tune_moe.py --shapes qwen3,olmoe --tokens 1,8,64 --int8-tokens "" --slices 2
+    PYTHONPATH=. python scripts/tune_moe.py --shapes qwen3,olmoe --tokens 1,8,64 --int8-tokens "" --ep 2
+
+``--ep`` / ``--slices`` tune a rank's share of each shape as the multi-GPU layouts run it,
+for every (ep, slices) pair of the two lists: E / ep experts with the pairs routed elsewhere
+masked (expert parallelism), each F / slices wide (expert-slicing, and the experts of a TP
+layout); the tables key them by that share's E, N and K.
 
 The up GEMM is tuned first with the default down configuration, then the down GEMM with
 the best up configuration; each candidate is timed as device time: several input sets
@@ -132,10 +139,20 @@ def time_graph(fns, reps: int) -> float:
     return times[len(times) // 2]
 
 
-def expert_weights(name: str, wdtype: str, dev: torch.device, gen: torch.Generator) -> tuple:
-    """Random w13 [E, R, H] and w2 [E, H, F] of shape ``name`` (std 0.02), int8 with their
+def rank_shape(name: str, ep: int = 1, slices: int = 1) -> tuple:
+    """(H, F, E, k, activation) of one rank's experts of shape ``name``: E / ``ep`` of them,
+    each F / ``slices`` wide."""
+    h, f, e, topk, act = SHAPES[name]
+    if e % ep or f % slices:
+        raise SystemExit(f"--ep {ep} / --slices {slices}: {name} has E = {e} experts of F = {f}; expected "
+                         f"divisors of them")
+    return h, f // slices, e // ep, topk, act
+
+
+def expert_weights(shape: tuple, wdtype: str, dev: torch.device, gen: torch.Generator) -> tuple:
+    """Random w13 [E, R, H] and w2 [E, H, F] of ``shape`` (std 0.02), int8 with their
     scales where ``wdtype`` says so: (w13, w2, the scales as fused_moe's keyword arguments)."""
-    h, f, e, _, act = SHAPES[name]
+    h, f, e, _, act = shape
     rows13 = 2 * f if act == "silu" else f
     w13 = torch.randn(e, rows13, h, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
     w2 = torch.randn(e, h, f, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
@@ -155,15 +172,22 @@ def companion_down(up: MoeCuda) -> MoeCuda:
 
 
 def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: bool = False,
-               verbose: bool = False, only: str | None = None) -> dict[str, dict[int, MoeEntry]]:
+               verbose: bool = False, only: str | None = None, ep: int = 1,
+               slices: int = 1) -> dict[str, dict[int, MoeEntry]]:
     """The best (up, down) configurations per T, by shape key (``tuning.moe_shape``) and
-    T. ``cuda_only``: the table's current entries
-    stand in for the Triton search; ``only``: of the candidates, time those with this
-    option set (and the table's entry)."""
-    h, f, e, topk, act = SHAPES[name]
+    T, for one rank's share of shape ``name`` (``rank_shape``). ``cuda_only``: the table's
+    current entries stand in for the Triton search; ``only``: of the candidates, time those
+    with this option set (and the table's entry)."""
+    shape = rank_shape(name, ep, slices)
+    h, f, e, topk, act = shape
+    experts = SHAPES[name][2]  # the model's: routing picks among all of them
+    if ep > 1:
+        name = f"{name}/ep{ep}"
+    if slices > 1:
+        name = f"{name}/slice{slices}"
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    w13, w2, scales = expert_weights(name, wdtype, dev, gen)
+    w13, w2, scales = expert_weights(shape, wdtype, dev, gen)
     rows13 = w13.shape[1]
     table: dict[str, dict[int, MoeEntry]] = {}
     for t in tokens:
@@ -172,7 +196,9 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
         inputs = []
         for _ in range(sets):
             x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
-            ids, w = topk_gating_ref(torch.randn(t, e, device=dev, generator=gen), topk)
+            ids, w = topk_gating_ref(torch.randn(t, experts, device=dev, generator=gen), topk)
+            if ep > 1:  # this rank holds the first E / ep experts; pairs routed elsewhere are masked
+                ids = torch.where(ids < e, ids, -1)
             inputs.append((x, w, ids))
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         wd = DTYPES[wdtype]
@@ -184,12 +210,13 @@ def tune_shape(name: str, tokens: list[int], wdtype: str, reps: int, cuda_only: 
         r = max(3, min(reps, int(2e5 / max(1, t * topk * h * f / 1e6))))
         for phase in ("up", "down"):
             results = []
-            found = candidates(phase, t, topk, e, wdtype, SHAPES[name], best_up.kind, stored.get(phase), sms=sms)
+            found = candidates(phase, t, topk, e, wdtype, shape, best_up.kind, stored.get(phase), sms=sms)
             for cfg in [c for c in found if only is None or getattr(c, only, False) or c is stored.get(phase)]:
                 down = best_down if not isinstance(cfg, MoeCuda) or isinstance(best_down, MoeCuda) \
                     else companion_down(cfg)
                 pair = (cfg, down) if phase == "up" else (best_up, cfg)
-                fns = [lambda x=x, w=w, ids=ids: fused_moe_triton(x, w13, w2, w, ids, act, configs=pair, **scales)
+                fns = [lambda x=x, w=w, ids=ids: fused_moe_triton(x, w13, w2, w, ids, act, configs=pair,
+                                                                  masked=ep > 1, **scales)
                        for x, w, ids in inputs]
                 try:
                     us = time_graph(fns, r)
@@ -230,6 +257,8 @@ def merge(table: dict[int, MoeEntry], key: str, entries: dict[int, MoeEntry]) ->
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ep", default="1", help="comma list: also tune a rank's E / ep experts of each shape")
+    ap.add_argument("--slices", default="1", help="comma list: also tune each shape's experts at F / slices wide")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--int8-tokens", default=",".join(map(str, TOKENS)), help="T values tuned for int8 weights")
     ap.add_argument("--reps", type=int, default=20)
@@ -242,6 +271,18 @@ def main():
                          "<out>/moe/tables/<device>-<dtype>.json")
     ap.add_argument("--verbose", action="store_true", help="print every candidate's time")
     args = ap.parse_args()
+    try:
+        shares = [(int(ep), int(sl)) for ep in args.ep.split(",") for sl in args.slices.split(",")]
+    except ValueError:
+        shares = []
+    if not shares or min(min(pair) for pair in shares) < 1:
+        ap.error(f"--ep {args.ep!r} / --slices {args.slices!r}: expected comma-separated whole numbers >= 1")
+    unknown = [n for n in args.shapes.split(",") if n not in SHAPES]
+    if unknown:
+        ap.error(f"--shapes: {', '.join(unknown)} unknown; expected some of {', '.join(SHAPES)}")
+    for name in args.shapes.split(","):
+        for ep, slices in shares:
+            rank_shape(name, ep, slices)  # a share that does not divide the shape fails here, before any tuning
     if not torch.cuda.is_available():
         sys.exit("tune_moe.py needs a CUDA GPU")
     start = time.time()
@@ -255,9 +296,9 @@ def main():
         tables[wdtype] = {shape: dict(buckets) for shape, buckets in old.items()}
     tokens = {wdtype: toks for wdtype, toks in (("bf16", args.tokens), ("int8", args.int8_tokens)) if toks}
     for name in args.shapes.split(","):
-        for wdtype, toks in tokens.items():
+        for (ep, slices), (wdtype, toks) in itertools.product(shares, tokens.items()):
             for key, entries in tune_shape(name, [int(t) for t in toks.split(",")], wdtype, args.reps,
-                                           args.cuda_only, args.verbose, args.only).items():
+                                           args.cuda_only, args.verbose, args.only, ep, slices).items():
                 merge(tables[wdtype].setdefault(key, {}), key, entries)
         torch.cuda.empty_cache()
         for wdtype in tokens:  # after every shape

@@ -173,6 +173,23 @@ def test_tune_moe_large_t_candidates_try_short_last_tiles():
     assert {replace(c, sub_m=1) for c in subs} <= {c for c in cands if c.sub_m == 1}
 
 
+def test_tune_moe_tunes_the_share_of_a_shape_a_rank_runs():
+    """--ep / --slices: the experts one rank holds under expert parallelism (E / ep) or
+    expert-slicing (F / slices), keyed as the kernels look them up; a share that does not
+    divide the shape is refused before any tuning, naming both."""
+    tune_moe = _script("tune_moe")
+    from kernels import tuning
+
+    assert tune_moe.rank_shape("qwen3", ep=2) == (2048, 768, 64, 8, "silu")
+    h, f, e, k, _ = tune_moe.rank_shape("qwen3", slices=2)
+    assert tuning.moe_shape("down", e, h, f, k) == "down:E128:N2048:K384:k8"
+    with pytest.raises(SystemExit, match=r"--ep 3 / --slices 1: qwen3 has E = 128 experts of F = 768"):
+        tune_moe.rank_shape("qwen3", ep=3)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune_moe.py"), "--ep", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "--ep '0' / --slices '1': expected comma-separated whole numbers >= 1" in out.stderr
+
+
 def test_tune_moe_keeps_pinned_and_untuned_buckets(capsys):
     """The tuner's merge replaces the buckets it timed, keeps the others, and keeps an entry
     pinned by a decode-step A/B whatever this run picked (saying so)."""
