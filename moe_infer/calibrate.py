@@ -76,7 +76,7 @@ def _matmul_curve(device: torch.device, k: int, rows: tuple[int, ...], reps: int
 
 
 MOE_SHAPES = ((2048, 256), (2048, 1024), (4096, 3584), (4096, 14336))  # (H, F) of one expert (or its slice)
-MOE_ROWS = (1, 4, 16)
+MOE_ROWS = (1, 4, 16, 64, 256, 1024)  # decode's few rows an expert to prefill's many (compute-bound)
 MOE_EXPERTS = 16
 MOE_BYTES = 256 << 20  # weights one timed step reads at least (a GPU's cache holds less)
 
@@ -88,7 +88,9 @@ def _moe_read(device: torch.device, shapes: tuple, rows: tuple[int, ...], reps: 
     each shape (as many sets as ``MOE_BYTES`` takes), each expert routed the same number of
     rows (top-1), one call a set, replayed from a CUDA graph on a GPU as decode runs them.
     A decode step's experts are many and each sees a few rows; small experts and thin
-    slices read below what one large copy reaches."""
+    slices read below what one large copy reaches. With many rows an expert the kernel is
+    bound by its math instead, and the figure falls below 1 for that: it stands for the
+    kernel's whole time at each measured row count."""
     from kernels import fused_moe
 
     out = {}
@@ -247,9 +249,10 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
     mem_gbps = _figure(_copy_gbps(device, big, reps))
     if smoke:
         moe_read = _moe_read(device, ((64, 32), (128, 64)), MOE_ROWS[:2], reps, mem_gbps)
-    else:  # (a CPU runs the reference experts, what its decode runs: the smaller shapes)
-        moe_read = _moe_read(device, MOE_SHAPES if device.type == "cuda" else MOE_SHAPES[:2], MOE_ROWS, reps,
-                             mem_gbps)
+    elif device.type == "cuda":
+        moe_read = _moe_read(device, MOE_SHAPES, MOE_ROWS, reps, mem_gbps)
+    else:  # a CPU runs the reference experts, what its decode runs: the smaller shapes, fewer rows
+        moe_read = _moe_read(device, MOE_SHAPES[:2], MOE_ROWS[:4], reps, mem_gbps)
     measured = _link(device, 4096, (1 << 20) if smoke else (64 << 20), reps)
     link, how = measured if measured else (None, "")
     collectives = {}

@@ -116,6 +116,11 @@ class Hardware:
                    for b, by in self.moe_read.items()]
         return max(_log_between(sorted(by_size), expert_bytes), 1e-3)
 
+    def moe_rows_measured(self) -> float:
+        """The most rows per expert ``moe_read`` measured the kernel at (0 without a table):
+        up to there its figure is the kernel's whole time, compute included."""
+        return max((float(r) for by in self.moe_read.values() for r in by), default=0.0)
+
     def collective_s(self, kind: str, nbytes: float, ranks: int) -> float | None:
         """Seconds of a measured ``kind`` collective of ``nbytes`` over ``ranks``: linear in
         the bytes between the measured sizes and on the last two's slope beyond them, the
@@ -287,7 +292,8 @@ class CostModel:
 
     def _ffn(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float) -> tuple[float, float]:
         """(bytes read, the experts' scaled by the rate the MoE kernel reads them at; seconds
-        of its GEMMs at the matmul rate of their rows) of block ``index``'s FFN on a rank;
+        of its GEMMs at the matmul rate of their rows, the experts' only past the rows
+        ``moe_read`` timed the kernel at) of block ``index``'s FFN on a rank;
         ``tokens`` the replica's tokens, ``group_tokens`` those the rank's experts see."""
         m, e = self.cfg.model, self.cfg.moe
         gated = 3 if m.gated else 2
@@ -305,7 +311,10 @@ class CostModel:
         rows = pairs / max(hit, 1e-9)
         # (bytes at the rate the MoE kernel reads experts of this size, with this many rows each)
         reads = hit * expert * self.eb / self.hw.expert_read(expert * self.eb, rows)
-        seconds = 2 * pairs * expert / self._rate(rows)
+        # Where the profile timed the kernel at this many rows, that time holds its compute
+        # too; a dense GEMM's rate at these rows would count its own weight reads again.
+        measured = rows <= self.hw.moe_rows_measured()
+        seconds = 0.0 if measured else 2 * pairs * expert / self._rate(rows)
         if e.shared_experts:
             w = gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp
             reads, seconds = reads + w * self.wb, seconds + 2 * tokens * w / self._rate(tokens)

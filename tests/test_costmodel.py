@@ -93,6 +93,26 @@ def test_experts_read_at_the_measured_fraction_of_the_bandwidth():
     assert (slow.ms - fast.ms) / 1e3 == pytest.approx(experts_s, rel=1e-6)
 
 
+def test_the_measured_moe_kernel_time_holds_its_compute_up_to_the_rows_measured():
+    """``moe_read`` times the fused kernel itself: up to the most rows an expert it measured,
+    its figure is the experts' whole time, and the dense GEMM rate at those rows (which
+    counts a dense kernel's own weight reads) adds nothing; past them the compute bound
+    comes back."""
+    from moe_infer.config import Config, MoEConfig
+
+    cfg = Config(ModelConfig(vocab_size=1000, hidden_size=1024, num_layers=1, num_heads=8, num_kv_heads=8,
+                             ffn_hidden=4096), MoEConfig(num_experts=8, top_k=2, expert_hidden=4096))
+    expert = 3 * 1024 * 4096 * 2
+    timed = CostModel(cfg, machine(moe_read={expert: {1: 0.5, 16: 0.9}}))
+    assert timed.hw.moe_rows_measured() == 16 and machine().moe_rows_measured() == 0
+    reads, seconds = timed._ffn(ParallelConfig(), 0, 1, 1)  # one token: 2 experts, a row each
+    assert seconds == 0 and reads == pytest.approx(2 * expert / 0.5)
+    _, untimed = CostModel(cfg, machine())._ffn(ParallelConfig(), 0, 1, 1)
+    assert untimed > 0
+    _, past = timed._ffn(ParallelConfig(), 0, 256, 256)  # 64 rows an expert: past the table
+    assert past == pytest.approx(2 * 256 * 2 * (expert / 2) / timed._rate(64))
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("groups", [1, 2, 4, 5])
 @pytest.mark.parametrize("units", [1, 7])
