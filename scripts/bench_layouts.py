@@ -17,9 +17,9 @@ replicas that split the prompts, the slowest replica's). Run the baseline and
 the layouts in one device session, so both come from the same machine. Random
 weights are drawn per rank's shard, so layouts run models of the same shapes, not the same
 values: this times, parity is the mpi tests' (tests/test_model_mpi.py). A second
-pass times every collective (the device synchronized around each call) and splits a token's
-time into communication and the rest; the synchronizing slows that pass, so its total is
-printed beside the first. Writes bench/results/layouts-<model>-<N>ranks-<device>-<date>.json.
+pass, under the profiler, splits a token's time into communication and the rest, and gives
+the GPU time of the experts' GEMMs (rank 0's; the baseline's too); the profiler slows that
+pass, so its total is printed beside the first. Writes bench/results/layouts-<model>-<N>ranks-<device>-<date>.json.
 """
 from __future__ import annotations
 
@@ -68,32 +68,57 @@ def is_collective(event) -> bool:
     return event.name.startswith("gloo:")
 
 
-def split_ms(engine, prompts, n: int) -> tuple[float, float, int]:
-    """-> (ms per token under the profiler, of it in collectives, collectives per token):
-    generate() with n + 1 new tokens against 2, once each. A collective's kernel (or gloo
-    call) also lasts while it waits for the last rank to arrive, and which rank waits
-    varies from call to call; the rank that arrives last waits for none, so each
-    collective counts the shortest of its ranks' durations (where every rank recorded the
-    same sequence of collectives; else this rank's own)."""
+EXPERT_KERNELS = ("moe_up", "moe_down", "grouped_gemm", "grouped_mm")  # kernels.fused_moe's GEMMs, torch's
+
+
+def is_expert_kernel(event) -> bool:
+    """A GPU kernel of the routed experts' GEMMs: ``kernels.fused_moe``'s CUDA decode
+    kernels or Triton grouped GEMM, or ``torch._grouped_mm``."""
+    return event.device_type == DeviceType.CUDA and any(k in event.name.lower() for k in EXPERT_KERNELS)
+
+
+def profiled(engine, prompts, new: int):
+    """-> (wall seconds, the profiler's events) of generate() with ``new`` new tokens."""
+    bc.synchronize(engine.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                 if engine.device.type == "cuda" else [ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        engine.generate(prompts, max_new_tokens=new)
+        bc.synchronize(engine.device)
+        wall = time.perf_counter() - t
+    return wall, prof.events()
+
+
+def expert_ms(engine, prompts, n: int) -> float:
+    """ms per token this process's GPU spends in the experts' GEMMs (``is_expert_kernel``):
+    generate() with n + 1 new tokens against 2, once each; 0 on a CPU."""
+    spent = [sum(e.time_range.elapsed_us() for e in profiled(engine, prompts, new)[1] if is_expert_kernel(e))
+             for new in (2, n + 1)]
+    return (spent[1] - spent[0]) / 1e3 / (n - 1)
+
+
+def split_ms(engine, prompts, n: int) -> tuple[float, float, int, float]:
+    """-> (ms per token under the profiler, of it in collectives, collectives per token, of
+    it in this rank's expert GEMMs): generate() with n + 1 new tokens against 2, once each.
+    A collective's kernel (or gloo call) also lasts while it waits for the last rank to
+    arrive, and which rank waits varies from call to call; the rank that arrives last waits
+    for none, so each collective counts the shortest of its ranks' durations (where every
+    rank recorded the same sequence of collectives; else this rank's own)."""
     out = []
     for new in (2, n + 1):
         dist.barrier()  # outside the profile: its wait for the slower rank is no step's
-        bc.synchronize(engine.device)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]
-                     if engine.device.type == "cuda" else [ProfilerActivity.CPU]) as prof:
-            t = time.perf_counter()
-            engine.generate(prompts, max_new_tokens=new)
-            bc.synchronize(engine.device)
-            wall = time.perf_counter() - t
-        comm = sorted((e for e in prof.events() if is_collective(e)), key=lambda e: e.time_range.start)
+        wall, events = profiled(engine, prompts, new)
+        comm = sorted((e for e in events if is_collective(e)), key=lambda e: e.time_range.start)
         mine = [e.time_range.elapsed_us() for e in comm]
         world = Group(None, dist.get_rank(), dist.get_world_size(), tuple(range(dist.get_world_size())))
         every = all_gather_json(mine, world, engine.device if engine.device.type == "cuda" else "cpu")
         if all(len(d) == len(mine) for d in every):
             mine = [min(d) for d in zip(*every)]
-        out.append((wall, sum(mine) / 1e6, len(comm)))
-    (t2, c2, k2), (tn, cn, kn) = out
-    return 1e3 * (tn - t2) / (n - 1), 1e3 * (cn - c2) / (n - 1), round((kn - k2) / (n - 1))
+        experts = sum(e.time_range.elapsed_us() for e in events if is_expert_kernel(e))
+        out.append((wall, sum(mine) / 1e6, len(comm), experts / 1e6))
+    (t2, c2, k2, x2), (tn, cn, kn, xn) = out
+    per = 1e3 / (n - 1)
+    return per * (tn - t2), per * (cn - c2), round((kn - k2) / (n - 1)), per * (xn - x2)
 
 
 def baseline_name(model: str) -> str:
@@ -132,12 +157,13 @@ def main():
     if args.baseline:
         engine = load()
         rows = {b: decode_step_ms(engine, prompts(engine, b), args.new_tokens, args.reps) for b in batches}
+        experts = {b: expert_ms(engine, prompts(engine, b), args.new_tokens) for b in batches}
         print(f"one process, {engine.device}, decode mode {engine.decode_mode}: "
-              + ", ".join(f"batch {b} {ms:.3f} ms/token" for b, ms in rows.items()))
+              + ", ".join(f"batch {b} {ms:.3f} ms/token (experts' GEMMs {experts[b]:.3f})" for b, ms in rows.items()))
         if not args.no_json:
             bc.write_results(baseline_name(args.model), engine.device, {
                 "run": bc.run_info(engine.device), "model": args.model, "decode_mode": engine.decode_mode,
-                "ms_per_token": rows})
+                "ms_per_token": rows, "expert_ms_per_token": experts})
         return
 
     from comm import bootstrap, shutdown
@@ -159,31 +185,35 @@ def main():
         for b in batches:
             ps = prompts(engine, b)
             ms = decode_step_ms(engine, ps, args.new_tokens, args.reps)
-            profiled, comm_ms, calls = split_ms(engine, ps, args.new_tokens)
+            under, comm_ms, calls, experts = split_ms(engine, ps, args.new_tokens)
             results.append({"layout": name, "parallel": kw, "batch": b, "decode_mode": engine.decode_mode,
-                            "ms_per_token": ms, "profiled_ms": profiled, "comm_ms": comm_ms,
-                            "collectives_per_token": calls})
+                            "ms_per_token": ms, "profiled_ms": under, "comm_ms": comm_ms,
+                            "collectives_per_token": calls, "expert_ms": experts})
             if rank == 0:  # as it comes: a run cut short keeps what it measured
                 print(f"{name} batch {b}: {ms:.3f} ms/token ({engine.decode_mode})", flush=True)
         del engine
         bc.empty_cache(info.device)
-    base = {}
+    base, base_experts = {}, {}
     device = info.device
     path = bc.results_path(baseline_name(args.model), device)
     if path.exists():
-        base = {int(b): ms for b, ms in json.loads(path.read_text())["ms_per_token"].items()}
+        saved = json.loads(path.read_text())
+        base = {int(b): ms for b, ms in saved["ms_per_token"].items()}
+        base_experts = {int(b): ms for b, ms in saved.get("expert_ms_per_token", {}).items()}
     if rank == 0:
         run = bc.run_info(device)
         print(f"device {run['device']} x {world} ranks | date {run['date']} | commit {run['commit']} | "
               f"model {args.model}, random weights, prompts of {args.prompt_len} tokens, {args.new_tokens} new")
         print("one GPU alone (--baseline, same day and device): "
-              + (", ".join(f"batch {b} {ms:.3f} ms" for b, ms in sorted(base.items())) if base else "not run"))
-        cols = ["layout", "decode", "batch", "ms/token", "x one GPU", "profiled ms", "comm ms", "comm share", "collectives/token"]
+              + (", ".join(f"batch {b} {ms:.3f} ms" + (f" (experts' GEMMs {base_experts[b]:.3f})" if b in base_experts
+                                                       else "") for b, ms in sorted(base.items())) if base else "not run"))
+        cols = ["layout", "decode", "batch", "ms/token", "x one GPU", "profiled ms", "comm ms", "comm share",
+                "collectives/token", "experts' GEMMs ms"]
         print(bc.format_table(cols, [[r["layout"], r["decode_mode"], r["batch"], f"{r['ms_per_token']:.3f}",
                                       f"{r['ms_per_token'] / base[r['batch']]:.2f}" if r["batch"] in base else "-",
                                       f"{r['profiled_ms']:.3f}", f"{r['comm_ms']:.3f}",
                                       f"{r['comm_ms'] / r['profiled_ms']:.0%}" if r['profiled_ms'] > 0 else "-",
-                                      r["collectives_per_token"]] for r in results]))
+                                      r["collectives_per_token"], f"{r['expert_ms']:.3f}"] for r in results]))
         if not args.no_json:
             bc.write_results(f"layouts-{Path(args.model).stem}-{world}ranks", device,
                              {"run": run, "model": args.model, "args": vars(args),

@@ -268,8 +268,23 @@ def test_scaling_runs_every_world_size_and_predicts_each_row(tmp_path):
     assert "one GPU" in layouts and set(five) <= layouts
     two_ranks = json.loads(next(tmp_path.glob("layouts-tiny-moe-2ranks-*.json")).read_text())
     assert all(r["collectives_per_token"] > 0 for r in two_ranks["rows"] if r["layout"] != "pp2")
+    assert all(r["expert_ms"] == 0 for r in two_ranks["rows"])  # (a CPU: no GPU kernels to count)
     assert all(r["predicted"] > 0 for r in data["rows"])
 
+
+
+def test_bench_layouts_counts_the_expert_gemms_on_the_gpu_only():
+    """The experts' GEMMs column: kernels.fused_moe's CUDA and Triton kernels and torch's
+    grouped GEMM on the GPU; neither the routing kernels nor a CPU op of the same name."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    bench_layouts = _script("bench_layouts")
+    gpu = [SimpleNamespace(device_type=DeviceType.CUDA, name=n) for n in
+           ("moe_up", "moe_down", "_grouped_gemm_kernel", "_topk_gating_kernel", "ncclDevKernel_AllReduce")]
+    assert [bench_layouts.is_expert_kernel(e) for e in gpu] == [True, True, True, False, False]
+    assert not bench_layouts.is_expert_kernel(SimpleNamespace(device_type=DeviceType.CPU, name="moe_up"))
 
 
 def test_first_layers_keeps_the_layer_shapes_and_the_per_layer_lists_that_still_apply():
