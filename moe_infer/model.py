@@ -114,7 +114,7 @@ class Block(nn.Module):
             h, x = self.attn_norm.add_and_norm(pending, x)
             a = self.attn(h, ctx, cache, self.index)
         if self.parallel:
-            return x, a + self._ffn(h, ctx)
+            return x, a + ctx.per_token(self.ffn, h)
         if ctx.tokens is None and self.fused_router and a.is_cuda and a.numel() <= ROUTER_MAX_ROWS * a.shape[-1]:
             # Decode: the add, the norm and the router GEMM in one launch.
             shape = a.shape
@@ -123,12 +123,7 @@ class Block(nn.Module):
                                                          self.ffn.router.weight, pdl=self.options.pdl)
             return x.view(shape), self.ffn(h.view(shape), router_logits=logits)
         h, x = self.ffn_norm.add_and_norm(a, x)
-        return x, self._ffn(h, ctx)
-
-    def _ffn(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """The feed-forward layer over ``h`` [B, T, H]: over the real tokens alone where the
-        step has padding (``StepContext.per_token``)."""
-        return ctx.per_token(self.ffn, h)
+        return x, ctx.per_token(self.ffn, h)  # (over the real tokens alone where some are padding)
 
 
 class Transformer(nn.Module):

@@ -77,6 +77,11 @@ def is_expert_kernel(event) -> bool:
     return event.device_type == DeviceType.CUDA and any(k in event.name.lower() for k in EXPERT_KERNELS)
 
 
+def expert_s(events) -> float:
+    """Seconds the profiled ``events`` spent in the experts' GEMMs (``is_expert_kernel``)."""
+    return sum(e.time_range.elapsed_us() for e in events if is_expert_kernel(e)) / 1e6
+
+
 def profiled(engine, prompts, new: int):
     """-> (wall seconds, the profiler's events) of generate() with ``new`` new tokens."""
     bc.synchronize(engine.device)
@@ -92,9 +97,8 @@ def profiled(engine, prompts, new: int):
 def expert_ms(engine, prompts, n: int) -> float:
     """ms per token this process's GPU spends in the experts' GEMMs (``is_expert_kernel``):
     generate() with n + 1 new tokens against 2, once each; 0 on a CPU."""
-    spent = [sum(e.time_range.elapsed_us() for e in profiled(engine, prompts, new)[1] if is_expert_kernel(e))
-             for new in (2, n + 1)]
-    return (spent[1] - spent[0]) / 1e3 / (n - 1)
+    two, more = (expert_s(profiled(engine, prompts, new)[1]) for new in (2, n + 1))
+    return 1e3 * (more - two) / (n - 1)
 
 
 def split_ms(engine, prompts, n: int) -> tuple[float, float, int, float]:
@@ -114,8 +118,7 @@ def split_ms(engine, prompts, n: int) -> tuple[float, float, int, float]:
         every = all_gather_json(mine, world, engine.device if engine.device.type == "cuda" else "cpu")
         if all(len(d) == len(mine) for d in every):
             mine = [min(d) for d in zip(*every)]
-        experts = sum(e.time_range.elapsed_us() for e in events if is_expert_kernel(e))
-        out.append((wall, sum(mine) / 1e6, len(comm), experts / 1e6))
+        out.append((wall, sum(mine) / 1e6, len(comm), expert_s(events)))
     (t2, c2, k2, x2), (tn, cn, kn, xn) = out
     per = 1e3 / (n - 1)
     return per * (tn - t2), per * (cn - c2), round((kn - k2) / (n - 1)), per * (xn - x2)

@@ -64,6 +64,10 @@ def compare(files: list[Path], hardware: str | None = None) -> list[dict]:
     return out
 
 
+def gpus_of(row: dict) -> int:
+    return 1 if row["layout"] == "one GPU" else ParallelConfig(**row["parallel"]).world_size
+
+
 def choices(rows: list[dict]) -> list[dict]:
     """Per (model, device, number of GPUs, batch) with two or more multi-rank layouts
     measured: the layout the model predicts fastest among them, the measured-fastest, and
@@ -71,8 +75,7 @@ def choices(rows: list[dict]) -> list[dict]:
     cases: dict = {}
     for r in rows:
         if r["layout"] != "one GPU":
-            gpus = ParallelConfig(**r["parallel"]).world_size
-            cases.setdefault((r["model"], r["device"], gpus, r["batch"]), []).append(r)
+            cases.setdefault((r["model"], r["device"], gpus_of(r), r["batch"]), []).append(r)
     out = []
     for (model, device, gpus, batch), rs in sorted(cases.items()):
         if len(rs) < 2:
@@ -81,10 +84,6 @@ def choices(rows: list[dict]) -> list[dict]:
         out.append(dict(model=model, device=device, gpus=gpus, batch=batch, picked=picked["layout"],
                         best=best["layout"], ratio=picked["ms"] / best["ms"], hit=picked["ms"] <= 1.05 * best["ms"]))
     return out
-
-
-def gpus_of(row: dict) -> int:
-    return 1 if row["layout"] == "one GPU" else ParallelConfig(**row["parallel"]).world_size
 
 
 def by_gpus(items: list[dict], gpus, ok) -> str:
