@@ -104,6 +104,12 @@ def launch(device: torch.device, source: str, name: str, opts: tuple, grid: tupl
         raise RuntimeError(f"cuLaunchKernelEx({name}) failed with CUDA error {err}")
 
 
+def addressable(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether kernels on ``device`` can read ``t`` where it lies: on that device, or in
+    pinned host memory, which a GPU with unified addressing reads in place over the bus."""
+    return t.device == device or (t.device.type == "cpu" and t.is_pinned())
+
+
 def ptr(z: torch.Tensor | None) -> np.uint64:
     return np.uint64(z.data_ptr() if z is not None else 0)
 

@@ -70,6 +70,12 @@ class Experts(nn.Module):
                                  capacity=capacity, maps=maps, pdl=self.options.pdl, masked=masked, **self.scales(),
                                  **self.biases(), weighted_input=self.weighted_input)
 
+    @staticmethod
+    def waits_for_host(num_tokens: int) -> bool:
+        """Whether a call over ``num_tokens`` tokens waits for the host: never, every expert
+        is on the device (offloaded ones may: ``moe_infer.offload``)."""
+        return False
+
     def pairs_from_ids(self, x: torch.Tensor, top_k: int) -> bool:
         """Whether ``fused`` (dropless, no maps) runs on x from the routing ids alone, so the
         router need not build the maps (``kernels.moe.triton.pairs_from_ids``; GPU only)."""

@@ -200,8 +200,9 @@ class Transformer(nn.Module):
 
     def capturable(self, num_tokens: int) -> bool:
         """Whether a step over ``num_tokens`` tokens runs without waiting for the host, so a
-        CUDA graph can hold it (collectives included)."""
-        return not any(d.waits_for_host(num_tokens) for d in self.dispatchers())
+        CUDA graph can hold it (collectives included, offloaded experts too)."""
+        layers = [m for m in self.modules() if isinstance(m, MoELayer)]
+        return not any(m.dispatcher.waits_for_host(num_tokens) or m.experts.waits_for_host(num_tokens) for m in layers)
 
     def make_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         m = self.cfg.model

@@ -1,5 +1,6 @@
-"""Models larger than the device: the experts hit most on it, the rest in host memory, run
-by the CPU or copied in for the call (``engine.gpu_memory_gb``, ``engine.offload``).
+"""Models larger than the device: the experts hit most on it, the rest in host memory, read
+from there by the device, copied in for the call or run by the CPU (``engine.gpu_memory_gb``,
+``engine.offload``).
 
 Shape letters: T tokens, k slots, H hidden, F expert width, E experts, P pairs.
 
@@ -7,10 +8,17 @@ The planner keeps every weight that is not a routed expert on the device (attent
 norms, routers, embeddings, shared experts, dense layers), then as many experts as the
 budget holds, those hit most first (routing counts where given, else the same number in
 every layer). ``OffloadedExperts`` takes a layer's place: the pairs routed to its device
-experts run the fused kernel there; the others ("cold") run on the CPU over the host
-copies, or have their experts copied into a device staging area first, whichever the
-machine's measured figures say is faster for the call's size (``ColdCost``). Each call
-waits for the host once (which pairs are cold), so an offloaded model decodes eagerly.
+experts run the fused kernel there. The others ("cold") run in one of three ways:
+- in place (decode sizes, modes "auto" and "stream"): the same kernel reads the cold
+  experts' weights where they lie, in pinned host memory, which the GPU addresses
+  directly: no host wait and no copy step, so decode steps replay as CUDA graphs and each
+  cold expert a step meets crosses the bus once;
+- copied into a device staging area first (larger calls: a prefill's experts each serve
+  many rows, and one copy serves them all);
+- on the CPU over the host copies.
+For calls past decode sizes, "auto" takes the CPU or the staging area, whichever the
+machine's measured figures say is faster for the call's size (``ColdCost``); those calls
+wait for the host once (which pairs are cold).
 """
 from __future__ import annotations
 
@@ -29,6 +37,15 @@ from moe_infer.experts import Experts
 GB = 1e9
 MODES = ("auto", "cpu", "stream")
 WAYS = ("cpu", "stream")  # where auto may run a call's cold pairs
+STATS = ("pairs", "cold_pairs", "cold_experts", "cpu", "stream")  # what a layer's calls met (``tally``)
+
+
+def reads_in_place(engine_cfg) -> bool:
+    """Whether offloaded layers read their cold experts in place at decode sizes: modes
+    "auto" and "stream", with the host copies in (pinned) memory, not memory-mapped from
+    files (``engine.offload_dir``), which a device cannot address. Their decode steps then
+    never wait for the host, so they run as CUDA graphs."""
+    return engine_cfg.offload in ("auto", "stream") and engine_cfg.offload_dir is None
 
 
 @dataclass(frozen=True)
@@ -231,14 +248,16 @@ class OffloadedExperts(nn.Module):
     experts (in the order of ``hot``), the host tensors every expert (pinned where the
     device is a GPU). ``mode``: "cpu" (cold pairs run on the CPU), "stream" (their experts
     are copied into a device staging area of ``staging`` experts, as many rounds as
-    needed) or "auto" (``ColdCost`` chooses per call)."""
+    needed), or "auto" (``ColdCost`` chooses per call). ``in_place``: calls of at most that
+    many tokens read their cold experts in place (modes "stream" and "auto"; 0: none)."""
 
     def __init__(self, experts: Experts, hot: list[int], device: torch.device, mode: str, cost: ColdCost,
-                 staging: int = 8):
+                 staging: int = 8, in_place: int = 0):
         super().__init__()
         self.activation, self.options = experts.activation, experts.options
         self.weighted_input = experts.weighted_input  # (Llama 4: the weight on the expert's input)
         self.mode, self.cost = mode, cost
+        self.in_place = in_place if mode != "cpu" else 0
         pinned = device.type == "cuda"
         e = experts.w13.shape[0]
 
@@ -250,6 +269,8 @@ class OffloadedExperts(nn.Module):
         # (int8 scales and GPT-OSS's biases: per expert, beside its weights)
         extras = {**experts.scales(), **{k: v for k, v in experts.biases().items() if v is not None}}
         self.host = {"w13": host(experts.w13), "w2": host(experts.w2), **{k: host(v) for k, v in extras.items()}}
+        if pinned and not all(t.is_pinned() for t in self.host.values()):
+            self.in_place = 0  # memory-mapped from files: the device cannot address them
         self.register_buffer("slot", torch.full((e,), -1, dtype=torch.long, device=device),
                              persistent=False)  # expert -> device slot, -1: cold
         # Routed pairs per expert, weighed down at each ``rebalance``.
@@ -258,8 +279,10 @@ class OffloadedExperts(nn.Module):
         self.set_hot(hot)
         self.staging = max(1, min(staging, e))  # experts a streamed round holds (a rebalance may cool any)
         self._stage: dict | None = None  # the staging area, made at the first streamed call
-        # What the calls met (host counts: known at the call's one wait), for benchmarks.
-        self.stats = dict.fromkeys(("pairs", "cold_pairs", "cold_experts", "cpu", "stream"), 0)
+        # What the calls met (``STATS``; in-place calls count as streamed: their cold experts
+        # cross the bus), summed on the device so that graph replays count too.
+        self.register_buffer("tally", torch.zeros(len(STATS), dtype=torch.float64, device=device),
+                             persistent=False)
 
     def set_hot(self, hot: list[int]) -> None:
         """Keeps experts ``hot`` on the device, copied from the host copies. As many as
@@ -288,6 +311,26 @@ class OffloadedExperts(nn.Module):
         self.slot.copy_(slot)
 
     @property
+    def stats(self) -> dict[str, float]:
+        """The calls' ``tally`` by name (a wait for the device)."""
+        return dict(zip(STATS, self.tally.tolist()))
+
+    def waits_for_host(self, num_tokens: int) -> bool:
+        """Whether a call of ``num_tokens`` tokens waits for the host (so no CUDA graph holds it)."""
+        return num_tokens > self.in_place
+
+    def _count(self, ids: torch.Tensor, slot: torch.Tensor, way: str) -> None:
+        """Adds a call's pairs (``slot``: -1 cold, below it elsewhere) to ``routed`` and
+        ``tally``, on the device (no wait), its cold pairs counted as run ``way``."""
+        here, cold = slot > -2, slot == -1
+        self.routed.index_add_(0, ids.flatten(), here.flatten().float())
+        e = len(self.routed)
+        met = torch.zeros(e + 1, device=ids.device).index_fill_(0, torch.where(cold, ids, e).flatten(), 1)
+        n = cold.sum()
+        ways = [(n > 0) * (way == w) for w in WAYS]
+        self.tally.add_(torch.stack([here.sum(), n, met[:e].sum(), *ways]).double())
+
+    @property
     def num_cold(self) -> int:
         return len(self.slot) - len(self.hot)
 
@@ -311,12 +354,13 @@ class OffloadedExperts(nn.Module):
         slot = self.slot[ids]  # [T, k]
         if masked:
             slot = slot.masked_fill(elsewhere, -2)  # -1: cold here; below it: not here at all
+        if not self.waits_for_host(x.shape[0]):
+            self._count(ids, slot, "stream")
+            return self._in_place(x, ids, weights, slot)
         cold = slot == -1
-        self.routed.add_(torch.bincount(ids.flatten(), None if elsewhere is None else (~elsewhere).flatten().float(),
-                                        minlength=len(self.routed)))
-        self.stats["pairs"] += ids.numel()
         cold_t, cold_s = cold.nonzero(as_tuple=True)  # the call's wait for the host
         if not len(cold_t):
+            self._count(ids, slot, "stream")
             if not self.hot:  # no expert here at all (every pair is elsewhere): the kernels take none
                 return torch.zeros_like(x)
             return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, pdl=self.options.pdl,
@@ -325,8 +369,7 @@ class OffloadedExperts(nn.Module):
         used = sorted(set(pair_ids.tolist()))
         mode = self.mode if self.mode != "auto" else self.cost.mode(len(cold_t), len(used))
         timed = self.cost.timed(mode, len(cold_t), len(used), x.device) if self.mode == "auto" else None
-        for key, n in (("cold_pairs", len(cold_t)), ("cold_experts", len(used)), (mode, 1)):
-            self.stats[key] += n
+        self._count(ids, slot, mode)
         # The cold experts' first copies (stream) start before the device experts run; the
         # CPU's work (cpu) runs while they do.
         first = self._stage_round(used[:self.staging]) if mode == "stream" else None
@@ -345,6 +388,24 @@ class OffloadedExperts(nn.Module):
         out.index_add_(0, cold_t, y)
         if timed is not None:
             timed()
+        return out.to(x.dtype)
+
+    def _in_place(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """Every pair on the device, no wait for the host: the device experts' pairs by the
+        kernel over ``w13`` / ``w2``, the cold ones by the same kernel over the host copies,
+        read where they lie (pinned host memory is in the device's address space; each
+        cold expert crosses the bus once per row tile of its pairs: once at decode sizes)
+        -> [T, H] in x's dtype."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        run = dict(pdl=self.options.pdl, masked=True, weighted_input=self.weighted_input)
+        if self.hot:  # cold pairs and pairs elsewhere are masked (negative slots)
+            out += kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, **run,
+                                     **self.device_extras).float()
+        if self.num_cold:
+            extras = {k: v for k, v in self.host.items() if k not in ("w13", "w2")}
+            cold = torch.where(slot == -1, ids, -1)  # only the cold pairs, by expert
+            out += kernels.fused_moe(x, self.host["w13"], self.host["w2"], weights, cold, self.activation, **run,
+                                     **extras).float()
         return out.to(x.dtype)
 
     def _on_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, used: list[int]) -> torch.Tensor:
@@ -414,16 +475,19 @@ class OffloadedExperts(nn.Module):
         return y
 
 
-def apply(model: nn.Module, placement: Placement, device: torch.device, mode: str, cost: ColdCost) -> None:
+def apply(model: nn.Module, placement: Placement, device: torch.device, mode: str, cost: ColdCost,
+          in_place: int = 0) -> None:
     """Replaces every layer's experts by its ``OffloadedExperts``."""
     for (parent, name, experts), hot in zip(expert_layers(model), placement.hot):
-        setattr(parent, name, OffloadedExperts(experts, hot, device, mode, cost))
+        setattr(parent, name, OffloadedExperts(experts, hot, device, mode, cost, in_place=in_place))
 
 
 def offload_experts(model: nn.Module, engine_cfg, device: torch.device, dtype: torch.dtype) -> Placement:
     """The loader's last step for ``engine.gpu_memory_gb``: plans the placement of the
     loaded model (its experts in host memory), measures this machine, and puts each
-    layer's ``OffloadedExperts`` in place -> the placement."""
+    layer's ``OffloadedExperts`` in place -> the placement. Calls up to a decode step's
+    largest bucket (``engine.max_batch_size`` rows, to a power of two) read cold experts in
+    place where ``reads_in_place``."""
     placement = plan(model, engine_cfg.gpu_memory_gb * GB)
     layers = expert_layers(model)
     if layers:
@@ -433,7 +497,8 @@ def offload_experts(model: nn.Module, engine_cfg, device: torch.device, dtype: t
         quantized = first.w13.dtype in (torch.int8, torch.uint8)
         profile = MachineProfile.measure(device, dtype if quantized else first.w13.dtype, h, f)
         per_token = 2 * packs * (first.w13[0].numel() + first.w2[0].numel())
-        apply(model, placement, device, engine_cfg.offload, ColdCost(profile, placement.expert_bytes, per_token))
+        rows = 1 << (engine_cfg.max_batch_size - 1).bit_length() if reads_in_place(engine_cfg) else 0
+        apply(model, placement, device, engine_cfg.offload, ColdCost(profile, placement.expert_bytes, per_token), rows)
     return placement
 
 

@@ -47,12 +47,12 @@ from moe_infer import offload as off  # noqa: E402
 
 def counters(engine) -> dict:
     """The offloaded layers' counters, summed, then zeroed."""
-    total = dict.fromkeys(("pairs", "cold_pairs", "cold_experts", "cpu", "stream"), 0)
+    total = dict.fromkeys(off.STATS, 0)
     for m in engine.model.modules():
         if isinstance(m, off.OffloadedExperts):
             for k, v in m.stats.items():
                 total[k] += v
-                m.stats[k] = 0
+            m.tally.zero_()
     return total
 
 
@@ -87,10 +87,11 @@ def decode_counters(engine, prompts, n: int) -> dict:
         call = m.fused
 
         def fused(x, *args, **kwargs):
-            before = dict(m.stats)
+            if x.shape[0] <= rows:  # (decode steps replayed from graphs count without this call)
+                return call(x, *args, **kwargs)
+            before = m.tally.clone()
             out = call(x, *args, **kwargs)
-            if x.shape[0] > rows:
-                m.stats.update(before)
+            m.tally.copy_(before)
             return out
         return fused
 

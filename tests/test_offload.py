@@ -143,6 +143,55 @@ def test_cold_experts_in_several_staging_rounds_and_mixed_pairs(mode):
     torch.testing.assert_close(every.fused(x, ids, w), experts.fused(x, ids, w), rtol=1e-5, atol=1e-6)
 
 
+def random_experts(e: int, h: int, f: int, seed: int = 0) -> Experts:
+    gen = torch.Generator().manual_seed(seed)
+    experts = Experts(e, h, f, "swiglu")
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(experts.w13.shape, generator=gen) * 0.2)
+        experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.2)
+    return experts
+
+
+@pytest.mark.parametrize("mode", ["stream", "auto"])
+def test_decode_sized_calls_read_cold_experts_in_place_and_count_what_they_met(mode, monkeypatch):
+    """Calls of at most ``in_place`` tokens run every pair without a host wait (neither
+    the CPU's experts nor the staging area); larger ones take them. Both give the whole
+    layer's outputs, masked pairs (experts elsewhere) included, and the device tally counts
+    the pairs here, the cold ones and the distinct cold experts of each call."""
+    gen = torch.Generator().manual_seed(1)
+    experts = random_experts(7, 24, 40)
+    profile = off.MachineProfile(1e9, 1e9, 1e9)
+    layer = off.OffloadedExperts(experts, [2, 5], torch.device("cpu"), mode, off.ColdCost(profile, 1, 1),
+                                 staging=2, in_place=4)
+    assert (layer.waits_for_host(4), layer.waits_for_host(5)) == (False, True)
+    assert off.OffloadedExperts(experts, [2], torch.device("cpu"), "cpu", off.ColdCost(profile, 1, 1),
+                                in_place=4).waits_for_host(1)  # mode cpu: never in place
+    slow = {}
+    for name in ("_on_cpu", "_stage_round"):
+        real = getattr(off.OffloadedExperts, name)
+        monkeypatch.setattr(off.OffloadedExperts, name, lambda self, *a, real=real, name=name:
+                            slow.setdefault(name, 0) or real(self, *a))
+    want = {"pairs": 0, "cold_pairs": 0, "cold_experts": 0}
+    for t, masked in ((1, False), (4, True), (3, False), (9, False), (6, True)):
+        x = torch.randn(t, 24, generator=gen)
+        ids = torch.stack([torch.randperm(7, generator=gen)[:3] for _ in range(t)])
+        if masked:  # a third of the pairs elsewhere
+            ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.33, -1, ids)
+        w = torch.rand(t, 3, generator=gen)
+        slow.clear()
+        torch.testing.assert_close(layer.fused(x, ids, w, masked=masked), experts.fused(x, ids, w, masked=masked),
+                                   rtol=1e-5, atol=1e-6)
+        assert bool(slow) == (t > 4)
+        here = ids[ids >= 0]
+        cold = here[(here != 2) & (here != 5)]
+        want = {"pairs": want["pairs"] + len(here), "cold_pairs": want["cold_pairs"] + len(cold),
+                "cold_experts": want["cold_experts"] + len(set(cold.tolist()))}
+        assert {k: layer.stats[k] for k in want} == want
+    stats = layer.stats
+    assert stats["cpu"] + stats["stream"] == 5  # every call met a cold pair
+    assert layer.routed.sum().item() == stats["pairs"]
+
+
 def test_a_layer_with_no_device_experts_whose_pairs_are_all_elsewhere_adds_nothing(monkeypatch):
     """Under expert parallelism a rank's layer may keep none of its experts on the device
     and meet only pairs of other ranks (masked ids): zeros, no kernel over zero experts."""
@@ -281,9 +330,10 @@ def rel_err(got, ref):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["cpu", "stream", "layers"])
 def test_offloaded_bf16_on_a_gpu_is_as_close_to_float32_as_the_whole_model(full, mode):
-    """The GPU paths (pinned host copies, the copy streams of the staging area and of the
-    layer streamer, the CPU experts beside the GPU's): bf16 logits no further from the
-    float32 model than twice the unbounded bf16 model's error."""
+    """The GPU paths (pinned host copies read in place, the copy streams of the staging area
+    and of the layer streamer, the CPU experts beside the GPU's): bf16 logits no further
+    from the float32 model than twice the unbounded bf16 model's error; experts read in
+    place decode in CUDA graphs."""
     ref = full.logits(PROMPTS)
     whole = moe_infer.load("tiny-moe", progress=False, device="cuda", dtype="bfloat16")
     bound = 2 * rel_err(whole.logits(PROMPTS), ref)
@@ -291,10 +341,39 @@ def test_offloaded_bf16_on_a_gpu_is_as_close_to_float32_as_the_whole_model(full,
     # the float32 sizes: in bf16 about 10 of the 24 experts fit, the rest stay in host memory
     kw = dict(offload="layers") if mode == "layers" else dict(gpu_memory_gb=fixed + one / 1e9, offload=mode)
     engine = moe_infer.load("tiny-moe", progress=False, device="cuda", dtype="bfloat16", **kw)
-    assert engine.decode_mode == "eager"
+    assert engine.decode_mode == ("graph" if mode == "stream" else "eager")
     assert rel_err(engine.logits(PROMPTS), ref) <= bound
     out = engine.generate(PROMPTS, max_new_tokens=8)
     assert all(len(o.token_ids) == 8 or o.finish_reason == "stop" for o in out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_cold_experts_read_in_place_on_a_gpu_decode_in_graphs_as_eagerly(full, quantize):
+    """The kernels read the cold experts from pinned host memory (at decode sizes: the CUDA
+    decode kernels or the Triton GEMMs, as the tables choose): in float32 (no bf16 ties)
+    the logits of the whole model, and graph decode gives eager decode's tokens, batch 1
+    and 8, as the experts move between the device and the host."""
+    fixed, one = budgets(full)
+    kw = dict(device="cuda", progress=False, quantize=quantize)
+    whole = moe_infer.load("tiny-moe", dtype=torch.float32, **kw)
+    engine = moe_infer.load("tiny-moe", dtype=torch.float32, gpu_memory_gb=fixed + 4 * one / 1e9, offload="stream",
+                            **kw)
+    layers = [m for m in engine.model.modules() if isinstance(m, off.OffloadedExperts)]
+    assert engine.decode_mode == "graph" and all(m.host["w13"].is_pinned() for m in layers)
+    torch.testing.assert_close(engine.logits(PROMPTS), whole.logits(PROMPTS), rtol=1e-4, atol=1e-4)
+    for prompts in (PROMPTS[:1], PROMPTS * 3):
+        graphs = [o.token_ids for o in engine.generate(prompts, max_new_tokens=12)]
+        engine.decode_mode = "eager"
+        assert [o.token_ids for o in engine.generate(prompts, max_new_tokens=12)] == graphs
+        engine.decode_mode = "graph"
+    assert sum(m.stats["cold_pairs"] for m in layers) > 0
+
+    bf16 = moe_infer.load("tiny-moe", dtype="bfloat16", gpu_memory_gb=fixed, offload="auto", **kw)
+    eager = [o.token_ids for o in bf16.generate(PROMPTS * 3, max_new_tokens=12)]
+    assert bf16.decode_mode == "graph"
+    bf16.decode_mode = "eager"
+    assert [o.token_ids for o in bf16.generate(PROMPTS * 3, max_new_tokens=12)] == eager
 
 
 @pytest.mark.parametrize("source,mode", [("tiny-moe", "all"), ("tiny-moe", "alternate"), ("deepseek_v3", "all"),

@@ -81,7 +81,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (``kernels.pdl``; every op here takes it). ``masked``: a pair whose expert id is negative
     (its expert lives on another rank) adds nothing and reads no weights; ``maps`` are then
     not taken. ``b13`` [E, 2F or F] / ``b2`` [E, H]: per-expert biases (GPT-OSS), added
-    after each GEMM, before the activation and before the combine weight.
+    after each GEMM, before the activation and before the combine weight. On a GPU the
+    weights, scales and biases may lie in pinned host memory: the kernels read them in place
+    over the bus (each expert's once per row tile of its pairs: once at decode sizes).
     ``weighted_input`` (Llama 4): each pair's weight scales its expert's input, not its output
     (the same as scaling the up GEMM's output before the activation).
     """

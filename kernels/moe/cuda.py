@@ -59,7 +59,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from kernels.cuda_common import DTYPES, compile_check, cuda_source, launch, ptr
+from kernels.cuda_common import DTYPES, addressable, compile_check, cuda_source, launch, ptr
 from kernels.tuning import MoeCuda
 
 SOURCE = cuda_source("moe/moe.cu")  # kernels moe_up and moe_down, and common.cuh's splitk_reduce
@@ -120,8 +120,9 @@ def supports(x, w13, w2, topk, w13_scale=None, w2_scale=None, configs=None, acti
     f = w2.shape[2]
     if w13[0].numel() * w13.element_size() >= 2 ** 32:  # moe_up's row offsets are 32-bit
         return f"w13 {list(w13.shape)}: expected under 4 GiB an expert"
-    if not (x.is_cuda and w13.device == x.device and w2.device == x.device):
-        return f"x / w13 / w2 on {x.device} / {w13.device} / {w2.device}: expected one CUDA device"
+    if not (x.is_cuda and addressable(w13, x.device) and addressable(w2, x.device)):
+        return (f"x / w13 / w2 on {x.device} / {w13.device} / {w2.device}: expected one CUDA device "
+                f"(the weights may be in pinned host memory)")
     if x.dtype not in DTYPES:
         return f"x: bf16 or fp16, got {x.dtype}"
     if not 1 <= t <= MAX_T or topk > MAX_K:

@@ -262,8 +262,9 @@ def max_row_tiles(num_rows: int, num_experts: int, bm: int) -> int:
 def tma_ok(w: torch.Tensor, cfg: dict) -> bool:
     """Whether weight tiles can come by TMA: asked for (``tma`` in the launch configuration),
     a Hopper-or-later GPU or the CPU interpreter, contiguous weights with 16-byte aligned
-    rows, and a [BN, BK] box TMA can copy (at most 256 per side, rows of 16 bytes or more)."""
-    if not cfg.get("tma"):
+    rows in device memory (not read in place from pinned host memory), and a [BN, BK] box
+    TMA can copy (at most 256 per side, rows of 16 bytes or more)."""
+    if not cfg.get("tma") or w.is_pinned():
         return False
     if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
         return False

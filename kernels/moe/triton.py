@@ -87,11 +87,12 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 def grouped_mm_ok(cfg: MoeEntry, a: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a GEMM whose launch configuration is a ``MoeGroupedMm`` can take
-    ``torch._grouped_mm``: weights in the activations' dtype (not int8), 16-byte aligned
+    ``torch._grouped_mm``: weights in the activations' dtype (not int8) on their device (not
+    read in place from host memory), 16-byte aligned
     rows, and on CUDA a Hopper or later GPU with bf16 (the CPU takes any float dtype: the
     interpreter tests run this path). Otherwise the Triton kernel runs with the table's
     tile sizes."""
-    if not isinstance(cfg, MoeGroupedMm) or a.dtype != w.dtype or not a.is_floating_point():
+    if not isinstance(cfg, MoeGroupedMm) or a.dtype != w.dtype or not a.is_floating_point() or w.device != a.device:
         return False
     if a.is_cuda and (a.dtype != torch.bfloat16 or torch.cuda.get_device_capability(a.device)[0] < 9):
         return False
@@ -169,11 +170,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     n = t * topk
     size = x.element_size()
     up_cfg, down_cfg = configs if configs is not None else _table_configs(x, w13, w2, topk)
-    if isinstance(up_cfg, MoeDequant) and w13.dtype == torch.int8:
+    if isinstance(up_cfg, MoeDequant) and w13.dtype == torch.int8 and w13.device == x.device:
         # Large T, where the table says so: the int8 experts widened to x's dtype in one pass,
         # then x's own GEMMs and table entries. Widening every tile inside the tensor-core
         # GEMM costs more there than the bytes it saves. Holds one layer's experts in x's
-        # dtype for the call.
+        # dtype for the call (weights on the device: host ones are read in place as they are).
         return fused_moe_triton(x, dequantize_int8(w13, w13_scale, x.dtype), dequantize_int8(w2, w2_scale, x.dtype),
                                 topk_weights, topk_ids, activation, capacity=capacity, maps=maps, pdl=pdl,
                                 masked=masked, b13=b13, b2=b2, weighted_input=weighted_input)

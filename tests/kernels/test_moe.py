@@ -249,6 +249,33 @@ def test_moe_layer_routes_without_maps_where_experts_take_ids(t):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 64, 512])
+@pytest.mark.parametrize("int8", [False, True])
+def test_weights_in_pinned_host_memory_are_read_in_place(t, int8):
+    """Experts in pinned host memory (offloaded experts at decode sizes): the kernels read
+    them over the bus where they lie and give the result of the same weights on the device,
+    plain and masked, at sizes where the tables choose the CUDA decode kernels, the Triton
+    GEMMs or torch's grouped GEMM (which takes device weights only: the Triton GEMM then)."""
+    gen = torch.Generator().manual_seed(t)
+    e, h, f, k = 16, 1024, 512, 4
+    w13, w2 = weights(e, h, f, "silu", torch.bfloat16, "cpu", gen)
+    x = torch.randn(t, h, generator=gen).to("cuda", torch.bfloat16)
+    ids, w = routing(t, e, k, "cuda", gen)
+    scales = {}
+    if int8:
+        (w13, s13), (w2, s2) = quantize_int8(w13), quantize_int8(w2)
+        scales = {"w13_scale": s13, "w2_scale": s2}
+    host = [z.pin_memory() for z in (w13, w2)]
+    host_scales = {n: z.pin_memory() for n, z in scales.items()}
+    dev_scales = {n: z.cuda() for n, z in scales.items()}
+    masked = torch.where(ids % 3 == 0, -1, ids)
+    for tid, m in ((ids, False), (masked, True)):
+        want = fused_moe(x, w13.cuda(), w2.cuda(), w, tid, masked=m, **dev_scales)
+        got = fused_moe(x, *host, w, tid, masked=m, **host_scales)
+        assert rel(got.float(), want.float()) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
 def test_moe_layer_in_cuda_graph_matches_eager():
     """The whole MoE layer (router, gating, maps, expert GEMMs, combine) captured once per
     T = 1..16 and replayed on fresh inputs gives eager's result."""
