@@ -8,11 +8,11 @@ model fits, and transformers + accelerate at the same budget.
     python scripts/bench_offload.py --smoke          # tiny-moe on the CPU, every mode
 
 Random weights. Per budget and mode (``engine.offload``: auto, cpu, stream): decode ms per
-step at each batch (``bench_decode.decode_step_ms``, 128-token prompts), prefill tokens/s of
-``--prefill`` prompts (time to the first token), and from the layers' counters the share of
-routed pairs that found their expert on the device (hit rate) and the cold experts a token
-met, and the share of the calls with cold pairs that ran them on the CPU (the rest
-streamed them). The floor of a decode step: the device-resident bytes it reads (everything but the
+step at each batch (generate()'s own clock, 128-token prompts), prefill tokens/s of
+``--prefill`` prompts (time to the first token), and from the layers' counters over the
+same decode steps (``decode_run``) the share of routed pairs that found their expert on the
+device (hit rate) and the cold experts a step met, and the share of the calls with cold
+pairs that ran them on the CPU (the rest read them in place or streamed them). The floor of a decode step: the device-resident bytes it reads (everything but the
 routed experts, and the device experts it is expected to hit) over the copy bandwidth, plus
 the cold experts it met over the bandwidth of the way they ran (pinned host-to-device copy
 for streamed ones, the CPU's matmul read rate for CPU ones), both measured in this run.
@@ -76,10 +76,13 @@ def floor_ms(engine, batch: int, tokens: int, seen: dict, copy_bytes_s: float) -
     return 1e3 * (device + cold)
 
 
-def decode_counters(engine, prompts, n: int) -> dict:
-    """The layers' counters over the n - 1 decode steps of generate() with n new tokens: a
-    call of more tokens than the batch (the prefill) leaves them as they were. (Differencing
-    two generate() runs instead mixes placements: the experts are re-placed between them.)"""
+def decode_run(engine, prompts, n: int, reps: int) -> tuple[float, dict, int]:
+    """-> (ms per decode step, the layers' counters summed over those steps, the steps):
+    after a warm-up, ``reps`` generate() runs of n new tokens, their decode steps timed by
+    generate()'s own clock (``bench_decode.decode_step_ms``) and counted in the same runs
+    (the experts move between runs as the routing counts say, so time and floor must come
+    from the same steps). A call of more tokens than the batch (a prefill) leaves the
+    counters as they were. The figures are the runs' totals: time over steps."""
     layers = [m for m in engine.model.modules() if isinstance(m, off.OffloadedExperts)]
     rows = 1 << (len(prompts) - 1).bit_length()  # a decode step's tokens, padded to its bucket at most
 
@@ -95,15 +98,24 @@ def decode_counters(engine, prompts, n: int) -> dict:
             return out
         return fused
 
+    engine.generate(prompts, max_new_tokens=n)
     counters(engine)
     for m in layers:
         m.fused = counting(m)
+    seconds, steps = 0.0, 0
     try:
-        engine.generate(prompts, max_new_tokens=n)
+        for _ in range(reps):
+            engine.generate(prompts, max_new_tokens=n)
+            s = engine.last_stats
+            if s.generated_tokens != n * len(prompts) or not s.decoded_tokens:
+                raise RuntimeError(f"decode_run: {s.generated_tokens} tokens, {s.decoded_tokens} decoded; "
+                                   f"expected {n * len(prompts)} (eos cleared) and some decoded")
+            seconds += s.decode_s
+            steps += s.decoded_tokens // len(prompts)
     finally:
         for m in layers:
             del m.fused  # the class's method again
-    return counters(engine)
+    return 1e3 * seconds / steps, counters(engine), steps
 
 
 def prefill_tokens_s(engine, prompts) -> float:
@@ -226,9 +238,7 @@ def main():
         prefill = prefill_tokens_s(engine, prompts_of(engine, rows, width))
         for b in [int(x) for x in args.batches.split(",")]:
             ps = prompts_of(engine, b, args.prompt_len)
-            ms = decode_step_ms(engine, ps, args.new_tokens, args.reps)
-            seen = decode_counters(engine, ps, args.new_tokens)
-            steps = args.new_tokens - 1
+            ms, seen, steps = decode_run(engine, ps, args.new_tokens, args.reps)
             fl = floor_ms(engine, b, steps, seen, copy_bytes_s)
             hit = 1 - seen["cold_pairs"] / seen["pairs"] if seen["pairs"] else 1.0
             rows_out.append({"budget_gb": budget, "mode": mode, "batch": b, "ms_per_token": ms, "floor_ms": fl,

@@ -354,9 +354,9 @@ def test_cold_experts_read_in_place_on_a_gpu_decode_in_graphs_as_eagerly(full, q
     decode kernels or the Triton GEMMs, as the tables choose): in float32 (no bf16 ties)
     the logits of the whole model, and graph decode gives eager decode's tokens, batch 1
     and 8, as the experts move between the device and the host."""
-    fixed, one = budgets(full)
     kw = dict(device="cuda", progress=False, quantize=quantize)
     whole = moe_infer.load("tiny-moe", dtype=torch.float32, **kw)
+    fixed, one = budgets(whole)
     engine = moe_infer.load("tiny-moe", dtype=torch.float32, gpu_memory_gb=fixed + 4 * one / 1e9, offload="stream",
                             **kw)
     layers = [m for m in engine.model.modules() if isinstance(m, off.OffloadedExperts)]
@@ -369,7 +369,8 @@ def test_cold_experts_read_in_place_on_a_gpu_decode_in_graphs_as_eagerly(full, q
         engine.decode_mode = "graph"
     assert sum(m.stats["cold_pairs"] for m in layers) > 0
 
-    bf16 = moe_infer.load("tiny-moe", dtype="bfloat16", gpu_memory_gb=fixed, offload="auto", **kw)
+    fixed, one = budgets(moe_infer.load("tiny-moe", dtype="bfloat16", **kw))
+    bf16 = moe_infer.load("tiny-moe", dtype="bfloat16", gpu_memory_gb=fixed + 4 * one / 1e9, offload="auto", **kw)
     eager = [o.token_ids for o in bf16.generate(PROMPTS * 3, max_new_tokens=12)]
     assert bf16.decode_mode == "graph"
     bf16.decode_mode = "eager"
