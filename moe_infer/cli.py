@@ -47,8 +47,9 @@ def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
     src.add_argument("--gpu-memory-gb", type=float,
                      help="GB of weights kept on the device; the experts hit least live in host memory")
     src.add_argument("--offload", choices=["auto", "cpu", "stream", "layers"],
-                     help="how experts in host memory run: on the CPU, copied to the device per call, or "
-                          "whichever is faster per call (default auto); layers: every block streamed from "
+                     help="how experts in host memory run: on the CPU, or read by the device (in place at "
+                          "decode sizes, copied in for larger calls); auto (default): read in place at decode "
+                          "sizes, larger calls whichever way is faster; layers: every block streamed from "
                           "host memory as it runs (ZeRO-Inference, for large batches)")
     src.add_argument("--offload-dir",
                      help="memory-map the weights kept in host memory from files in this directory (for "

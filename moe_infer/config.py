@@ -386,9 +386,10 @@ class EngineConfig:
     fused_decode_attention: bool = True
     # Models larger than the device: at most this many GB of weights stay on it (None: all).
     # Everything but the routed experts first, then the experts hit most; the others live
-    # in host memory and run as ``offload`` says: "cpu" (computed by the CPU), "stream"
-    # (copied to the device for the call), "auto" (per call, whichever this machine's
-    # measured figures make faster). An offloaded model decodes eagerly.
+    # in host memory and run as ``offload`` says: "cpu" (computed by the CPU; decode runs
+    # eagerly), "stream" (read in place by the device's kernels at decode sizes, so decode
+    # runs in CUDA graphs; copied to the device for larger calls), "auto" (as stream at
+    # decode sizes; larger calls by whichever way this machine's measured figures make faster).
     gpu_memory_gb: float | None = None
     offload: str = "auto"
     # offload: "layers" (ZeRO-Inference, for throughput): every block's weights in host
