@@ -145,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     weights = pln.add_mutually_exclusive_group()
     weights.add_argument("--int8", action="store_true", help="weight-only int8 weights")
     weights.add_argument("--mxfp4", action="store_true", help="MXFP4 experts (4.25 bits a weight), the rest bf16")
+    pln.add_argument("--gpu-memory-gb", type=float, metavar="GB",
+                     help="offloaded: GB of weights a GPU keeps, the other experts in host memory (as generate's)")
+    pln.add_argument("--offload", choices=["auto", "cpu", "stream"], default="auto",
+                     help="with --gpu-memory-gb: how the cold experts run (default auto)")
+    pln.add_argument("--hit-rate", type=float, metavar="SHARE",
+                     help="with --gpu-memory-gb: the measured share of routed pairs whose expert is on the device "
+                          "(default: uniform routing's)")
     pln.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
 
     cal = sub.add_parser("calibrate", help="measure this machine into a hardware profile for plan",
@@ -267,9 +274,17 @@ def _plan(args) -> int:
     if args.gpus < 1 or args.batch < 1 or args.context < 0 or args.prompt < 1:
         raise ConfigError("--gpus, --batch and --prompt: expected positive numbers (--context >= 0)")
     cfg = resolve_config(args.model)
+    if args.gpu_memory_gb is not None:  # checked as the engine's own options
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, gpu_memory_gb=args.gpu_memory_gb,
+                                                                  offload=args.offload))
+    elif args.hit_rate is not None:
+        raise ConfigError("--hit-rate: only with --gpu-memory-gb (the share of pairs an offloaded model finds on the "
+                          "device)")
+    if args.hit_rate is not None and not 0 <= args.hit_rate <= 1:
+        raise ConfigError(f"--hit-rate {args.hit_rate:g}: expected a share between 0 and 1")
     hw = Hardware.load(args.hardware)
     quantize = "int8" if args.int8 else "mxfp4" if args.mxfp4 else None
-    model = CostModel(cfg, hw, **weight_sizes(quantize))
+    model = CostModel(cfg, hw, **weight_sizes(quantize), hit_rate=args.hit_rate)
     if args.parallel:
         preds = [model.predict(parse_layout(args.parallel, args.gpus), args.phase, args.batch, args.context,
                                args.prompt)]
@@ -293,11 +308,13 @@ def _plan(args) -> int:
             return f"{cfg.model.max_position} (model)"
         return f">={n}" if n >= model.LIMIT else str(n)
 
-    rows = [("layout", "ms", "tokens/s", "GB/GPU", "memory ms", "compute ms", "collectives ms", "fits",
-             "max batch", longest)]
+    host = args.gpu_memory_gb is not None  # the cold experts' time, over the host link or on the CPU
+    rows = [("layout", "ms", "tokens/s", "GB/GPU", "memory ms", "compute ms", "collectives ms",
+             *(("host ms",) if host else ()), "fits", "max batch", longest)]
     for q in preds[:args.top]:
         rows.append((q.layout, f"{q.ms:.3f}", f"{q.tokens_per_s:,.0f}", f"{q.memory_gb:.1f}",
                      f"{q.split['memory']:.3f}", f"{q.split['compute']:.3f}", f"{q.split['collectives']:.3f}",
+                     *((f"{q.split['host']:.3f}",) if host else ()),
                      "yes" if q.fits else "no", limit(q, "batch"), limit(q, "context")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:

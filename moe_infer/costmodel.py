@@ -12,7 +12,12 @@ layout: attention and dense FFNs split over tp; experts over ep (whole) and expe
 micro-batches hide each other (``pipeline``'s schedule); replicas split the batch where
 ``Engine.split_prompts`` says they do. The routed experts a step reads are the expected
 number of distinct experts its tokens hit (``distinct_experts``: uniform routing, or a
-measured histogram).
+measured histogram). A model offloaded to host memory (``engine.gpu_memory_gb``) keeps
+the experts its budget holds after every other weight on the device, the same number a
+layer as the planner does; the share of those a step hits (the hit rate: the routing's, or
+a measured one) is read there, the rest ("cold") comes over the host link (read in place or
+copied: ``h2d_gbps``) or is computed by the CPU (``engine.offload: cpu``: its weight-read
+rate ``cpu_matmul_gbps``), after the device's part of the layer.
 
 Shape letters: B rows, S tokens of context, H hidden, D head dim, E experts, k slots, F
 expert width, V vocab, L blocks.
@@ -259,12 +264,15 @@ class CostModel:
     USABLE = 0.9  # of a GPU's memory, for weights and KV (the rest: activations, workspaces)
 
     def __init__(self, cfg: Config, hw: Hardware, weight_bytes: float = 2.0, act_bytes: float = 2.0,
-                 histogram: list[float] | None = None, expert_bytes: float | None = None):
-        """``expert_bytes``: of a routed expert's weight, where it differs (MXFP4 experts)."""
+                 histogram: list[float] | None = None, expert_bytes: float | None = None,
+                 hit_rate: float | None = None):
+        """``expert_bytes``: of a routed expert's weight, where it differs (MXFP4 experts).
+        ``hit_rate``: offloaded models, the share of routed pairs whose expert is on the
+        device, where measured (default: the routing's share of the experts kept there)."""
         self.cfg, self.hw = cfg, hw
         self.wb, self.ab = weight_bytes, act_bytes
         self.eb = weight_bytes if expert_bytes is None else expert_bytes
-        self.histogram = histogram
+        self.histogram, self.hit_rate = histogram, hit_rate
         m = cfg.model
         self.head_dim = m.head_dim or m.hidden_size // m.num_heads
         self.kv_heads = m.num_kv_heads or m.num_heads
@@ -290,16 +298,18 @@ class CostModel:
         flops = 2 * rows * tokens * weights / self.wb + 4 * rows * tokens * context * hq * d
         return weights, rows * context * kv_token, flops, kv_token
 
-    def _ffn(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float) -> tuple[float, float]:
+    def _ffn(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float,
+             phase: str = "decode") -> tuple[float, float, float]:
         """(bytes read, the experts' scaled by the rate the MoE kernel reads them at; seconds
         of its GEMMs at the matmul rate of their rows, the experts' only past the rows
-        ``moe_read`` timed the kernel at) of block ``index``'s FFN on a rank;
-        ``tokens`` the replica's tokens, ``group_tokens`` those the rank's experts see."""
+        ``moe_read`` timed the kernel at; seconds of the cold experts of an offloaded model
+        over the host link or on the CPU) of block ``index``'s FFN on a rank; ``tokens`` the
+        replica's tokens, ``group_tokens`` those the rank's experts see."""
         m, e = self.cfg.model, self.cfg.moe
         gated = 3 if m.gated else 2
         if e is None or not self.cfg.is_moe_layer(index):
             w = gated * m.hidden_size * m.ffn_hidden / p.tp
-            return w * self.wb, 2 * tokens * w / self._rate(tokens)
+            return w * self.wb, 2 * tokens * w / self._rate(tokens), 0.0
         expert = gated * m.hidden_size * e.expert_hidden / p.expert_slicing  # one expert's slice here
         local = e.num_experts // p.ep
         if self.histogram is None and p.ep > 1 and group_tokens == int(group_tokens):
@@ -309,6 +319,16 @@ class CostModel:
         pairs = group_tokens * e.top_k / p.ep
         # each expert hit runs its GEMMs over its share of the pairs
         rows = pairs / max(hit, 1e-9)
+        host = 0.0
+        offloaded = self._offloaded(p)
+        if offloaded is not None:  # the cold ones over the host link or on the CPU
+            kept, share = offloaded
+            picks = e.top_k * local / e.num_experts  # a token's, on this rank
+
+            def met(n, frac):  # distinct experts of n that take frac of the picks, evenly (as distinct_experts)
+                return n * (1 - (1 - min(1.0, picks * frac / n)) ** group_tokens) if n > 0 else 0.0
+            hit, cold = met(kept, share), met(local - kept, 1 - share)
+            host = self._cold_s(cold * expert * self.eb, phase)
         # (bytes at the rate the MoE kernel reads experts of this size, with this many rows each)
         reads = hit * expert * self.eb / self.hw.expert_read(expert * self.eb, rows)
         # Where the profile timed the kernel at this many rows, that time holds its compute
@@ -318,7 +338,40 @@ class CostModel:
         if e.shared_experts:
             w = gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp
             reads, seconds = reads + w * self.wb, seconds + 2 * tokens * w / self._rate(tokens)
-        return reads, seconds
+        return reads, seconds, host
+
+    def _offloaded(self, p: ParallelConfig) -> tuple[float, float] | None:
+        """Offloaded models (``engine.gpu_memory_gb``): (the experts a layer keeps on a
+        rank's device: the budget's room after every other weight, spread evenly over the
+        MoE layers, as ``offload.plan`` does; the share of the rank's routed pairs they take:
+        ``hit_rate`` where given, else the routing's: the histogram's picks of the most
+        picked, or their share of the experts); None where nothing is offloaded."""
+        budget, e, m = self.cfg.engine.gpu_memory_gb, self.cfg.moe, self.cfg.model
+        if budget is None or e is None:
+            return None
+        layers = [i for i in range(m.num_layers) if self.cfg.is_moe_layer(i)]
+        local = e.num_experts // p.ep
+        expert = (3 if m.gated else 2) * m.hidden_size * e.expert_hidden / p.expert_slicing * self.eb
+        fixed = (sum(self._attention(p, 1, 1, 0)[0] + self._ffn_weights(p, i) for i in range(m.num_layers))
+                 + 2 * m.vocab_size * m.hidden_size * self.wb / p.tp - len(layers) * local * expert)
+        kept = min(local, max(0.0, budget * GB - fixed) // expert / max(1, len(layers)))
+        if self.hit_rate is not None:
+            return kept, self.hit_rate
+        if self.histogram is None:
+            return kept, kept / local
+        shares = sorted(self.histogram[:local], reverse=True)
+        return kept, sum(shares[:int(kept)]) / sum(shares)
+
+    def _cold_s(self, nbytes: float, phase: str) -> float:
+        """Seconds of an offloaded layer's cold experts (``nbytes`` of weights) by
+        ``engine.offload``: over the host link (read in place at decode, copied in for
+        larger calls), on the CPU, or with "auto" at prefill whichever is faster."""
+        link = nbytes / (self.hw.h2d_gbps * GB) if self.hw.h2d_gbps else math.inf
+        cpu = nbytes / (self.hw.cpu_matmul_gbps * GB) if self.hw.cpu_matmul_gbps else math.inf
+        mode = self.cfg.engine.offload
+        if mode == "cpu" or (mode == "auto" and phase == "prefill" and cpu < link):
+            return cpu
+        return link
 
     def _collective(self, kind: str, nbytes: float, ranks: int, span: int | None = None) -> float:
         """Seconds of one collective over ``ranks`` that lie within ``span`` consecutive
@@ -363,13 +416,14 @@ class CostModel:
         mb = max(1, min(mb, math.ceil(rows)))
         per_stage, splits, mem_bytes = [], [], []
         for own in stages:  # each stage's blocks on one micro-batch
-            split = dict.fromkeys(("memory", "compute", "collectives", "overhead"), 0.0)
+            split = dict.fromkeys(("memory", "compute", "collectives", "overhead", "host"), 0.0)
             weights, kv_token, busy = 0.0, 0.0, 0.0
             for i in own:
                 a_w, a_kv, a_flops, kv = self._attention(p, rows / mb, new, keys)
-                f_reads, f_cmp = self._ffn(p, i, tokens / mb, group_tokens / mb)
+                f_reads, f_cmp, f_host = self._ffn(p, i, tokens / mb, group_tokens / mb, phase)
                 t_mem, t_cmp = (a_w + a_kv + f_reads) / bw, a_flops / self._rate(tokens / mb) + f_cmp
-                busy += max(t_mem, t_cmp)  # a block's roofline
+                busy += max(t_mem, t_cmp) + f_host  # a block's roofline, then its cold experts
+                split["host"] += f_host
                 split["memory"] += t_mem
                 split["compute"] += t_cmp
                 split["collectives"] += self._block_collectives(p, i, tokens / mb, group_tokens / mb)
@@ -388,6 +442,8 @@ class CostModel:
                 weights += m.vocab_size * m.hidden_size * self.wb / p.tp
             per_stage.append(t_stage)
             splits.append(split)
+            if cfg.engine.gpu_memory_gb is not None:  # offloaded: the budget's weights at most
+                weights = min(weights, cfg.engine.gpu_memory_gb * GB)
             mem_bytes.append(weights + rows * (context + new) * kv_token)  # every micro-batch's cache
         slot = max(per_stage)
         split = splits[per_stage.index(slot)]  # the costliest stage's

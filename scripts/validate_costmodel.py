@@ -7,15 +7,19 @@ device's hardware profile, with the error of each.
 
     python scripts/validate_costmodel.py        # every layouts-*.json and pipeline-*.json in bench/results
     python scripts/validate_costmodel.py --files a.json b.json --hardware my-h200.yaml
+    python scripts/validate_costmodel.py --offload bench/results/offload-M-D-DATE.json   # offloaded decode too
 
 The context of a step is the prompt plus half the new tokens (the mean over the timed
 steps). Then, per (model, device, batch) with several layouts of one world size measured,
 whether the layout the model ranks first among them is the measured-fastest one or within
-5% of it (``choices``). No GPU needed.
+5% of it (``choices``). ``--offload``: the decode rows of ``scripts/bench_offload.py``
+results too (an offloaded model in a budget), each predicted with the hit rate the run
+measured, summed up apart. No GPU needed.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -48,17 +52,34 @@ def rows_of(path: Path) -> list[dict]:
     return []
 
 
-def compare(files: list[Path], hardware: str | None = None) -> list[dict]:
-    """Every row of ``files`` with the cost model's prediction: ``predicted`` ms and
-    ``error`` (predicted / measured - 1); ``hardware``: the profile for all (default: by
-    each file's device)."""
+def offload_rows_of(path: Path) -> list[dict]:
+    """The rows of one ``bench_offload`` results file that ran in a budget, as ``rows_of``'s
+    (one GPU) with the budget, the mode and the measured hit rate."""
+    d = json.loads(path.read_text())
+    args = d.get("args") or {}
+    context = args.get("prompt_len", 128) + args.get("new_tokens", 8) / 2
+    return [dict(model=d["model"], device=d["run"]["device"], layout=f"offload {r['mode']}, {r['budget_gb']:g} GB",
+                 parallel={}, batch=r["batch"], ms=r["ms_per_token"], context=context, file=path.name,
+                 offload=(r["budget_gb"], r["mode"], r["hit_rate"]))
+            for r in d.get("rows", []) if r.get("budget_gb") is not None and r.get("hit_rate") is not None]
+
+
+def compare(files: list[Path], hardware: str | None = None, offload_files: list[Path] = ()) -> list[dict]:
+    """Every row of ``files`` (and of ``offload_files``: ``offload_rows_of``) with the cost
+    model's prediction: ``predicted`` ms and ``error`` (predicted / measured - 1);
+    ``hardware``: the profile for all (default: by each file's device)."""
     out = []
-    for path in files:
-        for r in rows_of(path):
+    for path, rows in [*((f, rows_of(f)) for f in files), *((f, offload_rows_of(f)) for f in offload_files)]:
+        for r in rows:
             profile = hardware or DEVICE_PROFILES.get(r["device"])
             if profile is None:
                 raise SystemExit(f"{path.name}: no profile for {r['device']!r}; pass --hardware")
-            model = CostModel(resolve_config(r["model"]), Hardware.load(profile))
+            cfg, hit_rate = resolve_config(r["model"]), None
+            if "offload" in r:
+                budget, mode, hit_rate = r["offload"]
+                cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, gpu_memory_gb=budget,
+                                                                          offload=mode))
+            model = CostModel(cfg, Hardware.load(profile), hit_rate=hit_rate)
             pred = model.predict(ParallelConfig(**r["parallel"]), "decode", r["batch"], round(r["context"]))
             out.append({**r, "profile": profile, "predicted": pred.ms, "error": pred.ms / r["ms"] - 1})
     return out
@@ -74,7 +95,7 @@ def choices(rows: list[dict]) -> list[dict]:
     whether the first ran within 5% of the second."""
     cases: dict = {}
     for r in rows:
-        if r["layout"] != "one GPU":
+        if r["layout"] != "one GPU" and "offload" not in r:
             cases.setdefault((r["model"], r["device"], gpus_of(r), r["batch"]), []).append(r)
     out = []
     for (model, device, gpus, batch), rs in sorted(cases.items()):
@@ -102,10 +123,13 @@ def main():
     ap.add_argument("--files", nargs="*",
                     help="results JSON files (default: bench/results/layouts-*.json and pipeline-*.json)")
     ap.add_argument("--hardware", help="a profile for every file (default: by each file's device)")
+    ap.add_argument("--offload", nargs="*", default=[], metavar="JSON",
+                    help="bench_offload results whose rows in a budget to predict too (their measured hit rates)")
     args = ap.parse_args()
     files = [Path(f) for f in args.files] if args.files else sorted(
         [*bc.RESULTS_DIR.glob("layouts-*.json"), *bc.RESULTS_DIR.glob("pipeline-*.json")])
-    rows = compare(files, args.hardware)
+    everything = compare(files, args.hardware, [Path(f) for f in args.offload])
+    rows = [r for r in everything if "offload" not in r]
     print(bc.format_table(["model", "layout", "batch", "measured ms", "predicted ms", "error", "profile", "file"], [
         [r["model"], r["layout"], r["batch"], f"{r['ms']:.3f}", f"{r['predicted']:.3f}", f"{r['error']:+.0%}",
          r["profile"], r["file"]] for r in rows]))
@@ -114,6 +138,15 @@ def main():
         print(f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15% "
               f"({by_gpus(rows, gpus_of, lambda r: abs(r['error']) <= 0.15)}); median |error| "
               f"{errors[len(errors) // 2]:.0%}")
+    offloaded = [r for r in everything if "offload" in r]
+    if offloaded:
+        print()
+        print(bc.format_table(["model", "offload", "batch", "hit rate", "measured ms", "predicted ms", "error",
+                               "profile", "file"],
+                              [[r["model"], r["layout"], r["batch"], f"{r['offload'][2]:.2f}", f"{r['ms']:.3f}",
+                                f"{r['predicted']:.3f}", f"{r['error']:+.0%}", r["profile"], r["file"]]
+                               for r in offloaded]))
+        print(f"offloaded: {sum(abs(r['error']) <= 0.15 for r in offloaded)} of {len(offloaded)} within 15%")
     picks = choices(rows)
     if picks:
         print()

@@ -105,11 +105,11 @@ def test_the_measured_moe_kernel_time_holds_its_compute_up_to_the_rows_measured(
     expert = 3 * 1024 * 4096 * 2
     timed = CostModel(cfg, machine(moe_read={expert: {1: 0.5, 16: 0.9}}))
     assert timed.hw.moe_rows_measured() == 16 and machine().moe_rows_measured() == 0
-    reads, seconds = timed._ffn(ParallelConfig(), 0, 1, 1)  # one token: 2 experts, a row each
+    reads, seconds, _ = timed._ffn(ParallelConfig(), 0, 1, 1)  # one token: 2 experts, a row each
     assert seconds == 0 and reads == pytest.approx(2 * expert / 0.5)
-    _, untimed = CostModel(cfg, machine())._ffn(ParallelConfig(), 0, 1, 1)
+    _, untimed, _ = CostModel(cfg, machine())._ffn(ParallelConfig(), 0, 1, 1)
     assert untimed > 0
-    _, past = timed._ffn(ParallelConfig(), 0, 256, 256)  # 64 rows an expert: past the table
+    _, past, _ = timed._ffn(ParallelConfig(), 0, 256, 256)  # 64 rows an expert: past the table
     assert past == pytest.approx(2 * 256 * 2 * (expert / 2) / timed._rate(64))
 
 
@@ -163,6 +163,52 @@ def test_expert_terms_follow_the_layout():
     # data-parallel attention: each replica's own row, the experts seeing both
     dpa = cm.predict(ParallelConfig(dp=2, ep=2, dp_attention=True), "decode", 2, 0)
     assert dpa.split["collectives"] >= 0 and dpa.tokens_per_s > 0
+
+
+def offloaded(cfg, budget_gb, mode="stream"):
+    import dataclasses
+
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, gpu_memory_gb=budget_gb, offload=mode))
+
+
+def test_an_offloaded_models_cold_experts_cross_the_host_link_or_run_on_the_cpu():
+    """Mixtral at batch 1 in a budget that keeps every other weight and one expert a layer
+    on the device (the planner's even spread): uniform routing finds its expert there for an
+    eighth of the pairs; the other expected distinct experts' bytes come over
+    the host link (or, offload: cpu, at the CPU's read rate) after the device's part; a
+    measured hit rate replaces the routing's; a budget holding every expert adds nothing."""
+    cfg = resolve_config("mixtral-8x7b")
+    m, e = cfg.model, cfg.moe
+    hw = machine(h2d_gbps=50.0, cpu_matmul_gbps=20.0)
+    whole = CostModel(cfg, hw).predict(ParallelConfig(), "decode", 1, 0)
+    expert = 3 * m.hidden_size * e.expert_hidden * 2
+    fixed = whole.memory_gb * 1e9 - m.num_layers * e.num_experts * expert
+    budget = (fixed + (m.num_layers + 0.5) * expert) / 1e9  # one expert a layer kept
+    one = CostModel(offloaded(cfg, budget), hw).predict(ParallelConfig(), "decode", 1, 0)
+    # batch 1: two picks; an eighth of them on the kept expert, the rest over 7 experts
+    cold = 7 * (1 - (1 - 2 * 7 / 8 / 7) ** 1)
+    assert one.split["host"] == pytest.approx(m.num_layers * cold * expert / 50e9 * 1e3, rel=1e-6)
+    assert one.memory_gb == pytest.approx(budget, rel=1e-3)
+    assert one.split["host"] < one.ms < whole.ms + one.split["host"]  # the device reads the kept experts alone
+    cpu = CostModel(offloaded(cfg, budget, "cpu"), hw).predict(ParallelConfig(), "decode", 1, 0)
+    assert cpu.split["host"] == pytest.approx(one.split["host"] * 50 / 20, rel=1e-6)
+    measured = CostModel(offloaded(cfg, budget), hw, hit_rate=0.75).predict(ParallelConfig(), "decode", 1, 0)
+    assert measured.split["host"] == pytest.approx(m.num_layers * 2 * 0.25 * expert / 50e9 * 1e3, rel=1e-6)
+    room = CostModel(offloaded(cfg, 1e4), hw).predict(ParallelConfig(), "decode", 1, 0)
+    assert room.split["host"] == 0 and room.ms == pytest.approx(whole.ms)
+
+
+def test_plan_predicts_an_offloaded_model(capsys):
+    args = ["plan", "--model", "olmoe-1b-7b", "--gpus", "1", "--hardware", "nvidia-h200"]
+    assert main([*args, "--gpu-memory-gb", "4", "--hit-rate", "0.8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "host ms" in out[1]
+    row = out[2].split()  # one GPU, ms, tokens/s, GB/GPU, memory / compute / collectives / host ms, ...
+    assert float(row[8]) > 0 and float(row[4]) < 4.5  # the budget and this context's KV
+    assert main([*args, "--hit-rate", "0.8"]) == 2
+    assert "--hit-rate: only with --gpu-memory-gb" in capsys.readouterr().err
+    assert main([*args, "--gpu-memory-gb", "4", "--hit-rate", "1.5"]) == 2
+    assert "expected a share between 0 and 1" in capsys.readouterr().err
 
 
 def test_the_largest_batch_and_context_that_fit_the_memory():
