@@ -299,12 +299,13 @@ class CostModel:
         return weights, rows * context * kv_token, flops, kv_token
 
     def _ffn(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float,
-             phase: str = "decode") -> tuple[float, float, float]:
+             phase: str = "decode", offloaded: tuple[float, float] | None = None) -> tuple[float, float, float]:
         """(bytes read, the experts' scaled by the rate the MoE kernel reads them at; seconds
         of its GEMMs at the matmul rate of their rows, the experts' only past the rows
         ``moe_read`` timed the kernel at; seconds of the cold experts of an offloaded model
         over the host link or on the CPU) of block ``index``'s FFN on a rank; ``tokens`` the
-        replica's tokens, ``group_tokens`` those the rank's experts see."""
+        replica's tokens, ``group_tokens`` those the rank's experts see; ``offloaded``: what
+        ``_offloaded`` gives the layout."""
         m, e = self.cfg.model, self.cfg.moe
         gated = 3 if m.gated else 2
         if e is None or not self.cfg.is_moe_layer(index):
@@ -320,7 +321,6 @@ class CostModel:
         # each expert hit runs its GEMMs over its share of the pairs
         rows = pairs / max(hit, 1e-9)
         host = 0.0
-        offloaded = self._offloaded(p)
         if offloaded is not None:  # the cold ones over the host link or on the CPU
             kept, share = offloaded
             picks = e.top_k * local / e.num_experts  # a token's, on this rank
@@ -415,12 +415,13 @@ class CostModel:
         mb = (p.prompt_micro_batches if prefill else p.micro_batches) if p.pp > 1 else 1
         mb = max(1, min(mb, math.ceil(rows)))
         per_stage, splits, mem_bytes = [], [], []
+        offloaded = self._offloaded(p)
         for own in stages:  # each stage's blocks on one micro-batch
             split = dict.fromkeys(("memory", "compute", "collectives", "overhead", "host"), 0.0)
             weights, kv_token, busy = 0.0, 0.0, 0.0
             for i in own:
                 a_w, a_kv, a_flops, kv = self._attention(p, rows / mb, new, keys)
-                f_reads, f_cmp, f_host = self._ffn(p, i, tokens / mb, group_tokens / mb, phase)
+                f_reads, f_cmp, f_host = self._ffn(p, i, tokens / mb, group_tokens / mb, phase, offloaded)
                 t_mem, t_cmp = (a_w + a_kv + f_reads) / bw, a_flops / self._rate(tokens / mb) + f_cmp
                 busy += max(t_mem, t_cmp) + f_host  # a block's roofline, then its cold experts
                 split["host"] += f_host

@@ -9,13 +9,14 @@ model fits, and transformers + accelerate at the same budget.
 
 Random weights. Per budget and mode (``engine.offload``: auto, cpu, stream): decode ms per
 step at each batch (generate()'s own clock, 128-token prompts), prefill tokens/s of
-``--prefill`` prompts (time to the first token), and from the layers' counters over the
-same decode steps (``decode_run``) the share of routed pairs that found their expert on the
+``--prefill`` prompts (time to the first token), and from the layers' counters over the same
+decode steps (``decode_run``) the share of routed pairs that found their expert on the
 device (hit rate) and the cold experts a step met, and the share of the calls with cold
-pairs that ran them on the CPU (the rest read them in place or streamed them). The floor of a decode step: the device-resident bytes it reads (everything but the
-routed experts, and the device experts it is expected to hit) over the copy bandwidth, plus
-the cold experts it met over the bandwidth of the way they ran (pinned host-to-device copy
-for streamed ones, the CPU's matmul read rate for CPU ones), both measured in this run.
+pairs that ran them on the CPU (the rest read them in place or streamed them). The floor of
+a decode step: the device-resident bytes it reads (everything but the routed experts, and
+the device experts it is expected to hit) over the copy bandwidth, plus the cold experts it
+met over the bandwidth of the way they ran (pinned host-to-device copy for streamed ones,
+the CPU's matmul read rate for CPU ones), both measured in this run.
 The peer: transformers' ``generate()`` on a model of the same shape placed by accelerate
 (``device_map="auto"``, ``max_memory`` = the budget on the GPU, the rest in CPU memory).
 ``--layers-batches``: ZeRO-Inference mode (``engine.offload: layers``), prefill tokens/s and

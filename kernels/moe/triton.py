@@ -88,10 +88,9 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 def grouped_mm_ok(cfg: MoeEntry, a: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a GEMM whose launch configuration is a ``MoeGroupedMm`` can take
     ``torch._grouped_mm``: weights in the activations' dtype (not int8) on their device (not
-    read in place from host memory), 16-byte aligned
-    rows, and on CUDA a Hopper or later GPU with bf16 (the CPU takes any float dtype: the
-    interpreter tests run this path). Otherwise the Triton kernel runs with the table's
-    tile sizes."""
+    read in place from host memory), 16-byte aligned rows, and on CUDA a Hopper or later
+    GPU with bf16 (the CPU takes any float dtype: the interpreter tests run this path).
+    Otherwise the Triton kernel runs with the table's tile sizes."""
     if not isinstance(cfg, MoeGroupedMm) or a.dtype != w.dtype or not a.is_floating_point() or w.device != a.device:
         return False
     if a.is_cuda and (a.dtype != torch.bfloat16 or torch.cuda.get_device_capability(a.device)[0] < 9):
