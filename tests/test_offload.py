@@ -371,10 +371,10 @@ def test_cold_experts_read_in_place_on_a_gpu_decode_in_graphs_as_eagerly(full, q
 
     fixed, one = budgets(moe_infer.load("tiny-moe", dtype="bfloat16", **kw))
     bf16 = moe_infer.load("tiny-moe", dtype="bfloat16", gpu_memory_gb=fixed + 4 * one / 1e9, offload="auto", **kw)
-    eager = [o.token_ids for o in bf16.generate(PROMPTS * 3, max_new_tokens=12)]
+    graphs = [o.token_ids for o in bf16.generate(PROMPTS * 3, max_new_tokens=12)]
     assert bf16.decode_mode == "graph"
     bf16.decode_mode = "eager"
-    assert [o.token_ids for o in bf16.generate(PROMPTS * 3, max_new_tokens=12)] == eager
+    assert [o.token_ids for o in bf16.generate(PROMPTS * 3, max_new_tokens=12)] == graphs
 
 
 @pytest.mark.parametrize("source,mode", [("tiny-moe", "all"), ("tiny-moe", "alternate"), ("deepseek_v3", "all"),
