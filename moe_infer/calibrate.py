@@ -1,5 +1,5 @@
 """``moe-infer calibrate``: measures this machine into a cost-model hardware profile
-(``moe_infer.costmodel.Hardware``): device memory bandwidth (a device copy, bytes read and
+(``moe_infer.hardware_profile.Hardware``): device memory bandwidth (a device copy, bytes read and
 written), dense matmul rates (bf16, and int8 where the device has an int8 GEMM), the bf16
 rate by activation rows (``matmul_curve``: decode's GEMMs have few rows), pinned
 host-to-device copies, the CPU's matmul weight-read rate, the rate at which the fused MoE
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_infer.costmodel import Hardware, Link
+from moe_infer.hardware_profile import Hardware, Link
 
 
 def _seconds(fn, device: torch.device, reps: int) -> float:

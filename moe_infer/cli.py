@@ -268,7 +268,8 @@ def _generate(args, job: Job) -> int:
 
 
 def _plan(args) -> int:
-    from moe_infer.costmodel import CostModel, Hardware, weight_sizes
+    from moe_infer.costmodel import CostModel, weight_sizes
+    from moe_infer.hardware_profile import Hardware
     from moe_infer.loader import resolve_config
 
     if args.gpus < 1 or args.batch < 1 or args.context < 0 or args.prompt < 1:

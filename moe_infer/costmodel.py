@@ -32,131 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_infer.config import Config, ConfigError, ParallelConfig
-
-HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
-GB = 1e9
-
-
-@dataclass
-class Link:
-    """A point-to-point path between two GPUs: ``alpha_us`` per message, ``gbps`` GB/s one way."""
-
-    alpha_us: float
-    gbps: float
-
-    def seconds(self, nbytes: float) -> float:
-        return self.alpha_us * 1e-6 + nbytes / (self.gbps * GB)
-
-
-@dataclass
-class Hardware:
-    """What the model needs to know of a machine. Rates are achievable ones (measured, or a
-    published peak times the efficiency stated in ``source``). ``matmul_curve``: per weight
-    dtype, the TFLOP/s a GEMM reached by its activation rows (measured by ``moe-infer
-    calibrate`` over weights larger than the cache); where a dtype has none, every GEMM
-    runs at ``matmul_tflops``. ``collectives``: measured times of an all-reduce, all-gather
-    and all-to-all by group size and message bytes; a group size it lacks is priced from
-    the links. ``moe_read``: the fraction of ``mem_gbps`` at which the fused MoE kernel
-    reads experts of a size when each sees a number of rows (1 where not measured)."""
-
-    name: str
-    memory_gb: float  # per GPU
-    mem_gbps: float  # device memory read bandwidth, GB/s
-    matmul_tflops: dict  # weight dtype ("bfloat16", "int8") -> dense matmul TFLOP/s
-    nvlink: Link  # between GPUs of one node
-    network: Link  # between nodes
-    gpus_per_node: int = 8
-    layer_overhead_us: float = 20.0  # a block's fixed cost at decode sizes (kernel latencies)
-    h2d_gbps: float = 0.0  # pinned host-to-device, for offload terms
-    cpu_matmul_gbps: float = 0.0  # host matmul weight-read rate, for CPU experts
-    source: str = ""
-    matmul_curve: dict = field(default_factory=dict)  # weight dtype -> {rows: TFLOP/s}
-    collectives: dict = field(default_factory=dict)  # kind -> {ranks: {bytes: µs}}
-    moe_read: dict = field(default_factory=dict)  # bytes of one expert -> {rows per expert: fraction of mem_gbps}
-
-    @classmethod
-    def load(cls, name_or_path: str | Path) -> "Hardware":
-        """A profile by name (``moe_infer/hardware/<name>.yaml``) or path."""
-        import yaml
-
-        path = Path(name_or_path)
-        if not path.suffix:
-            path = HARDWARE_DIR / f"{name_or_path}.yaml"
-        if not path.is_file():
-            known = ", ".join(sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml")))
-            raise ConfigError(f"--hardware {name_or_path}: no such profile (shipped: {known}; or a YAML path "
-                              f"from moe-infer calibrate)")
-        raw = yaml.safe_load(path.read_text())
-        try:
-            raw["nvlink"], raw["network"] = Link(**raw["nvlink"]), Link(**raw["network"])
-            return cls(**raw)
-        except (KeyError, TypeError) as e:
-            raise ConfigError(f"{path}: not a hardware profile ({e})") from None
-
-    def dump(self, path: str | Path) -> None:
-        import yaml
-
-        Path(path).write_text(yaml.safe_dump(dataclasses.asdict(self), sort_keys=False))
-
-    def matmul_rate(self, dtype: str, rows: float) -> float:
-        """FLOP/s of a GEMM of ``rows`` activation rows: ``matmul_curve``, log-linear between
-        its points, proportional to the rows below its first (a weight-bound GEMM's time
-        does not shrink with them), its last point's rate beyond; ``matmul_tflops`` without
-        one."""
-        curve = sorted((int(m), float(t)) for m, t in self.matmul_curve.get(dtype, {}).items())
-        if not curve:
-            return self.matmul_tflops[dtype] * 1e12
-        rows = max(rows, 1e-9)
-        if rows <= curve[0][0]:
-            return curve[0][1] * 1e12 * rows / curve[0][0]
-        return _log_between(curve, rows) * 1e12
-
-    def expert_read(self, expert_bytes: float, rows: float) -> float:
-        """Fraction of the memory bandwidth at which experts of ``expert_bytes`` each read by
-        ``rows`` rows stream in: ``moe_read``, log-linear in both between the measured
-        points and the nearest measured beyond them; 1 without a table."""
-        if not self.moe_read:
-            return 1.0
-        by_size = [(float(b), _log_between(sorted((float(r), float(v)) for r, v in by.items()), max(rows, 1e-9)))
-                   for b, by in self.moe_read.items()]
-        return max(_log_between(sorted(by_size), expert_bytes), 1e-3)
-
-    def moe_rows_measured(self) -> float:
-        """The most rows per expert ``moe_read`` measured the kernel at (0 without a table):
-        up to there its figure is the kernel's whole time, compute included."""
-        return max((float(r) for by in self.moe_read.values() for r in by), default=0.0)
-
-    def collective_s(self, kind: str, nbytes: float, ranks: int) -> float | None:
-        """Seconds of a measured ``kind`` collective of ``nbytes`` over ``ranks``: linear in
-        the bytes between the measured sizes and on the last two's slope beyond them, the
-        smallest's time below it (latency-bound). None where that group size was not measured."""
-        table = {int(r): t for r, t in self.collectives.get(kind, {}).items()}.get(ranks)
-        if not table:
-            return None
-        points = sorted((float(b), float(us) * 1e-6) for b, us in table.items())
-        if nbytes <= points[0][0] or len(points) == 1:
-            return points[0][1]
-        for (b0, t0), (b1, t1) in zip(points, points[1:]):
-            if nbytes <= b1:
-                break
-        return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
-
-    def link(self, ranks: int) -> Link:
-        """The link a group of ``ranks`` consecutive ranks spans."""
-        return self.nvlink if ranks <= self.gpus_per_node else self.network
+from moe_infer.hardware_profile import GB, Hardware, Link, local_profile
 
 
 # ----------------------------------------------------------------------------- closed forms
-def _log_between(points: list[tuple[float, float]], at: float) -> float:
-    """The value at ``at`` of the curve through ``points`` (sorted (x, y)), log-linear in x
-    between them, the end points' values beyond them."""
-    at = min(max(at, points[0][0]), points[-1][0])
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if at <= x1:
-            return y0 + (y1 - y0) * math.log(at / x0) / math.log(x1 / x0)
-    return points[-1][1]
-
-
 def distinct_experts(num_experts: int, top_k: int, tokens: float, local: int | None = None,
                      histogram: list[float] | None = None) -> float:
     """Expected number of distinct experts among ``local`` of them (default all) that
@@ -575,18 +454,6 @@ class CostModel:
         preds = [self.predict(p, phase, batch, context, prompt) for p in self.layouts(gpus)]
         preds = [q for q in preds if q.fits]
         return sorted(preds, key=(lambda q: q.ms) if goal == "latency" else (lambda q: -q.tokens_per_s))
-
-
-# Device names (torch.cuda.get_device_name) -> the shipped profile of that GPU.
-DEVICE_PROFILES = {"NVIDIA H100 80GB HBM3": "nvidia-h100-sxm", "NVIDIA H200": "nvidia-h200",
-                   "NVIDIA A100-SXM4-80GB": "nvidia-a100-sxm", "NVIDIA A100-SXM4-40GB": "nvidia-a100-40gb"}
-
-
-def local_profile() -> str | None:
-    """The shipped profile of this machine's GPU (None: no GPU, or one without a profile)."""
-    import torch
-
-    return DEVICE_PROFILES.get(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
 def weight_sizes(quantize: str | None) -> dict:

@@ -20,7 +20,7 @@ from comm import ParallelGroups, all_gather_json
 from moe_infer.config import Config
 from moe_infer.graphs import GRAPH_PRIMERS
 from moe_infer.model import Transformer
-from moe_infer.offload import reads_in_place, rebalance
+from moe_infer.offload import OffloadedExperts, rebalance
 from moe_infer.pipeline import PipelineSchedule
 from moe_infer.runner import PagedRunner, Row
 from moe_infer.sampling import SamplingParams, knobs, sample_rows
@@ -120,15 +120,13 @@ class Engine:
         # collectives inside); "static": the same fixed-shape step run eagerly; "eager":
         # shapes grow with the cache (any device, any layout).
         nccl = not (dist.is_initialized() and dist.get_world_size() > 1) or dist.get_backend() == "nccl"
-        # Offloaded experts run decode steps without a host wait where they read cold experts
-        # in place and the step's own tokens reach them (under expert parallelism they take
-        # other ranks' rows too, more than a decode step's, and wait); otherwise each call
-        # waits (which pairs are cold). Streamed layers run on weights that move, an
+        # Offloaded experts may wait for the host in a decode step (which pairs are cold:
+        # ``OffloadedExperts.waits_for_host``); streamed layers run on weights that move, an
         # offloaded KV cache on pools that move.
         self.offloaded = config.engine.gpu_memory_gb is not None
-        in_place = reads_in_place(config.engine) and p_.ep * p_.expert_slicing == 1
-        moving = (self.offloaded and not in_place) or config.engine.offload == "layers" \
-            or config.engine.kv_offload is not None
+        rows = 1 << (config.engine.max_batch_size - 1).bit_length()  # a decode step's largest bucket
+        waits = any(m.waits_for_host(rows) for m in model.modules() if isinstance(m, OffloadedExperts))
+        moving = waits or config.engine.offload == "layers" or config.engine.kv_offload is not None
         graphs = self.device.type == "cuda" and nccl and config.engine.cuda_graphs and not moving
         self.decode_mode = "graph" if graphs else "eager"
         self.graph_primers = GRAPH_PRIMERS  # graphs made before the first decode step's (0: none)

@@ -217,9 +217,9 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
     if offload:
         from moe_infer import offload as off
 
-        off.offload_experts(model, cfg.engine, dev, dt)
+        off.offload_experts(model, cfg, dev, dt)
     elif streamed:
-        from moe_infer.offload import LayerStreamer
+        from moe_infer.layer_streamer import LayerStreamer
 
         # Replicas that hold the same weights (every expert within a TP group) share each
         # block's copy: each fetches a part, an all-gather joins them (they step together).

@@ -40,14 +40,6 @@ WAYS = ("cpu", "stream")  # where auto may run a call's cold pairs
 STATS = ("pairs", "cold_pairs", "cold_experts", "cpu", "stream")  # what a layer's calls met (``tally``)
 
 
-def reads_in_place(engine_cfg) -> bool:
-    """Whether offloaded layers read their cold experts in place at decode sizes: modes
-    "auto" and "stream", with the host copies in (pinned) memory, not memory-mapped from
-    files (``engine.offload_dir``), which a device cannot address. Their decode steps then
-    never wait for the host, so they run as CUDA graphs."""
-    return engine_cfg.offload in ("auto", "stream") and engine_cfg.offload_dir is None
-
-
 @dataclass(frozen=True)
 class MachineProfile:
     """What cold experts cost on this machine: bytes a second copied from pinned host memory
@@ -396,17 +388,19 @@ class OffloadedExperts(nn.Module):
         read where they lie (pinned host memory is in the device's address space; each
         cold expert crosses the bus once per row tile of its pairs: once at decode sizes)
         -> [T, H] in x's dtype."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         run = dict(pdl=self.options.pdl, masked=True, weighted_input=self.weighted_input)
+        parts = []
         if self.hot:  # cold pairs and pairs elsewhere are masked (negative slots)
-            out += kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, **run,
-                                     **self.device_extras).float()
+            parts.append(kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, **run,
+                                           **self.device_extras))
         if self.num_cold:
             extras = {k: v for k, v in self.host.items() if k not in ("w13", "w2")}
             cold = torch.where(slot == -1, ids, -1)  # only the cold pairs, by expert
-            out += kernels.fused_moe(x, self.host["w13"], self.host["w2"], weights, cold, self.activation, **run,
-                                     **extras).float()
-        return out.to(x.dtype)
+            parts.append(kernels.fused_moe(x, self.host["w13"], self.host["w2"], weights, cold, self.activation,
+                                           **run, **extras))
+        if len(parts) == 2:  # (summed in float32, as a token's slots are)
+            return (parts[0].float() + parts[1]).to(x.dtype)
+        return parts[0] if parts else torch.zeros_like(x)
 
     def _on_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, used: list[int]) -> torch.Tensor:
         """The cold pairs [P, H] on the CPU, expert by expert over the host weights -> their
@@ -482,12 +476,15 @@ def apply(model: nn.Module, placement: Placement, device: torch.device, mode: st
         setattr(parent, name, OffloadedExperts(experts, hot, device, mode, cost, in_place=in_place))
 
 
-def offload_experts(model: nn.Module, engine_cfg, device: torch.device, dtype: torch.dtype) -> Placement:
+def offload_experts(model: nn.Module, cfg, device: torch.device, dtype: torch.dtype) -> Placement:
     """The loader's last step for ``engine.gpu_memory_gb``: plans the placement of the
     loaded model (its experts in host memory), measures this machine, and puts each
     layer's ``OffloadedExperts`` in place -> the placement. Calls up to a decode step's
     largest bucket (``engine.max_batch_size`` rows, to a power of two) read cold experts in
-    place where ``reads_in_place``."""
+    place (modes "auto" and "stream"; a layer whose host copies are memory-mapped from
+    files cannot), so decode steps never wait for the host and run as CUDA graphs; not
+    under expert parallelism, where a layer takes other ranks' rows too."""
+    engine_cfg, p = cfg.engine, cfg.parallel
     placement = plan(model, engine_cfg.gpu_memory_gb * GB)
     layers = expert_layers(model)
     if layers:
@@ -497,108 +494,6 @@ def offload_experts(model: nn.Module, engine_cfg, device: torch.device, dtype: t
         quantized = first.w13.dtype in (torch.int8, torch.uint8)
         profile = MachineProfile.measure(device, dtype if quantized else first.w13.dtype, h, f)
         per_token = 2 * packs * (first.w13[0].numel() + first.w2[0].numel())
-        rows = 1 << (engine_cfg.max_batch_size - 1).bit_length() if reads_in_place(engine_cfg) else 0
+        rows = 1 << (engine_cfg.max_batch_size - 1).bit_length() if p.ep * p.expert_slicing == 1 else 0
         apply(model, placement, device, engine_cfg.offload, ColdCost(profile, placement.expert_bytes, per_token), rows)
     return placement
-
-
-class LayerStreamer:
-    """ZeRO-Inference (``engine.offload: layers``): every block's weights live in host memory
-    (pinned on a GPU host) and are copied to the device just before the block runs, the
-    next ``prefetch`` blocks' copies queued on a copy stream meanwhile, and dropped once it
-    has run; the device holds at most ``prefetch + 1`` blocks' weights, the rest of its
-    memory is free for activations and KV. Installed as forward hooks on each block.
-
-    A block arrives in one device buffer, its tensors laid out back to back (16-byte
-    aligned). With ``group`` (ranks holding the same weights that run the same blocks in
-    the same order: replicas in lockstep), each rank copies only its 1 / P of the buffer's
-    bytes over its own host link and an all-gather over the GPUs' links fills in the rest
-    (paper VI-B): P host links carry a block together."""
-
-    ALIGN = 16  # bytes: every tensor's offset in a block's buffer, so any dtype views it
-
-    def __init__(self, blocks: nn.ModuleList, device: torch.device, prefetch: int, group=None):
-        self.blocks, self.device, self.prefetch = list(blocks), device, prefetch
-        self.group = group if group is not None and group.size > 1 else None
-        parts = self.group.size if self.group is not None else 1
-        # Per block: (module, attribute, is a parameter, its host tensor, byte offset), and
-        # the buffer's size (a multiple of ALIGN x the ranks that share the copy).
-        self.host, self.size = [], []
-        for b in self.blocks:
-            entries, at = [], 0
-            for m in b.modules():
-                for is_param, table in ((True, m._parameters), (False, m._buffers)):
-                    for n, t in table.items():
-                        if t is not None:
-                            entries.append((m, n, is_param, t, at))
-                            at += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
-            self.host.append(entries)
-            self.size.append(-(-at // (self.ALIGN * parts)) * self.ALIGN * parts)
-        self.cuda = device.type == "cuda"
-        self.copies = torch.cuda.Stream(device) if self.cuda else None
-        self.ready: dict[int, tuple] = {}  # block -> (device buffer, its tensors, the copy's event)
-        for i, b in enumerate(self.blocks):
-            b.register_forward_pre_hook(lambda module, args, i=i: self._enter(i))
-            b.register_forward_hook(lambda module, args, out, i=i: self._leave(i))
-
-    def _copy_in(self, i: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Block i's device buffer filled from the host -> (it, its tensors: views of it)."""
-        flat = torch.empty(self.size[i], dtype=torch.uint8, device=self.device)
-        lo, hi = 0, self.size[i]
-        if self.group is not None:  # this rank's share of the bytes
-            share = self.size[i] // self.group.size
-            lo, hi = self.group.rank * share, (self.group.rank + 1) * share
-        for *_, t, at in self.host[i]:
-            nbytes = t.numel() * t.element_size()
-            a, b = max(lo, at), min(hi, at + nbytes)
-            if a < b:
-                src = t.reshape(-1).view(torch.uint8)[a - at:b - at]
-                flat[a:b].copy_(src, non_blocking=self.cuda)
-        if self.group is not None:
-            self._gather(flat, lo, hi)
-        return flat, [flat[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                      for *_, t, at in self.host[i]]
-
-    def _gather(self, flat: torch.Tensor, lo: int, hi: int) -> None:
-        import torch.distributed as dist
-
-        g = self.group
-        if dist.get_backend(g.group) == "nccl":
-            dist.all_gather_into_tensor(flat, flat[lo:hi], group=g.group)  # in place: this rank's share is its slot
-        else:
-            dist.all_gather(list(flat.chunk(g.size)), flat[lo:hi].clone(), group=g.group)
-
-    def _fetch(self, i: int) -> None:
-        if i >= len(self.blocks) or i in self.ready:
-            return
-        if not self.cuda:
-            self.ready[i] = (*self._copy_in(i), None)
-            return
-        self.copies.wait_stream(torch.cuda.current_stream(self.device))  # its buffers are free to reuse
-        with torch.cuda.stream(self.copies):
-            flat, tensors = self._copy_in(i)
-            done = torch.cuda.Event()
-            done.record()
-        self.ready[i] = (flat, tensors, done)
-
-    def _enter(self, i: int) -> None:
-        self._fetch(i)
-        flat, tensors, done = self.ready[i]
-        if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
-            flat.record_stream(torch.cuda.current_stream(self.device))  # made on the copy stream, used (and freed) here
-        for (m, name, is_param, *_), t in zip(self.host[i], tensors):
-            if is_param:
-                m._parameters[name] = nn.Parameter(t, requires_grad=False)
-            else:
-                m._buffers[name] = t
-        for j in range(i + 1, i + 1 + self.prefetch):  # round to the first blocks: the next forward's
-            self._fetch(j % len(self.blocks))
-
-    def _leave(self, i: int) -> None:
-        for m, name, is_param, t, _ in self.host[i]:
-            if is_param:
-                m._parameters[name] = t
-            else:
-                m._buffers[name] = t
-        del self.ready[i]

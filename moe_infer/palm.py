@@ -1,7 +1,7 @@
 """The PaLM inference paper's partitioning layouts (Pope et al., 2022) as a cost model of a
 dense decoder on a TPU-like torus: 1D and 2D weight-stationary and weight-gathered FFNs,
 batch-sharded multiquery attention at decode. ``scripts/extrapolate.py`` carries it to the
-paper's Table 2 and figures 6-7; the hardware profile is ``moe_infer.costmodel.Hardware``.
+paper's Table 2 and figures 6-7; the hardware profile is ``moe_infer.hardware_profile.Hardware``.
 
 Shape letters: B rows, L tokens a row, E width, F FFN width, n chips.
 """
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from moe_infer.config import ConfigError
-from moe_infer.costmodel import GB, Hardware
+from moe_infer.hardware_profile import GB, Hardware
 
 
 @dataclass

@@ -28,7 +28,8 @@ sys.path[:0] = [str(ROOT), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 from moe_infer.config import ConfigError, ParallelConfig  # noqa: E402
-from moe_infer.costmodel import CostModel, Hardware  # noqa: E402
+from moe_infer.costmodel import CostModel  # noqa: E402
+from moe_infer.hardware_profile import Hardware  # noqa: E402
 from moe_infer.loader import resolve_config  # noqa: E402
 
 # Table II: config, MP (tp), expert-slicing, the paper's GPU count

@@ -29,7 +29,8 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 from moe_infer import ParallelConfig  # noqa: E402
-from moe_infer.costmodel import DEVICE_PROFILES, CostModel, Hardware  # noqa: E402
+from moe_infer.costmodel import CostModel  # noqa: E402
+from moe_infer.hardware_profile import DEVICE_PROFILES, Hardware  # noqa: E402
 from moe_infer.loader import resolve_config  # noqa: E402
 
 

@@ -279,13 +279,13 @@ def test_replicas_share_each_streamed_blocks_copy(info, checkpoint, monkeypatch)
     every block from host memory and an all-gather joins the parts; the replicas step
     together (shares of different sizes, one without prompts) and give the single
     process's tokens."""
-    from moe_infer import offload as off
+    from moe_infer.layer_streamer import LayerStreamer
 
     path, reference = checkpoint
     gathered = []
-    gather = off.LayerStreamer._gather
-    monkeypatch.setattr(off.LayerStreamer, "_gather", lambda self, flat, lo, hi: (gathered.append(hi - lo),
-                                                                                   gather(self, flat, lo, hi)))
+    gather = LayerStreamer._gather
+    monkeypatch.setattr(LayerStreamer, "_gather", lambda self, flat, lo, hi: (gathered.append(hi - lo),
+                                                                              gather(self, flat, lo, hi)))
     engine = moe_infer.load(path, device=info.device, dtype=torch.float32, progress=False, offload="layers",
                             parallel=ParallelConfig(dp=info.world_size))
     assert engine.lockstep

@@ -11,6 +11,7 @@ import moe_infer
 from moe_infer import offload as off
 from moe_infer.config import ConfigError
 from moe_infer.experts import Experts
+from moe_infer.layer_streamer import LayerStreamer
 
 PROMPTS = [[5, 17, 3, 44, 12, 9, 31], [8, 2], [60, 1, 19, 27, 4]]
 
@@ -247,7 +248,7 @@ def test_streamed_layers_give_the_unbounded_results(full):
 def test_the_layer_streamer_holds_at_most_prefetch_plus_one_blocks(prefetch):
     engine = moe_infer.load("tiny-moe", progress=False, device="cpu")
     want = engine.logits(PROMPTS)
-    streamer = off.LayerStreamer(engine.model.layers, torch.device("cpu"), prefetch)
+    streamer = LayerStreamer(engine.model.layers, torch.device("cpu"), prefetch)
     held, enter = [], streamer._enter
 
     def counting(i):
