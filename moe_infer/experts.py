@@ -83,7 +83,7 @@ class Experts(nn.Module):
             return False
         from kernels.moe.triton import pairs_from_ids  # the GPU backend: Triton, imported at first use
 
-        return pairs_from_ids(x, self.w13, self.w2, top_k, **self.scales())
+        return pairs_from_ids(x, self.w13, self.w2, top_k, **self.scales(), **self.biases())
 
 
 class QuantizedExperts(Experts):

@@ -28,7 +28,10 @@ block has passed its own wait, the condition for the down grid to start (the up 
 never takes the early trigger, see ``kernels/pdl.py``).
 
 Compile-time parameters: BN, WARPS, U, INT8, DT (0 bf16, 1 fp16), GATED (SiLU gate * up,
-else GeLU), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials),
+else GeLU), OAI (GATED: GPT-OSS's clamped SwiGLU instead of SiLU), B13 / B2 (per-expert
+biases, added before the activation / before the combine weight: the down kernel adds each
+slot's bias times its weight once, in the first split), WIN (Llama 4: the pair's weight
+scales the up GEMM's output before the activation and not h), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials),
 PAIR_MAJOR (grid: pairs / tokens fastest, else column tiles fastest), MINB (the registers
 are capped so that MINB blocks fit on an SM), UNIT (int8 widened by one byte permute a
 weight, its offset cancelled once per 16 activations: about a third fewer instructions,
@@ -111,7 +114,8 @@ def default_configs(t: int, h: int, sms: int) -> tuple[MoeCuda, MoeCuda]:
     return MoeCuda(bn=bn, warps=4, unroll=2), MoeCuda(bn=bn, warps=4, unroll=4, split_k=split)
 
 
-def supports(x, w13, w2, topk, w13_scale=None, w2_scale=None, configs=None, activation="silu") -> str | None:
+def supports(x, w13, w2, topk, w13_scale=None, w2_scale=None, configs=None, activation="silu",
+             b13=None, b2=None) -> str | None:
     """Why these kernels cannot take operands of these shapes, dtypes and devices, or run the
     (up, down) ``configs`` (None: they can). It reads nothing else, so a caller may keep its
     answer per key (``kernels.moe.triton.cuda_reason``); ``layout`` checks the addresses and
@@ -135,14 +139,17 @@ def supports(x, w13, w2, topk, w13_scale=None, w2_scale=None, configs=None, acti
         return f"H = {h}, F = {f}: expected multiples of {vec}"
     if int8 and not w13_scale.dtype == w2_scale.dtype == torch.float32:
         return f"w13_scale / w2_scale {w13_scale.dtype} / {w2_scale.dtype}: expected float32"
+    for name, b in (("b13", b13), ("b2", b2)):
+        if b is not None and (b.dtype != x.dtype or not addressable(b, x.device)):
+            return f"{name} {b.dtype} on {b.device}: expected {x.dtype} where the weights are"
     for phase, cfg in zip(("up", "down"), configs or (None, None)):
-        why = row_groups_check(phase, cfg, activation == "silu") if cfg is not None else None
+        why = row_groups_check(phase, cfg, activation != "gelu") if cfg is not None else None
         if why:
             return why
     return None
 
 
-def layout(x, w13, w2, w13_scale=None, w2_scale=None) -> str | None:
+def layout(x, w13, w2, w13_scale=None, w2_scale=None, b13=None, b2=None) -> str | None:
     """Why the kernels cannot read these operands where they lie (None: they can):
     contiguous 16-byte aligned weights, x's rows on 16-byte boundaries. A view can change
     these from call to call, so they are checked at each call; ``supports`` must have passed."""
@@ -152,20 +159,25 @@ def layout(x, w13, w2, w13_scale=None, w2_scale=None) -> str | None:
         return "x: expected unit stride along H and rows on 16-byte boundaries"
     if w13.dtype == torch.int8 and not (w13_scale.is_contiguous() and w2_scale.is_contiguous()):
         return "w13_scale / w2_scale: expected contiguous"
+    if not all(b is None or b.is_contiguous() for b in (b13, b2)):
+        return "b13 / b2: expected contiguous"
     return None
 
 
-def check(x, w13, w2, topk, w13_scale=None, w2_scale=None, configs=None, activation="silu") -> str | None:
+def check(x, w13, w2, topk, w13_scale=None, w2_scale=None, configs=None, activation="silu",
+          b13=None, b2=None) -> str | None:
     """Why these kernels cannot take the operands or run ``configs`` (None: they can):
     ``supports``, then ``layout``."""
-    return (supports(x, w13, w2, topk, w13_scale, w2_scale, configs, activation)
-            or layout(x, w13, w2, w13_scale, w2_scale))
+    return (supports(x, w13, w2, topk, w13_scale, w2_scale, configs, activation, b13, b2)
+            or layout(x, w13, w2, w13_scale, w2_scale, b13, b2))
 
 
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
-            pipe: bool = False, row_groups: int = 1, masked: bool = False) -> tuple:
-    return ("-std=c++17", f"-DMASKED={int(masked)}", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
+            pipe: bool = False, row_groups: int = 1, masked: bool = False, oai: bool = False,
+            b13: bool = False, b2: bool = False, weighted_input: bool = False) -> tuple:
+    return ("-std=c++17", f"-DMASKED={int(masked)}", f"-DOAI={int(oai)}", f"-DB13={int(b13)}", f"-DB2={int(b2)}",
+            f"-DWIN={int(weighted_input)}", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
             f"-DPARTIAL={int(partial)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
             f"-DPIPE={int(pipe)}", f"-DRG={row_groups}")
@@ -185,30 +197,35 @@ def row_groups_check(phase: str, cfg: MoeCuda, gated: bool = True) -> str | None
 def fused_moe_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, activation: str = "silu", w13_scale: torch.Tensor | None = None,
                    w2_scale: torch.Tensor | None = None,
-                   configs: tuple[MoeCuda | None, MoeCuda | None] | None = None, pdl: bool = True) -> torch.Tensor:
+                   configs: tuple[MoeCuda | None, MoeCuda | None] | None = None, pdl: bool = True, *,
+                   b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                   weighted_input: bool = False) -> torch.Tensor:
     """``kernels.fused_moe`` for T <= MAX_T tokens (dropless); ``configs`` are the (up, down)
     launch configurations (``kernels.tuning.MoeCuda``; None: ``default_configs``). Raises ValueError naming the
     operand or configuration the kernels cannot take (``check``)."""
-    why = check(x, w13, w2, topk_ids.shape[1], w13_scale, w2_scale, configs, activation)
+    why = check(x, w13, w2, topk_ids.shape[1], w13_scale, w2_scale, configs, activation, b13, b2)
     if why is not None:
         raise ValueError(f"fused_moe_cuda: {why}")
-    return run(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, configs, pdl)
+    return run(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, configs, pdl, b13=b13, b2=b2,
+               weighted_input=weighted_input)
 
 
 def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         activation: str, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
-        configs: tuple[MoeCuda | None, MoeCuda | None] | None, pdl: bool, masked: bool = False) -> torch.Tensor:
+        configs: tuple[MoeCuda | None, MoeCuda | None] | None, pdl: bool, masked: bool = False, *,
+        b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, weighted_input: bool = False) -> torch.Tensor:
     """``fused_moe_cuda`` without its checks, for callers that made them (``check``, or
     ``supports`` once per key and then ``layout``: ``kernels.moe.triton``). ``masked``: pairs
-    with a negative expert id add nothing and read no weights (``kernels.fused_moe``)."""
+    with a negative expert id add nothing and read no weights; ``b13`` / ``b2``,
+    ``weighted_input``: as ``kernels.fused_moe`` takes them."""
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     pair_w = topk_weights.reshape(-1).float().contiguous()  # [P]
     return _experts(x, w13, w2, ids, pair_w, topk_ids.shape[1], activation, w13_scale, w2_scale, configs, pdl,
-                    masked)
+                    masked, b13, b2, weighted_input)
 
 
 def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, configs, pdl: bool,
-             masked: bool = False) -> torch.Tensor:
+             masked: bool = False, b13=None, b2=None, weighted_input: bool = False) -> torch.Tensor:
     """The two launches (and the split-K sum); ``ids`` [P] are the pairs' experts, ``pair_w``
     [P] their combine weights."""
     t, h = x.shape
@@ -218,16 +235,18 @@ def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, con
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         default_up, default_down = default_configs(t, h, sms)
         up, down = up or default_up, down or default_down
-    int8, gated, dt, ids64 = w13.dtype == torch.int8, activation == "silu", DTYPES[x.dtype], ids.dtype == torch.int64
+    int8, gated, dt, ids64 = w13.dtype == torch.int8, activation != "gelu", DTYPES[x.dtype], ids.dtype == torch.int64
+    extras = dict(masked=masked, oai=activation == "swiglu_oai", b13=b13 is not None, b2=b2 is not None,
+                  weighted_input=weighted_input)
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
     up_major = up.pair_major
     up_opts = options(up.bn, up.warps, up.unroll, int8, dt, gated, False, ids64=ids64, pair_major=up_major,
-                      min_blocks=up.min_blocks, unit=up.unit, row_groups=up.row_groups, masked=masked) + ("-DPDL_EARLY=0",)
+                      min_blocks=up.min_blocks, unit=up.unit, row_groups=up.row_groups, **extras) + ("-DPDL_EARLY=0",)
     up_grid = (-(-f // up.bn), t * topk)
     launch(x.device, SOURCE, "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
-           up.warps * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
+           up.warps * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(b13), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
                               np.int32(f), np.int32(topk), np.int64(x.stride(0))), pdl=pdl)
     step = down.warps * 32 * (16 if int8 else 8)
     length = topk * f
@@ -238,11 +257,11 @@ def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, con
     down_major = down.pair_major
     opts = options(down.bn, down.warps, down.unroll, int8, dt, gated, split > 1, ids64=ids64,
                    pair_major=down_major, min_blocks=down.min_blocks, unit=down.unit, pipe=down.pipe,
-                   row_groups=down.row_groups, masked=masked)
+                   row_groups=down.row_groups, **extras)
     down_grid = (-(-h // down.bn), split, t)
     launch(x.device, SOURCE, "moe_down", opts, down_grid[::-1] if down_major else down_grid, down.warps * 32,
-           (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(ids), ptr(target), np.int32(h), np.int32(f), np.int32(topk),
-            np.int32(k_span), np.int64(out.stride(0))), pdl=pdl)
+           (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(b2), ptr(ids), ptr(pair_w), ptr(target), np.int32(h),
+            np.int32(f), np.int32(topk), np.int32(k_span), np.int64(out.stride(0))), pdl=pdl)
     if split > 1:
         launch(x.device, SOURCE, "splitk_reduce", opts, (-(-h // 256), t), 256,
                (ptr(target), ptr(None), ptr(None), ptr(out), np.int32(split), np.int32(t), np.int32(h),
@@ -259,13 +278,16 @@ def compile_all(arch: str = "sm_90") -> int:
         launch_flags = (f"-DPDL_EARLY={i // 2 % 2}",)  # what ``launch`` adds, or a kernel pins
         min_blocks = MIN_BLOCKS[i % len(MIN_BLOCKS)] if i % 2 else 1
         groups = 2 if i % 3 == 2 else 1  # every candidate has 4 or 8 warps and an even number of rows
+        # GPT-OSS's activation and biases, Llama 4's weighted input (gated i: odd)
+        extras = dict(oai=i in (3, 7), b13=i % 4 >= 2, b2=i % 4 >= 2, weighted_input=i in (1, 4))
         compile_check(SOURCE, options(up.bn, up.warps, up.unroll, int8, dt, gated, False, ids64=i % 2 == 0,
                                       pair_major=i % 2 == 1, min_blocks=min_blocks, unit=i % 4 == 1,
-                                      row_groups=groups, masked=i % 3 == 0)
+                                      row_groups=groups, masked=i % 3 == 0, **extras)
                       + launch_flags, arch, "moe_cuda.cu")
         compile_check(SOURCE, options(down.bn, down.warps, down.unroll, int8, dt, gated, i % 4 < 2,
                                       ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks,
-                                      unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups, masked=i % 3 == 0)
+                                      unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups, masked=i % 3 == 0,
+                                      **extras)
                       + launch_flags, arch, "moe_cuda.cu")
         count += 2
     return count

@@ -15,6 +15,19 @@
 #define MASKED 0  // a pair whose expert id is negative (its expert is on another rank) adds nothing
 #endif
 
+#ifndef OAI
+#define OAI 0  // GATED: GPT-OSS's SwiGLU (gate clamped above at 7, up to [-7, 7], gate sigmoid(1.702 gate) (up + 1))
+#endif
+#ifndef B13
+#define B13 0  // per-expert biases of w13's rows, added before the activation
+#endif
+#ifndef B2
+#define B2 0  // per-expert biases of w2's rows, added before the combine weight
+#endif
+#ifndef WIN
+#define WIN 0  // the pair's weight scales the expert's input (Llama 4), not its output
+#endif
+
 #ifndef PIPE
 #define PIPE 0  // moe_down: two weight buffers, the next step in flight during this one's arithmetic
 #endif
@@ -89,6 +102,20 @@ __device__ __forceinline__ float2 up_scales(const float* __restrict__ scale, lon
   return sc;
 }
 
+// The biases of output column n0 + tid (B13; the thread that finishes that column), gate
+// (or GeLU) row then up row: constants, loaded beside the first weights as the scales are.
+__device__ __forceinline__ float2 up_bias(const u16* __restrict__ b13, long long e, int n0, int F) {
+  float2 b = make_float2(0.f, 0.f);
+#if B13
+  const int n = n0 + threadIdx.x;
+  if (threadIdx.x < BN && n < F) {
+    b.x = act_f(b13 + e * ROWS_PER_F * F + n);
+    if (GATED) b.y = act_f(b13 + e * 2 * F + F + n);
+  }
+#endif
+  return b;
+}
+
 // A down kernel's block, from the grid: token t, first row n0, the number of tokens, and its
 // split [k_lo, k_hi) of the token's reduction (its k pairs' F columns back to back).
 struct DownBlock {
@@ -116,13 +143,15 @@ __device__ __forceinline__ void token_experts(const void* __restrict__ ids, int 
 // A down block's outputs, rows n0 .. n0 + BN of token t: each the sum of its row group's
 // warps' partials (part, filled and synchronised), as float32 split-K partials (PARTIAL) or
 // in x's dtype.
+// ``extra``: what thread o < BN adds to row n0 + o (the weighted biases, ``token_bias``).
 template <int NV>
 __device__ __forceinline__ void store_down(float (*part)[NV], void* __restrict__ out, int t, int n0, int H,
-                                           int tokens, long long stride_o) {
+                                           int tokens, long long stride_o, float extra) {
+  static_assert(BN <= THREADS, "one thread a row");
   for (int o = threadIdx.x; o < BN; o += THREADS) {
     const int n = n0 + o;
     if (n >= H) continue;
-    const float v = group_total<NV>(part, o);
+    const float v = group_total<NV>(part, o) + extra;
 #if PARTIAL
     ((float*)out)[((size_t)blockIdx.y * tokens + t) * H + n] = v;
 #else
@@ -143,10 +172,26 @@ __device__ __forceinline__ void token_scales(const float* __restrict__ scale, co
   __syncthreads();
 }
 
+// B2: the sum over token t's slots of each pair's weight (1 under WIN) times its expert's
+// bias of row n0 + tid, for thread tid < BN, in the first split only (the others' partials
+// are summed with it). Loaded beside the first weights.
+__device__ __forceinline__ float token_bias(const u16* __restrict__ b2, const float* __restrict__ pair_w,
+                                            const long long* expert, int t, int topk, int n0, int H) {
+  float v = 0.f;
+#if B2
+  const int n = n0 + threadIdx.x;
+  if (threadIdx.x < BN && n < H && blockIdx.y == 0)
+    for (int i = 0; i < topk; ++i)
+      if (!MASKED || expert[i] >= 0) v += (WIN ? 1.f : pair_w[t * topk + i]) * act_f(b2 + expert[i] * H + n);
+#endif
+  return v;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
        const void* __restrict__ w13,     // [E, 2F, H] gate rows then up rows ([E, F, H] for GeLU)
        const float* __restrict__ scale,  // [E, 2F] int8 per-row scales
+       const u16* __restrict__ b13,      // [E, 2F] biases (B13)
        const void* __restrict__ ids,     // [P] expert of each pair (int32, IDS64: int64)
        const float* __restrict__ pair_w, // [P] combine weight of each pair
        u16* __restrict__ h,              // [P, F] out
@@ -182,6 +227,7 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
 #endif
   const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
   const float2 sc = up_scales(scale, e, n0, F);  // in flight beside the weights, not after them
+  const float2 bias = up_bias(b13, e, n0, F);
 
   float acc[RR];
 #pragma unroll
@@ -216,16 +262,23 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
 #if INT8
     g *= sc.x * UNIT_SCALE;
 #endif
+    g = (WIN ? g * weight : g) + bias.x;  // (bias 0 without B13)
 #if GATED
     float up = group_total<RR>(part, BN + o);
 #if INT8
     up *= sc.y * UNIT_SCALE;
 #endif
+    up = (WIN ? up * weight : up) + bias.y;
+#if OAI
+    g = fminf(g, 7.f);
+    const float v = g / (1.f + __expf(-1.702f * g)) * (fminf(fmaxf(up, -7.f), 7.f) + 1.f);
+#else
     const float v = g / (1.f + __expf(-g)) * up;
+#endif
 #else
     const float v = 0.5f * g * (1.f + erff(g * 0.70710678118654752f));
 #endif
-    h[(size_t)p * F + n] = to_act(v * weight);
+    h[(size_t)p * F + n] = to_act(WIN ? v : v * weight);
   }
 }
 
@@ -233,7 +286,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up)
          const void* __restrict__ w2,      // [E, H, F]
          const float* __restrict__ scale,  // [E, H] int8 per-row scales
+         const u16* __restrict__ b2,       // [E, H] biases (B2)
          const void* __restrict__ ids,     // [P] expert of each pair (int32, IDS64: int64)
+         const float* __restrict__ pair_w, // [P] combine weight of each pair (B2: the biases')
          void* __restrict__ out,           // [T, H] (PARTIAL: float32 [S, T, H])
          int H, int F, int topk, int k_span, long long stride_o) {
   const DownBlock blk = down_block(F, topk, k_span);
@@ -283,6 +338,7 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
   token_scales(scale, expert, topk, sc, n0, H, UNIT_SCALE);
 #endif
+  const float bias = token_bias(b2, pair_w, expert, t, topk, n0, H);  // (0 without B2)
 #if PIPE
   const char* nx_at[U];  // the second step's rows, planned before the wait and issued after it
   int nx_slot[U];
@@ -337,5 +393,5 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
 
   __shared__ float part[WARPS][RR];
   warps_to_shared<RR>(acc, part);
-  store_down(part, out, t, n0, H, tokens, stride_o);
+  store_down(part, out, t, n0, H, tokens, stride_o, bias);
 }

@@ -123,23 +123,26 @@ def _sig(z: torch.Tensor | None) -> tuple | None:
 
 def cuda_reason(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int, activation: str,
                 w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
-                configs: tuple[MoeCuda, MoeCuda | None]) -> str | None:
+                configs: tuple[MoeCuda, MoeCuda | None], b13: torch.Tensor | None = None,
+                b2: torch.Tensor | None = None) -> str | None:
     """Why the CUDA decode kernels cannot run these operands with these (up, down)
     ``configs`` (None: they can). ``moe_cuda.supports`` runs once per key of what it reads
     (device, dtypes, shapes, k, activation, configs: one layer at one T), so a decode step
     only looks its answer up; ``moe_cuda.layout`` (addresses and strides) runs every call."""
     key = (_sig(x), _sig(w13), _sig(w2), topk, activation, None if w13_scale is None else w13_scale.dtype,
-           None if w2_scale is None else w2_scale.dtype, configs)
+           None if w2_scale is None else w2_scale.dtype, configs, _sig(b13), _sig(b2))
     why = _CUDA_SUPPORT.get(key, _MISSING)
     if why is _MISSING:
         if len(_CUDA_SUPPORT) > 4096:  # bounded: the keys are a model's layer shapes times T <= MAX_T
             _CUDA_SUPPORT.clear()
-        why = _CUDA_SUPPORT[key] = moe_cuda.supports(x, w13, w2, topk, w13_scale, w2_scale, configs, activation)
-    return why or moe_cuda.layout(x, w13, w2, w13_scale, w2_scale)
+        why = _CUDA_SUPPORT[key] = moe_cuda.supports(x, w13, w2, topk, w13_scale, w2_scale, configs, activation,
+                                                     b13, b2)
+    return why or moe_cuda.layout(x, w13, w2, w13_scale, w2_scale, b13, b2)
 
 
 def pairs_from_ids(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int,
-                   w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> bool:
+                   w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                   b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> bool:
     """Whether ``fused_moe_triton`` (dropless, no maps given) runs the experts from the
     routing ids alone: the CUDA decode kernels where the table chose them and they take the
     operands, or the Triton GEMMs at n <= FROM_IDS_PAIRS pairs. The layer then needs no
@@ -147,7 +150,7 @@ def pairs_from_ids(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: i
     summed inside the down GEMM (the benchmark times routing accordingly)."""
     up_cfg = _table_configs(x, w13, w2, topk)[0]
     if isinstance(up_cfg, MoeCuda) and x.is_cuda:
-        if moe_cuda.check(x, w13, w2, topk, w13_scale, w2_scale) is None:
+        if moe_cuda.check(x, w13, w2, topk, w13_scale, w2_scale, b13=b13, b2=b2) is None:
             return True
     return x.shape[0] * topk <= FROM_IDS_PAIRS
 
@@ -177,16 +180,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return fused_moe_triton(x, dequantize_int8(w13, w13_scale, x.dtype), dequantize_int8(w2, w2_scale, x.dtype),
                                 topk_weights, topk_ids, activation, capacity=capacity, maps=maps, pdl=pdl,
                                 masked=masked, b13=b13, b2=b2, weighted_input=weighted_input)
-    # what the CUDA kernels take
-    plain = b13 is None and b2 is None and activation != "swiglu_oai" and not weighted_input and not mxfp4
-    if plain and isinstance(up_cfg, MoeCuda) and (capacity is None or capacity >= t):
+    if not mxfp4 and isinstance(up_cfg, MoeCuda) and (capacity is None or capacity >= t):
         # Where the table chose the CUDA decode kernels (small T, measured faster) and they
-        # can take the operands (not fp32, odd widths: then Triton). No pair is dropped when
-        # each expert can keep T pairs: an expert appears once per token.
+        # can take the operands (not fp32, odd widths, MXFP4: then Triton). No pair is
+        # dropped when each expert can keep T pairs: an expert appears once per token.
         pair = _cuda_pair(up_cfg, down_cfg)
-        if cuda_reason(x, w13, w2, topk, activation, w13_scale, w2_scale, pair) is None:
+        if cuda_reason(x, w13, w2, topk, activation, w13_scale, w2_scale, pair, b13, b2) is None:
             return moe_cuda.run(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, pair, pdl,
-                                masked)
+                                masked, b13=b13, b2=b2, weighted_input=weighted_input)
     # The CUDA kernels come as a pair behind the CUDA up kernel: a CUDA entry left over
     # here (not taken, or a CUDA down beside a Triton up) gives way to the Triton default.
     up_cfg = triton_entry(up_cfg, "up", x.device, t, e, w13.shape[1], h, topk, size)
