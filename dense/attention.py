@@ -273,8 +273,7 @@ class Attention(nn.Module):
                 return torch.cat([pairs_to_halves(q, d, 0, d), pairs_to_halves(k, d, 0, d), v])
             self.qkv_proj.load_fns = {"weight": halves, "bias": halves}
         # GPT-OSS: a learned logit per query head joins its softmax as one more key that adds
-        # no value (``_sdpa``; a decode step's paged kernel joins it in its combine); the
-        # fused QKV kernels do not take it, so such a layer's QKV epilogue runs unfused.
+        # no value (``_sdpa``; a decode step's kernels start their softmax from it).
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if getattr(cfg, "attention_sinks", False) else None
         if self.sinks is not None:
             heads = self.num_heads
@@ -283,10 +282,9 @@ class Attention(nn.Module):
         # from every rank: the fused kernels then take q and k already normed (``_prenorm``).
         self.sharded_norm = cfg.qk_norm == "full" and tp.size > 1
         self.tp, self.kv_replicas = tp, replicas
-        # The fused decode kernels: power-of-two head dims, rotary over the whole head.
-        partial = getattr(cfg, "rotary_dim", None) not in (None, d) and getattr(cfg, "positions", "rope") == "rope"
-        # (NoPE layers: their query temperature is not in the kernels)
-        self.fusable = qkv_decode_supported(d) and not partial and self.sinks is None and self.rope
+        # The fused decode kernels: power-of-two head dims (rotary over all of a head or its
+        # first dimensions; NoPE layers' query temperature is not in the kernels).
+        self.fusable = qkv_decode_supported(d) and self.rope
 
     def _epilogue(self, device: torch.device) -> tuple:
         """The fused kernels' q / k norm, its weights and eps, and the clip."""
@@ -394,7 +392,7 @@ class Attention(nn.Module):
             out = kernels.qkv_attention(qkv.reshape(b, -1), hq, hkv, d, k_pool, v_pool, cache.write_slots,
                                         ctx.attn_mask, ctx.cos, ctx.sin, *self._epilogue(qkv.device),
                                         pdl=self.options.pdl, read_slots=cache.read_slots,
-                                        positions=ctx.positions)  # [B, Hq, D]
+                                        positions=ctx.positions, sinks=self.sinks)  # [B, Hq, D]
             return out[:, :, None]
         if self.fusable:
             # A fresh prompt attends over its own keys: the epilogue stores them for SDPA too.

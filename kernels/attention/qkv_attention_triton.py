@@ -31,6 +31,8 @@ is captured in a CUDA graph and replayed for every step. Program (b, KV head h, 
 - keeps the running max, sum and weighted value sum in float32 (flash-decoding). With
   P > 1 each program writes its partials and takes a ticket from a per-(b, h) counter; the
   last of the P programs merges them and resets the counter, so there is no second launch.
+  GPT-OSS's sinks (a logit per query head that joins the softmax and adds no value) are
+  the starting state of split 0: running max the sink, sum 1, value sum 0.
 
 The mask, built once a step, is [B, S] in either form (each launch says which,
 ``ADDITIVE``): additive 0 / -inf floats, or a bool mask read as bytes.
@@ -51,7 +53,8 @@ import triton.language as tl
 from kernels.attention.decode import mask_bytes, mask_visible
 from kernels.attention.reference import QK_NORMS, check_qkv_attention
 from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
-from kernels.attention.qkv_decode_triton import _load_all, _load_heads, _norm_rotate, _norm_weights, _rstd_all
+from kernels.attention.qkv_decode_triton import (_load_all, _load_heads, _norm_rotate, _norm_weights, _rotary, _rstd_all,
+                                                  rotary_tables)
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -89,6 +92,7 @@ def _qkv_attention_kernel(
     read_ptr,  # int64 [B, S]: the pool row of each row's key s
     pos_ptr,  # int64 [B]: the index of each row's new key among its S (its position)
     bias_ptr,  # [B, S] additive mask (0 / -inf) in any float dtype, or (not ADDITIVE) bytes, 1 where visible
+    sink_ptr,  # [Hq] the heads' sink logits (SINKS)
     out_ptr,  # [B, Hq, D]
     m_ptr, l_ptr, acc_ptr,  # float32 partials [B, Hkv, G_M, P] (and [.., D]) when P > 1
     count_ptr,  # int32 [B * Hkv] counters, zero between calls
@@ -96,10 +100,10 @@ def _qkv_attention_kernel(
     stride_kh, stride_kn, stride_vh, stride_vn,  # the pools' head and row strides
     stride_bias, stride_read, stride_pos,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, G: tl.constexpr,
-    G_P: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
-    ROPE: tl.constexpr,
+    G_P: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
+    CLIP: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_S: tl.constexpr, P: tl.constexpr, P_CHUNK: tl.constexpr, PRE_KV: tl.constexpr, UPCAST: tl.constexpr,
-    ADDITIVE: tl.constexpr, PDL: tl.constexpr,
+    ADDITIVE: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h, p = tl.program_id(1), tl.program_id(2)
@@ -110,7 +114,7 @@ def _qkv_attention_kernel(
     slot = tl.load(pos_ptr + b * stride_pos)
     new_row = tl.load(slot_ptr + b)
     d = tl.arange(0, D)
-    partner = (d + D // 2) % D
+    partner = tl.where(d < R, (d + R // 2) % R, d)  # (``_rotary``'s)
     k_rows = kc_ptr + h * stride_kh
     v_rows = vc_ptr + h * stride_vh
     # Where P blocks cover the keys: this program's keys and values, loaded before the wait.
@@ -129,11 +133,7 @@ def _qkv_attention_kernel(
     # Every load of the QKV row, the rotary tables and the mask is issued here, before any
     # arithmetic: one round trip after the wait, not one per step of the epilogue.
     row = qkv_ptr + b * stride_qkv
-    cos = tl.zeros([D], tl.float32)
-    sin = tl.zeros([D], tl.float32)
-    if ROPE:
-        cos = tl.load(cos_ptr + b * stride_cos + d).to(tl.float32)
-        sin = tl.load(sin_ptr + b * stride_cos + d).to(tl.float32)
+    d, partner, sign, cos, sin = _rotary(cos_ptr, sin_ptr, b, stride_cos, D, R, ROPE)
     qx, qxp = _load_heads(row, q_heads, d, partner, HQ, D)  # [G_P, D]
     kx, kxp = _load_heads(row + HQ * D, k_head, d, partner, HKV, D)  # [1, D]
     v_new = tl.load(row + (HQ + HKV) * D + k_head[:, None] * D + d[None, :]).to(tl.float32)  # [1, D]
@@ -145,7 +145,6 @@ def _qkv_attention_kernel(
         k_all = _load_all(row + HQ * D, HKV, HKV_P, D)
         rstd_q = _rstd_all(q_all, eps, HQ, D)
         rstd_k = _rstd_all(k_all, eps, HKV, D)
-    sign = tl.where(d < D // 2, -1.0, 1.0)
     q = _norm_rotate(qx, qxp, qw, qwp, cos, sin, sign, eps, clip, rstd_q, D, QK_NORM, CLIP, ROPE, DT)
     k_new = _norm_rotate(kx, kxp, kw, kwp, cos, sin, sign, eps, clip, rstd_k, D, QK_NORM, CLIP, ROPE, DT)
     if CLIP:
@@ -162,6 +161,11 @@ def _qkv_attention_kernel(
     m = tl.full([G_M], NEG_INF, tl.float32)
     l = tl.zeros([G_M], tl.float32)
     acc = tl.zeros([G_M, D], tl.float32)
+    if SINKS:
+        if p == 0:  # the sink as a key of value 0 seen first: exp(sink - m) = 1
+            gs = tl.arange(0, G_M)
+            m = tl.load(sink_ptr + h * G + gs % G_P, mask=gs % G_P < G, other=0.0).to(tl.float32)
+            l = tl.full([G_M], 1.0, tl.float32)
     # Keys 0 .. slot over the P programs. The new key and value are the fresh ones, put
     # into the block from registers (the program that holds index ``slot``; the mask always
     # leaves a row's own key visible). A hidden key before it may be read but weighs 0: the
@@ -256,7 +260,7 @@ def _block_s(s: int, d: int) -> int:
 
 def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
                          qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None,
-                         splits: int | None = None, pdl: bool = True, *, read_slots, positions):
+                         splits: int | None = None, pdl: bool = True, *, read_slots, positions, sinks=None):
     """Same contract as ``qkv_attention_ref``, in one launch. The mask must leave each row's
     own key visible (``StepContext.paged`` and ``kernels.attention.paged_context`` do) and
     hide every key after it. Under PDL, ``slot``, ``read_slots``, ``positions`` and the pool
@@ -265,7 +269,7 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
     written by its context launch, which must be complete: a launch without PDL, such as
     the embedding lookup, between it and the first layer makes sure of that).
     ``splits``: P, a power of two (default ``default_splits``). Each row's keys split by its
-    own length (``positions``), not by S."""
+    own length (``positions``), not by S. ``sinks`` [Hq]: a logit per head in the softmax."""
     b, s = check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots,
                                positions)
     if qk_norm not in QK_NORMS:
@@ -289,9 +293,9 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     bias, additive = mask_bytes(bias.reshape(b, s))
-    rope = cos is not None
+    rope, rot = rotary_tables(cos, sin, b, d)
     if rope:
-        cos, sin = cos.reshape(b, d), sin.reshape(b, d)
+        cos, sin = rot
     out = torch.empty(b, hq, d, dtype=qkv.dtype, device=qkv.device)
     n_part = b * hkv * g_m * splits if splits > 1 else 1
     m = torch.empty(n_part, dtype=torch.float32, device=qkv.device)
@@ -299,14 +303,16 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
     acc = torch.empty(n_part, d, dtype=torch.float32, device=qkv.device)
     _qkv_attention_kernel[(b, hkv, splits)](
         qkv, q_norm_w if q_norm_w is not None else qkv, k_norm_w if k_norm_w is not None else qkv,
-        cos if rope else qkv, sin if rope else qkv, k_cache, v_cache, slot, read_slots, positions, bias, out, m, l,
+        cos if rope else qkv, sin if rope else qkv, k_cache, v_cache, slot, read_slots, positions, bias,
+        sinks if sinks is not None else qkv, out, m, l,
         acc, ticket_counters(qkv.device, b * hkv, "qkv_attention"), float(eps), float(clip or 0.0),
         scale if scale is not None else 1.0 / math.sqrt(d), qkv.stride(0), cos.stride(0) if rope else 0,
         k_cache.stride(1), k_cache.stride(0), v_cache.stride(1), v_cache.stride(0), bias.stride(0),
         read_slots.stride(0), positions.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
         HKV_P=triton.next_power_of_2(hkv), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d,
+        R=cos.shape[-1] if rope else d,
         QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, BLOCK_S=block_s, P=splits,
         P_CHUNK=min(splits, 4), PRE_KV=pre_kv,
-        UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, ADDITIVE=additive,
+        UPCAST=qkv.device.type == "cpu" or qkv.dtype == torch.float32, ADDITIVE=additive, SINKS=sinks is not None,
         num_warps=4 if block_s * d <= 4096 else 8, **pdl_launch(qkv.device, pdl))
     return out

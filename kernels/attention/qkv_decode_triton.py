@@ -54,20 +54,29 @@ def _full_rstd(base, eps, H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _row_setup(qkv_ptr, cos_ptr, sin_ptr, r, stride_qkv, stride_cos, eps, HQ: tl.constexpr, HKV: tl.constexpr,
-               HQ_P: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-               ROPE: tl.constexpr):
-    """What every program of token r needs first: its QKV row, the head-dim offsets d, their
-    rotate-half partners and signs, the row's cos / sin (zeros without rotary), and the
-    all-heads 1 / RMS of q and k (1.0 unless QK_NORM is 2)."""
+def _rotary(cos_ptr, sin_ptr, r, stride_cos, D: tl.constexpr, R: tl.constexpr, ROPE: tl.constexpr):
+    """(d, the rotate-half partners, their signs, row r's cos and sin) over a head's D
+    dimensions, of which the first R turn: past R a dimension is its own partner, with
+    cos 1 and sin 0, so the rotation passes it as it is (zeros without rotary)."""
     d = tl.arange(0, D)
-    partner = (d + D // 2) % D
-    sign = tl.where(d < D // 2, -1.0, 1.0)
+    partner = tl.where(d < R, (d + R // 2) % R, d)
+    sign = tl.where(d < R // 2, -1.0, 1.0)
     cos = tl.zeros([D], tl.float32)
     sin = tl.zeros([D], tl.float32)
     if ROPE:
-        cos = tl.load(cos_ptr + r * stride_cos + d).to(tl.float32)
-        sin = tl.load(sin_ptr + r * stride_cos + d).to(tl.float32)
+        cos = tl.load(cos_ptr + r * stride_cos + d, mask=d < R, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + r * stride_cos + d, mask=d < R, other=0.0).to(tl.float32)
+    return d, partner, sign, cos, sin
+
+
+@triton.jit
+def _row_setup(qkv_ptr, cos_ptr, sin_ptr, r, stride_qkv, stride_cos, eps, HQ: tl.constexpr, HKV: tl.constexpr,
+               HQ_P: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
+               ROPE: tl.constexpr):
+    """What every program of token r needs first: its QKV row, the head-dim offsets d, their
+    rotate-half partners and signs, the row's cos / sin (``_rotary``), and the all-heads
+    1 / RMS of q and k (1.0 unless QK_NORM is 2)."""
+    d, partner, sign, cos, sin = _rotary(cos_ptr, sin_ptr, r, stride_cos, D, R, ROPE)
     row = qkv_ptr + r * stride_qkv
     rstd_q = 1.0
     rstd_k = 1.0
@@ -142,13 +151,13 @@ def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr,
                        eps, clip, stride_qkv, stride_cos,
                        stride_kh, stride_kn, stride_vh, stride_vn,  # the pools' head and row strides
                        HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
-                       D: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr, ROPE: tl.constexpr,
-                       KV_OUT: tl.constexpr, PDL: tl.constexpr):
+                       D: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr, CLIP: tl.constexpr,
+                       ROPE: tl.constexpr, KV_OUT: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)  # token r = b * T + t, stored at pool row slot[r]
     DT: tl.constexpr = q_ptr.dtype.element_ty
     row, d, partner, sign, cos, sin, rstd_q, rstd_k = _row_setup(qkv_ptr, cos_ptr, sin_ptr, r, stride_qkv, stride_cos,
-                                                                 eps, HQ, HKV, HQ_P, HKV_P, D, QK_NORM, ROPE)
+                                                                 eps, HQ, HKV, HQ_P, HKV_P, D, R, QK_NORM, ROPE)
     slot = tl.load(slot_ptr + r)
     hq = tl.arange(0, HQ_P)
     qw, qwp = _norm_weights(qn_w_ptr, hq, d, partner, HQ, D, QK_NORM)
@@ -172,6 +181,18 @@ def _qkv_decode_kernel(qkv_ptr, qn_w_ptr, kn_w_ptr, cos_ptr, sin_ptr, q_ptr,
         tl.store(vo_ptr + out, v.to(DT), mask=kv_ok)
 
 
+def rotary_tables(cos, sin, rows: int, head_dim: int) -> tuple[bool, tuple | None]:
+    """(whether there is a rotation, (cos, sin) as [rows, R] views): R <= D, even, the
+    dimensions of each head that turn. Raises ValueError naming the tables otherwise."""
+    if cos is None:
+        return False, None
+    r = cos.shape[-1]
+    if r % 2 or r > head_dim or cos.numel() != rows * r or sin.shape != cos.shape:
+        raise ValueError(f"cos / sin {list(cos.shape)} / {list(sin.shape)}: expected {rows} rows of an even "
+                         f"R <= D = {head_dim}")
+    return True, (cos.reshape(rows, r), sin.reshape(rows, r))
+
+
 def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
                       qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, pdl=True, kv_out=None):
     """Same contract as ``qkv_decode_ref``; one launch, one program per token."""
@@ -185,9 +206,9 @@ def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, 
     # q is stored [B, T, Hq, D] and returned as its [B, Hq, T, D] view: attention then
     # writes its output in that layout too, and the output projection reads it in place.
     q = torch.empty(b, t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device).transpose(1, 2)
-    rope = cos is not None
+    rope, rot = rotary_tables(cos, sin, b * t, head_dim)
     if rope:
-        cos, sin = cos.reshape(b * t, head_dim), sin.reshape(b * t, head_dim)
+        cos, sin = rot
     slot = slot.reshape(b * t).contiguous()
     k_out, v_out = kv_out if kv_out is not None else (qkv, qkv)
     _qkv_decode_kernel[(b * t,)](
@@ -196,6 +217,6 @@ def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, 
         float(eps), float(clip or 0.0), qkv.stride(0), cos.stride(0) if rope else 0,
         k_cache.stride(1), k_cache.stride(0), v_cache.stride(1), v_cache.stride(0), HQ=num_heads, HKV=num_kv_heads,
         HQ_P=triton.next_power_of_2(num_heads), HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim,
-        QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, KV_OUT=kv_out is not None, num_warps=4,
+        R=cos.shape[-1] if rope else head_dim, QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, KV_OUT=kv_out is not None, num_warps=4,
         **pdl_launch(qkv.device, pdl))
     return q

@@ -129,7 +129,8 @@ def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slo
     """qkv [B, (Hq + 2 Hkv) * D] of one token per row, or [B, T, ...] of T -> q [B, Hq, T, D];
     writes token (b, t)'s k and v at pool row ``slot[b, t]`` (``slot`` int64 [B, T] or
     [B * T]) of the paged pool k_cache / v_cache [N, Hkv, D].
-    cos, sin [B, D] or [B, T, D] rotary tables (None: no rotation); ``qk_norm`` None /
+    cos, sin [B, R] or [B, T, R] rotary tables (None: no rotation; R < D: the first R
+    dimensions of each head turn, the rest pass as they are, GLM-4.5); ``qk_norm`` None /
     "head" (weights [D]) / "full" (weights [Hq * D], [Hkv * D]); ``clip`` clamps q, k, v.
     ``kv_out``: two [B, T, Hkv, D] tensors that receive k and v as well (a prefill that
     attends over its own keys then reads them there, not from the cache)."""
@@ -145,11 +146,16 @@ def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slo
     if qk_norm == "head":
         q, k = norm(q, q_norm_w), norm(k, k_norm_w)
     if cos is not None:
-        c, s = cos.reshape(b, t, 1, d), sin.reshape(b, t, 1, d)
+        r = cos.shape[-1]
+        if r % 2 or r > d or cos.numel() != b * t * r or sin.shape != cos.shape:
+            raise ValueError(f"cos / sin {list(cos.shape)} / {list(sin.shape)}: expected [B, T, R] of B = {b}, T = {t} "
+                             f"and an even R <= D = {d}")
+        c, s = cos.reshape(b, t, 1, r), sin.reshape(b, t, 1, r)
 
         def rotate(x):
-            x1, x2 = x.chunk(2, dim=-1)
-            return x * c + torch.cat((-x2, x1), dim=-1) * s
+            x1, x2 = x[..., :r].chunk(2, dim=-1)
+            turned = x[..., :r] * c + torch.cat((-x2, x1), dim=-1) * s
+            return turned if r == d else torch.cat((turned, x[..., r:]), dim=-1)
         q, k = rotate(q), rotate(k)
     if kv_out is not None:
         kv_out[0].copy_(k), kv_out[1].copy_(v)
@@ -188,14 +194,14 @@ def check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache
 
 def qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
                       qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None, *,
-                      read_slots, positions):
+                      read_slots, positions, sinks=None):
     """qkv [B, (Hq + 2 Hkv) * D] of one token per row -> attention output [B, Hq, D] over the
     paged pool k_cache / v_cache [N, Hkv, D]. Writes the new k and v at pool rows ``slot``
     [B] int64 (as ``qkv_decode_ref``), then gathers each row's keys in order, ``read_slots``
     [B, S] the pool row of its key s (the new key's at index ``positions[b]``, the keys
     after it hidden), and attends over them under the additive mask ``bias`` ([B, S], or any
     shape of B x S values, e.g. [B, 1, 1, S]; or a bool mask, True where visible), softmax
-    in float32 or wider."""
+    in float32 or wider. ``sinks`` [Hq] (GPT-OSS): a logit per head in the softmax, no value."""
     b, s = check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots,
                                positions)
     q = qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
@@ -211,7 +217,9 @@ def qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, 
     vv = v.to(ct).masked_fill(hidden, 0).repeat_interleave(g, dim=1)
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     scores = torch.einsum("bhd,bhsd->bhs", q.to(ct), kk) * scale + bias
-    return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), vv).to(q.dtype)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(ct)[None, :, None].expand(b, -1, 1)], dim=-1)
+    return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1)[..., :s], vv).to(q.dtype)
 
 
 def paged_decode_context_ref(inputs, prev, block_size, num_keys, trash, dtype, tables, sliding_window=None,

@@ -7,7 +7,9 @@ on a GPU, and their Triton compiles for sm_90 (tests.hopper):
   one launch): GQA 1, 3 (padded to 4), 4 and 8, MQA, each q/k norm, clip, rotary or none,
   one split or several (the in-kernel combine), a short row and one that fills its key
   slots, padding rows and a sliding window in the mask, additive or bool; consecutive
-  steps (the split counters reset)."""
+  steps (the split counters reset);
+- partial rotary (GLM-4.5: the first R dimensions of each head turn) in both kernels, and
+  attention sinks (GPT-OSS: a logit per head in the softmax) in the one-launch attention."""
 import math
 
 import pytest
@@ -22,13 +24,15 @@ from tests.kernels.common import BACKENDS, paged_pool, rel
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # the QKV epilogue, fused attention
 
 
-def _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, rope, seed):
+def _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, rope, seed, rot=None):
     """One token per row: qkv [B, W], its rotary rows at random positions (None, None
-    without ``rope``) and the q / k norm weights -> (qkv, cos, sin, qw, kw)."""
+    without ``rope``; [B, rot] where only the first ``rot`` dimensions turn) and the q / k
+    norm weights -> (qkv, cos, sin, qw, kw)."""
     gen = torch.Generator().manual_seed(seed)
     qkv = (torch.randn(b, (hq + 2 * hkv) * d, generator=gen) * 2).to(device, dtype)
     pos = torch.randint(0, 500, (b, 1), generator=gen).float()
-    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    r = rot or d
+    inv = 1.0 / 10000 ** (torch.arange(0, r, 2).float() / r)
     ang = torch.cat([pos * inv, pos * inv], dim=-1)
     cos, sin = (ang.cos().to(device, dtype), ang.sin().to(device, dtype)) if rope else (None, None)
     qw = kw = None
@@ -210,8 +214,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.attention.qkv_decode_triton import _qkv_decode_kernel as kernel
 
-qk_norm, pdl, kv_out = (int(v) for v in sys.argv[1:])
-const = dict(HQ=16, HKV=4, HQ_P=16, HKV_P=4, D=128, QK_NORM=qk_norm, CLIP=True, ROPE=True, KV_OUT=bool(kv_out),
+qk_norm, pdl, kv_out, rot = (int(v) for v in sys.argv[1:])
+const = dict(HQ=16, HKV=4, HQ_P=16, HKV_P=4, D=128, R=rot, QK_NORM=qk_norm, CLIP=True, ROPE=True, KV_OUT=bool(kv_out),
              PDL=pdl)
 assert {p.name for p in kernel.params if p.is_constexpr} == set(const)  # none compiled as a pointer
 types = {"slot_ptr": "*i64", "eps": "fp32", "clip": "fp32"}
@@ -222,23 +226,26 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("qk_norm,pdl,kv_out", [(0, 0, 0), (1, 2, 0), (2, 2, 1)])
-def test_qkv_decode_compiles_for_hopper(qk_norm, pdl, kv_out):
+@pytest.mark.parametrize("qk_norm,pdl,kv_out,rot", [(0, 0, 0, 128), (1, 2, 0, 64), (2, 2, 1, 128)])
+def test_qkv_decode_compiles_for_hopper(qk_norm, pdl, kv_out, rot):
     """The QKV epilogue kernel's whole Triton compile for sm_90 (tests.hopper), with each
-    q / k norm, into a paged pool, with the fresh k, v stored out too or not."""
-    assert int(compile_in_subprocess(_COMPILE_QKV_DECODE, qk_norm, pdl, kv_out).split()[-1]) > 0
+    q / k norm, into a paged pool, with the fresh k, v stored out too or not, rotary over
+    whole heads or half of each."""
+    assert int(compile_in_subprocess(_COMPILE_QKV_DECODE, qk_norm, pdl, kv_out, rot).split()[-1]) > 0
 
 
 def _paged_run(device, dtype, hq, hkv, s, lens, qk_norm, rope, clip, splits, seed, window=None, bool_mask=False,
-               d=16):
+               d=16, rot=None, sinks=False):
     """The one-launch attention over a paged pool (``_paged_pool``: rows of ``lens`` keys,
     the new one each row's last; a row of 0 is a padding row, as PagedDecodeStep pads: it
     writes the trash row and sees only its own key) and its float64 reference -> (out, ref,
     (k, v pools after the step, the reference's, the pools before it, the write rows)).
-    ``bool_mask``: the mask as a bool one, not additive."""
+    ``bool_mask``: the mask as a bool one, not additive; ``rot``: the rotary dimensions of a
+    head (None: all); ``sinks``: a random sink logit per head."""
     b = len(lens)
     gen = torch.Generator().manual_seed(seed)
-    qkv, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, rope, seed)
+    qkv, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, qk_norm, rope, seed, rot)
+    sink = (torch.randn(hq, generator=gen) * 2).to(device, dtype) if sinks else None
     lens = torch.tensor(lens)
     read, kp, vp = paged_pool(device, dtype, hkv, d, s, 8, lens, gen)
     last = (lens - 1).clamp(min=0)  # each row's new key: its position
@@ -255,10 +262,11 @@ def _paged_run(device, dtype, hq, hkv, s, lens, qk_norm, rope, clip, splits, see
     up = lambda z: None if z is None else z.double()  # noqa: E731
     kr, vr = kp.double(), vp.double()
     ref = qkv_attention_ref(qkv.double(), hq, hkv, d, kr, vr, write, bias if bool_mask else bias.double(), up(cos),
-                            up(sin), qk_norm, up(qw), up(kw), 1e-6, clip, read_slots=read, positions=positions)
+                            up(sin), qk_norm, up(qw), up(kw), 1e-6, clip, read_slots=read, positions=positions,
+                            sinks=up(sink))
     kp0, vp0 = kp.clone(), vp.clone()
     out = qkv_attention_triton(qkv, hq, hkv, d, kp, vp, write, bias, cos, sin, qk_norm, qw, kw, 1e-6, clip,
-                               splits=splits, read_slots=read, positions=positions)
+                               splits=splits, read_slots=read, positions=positions, sinks=sink)
     return out, ref, (kp, vp, kr, vr, kp0, vp0, write)
 
 
@@ -314,6 +322,46 @@ def test_qkv_attention_matches_reference(device, dtype, b, hq, hkv, d, qk_norm, 
     others = torch.ones(kp.shape[0], dtype=torch.bool, device=kp.device).index_fill_(0, write, False)
     assert torch.equal(kp[others].nan_to_num(), kp0[others].nan_to_num())
     assert torch.equal(vp[others].nan_to_num(), vp0[others].nan_to_num())
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("hq,hkv,rot,sinks,splits,window", [(8, 2, 8, False, 1, None), (8, 2, None, True, 1, None),
+                                                            (4, 1, 16, True, 4, None), (8, 2, None, True, 2, 5)])
+def test_qkv_attention_partial_rotary_and_sinks(device, dtype, hq, hkv, rot, sinks, splits, window):
+    """GLM-4.5's partial rotary (the first R of D = 32 dimensions turn) and GPT-OSS's sinks
+    (the softmax starts from each head's sink logit, in the first split only, and merges
+    over several), with a sliding window; rows of different lengths and a first token."""
+    out, ref, (kp, vp, kr, vr, _, _, write) = _paged_run(device, dtype, hq, hkv, 40, [40, 17, 1], "head", True, None,
+                                                         splits, seed=hq + splits, window=window, d=32, rot=rot,
+                                                         sinks=sinks)
+    assert not out.isnan().any() and rel(out, ref) < (3 * TOL[dtype] if dtype != torch.float32 else 1e-5)
+    assert rel(kp[write], kr[write]) < 3 * TOL[dtype] and rel(vp[write], vr[write]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("qk_norm,t", [(None, 1), ("head", 3), ("full", 1)])
+def test_qkv_decode_partial_rotary(device, dtype, qk_norm, t):
+    """The QKV epilogue with the first R = 8 of D = 32 dimensions turning (a decode step and
+    a prefill's rows): the rest of each head passes unrotated, as the reference has it."""
+    b, hq, hkv, d, n = 2, 4, 2, 32, 12
+    qkv, cos, sin, qw, kw = _qkv_case(device, dtype, b * t, hq, hkv, d, qk_norm, True, t + d, rot=8)
+    gen = torch.Generator().manual_seed(t)
+    kp, vp = _pool(device, dtype, n, hkv, d, gen)
+    slot = torch.randperm(n, generator=gen)[:b * t].to(device).view(b, t)
+    kr, vr = kp.double(), vp.double()
+    q = qkv_decode_triton(qkv.view(b, t, -1), hq, hkv, d, kp, vp, slot, cos.view(b, t, -1), sin.view(b, t, -1),
+                          qk_norm, qw, kw, 1e-6)
+    up = lambda z: None if z is None else z.double()  # noqa: E731
+    qr = qkv_decode_ref(qkv.double().view(b, t, -1), hq, hkv, d, kr, vr, slot, cos.double().view(b, t, -1),
+                        sin.double().view(b, t, -1), qk_norm, up(qw), up(kw), 1e-6)
+    assert q.shape == (b, hq, t, d)
+    assert rel(q, qr) < 3 * TOL[dtype] and rel(kp[slot.view(-1)], kr[slot.view(-1)]) < 3 * TOL[dtype]
+    q_in = qkv.view(b, t, -1)[..., :hq * d].view(b, t, hq, d).transpose(1, 2)
+    if qk_norm is None:  # past R the epilogue is a copy
+        assert torch.equal(q[..., 8:], q_in[..., 8:])
+    odd = torch.zeros(b, t, 7, dtype=dtype, device=device)  # an odd number of rotary dimensions
+    with pytest.raises(ValueError, match=rf"cos / sin \[2, {t}, 7\] / \[2, {t}, 7\]: expected {b * t} rows of an even R"):
+        qkv_decode_triton(qkv.view(b, t, -1), hq, hkv, d, kp, vp, slot, odd, odd, qk_norm, qw, kw, 1e-6)
 
 
 @pytest.mark.parametrize("device,dtype", BACKENDS)
@@ -392,11 +440,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.attention.qkv_attention_triton import _qkv_attention_kernel as kernel
 
-g, splits, qk_norm, pdl, pre_kv, bool_mask = (int(v) for v in sys.argv[1:])
+g, splits, qk_norm, pdl, pre_kv, bool_mask, sinks = (int(v) for v in sys.argv[1:])
 hkv, d = 4, 128
-const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_P=g, G_M=max(16, g), D=d, QK_NORM=qk_norm, CLIP=False,
-             ROPE=True, BLOCK_S=64, P=splits, P_CHUNK=min(splits, 4), PRE_KV=bool(pre_kv), UPCAST=False,
-             ADDITIVE=not bool_mask, PDL=pdl)
+const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_P=g, G_M=max(16, g), D=d, R=d // (1 + sinks),
+             QK_NORM=qk_norm, CLIP=False, ROPE=True, BLOCK_S=64, P=splits, P_CHUNK=min(splits, 4), PRE_KV=bool(pre_kv),
+             UPCAST=False, ADDITIVE=not bool_mask, SINKS=bool(sinks), PDL=pdl)
 types = {"slot_ptr": "*i64", "read_ptr": "*i64", "pos_ptr": "*i64", "bias_ptr": "*i8" if bool_mask else "*bf16",
          "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32", "clip": "fp32",
          "scale": "fp32"}
@@ -408,10 +456,10 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv,bool_mask", [(1, 16, 2, 2, 1, 0), (8, 1, 1, 2, 0, 0),
-                                                                   (4, 4, 0, 0, 1, 0), (8, 4, 1, 2, 0, 1)])
-def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv, bool_mask):
+@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv,bool_mask,sinks", [
+    (1, 16, 2, 2, 1, 0, 0), (8, 1, 1, 2, 0, 0, 1), (4, 4, 0, 0, 1, 0, 0), (8, 4, 1, 2, 0, 1, 1)])
+def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv, bool_mask, sinks):
     """The whole Triton compile for sm_90 (tests.hopper), over a paged pool, with an
-    additive mask or a bool one (read as bytes)."""
-    out = compile_in_subprocess(_COMPILE_QKV_ATTENTION, g, splits, qk_norm, pdl, pre_kv, bool_mask)
+    additive mask or a bool one (read as bytes), with sinks and half-head rotary or not."""
+    out = compile_in_subprocess(_COMPILE_QKV_ATTENTION, g, splits, qk_norm, pdl, pre_kv, bool_mask, sinks)
     assert int(out.split()[-1]) > 0
