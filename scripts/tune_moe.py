@@ -41,6 +41,9 @@ SHAPES = {  # name: H, F, E, k, activation
     "qwen3": (2048, 768, 128, 8, "silu"),
     "olmoe": (2048, 1024, 64, 8, "silu"),
     "dsmoe": (2048, 8192, 128, 1, "gelu"),
+    "gptoss": (2880, 2880, 32, 4, "swiglu_oai"),  # gpt-oss-20b (timed without its biases: same bytes, same grid)
+    "glm45air": (4096, 1408, 128, 8, "silu"),
+    "dsv2lite": (2048, 1408, 64, 6, "silu"),
 }
 TOKENS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384]
 WARM_S = 0.03  # seconds of replays before each candidate's timed ones
@@ -71,7 +74,7 @@ def candidates(phase: str, t: int, topk: int, e: int, wdtype: str, shape: tuple,
     if stored is not None:
         return [stored] + extra
     found = triton_candidates(phase, t, topk, e, wdtype)
-    n, k = ((2 if act == "silu" else 1) * f, h) if phase == "up" else (h, f)
+    n, k = ((1 if act == "gelu" else 2) * f, h) if phase == "up" else (h, f)
     fallback = default_config(phase, t, e, n, k, topk, sms)
     return found + ([fallback] if fallback not in found else []) + extra
 
@@ -153,7 +156,7 @@ def expert_weights(shape: tuple, wdtype: str, dev: torch.device, gen: torch.Gene
     """Random w13 [E, R, H] and w2 [E, H, F] of ``shape`` (std 0.02), int8 with their
     scales where ``wdtype`` says so: (w13, w2, the scales as fused_moe's keyword arguments)."""
     h, f, e, _, act = shape
-    rows13 = 2 * f if act == "silu" else f
+    rows13 = f if act == "gelu" else 2 * f
     w13 = torch.randn(e, rows13, h, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
     w2 = torch.randn(e, h, f, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
     if wdtype != "int8":

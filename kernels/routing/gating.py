@@ -353,11 +353,13 @@ def grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, n_grou
     group_size = e // n_group
     block_g, block_s = triton.next_power_of_2(n_group), triton.next_power_of_2(group_size)
     block_t = _block_t(t, block_g * block_s)
+    # As topk_gating_triton's: a decode step's tile in one warp, its reductions in shuffles.
+    warps = 1 if block_t * block_g * block_s <= 1024 else 4
     _grouped_topk_kernel[(triton.cdiv(t, block_t),)](
         logits, bias, ids, weights, t, logits.stride(0), logits.stride(1), bias.stride(0),
         float(routed_scaling_factor),
         K=k, N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
         SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), GROUP_MAX=bool(group_max),
         BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_S=block_s,
-        BLOCK_K=triton.next_power_of_2(k), num_warps=4, **pdl_launch(logits.device, pdl))
+        BLOCK_K=triton.next_power_of_2(k), num_warps=warps, **pdl_launch(logits.device, pdl))
     return ids, weights
