@@ -46,15 +46,19 @@ def check_logits(engine, exact, hf, prompts, name):
     device, dtype = engine.device, engine.dtype
     hf_low = copy.deepcopy(hf).to(device=device, dtype=dtype)
     ours = engine.logits(prompts).cpu()
-    for i, p in enumerate(prompts):
+    keeps = [torch.ones(len(p), dtype=torch.bool) if dtype == torch.float32 else ~near_tie_flips(engine, exact, p)
+             for p in prompts]
+    # Over the batch, not per prompt: a one-token prompt with one near-tie flip has no token
+    # left to compare, which says nothing of the routing.
+    kept = torch.cat(keeps).float().mean()
+    assert kept >= 0.5, f"{name}: routing flipped on {1 - kept:.0%} of the tokens"
+    for i, (p, keep) in enumerate(zip(prompts, keeps)):
+        assert (ours[i, len(p):] == 0).all()
+        if not keep.any():
+            continue
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0].double()
             ref_low = hf_low(torch.tensor([p], device=device)).logits[0].cpu()
-        keep = torch.ones(len(p), dtype=torch.bool)
-        if dtype != torch.float32:
-            keep = ~near_tie_flips(engine, exact, p)
-            assert keep.float().mean() >= 0.5, f"{name} prompt {i}: routing flipped on most tokens"
         err = rel_err(ours[i, :len(p)][keep], ref[keep])
         bound = 1e-4 if dtype == torch.float32 else max(1.5 * rel_err(ref_low, ref), 1e-2)
         assert err < bound, f"{name} prompt {i}: relative error {err:.2e} (bound {bound:.2e})"
-        assert (ours[i, len(p):] == 0).all()
