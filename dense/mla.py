@@ -87,25 +87,32 @@ class LatentAttention(nn.Module):
         b, t, _ = x.shape
         n, p, r, c = self.num_heads, self.nope_dim, self.rope_dim, self.latent
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        kv = self.kv_a_proj(x)  # [B, T, C + R]: the latent, then the rotary key
+        w = self.kv_b_proj.weight.view(n, p + self.v_dim, c)  # [N, P + V, C]: W_UK rows, then W_UV
+        if cache is not None and t == 1 and not ctx.causal and not cache.by_tokens:
+            # A decode step: the absorbed query (q_p W_UK per head, in the latent's space),
+            # then the latent's norm, the rotations and the cache append in one launch; the
+            # attention reads the pool in place, each cached row once for every head.
+            q_c = torch.einsum("bnp,npc->bnc", q.view(b, n, p + r)[..., :p], w[:, :p].to(q.dtype))
+            pool = cache.pools(layer)[0]
+            query = kernels.latent_prologue(q_c, q, kv, self.kv_a_norm.weight, self.kv_a_norm.eps, ctx.cos, ctx.sin,
+                                            pool, cache.write_slots, pdl=self.options.pdl)  # [B, N, C + R]
+            out = kernels.paged_latent_decode(query, pool, cache.read_slots, ctx.attn_mask[:, 0, 0], c,
+                                              self.scale)[:, :, None]  # [B, N, 1, C]
+            return self._output(out, w)
         q = q.view(b, t, n, p + r).transpose(1, 2)  # [B, N, T, P + R]
         q_p, q_r = q.split([p, r], dim=-1)
-        latent, k_r = self.kv_a_proj(x).split([c, r], dim=-1)  # [B, T, C], [B, T, R]
+        latent, k_r = kv.split([c, r], dim=-1)  # [B, T, C], [B, T, R]
         latent = self.kv_a_norm(latent)
         k_r = k_r[:, None]  # [B, 1, T, R]: one rotary key for every head
         if ctx.cos is not None:
             q_r, k_r = apply_rotary(q_r, ctx.cos, ctx.sin), apply_rotary(k_r, ctx.cos, ctx.sin)
-        w = self.kv_b_proj.weight.view(n, p + self.v_dim, c)  # [N, P + V, C]: W_UK rows, then W_UV
-        # The absorbed query: q_p W_UK per head, in the latent's space.
         q_c = torch.einsum("bntp,npc->bntc", q_p, w[:, :p].to(q_p.dtype))
         query = torch.cat([q_c, q_r], dim=-1)  # [B, N, T, C + R]
         key = torch.cat([latent[:, None], k_r], dim=-1)  # [B, 1, T, C + R]
         if cache is not None:
             cache.write(layer, key, key[..., :0])
-        if cache is not None and t == 1 and not ctx.causal and not cache.by_tokens:
-            # A decode step reads the pool in place, each cached row once for every head.
-            out = kernels.paged_latent_decode(query[:, :, 0], cache.pools(layer)[0], cache.read_slots,
-                                              ctx.attn_mask[:, 0, 0], c, self.scale)[:, :, None]  # [B, N, 1, C]
-        elif cache is not None and not ctx.causal and cache.by_tokens:  # the latent split over the ranks by tokens:
+        if cache is not None and not ctx.causal and cache.by_tokens:  # the latent split over the ranks by tokens:
             from dense.kv_shard import gather_heads, split_attention  # (every rank computed the same new latent)
 
             key = cache.gather(layer)[0]  # [B, 1, S, C + R], the row's slots in token order
@@ -117,5 +124,10 @@ class LatentAttention(nn.Module):
             mask = None if ctx.causal else ctx.attn_mask
             out = F.scaled_dot_product_attention(query, key.expand(-1, n, -1, -1), key[..., :c].expand(-1, n, -1, -1),
                                                  attn_mask=mask, is_causal=ctx.causal, scale=self.scale)  # [B, N, T, C]
-        out = torch.einsum("bntc,nvc->btnv", out, w[:, p:].to(out.dtype))  # (softmax . c) W_UV
+        return self._output(out, w)
+
+    def _output(self, out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The softmax-weighted latents [B, N, T, C] -> (out W_UV per head) o_proj [B, T, H]."""
+        b, n, t, _ = out.shape
+        out = torch.einsum("bntc,nvc->btnv", out, w[:, self.nope_dim:].to(out.dtype))
         return self.o_proj(out.reshape(b, t, n * self.v_dim))

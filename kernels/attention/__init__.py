@@ -9,15 +9,17 @@ Backends: a CPU tensor runs the plain-torch reference (``reference.py``); a CUDA
 runs the Triton kernels, imported at that first call: ``decode.py`` (decode attention,
 split over the keys; its latent-attention form), ``qkv_decode_triton.py`` (the epilogue) and
 ``qkv_attention_triton.py`` (epilogue and attention in one launch, where
-``qkv_attention_fits``). A paged decode step's shared inputs in one launch are
+``qkv_attention_fits``), ``latent_triton.py`` (latent attention's epilogue of its
+projections). A paged decode step's shared inputs in one launch are
 ``paged_context.py``'s (``moe_infer.model.Transformer.paged_decode_context``). No module
 here is named as an op of this package: importing it would rebind the package's attribute
 of that name from the function to the module.
 """
 from __future__ import annotations
 
-from kernels.attention.reference import (paged_decode_attention_ref, paged_decode_partial_ref, paged_latent_decode_ref,
-                                         qkv_attention_ref, qkv_decode_ref, qkv_decode_supported)
+from kernels.attention.reference import (check_latent_prologue, latent_prologue_ref, paged_decode_attention_ref, paged_decode_partial_ref,
+                                         paged_latent_decode_ref, qkv_attention_ref, qkv_decode_ref,
+                                         qkv_decode_supported)
 
 
 def paged_decode_attention(q, k, v, slots, visible, scale=None, sinks=None):
@@ -52,6 +54,20 @@ def paged_latent_decode(q, kv, slots, visible, latent, scale=None):
         from kernels.attention.decode import paged_latent_decode_triton
         return paged_latent_decode_triton(q, kv, slots, visible, latent, scale)
     return paged_latent_decode_ref(q, kv, slots, visible, latent, scale)
+
+
+def latent_prologue(q_c, q, kv, norm_w, eps, cos, sin, pool, slot, *, pdl=True):
+    """Multi-head latent attention's decode step after its projections, in one launch on a
+    GPU: the latent's norm, the rotary turn of the queries' rotary parts and of the shared
+    rotary key, the cache append at pool rows ``slot`` -> the queries [B, N, C + R] that
+    ``paged_latent_decode`` reads (see ``latent_prologue_ref``). The kernel takes a
+    power-of-two rotary width (DeepSeek's 64); others run the reference."""
+    r = kv.shape[-1] - q_c.shape[-1]
+    if q_c.is_cuda and r > 0 and r & (r - 1) == 0:
+        from kernels.attention.latent_triton import latent_prologue_triton
+        check_latent_prologue(q_c, q, kv)
+        return latent_prologue_triton(q_c, q, kv, norm_w, eps, cos, sin, pool, slot, pdl=pdl)
+    return latent_prologue_ref(q_c, q, kv, norm_w, eps, cos, sin, pool, slot)
 
 
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
@@ -96,5 +112,5 @@ def qkv_attention_fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> b
     return fits(b, hq, hkv, d, s, sms)
 
 
-__all__ = ["paged_decode_attention", "qkv_decode", "qkv_attention", "qkv_attention_fits",
+__all__ = ["latent_prologue", "paged_decode_attention", "qkv_decode", "qkv_attention", "qkv_attention_fits",
            "qkv_decode_supported"]

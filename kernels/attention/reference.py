@@ -247,3 +247,38 @@ def paged_decode_context_ref(inputs, prev, block_size, num_keys, trash, dtype, t
         cos, sin = tables[0][pos], tables[1][pos]  # [B, 1, D]
     return {"tokens": tokens, "positions": pos.clone(), "write": write, "lens": lens, "read": read, "mask": mask,
             "cos": cos, "sin": sin}
+
+
+def check_latent_prologue(q_c, q, kv) -> tuple[int, int, int, int, int]:
+    """-> (B, N, C, R, P) of ``latent_prologue_ref``'s operands; ValueError naming them
+    where the shapes disagree."""
+    b, n, c = q_c.shape
+    r = kv.shape[-1] - c
+    if (r <= 0 or r % 2 or q.shape[-1] % n or q.shape[-1] // n <= r or q.numel() != b * q.shape[-1]
+            or kv.numel() != b * kv.shape[-1]):
+        raise ValueError(f"q_c {list(q_c.shape)}, q {list(q.shape)}, kv {list(kv.shape)}: expected [B, N, C], "
+                         f"[B, N * (P + R)] and [B, C + R] with an even R > 0")
+    return b, n, c, r, q.shape[-1] // n - r
+
+
+def latent_prologue_ref(q_c, q, kv, norm_w, eps, cos, sin, pool, slot):
+    """Multi-head latent attention's decode epilogue of its projections: q_c [B, N, C] the
+    absorbed latent queries, q [B, N * (P + R)] the query projection's rows (each head's
+    position-free part, then its rotary part), kv [B, C + R] the latent projection's rows
+    (the latent, then the shared rotary key), the latent's RMSNorm weights [C], rotary
+    tables cos / sin [B, R] (None: no rotation) -> the queries [B, N, C + R] the decode
+    attention reads ([q_c, turned rotary part]); stores [norm(latent), turned rotary key]
+    at pool rows ``slot`` [B] of the cache [N_POOL, 1, C + R]."""
+    b, n, c, r, p = check_latent_prologue(q_c, q, kv)
+    q_r = q.reshape(b, n, p + r)[..., p:]
+    latent, k_r = kv.reshape(b, c + r).split([c, r], dim=-1)
+    latent = rms_norm_ref(latent, norm_w, eps)
+    if cos is not None:
+        cos, sin = cos.reshape(b, 1, r), sin.reshape(b, 1, r)
+
+        def turn(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        q_r, k_r = turn(q_r), turn(k_r[:, None])[:, 0]
+    pool.view(pool.shape[0], c + r).index_copy_(0, slot.reshape(b), torch.cat([latent, k_r], dim=-1).to(pool.dtype))
+    return torch.cat([q_c, q_r.to(q_c.dtype)], dim=-1)

@@ -187,6 +187,41 @@ def test_paged_latent_decode_matches_per_head_attention(device, dtype, b, hq, la
     assert rel(ref, want) < 1e-12
 
 
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,n,c,r,p,rope", [(1, 16, 64, 16, 24, True), (3, 20, 40, 8, 12, True), (2, 5, 24, 8, 8, False)])
+def test_latent_prologue_matches_reference(device, dtype, b, n, c, r, p, rope):
+    """Latent attention's decode epilogue in one launch (the latent's norm, the rotary turn
+    of the queries and the key, the cache append): the queries and the pool rows written
+    against the float64 reference, no other pool row touched; head counts past one block
+    of 16, a latent that is not a power of two, no rotation."""
+    from kernels.attention.latent_triton import latent_prologue_triton
+    from kernels.attention.reference import latent_prologue_ref
+
+    gen = torch.Generator().manual_seed(b * n + c)
+    q_c = torch.randn(b, 2 * n, c, generator=gen).to(device, dtype)[:, ::2]  # heads strided, as a view may leave them
+    q = torch.randn(b, n * (p + r), generator=gen).to(device, dtype)
+    kv = (torch.randn(b, c + r, generator=gen) * 3).to(device, dtype)
+    norm_w = (torch.rand(c, generator=gen) + 0.5).to(device, dtype)
+    ang = torch.rand(b, r // 2, generator=gen) * 6
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).to(device, dtype) for f in (torch.cos, torch.sin))
+    cos, sin = (cos, sin) if rope else (None, None)
+    pool = torch.randn(9, 1, c + r, generator=gen).to(device, dtype)
+    slot = torch.randperm(9, generator=gen)[:b].to(device)
+    up = lambda z: None if z is None else z.double()  # noqa: E731
+    pool_ref = pool.double()
+    want = latent_prologue_ref(q_c.double(), q.double(), kv.double(), norm_w.double(), 1e-6, up(cos), up(sin),
+                               pool_ref, slot)
+    before = pool.clone()
+    out = latent_prologue_triton(q_c, q, kv, norm_w, 1e-6, cos, sin, pool, slot)
+    assert out.shape == (b, n, c + r) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel(out, want) < tol and rel(pool[slot], pool_ref[slot]) < tol
+    assert torch.equal(out[..., :c], q_c)  # the latent queries pass as they are
+    others = torch.ones(9, dtype=torch.bool, device=device).index_fill_(0, slot, False)
+    assert torch.equal(pool[others], before[others])
+
+
 def test_paged_latent_decode_rejects_bad_shapes():
     q, pool = torch.zeros(1, 4, 48), torch.zeros(16, 1, 48)
     slots, visible = torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.bool)
@@ -223,3 +258,28 @@ def test_paged_latent_decode_compiles_for_hopper(additive):
     """The latent-attention decode kernel's whole Triton compile for sm_90 (tests.hopper) at
     DeepSeek's widths (latent 512, rotary 64), with an additive mask or a bool one."""
     assert int(compile_in_subprocess(_COMPILE_LATENT, additive).split()[-1]) > 0
+
+
+_COMPILE_LATENT_PROLOGUE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.attention.latent_triton import _latent_prologue_kernel as kernel
+
+pdl = int(sys.argv[1])
+const = dict(N=16, HB=16, C=512, C_PAD=512, R=64, P=128, ROPE=True, PDL=pdl)
+assert {p.name for p in kernel.params if p.is_constexpr} == set(const)
+types = {"slot_ptr": "*i64", "eps": "fp32"}
+sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
+       for n in kernel.arg_names}
+compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print("cubin bytes", len(compiled.asm["cubin"]))
+"""
+
+
+@pytest.mark.parametrize("pdl", [0, 2])
+def test_latent_prologue_compiles_for_hopper(pdl):
+    """The latent-attention decode epilogue's whole Triton compile for sm_90 (tests.hopper)
+    at DeepSeek-V2-Lite's widths (16 heads, latent 512, rotary 64, position-free 128)."""
+    assert int(compile_in_subprocess(_COMPILE_LATENT_PROLOGUE, pdl).split()[-1]) > 0
