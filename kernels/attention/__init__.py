@@ -17,9 +17,9 @@ of that name from the function to the module.
 """
 from __future__ import annotations
 
-from kernels.attention.reference import (check_latent_prologue, latent_prologue_ref, paged_decode_attention_ref, paged_decode_partial_ref,
-                                         paged_latent_decode_ref, qkv_attention_ref, qkv_decode_ref,
-                                         qkv_decode_supported)
+from kernels.attention.reference import (check_latent_prologue, latent_prologue_ref, paged_decode_attention_ref,
+                                         paged_decode_partial_ref, paged_latent_decode_ref, qkv_attention_ref,
+                                         qkv_decode_ref, qkv_decode_supported)
 
 
 def paged_decode_attention(q, k, v, slots, visible, scale=None, sinks=None):

@@ -53,8 +53,8 @@ import triton.language as tl
 from kernels.attention.decode import mask_bytes, mask_visible
 from kernels.attention.reference import QK_NORMS, check_qkv_attention
 from kernels.pdl import pdl_enter, pdl_launch, ticket_counters
-from kernels.attention.qkv_decode_triton import (_load_all, _load_heads, _norm_rotate, _norm_weights, _rotary, _rstd_all,
-                                                  rotary_tables)
+from kernels.attention.qkv_decode_triton import (_load_all, _load_heads, _norm_rotate, _norm_weights, _rotary,
+                                                  _rstd_all, rotary_tables)
 
 NEG_INF = tl.constexpr(float("-inf"))
 

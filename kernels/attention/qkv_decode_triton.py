@@ -217,6 +217,7 @@ def qkv_decode_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, 
         float(eps), float(clip or 0.0), qkv.stride(0), cos.stride(0) if rope else 0,
         k_cache.stride(1), k_cache.stride(0), v_cache.stride(1), v_cache.stride(0), HQ=num_heads, HKV=num_kv_heads,
         HQ_P=triton.next_power_of_2(num_heads), HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim,
-        R=cos.shape[-1] if rope else head_dim, QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, KV_OUT=kv_out is not None, num_warps=4,
+        R=cos.shape[-1] if rope else head_dim, QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope,
+        KV_OUT=kv_out is not None, num_warps=4,
         **pdl_launch(qkv.device, pdl))
     return q

@@ -31,9 +31,10 @@ Compile-time parameters: BN, WARPS, U, INT8, DT (0 bf16, 1 fp16), GATED (SiLU ga
 else GeLU), OAI (GATED: GPT-OSS's clamped SwiGLU instead of SiLU), B13 / B2 (per-expert
 biases, added before the activation / before the combine weight: the down kernel adds each
 slot's bias times its weight once, in the first split), WIN (Llama 4: the pair's weight
-scales the up GEMM's output before the activation and not h), IDS64 (int64 ids, else int32), PARTIAL (down: float32 split-K partials),
-PAIR_MAJOR (grid: pairs / tokens fastest, else column tiles fastest), MINB (the registers
-are capped so that MINB blocks fit on an SM), UNIT (int8 widened by one byte permute a
+scales the up GEMM's output before the activation, and not h), IDS64 (int64 ids, else
+int32), PARTIAL (down: float32 split-K partials), PAIR_MAJOR (grid: pairs / tokens
+fastest, else column tiles fastest), MINB (the registers are capped so that MINB blocks
+fit on an SM), UNIT (int8 widened by one byte permute a
 weight, its offset cancelled once per 16 activations: about a third fewer instructions,
 relative error about 1e-4 against 1e-7; the tuner picks it for the small experts at
 T = 1), PIPE (``moe_down``, a down entry's ``pipe``: two weight buffers, each step's loads

@@ -189,7 +189,8 @@ def test_paged_latent_decode_matches_per_head_attention(device, dtype, b, hq, la
 
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("b,n,c,r,p,rope", [(1, 16, 64, 16, 24, True), (3, 20, 40, 8, 12, True), (2, 5, 24, 8, 8, False)])
+@pytest.mark.parametrize("b,n,c,r,p,rope", [(1, 16, 64, 16, 24, True), (3, 20, 40, 8, 12, True),
+                                              (2, 5, 24, 8, 8, False)])
 def test_latent_prologue_matches_reference(device, dtype, b, n, c, r, p, rope):
     """Latent attention's decode epilogue in one launch (the latent's norm, the rotary turn
     of the queries and the key, the cache append): the queries and the pool rows written

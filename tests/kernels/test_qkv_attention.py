@@ -360,7 +360,7 @@ def test_qkv_decode_partial_rotary(device, dtype, qk_norm, t):
     if qk_norm is None:  # past R the epilogue is a copy
         assert torch.equal(q[..., 8:], q_in[..., 8:])
     odd = torch.zeros(b, t, 7, dtype=dtype, device=device)  # an odd number of rotary dimensions
-    with pytest.raises(ValueError, match=rf"cos / sin \[2, {t}, 7\] / \[2, {t}, 7\]: expected {b * t} rows of an even R"):
+    with pytest.raises(ValueError, match=rf"cos / sin \[2, {t}, 7\] / \[2, {t}, 7\]: expected {b * t} rows of an even"):
         qkv_decode_triton(qkv.view(b, t, -1), hq, hkv, d, kp, vp, slot, odd, odd, qk_norm, qw, kw, 1e-6)
 
 
