@@ -55,12 +55,22 @@ def linear_shapes(name: str, tp: int = 1) -> list[tuple[str, int, int]]:
     m = cfg.model
     if m.num_heads % tp:
         raise SystemExit(f"--tp {tp}: {name} has {m.num_heads} heads, not a multiple")
-    q, kv = m.num_heads // tp * m.head_dim, max(m.num_kv_heads // tp, 1) * m.head_dim
-    shapes = [("qkv", m.hidden_size, q + 2 * kv), ("o", q, m.hidden_size)]
+    heads = m.num_heads // tp
+    if m.kv_lora_rank is not None:  # latent attention (dense.mla): its projections, each head's rows on its rank
+        q = heads * m.head_dim
+        shapes = [("q_a", m.hidden_size, m.q_lora_rank), ("q_b", m.q_lora_rank, q)] if m.q_lora_rank else \
+            [("q", m.hidden_size, q)]
+        shapes += [("kv_a", m.hidden_size, m.kv_lora_rank + m.rotary_width), ("o", heads * m.v_head_dim, m.hidden_size)]
+    else:
+        q, kv = heads * m.head_dim, max(m.num_kv_heads // tp, 1) * m.head_dim
+        shapes = [("qkv", m.hidden_size, q + 2 * kv), ("o", q, m.hidden_size)]
+    gated = m.gated  # up rows and gate rows
     if cfg.moe is None or cfg.moe.first_dense or cfg.moe.every > 1:  # a dense MLP exists
-        gated = m.activation == "silu"
         ffn = m.ffn_hidden // tp
         shapes += [("mlp up", m.hidden_size, (2 if gated else 1) * ffn), ("mlp down", ffn, m.hidden_size)]
+    if cfg.moe is not None and cfg.moe.shared_experts:  # one MLP of the shared experts' widths (moe_layer)
+        ffn = cfg.moe.shared_experts * cfg.moe.shared_expert_hidden // tp
+        shapes += [("shared up", m.hidden_size, (2 if gated else 1) * ffn), ("shared down", ffn, m.hidden_size)]
     if tp == 1:
         shapes.append(("lm head", m.hidden_size, m.vocab_size))
     return shapes
