@@ -270,8 +270,10 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
     if slots.dtype != torch.int64 or slots.stride(1) != 1:
         raise ValueError(f"slots: expected contiguous int64 rows, got {slots.dtype} with strides {slots.stride()}")
     rope = width - latent
-    if splits is None:  # one cached row serves every head: a split a block of keys (to 64 splits) keeps the SMs
-        splits = min(64, triton.next_power_of_2(triton.cdiv(s, block_s)))  # busy where B x heads is a few programs
+    if splits is None:
+        # One cached row serves every head, so B x head blocks is a few programs: a block of
+        # keys a split (to 64 splits) keeps the SMs busy on a short cache too.
+        splits = min(64, triton.next_power_of_2(triton.cdiv(s, block_s)))
     split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
     mask, additive = mask_bytes(visible)
     m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
