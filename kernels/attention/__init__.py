@@ -17,7 +17,7 @@ of that name from the function to the module.
 """
 from __future__ import annotations
 
-from kernels.attention.reference import (check_latent_prologue, latent_prologue_ref, paged_decode_attention_ref,
+from kernels.attention.reference import (latent_prologue_ref, paged_decode_attention_ref,
                                          paged_decode_partial_ref, paged_latent_decode_ref, qkv_attention_ref,
                                          qkv_decode_ref, qkv_decode_supported)
 
@@ -65,7 +65,6 @@ def latent_prologue(q_c, q, kv, norm_w, eps, cos, sin, pool, slot, *, pdl=True):
     r = kv.shape[-1] - q_c.shape[-1]
     if q_c.is_cuda and r > 0 and r & (r - 1) == 0:
         from kernels.attention.latent_triton import latent_prologue_triton
-        check_latent_prologue(q_c, q, kv)
         return latent_prologue_triton(q_c, q, kv, norm_w, eps, cos, sin, pool, slot, pdl=pdl)
     return latent_prologue_ref(q_c, q, kv, norm_w, eps, cos, sin, pool, slot)
 
