@@ -237,14 +237,31 @@ class Attention(nn.Module):
         q_first = tp.rank * self.num_heads
         q_width, kv_width = self.num_heads * d, self.num_kv_heads * d
         self.split = (q_width, kv_width, kv_width)
+        # The fused decode kernels: power-of-two head dims (rotary over all of a head or its
+        # first dimensions; NoPE layers' query temperature is not in the kernels).
+        self.rope = layer not in getattr(cfg, "nope_layers", ())
+        self.fusable = qkv_decode_supported(d) and self.rope
+        # An all-heads q / k norm over heads split across ranks (OLMoE) needs every rank's
+        # sums of squares. The QKV weight then also holds the other ranks' q and k rows,
+        # after this rank's v: a decode step whose attention runs in one launch projects
+        # them too and the kernel adds their squares (a few more weight bytes read); prompts
+        # and the other steps project this rank's rows alone and all-reduce the sums, which
+        # takes a collective and two more launches (``_prenorm``).
+        self.sharded_norm = cfg.qk_norm == "full" and tp.size > 1
+        self.other_heads = ((cfg.num_heads - self.num_heads, cfg.num_kv_heads - self.num_kv_heads)
+                            if self.sharded_norm and self.fusable else (0, 0))
+        self.own_rows = q_width + 2 * kv_width  # the rows of this rank's heads
         # One fused projection for q, k and v: one weight read per step.
-        self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * kv_width, bias=cfg.qkv_bias, options=options)
+        self.qkv_proj = Linear(cfg.hidden_size, self.own_rows + sum(self.other_heads) * d, bias=cfg.qkv_bias,
+                               options=options)
         q_total, kv_total = cfg.num_heads * d, cfg.num_kv_heads * d
 
-        def pick(full):  # this rank's q rows, then its k rows, then its v rows
-            k0, v0 = q_total + kv_first * d, q_total + kv_total + kv_first * d
-            return torch.cat([full[q_first * d:q_first * d + q_width], full[k0:k0 + kv_width],
-                              full[v0:v0 + kv_width]])
+        def pick(full):  # this rank's q rows, then its k rows, then its v rows (then the others' q and k)
+            q0, k0, v0 = q_first * d, q_total + kv_first * d, q_total + kv_total + kv_first * d
+            spans = [(q0, q0 + q_width), (k0, k0 + kv_width), (v0, v0 + kv_width)]
+            if any(self.other_heads):
+                spans += [(0, q0), (q0 + q_width, k0), (k0 + kv_width, q_total + kv_total)]
+            return torch.cat([full[lo:hi] for lo, hi in spans if hi > lo])  # (a lazy checkpoint reads no empty one)
         self.qkv_proj.shard_fns = {"weight": pick, "bias": pick}
         self.o_proj = RowParallelLinear(q_total, cfg.hidden_size, cfg.out_bias, tp, options)
         self.qk_norm = cfg.qk_norm
@@ -259,7 +276,6 @@ class Attention(nn.Module):
         self.sliding = layer in getattr(cfg, "sliding_layers", ()) or layer in getattr(cfg, "chunked_layers", ())
         # Llama 4: rotary positions or none (NoPE, its queries scaled by the position), an
         # L2 q/k norm on the rotary layers, rotary over interleaved pairs.
-        self.rope = layer not in getattr(cfg, "nope_layers", ())
         self.l2_norm = cfg.qk_norm == "l2" and self.rope
         self.temperature = None if self.rope else getattr(cfg, "nope_temperature", None)
         self.norm_eps = cfg.norm_eps
@@ -278,35 +294,47 @@ class Attention(nn.Module):
         if self.sinks is not None:
             heads = self.num_heads
             self.shard_fns = {"sinks": lambda full: full[q_first:q_first + heads]}
-        # An all-heads q/k norm over heads split across ranks needs their sums of squares
-        # from every rank: the fused kernels then take q and k already normed (``_prenorm``).
-        self.sharded_norm = cfg.qk_norm == "full" and tp.size > 1
         self.tp, self.kv_replicas = tp, replicas
-        # The fused decode kernels: power-of-two head dims (rotary over all of a head or its
-        # first dimensions; NoPE layers' query temperature is not in the kernels).
-        self.fusable = qkv_decode_supported(d) and self.rope
 
-    def _epilogue(self, device: torch.device) -> tuple:
-        """The fused kernels' q / k norm, its weights and eps, and the clip."""
+    def _epilogue(self, device: torch.device, others: bool = False) -> tuple:
+        """The fused kernels' q / k norm, its weights and eps, and the clip (``others``: the
+        row holds the other ranks' q and k, so the kernel norms over all heads)."""
         norm = getattr(self, "q_norm", None)
         if self.l2_norm:  # a per-head RMS norm of unit weights (before the rotation, where a
             # rotation keeps each head's norm: the same)
             if self._ones is None or self._ones.device != device:
                 self._ones = torch.ones(self.head_dim, device=device)
             return "head", self._ones, self._ones, self.norm_eps, self.clip_qkv
-        if norm is None or self.sharded_norm:  # (sharded: q and k come normed)
+        if norm is None or (self.sharded_norm and not others):  # (sharded: q and k come normed)
             return None, None, None, 1e-6, self.clip_qkv
         return self.qk_norm, norm.weight, self.k_norm.weight, norm.eps, self.clip_qkv
 
+    def _one_launch(self, b: int, t: int, cache: PagedKVCache | None, device: torch.device) -> bool:
+        """Whether a step of B rows of T tokens runs its attention in one launch
+        (``kernels.qkv_attention``)."""
+        return (cache is not None and not cache.by_tokens and t == 1 and self.fusable
+                and self.options.fused_decode_attention
+                and (device.type != "cuda" or qkv_attention_fits(
+                    b, self.num_heads, self.num_kv_heads, self.head_dim, cache.read_slots.shape[1],
+                    torch.cuda.get_device_properties(device).multi_processor_count)))
+
+    def _rows(self, x: torch.Tensor, cache: PagedKVCache | None) -> int | None:
+        """The QKV rows a step projects: all (None), with the other ranks' q and k, where
+        the attention runs in one launch and reads them; else this rank's own."""
+        if any(self.other_heads) and self._one_launch(x.shape[0], x.shape[1], cache, x.device):
+            return None
+        return self.own_rows
+
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
-        return self._attend(ctx.per_token(self.qkv_proj, x), ctx, cache, layer)
+        rows = self._rows(x, cache)
+        return self._attend(ctx.per_token(lambda z: self.qkv_proj(z, rows=rows), x), ctx, cache, layer)
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm, ctx: StepContext,
                        cache: PagedKVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention on norm(x + residual) -> (output, x + residual): the add and the norm go
         into the QKV GEMM's prologue where that is one launch (``kernels.norm_linear``)."""
-        qkv, summed = self.qkv_proj.normed(x, residual, norm)
+        qkv, summed = self.qkv_proj.normed(x, residual, norm, rows=self._rows(x, cache))
         return self._attend(qkv, ctx, cache, layer), summed
 
     def _attend(self, qkv: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None, layer: int) -> torch.Tensor:
@@ -380,20 +408,18 @@ class Attention(nn.Module):
         from its values."""
         if cache.by_tokens:  # a cache split over the ranks by tokens
             return self._paged_by_tokens(qkv, ctx, cache, layer)
-        b, t, _ = qkv.shape
+        b, t, width = qkv.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         k_pool, v_pool = cache.pools(layer)
-        if self.fusable and self.sharded_norm:
+        others = width > self.own_rows  # the other ranks' q and k came too (``_rows``)
+        if self.fusable and self.sharded_norm and not others:
             qkv = self._prenorm(qkv)
-        if (t == 1 and self.fusable and self.options.fused_decode_attention
-                and (not qkv.is_cuda or qkv_attention_fits(
-                    b, hq, hkv, d, cache.read_slots.shape[1],
-                    torch.cuda.get_device_properties(qkv.device).multi_processor_count))):
+        if self._one_launch(b, t, cache, qkv.device):
             out = kernels.qkv_attention(qkv.reshape(b, -1), hq, hkv, d, k_pool, v_pool, cache.write_slots,
-                                        ctx.attn_mask, ctx.cos, ctx.sin, *self._epilogue(qkv.device),
-                                        pdl=self.options.pdl, read_slots=cache.read_slots,
-                                        positions=ctx.positions, sinks=self.sinks)  # [B, Hq, D]
-            return out[:, :, None]
+                                        ctx.attn_mask, ctx.cos, ctx.sin, *self._epilogue(qkv.device, others),
+                                        pdl=self.options.pdl, read_slots=cache.read_slots, positions=ctx.positions,
+                                        sinks=self.sinks, other_heads=self.other_heads if others else (0, 0))
+            return out[:, :, None]  # [B, Hq, 1, D]
         if self.fusable:
             # A fresh prompt attends over its own keys: the epilogue stores them for SDPA too.
             fresh = tuple(qkv.new_empty(b, t, hkv, d) for _ in range(2)) if ctx.causal else None

@@ -23,13 +23,22 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias)
         self.options = options
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.weight, self.bias, pdl=self.options.pdl)
+    def forward(self, x: torch.Tensor, *, rows: int | None = None) -> torch.Tensor:
+        """``rows``: the first this many output features alone (None: all)."""
+        w, b = first_rows(self.weight, rows), first_rows(self.bias, rows)
+        return dense_linear(x, w, b, pdl=self.options.pdl)
 
-    def normed(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """s = x + residual, then this layer on ``norm`` (an RMSNorm) of s -> (y, s); at
-        decode sizes one launch (``kernels.norm_linear``)."""
-        return norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, pdl=self.options.pdl)
+    def normed(self, x: torch.Tensor, residual: torch.Tensor, norm, *,
+               rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """s = x + residual, then this layer (its first ``rows`` outputs) on ``norm`` (an
+        RMSNorm) of s -> (y, s); at decode sizes one launch (``kernels.norm_linear``)."""
+        w, b = first_rows(self.weight, rows), first_rows(self.bias, rows)
+        return norm_linear(x, residual, norm.weight, norm.eps, w, b, pdl=self.options.pdl)
+
+
+def first_rows(t: torch.Tensor | None, rows: int | None) -> torch.Tensor | None:
+    """The first ``rows`` rows of a weight, bias or scale (a contiguous view; all of it for None)."""
+    return t if t is None or rows is None else t[:rows]
 
 
 def _split(total: int, group: Group, what: str) -> int:

@@ -15,7 +15,8 @@ from torch import nn
 
 import kernels
 from comm import Group, all_reduce
-from dense.parallel_linear import ColumnParallelLinear, RowParallelLinear, VocabParallelHead, gather_vocab
+from dense.parallel_linear import (ColumnParallelLinear, RowParallelLinear, VocabParallelHead, first_rows,
+                                   gather_vocab)
 from kernels.options import KernelOptions
 
 LINEAR_TYPES = (nn.Linear, ColumnParallelLinear, RowParallelLinear, VocabParallelHead)
@@ -41,24 +42,26 @@ class Int8Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True, *, rows: int | None = None) -> torch.Tensor:
         """``reduce`` False (a row-parallel layer): this rank's partial sum, as
-        ``RowParallelLinear``'s."""
-        y = kernels.dense_linear(x, self.weight, scale=self.scale, pdl=self.options.pdl)
-        return self._finish(y) if reduce else y
+        ``RowParallelLinear``'s; ``rows``: the first this many outputs alone, as ``Linear``'s."""
+        w, scale = first_rows(self.weight, rows), first_rows(self.scale, rows)
+        y = kernels.dense_linear(x, w, scale=scale, pdl=self.options.pdl)
+        return self._finish(y, rows) if reduce else y
 
-    def normed(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    def normed(self, x: torch.Tensor, residual: torch.Tensor, norm, *,
+               rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``Linear.normed``: s = x + residual, this layer on rmsnorm(s) -> (y, s)."""
-        y, s = kernels.norm_linear(x, residual, norm.weight, norm.eps, self.weight, scale=self.scale,
-                                   pdl=self.options.pdl)
-        return self._finish(y), s
+        y, s = kernels.norm_linear(x, residual, norm.weight, norm.eps, first_rows(self.weight, rows),
+                                   scale=first_rows(self.scale, rows), pdl=self.options.pdl)
+        return self._finish(y, rows), s
 
-    def _finish(self, y: torch.Tensor) -> torch.Tensor:
+    def _finish(self, y: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         if self.reduce is not None:
             y = all_reduce(y, self.reduce)
         if self.gather is not None:
             y = gather_vocab(y, *self.gather)
-        return y + self.bias if self.bias is not None else y
+        return y + first_rows(self.bias, rows) if self.bias is not None else y
 
 
 # Not converted: the routers and gates (small, and their logits pick experts), and latent

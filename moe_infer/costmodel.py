@@ -173,9 +173,19 @@ class CostModel:
             return weights, rows * context * kv_token, flops, kv_token
         hkv = max(1.0, self.kv_heads / p.tp)  # fewer KV heads than ranks: each holds one
         weights = m.hidden_size * d * (hq + 2 * hkv + hq) * self.wb
+        if self._whole_qk(p, tokens):  # the other ranks' q and k rows too
+            weights += m.hidden_size * d * (m.num_heads - hq + self.kv_heads - hkv) * self.wb
         kv_token = 2 * (self.kv_heads / p.tp if p.kv_shard == "tokens" else hkv) * d * self.ab
         flops = 2 * rows * tokens * weights / self.wb + 4 * rows * tokens * context * hq * d
         return weights, rows * context * kv_token, flops, kv_token
+
+    def _whole_qk(self, p: ParallelConfig, new_tokens: float) -> bool:
+        """Whether a step of ``new_tokens`` tokens a row projects every head's q and k on
+        each rank (``dense.attention``: an all-heads q / k norm over split heads, at decode)
+        in place of an all-reduce of their sums of squares. (At batches too large for the
+        one-launch attention the ranks all-reduce the sums: either is a small share of
+        such a step.)"""
+        return self.cfg.model.qk_norm == "full" and p.tp > 1 and new_tokens == 1
 
     def _ffn(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float,
              phase: str = "decode", offloaded: tuple[float, float] | None = None) -> tuple[float, float, float]:
@@ -306,9 +316,9 @@ class CostModel:
                 split["host"] += f_host
                 split["memory"] += t_mem
                 split["compute"] += t_cmp
-                split["collectives"] += self._block_collectives(p, i, tokens / mb, group_tokens / mb)
+                split["collectives"] += self._block_collectives(p, i, tokens / mb, group_tokens / mb, new)
                 split["overhead"] += hw.layer_overhead_us * 1e-6
-                weights += a_w + self._ffn_weights(p, i)
+                weights += self._attention(p, 1, 1, 0)[0] + self._ffn_weights(p, i)  # held (decode's rows too)
                 kv_token += kv
             t_stage = busy + split["collectives"] + split["overhead"]
             if own.stop == m.num_layers:  # the final norm and the LM head, on each row's last token
@@ -352,8 +362,9 @@ class CostModel:
             w += gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp * self.wb
         return w
 
-    def _block_collectives(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float) -> float:
-        """Seconds of one block's collectives on a rank."""
+    def _block_collectives(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float,
+                           new_tokens: float) -> float:
+        """Seconds of one block's collectives on a rank (``new_tokens`` a row)."""
         m, e = self.cfg.model, self.cfg.moe
         act = tokens * m.hidden_size * self.ab
         seconds = self._collective("all_reduce", act, p.tp)  # after attention
@@ -362,7 +373,7 @@ class CostModel:
             q_and_kv = tokens * (heads + (0 if m.kv_lora_rank is not None else 2 * self.kv_heads * self.head_dim * self.ab))
             outs = tokens * m.num_heads * ((m.kv_lora_rank or self.head_dim) + 1) * 4 * p.tp  # float32, with the lse
             seconds += self._collective("all_to_all", q_and_kv, p.tp) + self._collective("all_to_all", outs, p.tp)
-        if m.qk_norm == "full":  # an all-heads q/k norm over split heads: the sums of squares (float32)
+        if m.qk_norm == "full" and not self._whole_qk(p, new_tokens):  # its sums of squares (float32)
             seconds += self._collective("all_reduce", tokens * 2 * 4, p.tp)
         moe = e is not None and self.cfg.is_moe_layer(index)
         expert_ranks = p.ep * p.expert_slicing

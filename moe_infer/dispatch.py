@@ -56,11 +56,7 @@ class SameTokensDispatcher(LocalDispatcher):
         super().__init__(num_experts, top_k, capacity_factor)
         self.group = group
         self.masked = local != (0, num_experts)
-        first, end = local
-        # [E] expert -> its index here, -1 where it lives elsewhere: one lookup kernel a call
-        self.local_of = torch.tensor([e - first if first <= e < end else -1 for e in range(num_experts)],
-                                     device="cpu")  # (the model may be built on the meta device)
-        self._tables = {}  # device -> local_of there
+        self.first = local[0]  # the kernels take the model's expert ids and skip those not here
 
     def run(self, x: torch.Tensor, routing, experts, partial: torch.Tensor | None = None) -> torch.Tensor:
         """``partial``: another sum over the same ranks (a tensor-parallel shared expert's),
@@ -68,10 +64,8 @@ class SameTokensDispatcher(LocalDispatcher):
         if not self.masked:
             out = super().run(x, routing, experts)
         else:
-            if x.device not in self._tables:
-                self._tables[x.device] = self.local_of.to(x.device, torch.int32)
-            ids = self._tables[x.device].index_select(0, routing.expert_ids.reshape(-1)).view_as(routing.expert_ids)
-            out = experts.fused(x, ids, routing.weights, self.capacity(x.shape[0]), masked=True)
+            out = experts.fused(x, routing.expert_ids, routing.weights, self.capacity(x.shape[0]), masked=True,
+                                first_expert=self.first)
         return all_reduce(out if partial is None else out + partial, self.group)
 
 

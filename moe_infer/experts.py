@@ -63,11 +63,14 @@ class Experts(nn.Module):
         return {} if self.b13 is None else {"b13": self.b13, "b2": self.b2 if self.adds_b2 else None}
 
     def fused(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-              capacity: int | None = None, maps: tuple | None = None, masked: bool = False) -> torch.Tensor:
+              capacity: int | None = None, maps: tuple | None = None, masked: bool = False,
+              first_expert: int = 0) -> torch.Tensor:
         """Tokens x [T, H] -> weighted sum of their experts' outputs [T, H], in one pass
-        (``masked``: negative ids are experts on other ranks, which add nothing)."""
+        (``masked``: the ids count from ``first_expert``; experts not here, on other ranks,
+        add nothing)."""
         return kernels.fused_moe(x, self.w13, self.w2, weights, expert_ids, self.activation,
-                                 capacity=capacity, maps=maps, pdl=self.options.pdl, masked=masked, **self.scales(),
+                                 capacity=capacity, maps=maps, pdl=self.options.pdl, masked=masked,
+                                 first_expert=first_expert, **self.scales(),
                                  **self.biases(), weighted_input=self.weighted_input)
 
     @staticmethod

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import kernels
-from kernels.moe.reference import dequantize_ref, expert_ffn_ref
+from kernels.moe.reference import dequantize_ref, expert_ffn_ref, here_or_past
 from moe_infer.config import ConfigError
 from moe_infer.experts import Experts
 
@@ -333,16 +333,19 @@ class OffloadedExperts(nn.Module):
         return True  # no maps: the pairs are split here
 
     def fused(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-              capacity: int | None = None, maps: tuple | None = None, masked: bool = False) -> torch.Tensor:
+              capacity: int | None = None, maps: tuple | None = None, masked: bool = False,
+              first_expert: int = 0) -> torch.Tensor:
         """x [T, H], ids and weights [T, k] -> the weighted sum of each token's experts [T, H]
-        (dropless: ``capacity`` must be None; ``masked``: negative ids are experts elsewhere,
-        which add nothing)."""
+        (dropless: ``capacity`` must be None; ``masked``: the ids count from
+        ``first_expert``, experts not here add nothing)."""
         if capacity is not None:
             raise ValueError("offloaded experts run dropless: moe.capacity_factor must be null")
         ids = expert_ids.long()
-        elsewhere = ids < 0 if masked else None
+        elsewhere = None
         if masked:
-            ids = ids.clamp(min=0)
+            ids = here_or_past(ids, first_expert, len(self.slot))
+            elsewhere = ids == len(self.slot)
+            ids = ids.masked_fill(elsewhere, 0)
         slot = self.slot[ids]  # [T, k]
         if masked:
             slot = slot.masked_fill(elsewhere, -2)  # -1: cold here; below it: not here at all

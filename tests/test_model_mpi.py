@@ -295,6 +295,37 @@ def test_replicas_share_each_streamed_blocks_copy(info, checkpoint, monkeypatch)
     assert gathered and all(n > 0 for n in gathered)
 
 
+def test_all_heads_norm_over_split_heads_reads_the_other_ranks_heads_at_decode(info, checkpoint, monkeypatch):
+    """OLMoE's q / k norm over all heads with the heads split over the TP ranks: a decode
+    step projects the other ranks' q and k rows too and its one-launch attention adds their
+    squares (no all-reduce of the sums); prompts project this rank's rows and all-reduce
+    the sums. Both give the single process's tokens, in float32 and with int8 weights (whose
+    row scales are sliced with the rows)."""
+    import kernels
+    from dense.attention import Attention
+
+    path, reference = checkpoint
+    m = reference.config.model
+    if m.qk_norm != "full":
+        pytest.skip("no all-heads q / k norm")
+    calls, prenorms = [], []
+    real, prenorm = kernels.qkv_attention, Attention._prenorm
+    monkeypatch.setattr(kernels, "qkv_attention", lambda *a, **k: (calls.append(k["other_heads"]), real(*a, **k))[1])
+    monkeypatch.setattr(Attention, "_prenorm", lambda self, qkv: (prenorms.append(qkv.shape[1]), prenorm(self, qkv))[1])
+    tp = info.world_size
+    for quantize in (None, "int8"):
+        alone = reference if quantize is None else moe_infer.load(path, device=info.device, dtype=torch.float32,
+                                                                  progress=False, quantize=quantize)
+        want = [o.token_ids for o in alone.generate(PROMPTS, max_new_tokens=5)]
+        engine = moe_infer.load(path, device=info.device, dtype=torch.float32, progress=False, quantize=quantize,
+                                parallel=ParallelConfig(tp=tp))
+        calls.clear(), prenorms.clear()
+        assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=5)] == want, quantize
+        others = (m.num_heads - m.num_heads // tp, m.num_kv_heads - max(m.num_kv_heads // tp, 1))
+        assert calls and set(calls) == {others}, (quantize, set(calls))  # every decode step, every layer
+        assert prenorms and all(t > 1 for t in prenorms), quantize  # the prompts alone all-reduce
+
+
 class _Identity:
     """Experts that return their input: dispatch then combine must give back x."""
 

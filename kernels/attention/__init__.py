@@ -85,12 +85,13 @@ def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, c
 
 def qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
                   qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, *, read_slots, positions,
-                  pdl=True, sinks=None):
+                  pdl=True, sinks=None, other_heads=(0, 0)):
     """A decode step's attention from the QKV GEMM's output qkv [B, W] (one token per row)
     over a paged pool k_cache / v_cache [N, Hkv, D]: ``slot`` [B] the new k, v's pool rows,
     ``read_slots`` [B, S] each row's keys' pool rows (the new one's at index ``positions``
     [B]), additive mask ``bias`` of B x S (or a bool one); ``sinks`` [Hq]: GPT-OSS's logit per
-    head in the softmax, adding no value. The QKV epilogue, the pool write and the attention
+    head in the softmax, adding no value; ``other_heads``: q and k heads of other ranks after
+    v, read by an all-heads norm alone. The QKV epilogue, the pool write and the attention
     in one launch on a GPU -> [B, Hq, D] (see ``qkv_attention_ref``)."""
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         raise ValueError(f"sinks {list(sinks.shape)}: expected one logit per query head, [{num_heads}]")
@@ -98,9 +99,10 @@ def qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot
         from kernels.attention.qkv_attention_triton import qkv_attention_triton
         return qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin,
                                     qk_norm, q_norm_w, k_norm_w, eps, clip, pdl=pdl, read_slots=read_slots,
-                                    positions=positions, sinks=sinks)
+                                    positions=positions, sinks=sinks, other_heads=other_heads)
     return qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos, sin, qk_norm,
-                             q_norm_w, k_norm_w, eps, clip, read_slots=read_slots, positions=positions, sinks=sinks)
+                             q_norm_w, k_norm_w, eps, clip, read_slots=read_slots, positions=positions, sinks=sinks,
+                             other_heads=other_heads)
 
 
 def qkv_attention_fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> bool:

@@ -60,6 +60,13 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
+def _rstd_all2(x, y, eps, H: tl.constexpr, D: tl.constexpr):
+    """1 / RMS over two ``_load_all`` tiles that hold H heads between them."""
+    sq = tl.sum(tl.sum(x * x, axis=1), axis=0) + tl.sum(tl.sum(y * y, axis=1), axis=0)
+    return tl.math.rsqrt(sq / (H * D) + eps)
+
+
+@triton.jit
 def _attend_block(q, k, v, visible, scale, m, l, acc, UPCAST: tl.constexpr, DT: tl.constexpr):
     """One block of keys into the running max m, sum l and weighted value sum acc
     (flash-decoding, float32), on the tensor cores: q [G_M, D], k / v [BLOCK_S, D], all in
@@ -99,7 +106,8 @@ def _qkv_attention_kernel(
     eps, clip, scale, stride_qkv, stride_cos,
     stride_kh, stride_kn, stride_vh, stride_vn,  # the pools' head and row strides
     stride_bias, stride_read, stride_pos,
-    HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr, G: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
+    HQ_O: tl.constexpr, HKV_O: tl.constexpr, HQ_OP: tl.constexpr, HKV_OP: tl.constexpr, G: tl.constexpr,
     G_P: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
     CLIP: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_S: tl.constexpr, P: tl.constexpr, P_CHUNK: tl.constexpr, PRE_KV: tl.constexpr, UPCAST: tl.constexpr,
@@ -143,8 +151,15 @@ def _qkv_attention_kernel(
     if QK_NORM == 2:  # the all-heads rows: both loaded before either is reduced
         q_all = _load_all(row, HQ, HQ_P, D)
         k_all = _load_all(row + HQ * D, HKV, HKV_P, D)
-        rstd_q = _rstd_all(q_all, eps, HQ, D)
-        rstd_k = _rstd_all(k_all, eps, HKV, D)
+        if HQ_O + HKV_O > 0:  # other ranks' heads after v: their squares join the sums
+            others = row + (HQ + 2 * HKV) * D
+            q_o = _load_all(others, HQ_O, HQ_OP, D)
+            k_o = _load_all(others + HQ_O * D, HKV_O, HKV_OP, D)
+            rstd_q = _rstd_all2(q_all, q_o, eps, HQ + HQ_O, D)
+            rstd_k = _rstd_all2(k_all, k_o, eps, HKV + HKV_O, D)
+        else:
+            rstd_q = _rstd_all(q_all, eps, HQ, D)
+            rstd_k = _rstd_all(k_all, eps, HKV, D)
     q = _norm_rotate(qx, qxp, qw, qwp, cos, sin, sign, eps, clip, rstd_q, D, QK_NORM, CLIP, ROPE, DT)
     k_new = _norm_rotate(kx, kxp, kw, kwp, cos, sin, sign, eps, clip, rstd_k, D, QK_NORM, CLIP, ROPE, DT)
     if CLIP:
@@ -260,7 +275,8 @@ def _block_s(s: int, d: int) -> int:
 
 def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
                          qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None,
-                         splits: int | None = None, pdl: bool = True, *, read_slots, positions, sinks=None):
+                         splits: int | None = None, pdl: bool = True, *, read_slots, positions, sinks=None,
+                         other_heads=(0, 0)):
     """Same contract as ``qkv_attention_ref``, in one launch. The mask must leave each row's
     own key visible (``StepContext.paged`` and ``kernels.attention.paged_context`` do) and
     hide every key after it. Under PDL, ``slot``, ``read_slots``, ``positions`` and the pool
@@ -271,7 +287,7 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
     ``splits``: P, a power of two (default ``default_splits``). Each row's keys split by its
     own length (``positions``), not by S. ``sinks`` [Hq]: a logit per head in the softmax."""
     b, s = check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots,
-                               positions)
+                               positions, qk_norm, other_heads)
     if qk_norm not in QK_NORMS:
         raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
     hq, hkv, d = num_heads, num_kv_heads, head_dim
@@ -309,7 +325,8 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
         scale if scale is not None else 1.0 / math.sqrt(d), qkv.stride(0), cos.stride(0) if rope else 0,
         k_cache.stride(1), k_cache.stride(0), v_cache.stride(1), v_cache.stride(0), bias.stride(0),
         read_slots.stride(0), positions.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
-        HKV_P=triton.next_power_of_2(hkv), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d,
+        HKV_P=triton.next_power_of_2(hkv), HQ_O=other_heads[0], HKV_O=other_heads[1],
+        HQ_OP=triton.next_power_of_2(max(other_heads[0], 1)), HKV_OP=triton.next_power_of_2(max(other_heads[1], 1)), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d,
         R=cos.shape[-1] if rope else d,
         QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, BLOCK_S=block_s, P=splits,
         P_CHUNK=min(splits, 4), PRE_KV=pre_kv,

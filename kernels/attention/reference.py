@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from kernels.norm.reference import rms_norm_ref
+from kernels.norm.reference import qk_norm_apply_ref, rms_norm_ref
 
 QK_NORMS = {None: 0, "head": 1, "full": 2}
 
@@ -100,12 +100,14 @@ def qkv_decode_supported(head_dim: int) -> bool:
 
 
 def check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, qk_norm, slot,
-              kv_out=None) -> tuple[int, int]:
+              kv_out=None, other_heads=(0, 0)) -> tuple[int, int]:
     """The QKV epilogue's operand checks (ValueError naming the operand) -> (B, T): a paged
-    pool [N, Hkv, D] and one pool row per token."""
-    width = (num_heads + 2 * num_kv_heads) * head_dim
+    pool [N, Hkv, D] and one pool row per token; ``other_heads``: q and k heads of other
+    ranks after v (``qkv_attention_ref``)."""
+    width = (num_heads + 2 * num_kv_heads + sum(other_heads)) * head_dim
     if qkv.dim() not in (2, 3) or qkv.shape[-1] != width:
-        raise ValueError(f"qkv {list(qkv.shape)}: expected [B, (Hq + 2 Hkv) * D = {width}] or [B, T, {width}]")
+        more = f" + {sum(other_heads)} other ranks' heads" if any(other_heads) else ""
+        raise ValueError(f"qkv {list(qkv.shape)}: expected [B, (Hq + 2 Hkv{more}) * D = {width}] or [B, T, {width}]")
     b, t = qkv.shape[0], qkv.shape[1] if qkv.dim() == 3 else 1
     want = (k_cache.shape[0], num_kv_heads, head_dim)
     if k_cache.dim() != 3 or tuple(k_cache.shape) != want or v_cache.shape != k_cache.shape:
@@ -166,9 +168,14 @@ def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slo
 
 
 def check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots,
-                        positions) -> tuple[int, int]:
+                        positions, qk_norm=None, other_heads=(0, 0)) -> tuple[int, int]:
     """-> (B, S). Raises ValueError naming the operand where the fused step cannot take it."""
-    b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, None, slot)
+    if any(other_heads) and qk_norm != "full":
+        raise ValueError(f"other_heads {tuple(other_heads)}: other ranks' q and k heads are only read by an all-heads "
+                         f"norm (qk_norm 'full'), not qk_norm={qk_norm!r}")
+    if len(other_heads) != 2 or min(other_heads) < 0:
+        raise ValueError(f"other_heads {tuple(other_heads)}: expected two counts >= 0 (q heads, k heads)")
+    b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, None, slot, other_heads=other_heads)
     if t != 1:
         raise ValueError(f"qkv {list(qkv.shape)}: one token per row, [B, W]")
     if num_heads % num_kv_heads:
@@ -194,16 +201,30 @@ def check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache
 
 def qkv_attention_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, cos=None, sin=None,
                       qk_norm=None, q_norm_w=None, k_norm_w=None, eps=1e-6, clip=None, scale=None, *,
-                      read_slots, positions, sinks=None):
+                      read_slots, positions, sinks=None, other_heads=(0, 0)):
     """qkv [B, (Hq + 2 Hkv) * D] of one token per row -> attention output [B, Hq, D] over the
     paged pool k_cache / v_cache [N, Hkv, D]. Writes the new k and v at pool rows ``slot``
     [B] int64 (as ``qkv_decode_ref``), then gathers each row's keys in order, ``read_slots``
     [B, S] the pool row of its key s (the new key's at index ``positions[b]``, the keys
     after it hidden), and attends over them under the additive mask ``bias`` ([B, S], or any
     shape of B x S values, e.g. [B, 1, 1, S]; or a bool mask, True where visible), softmax
-    in float32 or wider. ``sinks`` [Hq] (GPT-OSS): a logit per head in the softmax, no value."""
+    in float32 or wider. ``sinks`` [Hq] (GPT-OSS): a logit per head in the softmax, no value.
+    ``other_heads`` (Hq', Hkv'), with an all-heads norm (``qk_norm`` "full") over heads split
+    across tensor-parallel ranks: the row goes on after v with the q of Hq' and the k of Hkv'
+    heads of other ranks, whose squares join the norm's mean square (the weights are this
+    rank's heads'); nothing else reads them."""
     b, s = check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots,
-                               positions)
+                               positions, qk_norm, other_heads)
+    if any(other_heads):
+        d, (hq_o, hkv_o) = head_dim, other_heads
+        mine, qw, kw = (num_heads + 2 * num_kv_heads) * d, num_heads * d, num_kv_heads * d
+        wide = qkv.float()  # (as ``rms_norm_ref`` and ``qk_norm_apply_ref`` take the squares)
+        others = wide[:, mine:]
+        sq = torch.stack((wide[:, :qw].pow(2).sum(-1) + others[:, :hq_o * d].pow(2).sum(-1),
+                          wide[:, qw:qw + kw].pow(2).sum(-1) + others[:, hq_o * d:].pow(2).sum(-1)), dim=-1)
+        qkv = qk_norm_apply_ref(qkv[:, :mine].clone(), sq, q_norm_w, k_norm_w, (num_heads + hq_o) * d,
+                                (num_kv_heads + hkv_o) * d, eps)
+        qk_norm = None
     q = qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos, sin, qk_norm,
                        q_norm_w, k_norm_w, eps, clip)[:, :, 0]  # [B, Hq, D]
     k, v = k_cache[read_slots].transpose(1, 2), v_cache[read_slots].transpose(1, 2)  # [B, Hkv, S, D] in token order

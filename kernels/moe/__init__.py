@@ -66,8 +66,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               capacity: int | None = None, maps: tuple | None = None, *, pdl: bool = True,
-              masked: bool = False, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-              weighted_input: bool = False) -> torch.Tensor:
+              masked: bool = False, first_expert: int = 0, b13: torch.Tensor | None = None,
+              b2: torch.Tensor | None = None, weighted_input: bool = False) -> torch.Tensor:
     """MoE expert computation on one device: x [T, H] -> [T, H].
 
     w13 [E, 2F, H] holds each expert's gate rows then up rows (Hugging Face / vLLM layout;
@@ -78,9 +78,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (``quantize_mxfp4``). ``capacity`` drops pairs past that many per expert (None: dropless).
     ``maps`` (from ``route``) saves recomputing the maps of ``topk_ids`` on a GPU. ``pdl``: the
     GPU kernels launch with programmatic dependent launch where the device has it
-    (``kernels.pdl``; every op here takes it). ``masked``: a pair whose expert id is negative
-    (its expert lives on another rank) adds nothing and reads no weights; ``maps`` are then
-    not taken. ``b13`` [E, 2F or F] / ``b2`` [E, H]: per-expert biases (GPT-OSS), added
+    (``kernels.pdl``; every op here takes it). ``masked``: the ids count from
+    ``first_expert`` (w13 and w2 hold experts first_expert .. first_expert + E - 1, the ids
+    may be a model's global ones); a pair whose expert is not among them (a negative id, or
+    one on another rank) adds nothing and reads no weights; ``maps`` are then not taken. ``b13`` [E, 2F or F] / ``b2`` [E, H]: per-expert biases (GPT-OSS), added
     after each GEMM, before the activation and before the combine weight. On a GPU the
     weights, scales and biases may lie in pinned host memory: the kernels read them in place
     over the bus (each expert's once per row tile of its pairs: once at decode sizes).
@@ -91,10 +92,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if x.is_cuda:
         from kernels.moe.triton import fused_moe_triton
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
-                                capacity, maps=None if masked else maps, pdl=pdl, masked=masked, b13=b13, b2=b2,
-                                weighted_input=weighted_input)
+                                capacity, maps=None if masked else maps, pdl=pdl, masked=masked,
+                                first_expert=first_expert, b13=b13, b2=b2, weighted_input=weighted_input)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity, masked,
-                         b13, b2, weighted_input)
+                         b13, b2, weighted_input, first_expert)
 
 
 __all__ = ["fused_moe", "quantize_int8", "quantize_mxfp4"]

@@ -176,8 +176,9 @@ def check(x, w13, w2, topk, w13_scale=None, w2_scale=None, configs=None, activat
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
             pipe: bool = False, row_groups: int = 1, masked: bool = False, oai: bool = False,
-            b13: bool = False, b2: bool = False, weighted_input: bool = False) -> tuple:
-    return ("-std=c++17", f"-DMASKED={int(masked)}", f"-DOAI={int(oai)}", f"-DB13={int(b13)}", f"-DB2={int(b2)}",
+            b13: bool = False, b2: bool = False, weighted_input: bool = False, here: tuple[int, int] = (0, 0)) -> tuple:
+    """The compile flags; ``here`` (masked): (first expert id, experts) of w13 / w2."""
+    return ("-std=c++17", f"-DMASKED={int(masked)}", f"-DFIRST={here[0]}", f"-DE_HERE={here[1]}", f"-DOAI={int(oai)}", f"-DB13={int(b13)}", f"-DB2={int(b2)}",
             f"-DWIN={int(weighted_input)}", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
             f"-DPARTIAL={int(partial)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
@@ -214,19 +215,21 @@ def fused_moe_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         activation: str, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
         configs: tuple[MoeCuda | None, MoeCuda | None] | None, pdl: bool, masked: bool = False, *,
-        b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, weighted_input: bool = False) -> torch.Tensor:
+        b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, weighted_input: bool = False,
+        first_expert: int = 0) -> torch.Tensor:
     """``fused_moe_cuda`` without its checks, for callers that made them (``check``, or
-    ``supports`` once per key and then ``layout``: ``kernels.moe.triton``). ``masked``: pairs
-    with a negative expert id add nothing and read no weights; ``b13`` / ``b2``,
-    ``weighted_input``: as ``kernels.fused_moe`` takes them."""
+    ``supports`` once per key and then ``layout``: ``kernels.moe.triton``). ``masked``: the
+    ids count from ``first_expert``, pairs of no expert here add nothing and read no weights;
+    ``b13`` / ``b2``, ``weighted_input``: as ``kernels.fused_moe`` takes them."""
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     pair_w = topk_weights.reshape(-1).float().contiguous()  # [P]
     return _experts(x, w13, w2, ids, pair_w, topk_ids.shape[1], activation, w13_scale, w2_scale, configs, pdl,
-                    masked, b13, b2, weighted_input)
+                    masked, b13, b2, weighted_input, first_expert)
 
 
 def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, configs, pdl: bool,
-             masked: bool = False, b13=None, b2=None, weighted_input: bool = False) -> torch.Tensor:
+             masked: bool = False, b13=None, b2=None, weighted_input: bool = False,
+             first_expert: int = 0) -> torch.Tensor:
     """The two launches (and the split-K sum); ``ids`` [P] are the pairs' experts, ``pair_w``
     [P] their combine weights."""
     t, h = x.shape
@@ -238,7 +241,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, con
         up, down = up or default_up, down or default_down
     int8, gated, dt, ids64 = w13.dtype == torch.int8, activation != "gelu", DTYPES[x.dtype], ids.dtype == torch.int64
     extras = dict(masked=masked, oai=activation == "swiglu_oai", b13=b13 is not None, b2=b2 is not None,
-                  weighted_input=weighted_input)
+                  weighted_input=weighted_input, here=(first_expert, w2.shape[0]) if masked else (0, 0))
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
@@ -283,7 +286,8 @@ def compile_all(arch: str = "sm_90") -> int:
         extras = dict(oai=i in (3, 7), b13=i % 4 >= 2, b2=i % 4 >= 2, weighted_input=i in (1, 4))
         compile_check(SOURCE, options(up.bn, up.warps, up.unroll, int8, dt, gated, False, ids64=i % 2 == 0,
                                       pair_major=i % 2 == 1, min_blocks=min_blocks, unit=i % 4 == 1,
-                                      row_groups=groups, masked=i % 3 == 0, **extras)
+                                      row_groups=groups, masked=i % 3 == 0, **extras,
+                                      here=(8, 8) if i % 3 == 0 else (0, 0))
                       + launch_flags, arch, "moe_cuda.cu")
         compile_check(SOURCE, options(down.bn, down.warps, down.unroll, int8, dt, gated, i % 4 < 2,
                                       ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks,

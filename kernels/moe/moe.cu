@@ -12,7 +12,13 @@
 #endif
 
 #ifndef MASKED
-#define MASKED 0  // a pair whose expert id is negative (its expert is on another rank) adds nothing
+#define MASKED 0  // a pair whose expert is not among w13 / w2's (on another rank) adds nothing
+#endif
+#ifndef FIRST
+#define FIRST 0  // MASKED: the ids count from this one (a model's global ids); E_HERE experts here
+#endif
+#ifndef E_HERE
+#define E_HERE 0
 #endif
 
 #ifndef OAI
@@ -53,12 +59,18 @@ __device__ __forceinline__ float group_total(float (*part)[NV], int j) {
   return v;
 }
 
+// Pair p's expert among w13 / w2's; MASKED: -1 for one that is not there.
 __device__ __forceinline__ long long id_at(const void* ids, int p) {
 #if IDS64
-  return ((const long long*)ids)[p];
+  long long e = ((const long long*)ids)[p];
 #else
-  return ((const int*)ids)[p];
+  long long e = ((const int*)ids)[p];
 #endif
+#if MASKED
+  e -= FIRST;
+  if (e >= E_HERE) e = -1;
+#endif
+  return e;
 }
 
 // An up kernel's block: pair p and first column n0 from the grid (up_tile, before the wait),

@@ -94,21 +94,29 @@ def quantize_int8(w: torch.Tensor, max_elements: int = 1 << 26) -> tuple[torch.T
     return q, scale
 
 
+def here_or_past(ids: torch.Tensor, first: int, e: int) -> torch.Tensor:
+    """Expert ids counted from ``first`` -> their index among the E experts here, or E (a
+    bin past them) for an expert elsewhere."""
+    local = ids - first
+    return torch.where((local >= 0) & (local < e), local, e)
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   activation: str = "silu", w13_scale: torch.Tensor | None = None,
                   w2_scale: torch.Tensor | None = None, capacity: int | None = None,
                   masked: bool = False, b13: torch.Tensor | None = None,
-                  b2: torch.Tensor | None = None, weighted_input: bool = False) -> torch.Tensor:
+                  b2: torch.Tensor | None = None, weighted_input: bool = False,
+                  first_expert: int = 0) -> torch.Tensor:
     """The single-device expert computation: maps, scatter, grouped FFN, gather. ``masked``:
-    pairs with a negative expert id add nothing (their rows, in a bin past the experts,
-    never run). Biases b13 [E, 2F or F], b2 [E, H] are added before each activation and
+    the ids count from ``first_expert``; pairs of no expert here (ids past the E here, or
+    before them) add nothing (their rows, in a bin past the experts, never run). Biases b13 [E, 2F or F], b2 [E, H] are added before each activation and
     before the combine weight. ``weighted_input`` (Llama 4): each pair's weight scales the
     expert's input instead of its output."""
     w13, w2 = dequantize_ref(w13, w13_scale, x.dtype), dequantize_ref(w2, w2_scale, x.dtype)
     e = w13.shape[0]
     if masked:
-        topk_ids = torch.where(topk_ids < 0, e, topk_ids)
+        topk_ids = here_or_past(topk_ids, first_expert, e)
     offsets, rows = token_maps_ref(topk_ids, e + masked, capacity)
     xs = scatter_rows_ref(x, rows)
     if weighted_input:

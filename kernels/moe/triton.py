@@ -22,6 +22,7 @@ from kernels.layout.maps import token_maps_triton
 from kernels.layout.rows import combine_rows_triton
 from kernels.moe import cuda as moe_cuda
 from kernels.moe.grouped_gemm import grouped_gemm
+from kernels.moe.reference import here_or_past
 from kernels.tuning import MoeCuda, MoeDequant, MoeEntry, MoeGroupedMm, MoeTriton
 
 # Up to this many (token, slot) pairs the GEMMs group pairs themselves (no maps kernel).
@@ -161,7 +162,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      capacity: int | None = None, configs: tuple[MoeEntry, MoeEntry] | None = None,
                      maps: tuple | None = None, pdl: bool = True, masked: bool = False,
                      b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                     weighted_input: bool = False) -> torch.Tensor:
+                     weighted_input: bool = False, first_expert: int = 0) -> torch.Tensor:
     """Same contract as ``kernels.fused_moe``; ``configs`` overrides the (up, down) launch
     configurations (``kernels.tuning`` entries; the tuning script uses it); ``maps`` are
     (offsets, rows, row_pair) already built from ``topk_ids`` (``kernels.route``)."""
@@ -179,7 +180,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         # dtype for the call (weights on the device: host ones are read in place as they are).
         return fused_moe_triton(x, dequantize_int8(w13, w13_scale, x.dtype), dequantize_int8(w2, w2_scale, x.dtype),
                                 topk_weights, topk_ids, activation, capacity=capacity, maps=maps, pdl=pdl,
-                                masked=masked, b13=b13, b2=b2, weighted_input=weighted_input)
+                                masked=masked, b13=b13, b2=b2, weighted_input=weighted_input,
+                                first_expert=first_expert)
     if not mxfp4 and isinstance(up_cfg, MoeCuda) and (capacity is None or capacity >= t):
         # Where the table chose the CUDA decode kernels (small T, measured faster) and they
         # can take the operands (not fp32, odd widths, MXFP4: then Triton). No pair is
@@ -187,7 +189,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         pair = _cuda_pair(up_cfg, down_cfg)
         if cuda_reason(x, w13, w2, topk, activation, w13_scale, w2_scale, pair, b13, b2) is None:
             return moe_cuda.run(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, pair, pdl,
-                                masked, b13=b13, b2=b2, weighted_input=weighted_input)
+                                masked, b13=b13, b2=b2, weighted_input=weighted_input, first_expert=first_expert)
     # The CUDA kernels come as a pair behind the CUDA up kernel: a CUDA entry left over
     # here (not taken, or a CUDA down beside a Triton up) gives way to the Triton default.
     up_cfg = triton_entry(up_cfg, "up", x.device, t, e, w13.shape[1], h, topk, size)
@@ -198,9 +200,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if masked:
         # Pairs of experts elsewhere go to a bin past the experts (rows no GEMM tile runs),
         # then are dropped from the combine as capacity drops pairs.
-        elsewhere = topk_ids < 0
-        offsets, rows, row_pair = token_maps_triton(torch.where(elsewhere, e, topk_ids), e, capacity, pdl)
-        rows = torch.where(elsewhere, -1, rows)
+        local = here_or_past(topk_ids, first_expert, e)
+        offsets, rows, row_pair = token_maps_triton(local, e, capacity, pdl)
+        rows = torch.where(local == e, -1, rows)
     elif maps is None and capacity is None and n <= FROM_IDS_PAIRS:
         pair_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         bm = max(16, triton.next_power_of_2(n))

@@ -184,6 +184,29 @@ def test_down_gemm_by_grouped_mm(device, capacity):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_masked_pairs_by_the_models_expert_ids(device, t):
+    """``first_expert``: the ids are the model's, w13 / w2 hold experts first .. first + E - 1
+    (one rank's under expert parallelism). Pairs of experts before or after them add
+    nothing; the others are those experts' (the CUDA decode kernels at small T on a GPU, the
+    Triton GEMMs after the maps), bf16 and int8."""
+    dtype, x, w13, w2, ids, w = small_problem(device, 31 + t, t=t, h=32, f=24, e=12, k=3)
+    first, n = 4, 5
+    here = (ids >= first) & (ids < first + n)
+    mine = [z[first:first + n].contiguous() for z in (w13, w2)]
+    kept_w, kept_ids = torch.where(here, w, 0.0), torch.where(here, ids - first, 0)
+    up = lambda z: z.cpu().double()  # noqa: E731
+    kept = fused_moe_ref(up(x), *map(up, mine), up(kept_w), kept_ids.cpu())
+    assert rel(fused_moe_ref(up(x), *map(up, mine), up(w), ids.cpu(), masked=True, first_expert=first), kept) < 1e-12
+    out = fused_moe(x, *mine, w, ids, masked=True, first_expert=first)
+    assert rel(out.cpu(), kept) < (TOL[dtype] if device == "cuda" else 1e-5)
+    (q13, s13), (q2, s2) = quantize_int8(mine[0]), quantize_int8(mine[1])
+    out8 = fused_moe(x, q13, q2, w, ids, "silu", s13, s2, masked=True, first_expert=first)
+    ref8 = fused_moe_ref(up(x), q13.cpu(), q2.cpu(), up(kept_w), kept_ids.cpu(), "silu", s13.cpu(), s2.cpu())
+    assert rel(out8.cpu(), ref8) < (TOL[dtype] if device == "cuda" else 1e-5)
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 def test_capacity_drops_pairs_as_the_reference(device):
     e = 4
     _, x, w13, w2, ids, w = small_problem(device, 5, t=24, h=20, f=12, e=e, k=2, dtype=torch.float32)

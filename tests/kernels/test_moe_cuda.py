@@ -167,21 +167,26 @@ def test_row_groups_match_reference(t, h, f, e, k, activation, int8):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("int8", [False, True])
-def test_masked_pairs_read_nothing_and_add_nothing(int8):
+@pytest.mark.parametrize("int8,first", [(False, 0), (True, 0), (False, 3)])
+def test_masked_pairs_read_nothing_and_add_nothing(int8, first):
     """``masked``: pairs with a negative expert id (experts on other ranks) add nothing, in
-    every candidate configuration, split-K and the pair-major grid included."""
+    every candidate configuration, split-K and the pair-major grid included; with
+    ``first_expert`` the ids are the model's (those here counted from it), and those past
+    the experts here add nothing too."""
     t, h, f, e, k = 3, 1024, 384, 8, 4
     x, w13, w2, ids, w, s13, s2, _ = checked_problem(torch.bfloat16, t, h, f, e, k, "silu", 7, int8)
     elsewhere = ids >= e // 2
     masked = torch.where(elsewhere, -1, ids)
+    if first:  # the model's ids: below the first expert here, or past the last
+        masked = torch.where(elsewhere, torch.where(ids % 2 == 0, 0, first + e + ids), ids + first)
     ref = fused_moe_ref(x.double(), w13 if int8 else w13.double(), w2 if int8 else w2.double(),
                         torch.where(elsewhere, 0.0, w).double(), ids, "silu", s13, s2)
     pairs = list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.DOWN_CANDIDATES))
     pairs += [(replace(up, pair_major=True), replace(down, pair_major=True)) for up, down in pairs[::2]]
     pairs += list(zip(moe_cuda.UP_CANDIDATES, moe_cuda.PIPE_DOWN_CANDIDATES))
     for up, down in pairs:
-        out = moe_cuda.run(x, w13, w2, w, masked, "silu", s13, s2, (up, down), True, masked=True)
+        out = moe_cuda.run(x, w13, w2, w, masked, "silu", s13, s2, (up, down), True, masked=True,
+                           first_expert=first)
         assert rel(out, ref) < TOL[torch.bfloat16], (up, down)
 
 

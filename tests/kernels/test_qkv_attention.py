@@ -401,6 +401,48 @@ def test_qkv_attention_repeated_calls_and_steps(device, dtype):
         assert rel(out, ref) < (2 * TOL[dtype] if dtype != torch.float32 else 1e-5)
 
 
+@pytest.mark.parametrize("device,dtype", BACKENDS)
+@pytest.mark.parametrize("hq,hkv,tp,rank,splits", [(8, 4, 2, 1, 1), (6, 2, 2, 0, 4), (8, 2, 4, 2, 2)])
+def test_qkv_attention_with_other_ranks_heads(device, dtype, hq, hkv, tp, rank, splits):
+    """An all-heads q / k norm over heads split across ranks (OLMoE under tensor
+    parallelism): the rank's row carries the other ranks' q and k after its v, and its
+    output and new k, v are the whole model's for its heads (the reference over every head,
+    then this rank's). With more ranks than KV heads a KV head sits on several ranks."""
+    d, lens = 16, [40, 17, 1]
+    b, gen = len(lens), torch.Generator().manual_seed(hq + tp + rank)
+    qkv, cos, sin, qw, kw = _qkv_case(device, dtype, b, hq, hkv, d, "full", True, hq * tp + rank)
+    read, kp, vp = paged_pool(device, dtype, hkv, d, 40, 8, torch.tensor(lens), gen)
+    last = torch.tensor(lens) - 1
+    write = read.gather(1, last[:, None].to(device))[:, 0]
+    positions = last[:, None].to(device)
+    bias = torch.zeros(b, 1, 1, 40).masked_fill_(~(torch.arange(40)[None, :] <= last[:, None])[:, None, None],
+                                                 float("-inf")).to(device, dtype)
+    up = lambda z: None if z is None else z.double()  # noqa: E731
+    kr, vr = kp.double(), vp.double()
+    whole = qkv_attention_ref(qkv.double(), hq, hkv, d, kr, vr, write, bias.double(), up(cos), up(sin), "full",
+                              up(qw), up(kw), 1e-6, read_slots=read, positions=positions)
+    # This rank's heads: q heads [q0, q0 + hq / tp), KV heads [k0, k0 + n_kv) (n_kv = 1, shared, past hkv ranks).
+    n_q, n_kv = hq // tp, max(hkv // tp, 1)
+    q0, k0 = rank * n_q, (rank * n_kv if hkv >= tp else rank // (tp // hkv))
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    mine = lambda z, lo, n: z[:, lo * d:(lo + n) * d]  # noqa: E731
+    rest = lambda z, lo, n: torch.cat([z[:, :lo * d], z[:, (lo + n) * d:]], dim=-1)  # noqa: E731
+    row = torch.cat([mine(q, q0, n_q), mine(k, k0, n_kv), mine(v, k0, n_kv), rest(q, q0, n_q), rest(k, k0, n_kv)], -1)
+    others = (hq - n_q, hkv - n_kv)
+    kl, vl = kp[:, k0:k0 + n_kv].clone(), vp[:, k0:k0 + n_kv].clone()
+    out = qkv_attention_triton(row.contiguous(), n_q, n_kv, d, kl, vl, write, bias, cos, sin, "full",
+                               qw[q0 * d:(q0 + n_q) * d], kw[k0 * d:(k0 + n_kv) * d], 1e-6, splits=splits,
+                               read_slots=read, positions=positions, other_heads=others)
+    tol = 3 * TOL[dtype] if dtype != torch.float32 else 1e-5
+    assert out.shape == (b, n_q, d) and rel(out, whole[:, q0:q0 + n_q]) < tol
+    assert rel(kl[write], kr[write][:, k0:k0 + n_kv]) < tol and rel(vl[write], vr[write][:, k0:k0 + n_kv]) < tol
+    kd, vd = kp[:, k0:k0 + n_kv].double(), vp[:, k0:k0 + n_kv].double()  # the reference takes the same row
+    ref = qkv_attention_ref(row.double(), n_q, n_kv, d, kd, vd, write, bias.double(), up(cos), up(sin), "full",
+                            up(qw[q0 * d:(q0 + n_q) * d]), up(kw[k0 * d:(k0 + n_kv) * d]), 1e-6, read_slots=read,
+                            positions=positions, other_heads=others)
+    assert rel(ref, whole[:, q0:q0 + n_q]) < 1e-6  # (the norms' float32 sums, added in another order)
+
+
 def test_qkv_attention_rejects_bad_input():
     kp = torch.zeros(9, 2, 16)
     qkv, bias, slot = torch.randn(1, 128), torch.zeros(1, 1, 1, 8), torch.tensor([3])
@@ -416,6 +458,13 @@ def test_qkv_attention_rejects_bad_input():
         qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, bias, splits=3, **pool)
     with pytest.raises(ValueError, match=r"qk_norm='layer'"):
         qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, bias, qk_norm="layer", **pool)
+    with pytest.raises(ValueError, match=r"other_heads \(2, 1\): other ranks' q and k heads are only read by an "
+                                         r"all-heads norm \(qk_norm 'full'\), not qk_norm='head'"):
+        qkv_attention_triton(torch.randn(1, 176), 4, 2, 16, kp, kp.clone(), slot, bias, qk_norm="head", **pool,
+                             other_heads=(2, 1))
+    with pytest.raises(ValueError, match=r"qkv \[1, 128\]: expected \[B, \(Hq \+ 2 Hkv \+ 3 other ranks' heads\) "
+                                         r"\* D = 176\]"):
+        qkv_attention_triton(qkv, 4, 2, 16, kp, kp.clone(), slot, bias, qk_norm="full", **pool, other_heads=(2, 1))
 
 
 def test_default_splits_fill_the_gpu_and_bound_each_split():
@@ -440,9 +489,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.attention.qkv_attention_triton import _qkv_attention_kernel as kernel
 
-g, splits, qk_norm, pdl, pre_kv, bool_mask, sinks = (int(v) for v in sys.argv[1:])
+g, splits, qk_norm, pdl, pre_kv, bool_mask, sinks, others = (int(v) for v in sys.argv[1:])
 hkv, d = 4, 128
-const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, G=g, G_P=g, G_M=max(16, g), D=d, R=d // (1 + sinks),
+const = dict(HQ=g * hkv, HKV=hkv, HQ_P=g * hkv, HKV_P=hkv, HQ_O=others * g * hkv, HKV_O=others * hkv,
+             HQ_OP=g * hkv, HKV_OP=hkv, G=g, G_P=g, G_M=max(16, g), D=d, R=d // (1 + sinks),
              QK_NORM=qk_norm, CLIP=False, ROPE=True, BLOCK_S=64, P=splits, P_CHUNK=min(splits, 4), PRE_KV=bool(pre_kv),
              UPCAST=False, ADDITIVE=not bool_mask, SINKS=bool(sinks), PDL=pdl)
 types = {"slot_ptr": "*i64", "read_ptr": "*i64", "pos_ptr": "*i64", "bias_ptr": "*i8" if bool_mask else "*bf16",
@@ -456,10 +506,12 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
-@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv,bool_mask,sinks", [
-    (1, 16, 2, 2, 1, 0, 0), (8, 1, 1, 2, 0, 0, 1), (4, 4, 0, 0, 1, 0, 0), (8, 4, 1, 2, 0, 1, 1)])
-def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv, bool_mask, sinks):
+@pytest.mark.parametrize("g,splits,qk_norm,pdl,pre_kv,bool_mask,sinks,others", [
+    (1, 16, 2, 2, 1, 0, 0, 0), (1, 8, 2, 2, 1, 0, 0, 1), (8, 1, 1, 2, 0, 0, 1, 0), (4, 4, 0, 0, 1, 0, 0, 0),
+    (8, 4, 1, 2, 0, 1, 1, 0)])
+def test_qkv_attention_compiles_for_hopper(g, splits, qk_norm, pdl, pre_kv, bool_mask, sinks, others):
     """The whole Triton compile for sm_90 (tests.hopper), over a paged pool, with an
-    additive mask or a bool one (read as bytes), with sinks and half-head rotary or not."""
-    out = compile_in_subprocess(_COMPILE_QKV_ATTENTION, g, splits, qk_norm, pdl, pre_kv, bool_mask, sinks)
+    additive mask or a bool one (read as bytes), with sinks and half-head rotary or not,
+    with the other ranks' heads in an all-heads norm."""
+    out = compile_in_subprocess(_COMPILE_QKV_ATTENTION, g, splits, qk_norm, pdl, pre_kv, bool_mask, sinks, others)
     assert int(out.split()[-1]) > 0
