@@ -31,12 +31,13 @@ from moe_infer.outputs import Sampled
 pytestmark = pytest.mark.mpi
 PROMPTS = [[5, 17, 3, 44, 12, 9, 31], [8, 2], [60, 1, 19, 27, 4]]
 # Families with heads, KV heads and experts that 2 and 4 ranks divide (OLMoE: q/k norms
-# over all heads, so across ranks; Qwen2-MoE: q/k/v biases and a gated shared expert).
+# over all heads, so across ranks, at head dim 16, which the one-launch decode attention
+# takes on a GPU; Qwen2-MoE: q/k/v biases and a gated shared expert).
 FAMILY_KW = {
     "qwen2_moe": dict(num_attention_heads=8, num_key_value_heads=2, num_experts=8, hidden_size=64,
                       moe_intermediate_size=24, shared_expert_intermediate_size=32, intermediate_size=48,
                       num_hidden_layers=4),
-    "olmoe": dict(num_attention_heads=8, num_key_value_heads=4, num_experts=8, hidden_size=64,
+    "olmoe": dict(num_attention_heads=8, num_key_value_heads=4, num_experts=8, hidden_size=128,
                   intermediate_size=24, num_hidden_layers=4),
     # sinks split with the heads, biased experts split by rank (and by width under slicing)
     "gpt_oss": dict(num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, hidden_size=64,
@@ -300,7 +301,8 @@ def test_all_heads_norm_over_split_heads_reads_the_other_ranks_heads_at_decode(i
     step projects the other ranks' q and k rows too and its one-launch attention adds their
     squares (no all-reduce of the sums); prompts project this rank's rows and all-reduce
     the sums. Both give the single process's tokens, in float32 and with int8 weights (whose
-    row scales are sliced with the rows)."""
+    row scales are sliced with the rows). (Head dim 16: the least the one-launch kernel
+    takes on a GPU.)"""
     import kernels
     from dense.attention import Attention
 
