@@ -12,7 +12,8 @@ order) and is stored at pool row ``slot[b]``. Every operand is a device tensor, 
 is captured in a CUDA graph and replayed for every step. Program (b, KV head h, split p):
 - computes its G query heads' q and KV head h's new k and v from the QKV GEMM's output
   row (each program recomputes the all-heads norm where the model has one: a row is a few
-  KB); program p = 0 writes k and v into the pool. Every load after the PDL wait (the
+  KB; with heads split over ranks, the row also holds the other ranks' q and k after v,
+  whose squares join that norm); program p = 0 writes k and v into the pool. Every load after the PDL wait (the
   row's blocks, the rotary rows, the mask) is issued before any arithmetic: one round trip
   to L2, not one per step of the epilogue. q's norm and rotation run on its G rows only;
 - attends over its share of the row's keys 0 .. positions[b], the visible keys split
@@ -285,12 +286,14 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
     written by its context launch, which must be complete: a launch without PDL, such as
     the embedding lookup, between it and the first layer makes sure of that).
     ``splits``: P, a power of two (default ``default_splits``). Each row's keys split by its
-    own length (``positions``), not by S. ``sinks`` [Hq]: a logit per head in the softmax."""
+    own length (``positions``), not by S. ``sinks`` [Hq]: a logit per head in the softmax;
+    ``other_heads``: other ranks' q and k heads after v, in the all-heads norm only."""
     b, s = check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots,
                                positions, qk_norm, other_heads)
     if qk_norm not in QK_NORMS:
         raise ValueError(f"qk_norm={qk_norm!r}: expected one of {list(QK_NORMS)}")
     hq, hkv, d = num_heads, num_kv_heads, head_dim
+    hq_o, hkv_o = other_heads
     slot, positions = slot.reshape(b).contiguous(), positions.reshape(b)
     if d < 16:
         raise ValueError(f"head_dim {d}: expected at least 16 (the tensor-core products')")
@@ -325,8 +328,8 @@ def qkv_attention_triton(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cach
         scale if scale is not None else 1.0 / math.sqrt(d), qkv.stride(0), cos.stride(0) if rope else 0,
         k_cache.stride(1), k_cache.stride(0), v_cache.stride(1), v_cache.stride(0), bias.stride(0),
         read_slots.stride(0), positions.stride(0), HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq),
-        HKV_P=triton.next_power_of_2(hkv), HQ_O=other_heads[0], HKV_O=other_heads[1],
-        HQ_OP=triton.next_power_of_2(max(other_heads[0], 1)), HKV_OP=triton.next_power_of_2(max(other_heads[1], 1)), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d,
+        HKV_P=triton.next_power_of_2(hkv), HQ_O=hq_o, HKV_O=hkv_o, HQ_OP=triton.next_power_of_2(max(hq_o, 1)),
+        HKV_OP=triton.next_power_of_2(max(hkv_o, 1)), G=g, G_P=triton.next_power_of_2(g), G_M=g_m, D=d,
         R=cos.shape[-1] if rope else d,
         QK_NORM=QK_NORMS[qk_norm], CLIP=clip is not None, ROPE=rope, BLOCK_S=block_s, P=splits,
         P_CHUNK=min(splits, 4), PRE_KV=pre_kv,

@@ -170,11 +170,11 @@ def qkv_decode_ref(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slo
 def check_qkv_attention(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, bias, read_slots,
                         positions, qk_norm=None, other_heads=(0, 0)) -> tuple[int, int]:
     """-> (B, S). Raises ValueError naming the operand where the fused step cannot take it."""
+    if len(other_heads) != 2 or min(other_heads) < 0:
+        raise ValueError(f"other_heads {tuple(other_heads)}: expected two counts >= 0 (q heads, k heads)")
     if any(other_heads) and qk_norm != "full":
         raise ValueError(f"other_heads {tuple(other_heads)}: other ranks' q and k heads are only read by an all-heads "
                          f"norm (qk_norm 'full'), not qk_norm={qk_norm!r}")
-    if len(other_heads) != 2 or min(other_heads) < 0:
-        raise ValueError(f"other_heads {tuple(other_heads)}: expected two counts >= 0 (q heads, k heads)")
     b, t = check_qkv(qkv, k_cache, v_cache, num_heads, num_kv_heads, head_dim, None, slot, other_heads=other_heads)
     if t != 1:
         raise ValueError(f"qkv {list(qkv.shape)}: one token per row, [B, W]")

@@ -81,10 +81,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (``kernels.pdl``; every op here takes it). ``masked``: the ids count from
     ``first_expert`` (w13 and w2 hold experts first_expert .. first_expert + E - 1, the ids
     may be a model's global ones); a pair whose expert is not among them (a negative id, or
-    one on another rank) adds nothing and reads no weights; ``maps`` are then not taken. ``b13`` [E, 2F or F] / ``b2`` [E, H]: per-expert biases (GPT-OSS), added
-    after each GEMM, before the activation and before the combine weight. On a GPU the
-    weights, scales and biases may lie in pinned host memory: the kernels read them in place
-    over the bus (each expert's once per row tile of its pairs: once at decode sizes).
+    one on another rank) adds nothing and reads no weights; ``maps`` are then not taken.
+    ``b13`` [E, 2F or F] / ``b2`` [E, H]: per-expert biases (GPT-OSS), added after each GEMM,
+    before the activation and before the combine weight. On a GPU the weights, scales and
+    biases may lie in pinned host memory: the kernels read them in place over the bus (each
+    expert's once per row tile of its pairs: once at decode sizes).
     ``weighted_input`` (Llama 4): each pair's weight scales its expert's input, not its output
     (the same as scaling the up GEMM's output before the activation).
     """

@@ -176,10 +176,12 @@ def check(x, w13, w2, topk, w13_scale=None, w2_scale=None, configs=None, activat
 def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, partial: bool,
             ids64: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
             pipe: bool = False, row_groups: int = 1, masked: bool = False, oai: bool = False,
-            b13: bool = False, b2: bool = False, weighted_input: bool = False, here: tuple[int, int] = (0, 0)) -> tuple:
+            b13: bool = False, b2: bool = False, weighted_input: bool = False,
+            here: tuple[int, int] = (0, 0)) -> tuple:
     """The compile flags; ``here`` (masked): (first expert id, experts) of w13 / w2."""
-    return ("-std=c++17", f"-DMASKED={int(masked)}", f"-DFIRST={here[0]}", f"-DE_HERE={here[1]}", f"-DOAI={int(oai)}", f"-DB13={int(b13)}", f"-DB2={int(b2)}",
-            f"-DWIN={int(weighted_input)}", f"-DBN={bn}", f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
+    return ("-std=c++17", f"-DMASKED={int(masked)}", f"-DFIRST={here[0]}", f"-DE_HERE={here[1]}", f"-DOAI={int(oai)}",
+            f"-DB13={int(b13)}", f"-DB2={int(b2)}", f"-DWIN={int(weighted_input)}", f"-DBN={bn}",
+            f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
             f"-DPARTIAL={int(partial)}", f"-DPAIR_MAJOR={int(pair_major)}", f"-DMINB={max(1, min_blocks)}",
             f"-DPIPE={int(pipe)}", f"-DRG={row_groups}")

@@ -15,10 +15,10 @@
 #define MASKED 0  // a pair whose expert is not among w13 / w2's (on another rank) adds nothing
 #endif
 #ifndef FIRST
-#define FIRST 0  // MASKED: the ids count from this one (a model's global ids); E_HERE experts here
+#define FIRST 0  // MASKED: the ids count from this one (a model's global ids)
 #endif
 #ifndef E_HERE
-#define E_HERE 0
+#define E_HERE 0  // MASKED: the experts here, ids FIRST .. FIRST + E_HERE - 1 (0: every id from FIRST on)
 #endif
 
 #ifndef OAI
@@ -68,7 +68,7 @@ __device__ __forceinline__ long long id_at(const void* ids, int p) {
 #endif
 #if MASKED
   e -= FIRST;
-  if (e >= E_HERE) e = -1;
+  if (E_HERE > 0 && e >= E_HERE) e = -1;
 #endif
   return e;
 }

@@ -110,9 +110,10 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   first_expert: int = 0) -> torch.Tensor:
     """The single-device expert computation: maps, scatter, grouped FFN, gather. ``masked``:
     the ids count from ``first_expert``; pairs of no expert here (ids past the E here, or
-    before them) add nothing (their rows, in a bin past the experts, never run). Biases b13 [E, 2F or F], b2 [E, H] are added before each activation and
-    before the combine weight. ``weighted_input`` (Llama 4): each pair's weight scales the
-    expert's input instead of its output."""
+    before them) add nothing (their rows, in a bin past the experts, never run). Biases
+    b13 [E, 2F or F], b2 [E, H] are added before each activation and before the combine
+    weight. ``weighted_input`` (Llama 4): each pair's weight scales the expert's input
+    instead of its output."""
     w13, w2 = dequantize_ref(w13, w13_scale, x.dtype), dequantize_ref(w2, w2_scale, x.dtype)
     e = w13.shape[0]
     if masked:
