@@ -50,7 +50,8 @@ MODELS = "mixtral-8x7b,qwen3-30b-a3b,gpt-j-6b,gpt-neox-20b,gpt-13b"
 def linear_shapes(name: str, tp: int = 1) -> list[tuple[str, int, int]]:
     """(layer, K in, N out) of a preset's dense linear layers on one rank of a ``tp``-way
     tensor-parallel group (``dense.attention.Attention``'s split: a KV head per rank where
-    there are fewer than ranks; the LM head is not split)."""
+    there are fewer than ranks, the other ranks' q and k rows too at decode where q and k
+    take an all-heads norm; the LM head is not split)."""
     cfg = resolve_config(name)
     m = cfg.model
     if m.num_heads % tp:
@@ -64,6 +65,8 @@ def linear_shapes(name: str, tp: int = 1) -> list[tuple[str, int, int]]:
     else:
         q, kv = heads * m.head_dim, max(m.num_kv_heads // tp, 1) * m.head_dim
         shapes = [("qkv", m.hidden_size, q + 2 * kv), ("o", q, m.hidden_size)]
+        if m.qk_norm == "full" and tp > 1:  # a decode step's rows: every head's q and k, this rank's v
+            shapes.append(("qkv decode", m.hidden_size, (m.num_heads + m.num_kv_heads) * m.head_dim + kv))
     gated = m.gated  # up rows and gate rows
     if cfg.moe is None or cfg.moe.first_dense or cfg.moe.every > 1:  # a dense MLP exists
         ffn = m.ffn_hidden // tp

@@ -126,7 +126,8 @@ def test_dense_table_writer_keeps_pinned_entries(tmp_path):
 @pytest.mark.parametrize("name,tp", [("olmoe-1b-7b", 2), ("mixtral-8x7b", 2), ("qwen3-30b-a3b", 8), ("tiny-moe", 1)])
 def test_dense_shapes_of_a_tensor_parallel_rank_are_the_model_layers(name, tp):
     """bench_dense --tp times the weights one rank of the group holds: the attention layer
-    built for that rank (fewer KV heads than ranks included) has those shapes."""
+    built for that rank (fewer KV heads than ranks included) has those shapes; with an
+    all-heads q / k norm (OLMoE) a prompt projects the rank's own rows, a decode step all."""
     import torch
 
     from comm import Group
@@ -137,7 +138,9 @@ def test_dense_shapes_of_a_tensor_parallel_rank_are_the_model_layers(name, tp):
     with torch.device("meta"):
         attn = Attention(resolve_config(name).model, Group(None, 0, tp, tuple(range(tp))))
     shapes = {layer: (k, n) for layer, k, n in bench_dense.linear_shapes(name, tp)}
-    assert shapes["qkv"] == tuple(attn.qkv_proj.weight.shape[::-1])
+    assert shapes.get("qkv decode", shapes["qkv"]) == tuple(attn.qkv_proj.weight.shape[::-1])
+    assert shapes["qkv"] == (attn.qkv_proj.in_features, attn.own_rows)
+    assert ("qkv decode" in shapes) == (name == "olmoe-1b-7b" and tp > 1)
     assert shapes["o"] == tuple(attn.o_proj.weight.shape[::-1])
     assert ("lm head" in shapes) == (tp == 1)
 
