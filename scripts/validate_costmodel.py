@@ -3,7 +3,8 @@
 benchmarks' JSON (``scripts/bench_layouts.py``: one GPU alone and each layout;
 ``scripts/bench_pipeline.py``: pp with and without draining, its peers) beside
 ``moe_infer.costmodel``'s prediction for the same model, layout, batch and context on the
-device's hardware profile, with the error of each.
+device's hardware profile, with the error of each. A row measured again later counts by its
+latest run (``--superseded``: every run).
 
     python scripts/validate_costmodel.py        # every layouts-*.json and pipeline-*.json in bench/results
     python scripts/validate_costmodel.py --files a.json b.json --hardware my-h200.yaml
@@ -41,16 +42,31 @@ def rows_of(path: Path) -> list[dict]:
     d = json.loads(path.read_text())
     args, device = d.get("args") or {}, d["run"]["device"]
     context = args.get("prompt_len", 128) + args.get("new_tokens", 32) / 2
+    # when it ran: the later of two runs of the same row replaces the earlier (``latest``)
+    when = (d["run"].get("time") or d["run"].get("date", ""), path.name)
     if "rows" in d:
         return [dict(model=d["model"], device=device, layout=r["layout"], parallel=r["parallel"], batch=r["batch"],
-                     ms=r["ms_per_token"], context=context, file=path.name) for r in d["rows"]]
+                     ms=r["ms_per_token"], context=context, file=path.name, when=when) for r in d["rows"]]
     if "decode" in d:  # scripts/bench_pipeline.py: ms a decode step of the whole batch
         return [dict(model=d["model"], device=device, layout=r["layout"], parallel=r["parallel"], batch=r["batch"],
-                     ms=r["ms_per_step"], context=context, file=path.name) for r in d["decode"]]
+                     ms=r["ms_per_step"], context=context, file=path.name, when=when) for r in d["decode"]]
     if "ms_per_token" in d:  # a --baseline run: one GPU alone
         return [dict(model=d["model"], device=device, layout="one GPU", parallel={}, batch=int(b), ms=ms,
-                     context=context, file=path.name) for b, ms in d["ms_per_token"].items()]
+                     context=context, file=path.name, when=when) for b, ms in d["ms_per_token"].items()]
     return []
+
+
+def latest(rows: list[dict]) -> list[dict]:
+    """Each (model, device, layout, batch, context) once: its latest run's row (a row
+    re-measured after the code changed measures the code as it is), in their order."""
+    def key(r):
+        return r["model"], r["device"], r["layout"], json.dumps(r["parallel"], sort_keys=True), r["batch"], r["context"]
+
+    keep: dict = {}
+    for r in rows:
+        if key(r) not in keep or r["when"] >= keep[key(r)]["when"]:
+            keep[key(r)] = r
+    return [r for r in rows if keep[key(r)] is r]
 
 
 def offload_rows_of(path: Path) -> list[dict]:
@@ -65,24 +81,26 @@ def offload_rows_of(path: Path) -> list[dict]:
             for r in d.get("rows", []) if r.get("budget_gb") is not None and r.get("hit_rate") is not None]
 
 
-def compare(files: list[Path], hardware: str | None = None, offload_files: list[Path] = ()) -> list[dict]:
-    """Every row of ``files`` (and of ``offload_files``: ``offload_rows_of``) with the cost
-    model's prediction: ``predicted`` ms and ``error`` (predicted / measured - 1);
-    ``hardware``: the profile for all (default: by each file's device)."""
+def compare(files: list[Path], hardware: str | None = None, offload_files: list[Path] = (),
+            superseded: bool = False) -> list[dict]:
+    """The rows of ``files`` (each row's latest run, or every run with ``superseded``; and
+    the rows of ``offload_files``: ``offload_rows_of``) with the cost model's prediction:
+    ``predicted`` ms and ``error`` (predicted / measured - 1); ``hardware``: the profile for
+    all (default: by each file's device)."""
+    rows = [r for f in files for r in rows_of(f)]
+    rows = (rows if superseded else latest(rows)) + [r for f in offload_files for r in offload_rows_of(f)]
     out = []
-    for path, rows in [*((f, rows_of(f)) for f in files), *((f, offload_rows_of(f)) for f in offload_files)]:
-        for r in rows:
-            profile = hardware or DEVICE_PROFILES.get(r["device"])
-            if profile is None:
-                raise SystemExit(f"{path.name}: no profile for {r['device']!r}; pass --hardware")
-            cfg, hit_rate = resolve_config(r["model"]), None
-            if "offload" in r:
-                budget, mode, hit_rate = r["offload"]
-                cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, gpu_memory_gb=budget,
-                                                                          offload=mode))
-            model = CostModel(cfg, Hardware.load(profile), hit_rate=hit_rate)
-            pred = model.predict(ParallelConfig(**r["parallel"]), "decode", r["batch"], round(r["context"]))
-            out.append({**r, "profile": profile, "predicted": pred.ms, "error": pred.ms / r["ms"] - 1})
+    for r in rows:
+        profile = hardware or DEVICE_PROFILES.get(r["device"])
+        if profile is None:
+            raise SystemExit(f"{r['file']}: no profile for {r['device']!r}; pass --hardware")
+        cfg, hit_rate = resolve_config(r["model"]), None
+        if "offload" in r:
+            budget, mode, hit_rate = r["offload"]
+            cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, gpu_memory_gb=budget, offload=mode))
+        model = CostModel(cfg, Hardware.load(profile), hit_rate=hit_rate)
+        pred = model.predict(ParallelConfig(**r["parallel"]), "decode", r["batch"], round(r["context"]))
+        out.append({**r, "profile": profile, "predicted": pred.ms, "error": pred.ms / r["ms"] - 1})
     return out
 
 
@@ -126,10 +144,12 @@ def main():
     ap.add_argument("--hardware", help="a profile for every file (default: by each file's device)")
     ap.add_argument("--offload", nargs="*", default=[], metavar="JSON",
                     help="bench_offload results whose rows in a budget to predict too (their measured hit rates)")
+    ap.add_argument("--superseded", action="store_true",
+                    help="also the rows a later run of the same model, layout, batch and context measured again")
     args = ap.parse_args()
     files = [Path(f) for f in args.files] if args.files else sorted(
         [*bc.RESULTS_DIR.glob("layouts-*.json"), *bc.RESULTS_DIR.glob("pipeline-*.json")])
-    everything = compare(files, args.hardware, [Path(f) for f in args.offload])
+    everything = compare(files, args.hardware, [Path(f) for f in args.offload], args.superseded)
     rows = [r for r in everything if "offload" not in r]
     print(bc.format_table(["model", "layout", "batch", "measured ms", "predicted ms", "error", "profile", "file"], [
         [r["model"], r["layout"], r["batch"], f"{r['ms']:.3f}", f"{r['predicted']:.3f}", f"{r['error']:+.0%}",

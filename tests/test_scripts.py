@@ -163,6 +163,30 @@ def test_cost_model_choice_counts_a_pick_within_five_percent_of_the_fastest():
         (2, 1, "tp2", "ep2", False), (2, 8, "tp2", "ep2", True), (4, 1, "tp4", "ep4", False)]
 
 
+def test_cost_model_validation_takes_each_rows_latest_run(tmp_path):
+    """A row measured again (the same model, device, layout, batch and context) counts by
+    its later run, whichever file sorts first; another context or layout stays a row of
+    its own; ``superseded`` keeps every run."""
+    import json
+
+    validate = _script("validate_costmodel")
+
+    def results(name, time, rows, prompt_len=128):
+        path = tmp_path / name
+        path.write_text(json.dumps({"run": {"device": "NVIDIA H200", "time": time}, "model": "olmoe-1b-7b",
+                                    "args": {"prompt_len": prompt_len, "new_tokens": 32},
+                                    "rows": [dict(layout=lay, parallel=dict(tp=2), batch=1, ms_per_token=ms)
+                                             for lay, ms in rows]}))
+        return path
+    files = [results("a-new.json", "2026-11-28T10:00:00", [("tp2", 0.9)]),
+             results("b-old.json", "2026-11-27T10:00:00", [("tp2", 1.2), ("tp2-nccl", 1.0)]),
+             results("c-long.json", "2026-11-26T10:00:00", [("tp2", 3.0)], prompt_len=2048)]
+    kept = validate.compare(files)
+    assert sorted((r["layout"], r["context"], r["ms"]) for r in kept) == [
+        ("tp2", 144.0, 0.9), ("tp2", 2064.0, 3.0), ("tp2-nccl", 144.0, 1.0)]
+    assert len(validate.compare(files, superseded=True)) == 4
+
+
 def test_tune_moe_large_t_candidates_try_short_last_tiles():
     """At large T the tuner also times 128-row tiles with sub_m 2, and every candidate is
     one grouped_gemm accepts (bm / sub_m >= 16)."""
