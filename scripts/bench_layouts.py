@@ -49,6 +49,8 @@ def layouts(world: int) -> list[tuple[str, dict]]:
     the dense part fills the ranks a layout leaves."""
     out = [(f"tp{world}", dict(tp=world)), (f"tp{world}-nccl", dict(tp=world, all_reduce="nccl")),
            (f"ep{world}", dict(dp=world, ep=world)),
+           # tensor-parallel attention, each rank E / ep whole experts (vLLM's TP with expert parallelism)
+           (f"tp{world}-ep{world}", dict(tp=world, ep=world)),
            (f"ep{world}-dp-attention", dict(dp=world, ep=world, dp_attention=True)),
            (f"slicing{world}", dict(dp=world, expert_slicing=world)), (f"pp{world}", dict(pp=world)),
            (f"tp{world}-kv-tokens", dict(tp=world, kv_shard="tokens"))]
