@@ -94,8 +94,9 @@ def test_ranks_may_use_every_core_the_launcher_may():
     """Open MPI binds each of a few ranks to one core unless told otherwise: rank 0's server,
     its HTTP workers and the threads beside it would then share that core."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # (one write a rank: print's pieces, unbuffered, can interleave with the other rank's)
     out = subprocess.run(["bash", str(ROOT / "scripts" / "launch.sh"), "-n", "2", "--", sys.executable, "-c",
-                          "import os; print('cores', len(os.sched_getaffinity(0)))"],
+                          "import os; os.write(1, f'cores {len(os.sched_getaffinity(0))}\\n'.encode())"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert [line for line in out.stdout.splitlines() if line.startswith("cores")] == \

@@ -284,15 +284,16 @@ def test_tune_moe_offers_the_dequantizing_path_for_int8_at_large_t():
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (the test extras install mpich)")
 def test_scaling_runs_every_world_size_and_predicts_each_row(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    five = ["tp2", "ep2", "pp2", "ep2-dp-attention", "slicing2"]
+    # (the layouts' own runs are the mpi tests'; here three, one of each kind of exchange)
+    three = ["tp2", "ep2-dp-attention", "pp2"]
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "scaling.py"), "--smoke", "--no-plot",
-                          "--layouts", ",".join(five), "--results-dir", str(tmp_path)], cwd=ROOT, env=env,
+                          "--layouts", ",".join(three), "--results-dir", str(tmp_path)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(next(tmp_path.glob("scaling-tiny-moe-*.json")).read_text())
     assert data["worlds"] == [1, 2]
     layouts = {r["layout"] for r in data["rows"]}
-    assert "one GPU" in layouts and set(five) <= layouts
+    assert "one GPU" in layouts and set(three) <= layouts
     two_ranks = json.loads(next(tmp_path.glob("layouts-tiny-moe-2ranks-*.json")).read_text())
     assert all(r["collectives_per_token"] > 0 for r in two_ranks["rows"] if r["layout"] != "pp2")
     assert all(r["expert_ms"] == 0 for r in two_ranks["rows"])  # (a CPU: no GPU kernels to count)
