@@ -27,7 +27,7 @@ for ranks in 2 4; do
         # (a test past 120 s prints every thread's stack: where a hang waits)
         OMP_NUM_THREADS=1 timeout $((120 * ranks)) mpiexec -n "$ranks" $py -m pytest -q --color=no -p no:cacheprovider \
             -o faulthandler_timeout=120 -m mpi "${only[@]}" \
-            tests/test_comm_mpi.py tests/test_model_mpi.py || rc=$?
+            tests/test_comm_mpi.py tests/test_dispatch_mpi.py tests/test_model_mpi.py || rc=$?
         [ "$rc" -eq 124 ] && [ "$attempt" -eq 1 ] && { echo "== mpi tests, $ranks ranks: timed out, once more"; continue; }
         [ "$rc" -eq 0 ] || exit "$rc"
         break
