@@ -141,9 +141,6 @@ def test_rms_norm_router_rejects_mismatched_shapes():
 
 _COMPILE_ROUTER = """
 import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kernels.norm.triton import _rms_norm_router_kernel as kernel
 
 bk, k, one, pdl = (int(v) for v in sys.argv[1:])
@@ -151,10 +148,6 @@ const = dict(BT=1, BE=4, BK=bk, K=k, SOFTMAX=True, RENORMALIZE=False, E_ALL=64, 
              PDL=pdl)
 types = {"ids_ptr": "*i32", "weights_ptr": "*fp32", "count_ptr": "*i32", "T": "i32", "H": "i32", "E": "i32",
          "eps": "fp32"}
-sig = {n: "constexpr" if n in const else types.get(n, "i64" if n.startswith("stride") else "*bf16")
-       for n in kernel.arg_names}
-compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-print("cubin bytes", len(compiled.asm["cubin"]))
 """
 
 
@@ -162,6 +155,6 @@ print("cubin bytes", len(compiled.asm["cubin"]))
 def test_rms_norm_router_compiles_for_hopper(bk, k, one, pdl):
     """The norm + router kernel's whole Triton compile for sm_90 (tests.hopper): one step
     over H with the weights loaded before the wait (ONE), and the loop over H in steps."""
-    from tests.hopper import compile_in_subprocess
+    from tests.hopper import compile_kernel
 
-    assert int(compile_in_subprocess(_COMPILE_ROUTER, bk, k, one, pdl).split()[-1]) > 0
+    assert compile_kernel(_COMPILE_ROUTER, bk, k, one, pdl) > 0
