@@ -246,7 +246,10 @@ def main():
                              "hit_rate": hit, "cold_experts_per_step": seen["cold_experts"] / steps,
                              "cpu_calls": seen["cpu"] / max(1, seen["cpu"] + seen["stream"]),
                              "prefill_tokens_s": prefill})
-            print(f"budget {budget} {mode} batch {b}: {ms:.3f} ms/token", flush=True)
+            # each row in full as it is measured: a run cut short (a job's time limit) keeps what it reached
+            print(f"budget {budget} {mode} batch {b}: {ms:.3f} ms/token, floor "
+                  f"{'-' if fl is None else format(fl, '.3f')} ms, hit rate {hit:.2f}, cold experts a step "
+                  f"{seen['cold_experts'] / steps:.1f}, prefill {prefill:.0f} tokens/s", flush=True)
         del engine
         bc.empty_cache(device or "cuda")
     layers = []
