@@ -29,9 +29,10 @@ from kernels.routing.reference import check_logits
 from kernels.pdl import pdl_enter, pdl_launch
 
 TILE = 4096  # float32 scores a program holds: 16 rows of 256 experts, 64 rows of 64
-# The plain top-k's tile: one warp over a row or two of scores, many programs. Its k rounds
-# of two reductions are serial within a program, so spreading the rows over more programs
-# measured faster than fuller tiles for every batch and expert count tried.
+# The plain top-k's tile on a GPU: one warp over a row or two of scores, many programs. Its
+# k rounds of two reductions are serial within a program, so spreading the rows over more
+# programs measured faster than fuller tiles for every batch and expert count tried. (The
+# CPU interpreter runs programs one after another: there TILE's fewer, fuller ones.)
 TOPK_TILE = 256
 
 
@@ -305,7 +306,7 @@ def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
 
     def plan():
         block_e = triton.next_power_of_2(e)
-        block_t = _block_t(t, block_e, TOPK_TILE)
+        block_t = _block_t(t, block_e, TOPK_TILE if dev.type == "cuda" else TILE)
         # A decode step's tile (a few rows of logits) in one warp: each of the k rounds' two
         # reductions then stays in the warp's shuffles, with no shared-memory round trip.
         warps = 1 if block_t * block_e <= 1024 else 4
