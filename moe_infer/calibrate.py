@@ -3,8 +3,9 @@
 written), dense matmul rates (bf16, and int8 where the device has an int8 GEMM), the bf16
 rate by activation rows (``matmul_curve``: decode's GEMMs have few rows), pinned
 host-to-device copies, the CPU's matmul weight-read rate, the rate at which the fused MoE
-kernel reads its experts by expert size and rows per expert (``moe_read``), and, under
-``scripts/launch.sh``,
+kernel reads its experts by expert size and rows per expert (``moe_read``), with ``models``
+the kernel's time on each share of those models' experts a rank holds by the tokens of a
+call (``moe_kernel``), and, under ``scripts/launch.sh``,
 all-reduce latency and bandwidth over the job's ranks, and the time of an all-reduce,
 all-gather and all-to-all by message size over groups of 2, 4, ... of the job's ranks
 (``collectives``). ``smoke``: small sizes (CPU tests).
@@ -18,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe_infer.hardware_profile import Hardware, Link
+from moe_infer.hardware_profile import Hardware, Link, moe_kernel_key
 
 
 def _seconds(fn, device: torch.device, reps: int) -> float:
@@ -107,6 +108,53 @@ def _moe_read(device: torch.device, shapes: tuple, rows: tuple[int, ...], reps: 
             seconds = _step_seconds(lambda: [fused_moe(x, w13, w2, weights, ids) for w13, w2 in experts], device, reps)
             by_rows[r] = _figure(one * MOE_EXPERTS * sets / seconds / (mem_gbps * 1e9))
         del experts
+    return out
+
+
+MOE_KERNEL_TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 1024)  # a call's tokens: decode's batches to small prefills
+_ACTIVATION = {"swiglu": "silu", "gelu": "gelu", "swiglu_oai": "swiglu_oai"}  # config's -> the kernel's name
+
+
+def moe_shares(num_experts: int, width: int, ranks: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(experts over, width over) of the shares a rank of a layout over at most max(``ranks``)
+    GPUs holds: experts split ``ep`` ways (expert parallelism), each expert's width split
+    ``s`` ways (expert-slicing, tensor parallelism), both from ``ranks`` and dividing."""
+    return [(ep, s) for ep in ranks for s in ranks
+            if ep * s <= max(ranks) and num_experts % ep == 0 and width % s == 0]
+
+
+def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], tokens: tuple[int, ...],
+                reps: int) -> dict:
+    """-> {moe_kernel_key: {tokens: µs}}: ``kernels.fused_moe`` on each share (``moe_shares``)
+    of each model's experts (``models``: Configs), random weights of the model's sizes, each
+    call's tokens routed top-k over all the model's experts (uniformly; ids of the other
+    ranks' experts masked as expert-parallel ranks holding the same tokens do), several
+    input sets a call, replayed from a CUDA graph on a GPU. The weights are bf16 on a GPU,
+    float32 on the CPU (each one's inference dtype); biases are left out (their bytes are
+    small beside the experts')."""
+    from kernels import fused_moe, topk_gating
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = {}
+    for cfg in models:
+        m, e = cfg.model, cfg.moe
+        act, gated = _ACTIVATION[m.activation], m.activation in ("swiglu", "swiglu_oai")
+        for ep, s in moe_shares(e.num_experts, e.expert_hidden, ranks):
+            local, width = e.num_experts // ep, e.expert_hidden // s
+            key = moe_kernel_key(local, e.num_experts, m.hidden_size, width, e.top_k, m.activation)
+            if key in out:
+                continue
+            w13 = torch.randn(local, (2 if gated else 1) * width, m.hidden_size, device=device, dtype=dtype) * 0.02
+            w2 = torch.randn(local, m.hidden_size, width, device=device, dtype=dtype) * 0.02
+            out[key] = by_tokens = {}
+            for t in tokens:
+                calls = []
+                for _ in range(max(1, min(8, 4096 // t)) if device.type == "cuda" else 1):
+                    ids, w = topk_gating(torch.randn(t, e.num_experts, device=device), e.top_k)
+                    calls.append((torch.randn(t, m.hidden_size, device=device, dtype=dtype), ids, w))
+                step = lambda: [fused_moe(x, w13, w2, w, ids, act, masked=ep > 1) for x, ids, w in calls]  # noqa: E731
+                by_tokens[t] = _figure(_step_seconds(step, device, reps) / len(calls) * 1e6)
+            del w13, w2
     return out
 
 
@@ -228,8 +276,11 @@ def _slowest(value: float, device: torch.device) -> float:
     return t.item()
 
 
-def measure(device: torch.device, smoke: bool = False, name: str | None = None) -> Hardware:
-    """This machine (one GPU, or the CPU) as a hardware profile."""
+def measure(device: torch.device, smoke: bool = False, name: str | None = None, models: list = (),
+            moe_ranks: tuple[int, ...] | None = None) -> Hardware:
+    """This machine (one GPU, or the CPU) as a hardware profile; with ``models`` (Configs of
+    MoE models) also the MoE kernel on their shares for layouts of up to max(``moe_ranks``)
+    GPUs (default: 1, 2, 4, ... up to the job's ranks)."""
     reps = 3 if smoke else 10
     big = (16 << 20) if smoke else ((1 << 30) if device.type == "cuda" else (256 << 20))
     n = 256 if smoke else (8192 if device.type == "cuda" else 1024)
@@ -253,6 +304,12 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
         moe_read = _moe_read(device, MOE_SHAPES, MOE_ROWS, reps, mem_gbps)
     else:  # a CPU runs the reference experts, what its decode runs: the smaller shapes, fewer rows
         moe_read = _moe_read(device, MOE_SHAPES[:2], MOE_ROWS[:4], reps, mem_gbps)
+    moe_kernel = {}
+    if models:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        ranks = moe_ranks or tuple(2 ** i for i in range(world.bit_length()) if 2 ** i <= world)
+        moe_kernel = _moe_kernel(device, list(models), ranks, MOE_KERNEL_TOKENS[:2] if smoke else MOE_KERNEL_TOKENS,
+                                 reps)
     measured = _link(device, 4096, (1 << 20) if smoke else (64 << 20), reps)
     link, how = measured if measured else (None, "")
     collectives = {}
@@ -281,5 +338,5 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None) 
                     nvlink=link, network=network, gpus_per_node=dist.get_world_size() if dist.is_initialized() else 1,
                     layer_overhead_us=15.0, h2d_gbps=_figure(_h2d_gbps(device, big, reps)),
                     cpu_matmul_gbps=_figure(_cpu_matmul_gbps(*((512, 1024) if smoke else (14336, 4096)), reps)),
-                    matmul_curve={"bfloat16": curve}, collectives=collectives, moe_read=moe_read,
+                    matmul_curve={"bfloat16": curve}, collectives=collectives, moe_read=moe_read, moe_kernel=moe_kernel,
                     source="; ".join(sources) + f" ({kind}, {time.strftime('%Y-%m-%d')})")

@@ -156,12 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="measure this machine into a hardware profile for plan",
                          description="Measures memory bandwidth, matmul rates, host-device copies, the CPU's "
-                                     "matmul rate and, under scripts/launch.sh -n N, all-reduce latency and "
-                                     "bandwidth over the ranks; rank 0 writes a hardware profile YAML that "
+                                     "matmul rate, the MoE kernel (with --models: on those models' experts) and, "
+                                     "under scripts/launch.sh -n N, all-reduce latency and bandwidth over the "
+                                     "ranks; rank 0 writes a hardware profile YAML that "
                                      "`moe-infer plan --hardware FILE` reads.")
     cal.add_argument("--out", default="hardware.yaml", help="the profile to write (default hardware.yaml)")
     cal.add_argument("--name", help="the profile's name (default: the device's)")
     cal.add_argument("--device", default="auto", help="auto (default: a GPU where there is one), cpu, cuda:N")
+    cal.add_argument("--models", help="comma list of MoE models (presets or config YAMLs): also time the fused MoE "
+                                      "kernel on the experts a rank of each holds, by the tokens of a call")
+    cal.add_argument("--moe-ranks", help="with --models: comma list of GPU counts whose shares to time "
+                                         "(default 1, 2, 4, ... up to the launched ranks)")
     cal.add_argument("--smoke", action="store_true", help="small sizes, a few seconds (tests)")
     return parser
 
@@ -332,15 +337,39 @@ def _calibrate(args, job: Job) -> int:
     from moe_infer.loader import resolve_device
 
     device = job.stage(resolve_device, args.device)
+    models, ranks = job.stage(_calibrate_models, args)
     if job.size > 1:
         device = bootstrap(backend="nccl" if device.type == "cuda" else "gloo").device
-    hw = measure(torch.device(device), smoke=args.smoke, name=args.name)
+    hw = measure(torch.device(device), smoke=args.smoke, name=args.name, models=models, moe_ranks=ranks)
     if job.leader:
         hw.dump(args.out)
         print(f"{args.out}: {hw.name}, memory {hw.mem_gbps:,.0f} GB/s, bf16 matmul {hw.matmul_tflops['bfloat16']:,.1f} "
               f"TFLOP/s, int8 {hw.matmul_tflops['int8']:,.1f}, host-to-device {hw.h2d_gbps:,.1f} GB/s, CPU matmul "
               f"{hw.cpu_matmul_gbps:,.1f} GB/s, link {hw.nvlink.alpha_us:g} us + {hw.nvlink.gbps:,.1f} GB/s")
     return 0
+
+
+def _calibrate_models(args) -> tuple[list, tuple[int, ...] | None]:
+    """``--models`` as Configs (each a MoE model) and ``--moe-ranks`` as GPU counts."""
+    from moe_infer.loader import resolve_config
+
+    models = []
+    for name in filter(None, (args.models or "").split(",")):
+        cfg = resolve_config(name.strip())
+        if cfg.moe is None:
+            raise ConfigError(f"--models {name}: not a mixture-of-experts model (no moe section)")
+        models.append(cfg)
+    ranks = None
+    if args.moe_ranks:
+        if not models:
+            raise ConfigError("--moe-ranks: takes effect with --models only")
+        try:
+            ranks = tuple(int(r) for r in args.moe_ranks.split(","))
+        except ValueError:
+            ranks = ()
+        if not ranks or min(ranks) < 1:
+            raise ConfigError(f"--moe-ranks {args.moe_ranks}: expected a comma list of positive GPU counts")
+    return models, ranks
 
 
 def _presets() -> int:

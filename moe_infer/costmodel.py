@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_infer.config import Config, ConfigError, ParallelConfig
-from moe_infer.hardware_profile import GB, Hardware, Link, local_profile
+from moe_infer.hardware_profile import GB, Hardware, Link, local_profile, moe_kernel_key
 
 
 # ----------------------------------------------------------------------------- closed forms
@@ -187,21 +187,33 @@ class CostModel:
         such a step.)"""
         return self.cfg.model.qk_norm == "full" and p.tp > 1 and new_tokens == 1
 
-    def _ffn(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float,
-             phase: str = "decode", offloaded: tuple[float, float] | None = None) -> tuple[float, float, float]:
+    def _ffn(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float, phase: str = "decode",
+             offloaded: tuple[float, float] | None = None) -> tuple[float, float, float, float]:
         """(bytes read, the experts' scaled by the rate the MoE kernel reads them at; seconds
         of its GEMMs at the matmul rate of their rows, the experts' only past the rows
-        ``moe_read`` timed the kernel at; seconds of the cold experts of an offloaded model
-        over the host link or on the CPU) of block ``index``'s FFN on a rank; ``tokens`` the
-        replica's tokens, ``group_tokens`` those the rank's experts see; ``offloaded``: what
+        ``moe_read`` timed the kernel at; seconds of the MoE kernel where the profile timed
+        this rank's share of the experts (``moe_kernel``: then the experts count in neither
+        of the first two); seconds of the cold experts of an offloaded model over the host
+        link or on the CPU) of block ``index``'s FFN on a rank; ``tokens`` the replica's
+        tokens, ``group_tokens`` those the rank's experts see; ``offloaded``: what
         ``_offloaded`` gives the layout."""
         m, e = self.cfg.model, self.cfg.moe
         gated = 3 if m.gated else 2
         if e is None or not self.cfg.is_moe_layer(index):
             w = gated * m.hidden_size * m.ffn_hidden / p.tp
-            return w * self.wb, 2 * tokens * w / self._rate(tokens), 0.0
+            return w * self.wb, 2 * tokens * w / self._rate(tokens), 0.0, 0.0
         expert = gated * m.hidden_size * e.expert_hidden / p.expert_slicing  # one expert's slice here
         local = e.num_experts // p.ep
+        shared = (gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp) if e.shared_experts else 0
+        shared_s = 2 * tokens * shared / self._rate(tokens) if shared else 0.0
+        # Where calibrate timed the kernel on this very share (bf16 experts on the device),
+        # its time: the generic terms below price experts by size and rows alone, and miss
+        # what the kernel's launch configuration for the share does.
+        timed = None if offloaded is not None or self.eb != 2.0 else self.hw.moe_kernel_s(
+            moe_kernel_key(local, e.num_experts, m.hidden_size, e.expert_hidden // p.expert_slicing, e.top_k,
+                           m.activation), group_tokens)
+        if timed is not None:
+            return shared * self.wb, shared_s, timed, 0.0
         if self.histogram is None and p.ep > 1 and group_tokens == int(group_tokens):
             hit = busiest_rank_experts(e.num_experts, e.top_k, int(group_tokens), p.ep)
         else:
@@ -224,10 +236,7 @@ class CostModel:
         # too; a dense GEMM's rate at these rows would count its own weight reads again.
         measured = rows <= self.hw.moe_rows_measured()
         seconds = 0.0 if measured else 2 * pairs * expert / self._rate(rows)
-        if e.shared_experts:
-            w = gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp
-            reads, seconds = reads + w * self.wb, seconds + 2 * tokens * w / self._rate(tokens)
-        return reads, seconds, host
+        return reads + shared * self.wb, seconds + shared_s, 0.0, host
 
     def _offloaded(self, p: ParallelConfig) -> tuple[float, float] | None:
         """Offloaded models (``engine.gpu_memory_gb``): (the experts a layer keeps on a
@@ -310,11 +319,11 @@ class CostModel:
             weights, kv_token, busy = 0.0, 0.0, 0.0
             for i in own:
                 a_w, a_kv, a_flops, kv = self._attention(p, rows / mb, new, keys)
-                f_reads, f_cmp, f_host = self._ffn(p, i, tokens / mb, group_tokens / mb, phase, offloaded)
+                f_reads, f_cmp, f_kernel, f_host = self._ffn(p, i, tokens / mb, group_tokens / mb, phase, offloaded)
                 t_mem, t_cmp = (a_w + a_kv + f_reads) / bw, a_flops / self._rate(tokens / mb) + f_cmp
-                busy += max(t_mem, t_cmp) + f_host  # a block's roofline, then its cold experts
+                busy += max(t_mem, t_cmp) + f_kernel + f_host  # a block's roofline, its timed experts, its cold ones
                 split["host"] += f_host
-                split["memory"] += t_mem
+                split["memory"] += t_mem + f_kernel  # (a decode step's MoE kernel is bound by its reads)
                 split["compute"] += t_cmp
                 split["collectives"] += self._block_collectives(p, i, tokens / mb, group_tokens / mb, new)
                 split["overhead"] += hw.layer_overhead_us * 1e-6

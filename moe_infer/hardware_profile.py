@@ -36,7 +36,10 @@ class Hardware:
     runs at ``matmul_tflops``. ``collectives``: measured times of an all-reduce, all-gather
     and all-to-all by group size and message bytes; a group size it lacks is priced from
     the links. ``moe_read``: the fraction of ``mem_gbps`` at which the fused MoE kernel
-    reads experts of a size when each sees a number of rows (1 where not measured)."""
+    reads experts of a size when each sees a number of rows (1 where not measured).
+    ``moe_kernel``: the fused MoE kernel's time on the experts one rank of a model holds
+    (``moe_kernel_key``) by the tokens of a call, where ``moe-infer calibrate --models``
+    timed it; it stands in for ``moe_read``'s generic figure for that share."""
 
     name: str
     memory_gb: float  # per GPU
@@ -52,6 +55,7 @@ class Hardware:
     matmul_curve: dict = field(default_factory=dict)  # weight dtype -> {rows: TFLOP/s}
     collectives: dict = field(default_factory=dict)  # kind -> {ranks: {bytes: µs}}
     moe_read: dict = field(default_factory=dict)  # bytes of one expert -> {rows per expert: fraction of mem_gbps}
+    moe_kernel: dict = field(default_factory=dict)  # moe_kernel_key -> {tokens of a call: µs}
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "Hardware":
@@ -100,6 +104,23 @@ class Hardware:
                    for b, by in self.moe_read.items()]
         return max(_log_between(sorted(by_size), expert_bytes), 1e-3)
 
+    def moe_kernel_s(self, key: str, tokens: float) -> float | None:
+        """Seconds of one fused MoE call over ``tokens`` tokens on the experts ``key`` names
+        (``moe_kernel_key``), where calibrate timed that share: log-log between the measured
+        token counts, the fewest's time below them. None past the most tokens measured (the
+        generic terms take over there) and where the share was not timed."""
+        table = self.moe_kernel.get(key)
+        if not table:
+            return None
+        points = sorted((float(t), float(us)) for t, us in table.items())
+        if tokens > points[-1][0]:
+            return None
+        at = max(tokens, points[0][0])
+        for (t0, u0), (t1, u1) in zip(points, points[1:]):
+            if at <= t1:
+                return math.exp(math.log(u0) + math.log(u1 / u0) * math.log(at / t0) / math.log(t1 / t0)) * 1e-6
+        return points[-1][1] * 1e-6
+
     def moe_rows_measured(self) -> float:
         """The most rows per expert ``moe_read`` measured the kernel at (0 without a table):
         up to there its figure is the kernel's whole time, compute included."""
@@ -123,6 +144,13 @@ class Hardware:
     def link(self, ranks: int) -> Link:
         """The link a group of ``ranks`` consecutive ranks spans."""
         return self.nvlink if ranks <= self.gpus_per_node else self.network
+
+
+def moe_kernel_key(local: int, experts: int, hidden: int, width: int, top_k: int, activation: str) -> str:
+    """The ``moe_kernel`` key of a rank's experts: ``local`` of the model's ``experts`` (the
+    calls' routing picks among all of them), ``hidden`` wide, each ``width`` wide (its slice),
+    ``top_k`` a token, the model's activation."""
+    return f"E{local}/{experts}:H{hidden}:F{width}:k{top_k}:{activation}"
 
 
 def _log_between(points: list[tuple[float, float]], at: float) -> float:

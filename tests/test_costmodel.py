@@ -106,12 +106,39 @@ def test_the_measured_moe_kernel_time_holds_its_compute_up_to_the_rows_measured(
     expert = 3 * 1024 * 4096 * 2
     timed = CostModel(cfg, machine(moe_read={expert: {1: 0.5, 16: 0.9}}))
     assert timed.hw.moe_rows_measured() == 16 and machine().moe_rows_measured() == 0
-    reads, seconds, _ = timed._ffn(ParallelConfig(), 0, 1, 1)  # one token: 2 experts, a row each
+    reads, seconds, _, _ = timed._ffn(ParallelConfig(), 0, 1, 1)  # one token: 2 experts, a row each
     assert seconds == 0 and reads == pytest.approx(2 * expert / 0.5)
-    _, untimed, _ = CostModel(cfg, machine())._ffn(ParallelConfig(), 0, 1, 1)
+    _, untimed, _, _ = CostModel(cfg, machine())._ffn(ParallelConfig(), 0, 1, 1)
     assert untimed > 0
-    _, past, _ = timed._ffn(ParallelConfig(), 0, 256, 256)  # 64 rows an expert: past the table
+    _, past, _, _ = timed._ffn(ParallelConfig(), 0, 256, 256)  # 64 rows an expert: past the table
     assert past == pytest.approx(2 * 256 * 2 * (expert / 2) / timed._rate(64))
+
+
+def test_the_kernel_timed_on_a_ranks_share_stands_in_for_the_generic_expert_terms():
+    """``moe_kernel`` (calibrate ``--models``): where the profile timed the fused kernel on
+    the experts a rank of the layout holds, that time, log-log in the tokens between the
+    measured counts, is the experts' whole cost; past the most tokens measured, or for a
+    share not timed, the generic terms (bytes over ``moe_read``'s rate) come back."""
+    from moe_infer.config import Config, MoEConfig
+    from moe_infer.hardware_profile import moe_kernel_key
+
+    cfg = Config(ModelConfig(vocab_size=1000, hidden_size=1024, num_layers=2, num_heads=8, num_kv_heads=8,
+                             ffn_hidden=4096), MoEConfig(num_experts=8, top_k=2, expert_hidden=4096))
+    whole, ep2 = moe_kernel_key(8, 8, 1024, 4096, 2, "swiglu"), moe_kernel_key(4, 8, 1024, 4096, 2, "swiglu")
+    assert whole == "E8/8:H1024:F4096:k2:swiglu"
+    timed = CostModel(cfg, machine(moe_kernel={whole: {1: 100.0, 16: 400.0}, ep2: {1: 60.0}}))
+    assert timed._ffn(ParallelConfig(), 0, 1, 1) == (0.0, 0.0, pytest.approx(100e-6), 0.0)
+    assert timed._ffn(ParallelConfig(), 0, 4, 4)[2] == pytest.approx(200e-6)  # 4 tokens: halfway, in logs
+    assert timed._ffn(ParallelConfig(), 0, 0.5, 0.5)[2] == pytest.approx(100e-6)  # below: the fewest's time
+    assert timed._ffn(ParallelConfig(dp=2, ep=2), 0, 1, 1)[2] == pytest.approx(60e-6)  # the ep2 rank's share
+    generic = CostModel(cfg, machine())
+    for p, t in ((ParallelConfig(), 32), (ParallelConfig(tp=2), 1)):  # past the table; F / 2 not timed
+        assert timed._ffn(p, 0, t, t) == generic._ffn(p, 0, t, t) and timed._ffn(p, 0, t, t)[2] == 0.0
+    assert CostModel(cfg, timed.hw, weight_bytes=1.0)._ffn(ParallelConfig(), 0, 1, 1)[2] == 0.0  # int8: not timed
+    # a decode step: each of the two MoE layers costs its timed kernel instead of reading two experts
+    expert = 3 * 1024 * 4096 * 2
+    a, b = (m.predict(ParallelConfig(), "decode", batch=1, context=0) for m in (timed, generic))
+    assert (a.split["memory"] - b.split["memory"]) / 1e3 == pytest.approx(2 * (100e-6 - 2 * expert / 1000e9))
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
@@ -354,9 +381,40 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
                                          for by in hw.moe_read.values())
     curve = hw.matmul_curve["bfloat16"]
     assert sorted(curve) == [1, 8, 32] and all(rate > 0 for rate in curve.values())
+    assert hw.moe_kernel == {}  # no --models
     capsys.readouterr()
     assert main(["plan", "--model", "tiny-moe", "--gpus", "1", "--hardware", str(out)]) == 0
     assert "tiny-moe on 1 x here" in capsys.readouterr().out
+
+
+def test_calibrate_times_the_moe_kernel_on_each_share_of_the_models_experts(tmp_path, capsys):
+    """``--models``: the kernel on every share a layout of up to ``--moe-ranks`` GPUs gives a
+    rank (E / ep experts, each F / s wide), by the tokens of a call; ``plan`` then prices
+    those layers from it. Bad values are refused with one line naming the option."""
+    from moe_infer.calibrate import moe_shares
+    from moe_infer.hardware_profile import moe_kernel_key
+
+    assert moe_shares(8, 64, (1, 2)) == [(1, 1), (1, 2), (2, 1)]
+    assert moe_shares(6, 64, (1, 2, 4)) == [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)]  # 4 does not divide 6 experts
+    out = tmp_path / "moe.yaml"
+    assert main(["calibrate", "--smoke", "--device", "cpu", "--out", str(out), "--models", "tiny-moe",
+                 "--moe-ranks", "1,2"]) == 0
+    hw, cfg = Hardware.load(out), resolve_config("tiny-moe")
+    m, e = cfg.model, cfg.moe
+    keys = {moe_kernel_key(e.num_experts // ep, e.num_experts, m.hidden_size, e.expert_hidden // s, e.top_k,
+                           m.activation) for ep, s in moe_shares(e.num_experts, e.expert_hidden, (1, 2))}
+    assert set(hw.moe_kernel) == keys and len(keys) == 3
+    assert all(sorted(by) == [1, 4] and all(us > 0 for us in by.values()) for by in hw.moe_kernel.values())
+    whole = next(k for k in keys if k.startswith(f"E{e.num_experts}/"))
+    model = CostModel(cfg, hw)
+    assert model._ffn(ParallelConfig(), cfg.moe.first_dense, 1, 1)[2] == pytest.approx(
+        hw.moe_kernel[whole][1] * 1e-6)
+    for bad, match in ((["--models", "gpt-j-6b"], "not a mixture-of-experts"),
+                       (["--models", "tiny-moe", "--moe-ranks", "0"], "--moe-ranks 0"),
+                       (["--moe-ranks", "2"], "with --models only")):
+        capsys.readouterr()
+        assert main(["calibrate", "--smoke", "--device", "cpu", "--out", str(out), *bad]) == 2
+        assert match in capsys.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (the test extras install mpich)")
