@@ -5,6 +5,7 @@ model fits, and transformers + accelerate at the same budget.
 
     python scripts/bench_offload.py --model mixtral-8x7b --budgets 70,40 --peer
     python scripts/bench_offload.py --model qwen3-30b-a3b --budgets 16
+    python scripts/bench_offload.py --model mixtral-8x7b --budgets "" --layers-batches 64,256   # ZeRO alone
     python scripts/bench_offload.py --smoke          # tiny-moe on the CPU, every mode
 
 Random weights. Per budget and mode (``engine.offload``: auto, cpu, stream): decode ms per
@@ -197,7 +198,8 @@ def kv_rows(args, device, prompts_of) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="mixtral-8x7b", help="a preset name or config YAML (random weights)")
-    ap.add_argument("--budgets", default="70,40", help="GB of weights on the device, comma list")
+    ap.add_argument("--budgets", default="70,40", help="GB of weights on the device, comma list ('' for none: "
+                                                       "with --layers-batches or --kv-batches alone)")
     ap.add_argument("--modes", default="auto,cpu,stream")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -214,7 +216,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, every mode, few tokens")
     ap.add_argument("--no-json", action="store_true")
     args = ap.parse_args()
-    device = None
+    device = None if torch.cuda.is_available() else "cpu"  # a GPU where there is one
     if args.smoke:
         args.model, args.budgets, args.batches, args.new_tokens, args.reps = "tiny-moe", "0.0016", "1,4", 4, 1
         args.prefill, args.prompt_len, args.all_gpu, device = "2x16", 8, True, "cpu"
@@ -229,7 +231,7 @@ def main():
         return [torch.randint(0, vocab, (n,), generator=gen).tolist() for _ in range(b)]
 
     runs = [(None, "all")] if args.all_gpu else []
-    runs += [(float(b), m) for b in args.budgets.split(",") for m in args.modes.split(",")]
+    runs += [(float(b), m) for b in filter(None, args.budgets.split(",")) for m in args.modes.split(",")]
     for budget, mode in runs:
         engine = moe_infer.load(args.model, device=device, progress=False, gpu_memory_gb=budget,
                                 offload=None if budget is None else mode)
@@ -275,19 +277,20 @@ def main():
                              "cpu_calls": None, "prefill_tokens_s": None})
     run = bc.run_info(device or "cuda")
     print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | model {args.model}, random "
-          f"weights | copy {copy_bytes_s / 1e9:.0f} GB/s | prompts {args.prompt_len} tokens, {args.new_tokens} new, "
+          f"weights | copy {'-' if copy_bytes_s is None else format(copy_bytes_s / 1e9, '.0f')} GB/s | prompts {args.prompt_len} tokens, {args.new_tokens} new, "
           f"prefill {args.prefill}")
 
     def opt(v, fmt):
         return "-" if v is None else format(v, fmt)
     cols = ["budget GB", "mode", "batch", "ms/token", "floor ms", "x floor", "hit rate", "cold experts/step",
             "cold on CPU", "prefill tok/s"]
-    print(bc.format_table(cols, [[opt(r["budget_gb"], "g"), r["mode"], r["batch"], opt(r["ms_per_token"], ".3f"),
-                                  opt(r["floor_ms"], ".3f"),
-                                  opt(r["ms_per_token"] / r["floor_ms"] if r["floor_ms"] else None, ".2f"),
-                                  opt(r["hit_rate"], ".2f"), opt(r["cold_experts_per_step"], ".1f"),
-                                  opt(r["cpu_calls"], ".0%"), opt(r["prefill_tokens_s"], ".0f")]
-                                 for r in rows_out]))
+    if rows_out:
+        print(bc.format_table(cols, [[opt(r["budget_gb"], "g"), r["mode"], r["batch"], opt(r["ms_per_token"], ".3f"),
+                                      opt(r["floor_ms"], ".3f"),
+                                      opt(r["ms_per_token"] / r["floor_ms"] if r["floor_ms"] else None, ".2f"),
+                                      opt(r["hit_rate"], ".2f"), opt(r["cold_experts_per_step"], ".1f"),
+                                      opt(r["cpu_calls"], ".0%"), opt(r["prefill_tokens_s"], ".0f")]
+                                     for r in rows_out]))
     if layers:
         print(f"ZeRO-Inference (offload: layers, prefetch 1): prefill of {args.layers_prompt_len}-token prompts")
         print(bc.format_table(["batch", "tokens/s", "TFLOP/s", "% of matmul"],
