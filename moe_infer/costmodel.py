@@ -208,7 +208,9 @@ class CostModel:
         shared_s = 2 * tokens * shared / self._rate(tokens) if shared else 0.0
         # Where calibrate timed the kernel on this very share (bf16 experts on the device),
         # its time: the generic terms below price experts by size and rows alone, and miss
-        # what the kernel's launch configuration for the share does.
+        # what the kernel's launch configuration for the share does. (It was timed on calls
+        # holding every token with the other ranks' pairs masked; a rank whose pairs come
+        # through an all-to-all runs on those alone, priced the same.)
         timed = None if offloaded is not None or self.eb != 2.0 else self.hw.moe_kernel_s(
             moe_kernel_key(local, e.num_experts, m.hidden_size, e.expert_hidden // p.expert_slicing, e.top_k,
                            m.activation), group_tokens)
