@@ -405,7 +405,7 @@ def test_calibrate_times_the_moe_kernel_on_each_share_of_the_models_experts(tmp_
                            m.activation) for ep, s in moe_shares(e.num_experts, e.expert_hidden, (1, 2))}
     assert set(hw.moe_kernel) == keys and len(keys) == 3
     assert all(sorted(by) == [1, 4] and all(us > 0 for us in by.values()) for by in hw.moe_kernel.values())
-    whole = next(k for k in keys if k.startswith(f"E{e.num_experts}/"))
+    whole = moe_kernel_key(e.num_experts, e.num_experts, m.hidden_size, e.expert_hidden, e.top_k, m.activation)
     model = CostModel(cfg, hw)
     assert model._ffn(ParallelConfig(), cfg.moe.first_dense, 1, 1)[2] == pytest.approx(
         hw.moe_kernel[whole][1] * 1e-6)
