@@ -18,7 +18,8 @@ the layouts in one device session, so both come from the same machine. Random
 weights are drawn per rank's shard, so layouts run models of the same shapes, not the same
 values: this times, parity is the mpi tests' (tests/test_model_mpi.py). A second
 pass, under the profiler, splits a token's time into communication and the rest, and gives
-the GPU time of the experts' GEMMs (rank 0's; the baseline's too); the profiler slows that
+the time the experts' GEMMs add to the GPU's timeline (rank 0's; the baseline's too: kernels
+that start early and wait for the one before count once); the profiler slows that
 pass, so its total is printed beside the first. Writes bench/results/layouts-<model>-<N>ranks-<device>-<date>.json.
 """
 from __future__ import annotations
@@ -79,9 +80,25 @@ def is_expert_kernel(event) -> bool:
     return event.device_type == DeviceType.CUDA and any(k in event.name.lower() for k in EXPERT_KERNELS)
 
 
+def device_shares(events) -> dict[int, float]:
+    """id(event) -> the µs each GPU kernel of ``events`` adds to the device's timeline: over
+    the kernels in start order, the stretch from the later of its start and the latest end
+    before it to its own end. A kernel launched early (programmatic dependent launch) waits
+    inside its span for the one before, and a sum of spans would count that wait twice."""
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    shares, front = {}, None
+    for e in kernels:
+        start, end = e.time_range.start, e.time_range.end
+        shares[id(e)] = max(0.0, end - (start if front is None else max(start, front)))
+        front = end if front is None else max(front, end)
+    return shares
+
+
 def expert_s(events) -> float:
-    """Seconds the profiled ``events`` spent in the experts' GEMMs (``is_expert_kernel``)."""
-    return sum(e.time_range.elapsed_us() for e in events if is_expert_kernel(e)) / 1e6
+    """Seconds the profiled ``events``' experts' GEMMs (``is_expert_kernel``) add to the
+    device's timeline (``device_shares``)."""
+    shares = device_shares(events)
+    return sum(shares[id(e)] for e in events if is_expert_kernel(e)) / 1e6
 
 
 def profiled(engine, prompts, new: int):
@@ -106,16 +123,18 @@ def expert_ms(engine, prompts, n: int) -> float:
 def split_ms(engine, prompts, n: int) -> tuple[float, float, int, float]:
     """-> (ms per token under the profiler, of it in collectives, collectives per token, of
     it in this rank's expert GEMMs): generate() with n + 1 new tokens against 2, once each.
-    A collective's kernel (or gloo call) also lasts while it waits for the last rank to
-    arrive, and which rank waits varies from call to call; the rank that arrives last waits
-    for none, so each collective counts the shortest of its ranks' durations (where every
-    rank recorded the same sequence of collectives; else this rank's own)."""
+    A GPU collective counts what it adds to the device's timeline (``device_shares``), a
+    gloo call its duration. Either also lasts while it waits for the last rank to arrive,
+    and which rank waits varies from call to call; the rank that arrives last waits for
+    none, so each collective counts the least of its ranks' times (where every rank
+    recorded the same sequence of collectives; else this rank's own)."""
     out = []
     for new in (2, n + 1):
         dist.barrier()  # outside the profile: its wait for the slower rank is no step's
         wall, events = profiled(engine, prompts, new)
         comm = sorted((e for e in events if is_collective(e)), key=lambda e: e.time_range.start)
-        mine = [e.time_range.elapsed_us() for e in comm]
+        shares = device_shares(events)
+        mine = [shares.get(id(e), e.time_range.elapsed_us()) for e in comm]
         world = Group(None, dist.get_rank(), dist.get_world_size(), tuple(range(dist.get_world_size())))
         every = all_gather_json(mine, world, engine.device if engine.device.type == "cuda" else "cpu")
         if all(len(d) == len(mine) for d in every):

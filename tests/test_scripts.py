@@ -315,6 +315,27 @@ def test_bench_layouts_counts_the_expert_gemms_on_the_gpu_only():
     assert not bench_layouts.is_expert_kernel(SimpleNamespace(device_type=DeviceType.CPU, name="moe_up"))
 
 
+def test_bench_layouts_credits_each_kernel_with_what_it_adds_to_the_timeline():
+    """Kernels launched early wait inside their span for the one before: each is credited
+    from the later of its start and the latest end before it; a kernel inside another's
+    span adds nothing, and a gap before a kernel is nobody's. The experts' column sums
+    those shares; CPU events take no part."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    bench_layouts = _script("bench_layouts")
+
+    def kernel(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(device_type=device, name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [kernel("moe_up", 5.0, 20.0), kernel("_rms_norm_kernel", 0.0, 10.0), kernel("moe_down", 26.0, 28.0),
+              kernel("_gather_kernel", 25.0, 30.0), kernel("moe_up", 0.0, 99.0, DeviceType.CPU)]
+    shares = bench_layouts.device_shares(events)
+    assert [shares[id(e)] for e in events[:4]] == [10.0, 10.0, 0.0, 5.0] and id(events[4]) not in shares
+    assert bench_layouts.expert_s(events) == pytest.approx(10e-6)
+
+
 def test_first_layers_keeps_the_layer_shapes_and_the_per_layer_lists_that_still_apply():
     """bench_decode --layers: a model of the real layer shapes, cut to fit one GPU; the engine
     loads from the Config object itself."""
