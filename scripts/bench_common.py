@@ -170,6 +170,19 @@ def prime_graphs(device: torch.device | str) -> None:
         _PRIMED.add(index)
 
 
+def timeline_shares(spans: Sequence[tuple[float, float]]) -> list[float]:
+    """What each (start, end) span of a device's kernels adds to the timeline they cover, in
+    the spans' order: taken in start order, each from the later of its start and the latest
+    end before it to its own end. A kernel launched early (programmatic dependent launch)
+    waits inside its span for the one before; summed spans would count that wait twice."""
+    shares, front = [0.0] * len(spans), None
+    for i in sorted(range(len(spans)), key=lambda i: spans[i][0]):
+        start, end = spans[i]
+        shares[i] = max(0.0, end - (start if front is None else max(start, front)))
+        front = end if front is None else max(front, end)
+    return shares
+
+
 def time_graph(fn: Callable[[], Any], reps: int = 20, warmup: int = 3, *,
                device: torch.device | str | None = None) -> float:
     """Median time of one replay of ``fn`` captured in a CUDA graph, in microseconds.

@@ -81,17 +81,11 @@ def is_expert_kernel(event) -> bool:
 
 
 def device_shares(events) -> dict[int, float]:
-    """id(event) -> the µs each GPU kernel of ``events`` adds to the device's timeline: over
-    the kernels in start order, the stretch from the later of its start and the latest end
-    before it to its own end. A kernel launched early (programmatic dependent launch) waits
-    inside its span for the one before, and a sum of spans would count that wait twice."""
-    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    shares, front = {}, None
-    for e in kernels:
-        start, end = e.time_range.start, e.time_range.end
-        shares[id(e)] = max(0.0, end - (start if front is None else max(start, front)))
-        front = end if front is None else max(front, end)
-    return shares
+    """id(event) -> the µs each GPU kernel of ``events`` adds to the device's timeline
+    (``bench_common.timeline_shares``)."""
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    shares = bc.timeline_shares([(e.time_range.start, e.time_range.end) for e in kernels])
+    return {id(e): share for e, share in zip(kernels, shares)}
 
 
 def expert_s(events) -> float:
