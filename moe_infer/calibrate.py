@@ -124,14 +124,15 @@ def moe_shares(num_experts: int, width: int, ranks: tuple[int, ...]) -> list[tup
 
 
 def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], tokens: tuple[int, ...],
-                reps: int) -> dict:
+                reps: int, progress=None) -> dict:
     """-> {moe_kernel_key: {tokens: µs}}: ``kernels.fused_moe`` on each share (``moe_shares``)
     of each model's experts (``models``: Configs), random weights of the model's sizes, each
     call's tokens routed top-k over all the model's experts (uniformly; ids of the other
     ranks' experts masked as expert-parallel ranks holding the same tokens do), several
     input sets a call, replayed from a CUDA graph on a GPU. The weights are bf16 on a GPU,
     float32 on the CPU (each one's inference dtype); biases are left out (their bytes are
-    small beside the experts')."""
+    small beside the experts'). ``progress(line)``, where given, hears of each share timed
+    (a run of several models takes minutes, most of it compiling each share's kernels)."""
     from kernels import fused_moe, topk_gating
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -155,6 +156,8 @@ def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], toke
                 step = lambda: [fused_moe(x, w13, w2, w, ids, act, masked=ep > 1) for x, ids, w in calls]  # noqa: E731
                 by_tokens[t] = _figure(_step_seconds(step, device, reps) / len(calls) * 1e6)
             del w13, w2
+            if progress is not None:
+                progress(f"moe kernel {key}: " + ", ".join(f"{t} tokens {us:g} us" for t, us in by_tokens.items()))
     return out
 
 
@@ -277,10 +280,10 @@ def _slowest(value: float, device: torch.device) -> float:
 
 
 def measure(device: torch.device, smoke: bool = False, name: str | None = None, models: list = (),
-            moe_ranks: tuple[int, ...] | None = None) -> Hardware:
+            moe_ranks: tuple[int, ...] | None = None, progress=None) -> Hardware:
     """This machine (one GPU, or the CPU) as a hardware profile; with ``models`` (Configs of
     MoE models) also the MoE kernel on their shares for layouts of up to max(``moe_ranks``)
-    GPUs (default: 1, 2, 4, ... up to the job's ranks)."""
+    GPUs (default: 1, 2, 4, ... up to the job's ranks), each share told to ``progress``."""
     reps = 3 if smoke else 10
     big = (16 << 20) if smoke else ((1 << 30) if device.type == "cuda" else (256 << 20))
     n = 256 if smoke else (8192 if device.type == "cuda" else 1024)
@@ -309,7 +312,7 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None, 
         world = dist.get_world_size() if dist.is_initialized() else 1
         ranks = moe_ranks or tuple(2 ** i for i in range(world.bit_length()) if 2 ** i <= world)
         moe_kernel = _moe_kernel(device, list(models), ranks, MOE_KERNEL_TOKENS[:2] if smoke else MOE_KERNEL_TOKENS,
-                                 reps)
+                                 reps, progress)
     measured = _link(device, 4096, (1 << 20) if smoke else (64 << 20), reps)
     link, how = measured if measured else (None, "")
     collectives = {}

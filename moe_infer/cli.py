@@ -340,7 +340,8 @@ def _calibrate(args, job: Job) -> int:
     models, ranks = job.stage(_calibrate_models, args)
     if job.size > 1:
         device = bootstrap(backend="nccl" if device.type == "cuda" else "gloo").device
-    hw = measure(torch.device(device), smoke=args.smoke, name=args.name, models=models, moe_ranks=ranks)
+    hw = measure(torch.device(device), smoke=args.smoke, name=args.name, models=models, moe_ranks=ranks,
+                 progress=(lambda line: print(line, flush=True)) if job.leader else None)
     if job.leader:
         hw.dump(args.out)
         print(f"{args.out}: {hw.name}, memory {hw.mem_gbps:,.0f} GB/s, bf16 matmul {hw.matmul_tflops['bfloat16']:,.1f} "
