@@ -43,6 +43,19 @@ def device_dtype(request):
     return request.param
 
 
+@pytest.fixture(scope="session")
+def info():
+    """The multi-rank tests' job: this rank's process group and device (``comm.bootstrap``)."""
+    from comm import bootstrap
+
+    return bootstrap(timeout_s=120)
+
+
+@pytest.fixture(scope="session")
+def world(info):
+    return info.world_size
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Under mpirun a test that fails on one rank would leave the others blocked in their

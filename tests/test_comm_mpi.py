@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from comm import Group, ParallelGroups, all_gather, all_reduce, all_to_all, bootstrap
+from comm import Group, ParallelGroups, all_gather, all_reduce, all_to_all
 from dense.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 pytestmark = pytest.mark.mpi
@@ -21,11 +21,6 @@ class Layout:
     def __init__(self, tp, dp, ep=1, expert_slicing=1, pp=1, all_reduce="auto"):
         self.tp, self.dp, self.ep, self.expert_slicing, self.pp = tp, dp, ep, expert_slicing, pp
         self.all_reduce = all_reduce
-
-
-@pytest.fixture(scope="session")
-def info():
-    return bootstrap(timeout_s=60)
 
 
 @pytest.fixture(autouse=True)

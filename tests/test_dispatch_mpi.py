@@ -8,28 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comm import Group, bootstrap
+from comm import Group
 from dense.parallel_linear import VocabParallelHead
 from moe_infer import ParallelConfig
 from moe_infer.dispatch import ExpertParallelDispatcher
 from moe_infer.gating import Routing
 from moe_infer.moe_layer import MoELayer
+from parity import rel_err
 
 pytestmark = pytest.mark.mpi
-
-
-@pytest.fixture(scope="module")
-def info():
-    return bootstrap(timeout_s=120)
-
-
-@pytest.fixture(scope="module")
-def world(info):
-    return info.world_size
-
-
-def rel_err(got, ref):
-    return ((got.float() - ref).norm() / ref.norm()).item()
 
 
 class _Identity:

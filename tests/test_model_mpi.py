@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 
 import moe_infer
-from comm import Group, all_gather_json, bootstrap
+from comm import Group, all_gather_json
 from dense.parallel_linear import VocabParallelHead
 from hf_models import save_hf_model
 from moe_infer import ParallelConfig
 from moe_infer.moe_layer import MoELayer
+from parity import rel_err
 from moe_infer.outputs import Sampled
 
 pytestmark = pytest.mark.mpi
@@ -73,16 +74,6 @@ def layouts(world):
     return out
 
 
-@pytest.fixture(scope="module")
-def info():
-    return bootstrap(timeout_s=120)
-
-
-@pytest.fixture(scope="module")
-def world(info):
-    return info.world_size
-
-
 @pytest.fixture(scope="module", params=list(FAMILY_KW))
 def checkpoint(request, info):
     import hf_models
@@ -104,10 +95,6 @@ def checkpoint(request, info):
         spec["kw"].update(saved)
     reference = moe_infer.load(path, device=info.device, dtype=torch.float32, progress=False)
     return path, reference
-
-
-def rel_err(got, ref):
-    return ((got.float() - ref).norm() / ref.norm()).item()
 
 
 def test_layouts_match_single_process(info, checkpoint):
