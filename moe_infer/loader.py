@@ -195,6 +195,8 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
     # Quantized weights whose full-precision ones do not fit on the GPU: load them into host
     # memory and quantize onto the GPU one module at a time.
     _materialize(model, torch.device("cpu") if staged else dev, dt, on_host, cfg.engine.offload_dir)
+    if streamed:  # where the blocks run: random values are drawn there, as for the all-GPU model
+        model.home = dev
     prepare = None
     if cfg.checkpoint is not None:
         load_checkpoint(model, cfg, cfg.checkpoint, progress=progress)
@@ -226,7 +228,6 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         p = cfg.parallel
         same = groups.dp if p.tp % (p.ep * p.expert_slicing) == 0 else None
         LayerStreamer(model.layers, dev, cfg.engine.prefetch_layers, same)
-        model.home = dev
     model.eval()
     tokenizer = None
     if cfg.checkpoint is not None and (Path(cfg.checkpoint) / "tokenizer.json").is_file():
