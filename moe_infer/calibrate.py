@@ -112,6 +112,9 @@ def _moe_read(device: torch.device, shapes: tuple, rows: tuple[int, ...], reps: 
 
 
 MOE_KERNEL_TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 1024)  # a call's tokens: decode's batches to small prefills
+# and on a GPU prefill forwards up to engine.prefill_tokens' default (a CPU's reference experts
+# take minutes at these sizes: the generic terms price its prefills)
+MOE_KERNEL_PREFILL_TOKENS = (4096, 16384)
 _ACTIVATION = {"swiglu": "silu", "gelu": "gelu", "swiglu_oai": "swiglu_oai"}  # config's -> the kernel's name
 
 
@@ -311,8 +314,9 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None, 
     if models:
         world = dist.get_world_size() if dist.is_initialized() else 1
         ranks = moe_ranks or tuple(2 ** i for i in range(world.bit_length()) if 2 ** i <= world)
-        moe_kernel = _moe_kernel(device, list(models), ranks, MOE_KERNEL_TOKENS[:2] if smoke else MOE_KERNEL_TOKENS,
-                                 reps, progress)
+        tokens = MOE_KERNEL_TOKENS[:2] if smoke else MOE_KERNEL_TOKENS + (
+            MOE_KERNEL_PREFILL_TOKENS if device.type == "cuda" else ())
+        moe_kernel = _moe_kernel(device, list(models), ranks, tokens, reps, progress)
     measured = _link(device, 4096, (1 << 20) if smoke else (64 << 20), reps)
     link, how = measured if measured else (None, "")
     collectives = {}

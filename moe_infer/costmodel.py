@@ -303,7 +303,12 @@ class CostModel:
         new = (prompt or context) if prefill else 1
         keys = (new / 2 if prefill else context)  # mean keys a query attends (causal prompt: half)
         rows = self._replica_rows(p, batch)
-        tokens = rows * new
+        # A prefill runs as generate() runs it (``engine.prefill_plan``): forwards of at most
+        # ``engine.prefill_tokens`` tokens, whole prompts together while they fit, a longer
+        # prompt alone in pieces; every forward reads the weights again.
+        pieces = math.ceil(new / cfg.engine.prefill_tokens) if prefill else 1
+        new_f = new / pieces
+        tokens = rows * new_f
         # The tokens one rank's experts see: its replica's, or under dp-attention those of
         # every replica that shares the experts (the all-to-all gathers them).
         sharing = max(1, p.ep * p.expert_slicing // p.tp) if p.dp_attention else 1
@@ -313,6 +318,8 @@ class CostModel:
         stages = stage_layers(cfg, p.pp)
         bw = hw.mem_gbps * GB
         mb = (p.prompt_micro_batches if prefill else p.micro_batches) if p.pp > 1 else 1
+        if prefill:  # groups of rows a forward takes
+            mb = max(mb, math.ceil(rows / max(1, cfg.engine.prefill_tokens // math.ceil(new_f))))
         mb = max(1, min(mb, math.ceil(rows)))
         per_stage, splits, mem_bytes = [], [], []
         offloaded = self._offloaded(p)
@@ -320,14 +327,14 @@ class CostModel:
             split = dict.fromkeys(("memory", "compute", "collectives", "overhead", "host"), 0.0)
             weights, kv_token, busy = 0.0, 0.0, 0.0
             for i in own:
-                a_w, a_kv, a_flops, kv = self._attention(p, rows / mb, new, keys)
+                a_w, a_kv, a_flops, kv = self._attention(p, rows / mb, new_f, keys)
                 f_reads, f_cmp, f_kernel, f_host = self._ffn(p, i, tokens / mb, group_tokens / mb, phase, offloaded)
                 t_mem, t_cmp = (a_w + a_kv + f_reads) / bw, a_flops / self._rate(tokens / mb) + f_cmp
                 busy += max(t_mem, t_cmp) + f_kernel + f_host  # a block's roofline, its timed experts, its cold ones
                 split["host"] += f_host
                 split["memory"] += t_mem + f_kernel  # (a decode step's MoE kernel is bound by its reads)
                 split["compute"] += t_cmp
-                split["collectives"] += self._block_collectives(p, i, tokens / mb, group_tokens / mb, new)
+                split["collectives"] += self._block_collectives(p, i, tokens / mb, group_tokens / mb, new_f)
                 split["overhead"] += hw.layer_overhead_us * 1e-6
                 weights += self._attention(p, 1, 1, 0)[0] + self._ffn_weights(p, i)  # held (decode's rows too)
                 kv_token += kv
@@ -354,9 +361,9 @@ class CostModel:
             split["collectives"] += hop
             # Prefill: every micro-batch once through the stages; decode: every micro-batch
             # one token, one a slot (max(M, P) slots: fewer groups than stages leave gaps).
-            seconds = (pipeline_slots(p.pp, mb, 1) if prefill else max(mb, p.pp)) * slot
+            seconds = (pipeline_slots(p.pp, mb * pieces, 1) if prefill else max(mb, p.pp)) * slot
         else:
-            seconds = slot
+            seconds = mb * pieces * slot
         out_tokens = batch * (new if prefill else 1)
         memory = max(mem_bytes) / GB
         return Prediction(layout_name(p), phase, batch, seconds * 1e3, out_tokens / seconds, memory,

@@ -13,9 +13,12 @@ latest run (``--superseded``: every run).
 The context of a step is the prompt plus half the new tokens (the mean over the timed
 steps). Then, per (model, device, batch) with several layouts of one world size measured,
 whether the layout the model ranks first among them is the measured-fastest one or within
-5% of it (``choices``). ``--offload``: the decode rows of ``scripts/bench_offload.py``
-results too (an offloaded model in a budget), each predicted with the hit rate the run
-measured, summed up apart. No GPU needed.
+5% of it (``choices``). Prefill, in a table of its own: the time to the first token of
+``scripts/bench_decode.py``'s prompt x batch matrix (one GPU, bf16: its decode-matrix-*.json)
+and the pipelined prompt processing of ``scripts/bench_pipeline.py`` (pp with each
+micro-batch count), each against the model's prefill of those prompts. ``--offload``: the
+decode rows of ``scripts/bench_offload.py`` results too (an offloaded model in a budget),
+each predicted with the hit rate the run measured, summed up apart. No GPU needed.
 """
 from __future__ import annotations
 
@@ -47,9 +50,20 @@ def rows_of(path: Path) -> list[dict]:
     if "rows" in d:
         return [dict(model=d["model"], device=device, layout=r["layout"], parallel=r["parallel"], batch=r["batch"],
                      ms=r["ms_per_token"], context=context, file=path.name, when=when) for r in d["rows"]]
-    if "decode" in d:  # scripts/bench_pipeline.py: ms a decode step of the whole batch
+    if "decode" in d:  # scripts/bench_pipeline.py: ms a decode step of the whole batch; its prompts' prefill
+        world = max((ParallelConfig(**r["parallel"]).world_size for r in d["decode"]), default=1)
         return [dict(model=d["model"], device=device, layout=r["layout"], parallel=r["parallel"], batch=r["batch"],
-                     ms=r["ms_per_step"], context=context, file=path.name, when=when) for r in d["decode"]]
+                     ms=r["ms_per_step"], context=context, file=path.name, when=when) for r in d["decode"]] + [
+            dict(model=d["model"], device=device, layout=f"pp{world}, {r['micro_batches']} micro-batches",
+                 parallel={"pp": world, "prompt_micro_batches": r["micro_batches"]}, batch=args["prompts"],
+                 ms=r["seconds"] * 1e3, context=args["prompt_tokens"], phase="prefill", file=path.name, when=when)
+            for r in d.get("prompts", [])]
+    if "cells" in d:  # scripts/bench_decode.py's matrix: the time to the first token, bf16 on one GPU
+        if args.get("quantize") is not None:
+            return []
+        return [dict(model=d["model"], device=device, layout="one GPU", parallel={}, batch=c["batch"],
+                     ms=c["prefill_s"] * 1e3, context=c["prompt_len"], phase="prefill", layers=args.get("layers"),
+                     file=path.name, when=when) for c in d["cells"]]
     if "ms_per_token" in d:  # a --baseline run: one GPU alone
         return [dict(model=d["model"], device=device, layout="one GPU", parallel={}, batch=int(b), ms=ms,
                      context=context, file=path.name, when=when) for b, ms in d["ms_per_token"].items()]
@@ -60,7 +74,8 @@ def latest(rows: list[dict]) -> list[dict]:
     """Each (model, device, layout, batch, context) once: its latest run's row (a row
     re-measured after the code changed measures the code as it is), in their order."""
     def key(r):
-        return r["model"], r["device"], r["layout"], json.dumps(r["parallel"], sort_keys=True), r["batch"], r["context"]
+        return (r["model"], r.get("layers"), r["device"], r.get("phase", "decode"), r["layout"],
+                json.dumps(r["parallel"], sort_keys=True), r["batch"], r["context"])
 
     keep: dict = {}
     for r in rows:
@@ -95,11 +110,15 @@ def compare(files: list[Path], hardware: str | None = None, offload_files: list[
         if profile is None:
             raise SystemExit(f"{r['file']}: no profile for {r['device']!r}; pass --hardware")
         cfg, hit_rate = resolve_config(r["model"]), None
+        if r.get("layers") is not None:  # a run on the model's first layers (``bench_decode.py --layers``)
+            cfg = bc.first_layers(cfg, r["layers"])
         if "offload" in r:
             budget, mode, hit_rate = r["offload"]
             cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, gpu_memory_gb=budget, offload=mode))
         model = CostModel(cfg, Hardware.load(profile), hit_rate=hit_rate)
-        pred = model.predict(ParallelConfig(**r["parallel"]), "decode", r["batch"], round(r["context"]))
+        phase = r.get("phase", "decode")  # (a prefill's context: its prompt)
+        pred = model.predict(ParallelConfig(**r["parallel"]), phase, r["batch"], round(r["context"]),
+                             prompt=r["context"] if phase == "prefill" else None)
         out.append({**r, "profile": profile, "predicted": pred.ms, "error": pred.ms / r["ms"] - 1})
     return out
 
@@ -114,7 +133,7 @@ def choices(rows: list[dict]) -> list[dict]:
     whether the first ran within 5% of the second."""
     cases: dict = {}
     for r in rows:
-        if r["layout"] != "one GPU" and "offload" not in r:
+        if r["layout"] != "one GPU" and "offload" not in r and r.get("phase", "decode") == "decode":
             cases.setdefault((r["model"], r["device"], gpus_of(r), r["batch"]), []).append(r)
     out = []
     for (model, device, gpus, batch), rs in sorted(cases.items()):
@@ -148,9 +167,10 @@ def main():
                     help="also the rows a later run of the same model, layout, batch and context measured again")
     args = ap.parse_args()
     files = [Path(f) for f in args.files] if args.files else sorted(
-        [*bc.RESULTS_DIR.glob("layouts-*.json"), *bc.RESULTS_DIR.glob("pipeline-*.json")])
+        [*bc.RESULTS_DIR.glob("layouts-*.json"), *bc.RESULTS_DIR.glob("pipeline-*.json"),
+         *bc.RESULTS_DIR.glob("decode-matrix-*.json")])
     everything = compare(files, args.hardware, [Path(f) for f in args.offload], args.superseded)
-    rows = [r for r in everything if "offload" not in r]
+    rows = [r for r in everything if "offload" not in r and r.get("phase", "decode") == "decode"]
     print(bc.format_table(["model", "layout", "batch", "measured ms", "predicted ms", "error", "profile", "file"], [
         [r["model"], r["layout"], r["batch"], f"{r['ms']:.3f}", f"{r['predicted']:.3f}", f"{r['error']:+.0%}",
          r["profile"], r["file"]] for r in rows]))
@@ -158,6 +178,18 @@ def main():
         errors = sorted(abs(r["error"]) for r in rows)
         print(f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15% "
               f"({by_gpus(rows, gpus_of, lambda r: abs(r['error']) <= 0.15)}); median |error| "
+              f"{errors[len(errors) // 2]:.0%}")
+    prefills = [r for r in everything if r.get("phase") == "prefill"]
+    if prefills:
+        print()
+        print(bc.format_table(["model", "layout", "prompt x batch", "measured ms", "predicted ms", "error", "profile",
+                               "file"],
+                              [[r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else ""), r["layout"],
+                                f"{r['context']} x {r['batch']}", f"{r['ms']:.1f}", f"{r['predicted']:.1f}",
+                                f"{r['error']:+.0%}", r["profile"], r["file"]] for r in prefills]))
+        errors = sorted(abs(r["error"]) for r in prefills)
+        print(f"prefill: {sum(e <= 0.15 for e in errors)} of {len(errors)} within 15% "
+              f"({by_gpus(prefills, gpus_of, lambda r: abs(r['error']) <= 0.15)}); median |error| "
               f"{errors[len(errors) // 2]:.0%}")
     offloaded = [r for r in everything if "offload" in r]
     if offloaded:

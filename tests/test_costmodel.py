@@ -177,6 +177,27 @@ def test_a_dense_decode_step_reads_its_weights_once():
     assert pp.memory_gb == pytest.approx(one.memory_gb / 2, rel=0.1)
 
 
+def test_a_prefill_runs_in_the_engines_forwards():
+    """A prefill is priced as generate() runs it (``engine.prefill_plan``): forwards of at
+    most ``engine.prefill_tokens`` tokens, whole prompts together while they fit, each
+    reading the weights again; a longer prompt in pieces."""
+    import dataclasses
+
+    cfg = dense_config()
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, prefill_tokens=1024))
+    cm = CostModel(cfg, machine(matmul_tflops={"bfloat16": 1e9, "int8": 1e9}))  # weight-bound at any size
+    two = cm.predict(ParallelConfig(), "prefill", 2, 0, prompt=512)  # one forward of 1024 tokens
+    eight = cm.predict(ParallelConfig(), "prefill", 8, 0, prompt=512)  # four of them
+    assert eight.ms == pytest.approx(4 * two.ms, rel=1e-6)
+    assert eight.tokens_per_s == pytest.approx(two.tokens_per_s, rel=1e-6)
+    # One 4096-token prompt: four 1024-token pieces, each its own forward (its own weight reads)
+    assert cm.predict(ParallelConfig(), "prefill", 1, 0, prompt=4096).ms > 3.9 * two.ms
+    # A budget that holds all eight prompts: one forward, the weights read once (their KV too)
+    wide = CostModel(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, prefill_tokens=4096)),
+                     machine(matmul_tflops={"bfloat16": 1e9, "int8": 1e9}))
+    assert wide.predict(ParallelConfig(), "prefill", 8, 0, prompt=512).ms < 0.4 * eight.ms
+
+
 def test_expert_terms_follow_the_layout():
     cfg = resolve_config("mixtral-8x7b")
     cm = CostModel(cfg, machine())
