@@ -139,14 +139,15 @@ def peer_ms(model_name: str, budget_gb: float, prompts, n: int) -> float | None:
     cfg = hf_config(moe_infer.config_files.load_preset(model_name))
     if cfg is None:
         return None
-    # Built without weights, then filled with random bf16 values in host memory: transformers'
-    # own initialisation of billions of parameters on the CPU takes minutes.
+    # Built without weights, then filled with random bf16 values in host memory, drawn on the
+    # GPU: transformers' own initialisation, or drawing tens of billions of values on the
+    # CPU, takes minutes.
     with init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cuda:0").manual_seed(0)
     for name, p in list(model.named_parameters(remove_duplicate=False)):
-        value = torch.empty(p.shape, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
-        set_module_tensor_to_device(model, name, "cpu", value=value)
+        value = torch.empty(p.shape, dtype=torch.bfloat16, device="cuda:0").normal_(0, 0.02, generator=gen)
+        set_module_tensor_to_device(model, name, "cpu", value=value.cpu())
     model.tie_weights()
     host_gb = max(1, int(bc.free_memory_bytes("cpu") / 2 ** 30) - 8)
     placement = infer_auto_device_map(model, max_memory={0: f"{budget_gb}GiB", "cpu": f"{host_gb}GiB"},
