@@ -107,8 +107,9 @@ def pipeline_slots(stages: int, micro_batches: int, units: int) -> int:
 @dataclass
 class Prediction:
     """One (layout, phase, batch): ``ms`` a decode step (every row one token) or the whole
-    prefill; ``tokens_per_s``; per GPU ``memory_gb``; the step's split (ms) into memory
-    reads, compute, collectives and fixed overhead on the critical rank."""
+    prefill; ``tokens_per_s``; per GPU ``memory_gb``; the split (ms) of the step or the
+    prefill's forwards (a pipeline's: of one slot) into memory reads, compute, collectives
+    and fixed overhead on the critical rank."""
 
     layout: str
     phase: str
@@ -364,6 +365,7 @@ class CostModel:
             seconds = (pipeline_slots(p.pp, mb * pieces, 1) if prefill else max(mb, p.pp)) * slot
         else:
             seconds = mb * pieces * slot
+            split = {k: v * mb * pieces for k, v in split.items()}  # every forward's
         out_tokens = batch * (new if prefill else 1)
         memory = max(mem_bytes) / GB
         return Prediction(layout_name(p), phase, batch, seconds * 1e3, out_tokens / seconds, memory,
