@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend
 
 import kernels
-from comm import Group, all_reduce
+from comm import Group, all_gather, all_reduce
 from dense.norm import RMSNorm, ShardedRMSNorm
 from dense.parallel_linear import Linear, RowParallelLinear
 from dense.rotary import Rotary, apply_rotary, pairs_to_halves
@@ -444,8 +444,27 @@ class Attention(nn.Module):
         """``_paged`` over a ``dense.kv_shard.TokenShardedKVCache``: every rank's new keys
         (and queries, where earlier keys are read) gathered and this rank's blocks' stored,
         then attention over this rank's keys -> this rank's heads [B, Hq, T, D]."""
-        from dense.kv_shard import combine_heads, gather_heads, own, split_attention
+        from dense.kv_shard import combine_heads, gather_heads, split_attention
 
+        scale = self.head_dim ** -0.5
+        if qkv.shape[1] == 1 and not ctx.causal and self.fusable and self.kv_replicas == 1:
+            # A decode step: every rank's q, k, v rows in one all-gather (an all-heads norm's
+            # sums added over the ranks first), then for each rank's part the QKV epilogue
+            # and the append of its heads' k and v at this rank's slots in one launch, the
+            # keys read where they lie: the torch ops below, in P + 1 launches.
+            if self.sharded_norm:
+                qkv = self._prenorm(qkv)
+            b, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+            parts = all_gather(qkv.contiguous(), self.tp, dim=0)  # [P * B, 1, W], rank by rank
+            k_pool, v_pool = cache.pools(layer)
+            epilogue = self._epilogue(qkv.device)
+            q_all = torch.cat([kernels.qkv_decode(parts[j * b:(j + 1) * b], hq, hkv, d, k_pool[:, j * hkv:(j + 1) * hkv],
+                                                  v_pool[:, j * hkv:(j + 1) * hkv], cache.write_slots, ctx.cos,
+                                                  ctx.sin, *epilogue, pdl=self.options.pdl)
+                               for j in range(self.tp.size)], dim=1)  # [B, P * Hq, 1, D]
+            out, lse = kernels.paged_decode_partial(q_all[:, :, 0], k_pool, v_pool, cache.read_slots,
+                                                    cache.visible(ctx.attn_mask), scale)
+            return combine_heads(out[:, :, None], lse[:, :, None], self.tp, self.sinks)
         q, k, v = self._unfused(qkv, ctx)  # this rank's heads
         if ctx.causal:  # fresh prompts attend over their own keys: this rank's heads, as unsplit
             k_all, v_all = gather_heads(self.tp, k, v)
@@ -455,11 +474,10 @@ class Attention(nn.Module):
         cache.write(layer, k_all[:, ::r], v_all[:, ::r])
         if ctx.causal:
             return self._sdpa(q, k, v, ctx)
-        scale = self.head_dim ** -0.5
         if qkv.shape[1] == 1:  # a decode step reads this rank's keys where they lie in the pool
             k_pool, v_pool = cache.pools(layer)
             out, lse = kernels.paged_decode_partial(q_all[:, :, 0], k_pool, v_pool, cache.read_slots,
-                                                    own(ctx.attn_mask, cache.own_keys)[:, 0, 0], scale)
+                                                    cache.visible(ctx.attn_mask), scale)
             return combine_heads(out[:, :, None], lse[:, :, None], self.tp, self.sinks)
         return split_attention(q_all, *cache.gather(layer), ctx.attn_mask, cache.own_keys, scale, self.tp, self.sinks)
 

@@ -6,7 +6,8 @@ tokens in blocks b with b % tp == r, so no token is cached twice, and each atten
 (``Attention._paged_by_tokens``):
 
 1. gathers every rank's queries and new keys and values (each rank computes its heads'), in
-   one all-gather (``gather_heads``);
+   one all-gather (``gather_heads``; a decode step gathers the QKV rows before their
+   epilogue and runs it on each rank's part in one launch, which also does step 2);
 2. stores the new keys and values whose blocks are its own;
 3. attends with all query heads over its own tokens only, keeping each row's log-sum-exp: a
    decode step reads its keys in place (``kernels.paged_decode_partial``), other steps
@@ -44,10 +45,19 @@ class TokenShardedKVCache(PagedKVCache):
         self.local_trash = self.trash  # this rank's padding slot
         self.num_blocks, self.trash = num_blocks, num_blocks * block_size  # the callers' (global) view
         self.own_keys: torch.Tensor | None = None
+        self._visible: tuple | None = None  # (a step's mask, the keys of it read here)
 
     def use_slots(self, write_slots: torch.Tensor, read_slots: torch.Tensor):
         self.own_keys = self._own(read_slots)
+        self._visible = None
         super().use_slots(self._local(write_slots), self._local(read_slots))
+
+    def visible(self, mask: torch.Tensor) -> torch.Tensor:
+        """A decode step's mask [B, 1, 1, S] -> the keys each row reads here, bool [B, S]:
+        made once a step for the layers that share the mask."""
+        if self._visible is None or self._visible[0] is not mask:
+            self._visible = (mask, own(mask, self.own_keys)[:, 0, 0])
+        return self._visible[1]
 
     def _own(self, slots: torch.Tensor) -> torch.Tensor:
         return (slots != self.trash) & ((slots // self.block_size) % self.ranks == self.rank)
