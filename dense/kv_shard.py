@@ -13,8 +13,9 @@ tokens in blocks b with b % tp == r, so no token is cached twice, and each atten
    decode step reads its keys in place (``kernels.paged_decode_partial``), other steps
    through a gathered copy (``split_attention``);
 4. sends each rank the partial outputs of that rank's heads with their log-sum-exps (one
-   all-to-all), and combines those of its own (each weighted by its share of the softmax's
-   denominator) for the output projection (``combine_heads``).
+   all-to-all), and merges those of its own (each weighted by its share of the softmax's
+   denominator; ``kernels.merge_partials``, one launch on a GPU) for the output projection
+   (``combine_heads``).
 
 Splitting by tokens rather than by sequences (PaLM's batch-sharded attention) keeps every
 rank busy whatever the batch, one sequence included, and leaves the block tables, the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from comm import Group, all_gather, all_to_all
 from dense.attention import PagedKVCache
 from kernels.attention.reference import partial_attention_ref
@@ -80,30 +82,18 @@ def gather_heads(tp: Group, *parts: torch.Tensor) -> list[torch.Tensor]:
     return [z.flatten(1, 2) for z in got.split(sizes, dim=2)]
 
 
-def combine(outs: torch.Tensor, lses: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The ranks' partial attentions outs [P, B, H, T, D] and lses [P, B, H, T] -> the whole
-    softmax's output [B, H, T, D]; ``sinks`` [H]: one more logit per head in the denominator
-    (GPT-OSS), which adds no value."""
-    total = torch.logsumexp(lses, dim=0)  # [B, H, T]
-    if sinks is not None:
-        total = torch.logaddexp(total, sinks.to(total.dtype)[None, :, None])
-    # 0 for a rank with none of the keys; a row with no key anywhere (a padding row) gets
-    # zeros, not NaN: its keys go to the padding slot, which masked reads still multiply.
-    share = torch.exp(lses - total.clamp(min=torch.finfo(total.dtype).min)[None])  # [P, B, H, T]
-    return (outs.to(share.dtype) * share[..., None]).sum(0).to(outs.dtype)
-
-
 def combine_heads(out: torch.Tensor, lse: torch.Tensor, tp: Group, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's partial attention of every rank's query heads over its own keys, out
     [B, H, T, Dv] and lse [B, H, T] -> the whole attention of this rank's heads
     [B, H / P, T, Dv]: each rank's partials of a rank's heads go to that rank (one
-    all-to-all of both, packed), which combines them (``sinks``: this rank's heads')."""
+    all-to-all of both, packed), which merges them (``kernels.merge_partials``; ``sinks``:
+    this rank's heads')."""
     b, h, t, dv = out.shape
     hr = h // tp.size
     packed = torch.cat([out.to(lse.dtype), lse[..., None]], dim=-1).transpose(0, 1).contiguous()  # [H, B, T, Dv + 1]
     counts = [hr] * tp.size  # heads a rank: rank j receives its own from every rank
-    got = all_to_all(packed, counts, tp, counts)[0].unflatten(0, (tp.size, hr)).transpose(1, 2)  # [P, B, Hr, T, Dv + 1]
-    return combine(got[..., :dv], got[..., dv], sinks).to(out.dtype)
+    got = all_to_all(packed, counts, tp, counts)[0]  # [P * Hr, B, T, Dv + 1]: every rank's partials of these heads
+    return kernels.merge_partials(got.view(tp.size, hr, b, t, dv + 1), sinks, out.dtype)
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, own_keys: torch.Tensor,

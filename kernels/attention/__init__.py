@@ -17,7 +17,9 @@ of that name from the function to the module.
 """
 from __future__ import annotations
 
-from kernels.attention.reference import (latent_prologue_ref, paged_decode_attention_ref,
+import torch
+
+from kernels.attention.reference import (latent_prologue_ref, merge_partials_ref, paged_decode_attention_ref,
                                          paged_decode_partial_ref, paged_latent_decode_ref, qkv_attention_ref,
                                          qkv_decode_ref, qkv_decode_supported)
 
@@ -43,6 +45,19 @@ def paged_decode_partial(q, k, v, slots, visible, scale=None):
         from kernels.attention.decode import paged_decode_partial_triton
         return paged_decode_partial_triton(q, k, v, slots, visible, scale)
     return paged_decode_partial_ref(q, k, v, slots, visible, scale)
+
+
+def merge_partials(parts, sinks=None, dtype=None):
+    """Attention over keys split in P shares (a KV cache split over ranks by tokens) from
+    each share's partial: ``parts`` [P, H, B, T, Dv + 1] float32, each share's output
+    normalized over its keys and then the log of its softmax denominator (zeros and -inf
+    for a share with none) -> [B, H, T, Dv] in ``dtype`` (default float32); ``sinks`` [H]:
+    GPT-OSS's logit per head in the denominator. One launch on a GPU."""
+    dtype = dtype or torch.float32
+    if parts.is_cuda:
+        from kernels.attention.decode import merge_partials_triton
+        return merge_partials_triton(parts.contiguous(), sinks, dtype)
+    return merge_partials_ref(parts, sinks, dtype)
 
 
 def paged_latent_decode(q, kv, slots, visible, latent, scale=None):
@@ -113,5 +128,5 @@ def qkv_attention_fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> b
     return fits(b, hq, hkv, d, s, sms)
 
 
-__all__ = ["latent_prologue", "paged_decode_attention", "qkv_decode", "qkv_attention", "qkv_attention_fits",
-           "qkv_decode_supported"]
+__all__ = ["latent_prologue", "merge_partials", "paged_decode_attention", "qkv_decode", "qkv_attention",
+           "qkv_attention_fits", "qkv_decode_supported"]

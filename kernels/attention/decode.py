@@ -72,6 +72,37 @@ def _combine_kernel(
 
 
 @triton.jit
+def _merge_kernel(
+    parts_ptr,  # [P, H, B * T, D + 1] float32: each share's normalized output, then its log-sum-exp
+    sink_ptr,  # [H] float: each head's sink logit (HAS_SINK only)
+    out_ptr,  # [B, H, T, D]
+    H, BT, T, D,
+    P: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    """Program (row b and token t, head h): the P shares' partial attentions merged, each
+    weighted by exp(its log-sum-exp - the whole one's); a share with no key (-inf) weighs 0,
+    and a row with none anywhere gets zeros."""
+    bt, h = tl.program_id(0), tl.program_id(1)
+    p = tl.arange(0, P_PAD)
+    d = tl.arange(0, D_PAD)
+    row = ((p * H + h) * BT + bt) * (D + 1)  # [P_PAD]: each share's row
+    lse = tl.load(parts_ptr + row + D, mask=p < P, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    if HAS_SINK:
+        m = tl.maximum(m, tl.load(sink_ptr + h).to(tl.float32))
+    finite = m > float("-inf")
+    m = tl.where(finite, m, 0.0)
+    w = tl.where(lse > float("-inf"), tl.exp(lse - m), 0.0)
+    den = tl.sum(w, axis=0)
+    if HAS_SINK:
+        den += tl.exp(tl.load(sink_ptr + h).to(tl.float32) - m)
+    outs = tl.load(parts_ptr + row[:, None] + d[None, :], mask=(p < P)[:, None] & (d < D)[None, :], other=0.0)
+    out = tl.where(finite, tl.sum(w[:, None] * outs, axis=0) / tl.where(den > 0, den, 1.0), 0.0)
+    b, t = bt // T, bt % T
+    tl.store(out_ptr + ((b * H + h) * T + t) * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
     """a @ b on the tensor cores: full precision for float32 caches (IEEE), TF32 otherwise
     (bf16 and fp16 values are exact in it)."""
@@ -151,6 +182,22 @@ def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
         raise ValueError(f"sinks {list(sinks.shape)}: expected one logit per query head, [{q.shape[1]}]")
     return _combine(*_splits(q, k, v, slots, visible, scale, splits, block_s), q.dtype, sinks)
+
+
+def merge_partials_triton(parts: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``kernels.attention.reference.merge_partials_ref`` in one launch: parts [P, H, B, T,
+    Dv + 1] float32 (contiguous) -> [B, H, T, Dv] in ``dtype``."""
+    p, h, b, t, width = parts.shape
+    if parts.dtype != torch.float32 or not parts.is_contiguous() or width < 2:
+        raise ValueError(f"parts {list(parts.shape)} {parts.dtype}: expected contiguous float32 [P, H, B, T, Dv + 1]")
+    if sinks is not None and tuple(sinks.shape) != (h,):
+        raise ValueError(f"sinks {list(sinks.shape)}: expected one logit per head, [{h}]")
+    d = width - 1
+    out = torch.empty(b, h, t, d, dtype=dtype, device=parts.device)
+    _merge_kernel[(b * t, h)](parts, sinks if sinks is not None else parts, out, h, b * t, t, d, P=p,
+                              P_PAD=max(2, triton.next_power_of_2(p)), D_PAD=triton.next_power_of_2(d),
+                              HAS_SINK=sinks is not None, num_warps=1 if d <= 128 else 4)
+    return out
 
 
 def paged_decode_partial_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

@@ -94,6 +94,21 @@ def paged_decode_partial_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out[:, :, 0], lse[:, :, 0].float()
 
 
+def merge_partials_ref(parts: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Partial attentions over P shares of the keys, packed ``parts`` [P, H, B, T, Dv + 1]
+    (each share's output normalized over its keys, then the log of its softmax denominator:
+    zeros and -inf for a share with none) -> the attention over all of them [B, H, T, Dv]
+    in ``dtype``, each share weighted by its part of the whole denominator; ``sinks`` [H]:
+    one more logit per head in the denominator (GPT-OSS), adding no value. A row with no key
+    anywhere (a padding row) gets zeros, not NaN."""
+    outs, lses = parts[..., :-1].transpose(1, 2), parts[..., -1].transpose(1, 2)  # [P, B, H, T, Dv], [P, B, H, T]
+    total = torch.logsumexp(lses, dim=0)  # [B, H, T]
+    if sinks is not None:
+        total = torch.logaddexp(total, sinks.to(total.dtype)[None, :, None])
+    share = torch.exp(lses - total.clamp(min=torch.finfo(total.dtype).min)[None])  # [P, B, H, T]
+    return (outs.to(share.dtype) * share[..., None]).sum(0).to(dtype)
+
+
 def qkv_decode_supported(head_dim: int) -> bool:
     """The fused kernel needs a power-of-two head dim (every model in configs/ has one)."""
     return head_dim >= 2 and head_dim & (head_dim - 1) == 0

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.decode import (paged_decode_attention_triton, paged_decode_partial_triton,
-                                     paged_latent_decode_triton)
-from kernels.attention.reference import (decode_attention_ref, paged_decode_attention_ref, paged_decode_partial_ref,
-                                         paged_latent_decode_ref)
+from kernels.attention.decode import (merge_partials_triton, paged_decode_attention_triton,
+                                     paged_decode_partial_triton, paged_latent_decode_triton)
+from kernels.attention.reference import (decode_attention_ref, merge_partials_ref, paged_decode_attention_ref,
+                                         paged_decode_partial_ref, paged_latent_decode_ref)
 from tests.hopper import compile_kernel
 from tests.kernels.common import CPU, GPU, paged_pool, rel
 
@@ -136,8 +136,6 @@ def test_paged_decode_partials_over_shares_of_the_keys_merge_to_the_whole(device
     keys (every third block) gives out and log-sum-exp as the reference does, zero and -inf
     for a row with no key in its share; the shares merged by their denominators equal the
     attention over every key, sinks included."""
-    from dense.kv_shard import combine
-
     gen = torch.Generator().manual_seed(5)
     b, hq, hkv, s, d, block, ranks = 4, 8, 2, 70, 16, 8, 3
     lens = torch.tensor([70, 9, 1, 30])  # the rows of 9 and 1 keys have none in some shares
@@ -155,12 +153,39 @@ def test_paged_decode_partials_over_shares_of_the_keys_merge_to_the_whole(device
         assert torch.equal(torch.isinf(lse), ~mine.any(1)[:, None].expand(-1, hq))
         assert not out[~mine.any(1)].any()
         assert (lse - ref_lse).abs().nan_to_num().max() < 1e-4
-        outs.append(out.double())
-        lses.append(lse.double())
-    sinks = torch.randn(hq, generator=gen, dtype=torch.float64).to(device)
-    merged = combine(torch.stack(outs)[:, :, :, None], torch.stack(lses)[:, :, :, None], sinks)[:, :, 0]
-    whole = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible, sinks=sinks)
+        outs.append(out.float())
+        lses.append(lse)
+    sinks = torch.randn(hq, generator=gen).to(device)
+    packed = torch.stack([torch.cat([o, lse[..., None]], dim=-1).transpose(0, 1)[:, :, None]
+                          for o, lse in zip(outs, lses)]).contiguous()  # [P, Hq, B, 1, D + 1]
+    merged = merge_partials_triton(packed, sinks, dtype)[:, :, 0]  # [B, Hq, D]
+    assert merged.dtype == dtype
+    whole = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, visible, sinks=sinks.double())
     assert rel(merged, whole) < DECODE_TOL[dtype]
+    assert rel(merged, merge_partials_ref(packed.double(), sinks.double(), torch.float64)[:, :, 0]) < DECODE_TOL[dtype]
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("shares,t,d,sinks", [(2, 1, 16, False), (3, 2, 40, True), (4, 1, 512, True)])
+def test_merge_partials_matches_its_reference(device, shares, t, d, sinks):
+    """The shares' merge in one launch against its reference: a share with no key (zeros,
+    -inf), a row with no key in any share (zeros, no NaN, sinks or not), several tokens a
+    row, widths that are not powers of two and latent attention's 512."""
+    gen = torch.Generator().manual_seed(shares * d)
+    b, h = 3, 4
+    outs = torch.randn(shares, h, b, t, d, generator=gen)
+    lses = torch.randn(shares, h, b, t, generator=gen) * 3
+    lses[0, :, 1] = -torch.inf  # row 1 has no key in share 0
+    lses[:, :, 2] = -torch.inf  # row 2 none anywhere (padding)
+    outs[lses == -torch.inf] = 0
+    packed = torch.cat([outs, lses[..., None]], dim=-1).to(device)
+    sink = torch.randn(h, generator=gen).to(device) if sinks else None
+    got = merge_partials_triton(packed, sink, torch.float32)
+    want = merge_partials_ref(packed.double(), None if sink is None else sink.double(), torch.float64)
+    assert got.shape == (b, h, t, d) and torch.isfinite(got).all() and not got[2].any()
+    assert rel(got, want) < 1e-5
+    with pytest.raises(ValueError, match=r"expected contiguous float32 \[P, H, B, T, Dv \+ 1\]"):
+        merge_partials_triton(packed.transpose(0, 1), sink, torch.float32)
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
