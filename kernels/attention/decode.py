@@ -48,8 +48,9 @@ def _combine_kernel(
     m_ptr, l_ptr, acc_ptr,  # as written by _paged_split_kernel
     sink_ptr,  # [Hq] float: each head's sink logit (HAS_SINK only)
     out_ptr,  # [B, Hq, D]
+    lse_ptr,  # [B, Hq] float32: the log of each row and head's softmax denominator (WRITE_LSE only)
     D, stride_ob, stride_oh, HQ,
-    P: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
+    P: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     b, hq = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, P_PAD)
@@ -67,7 +68,11 @@ def _combine_kernel(
     den = tl.sum(w * l, axis=0)
     if HAS_SINK:
         den += tl.exp(sink - m_all)
-    out = tl.sum(w[:, None] * acc, axis=0) / den
+    if WRITE_LSE:  # (a partial: a row with no visible key gets zeros and -inf)
+        tl.store(lse_ptr + b * HQ + hq, m_all + tl.log(den))
+        out = tl.where(den > 0, tl.sum(w[:, None] * acc, axis=0) / tl.where(den > 0, den, 1.0), 0.0)
+    else:
+        out = tl.sum(w[:, None] * acc, axis=0) / den
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
@@ -208,8 +213,8 @@ def paged_decode_partial_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     normalized over these keys, zero where none is visible; lse [B, Hq] float32, the log of
     the softmax's denominator over them, -inf where none is)."""
     m, l, acc = _splits(q, k, v, slots, visible, scale, splits, block_s)
-    lse = torch.logsumexp(m + l.log(), dim=-1)  # [B, Hq] (a split that saw no key: -inf)
-    return torch.where(torch.isfinite(lse)[..., None], _combine(m, l, acc, q.dtype), 0), lse
+    lse = torch.empty(m.shape[:2], dtype=torch.float32, device=q.device)
+    return _combine(m, l, acc, q.dtype, lse=lse), lse
 
 
 def _splits(q, k, v, slots, visible, scale, splits, block_s) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,14 +246,16 @@ def _splits(q, k, v, slots, visible, scale, splits, block_s) -> tuple[torch.Tens
 
 
 def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype,
-             sinks: torch.Tensor | None = None) -> torch.Tensor:
+             sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
     """The splits' partial results [B, Hq, P] (m, l) and [B, Hq, P, D] (acc), and each head's
-    sink logit where given -> [B, Hq, D]."""
+    sink logit where given -> [B, Hq, D]; ``lse`` [B, Hq] float32 receives the log of each
+    softmax denominator (a row with no visible key: zeros and -inf)."""
     b, hq, splits, d = acc.shape
     out = torch.empty(b, hq, d, dtype=dtype, device=acc.device)
-    _combine_kernel[(b, hq)](m, l, acc, sinks if sinks is not None else m, out, d, out.stride(0), out.stride(1), hq,
-                             P=splits, P_PAD=max(2, triton.next_power_of_2(splits)), D_PAD=triton.next_power_of_2(d),
-                             HAS_SINK=sinks is not None, num_warps=1 if d <= 128 else 4)
+    _combine_kernel[(b, hq)](m, l, acc, sinks if sinks is not None else m, out, lse if lse is not None else m, d,
+                             out.stride(0), out.stride(1), hq, P=splits, P_PAD=max(2, triton.next_power_of_2(splits)),
+                             D_PAD=triton.next_power_of_2(d), HAS_SINK=sinks is not None, WRITE_LSE=lse is not None,
+                             num_warps=1 if d <= 128 else 4)
     return out
 
 
