@@ -455,7 +455,7 @@ class Attention(nn.Module):
             if self.sharded_norm:
                 qkv = self._prenorm(qkv)
             b, hq, hkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-            parts = all_gather(qkv.contiguous(), self.tp, dim=0)  # [P * B, 1, W], rank by rank
+            parts = all_gather(qkv, self.tp, dim=0)  # [P * B, 1, W], rank by rank
             k_pool, v_pool = cache.pools(layer)
             epilogue = self._epilogue(qkv.device)
             q_all = torch.cat([kernels.qkv_decode(parts[j * b:(j + 1) * b], hq, hkv, d, k_pool[:, j * hkv:(j + 1) * hkv],

@@ -156,10 +156,19 @@ def by_gpus(items: list[dict], gpus, ok) -> str:
     return ", ".join(f"{g} GPU{'s' if g > 1 else ''}: {a} of {b}" for g, (a, b) in sorted(counts.items()))
 
 
+def within(rows: list[dict]) -> str:
+    """How many of ``rows`` the model predicts within 15%, per number of GPUs, and the median error."""
+    errors = sorted(abs(r["error"]) for r in rows)
+    return (f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15% "
+            f"({by_gpus(rows, gpus_of, lambda r: abs(r['error']) <= 0.15)}); median |error| "
+            f"{errors[len(errors) // 2]:.0%}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", nargs="*",
-                    help="results JSON files (default: bench/results/layouts-*.json and pipeline-*.json)")
+                    help="results JSON files (default: bench/results/layouts-*.json, pipeline-*.json and "
+                         "decode-matrix-*.json)")
     ap.add_argument("--hardware", help="a profile for every file (default: by each file's device)")
     ap.add_argument("--offload", nargs="*", default=[], metavar="JSON",
                     help="bench_offload results whose rows in a budget to predict too (their measured hit rates)")
@@ -175,10 +184,7 @@ def main():
         [r["model"], r["layout"], r["batch"], f"{r['ms']:.3f}", f"{r['predicted']:.3f}", f"{r['error']:+.0%}",
          r["profile"], r["file"]] for r in rows]))
     if rows:
-        errors = sorted(abs(r["error"]) for r in rows)
-        print(f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15% "
-              f"({by_gpus(rows, gpus_of, lambda r: abs(r['error']) <= 0.15)}); median |error| "
-              f"{errors[len(errors) // 2]:.0%}")
+        print(within(rows))
     prefills = [r for r in everything if r.get("phase") == "prefill"]
     if prefills:
         print()
@@ -187,10 +193,7 @@ def main():
                               [[r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else ""), r["layout"],
                                 f"{r['context']} x {r['batch']}", f"{r['ms']:.1f}", f"{r['predicted']:.1f}",
                                 f"{r['error']:+.0%}", r["profile"], r["file"]] for r in prefills]))
-        errors = sorted(abs(r["error"]) for r in prefills)
-        print(f"prefill: {sum(e <= 0.15 for e in errors)} of {len(errors)} within 15% "
-              f"({by_gpus(prefills, gpus_of, lambda r: abs(r['error']) <= 0.15)}); median |error| "
-              f"{errors[len(errors) // 2]:.0%}")
+        print("prefill: " + within(prefills))
     offloaded = [r for r in everything if "offload" in r]
     if offloaded:
         print()
