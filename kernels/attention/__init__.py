@@ -9,8 +9,9 @@ Backends: a CPU tensor runs the plain-torch reference (``reference.py``); a CUDA
 runs the Triton kernels, imported at that first call: ``decode.py`` (decode attention,
 split over the keys; its latent-attention form), ``qkv_decode_triton.py`` (the epilogue) and
 ``qkv_attention_triton.py`` (epilogue and attention in one launch, where
-``qkv_attention_fits``), ``latent_triton.py`` (latent attention's epilogue of its
-projections). A paged decode step's shared inputs in one launch are
+``qkv_attention_fits``), ``latent_triton.py`` (latent attention's decode steps
+before and after its attention: the absorbed query and epilogue, the value
+up-projection). A paged decode step's shared inputs in one launch are
 ``paged_context.py``'s (``moe_infer.model.Transformer.paged_decode_context``). No module
 here is named as an op of this package: importing it would rebind the package's attribute
 of that name from the function to the module.
@@ -19,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention.reference import (latent_prologue_ref, merge_partials_ref, paged_decode_attention_ref,
-                                         paged_decode_partial_ref, paged_latent_decode_ref, qkv_attention_ref,
-                                         qkv_decode_ref, qkv_decode_supported)
+from kernels.attention.reference import (latent_output_ref, latent_prologue_ref, merge_partials_ref,
+                                         paged_decode_attention_ref, paged_decode_partial_ref, paged_latent_decode_ref,
+                                         qkv_attention_ref, qkv_decode_ref, qkv_decode_supported)
 
 
 def paged_decode_attention(q, k, v, slots, visible, scale=None, sinks=None):
@@ -71,17 +72,28 @@ def paged_latent_decode(q, kv, slots, visible, latent, scale=None):
     return paged_latent_decode_ref(q, kv, slots, visible, latent, scale)
 
 
-def latent_prologue(q_c, q, kv, norm_w, eps, cos, sin, pool, slot, *, pdl=True):
-    """Multi-head latent attention's decode step after its projections, in one launch on a
-    GPU: the latent's norm, the rotary turn of the queries' rotary parts and of the shared
-    rotary key, the cache append at pool rows ``slot`` -> the queries [B, N, C + R] that
-    ``paged_latent_decode`` reads (see ``latent_prologue_ref``). The kernel takes a
-    power-of-two rotary width (DeepSeek's 64); others run the reference."""
-    r = kv.shape[-1] - q_c.shape[-1]
-    if q_c.is_cuda and r > 0 and r & (r - 1) == 0:
+def latent_prologue(q, w_uk, kv, norm_w, eps, cos, sin, pool, slot, *, pdl=True):
+    """Multi-head latent attention's decode step between its projections and its attention,
+    in one launch on a GPU: each head's absorbed query (q_p W_UK), the latent's norm, the
+    rotary turn of the queries' rotary parts and of the shared rotary key, the cache append
+    at pool rows ``slot`` -> the queries [B, N, C + R] that ``paged_latent_decode`` reads
+    (see ``latent_prologue_ref``). The kernel takes a power-of-two rotary width
+    (DeepSeek's 64); others run the reference."""
+    r = kv.shape[-1] - w_uk.shape[-1]
+    if q.is_cuda and r > 0 and r & (r - 1) == 0:
         from kernels.attention.latent_triton import latent_prologue_triton
-        return latent_prologue_triton(q_c, q, kv, norm_w, eps, cos, sin, pool, slot, pdl=pdl)
-    return latent_prologue_ref(q_c, q, kv, norm_w, eps, cos, sin, pool, slot)
+        return latent_prologue_triton(q, w_uk, kv, norm_w, eps, cos, sin, pool, slot, pdl=pdl)
+    return latent_prologue_ref(q, w_uk, kv, norm_w, eps, cos, sin, pool, slot)
+
+
+def latent_output(x, w_uv, *, pdl=True):
+    """Multi-head latent attention's value up-projection after a decode step's attention,
+    in one launch on a GPU: x [B, N, C] (``paged_latent_decode``'s output) times each head's
+    W_UV [N, V, C] -> [B, N * V], the output projection's input (see ``latent_output_ref``)."""
+    if x.is_cuda:
+        from kernels.attention.latent_triton import latent_output_triton
+        return latent_output_triton(x, w_uv, pdl=pdl)
+    return latent_output_ref(x, w_uv)
 
 
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
@@ -128,5 +140,5 @@ def qkv_attention_fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> b
     return fits(b, hq, hkv, d, s, sms)
 
 
-__all__ = ["latent_prologue", "merge_partials", "paged_decode_attention", "qkv_decode", "qkv_attention",
+__all__ = ["latent_output", "latent_prologue", "merge_partials", "paged_decode_attention", "qkv_decode", "qkv_attention",
            "qkv_attention_fits", "qkv_decode_supported"]

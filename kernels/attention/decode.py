@@ -324,16 +324,23 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
     if slots.dtype != torch.int64 or slots.stride(1) != 1:
         raise ValueError(f"slots: expected contiguous int64 rows, got {slots.dtype} with strides {slots.stride()}")
     rope = width - latent
+    hb = 16
     if splits is None:
-        # One cached row serves every head, so B x head blocks is a few programs: a block of
-        # keys a split (to 64 splits) keeps the SMs busy on a short cache too.
-        splits = min(64, triton.next_power_of_2(triton.cdiv(s, block_s)))
+        # One cached row serves every head, so at batch 1 B x head blocks is a few programs:
+        # splits double (to 64, and to a block of keys a split) while the grid has fewer than
+        # two programs an SM. Not past that: each split's partials (Hq x C floats a row) are
+        # written and read back by the combine, which at a large batch and a long cache
+        # would outweigh the cache itself.
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        programs = b * triton.cdiv(hq, hb)
+        splits = 1
+        while splits < 64 and splits * block_s < s and programs * splits < 2 * sms:
+            splits *= 2
     split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
     mask, additive = mask_bytes(visible)
     m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(b, hq, splits, latent, dtype=torch.float32, device=q.device)
-    hb = 16
     _latent_split_kernel[(b, triton.cdiv(hq, hb), splits)](
         q, kv, slots, mask, m, l, acc, s, scale if scale is not None else 1.0 / math.sqrt(width),
         q.stride(0), q.stride(1), kv.stride(0), mask.stride(0), slots.stride(0),

@@ -285,28 +285,32 @@ def paged_decode_context_ref(inputs, prev, block_size, num_keys, trash, dtype, t
             "cos": cos, "sin": sin}
 
 
-def check_latent_prologue(q_c, q, kv) -> tuple[int, int, int, int, int]:
+def check_latent_prologue(q, w_uk, kv) -> tuple[int, int, int, int, int]:
     """-> (B, N, C, R, P) of ``latent_prologue_ref``'s operands; ValueError naming them
     where the shapes disagree."""
-    b, n, c = q_c.shape
+    n, p, c = w_uk.shape if w_uk.dim() == 3 else (0, 0, 0)
     r = kv.shape[-1] - c
-    if (r <= 0 or r % 2 or q.shape[-1] % n or q.shape[-1] // n <= r or q.numel() != b * q.shape[-1]
+    b = kv.numel() // kv.shape[-1]
+    if (w_uk.dim() != 3 or r <= 0 or r % 2 or q.shape[-1] != n * (p + r) or q.numel() != b * q.shape[-1]
             or kv.numel() != b * kv.shape[-1]):
-        raise ValueError(f"q_c {list(q_c.shape)}, q {list(q.shape)}, kv {list(kv.shape)}: expected [B, N, C], "
-                         f"[B, N * (P + R)] and [B, C + R] with an even R > 0")
-    return b, n, c, r, q.shape[-1] // n - r
+        raise ValueError(f"q {list(q.shape)}, w_uk {list(w_uk.shape)}, kv {list(kv.shape)}: expected [B, N * (P + R)], "
+                         f"[N, P, C] and [B, C + R] with an even R > 0")
+    return b, n, c, r, p
 
 
-def latent_prologue_ref(q_c, q, kv, norm_w, eps, cos, sin, pool, slot):
-    """Multi-head latent attention's decode epilogue of its projections: q_c [B, N, C] the
-    absorbed latent queries, q [B, N * (P + R)] the query projection's rows (each head's
-    position-free part, then its rotary part), kv [B, C + R] the latent projection's rows
-    (the latent, then the shared rotary key), the latent's RMSNorm weights [C], rotary
-    tables cos / sin [B, R] (None: no rotation) -> the queries [B, N, C + R] the decode
-    attention reads ([q_c, turned rotary part]); stores [norm(latent), turned rotary key]
-    at pool rows ``slot`` [B] of the cache [N_POOL, 1, C + R]."""
-    b, n, c, r, p = check_latent_prologue(q_c, q, kv)
-    q_r = q.reshape(b, n, p + r)[..., p:]
+def latent_prologue_ref(q, w_uk, kv, norm_w, eps, cos, sin, pool, slot):
+    """Multi-head latent attention's decode step between its projections and its attention:
+    q [B, N * (P + R)] the query projection's rows (each head's position-free part, then its
+    rotary part), w_uk [N, P, C] each head's key up-projection (absorbed into the query),
+    kv [B, C + R] the latent projection's rows (the latent, then the shared rotary key),
+    the latent's RMSNorm weights [C], rotary tables cos / sin [B, R] (None: no rotation)
+    -> the queries [B, N, C + R] the decode attention reads ([q_p W_UK, turned rotary
+    part]); stores [norm(latent), turned rotary key] at pool rows ``slot`` [B] of the cache
+    [N_POOL, 1, C + R]."""
+    b, n, c, r, p = check_latent_prologue(q, w_uk, kv)
+    q = q.reshape(b, n, p + r)
+    q_c = torch.einsum("bnp,npc->bnc", q[..., :p], w_uk.to(q.dtype))
+    q_r = q[..., p:]
     latent, k_r = kv.reshape(b, c + r).split([c, r], dim=-1)
     latent = rms_norm_ref(latent, norm_w, eps)
     if cos is not None:
@@ -318,3 +322,19 @@ def latent_prologue_ref(q_c, q, kv, norm_w, eps, cos, sin, pool, slot):
         q_r, k_r = turn(q_r), turn(k_r[:, None])[:, 0]
     pool.view(pool.shape[0], c + r).index_copy_(0, slot.reshape(b), torch.cat([latent, k_r], dim=-1).to(pool.dtype))
     return torch.cat([q_c, q_r.to(q_c.dtype)], dim=-1)
+
+
+def check_latent_output(x, w_uv) -> tuple[int, int, int, int]:
+    """-> (B, N, C, V) of ``latent_output_ref``'s operands; ValueError naming them where
+    the shapes disagree."""
+    if x.dim() != 3 or w_uv.dim() != 3 or x.shape[1:] != (w_uv.shape[0], w_uv.shape[2]):
+        raise ValueError(f"x {list(x.shape)}, w_uv {list(w_uv.shape)}: expected [B, N, C] and [N, V, C]")
+    return x.shape[0], x.shape[1], x.shape[2], w_uv.shape[1]
+
+
+def latent_output_ref(x, w_uv):
+    """Multi-head latent attention's value up-projection after a decode step's attention:
+    x [B, N, C] each head's softmax-weighted latent, w_uv [N, V, C] each head's W_UV ->
+    [B, N * V], head-major, the rows the output projection reads."""
+    b, n, _, v = check_latent_output(x, w_uv)
+    return torch.einsum("bnc,nvc->bnv", x, w_uv.to(x.dtype)).reshape(b, n * v)

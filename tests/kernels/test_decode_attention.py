@@ -215,37 +215,61 @@ def test_paged_latent_decode_matches_per_head_attention(device, dtype, b, hq, la
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b,n,c,r,p,rope", [(1, 16, 64, 16, 24, True), (3, 20, 40, 8, 12, True),
-                                              (2, 5, 24, 8, 8, False)])
+                                              (2, 5, 24, 8, 8, False), (37, 3, 136, 16, 40, True)])
 def test_latent_prologue_matches_reference(device, dtype, b, n, c, r, p, rope):
-    """Latent attention's decode epilogue in one launch (the latent's norm, the rotary turn
-    of the queries and the key, the cache append): the queries and the pool rows written
-    against the float64 reference, no other pool row touched; head counts past one block
-    of 16, a latent that is not a power of two, no rotation."""
+    """Latent attention's decode step before its attention in one launch (each head's
+    absorbed query, the latent's norm, the rotary turn of the queries and the key, the
+    cache append): the queries and the pool rows written against the float64 reference, no
+    other pool row touched; head counts past one block of 16, latents that are not powers
+    of two and past one column block, rows past one block of 16 and past the programs (37
+    rows over 3 x 3 programs), no rotation, W_UK a strided view of kv_b_proj's heads."""
     from kernels.attention.latent_triton import latent_prologue_triton
     from kernels.attention.reference import latent_prologue_ref
 
     gen = torch.Generator().manual_seed(b * n + c)
-    q_c = torch.randn(b, 2 * n, c, generator=gen).to(device, dtype)[:, ::2]  # heads strided, as a view may leave them
+    w_uk = torch.randn(n, p + 7, c, generator=gen).div(p ** 0.5).to(device, dtype)[:, :p]  # W_UK rows, then others
     q = torch.randn(b, n * (p + r), generator=gen).to(device, dtype)
     kv = (torch.randn(b, c + r, generator=gen) * 3).to(device, dtype)
     norm_w = (torch.rand(c, generator=gen) + 0.5).to(device, dtype)
     ang = torch.rand(b, r // 2, generator=gen) * 6
     cos, sin = (torch.cat([f(ang), f(ang)], -1).to(device, dtype) for f in (torch.cos, torch.sin))
     cos, sin = (cos, sin) if rope else (None, None)
-    pool = torch.randn(9, 1, c + r, generator=gen).to(device, dtype)
-    slot = torch.randperm(9, generator=gen)[:b].to(device)
+    pool = torch.randn(b + 9, 1, c + r, generator=gen).to(device, dtype)
+    slot = torch.randperm(b + 9, generator=gen)[:b].to(device)
     up = lambda z: None if z is None else z.double()  # noqa: E731
     pool_ref = pool.double()
-    want = latent_prologue_ref(q_c.double(), q.double(), kv.double(), norm_w.double(), 1e-6, up(cos), up(sin),
+    want = latent_prologue_ref(q.double(), w_uk.double(), kv.double(), norm_w.double(), 1e-6, up(cos), up(sin),
                                pool_ref, slot)
     before = pool.clone()
-    out = latent_prologue_triton(q_c, q, kv, norm_w, 1e-6, cos, sin, pool, slot)
+    out = latent_prologue_triton(q, w_uk, kv, norm_w, 1e-6, cos, sin, pool, slot)
     assert out.shape == (b, n, c + r) and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert rel(out, want) < tol and rel(pool[slot], pool_ref[slot]) < tol
-    assert torch.equal(out[..., :c], q_c)  # the latent queries pass as they are
-    others = torch.ones(9, dtype=torch.bool, device=device).index_fill_(0, slot, False)
+    assert rel(out[..., :c], want[..., :c]) < tol and rel(out[..., c:], want[..., c:]) < tol
+    others = torch.ones(b + 9, dtype=torch.bool, device=device).index_fill_(0, slot, False)
     assert torch.equal(pool[others], before[others])
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,n,c,v", [(1, 16, 512, 128), (19, 3, 40, 24), (2, 5, 136, 8)])
+def test_latent_output_matches_reference(device, dtype, b, n, c, v):
+    """Latent attention's value up-projection in one launch, against the float64 reference:
+    DeepSeek's widths, rows past one block of 16, latents past one block of the reduction
+    and not powers of two, value widths below one column block; W_UV a strided view of
+    kv_b_proj's heads, x a view with heads strided."""
+    from kernels.attention.latent_triton import latent_output_triton
+    from kernels.attention.reference import latent_output_ref
+
+    gen = torch.Generator().manual_seed(b * n + c + v)
+    w_uv = torch.randn(n, 5 + v, c, generator=gen).div(c ** 0.5).to(device, dtype)[:, 5:]  # W_UK rows, then W_UV
+    x = torch.randn(b, 2 * n, c, generator=gen).to(device, dtype)[:, ::2]
+    out = latent_output_triton(x, w_uv)
+    assert out.shape == (b, n * v) and out.dtype == dtype
+    want = latent_output_ref(x.double(), w_uv.double())
+    assert rel(out, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    with pytest.raises(ValueError, match="expected \\[B, N, C\\] and \\[N, V, C\\]"):
+        latent_output_ref(x, w_uv[:, :, 1:])
 
 
 def test_paged_latent_decode_rejects_bad_shapes():
@@ -280,16 +304,32 @@ def test_paged_latent_decode_compiles_for_hopper(additive):
 
 _COMPILE_LATENT_PROLOGUE = """
 import sys
-from kernels.attention.latent_triton import _latent_prologue_kernel as kernel
+from kernels.attention.latent_triton import _latent_query_kernel as kernel
 
 pdl = int(sys.argv[1])
-const = dict(N=16, HB=16, C=512, C_PAD=512, R=64, P=128, ROPE=True, PDL=pdl)
-types = {"slot_ptr": "*i64", "eps": "fp32"}
+const = dict(N=16, C=512, C_PAD=512, BLOCK_C=64, R=64, P=128, P_PAD=128, BLOCK_B=16, ROPE=True, IEEE=False, PDL=pdl)
+types = {"slot_ptr": "*i64", "B": "i32", "eps": "fp32"}
 """
 
 
 @pytest.mark.parametrize("pdl", [0, 2])
 def test_latent_prologue_compiles_for_hopper(pdl):
-    """The latent-attention decode epilogue's whole Triton compile for sm_90 (tests.hopper)
+    """The latent-attention decode prologue's whole Triton compile for sm_90 (tests.hopper)
     at DeepSeek-V2-Lite's widths (16 heads, latent 512, rotary 64, position-free 128)."""
     assert compile_kernel(_COMPILE_LATENT_PROLOGUE, pdl) > 0
+
+
+_COMPILE_LATENT_OUTPUT = """
+import sys
+from kernels.attention.latent_triton import _latent_output_kernel as kernel
+
+pdl = int(sys.argv[1])
+const = dict(N=16, C=512, V=128, BLOCK_V=16, BLOCK_K=128, BLOCK_B=16, IEEE=False, PDL=pdl)
+types = {"B": "i32"}
+"""
+
+
+@pytest.mark.parametrize("pdl", [0, 2])
+def test_latent_output_compiles_for_hopper(pdl):
+    """The value up-projection kernel's whole Triton compile for sm_90 at DeepSeek's widths."""
+    assert compile_kernel(_COMPILE_LATENT_OUTPUT, pdl) > 0
