@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comm import Group
+import kernels
+from comm import Group, all_reduce
 from dense.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from kernels.options import KernelOptions
 
@@ -20,8 +21,11 @@ class MLP(nn.Module):
                  tp: Group | None = None, options: KernelOptions = KernelOptions()):
         super().__init__()
         tp = tp or Group.alone()
-        self.activation = activation
+        self.activation, self.tp, self.options = activation, tp, options
         gated = activation == "swiglu"
+        # On a GPU a bias-free SwiGLU MLP runs as one op (kernels.gated_mlp: at decode sizes
+        # the MoE decode kernels, the activation inside the up GEMM's launch).
+        self.fused = gated and not bias
         self.up_proj = ColumnParallelLinear(hidden, 2 * width if gated else width, bias, tp, options)
         self.down_proj = RowParallelLinear(width, hidden, bias, tp, options)
         if gated:  # this rank's gate rows and its up rows, not a block of the fused [2F, H]
@@ -32,6 +36,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce`` False: this rank's partial sum (``RowParallelLinear``)."""
+        if self.fused and x.is_cuda:
+            up, down = self.up_proj, self.down_proj  # (int8 layers carry their scales)
+            y = kernels.gated_mlp(x.reshape(-1, x.shape[-1]), up.weight, down.weight, getattr(up, "scale", None),
+                                  getattr(down, "scale", None), pdl=self.options.pdl).view(*x.shape[:-1], -1)
+            return all_reduce(y, self.tp) if reduce else y
         h = self.up_proj(x)
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)

@@ -7,7 +7,7 @@ its GPU backends (Triton; CUDA C++ compiled through CuPy):
 
   routing    topk_gating, grouped_topk, route
   layout     token_maps, scatter_rows, gather_rows, dispatch_rows
-  moe        fused_moe, quantize_int8, quantize_mxfp4
+  moe        fused_moe, gated_mlp, quantize_int8, quantize_mxfp4
   linear     dense_linear, norm_linear, sbi_linear
   norm       rms_norm, rms_norm_router, qk_sum_squares, qk_norm_apply
   attention  paged_decode_attention, paged_decode_partial, merge_partials, paged_latent_decode, latent_prologue,
@@ -32,14 +32,14 @@ from kernels.attention import (latent_output, latent_prologue, merge_partials, p
                                paged_decode_partial, paged_latent_decode, qkv_attention, qkv_decode)
 from kernels.layout import dispatch_rows, gather_rows, scatter_rows, token_maps
 from kernels.linear import dense_linear, norm_linear, sbi_linear
-from kernels.moe import fused_moe, quantize_int8, quantize_mxfp4
+from kernels.moe import fused_moe, gated_mlp, quantize_int8, quantize_mxfp4
 from kernels.norm import qk_norm_apply, qk_sum_squares, rms_norm, rms_norm_router
 from kernels.routing import grouped_topk, route, topk_gating
 
 __all__ = [
     "topk_gating", "grouped_topk", "route",
     "token_maps", "scatter_rows", "gather_rows", "dispatch_rows",
-    "fused_moe", "quantize_int8", "quantize_mxfp4",
+    "fused_moe", "gated_mlp", "quantize_int8", "quantize_mxfp4",
     "dense_linear", "norm_linear", "sbi_linear",
     "rms_norm", "rms_norm_router", "qk_sum_squares", "qk_norm_apply",
     "paged_decode_attention", "paged_decode_partial", "merge_partials", "paged_latent_decode", "latent_prologue",

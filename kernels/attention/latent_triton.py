@@ -172,9 +172,11 @@ def latent_output_triton(x, w_uv, *, pdl: bool = True) -> torch.Tensor:
     if x.stride(2) != 1 or w_uv.stride(2) != 1:
         raise ValueError("x / w_uv: expected unit stride along the latent")
     y = torch.empty(b, n * v, dtype=x.dtype, device=x.device)
+    # 16 value columns a program and the whole latent (to 512) in one product: each program's
+    # weights are then a single load in flight, not a chain of dependent ones.
     block_v = 16
     _latent_output_kernel[(n, triton.cdiv(v, block_v))](
         x, w_uv, y, b, x.stride(0), x.stride(1), w_uv.stride(0), w_uv.stride(1),
-        N=n, C=c, V=v, BLOCK_V=block_v, BLOCK_K=min(128, max(16, triton.next_power_of_2(c))), BLOCK_B=BLOCK_B,
+        N=n, C=c, V=v, BLOCK_V=block_v, BLOCK_K=min(512, max(16, triton.next_power_of_2(c))), BLOCK_B=BLOCK_B,
         IEEE=x.dtype == torch.float32, num_warps=4, **pdl_launch(x.device, pdl))
     return y

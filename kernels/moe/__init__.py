@@ -99,4 +99,33 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          b13, b2, weighted_input, first_expert)
 
 
-__all__ = ["fused_moe", "quantize_int8", "quantize_mxfp4"]
+_ONE_EXPERT: dict = {}  # (rows, device) -> the pairs of every row with one expert: ids 0, weights 1
+
+
+def gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None, *, pdl: bool = True) -> torch.Tensor:
+    """A dense SwiGLU MLP: x [T, H], w13 [2F, H] (gate rows, then up rows), w2 [H, F] (int8
+    with per-row scales [2F] / [H]) -> silu(x w_gate) * (x w_up) @ w2.T [T, H]. At decode
+    sizes on a GPU it runs as the MoE decode kernels with the MLP as the one expert of every
+    row (a shared expert, a dense layer): two launches, the activation inside the first,
+    where two GEMMs and two elementwise ops ran. Elsewhere: the two GEMMs
+    (``kernels.dense_linear``) and torch's activation."""
+    from kernels.linear import dense_linear
+
+    t = x.shape[0]
+    if x.is_cuda and x.dim() == 2:  # (check: at most the decode kernels' rows, and operands they take)
+        from kernels.moe import cuda as moe_cuda
+        w13e, w2e = w13[None], w2[None]
+        s13, s2 = (None, None) if w13_scale is None else (w13_scale[None], w2_scale[None])
+        if moe_cuda.check(x, w13e, w2e, 1, s13, s2) is None:
+            key = (t, x.device)
+            if key not in _ONE_EXPERT:  # made once per size, outside a graph's capture (its warm-up runs)
+                _ONE_EXPERT[key] = (torch.zeros(t, 1, dtype=torch.int32, device=x.device),
+                                    torch.ones(t, 1, dtype=torch.float32, device=x.device))
+            ids, weights = _ONE_EXPERT[key]
+            return moe_cuda.run(x, w13e, w2e, weights, ids, "silu", s13, s2, None, pdl)
+    gate, up = dense_linear(x, w13, scale=w13_scale, pdl=pdl).chunk(2, dim=-1)
+    return dense_linear(torch.nn.functional.silu(gate) * up, w2, scale=w2_scale, pdl=pdl)
+
+
+__all__ = ["fused_moe", "gated_mlp", "quantize_int8", "quantize_mxfp4"]

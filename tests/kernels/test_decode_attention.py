@@ -324,7 +324,7 @@ import sys
 from kernels.attention.latent_triton import _latent_output_kernel as kernel
 
 pdl = int(sys.argv[1])
-const = dict(N=16, C=512, V=128, BLOCK_V=16, BLOCK_K=128, BLOCK_B=16, IEEE=False, PDL=pdl)
+const = dict(N=16, C=512, V=128, BLOCK_V=16, BLOCK_K=512, BLOCK_B=16, IEEE=False, PDL=pdl)
 types = {"B": "i32"}
 """
 
