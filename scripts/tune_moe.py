@@ -44,6 +44,9 @@ SHAPES = {  # name: H, F, E, k, activation
     "gptoss": (2880, 2880, 32, 4, "swiglu_oai"),  # gpt-oss-20b (timed without its biases: same bytes, same grid)
     "glm45air": (4096, 1408, 128, 8, "silu"),
     "dsv2lite": (2048, 1408, 64, 6, "silu"),
+    # the shared experts as one MLP every row takes (kernels.gated_mlp): E = 1, k = 1
+    "dsv2lite-shared": (2048, 2816, 1, 1, "silu"),
+    "glm45air-shared": (4096, 1408, 1, 1, "silu"),
 }
 TOKENS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384]
 WARM_S = 0.03  # seconds of replays before each candidate's timed ones

@@ -106,26 +106,27 @@ def gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: t
               w2_scale: torch.Tensor | None = None, *, pdl: bool = True) -> torch.Tensor:
     """A dense SwiGLU MLP: x [T, H], w13 [2F, H] (gate rows, then up rows), w2 [H, F] (int8
     with per-row scales [2F] / [H]) -> silu(x w_gate) * (x w_up) @ w2.T [T, H]. At decode
-    sizes on a GPU it runs as the MoE decode kernels with the MLP as the one expert of every
-    row (a shared expert, a dense layer): two launches, the activation inside the first,
-    where two GEMMs and two elementwise ops ran. Elsewhere: the two GEMMs
-    (``kernels.dense_linear``) and torch's activation."""
+    sizes on a GPU (T <= ``GATED_MLP_MAX_T``) it runs as ``fused_moe`` with the MLP as the
+    one expert of every row (a shared expert, a dense layer), by the moe tables' entries for
+    that shape: two launches, the activation inside the first, where two GEMMs and two
+    elementwise ops ran. Elsewhere: the two GEMMs (``kernels.dense_linear``) and torch's
+    activation."""
     from kernels.linear import dense_linear
 
     t = x.shape[0]
-    if x.is_cuda and x.dim() == 2:  # (check: at most the decode kernels' rows, and operands they take)
-        from kernels.moe import cuda as moe_cuda
-        w13e, w2e = w13[None], w2[None]
-        s13, s2 = (None, None) if w13_scale is None else (w13_scale[None], w2_scale[None])
-        if moe_cuda.check(x, w13e, w2e, 1, s13, s2) is None:
-            key = (t, x.device)
-            if key not in _ONE_EXPERT:  # made once per size, outside a graph's capture (its warm-up runs)
-                _ONE_EXPERT[key] = (torch.zeros(t, 1, dtype=torch.int32, device=x.device),
-                                    torch.ones(t, 1, dtype=torch.float32, device=x.device))
-            ids, weights = _ONE_EXPERT[key]
-            return moe_cuda.run(x, w13e, w2e, weights, ids, "silu", s13, s2, None, pdl)
+    if x.is_cuda and x.dim() == 2 and t <= GATED_MLP_MAX_T:
+        from kernels.moe.triton import fused_moe_triton
+        key = (t, x.device)
+        if key not in _ONE_EXPERT:  # made once per size, outside a graph's capture (its warm-up runs)
+            _ONE_EXPERT[key] = (torch.zeros(t, 1, dtype=torch.int32, device=x.device),
+                                torch.ones(t, 1, dtype=torch.float32, device=x.device))
+        ids, weights = _ONE_EXPERT[key]
+        return fused_moe_triton(x, w13[None], w2[None], weights, ids, "silu", None if w13_scale is None else
+                                w13_scale[None], None if w2_scale is None else w2_scale[None], pdl=pdl)
     gate, up = dense_linear(x, w13, scale=w13_scale, pdl=pdl).chunk(2, dim=-1)
     return dense_linear(torch.nn.functional.silu(gate) * up, w2, scale=w2_scale, pdl=pdl)
 
+
+GATED_MLP_MAX_T = 16  # rows to which the moe tables hold entries for the shared-expert shapes (tune_moe.py)
 
 __all__ = ["fused_moe", "gated_mlp", "quantize_int8", "quantize_mxfp4"]
