@@ -92,14 +92,14 @@ class LatentAttention(nn.Module):
         if cache is not None and t == 1 and not ctx.causal and not cache.by_tokens:
             # A decode step: the absorbed query (q_p W_UK per head, in the latent's space),
             # the latent's norm, the rotations and the cache append in one launch; the
-            # attention reads the pool in place, each cached row once for every head, and ends
-            # in each head's W_UV, in the layout o_proj reads.
+            # attention reads the pool in place, each cached row once for every head; then
+            # each head's W_UV in one more launch, in the layout o_proj reads.
             pool = cache.pools(layer)[0]
             query = kernels.latent_prologue(q.view(b, -1), w[:, :p], kv, self.kv_a_norm.weight, self.kv_a_norm.eps,
                                             ctx.cos, ctx.sin, pool, cache.write_slots,
                                             pdl=self.options.pdl)  # [B, N, C + R]
-            out = kernels.paged_latent_decode(query, pool, cache.read_slots, ctx.attn_mask[:, 0, 0], c, self.scale,
-                                              w[:, p:], pdl=self.options.pdl)  # [B, N * V]
+            out = kernels.paged_latent_decode(query, pool, cache.read_slots, ctx.attn_mask[:, 0, 0], c, self.scale)
+            out = kernels.latent_output(out, w[:, p:], pdl=self.options.pdl)  # [B, N * V]
             return self.o_proj(out.view(b, 1, n * self.v_dim))
         q = q.view(b, t, n, p + r).transpose(1, 2)  # [B, N, T, P + R]
         q_p, q_r = q.split([p, r], dim=-1)

@@ -11,7 +11,7 @@ its GPU backends (Triton; CUDA C++ compiled through CuPy):
   linear     dense_linear, norm_linear, sbi_linear
   norm       rms_norm, rms_norm_router, qk_sum_squares, qk_norm_apply
   attention  paged_decode_attention, paged_decode_partial, merge_partials, paged_latent_decode, latent_prologue,
-             qkv_decode, qkv_attention
+             latent_output, qkv_decode, qkv_attention
   argmax     argmax
 
 Shared by them: ``options`` (what a user may set), ``pdl`` (programmatic dependent launch),
@@ -28,8 +28,8 @@ Callers that need a backend itself import it from its module (e.g.
 from __future__ import annotations
 
 from kernels.argmax import argmax
-from kernels.attention import (latent_prologue, merge_partials, paged_decode_attention, paged_decode_partial,
-                               paged_latent_decode, qkv_attention, qkv_decode)
+from kernels.attention import (latent_output, latent_prologue, merge_partials, paged_decode_attention,
+                               paged_decode_partial, paged_latent_decode, qkv_attention, qkv_decode)
 from kernels.layout import dispatch_rows, gather_rows, scatter_rows, token_maps
 from kernels.linear import dense_linear, norm_linear, sbi_linear
 from kernels.moe import fused_moe, gated_mlp, quantize_int8, quantize_mxfp4
@@ -43,6 +43,6 @@ __all__ = [
     "dense_linear", "norm_linear", "sbi_linear",
     "rms_norm", "rms_norm_router", "qk_sum_squares", "qk_norm_apply",
     "paged_decode_attention", "paged_decode_partial", "merge_partials", "paged_latent_decode", "latent_prologue",
-    "qkv_decode", "qkv_attention",
+    "latent_output", "qkv_decode", "qkv_attention",
     "argmax",
 ]

@@ -61,19 +61,15 @@ def merge_partials(parts, sinks=None, dtype=None):
     return merge_partials_ref(parts, sinks, dtype)
 
 
-def paged_latent_decode(q, kv, slots, visible, latent, scale=None, w_uv=None, *, pdl=True):
+def paged_latent_decode(q, kv, slots, visible, latent, scale=None):
     """Multi-head latent attention's decode step over a paged cache (DeepSeek-V2 / V3, the
     up-projections absorbed): q [B, Hq, C + R], kv pool [N, 1, C + R] (the latent, which is
     also the value, then the rotary key; ``latent`` = C), slots [B, S], visible [B, S] ->
-    [B, Hq, C]; with ``w_uv`` [Hq, V, C] (each head's value up-projection, see
-    ``latent_output_ref``) -> [B, Hq * V], the output projection's input. A GPU reads each
-    cached row once for all heads, in place, split over the keys; the splits' merge and the
-    projection take one launch more, or one in all at small batches."""
+    [B, Hq, C]. A GPU reads each cached row once for all heads, in place."""
     if q.is_cuda:
         from kernels.attention.decode import paged_latent_decode_triton
-        return paged_latent_decode_triton(q, kv, slots, visible, latent, scale, w_uv=w_uv, pdl=pdl)
-    out = paged_latent_decode_ref(q, kv, slots, visible, latent, scale)
-    return out if w_uv is None else latent_output_ref(out, w_uv)
+        return paged_latent_decode_triton(q, kv, slots, visible, latent, scale)
+    return paged_latent_decode_ref(q, kv, slots, visible, latent, scale)
 
 
 def latent_prologue(q, w_uk, kv, norm_w, eps, cos, sin, pool, slot, *, pdl=True):
@@ -88,6 +84,16 @@ def latent_prologue(q, w_uk, kv, norm_w, eps, cos, sin, pool, slot, *, pdl=True)
         from kernels.attention.latent_triton import latent_prologue_triton
         return latent_prologue_triton(q, w_uk, kv, norm_w, eps, cos, sin, pool, slot, pdl=pdl)
     return latent_prologue_ref(q, w_uk, kv, norm_w, eps, cos, sin, pool, slot)
+
+
+def latent_output(x, w_uv, *, pdl=True):
+    """Multi-head latent attention's value up-projection after a decode step's attention,
+    in one launch on a GPU: x [B, N, C] (``paged_latent_decode``'s output) times each head's
+    W_UV [N, V, C] -> [B, N * V], the output projection's input (see ``latent_output_ref``)."""
+    if x.is_cuda:
+        from kernels.attention.latent_triton import latent_output_triton
+        return latent_output_triton(x, w_uv, pdl=pdl)
+    return latent_output_ref(x, w_uv)
 
 
 def qkv_decode(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot, cos=None, sin=None,
@@ -134,5 +140,5 @@ def qkv_attention_fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> b
     return fits(b, hq, hkv, d, s, sms)
 
 
-__all__ = ["latent_prologue", "merge_partials", "paged_decode_attention", "qkv_decode", "qkv_attention",
+__all__ = ["latent_output", "latent_prologue", "merge_partials", "paged_decode_attention", "qkv_decode", "qkv_attention",
            "qkv_attention_fits", "qkv_decode_supported"]

@@ -22,8 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_enter, pdl_launch
-
 
 @triton.jit
 def mask_visible(mask_row, s, ok, ADDITIVE: tl.constexpr):
@@ -53,9 +51,7 @@ def _combine_kernel(
     lse_ptr,  # [B, Hq] float32: the log of each row and head's softmax denominator (WRITE_LSE only)
     D, stride_ob, stride_oh, HQ,
     P: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     b, hq = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, P_PAD)
     d = tl.arange(0, D_PAD)
@@ -250,17 +246,16 @@ def _splits(q, k, v, slots, visible, scale, splits, block_s) -> tuple[torch.Tens
 
 
 def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype,
-             sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+             sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
     """The splits' partial results [B, Hq, P] (m, l) and [B, Hq, P, D] (acc), and each head's
     sink logit where given -> [B, Hq, D]; ``lse`` [B, Hq] float32 receives the log of each
-    softmax denominator (a row with no visible key: zeros and -inf). ``pdl``: launched with
-    programmatic dependent launch (``kernels.pdl``)."""
+    softmax denominator (a row with no visible key: zeros and -inf)."""
     b, hq, splits, d = acc.shape
     out = torch.empty(b, hq, d, dtype=dtype, device=acc.device)
     _combine_kernel[(b, hq)](m, l, acc, sinks if sinks is not None else m, out, lse if lse is not None else m, d,
                              out.stride(0), out.stride(1), hq, P=splits, P_PAD=max(2, triton.next_power_of_2(splits)),
                              D_PAD=triton.next_power_of_2(d), HAS_SINK=sinks is not None, WRITE_LSE=lse is not None,
-                             num_warps=1 if d <= 128 else 4, **pdl_launch(acc.device, pdl))
+                             num_warps=1 if d <= 128 else 4)
     return out
 
 
@@ -272,13 +267,12 @@ def _latent_split_kernel(
     S, scale, stride_qb, stride_qh, stride_kn, stride_mb, stride_slb,
     HQ: tl.constexpr, HB: tl.constexpr, C: tl.constexpr, C_PAD: tl.constexpr, R: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_LEN: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr,
-    ADDITIVE: tl.constexpr, PDL: tl.constexpr,
+    ADDITIVE: tl.constexpr,
 ):
     """Program (b, head block, split p): its share of row b's keys for HB >= 16 query heads
     (padding heads masked). Each key block is read once as [BLOCK_S, C] latents and
     [BLOCK_S, R] rotary keys; scores are the two parts' dots, and the latents weigh into
     the [HB, C] accumulator (the values are the latents)."""
-    pdl_enter(PDL)
     b, hb, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     heads = hb * HB + tl.arange(0, HB)
     h_ok = heads < HQ
@@ -310,14 +304,12 @@ def _latent_split_kernel(
 
 def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
                                latent: int, scale: float | None = None, splits: int | None = None,
-                               block_s: int = 16, w_uv: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                               block_s: int = 16) -> torch.Tensor:
     """Decode attention of multi-head latent attention over a paged cache read in place:
     q [B, Hq, C + R] (absorbed queries), kv pool [N, C + R] or [N, 1, C + R] (each token's
     latent, which is also its value, then its rotary key; ``latent`` = C), slots [B, S]
     int64, visible [B, S] bool or additive 0 / -inf -> out [B, Hq, C], the softmax-weighted
-    latents; with ``w_uv`` [Hq, V, C] (each head's value up-projection) -> [B, Hq * V], the
-    rows the output projection reads. ``pdl``: every launch with programmatic dependent
-    launch (``kernels.pdl``)."""
+    latents."""
     if kv.dim() == 3:
         if kv.shape[1] != 1:
             raise ValueError(f"kv {list(kv.shape)}: expected one latent row a slot, [N, 1, C + R]")
@@ -354,10 +346,5 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
         q.stride(0), q.stride(1), kv.stride(0), mask.stride(0), slots.stride(0),
         HQ=hq, HB=hb, C=latent, C_PAD=max(16, triton.next_power_of_2(latent)), R=rope,
         R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_S=block_s, SPLIT_LEN=split_len, P=splits,
-        IEEE=kv.dtype == torch.float32, ADDITIVE=additive, num_warps=8, **pdl_launch(q.device, pdl))
-    if w_uv is None:
-        return _combine(m, l, acc, q.dtype, pdl=pdl)
-    from kernels.attention.latent_triton import MERGE_PARTIALS, latent_output_triton
-    if b * splits <= MERGE_PARTIALS:  # the merge inside the projection's launch
-        return latent_output_triton((m, l, acc), w_uv, dtype=q.dtype, pdl=pdl)
-    return latent_output_triton(_combine(m, l, acc, q.dtype, pdl=pdl), w_uv, pdl=pdl)
+        IEEE=kv.dtype == torch.float32, ADDITIVE=additive, num_warps=8)
+    return _combine(m, l, acc, q.dtype)

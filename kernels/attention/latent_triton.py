@@ -34,7 +34,6 @@ from kernels.attention.reference import check_latent_output, check_latent_prolog
 from kernels.pdl import pdl_enter, pdl_launch
 
 BLOCK_B = 16  # rows a product takes at once: the tensor cores' smallest M
-MERGE_PARTIALS = 64  # rows x splits up to which the value projection merges the attention's splits itself
 
 
 @triton.jit
@@ -118,13 +117,12 @@ def _latent_query_kernel(
 
 @triton.jit
 def _latent_output_kernel(
-    x_ptr,  # [B, N, C] the softmax-weighted latents, unit stride along C (MERGE: the splits' acc [B, N, P, C])
-    m_ptr, l_ptr,  # MERGE: [B, N, P] float32, each split's running max and sum
+    x_ptr,  # [B, N, C] the softmax-weighted latents, unit stride along C
     w_ptr,  # [N, V, C] each head's W_UV, any strides but unit along C
     y_ptr,  # [B, N * V]
     B, stride_xb, stride_xn, stride_wn, stride_wv,
     N: tl.constexpr, C: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_B: tl.constexpr, P: tl.constexpr, MERGE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_B: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     n, vb = tl.program_id(0), tl.program_id(1)
@@ -135,32 +133,12 @@ def _latent_output_kernel(
     for b0 in range(0, B, BLOCK_B):
         rows = (b0 + tl.arange(0, BLOCK_B)).to(tl.int64)
         b_ok = rows < B
-        parts = (rows * N + n) * P  # MERGE: each row's first split of head n
-        m_all = tl.full([BLOCK_B], float("-inf"), tl.float32)
-        den = tl.zeros([BLOCK_B], tl.float32)
-        if MERGE:  # the splits' softmax denominators, as _combine_kernel weighs them
-            for p in range(P):
-                m_all = tl.maximum(m_all, tl.load(m_ptr + parts + p, mask=b_ok, other=float("-inf")))
-            m_all = tl.where(b_ok, m_all, 0.0)  # (rows past B: no -inf - -inf)
-            for p in range(P):
-                mp = tl.load(m_ptr + parts + p, mask=b_ok, other=float("-inf"))
-                den += tl.where(mp > float("-inf"), tl.exp(mp - m_all), 0.0) * tl.load(l_ptr + parts + p, mask=b_ok,
-                                                                                          other=0.0)
         acc = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
         for k0 in range(0, C, BLOCK_K):
             kk = k0 + k
             k_ok = kk < C
-            if MERGE:  # the latents, merged from the splits and rounded as the combine stores them
-                x = tl.zeros([BLOCK_B, BLOCK_K], tl.float32)
-                for p in range(P):
-                    mp = tl.load(m_ptr + parts + p, mask=b_ok, other=float("-inf"))
-                    wp = tl.where(mp > float("-inf"), tl.exp(mp - m_all), 0.0)
-                    x += wp[:, None] * tl.load(x_ptr + (parts[:, None] + p) * C + kk[None, :],
-                                               mask=b_ok[:, None] & k_ok[None, :], other=0.0)
-                x = _rnd(x / tl.where(b_ok, den, 1.0)[:, None], DT)
-            else:
-                x = tl.load(x_ptr + rows[:, None] * stride_xb + n * stride_xn + kk[None, :],
-                            mask=b_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + rows[:, None] * stride_xb + n * stride_xn + kk[None, :],
+                        mask=b_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             w = tl.load(w_ptr + n * stride_wn + v[None, :] * stride_wv + kk[:, None],
                         mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
             acc += _dot(x, w, IEEE)
@@ -188,35 +166,17 @@ def latent_prologue_triton(q, w_uk, kv, norm_w, eps, cos, sin, pool, slot, *, pd
     return out
 
 
-def latent_output_triton(x, w_uv, *, dtype: torch.dtype | None = None, pdl: bool = True) -> torch.Tensor:
-    """Same contract as ``latent_output_ref``, in one launch. ``x`` may also be a decode
-    step's splits (m, l, acc: [B, N, P] float32 twice and [B, N, P, C] float32, as the
-    latent decode kernel leaves them): merged inside the launch into the latents, rounded
-    to ``dtype`` as the combine would store them, before the product. Each of a head's
-    programs merges them again, which costs less than a launch while B x P is small
-    (``MERGE_PARTIALS``)."""
-    merge = isinstance(x, tuple)
-    if merge:
-        m, l, x = x
-        b, n, splits, c = x.shape
-        if (m.shape != (b, n, splits) or l.shape != m.shape or not x.is_contiguous() or not m.is_contiguous()
-                or not l.is_contiguous() or w_uv.dim() != 3 or (w_uv.shape[0], w_uv.shape[2]) != (n, c)):
-            raise ValueError(f"m {list(m.shape)}, l {list(l.shape)}, acc {list(x.shape)}, w_uv {list(w_uv.shape)}: "
-                             "expected contiguous [B, N, P] twice, [B, N, P, C] and [N, V, C]")
-        v = w_uv.shape[1]
-    else:
-        m = l = x
-        splits = 1
-        b, n, c, v = check_latent_output(x, w_uv)
-        dtype = x.dtype
-    if x.stride(-1) != 1 or w_uv.stride(2) != 1:
+def latent_output_triton(x, w_uv, *, pdl: bool = True) -> torch.Tensor:
+    """Same contract as ``latent_output_ref``, in one launch."""
+    b, n, c, v = check_latent_output(x, w_uv)
+    if x.stride(2) != 1 or w_uv.stride(2) != 1:
         raise ValueError("x / w_uv: expected unit stride along the latent")
-    y = torch.empty(b, n * v, dtype=dtype, device=x.device)
+    y = torch.empty(b, n * v, dtype=x.dtype, device=x.device)
     # 16 value columns a program and the whole latent (to 512) in one product: each program's
     # weights are then a single load in flight, not a chain of dependent ones.
     block_v = 16
     _latent_output_kernel[(n, triton.cdiv(v, block_v))](
-        x, m, l, w_uv, y, b, x.stride(0), x.stride(1), w_uv.stride(0), w_uv.stride(1),
+        x, w_uv, y, b, x.stride(0), x.stride(1), w_uv.stride(0), w_uv.stride(1),
         N=n, C=c, V=v, BLOCK_V=block_v, BLOCK_K=min(512, max(16, triton.next_power_of_2(c))), BLOCK_B=BLOCK_B,
-        P=splits, MERGE=merge, IEEE=dtype == torch.float32, num_warps=4, **pdl_launch(x.device, pdl))
+        IEEE=x.dtype == torch.float32, num_warps=4, **pdl_launch(x.device, pdl))
     return y

@@ -6,16 +6,14 @@ padding, a current slot), one or several splits, attention sinks, partials over 
 keys; its latent-attention form (one cached row of latent and rotary key for every head, the
 latent also the value) against the same keys expanded per head, with head counts past one
 block of 16 and widths that are not powers of two."""
-from unittest import mock
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels.attention.decode import (merge_partials_triton, paged_decode_attention_triton,
                                      paged_decode_partial_triton, paged_latent_decode_triton)
-from kernels.attention.reference import (decode_attention_ref, latent_output_ref, merge_partials_ref,
-                                         paged_decode_attention_ref, paged_decode_partial_ref, paged_latent_decode_ref)
+from kernels.attention.reference import (decode_attention_ref, merge_partials_ref, paged_decode_attention_ref,
+                                         paged_decode_partial_ref, paged_latent_decode_ref)
 from tests.hopper import compile_kernel
 from tests.kernels.common import CPU, GPU, paged_pool, rel
 
@@ -212,16 +210,6 @@ def test_paged_latent_decode_matches_per_head_attention(device, dtype, b, hq, la
     assert rel(out, want) < DECODE_TOL[dtype]
     ref = paged_latent_decode_ref(q.double(), pool.double(), slots, visible, latent, scale)
     assert rel(ref, want) < 1e-12
-    # With each head's value up-projection: the splits merged inside its launch (small B x P)
-    # or by the combine first; both against the float64 attention times W_UV.
-    from kernels.attention.latent_triton import MERGE_PARTIALS
-    w_uv = torch.randn(hq, 3 + 24, latent, generator=gen).div(latent ** 0.5).to(device, dtype)[:, 3:]
-    want_v = latent_output_ref(want, w_uv.double())
-    for merge in (True, False):
-        with mock.patch("kernels.attention.latent_triton.MERGE_PARTIALS", MERGE_PARTIALS if merge else 0):
-            got = paged_latent_decode_triton(q, pool, slots, visible, latent, scale, splits=splits, w_uv=w_uv)
-        assert got.shape == (b, hq * 24) and got.dtype == dtype
-        assert rel(got, want_v) < 2 * DECODE_TOL[dtype], merge
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
@@ -301,7 +289,7 @@ from kernels.attention.decode import _latent_split_kernel as kernel
 
 additive = bool(int(sys.argv[1]))
 const = dict(HQ=16, HB=16, C=512, C_PAD=512, R=64, R_PAD=64, BLOCK_S=16, SPLIT_LEN=128, P=16, IEEE=False,
-             ADDITIVE=additive, PDL=2)
+             ADDITIVE=additive)
 types = {"slot_ptr": "*i64", "mask_ptr": "*fp32" if additive else "*i8", "m_ptr": "*fp32", "l_ptr": "*fp32",
          "acc_ptr": "*fp32", "S": "i32", "scale": "fp32"}
 """
@@ -335,15 +323,13 @@ _COMPILE_LATENT_OUTPUT = """
 import sys
 from kernels.attention.latent_triton import _latent_output_kernel as kernel
 
-merge = int(sys.argv[1])
-const = dict(N=16, C=512, V=128, BLOCK_V=16, BLOCK_K=512, BLOCK_B=16, P=16 if merge else 1, MERGE=bool(merge),
-             IEEE=False, PDL=2)
-types = {"B": "i32", "m_ptr": "*fp32", "l_ptr": "*fp32"} | ({"x_ptr": "*fp32"} if merge else {})
+pdl = int(sys.argv[1])
+const = dict(N=16, C=512, V=128, BLOCK_V=16, BLOCK_K=512, BLOCK_B=16, IEEE=False, PDL=pdl)
+types = {"B": "i32"}
 """
 
 
-@pytest.mark.parametrize("merge", [0, 1])
-def test_latent_output_compiles_for_hopper(merge):
-    """The value up-projection kernel's whole Triton compile for sm_90 at DeepSeek's widths,
-    on the merged latents or merging 16 splits itself."""
-    assert compile_kernel(_COMPILE_LATENT_OUTPUT, merge) > 0
+@pytest.mark.parametrize("pdl", [0, 2])
+def test_latent_output_compiles_for_hopper(pdl):
+    """The value up-projection kernel's whole Triton compile for sm_90 at DeepSeek's widths."""
+    assert compile_kernel(_COMPILE_LATENT_OUTPUT, pdl) > 0
