@@ -140,5 +140,5 @@ def qkv_attention_fits(b: int, hq: int, hkv: int, d: int, s: int, sms: int) -> b
     return fits(b, hq, hkv, d, s, sms)
 
 
-__all__ = ["latent_output", "latent_prologue", "merge_partials", "paged_decode_attention", "qkv_decode", "qkv_attention",
-           "qkv_attention_fits", "qkv_decode_supported"]
+__all__ = ["latent_output", "latent_prologue", "merge_partials", "paged_decode_attention", "qkv_decode",
+           "qkv_attention", "qkv_attention_fits", "qkv_decode_supported"]

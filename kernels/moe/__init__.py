@@ -100,6 +100,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 _ONE_EXPERT: dict = {}  # (rows, device) -> the pairs of every row with one expert: ids 0, weights 1
+GATED_MLP_MAX_T = 16  # rows to which the moe tables hold entries for the shared-expert shapes (tune_moe.py)
 
 
 def gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
@@ -115,18 +116,15 @@ def gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: t
 
     t = x.shape[0]
     if x.is_cuda and x.dim() == 2 and t <= GATED_MLP_MAX_T:
-        from kernels.moe.triton import fused_moe_triton
         key = (t, x.device)
         if key not in _ONE_EXPERT:  # made once per size, outside a graph's capture (its warm-up runs)
             _ONE_EXPERT[key] = (torch.zeros(t, 1, dtype=torch.int32, device=x.device),
                                 torch.ones(t, 1, dtype=torch.float32, device=x.device))
         ids, weights = _ONE_EXPERT[key]
-        return fused_moe_triton(x, w13[None], w2[None], weights, ids, "silu", None if w13_scale is None else
-                                w13_scale[None], None if w2_scale is None else w2_scale[None], pdl=pdl)
+        return fused_moe(x, w13[None], w2[None], weights, ids, "silu", None if w13_scale is None else w13_scale[None],
+                         None if w2_scale is None else w2_scale[None], pdl=pdl)
     gate, up = dense_linear(x, w13, scale=w13_scale, pdl=pdl).chunk(2, dim=-1)
     return dense_linear(torch.nn.functional.silu(gate) * up, w2, scale=w2_scale, pdl=pdl)
 
-
-GATED_MLP_MAX_T = 16  # rows to which the moe tables hold entries for the shared-expert shapes (tune_moe.py)
 
 __all__ = ["fused_moe", "gated_mlp", "quantize_int8", "quantize_mxfp4"]
