@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """The cost model's predictions against measured decode steps: every row of the layout
 benchmarks' JSON (``scripts/bench_layouts.py``: one GPU alone and each layout;
-``scripts/bench_pipeline.py``: pp with and without draining, its peers) beside
+``scripts/bench_pipeline.py``: pp with and without draining, its peers;
+``scripts/bench_decode.py``'s prompt x batch matrix: one GPU, bf16) beside
 ``moe_infer.costmodel``'s prediction for the same model, layout, batch and context on the
 device's hardware profile, with the error of each. A row measured again later counts by its
 latest run (``--superseded``: every run).
 
-    python scripts/validate_costmodel.py        # every layouts-*.json and pipeline-*.json in bench/results
+    python scripts/validate_costmodel.py        # every layouts-, pipeline- and decode-matrix-*.json in bench/results
     python scripts/validate_costmodel.py --files a.json b.json --hardware my-h200.yaml
     python scripts/validate_costmodel.py --offload bench/results/offload-M-D-DATE.json   # offloaded decode too
 
@@ -58,12 +59,15 @@ def rows_of(path: Path) -> list[dict]:
                  parallel={"pp": world, "prompt_micro_batches": r["micro_batches"]}, batch=args["prompts"],
                  ms=r["seconds"] * 1e3, context=args["prompt_tokens"], phase="prefill", file=path.name, when=when)
             for r in d.get("prompts", [])]
-    if "cells" in d:  # scripts/bench_decode.py's matrix: the time to the first token, bf16 on one GPU
+    if "cells" in d:  # scripts/bench_decode.py's matrix, bf16 on one GPU: the time to the first token, decode
         if args.get("quantize") is not None:
             return []
-        return [dict(model=d["model"], device=device, layout="one GPU", parallel={}, batch=c["batch"],
-                     ms=c["prefill_s"] * 1e3, context=c["prompt_len"], phase="prefill", layers=args.get("layers"),
-                     file=path.name, when=when) for c in d["cells"]]
+        cell = dict(model=d["model"], device=device, layout="one GPU", parallel={}, layers=args.get("layers"),
+                    file=path.name, when=when)
+        return [dict(cell, batch=c["batch"], ms=c["prefill_s"] * 1e3, context=c["prompt_len"], phase="prefill")
+                for c in d["cells"]] + [
+            dict(cell, batch=c["batch"], ms=c["decode_ms_per_token"], context=c["prompt_len"] + args["new_tokens"] / 2)
+            for c in d["cells"]]
     if "ms_per_token" in d:  # a --baseline run: one GPU alone
         return [dict(model=d["model"], device=device, layout="one GPU", parallel={}, batch=int(b), ms=ms,
                      context=context, file=path.name, when=when) for b, ms in d["ms_per_token"].items()]
