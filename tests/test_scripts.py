@@ -187,18 +187,19 @@ def test_cost_model_validation_takes_each_rows_latest_run(tmp_path):
     assert len(validate.compare(files, superseded=True)) == 4
 
 
-def test_cost_model_validation_reads_the_prefills_of_the_decode_matrix_and_the_pipeline(tmp_path):
+def test_cost_model_validation_reads_the_decode_matrix_and_the_pipeline(tmp_path):
     """The time to the first token of bench_decode's matrix (bf16; int8 runs are left out;
     a run on the first layers is predicted on those layers) and bench_pipeline's prompt
-    processing (pp, each micro-batch count) are prefill rows, predicted as prefills."""
+    processing (pp, each micro-batch count) are prefill rows, predicted as prefills; the
+    matrix's decode ms a token are one-GPU decode rows at the middle of the generated span."""
     import json
 
     validate = _script("validate_costmodel")
     run = {"device": "NVIDIA H200", "time": "2026-11-28T10:00:00"}
-    cells = [{"prompt_len": 128, "batch": 8, "prefill_s": 0.02}]
+    cells = [{"prompt_len": 128, "batch": 8, "prefill_s": 0.02, "decode_ms_per_token": 3.5}]
     matrix = tmp_path / "decode-matrix-olmoe.json"
-    matrix.write_text(json.dumps({"run": run, "model": "olmoe-1b-7b", "args": {"quantize": None, "layers": 4},
-                                  "cells": cells}))
+    matrix.write_text(json.dumps({"run": run, "model": "olmoe-1b-7b",
+                                  "args": {"quantize": None, "layers": 4, "new_tokens": 32}, "cells": cells}))
     int8 = tmp_path / "decode-matrix-olmoe-int8.json"
     int8.write_text(json.dumps({"run": run, "model": "olmoe-1b-7b", "args": {"quantize": "int8"}, "cells": cells}))
     pipe = tmp_path / "pipeline-olmoe.json"
@@ -208,12 +209,16 @@ def test_cost_model_validation_reads_the_prefills_of_the_decode_matrix_and_the_p
                                 "prompts": [{"schedule": "hybrid", "micro_batches": 8, "seconds": 0.5}]}))
     rows = validate.compare([matrix, int8, pipe])
     got = sorted((r.get("phase", "decode"), r["layout"], r["batch"], r["context"], r["ms"]) for r in rows)
-    assert got == [("decode", "pp2", 8, 136.0, 5.0), ("prefill", "one GPU", 8, 128, 20.0),
-                   ("prefill", "pp2, 8 micro-batches", 16, 1024, 500.0)]
+    assert got == [("decode", "one GPU", 8, 144.0, 3.5), ("decode", "pp2", 8, 136.0, 5.0),
+                   ("prefill", "one GPU", 8, 128, 20.0), ("prefill", "pp2, 8 micro-batches", 16, 1024, 500.0)]
     cost = validate.CostModel(validate.bc.first_layers(validate.resolve_config("olmoe-1b-7b"), 4),
                               validate.Hardware.load("nvidia-h200"))
     want = cost.predict(validate.ParallelConfig(), "prefill", 8, 128, prompt=128).ms
-    assert next(r for r in rows if r["layout"] == "one GPU")["predicted"] == pytest.approx(want)
+    assert next(r for r in rows if r.get("phase") == "prefill" and r["layout"] == "one GPU")["predicted"] == \
+        pytest.approx(want)
+    want = cost.predict(validate.ParallelConfig(), "decode", 8, 144).ms
+    assert next(r for r in rows if r.get("phase") is None and r["layout"] == "one GPU")["predicted"] == \
+        pytest.approx(want)
 
 
 def test_tune_moe_large_t_candidates_try_short_last_tiles():
