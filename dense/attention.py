@@ -458,9 +458,9 @@ class Attention(nn.Module):
             parts = all_gather(qkv, self.tp, dim=0)  # [P * B, 1, W], rank by rank
             k_pool, v_pool = cache.pools(layer)
             epilogue = self._epilogue(qkv.device)
-            q_all = torch.cat([kernels.qkv_decode(parts[j * b:(j + 1) * b], hq, hkv, d, k_pool[:, j * hkv:(j + 1) * hkv],
-                                                  v_pool[:, j * hkv:(j + 1) * hkv], cache.write_slots, ctx.cos,
-                                                  ctx.sin, *epilogue, pdl=self.options.pdl)
+            q_all = torch.cat([kernels.qkv_decode(parts[j * b:(j + 1) * b], hq, hkv, d,
+                                                  k_pool[:, j * hkv:(j + 1) * hkv], v_pool[:, j * hkv:(j + 1) * hkv],
+                                                  cache.write_slots, ctx.cos, ctx.sin, *epilogue, pdl=self.options.pdl)
                                for j in range(self.tp.size)], dim=1)  # [B, P * Hq, 1, D]
             out, lse = kernels.paged_decode_partial(q_all[:, :, 0], k_pool, v_pool, cache.read_slots,
                                                     cache.visible(ctx.attn_mask), scale)

@@ -88,10 +88,10 @@ def device_shares(events) -> dict[int, float]:
     return {id(e): share for e, share in zip(kernels, shares)}
 
 
-def expert_s(events) -> float:
+def expert_s(events, shares: dict[int, float] | None = None) -> float:
     """Seconds the profiled ``events``' experts' GEMMs (``is_expert_kernel``) add to the
-    device's timeline (``device_shares``)."""
-    shares = device_shares(events)
+    device's timeline (``shares``: ``device_shares(events)``, made here where not given)."""
+    shares = device_shares(events) if shares is None else shares
     return sum(shares[id(e)] for e in events if is_expert_kernel(e)) / 1e6
 
 
@@ -133,7 +133,7 @@ def split_ms(engine, prompts, n: int) -> tuple[float, float, int, float]:
         every = all_gather_json(mine, world, engine.device if engine.device.type == "cuda" else "cpu")
         if all(len(d) == len(mine) for d in every):
             mine = [min(d) for d in zip(*every)]
-        out.append((wall, sum(mine) / 1e6, len(comm), expert_s(events)))
+        out.append((wall, sum(mine) / 1e6, len(comm), expert_s(events, shares)))
     (t2, c2, k2, x2), (tn, cn, kn, xn) = out
     per = 1e3 / (n - 1)
     return per * (tn - t2), per * (cn - c2), round((kn - k2) / (n - 1)), per * (xn - x2)

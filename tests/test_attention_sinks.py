@@ -62,8 +62,8 @@ def test_sink_attention_equals_the_softmax_with_a_sink_column(heads, mask, monke
 @pytest.mark.parametrize("sinks", [False, True])
 def test_partial_attentions_over_split_keys_combine_to_the_whole(sinks):
     """``dense.kv_shard``: attention over each rank's share of the keys, merged by the
-    shares of the softmax's denominator (``kernels.merge_partials``), equals attention over all keys; a row with no key
-    in a share, or none at all (padding), gets no NaN."""
+    shares of the softmax's denominator (``kernels.merge_partials``), equals attention over
+    all keys; a row with no key in a share, or none at all (padding), gets no NaN."""
     from kernels import merge_partials
     from kernels.attention.reference import partial_attention_ref as partial_attention
 
@@ -76,7 +76,8 @@ def test_partial_attentions_over_split_keys_combine_to_the_whole(sinks):
     owner = torch.arange(s) % ranks  # each key on one rank
     parts = [partial_attention(q, k, v, allowed & (owner == r), d ** -0.5) for r in range(ranks)]
     sink = torch.randn(h, generator=gen, dtype=torch.float64) if sinks else None
-    packed = torch.stack([torch.cat([o, lse[..., None]], dim=-1).transpose(0, 1) for o, lse in parts])  # [P, H, B, T, D + 1]
+    packed = torch.stack([torch.cat([o, lse[..., None]], dim=-1).transpose(0, 1)
+                          for o, lse in parts])  # [P, H, B, T, D + 1]
     got = merge_partials(packed, sink, torch.float64)
     assert torch.isfinite(got).all() and not got[2].any()
     want = _reference(q[:2], k[:2], v[:2], sink if sinks else torch.full((h,), -torch.inf, dtype=torch.float64),

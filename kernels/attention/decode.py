@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import tuning
+
 
 @triton.jit
 def mask_visible(mask_row, s, ok, ADDITIVE: tl.constexpr):
@@ -331,7 +333,7 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
         # two programs an SM. Not past that: each split's partials (Hq x C floats a row) are
         # written and read back by the combine, which at a large batch and a long cache
         # would outweigh the cache itself.
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        sms = tuning.sm_count(q.device)
         programs = b * triton.cdiv(hq, hb)
         splits = 1
         while splits < 64 and splits * block_s < s and programs * splits < 2 * sms:
