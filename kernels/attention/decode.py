@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import tuning
+from kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -53,7 +54,9 @@ def _combine_kernel(
     lse_ptr,  # [B, Hq] float32: the log of each row and head's softmax denominator (WRITE_LSE only)
     D, stride_ob, stride_oh, HQ,
     P: tl.constexpr, P_PAD: tl.constexpr, D_PAD: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_LSE: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_enter(PDL)
     b, hq = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, P_PAD)
     d = tl.arange(0, D_PAD)
@@ -248,7 +251,7 @@ def _splits(q, k, v, slots, visible, scale, splits, block_s) -> tuple[torch.Tens
 
 
 def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype,
-             sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+             sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """The splits' partial results [B, Hq, P] (m, l) and [B, Hq, P, D] (acc), and each head's
     sink logit where given -> [B, Hq, D]; ``lse`` [B, Hq] float32 receives the log of each
     softmax denominator (a row with no visible key: zeros and -inf)."""
@@ -257,7 +260,7 @@ def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, dtype: torch.d
     _combine_kernel[(b, hq)](m, l, acc, sinks if sinks is not None else m, out, lse if lse is not None else m, d,
                              out.stride(0), out.stride(1), hq, P=splits, P_PAD=max(2, triton.next_power_of_2(splits)),
                              D_PAD=triton.next_power_of_2(d), HAS_SINK=sinks is not None, WRITE_LSE=lse is not None,
-                             num_warps=1 if d <= 128 else 4)
+                             num_warps=1 if d <= 128 else 4, **pdl_launch(acc.device, pdl))
     return out
 
 
@@ -269,12 +272,13 @@ def _latent_split_kernel(
     S, scale, stride_qb, stride_qh, stride_kn, stride_mb, stride_slb,
     HQ: tl.constexpr, HB: tl.constexpr, C: tl.constexpr, C_PAD: tl.constexpr, R: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_LEN: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr,
-    ADDITIVE: tl.constexpr,
+    ADDITIVE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, head block, split p): its share of row b's keys for HB >= 16 query heads
     (padding heads masked). Each key block is read once as [BLOCK_S, C] latents and
     [BLOCK_S, R] rotary keys; scores are the two parts' dots, and the latents weigh into
     the [HB, C] accumulator (the values are the latents)."""
+    pdl_enter(PDL)
     b, hb, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     heads = hb * HB + tl.arange(0, HB)
     h_ok = heads < HQ
@@ -306,7 +310,7 @@ def _latent_split_kernel(
 
 def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
                                latent: int, scale: float | None = None, splits: int | None = None,
-                               block_s: int = 16) -> torch.Tensor:
+                               block_s: int = 16, pdl: bool = True) -> torch.Tensor:
     """Decode attention of multi-head latent attention over a paged cache read in place:
     q [B, Hq, C + R] (absorbed queries), kv pool [N, C + R] or [N, 1, C + R] (each token's
     latent, which is also its value, then its rotary key; ``latent`` = C), slots [B, S]
@@ -348,5 +352,5 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
         q.stride(0), q.stride(1), kv.stride(0), mask.stride(0), slots.stride(0),
         HQ=hq, HB=hb, C=latent, C_PAD=max(16, triton.next_power_of_2(latent)), R=rope,
         R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_S=block_s, SPLIT_LEN=split_len, P=splits,
-        IEEE=kv.dtype == torch.float32, ADDITIVE=additive, num_warps=8)
-    return _combine(m, l, acc, q.dtype)
+        IEEE=kv.dtype == torch.float32, ADDITIVE=additive, num_warps=8, **pdl_launch(q.device, pdl))
+    return _combine(m, l, acc, q.dtype, pdl=pdl)

@@ -60,7 +60,6 @@ def _latent_query_kernel(
     P: tl.constexpr, P_PAD: tl.constexpr, BLOCK_B: tl.constexpr, ROPE: tl.constexpr, IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     n, cb = tl.program_id(0), tl.program_id(1)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     rows0 = tl.arange(0, BLOCK_B)
@@ -69,8 +68,11 @@ def _latent_query_kernel(
     c_ok = c < C
     p = tl.arange(0, P_PAD)
     p_ok = p < P
+    # The weights are no kernel's output: their load is in flight before the PDL wait.
     w = tl.load(w_ptr + n * stride_wn + p[:, None] * stride_wp + c[None, :], mask=p_ok[:, None] & c_ok[None, :],
-                other=0.0).to(tl.float32)
+                other=0.0)
+    pdl_enter(PDL)
+    w = w.to(tl.float32)
     for b0 in range(0, B, BLOCK_B):
         rows = (b0 + rows0).to(tl.int64)
         b_ok = rows < B
@@ -124,17 +126,24 @@ def _latent_output_kernel(
     N: tl.constexpr, C: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_B: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
     n, vb = tl.program_id(0), tl.program_id(1)
     DT: tl.constexpr = y_ptr.dtype.element_ty
     v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = v < V
     k = tl.arange(0, BLOCK_K)
+    # The first block of weights (the whole latent up to BLOCK_K) is loaded before the PDL
+    # wait, as the query kernel's: no kernel wrote it.
+    w0 = tl.load(w_ptr + n * stride_wn + v[None, :] * stride_wv + k[:, None], mask=(k < C)[:, None] & v_ok[None, :],
+                 other=0.0)
+    pdl_enter(PDL)
+    w0 = w0.to(tl.float32)
     for b0 in range(0, B, BLOCK_B):
         rows = (b0 + tl.arange(0, BLOCK_B)).to(tl.int64)
         b_ok = rows < B
-        acc = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
-        for k0 in range(0, C, BLOCK_K):
+        x = tl.load(x_ptr + rows[:, None] * stride_xb + n * stride_xn + k[None, :],
+                    mask=b_ok[:, None] & (k < C)[None, :], other=0.0).to(tl.float32)
+        acc = _dot(x, w0, IEEE)
+        for k0 in range(BLOCK_K, C, BLOCK_K):
             kk = k0 + k
             k_ok = kk < C
             x = tl.load(x_ptr + rows[:, None] * stride_xb + n * stride_xn + kk[None, :],

@@ -287,19 +287,20 @@ _COMPILE_LATENT = """
 import sys
 from kernels.attention.decode import _latent_split_kernel as kernel
 
-additive = bool(int(sys.argv[1]))
+additive, pdl = bool(int(sys.argv[1])), int(sys.argv[2])
 const = dict(HQ=16, HB=16, C=512, C_PAD=512, R=64, R_PAD=64, BLOCK_S=16, SPLIT_LEN=128, P=16, IEEE=False,
-             ADDITIVE=additive)
+             ADDITIVE=additive, PDL=pdl)
 types = {"slot_ptr": "*i64", "mask_ptr": "*fp32" if additive else "*i8", "m_ptr": "*fp32", "l_ptr": "*fp32",
          "acc_ptr": "*fp32", "S": "i32", "scale": "fp32"}
 """
 
 
-@pytest.mark.parametrize("additive", [0, 1])
-def test_paged_latent_decode_compiles_for_hopper(additive):
+@pytest.mark.parametrize("additive, pdl", [(0, 0), (1, 2)])
+def test_paged_latent_decode_compiles_for_hopper(additive, pdl):
     """The latent-attention decode kernel's whole Triton compile for sm_90 (tests.hopper) at
-    DeepSeek's widths (latent 512, rotary 64), with an additive mask or a bool one."""
-    assert compile_kernel(_COMPILE_LATENT, additive, warps=8) > 0
+    DeepSeek's widths (latent 512, rotary 64), with an additive mask or a bool one, with PDL
+    and without."""
+    assert compile_kernel(_COMPILE_LATENT, additive, pdl, warps=8) > 0
 
 
 _COMPILE_LATENT_PROLOGUE = """
