@@ -37,8 +37,16 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None  # on the logits (GPT-OSS)
         self.top_k, self.score, self.renormalize = top_k, score, renormalize
         self.groups = groups
+        # Fixed slots after the top-k, ids E.., weight 1: shared experts held after the routed
+        # ones (``MoELayer.fold_shared``), which every token's table then names.
+        self.shared = 0
         self.with_maps = with_maps and groups is None  # dropless maps built in the gating launch
         self.options = options
+
+    @property
+    def slots(self) -> int:
+        """Slots a token's table has: the top-k and the shared ones."""
+        return self.top_k + self.shared
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None, maps: bool = True) -> Routing:
         """``logits`` [T, E]: already computed (by the fused norm + router launch). ``maps``
@@ -51,7 +59,9 @@ class Router(nn.Module):
             n_group, topk_group, scale, group_max = self.groups
             bias = self.score_bias if self.score_bias is not None else logits.new_zeros(logits.shape[1])
             return Routing(*kernels.grouped_topk(logits, bias, self.top_k, n_group, topk_group, self.score,
-                                                 self.renormalize, scale, group_max, pdl=self.options.pdl))
-        if self.with_maps and maps:
+                                                 self.renormalize, scale, group_max, pdl=self.options.pdl,
+                                                 shared=self.shared))
+        if self.with_maps and maps and not self.shared:
             return Routing(*kernels.route(logits, self.top_k, self.score, self.renormalize, pdl=self.options.pdl))
-        return Routing(*kernels.topk_gating(logits, self.top_k, self.score, self.renormalize, pdl=self.options.pdl))
+        return Routing(*kernels.topk_gating(logits, self.top_k, self.score, self.renormalize, pdl=self.options.pdl,
+                                            shared=self.shared))

@@ -205,6 +205,12 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         prepare = functools.partial(init_random, generator=generator)
     else:
         model.init_random(cfg.engine.seed)
+    if not offload:  # shared experts run as experts of the routed call where they can (before quantizing)
+        from moe_infer.moe_layer import MoELayer
+
+        for layer in model.modules():
+            if isinstance(layer, MoELayer):
+                layer.fold_shared()
     if cfg.engine.quantize is not None:  # bf16 / fp32 weights in, int8 (or MXFP4 experts) on the device
         from moe_infer.experts import quantize_experts, quantize_model
 

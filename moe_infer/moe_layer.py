@@ -11,6 +11,7 @@ from torch import nn
 from comm import ParallelGroups
 from dense.mlp import MLP
 from kernels.options import KernelOptions
+from kernels.routing.reference import MAX_K
 from moe_infer.dispatch import ExpertParallelDispatcher, LocalDispatcher, SameTokensDispatcher
 from moe_infer.experts import Experts
 from moe_infer.gating import Router
@@ -35,6 +36,7 @@ class MoELayer(nn.Module):
                              with_maps=moe_cfg.capacity_factor is None and local, options=options, groups=groups_,
                              score_bias=moe_cfg.score_bias, bias=moe_cfg.router_bias)
         self.local_dropless = moe_cfg.capacity_factor is None and local
+        self.options = options
         self._maps_at: dict = {}  # _maps_needed's answers
         ep_index = groups.ep.rank // es
         self.experts = Experts(moe_cfg.num_experts, h, moe_cfg.expert_hidden, model_cfg.activation,
@@ -62,6 +64,52 @@ class MoELayer(nn.Module):
         self.fused_sum = (self.shared is not None and isinstance(self.dispatcher, SameTokensDispatcher)
                           and groups.tp.size > 1 and self.dispatcher.group.ranks == groups.tp.ranks)
 
+    def fold_shared(self) -> bool:
+        """Moves the shared experts into the routed experts' weights, as n more experts of
+        the routed width after the E routed ones (n shared experts of width F are n such
+        experts; the sum is the same), and makes the router name them in every token's table
+        with weight 1: one pass of the fused MoE kernels then runs both, where it took two
+        launches for the shared MLP, two for the routed experts and an add. -> whether it
+        did. Only where the layer's experts all run here on whole, plain weights (no expert
+        parallelism or slicing, no tensor-parallel shared MLP, no capacity, no shared gate,
+        not offloaded or quantized yet, no biases), the shared width a multiple of the routed
+        one, and, on a GPU, where the free memory holds the new weights beside the old ones
+        (they are copied, then the old freed). ``KernelOptions.fold_shared_experts`` False:
+        never (an A/B baseline)."""
+        shared, experts = self.shared, self.experts
+        if (shared is None or self.shared_gate is not None or not self.options.fold_shared_experts
+                or type(self.dispatcher) is not LocalDispatcher or self.dispatcher.capacity_factor is not None
+                or type(experts) is not Experts or experts.b13 is not None or shared.tp.size > 1):
+            return False
+        up, down = shared.up_proj, shared.down_proj
+        if (getattr(up, "bias", None) is not None or getattr(down, "bias", None) is not None
+                or up.weight.dtype != experts.w13.dtype or down.weight.dtype != experts.w2.dtype
+                or up.weight.device != experts.w13.device):
+            return False
+        f, width = experts.w2.shape[2], down.weight.shape[1]
+        n = width // f
+        if width % f or self.router.top_k + n > MAX_K:
+            return False
+        new_bytes = (experts.w13.numel() + experts.w2.numel() + up.weight.numel() + down.weight.numel()) \
+            * experts.w13.element_size()
+        if experts.w13.is_cuda and torch.cuda.mem_get_info(experts.w13.device)[0] < new_bytes:
+            return False
+        h = experts.w13.shape[2]
+        with torch.no_grad():
+            if experts.w13.shape[1] == 2 * f:  # gated: shared expert j's gate rows, then its up rows
+                gate, upw = up.weight.view(2, n, f, h)
+                w13 = torch.cat([gate, upw], dim=1)  # [n, 2F, H]
+            else:
+                w13 = up.weight.view(n, f, h)
+            w2 = down.weight.view(h, n, f).permute(1, 0, 2)  # [n, H, F]: expert j's columns of the down weight
+            experts.w13 = nn.Parameter(torch.cat([experts.w13, w13]), requires_grad=False)
+            experts.w2 = nn.Parameter(torch.cat([experts.w2, w2]), requires_grad=False)
+        experts.expert_range = (experts.expert_range[0], experts.expert_range[1] + n)
+        self.shared = None
+        self.router.shared = n
+        self._maps_at.clear()
+        return True
+
     def _maps_needed(self, x: torch.Tensor) -> bool:
         """Whether the router should build the maps: not where the local experts run from
         the routing ids alone (decode sizes on a GPU), where routing is then the gating
@@ -71,7 +119,7 @@ class MoELayer(nn.Module):
         key = (x.shape[0], x.dtype, x.device, self.experts.w13.dtype)
         needed = self._maps_at.get(key)
         if needed is None:
-            needed = self._maps_at[key] = not self.experts.pairs_from_ids(x, self.router.top_k)
+            needed = self._maps_at[key] = not self.experts.pairs_from_ids(x, self.router.slots)
         return needed
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:

@@ -140,8 +140,9 @@ def floor_bytes(engine, batch: int, context: int) -> int:
             continue
         e, k = cfg.moe.num_experts, cfg.moe.top_k
         hit = e * (1 - (1 - k / e) ** batch)
-        per_expert = sum(t.numel() * t.element_size() for t in experts.state_dict().values()) / e
-        total += hit * per_expert
+        held = experts.w13.shape[0]  # past E: shared experts folded in, which every token takes
+        per_expert = sum(t.numel() * t.element_size() for t in experts.state_dict().values()) / held
+        total += (hit + held - e) * per_expert
     m = cfg.model
     kv = m.num_layers * model.num_kv_heads * sum(m.kv_widths) * engine.dtype.itemsize  # (latent: one, compressed)
     return int(total + batch * context * kv)
@@ -155,7 +156,7 @@ PARTS = [
     ("MoE experts", ("_grouped_gemm_kernel", "_gather_kernel", "_scatter_kernel", "moe_up", "moe_down")),
     ("norms", ("_rms_norm_kernel", "layer_norm", "LayerNorm")),
     ("qkv epilogue", ("_qkv_decode_kernel",)),
-    ("attention", ("fmha", "flash", "attention", "_paged_split_kernel", "_combine_kernel", "softmax")),
+    ("attention", ("fmha", "flash", "attention", "_paged_split_kernel", "_combine_kernel", "softmax", "_latent_")),
     ("dense GEMM", ("gemm", "nvjet", "sm90", "cutlass", "_sbi_kernel", "_reduce_kernel", "gemv", "splitK")),
 ]
 
@@ -253,8 +254,9 @@ def prefill_flops(engine, prompt_len: int, batch: int) -> float:
     for name, w in model.state_dict().items():  # int8 weights are buffers
         if name == "embed.weight" or name.startswith("lm_head.") or w.dim() < 2 or name.endswith("_scale"):
             continue
-        if ".experts." in name and moe is not None:  # (MXFP4: two weights a byte)
-            per_token += w.numel() * (2 if w.dtype == torch.uint8 else 1) * moe.top_k / moe.num_experts
+        if ".experts." in name and moe is not None:  # (MXFP4: two weights a byte; past E: folded shared experts)
+            held = w.shape[0]
+            per_token += w.numel() * (2 if w.dtype == torch.uint8 else 1) * (moe.top_k + held - moe.num_experts) / held
         elif w.dim() == 2:
             per_token += w.numel()
     attn = 4 * m.num_layers * m.num_heads * m.head_dim * batch * prompt_len * (prompt_len + 1) / 2

@@ -15,7 +15,8 @@ def routing(engine, prompt):
     seen = []
     def hook(module, args, out):
         scores = (args[0].float() @ module.weight.float().t()).softmax(-1)
-        seen.append((out.expert_ids.sort(-1).values.cpu(), scores.cpu()))
+        # (the routed slots: shared experts folded into the routed call take fixed ones after them)
+        seen.append((out.expert_ids[:, :module.top_k].sort(-1).values.cpu(), scores.cpu()))
     hooks = [m.register_forward_hook(hook) for m in engine.model.modules() if isinstance(m, Router)]
     engine.logits([prompt])
     for h in hooks:

@@ -15,12 +15,13 @@ from kernels.layout.reference import row_pair_ref, token_maps_ref
 from kernels.routing.reference import grouped_topk_ref, topk_gating_ref
 
 
-def topk_gating(logits, k, score="softmax", renormalize=True, *, pdl=True):
-    """-> expert ids [T, k] int32, weights [T, k] float32 (see ``topk_gating_ref``)."""
+def topk_gating(logits, k, score="softmax", renormalize=True, *, pdl=True, shared=0):
+    """-> expert ids [T, k + shared] int32, weights [T, k + shared] float32 (see
+    ``topk_gating_ref``; ``shared`` fixed slots, of ids E.., after the top-k)."""
     if logits.is_cuda:
         from kernels.routing.gating import topk_gating_triton
-        return topk_gating_triton(logits, k, score, renormalize, pdl)
-    return topk_gating_ref(logits, k, score, renormalize)
+        return topk_gating_triton(logits, k, score, renormalize, pdl, shared)
+    return topk_gating_ref(logits, k, score, renormalize, shared)
 
 
 def route(logits, k, score="softmax", renormalize=True, *, pdl=True):
@@ -35,15 +36,15 @@ def route(logits, k, score="softmax", renormalize=True, *, pdl=True):
 
 
 def grouped_topk(logits, bias, k, n_group, topk_group, score="sigmoid", renormalize=True,
-                 routed_scaling_factor=1.0, group_max=False, *, pdl=True):
+                 routed_scaling_factor=1.0, group_max=False, *, pdl=True, shared=0):
     """DeepSeek-V3's bias-corrected grouped top-k, or V2's group-limited greedy top-k
-    (``group_max``; see ``grouped_topk_ref``)."""
+    (``group_max``; see ``grouped_topk_ref``; ``shared`` as ``topk_gating``'s)."""
     if logits.is_cuda:
         from kernels.routing.gating import grouped_topk_triton
         return grouped_topk_triton(logits, bias, k, n_group, topk_group, score, renormalize, routed_scaling_factor,
-                                   pdl, group_max)
+                                   pdl, group_max, shared)
     return grouped_topk_ref(logits, bias, k, n_group, topk_group, score, renormalize, routed_scaling_factor,
-                            group_max)
+                            group_max, shared)
 
 
 __all__ = ["topk_gating", "grouped_topk", "route"]

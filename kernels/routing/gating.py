@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.launcher import CachedLaunch
-from kernels.routing.reference import check_logits
+from kernels.routing.reference import check_logits, check_shared
 from kernels.pdl import pdl_enter, pdl_launch
 
 TILE = 4096  # float32 scores a program holds: 16 rows of 256 experts, 64 rows of 64
@@ -158,6 +158,7 @@ def _topk_gating_kernel(
     SOFTMAX: tl.constexpr,  # softmax scores, else sigmoid
     RENORMALIZE: tl.constexpr,  # divide the k weights by their sum
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_PAD: tl.constexpr,  # fixed slots after the k (``_store_table``)
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -165,11 +166,26 @@ def _topk_gating_kernel(
     row_ok = rows < T
     top_ids, top_w = _topk_table(logits_ptr, rows, row_ok, E, stride_lt, stride_le, K, SOFTMAX,
                                  RENORMALIZE, BLOCK_E, BLOCK_K, False)
+    _store_table(ids_ptr, weights_ptr, rows, row_ok, top_ids, top_w, E, K, BLOCK_K, SHARED, SHARED_PAD)
+
+
+@triton.jit
+def _store_table(ids_ptr, weights_ptr, rows, row_ok, top_ids, top_w, E, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SHARED: tl.constexpr, SHARED_PAD: tl.constexpr):
+    """Rows ``rows`` of the table [T, K + SHARED]: the top-k, then SHARED slots of ids E,
+    E + 1, ... with weight 1 (shared experts held after the routed ones: every token's)."""
     slots = tl.arange(0, BLOCK_K)
-    out = rows.to(tl.int64)[:, None] * K + slots[None, :]
+    rows64 = rows.to(tl.int64)
+    out = rows64[:, None] * (K + SHARED) + slots[None, :]
     out_ok = row_ok[:, None] & (slots[None, :] < K)
     tl.store(ids_ptr + out, top_ids, mask=out_ok)
     tl.store(weights_ptr + out, top_w, mask=out_ok)
+    if SHARED > 0:
+        extra = tl.arange(0, SHARED_PAD)
+        at = rows64[:, None] * (K + SHARED) + K + extra[None, :]
+        ok = row_ok[:, None] & (extra[None, :] < SHARED)
+        tl.store(ids_ptr + at, tl.zeros([rows.shape[0], SHARED_PAD], tl.int32) + (E + extra)[None, :], mask=ok)
+        tl.store(weights_ptr + at, tl.full([rows.shape[0], SHARED_PAD], 1.0, tl.float32), mask=ok)
 
 
 @triton.jit
@@ -190,6 +206,7 @@ def _grouped_topk_kernel(
     GROUP_MAX: tl.constexpr,  # a group's score is its best choice (DeepSeek-V2), else its best two's sum
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SHARED: tl.constexpr, SHARED_PAD: tl.constexpr,  # fixed slots after the k (``_store_table``)
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -252,11 +269,8 @@ def _grouped_topk_kernel(
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]  # padding slots hold 0
     top_w = top_w * scale
-
-    out = rows64[:, None] * K + slots[None, :]
-    out_ok = row_ok[:, None] & (slots[None, :] < K)
-    tl.store(ids_ptr + out, top_ids, mask=out_ok)
-    tl.store(weights_ptr + out, top_w, mask=out_ok)
+    _store_table(ids_ptr, weights_ptr, rows, row_ok, top_ids, top_w, N_GROUP * GROUP_SIZE, K, BLOCK_K, SHARED,
+                 SHARED_PAD)
 
 
 def _block_t(t: int, tile_cols: int, tile: int = TILE) -> int:
@@ -286,23 +300,25 @@ def _check_logits_once(logits: torch.Tensor, k: int, score: str) -> None:
         _CHECKED.add(seen)
 
 
-def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
-                       renormalize: bool = True, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of the router scores: ids [T, k] int32 (descending score) and weights [T, k]
-    float32; the same contract as ``topk_gating_ref``.
+def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax", renormalize: bool = True,
+                       pdl: bool = True, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the router scores: ids [T, k + shared] int32 (descending score, then the
+    shared slots) and weights [T, k + shared] float32; the same contract as
+    ``topk_gating_ref``.
 
     At decode sizes this launch is the layer's whole routing, and in an eager step its host
     time is the cost: the checks run once per key (``_check_logits_once``), the outputs are
     two plain allocations (``_outputs``), and the kernel launches through its compiled
     launcher (``kernels.launcher``)."""
     _check_logits_once(logits, k, score)
+    check_shared(shared)
     t, e = logits.shape
     dev = logits.device
-    ids, weights = _outputs(t, k, dev)
+    ids, weights = _outputs(t, k + shared, dev)
     if t == 0:
         return ids, weights
     key = (dev.type, dev.index, t, e, k, score, renormalize, pdl, logits.dtype, logits.stride(),
-           logits.data_ptr() % 16)
+           logits.data_ptr() % 16, shared)
 
     def plan():
         block_e = triton.next_power_of_2(e)
@@ -312,6 +328,7 @@ def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax",
         warps = 1 if block_t * block_e <= 1024 else 4
         return (triton.cdiv(t, block_t),), dict(K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
                                                 BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
+                                                SHARED=shared, SHARED_PAD=triton.next_power_of_2(max(shared, 1)),
                                                 num_warps=warps, **pdl_launch(dev, pdl))
 
     _gating(key, (logits, ids, weights, t, e, logits.stride(0), logits.stride(1)), plan, dev)
@@ -345,14 +362,15 @@ def _check_grouped_args(logits: torch.Tensor, bias: torch.Tensor, k: int, n_grou
 def grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
                         topk_group: int, score: str = "sigmoid", renormalize: bool = True,
                         routed_scaling_factor: float = 1.0, pdl: bool = True,
-                        group_max: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        group_max: bool = False, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing: ids [T, k] int32 (descending ``scores + bias``) and weights [T, k]
-    float32 (unbiased scores, renormalised if asked, times ``routed_scaling_factor``); the
-    same contract as ``grouped_topk_ref``."""
+    float32 (unbiased scores, renormalised if asked, times ``routed_scaling_factor``), each
+    followed by ``shared`` fixed slots; the same contract as ``grouped_topk_ref``."""
     check_logits(logits, k, score)
     _check_grouped_args(logits, bias, k, n_group, topk_group, routed_scaling_factor)
+    check_shared(shared)
     t, e = logits.shape
-    ids, weights = _outputs(t, k, logits.device)
+    ids, weights = _outputs(t, k + shared, logits.device)
     if t == 0:
         return ids, weights
     group_size = e // n_group
@@ -366,5 +384,6 @@ def grouped_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, n_grou
         K=k, N_GROUP=n_group, GROUP_SIZE=group_size, TOPK_GROUP=topk_group,
         SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize), GROUP_MAX=bool(group_max),
         BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_S=block_s,
-        BLOCK_K=triton.next_power_of_2(k), num_warps=warps, **pdl_launch(logits.device, pdl))
+        BLOCK_K=triton.next_power_of_2(k), SHARED=shared, SHARED_PAD=triton.next_power_of_2(max(shared, 1)),
+        num_warps=warps, **pdl_launch(logits.device, pdl))
     return ids, weights

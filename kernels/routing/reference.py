@@ -7,6 +7,10 @@ Shape letters: T tokens, E experts, k slots per token, G expert groups.
 
   topk_gating   logits [T, E]           -> expert_ids [T, k] int32, weights [T, k] float32
   grouped_topk  logits [T, E], bias [E] -> expert_ids [T, k] int32, weights [T, k] float32
+
+Both take ``shared`` = n: the table gets n more slots a token, ids E .. E + n - 1 with weight
+1, after the top-k: shared experts held as experts after the routed ones, so that one pass of
+the fused MoE kernels runs both (``MoELayer.fold_shared``).
 """
 from __future__ import annotations
 
@@ -43,21 +47,40 @@ def check_logits(logits: torch.Tensor, k: int, score: str) -> None:
         raise ValueError(f"score={score!r}: expected one of {SCORES}")
 
 
+def check_shared(shared: int) -> None:
+    """The number of fixed shared slots a table takes (ValueError unless a small int >= 0)."""
+    if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared <= MAX_K:
+        raise ValueError(f"shared={shared!r}: expected an int with 0 <= shared <= {MAX_K}")
+
+
+def with_shared_ref(ids: torch.Tensor, weights: torch.Tensor, e: int, shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A top-k table [T, k] of E experts -> [T, k + shared]: slots of ids E, E + 1, ... and
+    weight 1 appended to every row."""
+    check_shared(shared)
+    if not shared:
+        return ids, weights
+    t = ids.shape[0]
+    fixed = torch.arange(e, e + shared, dtype=ids.dtype, device=ids.device).expand(t, shared)
+    return torch.cat([ids, fixed], dim=1), torch.cat([weights, weights.new_ones(t, shared)], dim=1)
+
+
 def topk_gating_ref(logits: torch.Tensor, k: int, score: str = "softmax",
-                    renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of the router scores: ids [T, k] int32 and weights [T, k] float32."""
+                    renormalize: bool = True, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the router scores: ids [T, k] int32 and weights [T, k] float32 (each with
+    ``shared`` fixed slots after them)."""
     scores = router_scores_ref(logits, score)  # [T, E]
     weights, ids = torch.topk(scores, k, dim=-1)  # [T, k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids.to(torch.int32), weights
+    return with_shared_ref(ids.to(torch.int32), weights, logits.shape[1], shared)
 
 
 def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
                      topk_group: int, score: str = "sigmoid", renormalize: bool = True,
-                     routed_scaling_factor: float = 1.0,
-                     group_max: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 routing: ids [T, k] int32 and weights [T, k] float32.
+                     routed_scaling_factor: float = 1.0, group_max: bool = False,
+                     shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: ids [T, k] int32 and weights [T, k] float32 (each with
+    ``shared`` fixed slots after them).
 
     ``choice = scores + bias`` picks the experts (the bias is the e_score_correction_bias); the
     E experts form ``n_group`` contiguous groups, a group's score is the sum of its two best
@@ -81,4 +104,4 @@ def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: 
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids.to(torch.int32), weights * routed_scaling_factor
+    return with_shared_ref(ids.to(torch.int32), weights * routed_scaling_factor, e, shared)

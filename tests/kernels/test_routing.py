@@ -221,7 +221,37 @@ def test_grouped_topk_ref_with_one_group_and_no_bias_is_plain_topk():
     torch.testing.assert_close(weights, 1.5 * ref_weights)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t,e,k,shared,dtype", [(1, 64, 6, 2, BF16), (5, 9, 3, 1, F32), (33, 60, 4, 3, F16)])
+def test_shared_slots_follow_the_top_k(device, t, e, k, shared, dtype):
+    """``shared`` = n: each row's table is the top-k, then ids E .. E + n - 1 with weight 1
+    (shared experts held after the routed ones), from the plain and the grouped kernels alike."""
+    logits = _draw_logits(t, e, dtype, seed=t + e + shared, margin_fn=lambda x: _topk_margin(x, k, "softmax"))
+    logits = logits.to(device)
+    ids, weights = topk_gating_triton(logits, k, "softmax", True, shared=shared)
+    ref_ids, ref_weights = topk_gating_ref(logits, k, "softmax", True)
+    assert ids.shape == weights.shape == (t, k + shared)
+    torch.testing.assert_close(ids[:, :k], ref_ids, rtol=0, atol=0)
+    torch.testing.assert_close(weights[:, :k], ref_weights)
+    fixed = torch.arange(e, e + shared, dtype=torch.int32, device=device).expand(t, shared)
+    torch.testing.assert_close(ids[:, k:], fixed, rtol=0, atol=0)
+    assert (weights[:, k:] == 1).all()
+    ref = topk_gating_ref(logits, k, "softmax", True, shared=shared)
+    torch.testing.assert_close(ids, ref[0], rtol=0, atol=0)
+    torch.testing.assert_close(weights, ref[1])
+    # grouped: one group of all experts and no bias is the plain top-k, times the scale
+    bias = torch.zeros(e, device=device)
+    ids, weights = grouped_topk_triton(logits, bias, k, 1, 1, "softmax", True, 1.5, shared=shared)
+    torch.testing.assert_close(ids, torch.cat([ref_ids, fixed], dim=1), rtol=0, atol=0)
+    torch.testing.assert_close(weights, torch.cat([1.5 * ref_weights, weights.new_ones(t, shared)], dim=1))
+    ref = grouped_topk_ref(logits, bias, k, 1, 1, "softmax", True, 1.5, shared=shared)
+    torch.testing.assert_close(ids, ref[0], rtol=0, atol=0)
+    torch.testing.assert_close(weights, ref[1])
+
+
 @pytest.mark.parametrize("kwargs,match", [
+    (dict(shared=-1), "shared=-1"),
+    (dict(shared=1.0), "shared=1.0"),
     (dict(k=9), "k=9"),  # k > E
     (dict(k=0), "k=0"),
     (dict(k=2.0), "k=2.0"),
