@@ -47,6 +47,9 @@ SHAPES = {  # name: H, F, E, k, activation
     # the shared experts as one MLP every row takes (kernels.gated_mlp): E = 1, k = 1
     "dsv2lite-shared": (2048, 2816, 1, 1, "silu"),
     "glm45air-shared": (4096, 1408, 1, 1, "silu"),
+    # the routed experts with the shared ones folded in (MoELayer.fold_shared): E + n, k + n
+    "dsv2lite-folded": (2048, 1408, 66, 8, "silu"),
+    "glm45air-folded": (4096, 1408, 129, 9, "silu"),
 }
 TOKENS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384]
 WARM_S = 0.03  # seconds of replays before each candidate's timed ones
