@@ -76,18 +76,58 @@ class LatentAttention(nn.Module):
         self.kv_b_proj.shard_fns = {"weight": heads(p + v)}
         self.o_proj = RowParallelLinear(cfg.num_heads * v, h, cfg.out_bias, tp, options)
         self.tp = tp
+        self.lora = bool(cfg.q_lora_rank)
+        self.in_proj, self.in_split = None, None  # both input projections as one (merge_projections)
         if cfg.rope_interleaved:  # the checkpoint rotates interleaved pairs: its rotary rows read as halves
             q = self.q_b_proj if cfg.q_lora_rank else self.q_proj
             q.load_fns = {"weight": lambda t: pairs_to_halves(t, p + r, p, r)}
             kv = lambda t: pairs_to_halves(t, c + r, c, r)  # noqa: E731  (one "head": the latent, then the rotary key)
             self.kv_a_proj.load_fns = {"weight": kv, "bias": kv}
 
+    def merge_projections(self) -> bool:
+        """The two projections of the layer's input (the query's, or its q-LoRA down
+        projection, and the latent's) as one GEMM of their rows stacked: one launch a step
+        instead of two. -> whether it did: not once either is quantized or a different
+        dtype (called after loading, before quantizing)."""
+        if self.in_proj is not None:
+            return False
+        first, second = self.q_a_proj if self.lora else self.q_proj, self.kv_a_proj
+        if type(first) is not Linear or type(second) is not Linear or first.weight.dtype != second.weight.dtype \
+                or not first.weight.is_floating_point():
+            return False
+        n1, n2 = first.weight.shape[0], second.weight.shape[0]
+        has_bias = first.bias is not None or second.bias is not None
+        with torch.device("meta"):
+            merged = Linear(first.weight.shape[1], n1 + n2, has_bias, options=self.options)
+        merged = merged.to_empty(device=first.weight.device).to(first.weight.dtype)
+        with torch.no_grad():
+            merged.weight.copy_(torch.cat([first.weight, second.weight]))
+            if has_bias:
+                merged.bias.copy_(torch.cat([first.bias if first.bias is not None else first.weight.new_zeros(n1),
+                                             second.bias if second.bias is not None else second.weight.new_zeros(n2)]))
+        merged.requires_grad_(False)
+        self.in_proj, self.in_split = merged, (n1, n2)
+        del self.kv_a_proj
+        if self.lora:
+            del self.q_a_proj
+        else:
+            del self.q_proj
+        return True
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> the queries [B, T, N * (P + R)] and the latent projection's rows
+        [B, T, C + R] (the latent, then the rotary key)."""
+        if self.in_proj is not None:
+            q, kv = self.in_proj(x).split(self.in_split, dim=-1)
+        else:
+            q, kv = self.q_a_proj(x) if self.lora else self.q_proj(x), self.kv_a_proj(x)
+        return (self.q_b_proj(self.q_a_norm(q)) if self.lora else q), kv
+
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
         b, t, _ = x.shape
         n, p, r, c = self.num_heads, self.nope_dim, self.rope_dim, self.latent
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
-        kv = self.kv_a_proj(x)  # [B, T, C + R]: the latent, then the rotary key
+        q, kv = self._project(x)
         w = self.kv_b_proj.weight.view(n, p + self.v_dim, c)  # [N, P + V, C]: W_UK rows, then W_UV
         if cache is not None and t == 1 and not ctx.causal and not cache.by_tokens:
             # A decode step: the absorbed query (q_p W_UK per head, in the latent's space),

@@ -205,12 +205,17 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         prepare = functools.partial(init_random, generator=generator)
     else:
         model.init_random(cfg.engine.seed)
-    if not offload:  # shared experts run as experts of the routed call where they can (before quantizing)
-        from moe_infer.moe_layer import MoELayer
+    # Layers whose GEMMs merge once their weights are in (before quantizing): latent
+    # attention's two input projections; an MoE layer's shared experts as experts of its
+    # routed call, unless the experts are offloaded.
+    from dense.mla import LatentAttention
+    from moe_infer.moe_layer import MoELayer
 
-        for layer in model.modules():
-            if isinstance(layer, MoELayer):
-                layer.fold_shared()
+    for layer in model.modules():
+        if isinstance(layer, LatentAttention):
+            layer.merge_projections()
+        elif isinstance(layer, MoELayer) and not offload:
+            layer.fold_shared()
     if cfg.engine.quantize is not None:  # bf16 / fp32 weights in, int8 (or MXFP4 experts) on the device
         from moe_infer.experts import quantize_experts, quantize_model
 

@@ -58,10 +58,11 @@ def linear_shapes(name: str, tp: int = 1) -> list[tuple[str, int, int]]:
         raise SystemExit(f"--tp {tp}: {name} has {m.num_heads} heads, not a multiple")
     heads = m.num_heads // tp
     if m.kv_lora_rank is not None:  # latent attention (dense.mla): its projections, each head's rows on its rank
-        q = heads * m.head_dim
-        shapes = [("q_a", m.hidden_size, m.q_lora_rank), ("q_b", m.q_lora_rank, q)] if m.q_lora_rank else \
-            [("q", m.hidden_size, q)]
-        shapes += [("kv_a", m.hidden_size, m.kv_lora_rank + m.rotary_width), ("o", heads * m.v_head_dim, m.hidden_size)]
+        q, kv_a = heads * m.head_dim, m.kv_lora_rank + m.rotary_width
+        # (the input's two projections as one GEMM: LatentAttention.merge_projections)
+        shapes = [("q_a + kv_a", m.hidden_size, m.q_lora_rank + kv_a), ("q_b", m.q_lora_rank, q)] if m.q_lora_rank \
+            else [("q + kv_a", m.hidden_size, q + kv_a)]
+        shapes += [("o", heads * m.v_head_dim, m.hidden_size)]
     else:
         q, kv = heads * m.head_dim, max(m.num_kv_heads // tp, 1) * m.head_dim
         shapes = [("qkv", m.hidden_size, q + 2 * kv), ("o", q, m.hidden_size)]

@@ -177,7 +177,8 @@ def test_converter_frees_each_full_precision_module_as_it_goes():
 def test_int8_keeps_the_new_families_close(family, tmp_path):
     """int8 weights for GPT-OSS (experts with biases, the biases kept in full precision),
     Llama 4 (weights on the experts' inputs) and DeepSeek-V3 (latent attention: kv_b_proj,
-    read as per-head matrices, stays in full precision): logits near the fp32 model's."""
+    read as per-head matrices, stays in full precision; its merged input projection is int8):
+    logits near the fp32 model's."""
     from hf_models import save_hf_model
 
     save_hf_model(family, tmp_path)
@@ -190,7 +191,7 @@ def test_int8_keeps_the_new_families_close(family, tmp_path):
     if family == "llama4_text":
         assert all(e.weighted_input for e in experts)
     if family == "deepseek_v3":
-        assert all(not isinstance(layer.attn.kv_b_proj, Int8Linear) and isinstance(layer.attn.kv_a_proj, Int8Linear)
+        assert all(not isinstance(layer.attn.kv_b_proj, Int8Linear) and isinstance(layer.attn.in_proj, Int8Linear)
                    for layer in q.model.layers)
     ids = [[5, 17, 3, 44, 12, 9, 31], [8, 2, 60]]
     assert rel(q.logits(ids), full.logits(ids)) < 5e-2
