@@ -310,7 +310,7 @@ def _latent_split_kernel(
 
 def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
                                latent: int, scale: float | None = None, splits: int | None = None,
-                               block_s: int = 16, pdl: bool = True) -> torch.Tensor:
+                               block_s: int = 32, pdl: bool = True) -> torch.Tensor:
     """Decode attention of multi-head latent attention over a paged cache read in place:
     q [B, Hq, C + R] (absorbed queries), kv pool [N, C + R] or [N, 1, C + R] (each token's
     latent, which is also its value, then its rotary key; ``latent`` = C), slots [B, S]

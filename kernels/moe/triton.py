@@ -245,7 +245,9 @@ def linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None =
     a = x.reshape(-1, k)
     a = a if a.stride(-1) == 1 else a.contiguous()
     t, n = a.shape[0], q.shape[0]
-    cfg = launch_config("down", a.device, t, 1, n, k, q.dtype, 1, a.element_size())
+    # (an E = 1 entry may name the CUDA decode kernels: a shared MLP's, kernels.gated_mlp)
+    cfg = triton_entry(launch_config("down", a.device, t, 1, n, k, q.dtype, 1, a.element_size()), "down", a.device,
+                       t, 1, n, k, 1, a.element_size())
     key = (t, a.device)
     if key not in _ROW_TABLES:  # small constant tables, made once per size (graph-safe after)
         if len(_ROW_TABLES) > 256:

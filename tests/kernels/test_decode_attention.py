@@ -288,7 +288,7 @@ import sys
 from kernels.attention.decode import _latent_split_kernel as kernel
 
 additive, pdl = bool(int(sys.argv[1])), int(sys.argv[2])
-const = dict(HQ=16, HB=16, C=512, C_PAD=512, R=64, R_PAD=64, BLOCK_S=16, SPLIT_LEN=128, P=16, IEEE=False,
+const = dict(HQ=16, HB=16, C=512, C_PAD=512, R=64, R_PAD=64, BLOCK_S=32, SPLIT_LEN=128, P=16, IEEE=False,
              ADDITIVE=additive, PDL=pdl)
 types = {"slot_ptr": "*i64", "mask_ptr": "*fp32" if additive else "*i8", "m_ptr": "*fp32", "l_ptr": "*fp32",
          "acc_ptr": "*fp32", "S": "i32", "scale": "fp32"}
