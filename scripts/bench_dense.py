@@ -18,6 +18,7 @@ Inputs rotate among several copies so a small case is not served from L2.
 
     python scripts/bench_dense.py                                  # the GPU sweep
     python scripts/bench_dense.py --models mixtral-8x7b --tokens 1,8
+    python scripts/bench_dense.py --models deepseek-v2-lite --layers "q + kv_a" --no-attention --write-table
     python scripts/bench_dense.py --tp 2 --no-attention --write-table   # one rank's shapes of tp 2
     python scripts/bench_dense.py --device cpu --smoke             # tiny, end to end
 
@@ -126,7 +127,7 @@ def best_cuda(time, inputs, t, n, k, sms, int8):
     return min(plain + timed(persistent), key=lambda p: p[0])
 
 
-def gemm_rows(models, tokens, device, dtype, copies, copy_gbs, tp: int = 1):
+def gemm_rows(models, tokens, device, dtype, copies, copy_gbs, tp: int = 1, layers: set | None = None):
     from kernels.moe.triton import linear_triton  # Triton: imported where a run needs it
 
     rows, time = [], timer(device, copies)
@@ -143,6 +144,8 @@ def gemm_rows(models, tokens, device, dtype, copies, copy_gbs, tp: int = 1):
 
     for model in models:
         for layer, k, n in linear_shapes(model, tp):
+            if layers is not None and layer not in layers:
+                continue
             same_bytes(n * k * 2)
             same_bytes(n * k + 4 * n)
             ws = [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(copies)]
@@ -227,6 +230,8 @@ def main():
     ap.add_argument("--copies", type=int, default=4, help="input sets rotated through (defeats L2 reuse)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-attention", action="store_true", help="only the GEMM shapes")
+    ap.add_argument("--layers", default=None,
+                    help="only these of the models' layers, by the names the table prints (e.g. 'q + kv_a,o')")
     ap.add_argument("--write-table", action="store_true",
                     help="store the fastest GEMM per shape and row bucket in the device's linear tables, "
                          "kernels/linear/tables/<device>-<dtype>.json")
@@ -241,7 +246,8 @@ def main():
     if args.no_attention:
         cases = []
     copy_gbs = bc.measure_copy_bandwidth(device) if device.type == "cuda" else None
-    gemm = gemm_rows(models, tokens, device, dtype, args.copies, copy_gbs, args.tp)
+    layers = set(args.layers.split(",")) if args.layers else None
+    gemm = gemm_rows(models, tokens, device, dtype, args.copies, copy_gbs, args.tp, layers)
     attn = attention_rows(cases, device, dtype, args.copies, copy_gbs)
     run = bc.run_info(device)
     print(f"device {run['device']} | date {run['date']} | commit {run['commit']} | {dtype}"
