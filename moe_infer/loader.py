@@ -207,14 +207,16 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         model.init_random(cfg.engine.seed)
     # Layers whose GEMMs merge once their weights are in (before quantizing): latent
     # attention's two input projections; an MoE layer's shared experts as experts of its
-    # routed call, unless the experts are offloaded.
+    # routed call, unless the experts are offloaded or about to become MXFP4 (which would
+    # take the shared experts to 4 bits with them; int8 quantizes both alike).
     from dense.mla import LatentAttention
     from moe_infer.moe_layer import MoELayer
 
+    fold = not offload and cfg.engine.quantize != "mxfp4"
     for layer in model.modules():
         if isinstance(layer, LatentAttention):
             layer.merge_projections()
-        elif isinstance(layer, MoELayer) and not offload:
+        elif isinstance(layer, MoELayer) and fold:
             layer.fold_shared()
     if cfg.engine.quantize is not None:  # bf16 / fp32 weights in, int8 (or MXFP4 experts) on the device
         from moe_infer.experts import quantize_experts, quantize_model

@@ -62,9 +62,17 @@ def test_fold_is_skipped_where_the_layer_does_not_allow_it(tmp_path):
 
 
 def test_loaded_models_fold_unless_the_engine_says_not(tmp_path):
-    save_hf_model("glm4_moe", tmp_path)
+    """Loaded models fold; not where the experts become MXFP4 (the shared experts would go
+    4-bit with them), nor with the option off."""
+    save_hf_model("glm4_moe", tmp_path, hidden_size=64, moe_intermediate_size=32)
     engine = moe_infer.load(checkpoint=tmp_path, device="cpu", dtype=torch.float32, progress=False)
     layers = [m for m in engine.model.modules() if isinstance(m, MoELayer)]
     assert layers and all(m.shared is None and m.router.shared == 2 for m in layers)
+    four = moe_infer.load(checkpoint=tmp_path, device="cpu", dtype=torch.float32, progress=False, quantize="mxfp4")
+    layers = [m for m in four.model.modules() if isinstance(m, MoELayer)]
+    assert layers and all(m.shared is not None and m.router.shared == 0 and m.experts.w13.shape[0] == 9
+                          for m in layers)
+    ids = [[5, 17, 3, 44], [8, 2]]
+    assert torch.isfinite(four.logits(ids)).all()
     with pytest.raises(ConfigError, match="fold_shared_experts"):
         EngineConfig(fold_shared_experts="no")
