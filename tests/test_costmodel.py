@@ -94,6 +94,27 @@ def test_experts_read_at_the_measured_fraction_of_the_bandwidth():
     assert (slow.ms - fast.ms) / 1e3 == pytest.approx(experts_s, rel=1e-6)
 
 
+def test_folded_shared_experts_read_at_the_moe_kernels_rate():
+    """Shared experts folded into the routed call (one GPU, the option on) are read at the
+    MoE kernel's measured fraction of the bandwidth, as experts every token takes; a
+    tensor-parallel layout (or the option off) runs them as a dense MLP at the copy rate."""
+    import dataclasses
+
+    from moe_infer.config import Config, EngineConfig, MoEConfig
+
+    cfg = Config(ModelConfig(vocab_size=1000, hidden_size=1024, num_layers=2, num_heads=8, num_kv_heads=8,
+                             ffn_hidden=4096),
+                 MoEConfig(num_experts=8, top_k=2, expert_hidden=1024, shared_experts=2, shared_expert_hidden=1024))
+    expert = 3 * 1024 * 1024 * 2
+    hw = machine(mem_gbps=1.0, moe_read={expert: {1: 0.5}})
+    folded = CostModel(cfg, hw)._ffn(ParallelConfig(), 0, 1, 1)[0]
+    off = dataclasses.replace(cfg, engine=EngineConfig(fold_shared_experts=False))
+    dense = CostModel(off, hw)._ffn(ParallelConfig(), 0, 1, 1)[0]
+    assert folded - dense == pytest.approx(2 * expert / 0.5 - 2 * expert)  # two shared experts at half the rate
+    tp = ParallelConfig(tp=2)
+    assert CostModel(cfg, hw)._ffn(tp, 0, 1, 1)[0] == CostModel(off, hw)._ffn(tp, 0, 1, 1)[0]
+
+
 def test_the_measured_moe_kernel_time_holds_its_compute_up_to_the_rows_measured():
     """``moe_read`` times the fused kernel itself: up to the most rows an expert it measured,
     its figure is the experts' whole time, and the dense GEMM rate at those rows (which
