@@ -287,16 +287,18 @@ def _outputs(t: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.
 
 
 _gating = CachedLaunch(_topk_gating_kernel)
-_CHECKED: set = set()  # (shape, dtype, k, type of k, score) whose checks passed before
+_CHECKED: set = set()  # (shape, dtype, k, type of k, score, shared, its type) whose checks passed before
 
 
-def _check_logits_once(logits: torch.Tensor, k: int, score: str) -> None:
-    """``check_logits``, skipped for a (shape, dtype, k, score) that passed before: what it
-    reads is all in that key. The type of k is in it too (True and 8.0 equal 1 and 8). The
-    routing launches at decode sizes call this on every step, where the host time counts."""
-    seen = (logits.shape, logits.dtype, k, type(k), score)
+def _check_logits_once(logits: torch.Tensor, k: int, score: str, shared: int = 0) -> None:
+    """``check_logits`` and ``check_shared``, skipped for a (shape, dtype, k, score, shared)
+    that passed before: what they read is all in that key. The types of k and shared are in
+    it too (True and 8.0 equal 1 and 8). The routing launches at decode sizes call this on
+    every step, where the host time counts."""
+    seen = (logits.shape, logits.dtype, k, type(k), score, shared, type(shared))
     if seen not in _CHECKED:
         check_logits(logits, k, score)
+        check_shared(shared)
         _CHECKED.add(seen)
 
 
@@ -310,8 +312,7 @@ def topk_gating_triton(logits: torch.Tensor, k: int, score: str = "softmax", ren
     time is the cost: the checks run once per key (``_check_logits_once``), the outputs are
     two plain allocations (``_outputs``), and the kernel launches through its compiled
     launcher (``kernels.launcher``)."""
-    _check_logits_once(logits, k, score)
-    check_shared(shared)
+    _check_logits_once(logits, k, score, shared)
     t, e = logits.shape
     dev = logits.device
     ids, weights = _outputs(t, k + shared, dev)
