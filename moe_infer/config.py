@@ -516,3 +516,16 @@ class Config:
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(i)
+
+    def folds_shared(self, parallel: "ParallelConfig | None" = None) -> bool:
+        """Whether the loader folds the shared experts into the routed experts' call
+        (``moe_infer.moe_layer.MoELayer.fold_shared``) under ``parallel`` (default: this
+        config's): the option on; every expert whole on each rank and a shared MLP that
+        tensor parallelism does not split; no shared gate, capacity or expert biases; the
+        shared width a multiple of the routed one; the experts neither offloaded nor made
+        MXFP4 (which would take the shared experts to 4 bits with them)."""
+        e, engine, p = self.moe, self.engine, parallel or self.parallel
+        return (e is not None and e.shared_experts > 0 and engine.fold_shared_experts and p.tp == 1 and p.ep == 1
+                and p.expert_slicing == 1 and not e.shared_expert_gate and e.capacity_factor is None
+                and not e.expert_bias and e.shared_experts * e.shared_expert_hidden % e.expert_hidden == 0
+                and engine.gpu_memory_gb is None and engine.quantize != "mxfp4")

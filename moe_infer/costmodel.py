@@ -208,7 +208,7 @@ class CostModel:
         shared = (gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp) if e.shared_experts else 0
         shared_s = 2 * tokens * shared / self._rate(tokens) if shared else 0.0
         shared_reads = shared * self.wb  # a dense MLP's weights, read at the copy rate
-        if shared and self._folds_shared(p, offloaded):
+        if shared and self.cfg.folds_shared(p):
             # Experts of the routed call (MoELayer.fold_shared) that every token takes: read at
             # the MoE kernel's rate for experts of this size with all the tokens as rows, their
             # GEMMs in that rate where the profile timed the kernel at that many rows.
@@ -247,15 +247,6 @@ class CostModel:
         measured = rows <= self.hw.moe_rows_measured()
         seconds = 0.0 if measured else 2 * pairs * expert / self._rate(rows)
         return reads + shared_reads, seconds + shared_s, 0.0, host
-
-    def _folds_shared(self, p: ParallelConfig, offloaded) -> bool:
-        """Whether the layout runs the shared experts as experts of the routed call
-        (``MoELayer.fold_shared`` and the loader's conditions): every expert whole on each
-        rank, no tensor-parallel shared MLP, no offload or MXFP4 experts, the option on."""
-        e, engine = self.cfg.moe, self.cfg.engine
-        return (not e.shared_expert_gate and e.capacity_factor is None and not e.expert_bias and offloaded is None
-                and p.tp == 1 and p.ep == 1 and p.expert_slicing == 1 and engine.fold_shared_experts
-                and engine.quantize != "mxfp4" and e.shared_experts * e.shared_expert_hidden % e.expert_hidden == 0)
 
     def _offloaded(self, p: ParallelConfig) -> tuple[float, float] | None:
         """Offloaded models (``engine.gpu_memory_gb``): (the experts a layer keeps on a

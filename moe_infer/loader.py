@@ -205,14 +205,13 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
         prepare = functools.partial(init_random, generator=generator)
     else:
         model.init_random(cfg.engine.seed)
-    # Layers whose GEMMs merge once their weights are in (before quantizing): latent
-    # attention's two input projections; an MoE layer's shared experts as experts of its
-    # routed call, unless the experts are offloaded or about to become MXFP4 (which would
-    # take the shared experts to 4 bits with them; int8 quantizes both alike).
+    # Layers whose GEMMs merge once their weights are in (before quantizing, which int8
+    # does to both alike): latent attention's two input projections; an MoE layer's shared
+    # experts as experts of its routed call, where the config allows (``Config.folds_shared``).
     from dense.mla import LatentAttention
     from moe_infer.moe_layer import MoELayer
 
-    fold = not offload and cfg.engine.quantize != "mxfp4"
+    fold = cfg.folds_shared()
     for layer in model.modules():
         if isinstance(layer, LatentAttention):
             layer.merge_projections()
