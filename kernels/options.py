@@ -1,8 +1,8 @@
 """The kernel options a user may set, as one object that layers take at construction.
 
 The engine fills a ``KernelOptions`` from its config (``engine: {pdl, fused_decode_attention,
-fold_shared_experts}``) and the model hands it to every layer that launches kernels; a layer
-passes ``pdl`` on to each kernel call. Nothing in ``kernels/`` or ``dense/`` reads the environment for these: an
+fold_shared_experts, overlap_shared_experts}``) and the model hands it to every layer that
+launches kernels; a layer passes ``pdl`` on to each kernel call. Nothing in ``kernels/`` or ``dense/`` reads the environment for these: an
 A/B comparison builds two option objects (two engine configs).
 """
 from __future__ import annotations
@@ -21,6 +21,11 @@ class KernelOptions:
     # An MoE layer's shared experts run as more experts of its fused MoE call, which every
     # token takes (moe_infer.moe_layer.MoELayer.fold_shared). False: a separate MLP and an add.
     fold_shared_experts: bool = True
+    # Where the routed experts' outputs cross ranks (expert parallelism: an all-to-all, or
+    # an all-reduce over replicas) and a layer's shared MLP is whole on each rank, the shared
+    # MLP runs on a second stream while the routed experts and their collectives run
+    # (MoELayer.forward). False: after them.
+    overlap_shared_experts: bool = True
 
     def __post_init__(self):
         for f in fields(self):

@@ -388,6 +388,10 @@ class EngineConfig:
     # token takes, where the layer allows it (``MoELayer.fold_shared``). false: the shared
     # MLP runs by itself and its output is added.
     fold_shared_experts: bool = True
+    # Under expert parallelism, a layer's shared experts (where tensor parallelism does not
+    # split them) run on a second stream of the device while the routed experts and their
+    # collectives run. false: after them.
+    overlap_shared_experts: bool = True
     # Models larger than the device: at most this many GB of weights stay on it (None: all).
     # Everything but the routed experts first, then the experts hit most; the others live
     # in host memory and run as ``offload`` says: "cpu" (computed by the CPU; decode runs
@@ -438,7 +442,8 @@ class EngineConfig:
             _check_choice(s, self, "quantize", ("int8", "mxfp4"))
         if self.kv_offload is not None:
             _check_choice(s, self, "kv_offload", ("all", "alternate"))
-        for name in ("cuda_graphs", "pdl", "fused_decode_attention", "fold_shared_experts"):
+        for name in ("cuda_graphs", "pdl", "fused_decode_attention", "fold_shared_experts",
+                     "overlap_shared_experts"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{s}.{name}", getattr(self, name), "true or false")
         if self.max_seq_len is not None:
@@ -454,7 +459,8 @@ class EngineConfig:
     def kernel_options(self) -> KernelOptions:
         """The options the model hands to every layer that launches kernels."""
         return KernelOptions(pdl=self.pdl, fused_decode_attention=self.fused_decode_attention,
-                             fold_shared_experts=self.fold_shared_experts)
+                             fold_shared_experts=self.fold_shared_experts,
+                             overlap_shared_experts=self.overlap_shared_experts)
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """The MoE feed-forward layer: route -> dispatch -> experts -> combine (+ shared experts).
 
 Shape letters: T tokens, H hidden. Only the dispatcher communicates (expert parallelism);
-the shared expert's row-parallel projection ends in its TP all-reduce.
+the shared expert's row-parallel projection ends in its TP all-reduce. Under expert
+parallelism the shared experts run on a second stream while the routed experts' collectives
+run.
 """
 from __future__ import annotations
 
@@ -63,6 +65,14 @@ class MoELayer(nn.Module):
         # partial alike): one collective a layer instead of two.
         self.fused_sum = (self.shared is not None and isinstance(self.dispatcher, SameTokensDispatcher)
                           and groups.tp.size > 1 and self.dispatcher.group.ranks == groups.tp.ranks)
+        # Where the routed experts' sum crosses ranks (an all-to-all, or the all-reduce over
+        # replicas) and the shared MLP is whole here, the shared MLP does not wait for it: it
+        # runs on a second stream meanwhile (a collective leaves most of the device idle).
+        # Not where tensor parallelism splits it: its own all-reduce would meet the
+        # dispatcher's collectives in an order the ranks need not share.
+        self.overlap = (self.shared is not None and not self.fused_sum and ep * es > 1 and groups.tp.size == 1
+                        and options.overlap_shared_experts)
+        self._side: dict = {}  # device -> the shared MLP's stream
 
     def fold_shared(self) -> bool:
         """Moves the shared experts into the routed experts' weights, as n more experts of
@@ -122,6 +132,29 @@ class MoELayer(nn.Module):
             needed = self._maps_at[key] = not self.experts.pairs_from_ids(x, self.router.slots)
         return needed
 
+    def _shared_out(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The shared experts' output on x [T, H] (``reduce`` False: this rank's TP part)."""
+        shared = self.shared(x, reduce=reduce)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(self.shared_gate(x)) * shared
+        return shared
+
+    def _run_overlapped(self, x: torch.Tensor, routing) -> torch.Tensor:
+        """The routed experts and their collectives on this stream, the shared MLP on a second one; they
+        join before the add (inside a CUDA graph capture the fork and join become the
+        graph's edges)."""
+        main = torch.cuda.current_stream(x.device)
+        side = self._side.get(x.device)
+        if side is None:
+            side = self._side[x.device] = torch.cuda.Stream(x.device)
+        side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(side):
+            shared = self._shared_out(x)
+        out = self.dispatcher.run(x, routing, self.experts)
+        main.wait_stream(side)
+        shared.record_stream(main)  # made on the side stream, read and freed on this one
+        return out + shared
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., H] -> [..., H]. ``router_logits``: already computed (the decode step's
         norm + router launch)."""
@@ -129,14 +162,11 @@ class MoELayer(nn.Module):
         x = x.reshape(-1, shape[-1])  # [T, H]
         routing = self.router(x, router_logits, maps=self._maps_needed(x))
         if self.fused_sum:
-            shared = self.shared(x, reduce=False)  # this rank's part
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x)) * shared
-            return self.dispatcher.run(x, routing, self.experts, partial=shared).view(shape)
+            partial = self._shared_out(x, reduce=False)
+            return self.dispatcher.run(x, routing, self.experts, partial=partial).view(shape)
+        if self.overlap and x.is_cuda:
+            return self._run_overlapped(x, routing).view(shape)
         out = self.dispatcher.run(x, routing, self.experts)  # [T, H]
         if self.shared is not None:
-            shared = self.shared(x)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x)) * shared
-            out = out + shared
+            out = out + self._shared_out(x)
         return out.view(shape)

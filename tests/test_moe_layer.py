@@ -76,3 +76,6 @@ def test_loaded_models_fold_unless_the_engine_says_not(tmp_path):
     assert torch.isfinite(four.logits(ids)).all()
     with pytest.raises(ConfigError, match="fold_shared_experts"):
         EngineConfig(fold_shared_experts="no")
+    with pytest.raises(ConfigError, match="overlap_shared_experts"):
+        EngineConfig(overlap_shared_experts=1)
+    assert not EngineConfig(overlap_shared_experts=False).kernel_options().overlap_shared_experts
