@@ -127,7 +127,7 @@ def moe_shares(num_experts: int, width: int, ranks: tuple[int, ...]) -> list[tup
 
 
 def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], tokens: tuple[int, ...],
-                reps: int, progress=None) -> dict:
+                reps: int, progress=None, skip=()) -> dict:
     """-> {moe_kernel_key: {tokens: µs}}: ``kernels.fused_moe`` on each share (``moe_shares``)
     of each model's experts (``models``: Configs), random weights of the model's sizes, each
     call's tokens routed top-k over all the model's experts (uniformly; ids of the other
@@ -135,7 +135,9 @@ def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], toke
     input sets a call, replayed from a CUDA graph on a GPU. The weights are bf16 on a GPU,
     float32 on the CPU (each one's inference dtype); biases are left out (their bytes are
     small beside the experts'). ``progress(line)``, where given, hears of each share timed
-    (a run of several models takes minutes, most of it compiling each share's kernels)."""
+    (a run of several models takes minutes, most of it compiling each share's kernels).
+    Shares whose key is in ``skip`` (timed already: two models may share a shape) are not
+    timed again."""
     from kernels import fused_moe, topk_gating
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -146,7 +148,7 @@ def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], toke
         for ep, s in moe_shares(e.num_experts, e.expert_hidden, ranks):
             local, width = e.num_experts // ep, e.expert_hidden // s
             key = moe_kernel_key(local, e.num_experts, m.hidden_size, width, e.top_k, m.activation)
-            if key in out:
+            if key in out or key in skip:
                 continue
             w13 = torch.randn(local, (2 if gated else 1) * width, m.hidden_size, device=device, dtype=dtype) * 0.02
             w2 = torch.randn(local, m.hidden_size, width, device=device, dtype=dtype) * 0.02
@@ -283,10 +285,16 @@ def _slowest(value: float, device: torch.device) -> float:
 
 
 def measure(device: torch.device, smoke: bool = False, name: str | None = None, models: list = (),
-            moe_ranks: tuple[int, ...] | None = None, progress=None) -> Hardware:
+            moe_ranks: tuple[int, ...] | None = None, moe_tokens: tuple[int, ...] | None = None, progress=None,
+            reached=None) -> Hardware:
     """This machine (one GPU, or the CPU) as a hardware profile; with ``models`` (Configs of
     MoE models) also the MoE kernel on their shares for layouts of up to max(``moe_ranks``)
-    GPUs (default: 1, 2, 4, ... up to the job's ranks), each share told to ``progress``."""
+    GPUs (default: 1, 2, 4, ... up to the job's ranks), by the tokens of a call
+    (``moe_tokens``; default ``MOE_KERNEL_TOKENS``, and on GPUs ``MOE_KERNEL_PREFILL_TOKENS``
+    too), each share told to ``progress``. ``reached(profile)``, where given, hears of the
+    profile measured so far: once the machine's figures are in, then after each model's
+    shares (a run of several models takes minutes; a job limit that cuts it short keeps
+    what it reached)."""
     reps = 3 if smoke else 10
     big = (16 << 20) if smoke else ((1 << 30) if device.type == "cuda" else (256 << 20))
     n = 256 if smoke else (8192 if device.type == "cuda" else 1024)
@@ -310,13 +318,6 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None, 
         moe_read = _moe_read(device, MOE_SHAPES, MOE_ROWS, reps, mem_gbps)
     else:  # a CPU runs the reference experts, what its decode runs: the smaller shapes, fewer rows
         moe_read = _moe_read(device, MOE_SHAPES[:2], MOE_ROWS[:4], reps, mem_gbps)
-    moe_kernel = {}
-    if models:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        ranks = moe_ranks or tuple(2 ** i for i in range(world.bit_length()) if 2 ** i <= world)
-        tokens = MOE_KERNEL_TOKENS[:2] if smoke else MOE_KERNEL_TOKENS + (
-            MOE_KERNEL_PREFILL_TOKENS if device.type == "cuda" else ())
-        moe_kernel = _moe_kernel(device, list(models), ranks, tokens, reps, progress)
     measured = _link(device, 4096, (1 << 20) if smoke else (64 << 20), reps)
     link, how = measured if measured else (None, "")
     collectives = {}
@@ -339,11 +340,23 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None, 
     sources.append("per-block overhead not measured: 15 us")
     sources.append("int8 GEMMs at the int8 rate whatever their rows (the rows curve is bf16's); int8 experts read "
                    "at the measured fraction of bf16 experts of the same bytes")
-    return Hardware(name=name or kind.lower().replace(" ", "-"), memory_gb=round(memory_gb, 1),
-                    mem_gbps=mem_gbps,
-                    matmul_tflops={"bfloat16": _figure(bf16), "int8": _figure(int8 if int8 else bf16)},
-                    nvlink=link, network=network, gpus_per_node=dist.get_world_size() if dist.is_initialized() else 1,
-                    layer_overhead_us=15.0, h2d_gbps=_figure(_h2d_gbps(device, big, reps)),
-                    cpu_matmul_gbps=_figure(_cpu_matmul_gbps(*((512, 1024) if smoke else (14336, 4096)), reps)),
-                    matmul_curve={"bfloat16": curve}, collectives=collectives, moe_read=moe_read, moe_kernel=moe_kernel,
-                    source="; ".join(sources) + f" ({kind}, {time.strftime('%Y-%m-%d')})")
+    hw = Hardware(name=name or kind.lower().replace(" ", "-"), memory_gb=round(memory_gb, 1),
+                  mem_gbps=mem_gbps,
+                  matmul_tflops={"bfloat16": _figure(bf16), "int8": _figure(int8 if int8 else bf16)},
+                  nvlink=link, network=network, gpus_per_node=dist.get_world_size() if dist.is_initialized() else 1,
+                  layer_overhead_us=15.0, h2d_gbps=_figure(_h2d_gbps(device, big, reps)),
+                  cpu_matmul_gbps=_figure(_cpu_matmul_gbps(*((512, 1024) if smoke else (14336, 4096)), reps)),
+                  matmul_curve={"bfloat16": curve}, collectives=collectives, moe_read=moe_read, moe_kernel={},
+                  source="; ".join(sources) + f" ({kind}, {time.strftime('%Y-%m-%d')})")
+    if reached is not None:
+        reached(hw)
+    if models:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        ranks = moe_ranks or tuple(2 ** i for i in range(world.bit_length()) if 2 ** i <= world)
+        tokens = moe_tokens or (MOE_KERNEL_TOKENS[:2] if smoke else MOE_KERNEL_TOKENS + (
+            MOE_KERNEL_PREFILL_TOKENS if device.type == "cuda" else ()))
+        for cfg in models:
+            hw.moe_kernel.update(_moe_kernel(device, [cfg], ranks, tokens, reps, progress, skip=hw.moe_kernel))
+            if reached is not None:
+                reached(hw)
+    return hw

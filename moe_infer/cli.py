@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "kernel on the experts a rank of each holds, by the tokens of a call")
     cal.add_argument("--moe-ranks", help="with --models: comma list of GPU counts whose shares to time "
                                          "(default 1, 2, 4, ... up to the launched ranks)")
+    cal.add_argument("--moe-tokens", help="with --models: comma list of a call's token counts to time the kernel at "
+                                          "(default 1 to 1024, and 4096, 16384 on GPUs)")
     cal.add_argument("--smoke", action="store_true", help="small sizes, a few seconds (tests)")
     return parser
 
@@ -337,21 +339,24 @@ def _calibrate(args, job: Job) -> int:
     from moe_infer.loader import resolve_device
 
     device = job.stage(resolve_device, args.device)
-    models, ranks = job.stage(_calibrate_models, args)
+    models, ranks, tokens = job.stage(_calibrate_models, args)
     if job.size > 1:
         device = bootstrap(backend="nccl" if device.type == "cuda" else "gloo").device
+    # The profile is written as it grows (the machine's figures, then each model's kernel
+    # times): a run that a job limit cuts short leaves what it measured.
     hw = measure(torch.device(device), smoke=args.smoke, name=args.name, models=models, moe_ranks=ranks,
-                 progress=(lambda line: print(line, flush=True)) if job.leader else None)
+                 moe_tokens=tokens, progress=(lambda line: print(line, flush=True)) if job.leader else None,
+                 reached=(lambda profile: profile.dump(args.out)) if job.leader else None)
     if job.leader:
-        hw.dump(args.out)
         print(f"{args.out}: {hw.name}, memory {hw.mem_gbps:,.0f} GB/s, bf16 matmul {hw.matmul_tflops['bfloat16']:,.1f} "
               f"TFLOP/s, int8 {hw.matmul_tflops['int8']:,.1f}, host-to-device {hw.h2d_gbps:,.1f} GB/s, CPU matmul "
               f"{hw.cpu_matmul_gbps:,.1f} GB/s, link {hw.nvlink.alpha_us:g} us + {hw.nvlink.gbps:,.1f} GB/s")
     return 0
 
 
-def _calibrate_models(args) -> tuple[list, tuple[int, ...] | None]:
-    """``--models`` as Configs (each a MoE model) and ``--moe-ranks`` as GPU counts."""
+def _calibrate_models(args) -> tuple[list, tuple[int, ...] | None, tuple[int, ...] | None]:
+    """``--models`` as Configs (each a MoE model), ``--moe-ranks`` as GPU counts and
+    ``--moe-tokens`` as token counts."""
     from moe_infer.loader import resolve_config
 
     models = []
@@ -360,17 +365,24 @@ def _calibrate_models(args) -> tuple[list, tuple[int, ...] | None]:
         if cfg.moe is None:
             raise ConfigError(f"--models {name}: not a mixture-of-experts model (no moe section)")
         models.append(cfg)
-    ranks = None
-    if args.moe_ranks:
-        if not models:
-            raise ConfigError("--moe-ranks: takes effect with --models only")
-        try:
-            ranks = tuple(int(r) for r in args.moe_ranks.split(","))
-        except ValueError:
-            ranks = ()
-        if not ranks or min(ranks) < 1:
-            raise ConfigError(f"--moe-ranks {args.moe_ranks}: expected a comma list of positive GPU counts")
-    return models, ranks
+    ranks, tokens = (_counts(text, flag, what, bool(models)) for text, flag, what in (
+        (args.moe_ranks, "--moe-ranks", "GPU counts"), (args.moe_tokens, "--moe-tokens", "token counts")))
+    return models, ranks, tokens
+
+
+def _counts(text: str | None, flag: str, what: str, with_models: bool) -> tuple[int, ...] | None:
+    """A comma list of positive integers given with --models, as a tuple (None: not given)."""
+    if not text:
+        return None
+    if not with_models:
+        raise ConfigError(f"{flag}: takes effect with --models only")
+    try:
+        counts = tuple(int(r) for r in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise ConfigError(f"{flag} {text}: expected a comma list of positive {what}")
+    return counts
 
 
 def _presets() -> int:

@@ -459,6 +459,34 @@ def test_calibrate_times_the_moe_kernel_on_each_share_of_the_models_experts(tmp_
         assert match in capsys.readouterr().err
 
 
+def test_calibrate_keeps_what_it_measured_when_cut_short(tmp_path, monkeypatch):
+    """The profile is written as it grows: a run stopped while timing the second model's
+    kernel (a job's time limit) leaves the machine's figures and the first model's shares,
+    at the ``--moe-tokens`` asked for."""
+    from moe_infer import calibrate
+
+    real, seen = calibrate._moe_kernel, []
+
+    def cut(device, models, *args, **kw):
+        seen.append(models[0].name)
+        if len(seen) == 2:
+            raise KeyboardInterrupt  # as the job's limit stops it
+        return real(device, models, *args, **kw)
+
+    monkeypatch.setattr(calibrate, "_moe_kernel", cut)
+    out = tmp_path / "cut.yaml"
+    with pytest.raises(KeyboardInterrupt):
+        main(["calibrate", "--smoke", "--device", "cpu", "--out", str(out), "--models", "tiny-moe,olmoe-1b-7b",
+              "--moe-tokens", "2,3"])
+    assert seen == ["tiny-moe", "olmoe-1b-7b"]
+    hw, e = Hardware.load(out), resolve_config("tiny-moe").moe
+    assert hw.mem_gbps > 0 and hw.moe_read
+    assert hw.moe_kernel and all(f"/{e.num_experts}:" in key for key in hw.moe_kernel)  # tiny-moe's shares only
+    assert all(sorted(by) == [2, 3] for by in hw.moe_kernel.values())
+    assert main(["calibrate", "--smoke", "--device", "cpu", "--out", str(out), "--models", "tiny-moe",
+                 "--moe-tokens", "2,x"]) == 2
+
+
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (the test extras install mpich)")
 def test_calibrate_under_two_ranks_measures_the_link(tmp_path):
     out = tmp_path / "two.yaml"
