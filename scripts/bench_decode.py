@@ -359,6 +359,9 @@ def main():
     if any(n < 1 for n in lens) or any(len(c) != 2 for c in peer_cells or ()):
         ap.error(f"--prompt-lens {args.prompt_lens!r} / --peer-cells {args.peer_cells!r}: expected positive token "
                  f"counts / LEN:BATCH pairs")
+    if lens and (args.prefill or args.profile):
+        ap.error("--prefill / --profile: not with --prompt-lens (the matrix times each cell's first token itself; "
+                 "run them with --prompt-len)")
     source = args.model
     if args.layers is not None:
         source = bc.first_layers(moe_infer.loader.resolve_config(args.model), args.layers)
