@@ -30,10 +30,11 @@ SCAN_CHUNK = 64  # blocks per step of that scan (T = 16384, k = 8: 1024 blocks, 
 def _maps_block(
     ids, pair, valid,  # [BLOCK] expert, pair index, validity; pair increases along the vector
     offsets_ptr, rows_ptr, row_pair_ptr, capacity,
-    E: tl.constexpr, E_PAD: tl.constexpr, HAS_CAP: tl.constexpr, STORE=True,
+    E: tl.constexpr, E_PAD: tl.constexpr, HAS_CAP: tl.constexpr, STORE=True, MASKED: tl.constexpr = False,
 ):
     """All the maps of one block of pairs, in registers (the decode sizes); written out when
-    ``STORE`` (one program of a grid that recomputes them). -> (row, kept) per pair."""
+    ``STORE`` (one program of a grid that recomputes them). -> (row, kept) per pair.
+    ``MASKED``: pairs in the bin past the experts (experts elsewhere) get row -1."""
     ids = tl.where(valid, ids, E)  # padding lands in a bin past the experts
     pos = tl.arange(0, ids.shape[0])
     # rank of each pair among earlier pairs of the same expert: a BLOCK x BLOCK compare,
@@ -44,7 +45,8 @@ def _maps_block(
     # rows before this pair's expert segment: kept pairs of smaller experts.
     before = (ids[None, :] < ids[:, None]) & kept[None, :]
     row = tl.sum(before.to(tl.int32), axis=1) + rank
-    tl.store(rows_ptr + pair, tl.where(kept, row, -1), mask=valid & STORE)
+    here = (ids < E) if MASKED else kept
+    tl.store(rows_ptr + pair, tl.where(kept & here, row, -1), mask=valid & STORE)
     tl.store(row_pair_ptr + row, pair, mask=kept & STORE)
     counts = tl.histogram(tl.where(kept, ids, E), E_PAD)  # [E_PAD]
     e = tl.arange(0, E_PAD)
@@ -55,20 +57,31 @@ def _maps_block(
 
 
 @triton.jit
+def _local_ids(ids, first, E: tl.constexpr, MASKED: tl.constexpr):
+    """``MASKED``: the model's expert ids -> their index among the E experts from ``first``
+    on, or E (the bin past them) for an expert elsewhere."""
+    if MASKED:
+        ids = ids - first
+        ids = tl.where((ids >= 0) & (ids < E), ids, E)
+    return ids
+
+
+@triton.jit
 def _maps_small_kernel(
     ids_ptr,  # [n] int32 expert id of each pair
     offsets_ptr,  # [E + 1] int32 out: expert segment starts, then the total
     rows_ptr,  # [n] int32 out: buffer row of each pair, -1 if dropped
     row_pair_ptr,  # [n] int32 out: pair held by each buffer row
     n, capacity,  # number of pairs; per-expert capacity (ignored unless HAS_CAP)
+    first,  # MASKED: the first expert id here
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_CAP: tl.constexpr,
-    PDL: tl.constexpr,
+    MASKED: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     i = tl.arange(0, BLOCK)
     valid = i < n
-    ids = tl.load(ids_ptr + i, mask=valid, other=E)
-    _maps_block(ids, i, valid, offsets_ptr, rows_ptr, row_pair_ptr, capacity, E, E_PAD, HAS_CAP)
+    ids = _local_ids(tl.load(ids_ptr + i, mask=valid, other=E), first, E, MASKED)
+    _maps_block(ids, i, valid, offsets_ptr, rows_ptr, row_pair_ptr, capacity, E, E_PAD, HAS_CAP, MASKED=MASKED)
 
 
 @triton.jit
@@ -76,15 +89,15 @@ def _maps_count_kernel(
     ids_ptr,  # [n] int32 expert id of each pair
     counts_ptr,  # [num_blocks, E_PAD] int32 out: pairs per expert in each block
     rank_ptr,  # [n] int32 out: rank of the pair among its block's pairs of the same expert
-    n,
+    n, first,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    MASKED: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0)
     i = b * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
-    ids = tl.load(ids_ptr + i, mask=valid, other=E)
+    ids = tl.where(valid, _local_ids(tl.load(ids_ptr + i, mask=valid, other=E), first, E, MASKED), E)
     j = tl.arange(0, BLOCK)
     same = (ids[:, None] == ids[None, :]) & (j[None, :] < j[:, None])
     tl.store(rank_ptr + i, tl.sum(same.to(tl.int32), axis=1), mask=valid)
@@ -129,9 +142,9 @@ def _maps_rows_kernel(
     offsets_ptr,  # [E + 1] int32 out (program 0 writes it)
     rows_ptr,  # [n] int32 out
     row_pair_ptr,  # [n] int32 out
-    n, capacity,
+    n, capacity, first,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_CAP: tl.constexpr,
-    PDL: tl.constexpr,
+    MASKED: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -143,17 +156,22 @@ def _maps_rows_kernel(
     tl.store(offsets_ptr + e, starts, mask=(e <= E) & (b == 0))
     i = b * BLOCK + tl.arange(0, BLOCK)
     valid = i < n
-    ids = tl.load(ids_ptr + i, mask=valid, other=0)
+    ids = tl.where(valid, _local_ids(tl.load(ids_ptr + i, mask=valid, other=0), first, E, MASKED), 0)
     rank = tl.load(base_ptr + b * E_PAD + ids, mask=valid, other=0) + tl.load(rank_ptr + i, mask=valid, other=0)
     kept = valid & (rank < capacity) if HAS_CAP else valid
     row = tl.gather(starts, ids, 0) + rank
-    tl.store(rows_ptr + i, tl.where(kept, row, -1), mask=valid)
+    here = (ids < E) if MASKED else kept
+    tl.store(rows_ptr + i, tl.where(kept & here, row, -1), mask=valid)
     tl.store(row_pair_ptr + row, i, mask=kept)
 
 
-def token_maps_triton(expert_ids: torch.Tensor, num_experts: int, capacity: int | None = None, pdl: bool = True
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """expert_ids [T, k] -> offsets [E + 1], rows [T, k], row_pair [T * k] (all int32)."""
+def token_maps_triton(expert_ids: torch.Tensor, num_experts: int, capacity: int | None = None, pdl: bool = True,
+                      first: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """expert_ids [T, k] -> offsets [E + 1], rows [T, k], row_pair [T * k] (all int32).
+    ``first`` (the experts here are ids first .. first + E - 1 of the model's; expert
+    parallelism over ranks that hold the same tokens): the ids count from it, and pairs of
+    experts elsewhere go to a bin past the E (rows no GEMM tile runs) with row -1, as
+    ``here_or_past`` then the maps would give, in the same launches."""
     if expert_ids.dim() != 2:
         raise ValueError(f"expert_ids: expected [T, k], got shape {list(expert_ids.shape)}")
     if capacity is not None and capacity < 1:
@@ -165,22 +183,23 @@ def token_maps_triton(expert_ids: torch.Tensor, num_experts: int, capacity: int 
     rows = torch.empty(n, dtype=torch.int32, device=dev)
     row_pair = torch.empty(n, dtype=torch.int32, device=dev)
     cap = capacity if capacity is not None else n
+    masked, first = first is not None, first or 0
     if n <= SMALL_PAIRS:
-        _maps_small_kernel[(1,)](ids, offsets, rows, row_pair, n, cap, E=num_experts, E_PAD=e_pad,
+        _maps_small_kernel[(1,)](ids, offsets, rows, row_pair, n, cap, first, E=num_experts, E_PAD=e_pad,
                                  BLOCK=max(16, triton.next_power_of_2(n)), HAS_CAP=capacity is not None,
-                                 **pdl_launch(ids.device, pdl))
+                                 MASKED=masked, **pdl_launch(ids.device, pdl))
     else:
         blocks = triton.cdiv(n, BLOCK_PAIRS)
         counts = torch.empty(blocks, e_pad, dtype=torch.int32, device=dev)
         rank = torch.empty(n, dtype=torch.int32, device=dev)
         kept = torch.empty(e_pad, dtype=torch.int32, device=dev)
-        _maps_count_kernel[(blocks,)](ids, counts, rank, n, E=num_experts, E_PAD=e_pad, BLOCK=BLOCK_PAIRS,
-                                      **pdl_launch(ids.device, pdl))
+        _maps_count_kernel[(blocks,)](ids, counts, rank, n, first, E=num_experts, E_PAD=e_pad, BLOCK=BLOCK_PAIRS,
+                                      MASKED=masked, **pdl_launch(ids.device, pdl))
         e_block = min(e_pad, SCAN_EXPERTS)
         _maps_scan_kernel[(e_pad // e_block,)](counts, kept, blocks, cap, E=num_experts, E_PAD=e_pad,
                                                E_BLOCK=e_block, CHUNK=SCAN_CHUNK, HAS_CAP=capacity is not None,
                                                **pdl_launch(counts.device, pdl))
-        _maps_rows_kernel[(blocks,)](ids, counts, rank, kept, offsets, rows, row_pair, n, cap, E=num_experts,
-                                     E_PAD=e_pad, BLOCK=BLOCK_PAIRS, HAS_CAP=capacity is not None,
-                                     **pdl_launch(ids.device, pdl))
+        _maps_rows_kernel[(blocks,)](ids, counts, rank, kept, offsets, rows, row_pair, n, cap, first,
+                                     E=num_experts, E_PAD=e_pad, BLOCK=BLOCK_PAIRS, HAS_CAP=capacity is not None,
+                                     MASKED=masked, **pdl_launch(ids.device, pdl))
     return offsets, rows.view(expert_ids.shape), row_pair

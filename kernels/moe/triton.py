@@ -22,7 +22,6 @@ from kernels.layout.maps import token_maps_triton
 from kernels.layout.rows import combine_rows_triton
 from kernels.moe import cuda as moe_cuda
 from kernels.moe.grouped_gemm import grouped_gemm
-from kernels.moe.reference import here_or_past
 from kernels.tuning import MoeCuda, MoeDequant, MoeEntry, MoeGroupedMm, MoeTriton
 
 # Up to this many (token, slot) pairs the GEMMs group pairs themselves (no maps kernel).
@@ -200,9 +199,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if masked:
         # Pairs of experts elsewhere go to a bin past the experts (rows no GEMM tile runs),
         # then are dropped from the combine as capacity drops pairs.
-        local = here_or_past(topk_ids, first_expert, e)
-        offsets, rows, row_pair = token_maps_triton(local, e, capacity, pdl)
-        rows = torch.where(local == e, -1, rows)
+        offsets, rows, row_pair = token_maps_triton(topk_ids, e, capacity, pdl, first=first_expert)
     elif maps is None and capacity is None and n <= FROM_IDS_PAIRS:
         pair_ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         bm = max(16, triton.next_power_of_2(n))

@@ -27,6 +27,27 @@ def test_token_maps(device, t, e, k, cap):
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("t,e,k,first,cap", [(1, 4, 2, 4, None), (5, 3, 4, 3, None), (40, 6, 3, 6, 5),
+                                             (300, 16, 8, 16, None), (300, 16, 8, 0, None)])
+def test_token_maps_of_the_experts_from_first(device, t, e, k, first, cap):
+    """``first``: the rank holds experts first .. first + E - 1 of a model with more; its
+    maps equal those of the ids made local (``here_or_past``), pairs of other experts
+    (before and after the ones here) in the bin past them with row -1."""
+    from kernels.moe.reference import here_or_past
+
+    gen = torch.Generator().manual_seed(t + first)
+    ids, _ = routing(t, e + first + 5, k, device, gen)  # experts before, here and after
+    offsets, rows, row_pair = token_maps_triton(ids, e, cap, first=first)
+    local = here_or_past(ids.cpu(), first, e)
+    ref_offsets, ref_rows = token_maps_ref(local, e + 1, cap)
+    ref_rows = torch.where(local == e, -1, ref_rows)
+    assert torch.equal(offsets.cpu(), ref_offsets[:e + 1]) and torch.equal(rows.cpu(), ref_rows)
+    kept = ref_rows.flatten() >= 0
+    assert kept.any() and (~kept).any()
+    assert torch.equal(row_pair.cpu()[ref_rows.flatten()[kept].long()], torch.arange(t * k)[kept].int())
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("t,h,k", [(1, 7, 1), (5, 33, 2), (33, 130, 4)])
 def test_scatter_gather(device, dtype, t, h, k):

@@ -200,6 +200,8 @@ def test_masked_pairs_by_the_models_expert_ids(device, t):
     assert rel(fused_moe_ref(up(x), *map(up, mine), up(w), ids.cpu(), masked=True, first_expert=first), kept) < 1e-12
     out = fused_moe(x, *mine, w, ids, masked=True, first_expert=first)
     assert rel(out.cpu(), kept) < (TOL[dtype] if device == "cuda" else 1e-5)
+    out = fused_moe_triton(x, *mine, w, ids, masked=True, first_expert=first)  # the maps take the ids as they are
+    assert rel(out.cpu(), kept) < (TOL[dtype] if device == "cuda" else 1e-5)
     (q13, s13), (q2, s2) = quantize_int8(mine[0]), quantize_int8(mine[1])
     out8 = fused_moe(x, q13, q2, w, ids, "silu", s13, s2, masked=True, first_expert=first)
     ref8 = fused_moe_ref(up(x), q13.cpu(), q2.cpu(), up(kept_w), kept_ids.cpu(), "silu", s13.cpu(), s2.cpu())
@@ -232,6 +234,8 @@ def test_masked_pairs_add_nothing(device, t):
                         masked=True)
     assert rel(ref, kept) < 1e-12
     out = fused_moe(x, w13, w2, w, masked, masked=True)
+    assert rel(out.cpu(), kept) < (TOL[dtype] if device == "cuda" else 1e-5)
+    out = fused_moe_triton(x, w13, w2, w, masked, masked=True)
     assert rel(out.cpu(), kept) < (TOL[dtype] if device == "cuda" else 1e-5)
     assert t == 1 or out[0].abs().max() == 0
     q13, s13 = quantize_int8(w13)
