@@ -6,11 +6,12 @@ C the KV latent (``kv_lora_rank``), R the rotary part of a query / key head
 
 Keys and values come from one latent c [C] a token (after its norm) and one rotary key
 k_r [R] shared by every head; the cache holds [c, k_r] alone, one "KV head" of C + R.
-The up-projections are absorbed, as the DeepSeek-V2 paper describes, so the cache is read
-once and never expanded: head n's score is (q_p W_UK[n]) . c + q_r . k_r, its output
-(softmax . c) W_UV[n], where kv_b_proj = [W_UK; W_UV] per head. A decode step reads the
-cache in place, each cached row once for every head (``kernels.paged_latent_decode``); a
-prefill runs SDPA over the latent (one key head, C + R wide).
+At decode the up-projections are absorbed, as the DeepSeek-V2 paper describes, so the
+cache is read once and never expanded: head n's score is (q_p W_UK[n]) . c + q_r . k_r, its
+output (softmax . c) W_UV[n], where kv_b_proj = [W_UK; W_UV] per head. A decode step reads
+the cache in place, each cached row once for every head (``kernels.paged_latent_decode``).
+Prompt tokens, many queries a key, go the other way: the keys' latents are up-projected to
+every head's key and value and attention runs at the head width (``_decompressed``).
 """
 from __future__ import annotations
 
@@ -149,24 +150,45 @@ class LatentAttention(nn.Module):
         k_r = k_r[:, None]  # [B, 1, T, R]: one rotary key for every head
         if ctx.cos is not None:
             q_r, k_r = apply_rotary(q_r, ctx.cos, ctx.sin), apply_rotary(k_r, ctx.cos, ctx.sin)
-        q_c = torch.einsum("bntp,npc->bntc", q_p, w[:, :p].to(q_p.dtype))
-        query = torch.cat([q_c, q_r], dim=-1)  # [B, N, T, C + R]
         key = torch.cat([latent[:, None], k_r], dim=-1)  # [B, 1, T, C + R]
         if cache is not None:
             cache.write(layer, key, key[..., :0])
-        if cache is not None and not ctx.causal and cache.by_tokens:  # the latent split over the ranks by tokens:
-            from dense.kv_shard import gather_heads, split_attention  # (every rank computed the same new latent)
+        by_tokens = cache is not None and not ctx.causal and cache.by_tokens
+        if cache is not None and not ctx.causal:  # earlier keys too: the row's slots, in token order
+            key = cache.gather(layer)[0]  # [B, 1, S, C + R]
+        mask = None if ctx.causal else ctx.attn_mask
+        if t > 1 and not by_tokens:  # prompt tokens
+            return self._decompressed(torch.cat([q_p, q_r], dim=-1), key, w, mask, ctx.causal)
+        q_c = torch.einsum("bntp,npc->bntc", q_p, w[:, :p].to(q_p.dtype))
+        query = torch.cat([q_c, q_r], dim=-1)  # [B, N, T, C + R]: absorbed, in the latent's space
+        if by_tokens:  # the latent split over the ranks by tokens (every rank computed the same new latent)
+            from dense.kv_shard import gather_heads, split_attention
 
-            key = cache.gather(layer)[0]  # [B, 1, S, C + R], the row's slots in token order
             out = split_attention(gather_heads(self.tp, query)[0], key, key[..., :c], ctx.attn_mask, cache.own_keys,
                                   self.scale, self.tp)
         else:
-            if cache is not None and not ctx.causal:  # earlier keys too: the row's slots, in token order
-                key = cache.gather(layer)[0]  # [B, 1, S, C + R]
-            mask = None if ctx.causal else ctx.attn_mask
             out = F.scaled_dot_product_attention(query, key.expand(-1, n, -1, -1), key[..., :c].expand(-1, n, -1, -1),
                                                  attn_mask=mask, is_causal=ctx.causal, scale=self.scale)  # [B, N, T, C]
         return self._output(out, w)
+
+    def _decompressed(self, query: torch.Tensor, key: torch.Tensor, w: torch.Tensor, mask, causal: bool
+                      ) -> torch.Tensor:
+        """Prompt tokens: the latent keys [B, 1, S, C + R] up-projected to every head's key
+        (W_UK latent, then the rotary key) and value (W_UV latent), then attention at the
+        head width P + R (the queries [B, N, T, P + R] as projected): for T queries over S
+        keys this is P + R + V multiply-adds a query-key pair and head where the absorbed
+        form takes 2 C + R (320 against 1088 for DeepSeek-V2 / V3), and the width takes the
+        fused attention kernels. The values are padded to the key width for them."""
+        b, n, t, d = query.shape
+        p, v, c = self.nope_dim, self.v_dim, self.latent
+        latent, k_r = key[:, 0].split([c, self.rope_dim], dim=-1)  # [B, S, C], [B, S, R]
+        kv = torch.matmul(latent, w.reshape(n * (p + v), c).t().to(latent.dtype))  # [B, S, N * (P + V)]
+        kv = kv.view(b, -1, n, p + v).transpose(1, 2)  # [B, N, S, P + V]
+        k = torch.cat([kv[..., :p], k_r[:, None].expand(-1, n, -1, -1)], dim=-1)  # [B, N, S, P + R]
+        values = F.pad(kv[..., p:], (0, d - v)) if d > v else kv[..., p:]
+        out = F.scaled_dot_product_attention(query, k, values, attn_mask=mask, is_causal=causal,
+                                             scale=self.scale)[..., :v]  # [B, N, T, V]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, n * v))
 
     def _output(self, out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The softmax-weighted latents [B, N, T, C] -> (out W_UV per head) o_proj [B, T, H]."""

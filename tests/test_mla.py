@@ -43,3 +43,46 @@ def test_loaded_latent_attention_runs_merged_and_quantizes_merged(tmp_path):
         engine = moe_infer.load(tmp_path, device="cpu", dtype=torch.float32, progress=False, quantize=quantize)
         layers = [m for m in engine.model.modules() if isinstance(m, LatentAttention)]
         assert layers and all(isinstance(a.in_proj, kind) for a in layers)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_prompt_attention_up_projected_equals_the_absorbed_form(tmp_path, family, causal):
+    """Prompt tokens attend over keys and values up-projected from the latents at the head
+    width (``_decompressed``); the absorbed form (scores and outputs in the latent's space,
+    as decode runs) gives the same output, causal or under a mask over more keys."""
+    import torch.nn.functional as F
+
+    save_hf_model(family, tmp_path)
+    m = read_hf_config(tmp_path).model
+    attn = LatentAttention(m).double()
+    init_random(attn, torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(2)
+    b, t, s = 2, 5, 5 if causal else 9
+    n, p, r, c = attn.num_heads, attn.nope_dim, attn.rope_dim, attn.latent
+    q_p = torch.randn(b, n, t, p, dtype=torch.float64, generator=gen)
+    q_r = torch.randn(b, n, t, r, dtype=torch.float64, generator=gen)
+    key = torch.randn(b, 1, s, c + r, dtype=torch.float64, generator=gen)
+    mask = None if causal else torch.rand(b, 1, t, s, generator=gen) < 0.7
+    if mask is not None:
+        mask[..., 0] = True  # every query sees a key
+    w = attn.kv_b_proj.weight.view(n, p + attn.v_dim, c)
+    with torch.no_grad():
+        query = torch.cat([torch.einsum("bntp,npc->bntc", q_p, w[:, :p]), q_r], dim=-1)
+        out = F.scaled_dot_product_attention(query, key.expand(-1, n, -1, -1), key[..., :c].expand(-1, n, -1, -1),
+                                             attn_mask=mask, is_causal=causal, scale=attn.scale)
+        want = attn._output(out, w)
+        got = attn._decompressed(torch.cat([q_p, q_r], dim=-1), key, w, mask, causal)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_prompts_in_pieces_give_the_whole_prefills_tokens(tmp_path):
+    """A prompt prefilled in pieces (each piece's queries over the latents its earlier pieces
+    cached, under a mask) gives the greedy tokens of one whole forward."""
+    save_hf_model("deepseek_v3", tmp_path)
+    prompts = [[5, 17, 3, 44, 12, 9, 31, 2, 8], [8, 2, 60]]
+    whole = moe_infer.load(checkpoint=tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    parts = moe_infer.load(checkpoint=tmp_path, device="cpu", dtype=torch.float32, progress=False)
+    parts.config.engine.prefill_tokens = 4
+    want = [o.token_ids for o in whole.generate(prompts, max_new_tokens=4)]
+    assert [o.token_ids for o in parts.generate(prompts, max_new_tokens=4)] == want
