@@ -170,7 +170,13 @@ class CostModel:
             # split by tokens: every head's queries over 1 / tp of the tokens (one latent "head")
             share = 1 / p.tp if p.kv_shard == "tokens" else 1
             kv_token = (c + r) * self.ab * share
-            flops = 2 * rows * tokens * weights / self.wb + 2 * rows * tokens * context * hq * (2 * c + r)
+            flops = 2 * rows * tokens * weights / self.wb
+            if tokens > 1 and p.kv_shard != "tokens":  # prompt tokens (dense.mla._decompressed): every key's
+                # latent up-projected to each head's key and value (``context`` the mean keys a query
+                # attends, half the prompt's), then attention at the head width
+                flops += 2 * rows * 2 * context * c * hq * (d - r + v) + 2 * rows * tokens * context * hq * (d + v)
+            else:  # absorbed: scores and outputs in the latent's space
+                flops += 2 * rows * tokens * context * hq * (2 * c + r)
             return weights, rows * context * kv_token, flops, kv_token
         hkv = max(1.0, self.kv_heads / p.tp)  # fewer KV heads than ranks: each holds one
         weights = m.hidden_size * d * (hq + 2 * hkv + hq) * self.wb

@@ -373,6 +373,21 @@ def test_the_kv_cache_split_by_tokens_holds_1_over_tp_of_a_copied_cache():
     assert "tp8-ep8-kv-tokens" in gqa_names and not any(n.startswith("tp4") and "kv-tokens" in n for n in gqa_names)
 
 
+def test_latent_attention_is_priced_as_it_runs_absorbed_at_decode_up_projected_for_prompts():
+    """DeepSeek-V2-Lite (16 heads, P 128, R 64, V 128, C 512): a decode query costs 2 C + R
+    = 1088 multiply-adds a key and head (the absorbed form over the latent); prompt tokens
+    P + R + V = 320 at the head width, plus each key's latent up-projected to every head's
+    key and value once."""
+    cfg = resolve_config("deepseek-v2-lite")
+    cm, one = CostModel(cfg, machine()), ParallelConfig()
+    projections = 2 * cm._attention(one, 1, 1, 0)[0] / 2.0  # 2 FLOPs a weight a token (bf16 weights)
+    n, p, r, v, c = 16, 128, 64, 128, 512
+    decode = cm._attention(one, 4, 1, 1000)[2] - 4 * projections
+    assert decode == pytest.approx(2 * 4 * 1000 * n * (2 * c + r))
+    prompt = cm._attention(one, 2, 512, 256)[2] - 2 * 512 * projections
+    assert prompt == pytest.approx(2 * 2 * 512 * 256 * n * (p + r + v) + 2 * 2 * 512 * c * n * (p + v))
+
+
 def test_shipped_profiles_load_and_round_trip(tmp_path):
     names = sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
     assert {"nvidia-a100-sxm", "nvidia-h100-sxm", "nvidia-h200", "tpu-v4"} <= set(names)
