@@ -2,8 +2,9 @@
 
 The engine fills a ``KernelOptions`` from its config (``engine: {pdl, fused_decode_attention,
 fold_shared_experts, overlap_shared_experts}``) and the model hands it to every layer that
-launches kernels; a layer passes ``pdl`` on to each kernel call. Nothing in ``kernels/`` or ``dense/`` reads the environment for these: an
-A/B comparison builds two option objects (two engine configs).
+launches kernels; a layer passes ``pdl`` on to each kernel call. Nothing in ``kernels/`` or
+``dense/`` reads the environment for these: an A/B comparison builds two option objects (two
+engine configs).
 """
 from __future__ import annotations
 

@@ -140,9 +140,9 @@ class MoELayer(nn.Module):
         return shared
 
     def _run_overlapped(self, x: torch.Tensor, routing) -> torch.Tensor:
-        """The routed experts and their collectives on this stream, the shared MLP on a second one; they
-        join before the add (inside a CUDA graph capture the fork and join become the
-        graph's edges)."""
+        """The routed experts and their collectives on this stream, the shared MLP on a
+        second one; they join before the add (inside a CUDA graph capture the fork and the
+        join become the graph's edges)."""
         main = torch.cuda.current_stream(x.device)
         side = self._side.get(x.device)
         if side is None:

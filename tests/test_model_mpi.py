@@ -114,7 +114,8 @@ def test_layouts_match_single_process(info, checkpoint):
         moe = [m for m in engine.model.modules() if isinstance(m, MoELayer)]
         if name == "tp" and moe[0].shared is not None:  # the shared expert's sum joins the routed experts'
             assert all(m.fused_sum for m in moe), name
-        if moe[0].shared is not None and kw.get("tp", 1) == 1 and kw.get("ep", 1) * kw.get("expert_slicing", 1) > 1:
+        expert_ranks = kw.get("ep", 1) * kw.get("expert_slicing", 1)
+        if moe and moe[0].shared is not None and kw.get("tp", 1) == 1 and expert_ranks > 1:
             # the whole shared MLP runs beside the routed experts' collectives (a second stream on GPUs)
             assert all(m.overlap and not m.fused_sum for m in moe), name
         head = engine.model.lm_head
