@@ -30,6 +30,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from moe_infer.config import Config, ConfigError, ParallelConfig
 from moe_infer.hardware_profile import GB, Hardware, Link, local_profile, moe_kernel_key
@@ -138,6 +139,17 @@ def with_layout(cfg: Config, parallel: ParallelConfig) -> Config:
     return dataclasses.replace(cfg, parallel=parallel)
 
 
+class AttentionCost(NamedTuple):
+    """One block's attention on a rank (``CostModel._attention``)."""
+
+    weights: float  # bytes of its projections' weights
+    kv: float  # bytes of the KV cache it reads
+    flops: float  # of the projections (at the rows of the new tokens)
+    score_flops: float  # of the score and output products over the keys
+    score_rows: float  # query rows that share each key read: those products' GEMM rows
+    kv_token: float  # bytes a cached token takes
+
+
 class CostModel:
     """Predictions for one model on one hardware profile (``predict``, ``rank``)."""
 
@@ -158,9 +170,11 @@ class CostModel:
         self.kv_heads = m.num_kv_heads or m.num_heads
 
     # -- per block, on one rank
-    def _attention(self, p: ParallelConfig, rows: float, tokens: float, context: float) -> tuple[float, ...]:
-        """(weight bytes, KV bytes read, FLOPs, KV bytes a cached token takes) of one block's
-        attention on a rank: ``rows`` sequences of ``tokens`` new tokens over ``context`` keys."""
+    def _attention(self, p: ParallelConfig, rows: float, tokens: float, context: float) -> "AttentionCost":
+        """One block's attention on a rank: ``rows`` sequences of ``tokens`` new tokens over
+        ``context`` keys. Its score and output products read each key once for every query
+        row that shares it (a KV head's group of query heads, every head for a latent), so
+        they run at the matmul rate of that many rows, not of the projections' ``tokens``."""
         m, d = self.cfg.model, self.head_dim
         hq = m.num_heads / p.tp
         if m.kv_lora_rank is not None:  # latent attention: the latent and its projection whole on each rank
@@ -173,18 +187,19 @@ class CostModel:
             flops = 2 * rows * tokens * weights / self.wb
             if tokens > 1 and p.kv_shard != "tokens":  # prompt tokens (dense.mla._decompressed): every key's
                 # latent up-projected to each head's key and value (``context`` the mean keys a query
-                # attends, half the prompt's), then attention at the head width
-                flops += 2 * rows * 2 * context * c * hq * (d - r + v) + 2 * rows * tokens * context * hq * (d + v)
-            else:  # absorbed: scores and outputs in the latent's space
-                flops += 2 * rows * tokens * context * hq * (2 * c + r)
-            return weights, rows * context * kv_token, flops, kv_token
+                # attends, half the prompt's), then attention at the head width, a key per head
+                flops += 2 * rows * 2 * context * c * hq * (d - r + v)
+                score, score_rows = 2 * rows * tokens * context * hq * (d + v), tokens
+            else:  # absorbed: scores and outputs in the latent's space, which every head reads
+                score, score_rows = 2 * rows * tokens * context * hq * (2 * c + r), tokens * hq
+            return AttentionCost(weights, rows * context * kv_token, flops, score, score_rows, kv_token)
         hkv = max(1.0, self.kv_heads / p.tp)  # fewer KV heads than ranks: each holds one
         weights = m.hidden_size * d * (hq + 2 * hkv + hq) * self.wb
         if self._whole_qk(p, tokens):  # the other ranks' q and k rows too
             weights += m.hidden_size * d * (m.num_heads - hq + self.kv_heads - hkv) * self.wb
         kv_token = 2 * (self.kv_heads / p.tp if p.kv_shard == "tokens" else hkv) * d * self.ab
-        flops = 2 * rows * tokens * weights / self.wb + 4 * rows * tokens * context * hq * d
-        return weights, rows * context * kv_token, flops, kv_token
+        return AttentionCost(weights, rows * context * kv_token, 2 * rows * tokens * weights / self.wb,
+                             4 * rows * tokens * context * hq * d, tokens * max(1.0, hq / hkv), kv_token)
 
     def _whole_qk(self, p: ParallelConfig, new_tokens: float) -> bool:
         """Whether a step of ``new_tokens`` tokens a row projects every head's q and k on
@@ -266,7 +281,7 @@ class CostModel:
         layers = [i for i in range(m.num_layers) if self.cfg.is_moe_layer(i)]
         local = e.num_experts // p.ep
         expert = (3 if m.gated else 2) * m.hidden_size * e.expert_hidden / p.expert_slicing * self.eb
-        fixed = (sum(self._attention(p, 1, 1, 0)[0] + self._ffn_weights(p, i) for i in range(m.num_layers))
+        fixed = (sum(self._attention(p, 1, 1, 0).weights + self._ffn_weights(p, i) for i in range(m.num_layers))
                  + 2 * m.vocab_size * m.hidden_size * self.wb / p.tp - len(layers) * local * expert)
         kept = min(local, max(0.0, budget * GB - fixed) // expert / max(1, len(layers)))
         if self.hit_rate is not None:
@@ -341,17 +356,18 @@ class CostModel:
             split = dict.fromkeys(("memory", "compute", "collectives", "overhead", "host"), 0.0)
             weights, kv_token, busy = 0.0, 0.0, 0.0
             for i in own:
-                a_w, a_kv, a_flops, kv = self._attention(p, rows / mb, new_f, keys)
+                a = self._attention(p, rows / mb, new_f, keys)
                 f_reads, f_cmp, f_kernel, f_host = self._ffn(p, i, tokens / mb, group_tokens / mb, phase, offloaded)
-                t_mem, t_cmp = (a_w + a_kv + f_reads) / bw, a_flops / self._rate(tokens / mb) + f_cmp
+                t_mem = (a.weights + a.kv + f_reads) / bw
+                t_cmp = a.flops / self._rate(tokens / mb) + a.score_flops / self._rate(a.score_rows) + f_cmp
                 busy += max(t_mem, t_cmp) + f_kernel + f_host  # a block's roofline, its timed experts, its cold ones
                 split["host"] += f_host
                 split["memory"] += t_mem + f_kernel  # (a decode step's MoE kernel is bound by its reads)
                 split["compute"] += t_cmp
                 split["collectives"] += self._block_collectives(p, i, tokens / mb, group_tokens / mb, new_f)
                 split["overhead"] += hw.layer_overhead_us * 1e-6
-                weights += self._attention(p, 1, 1, 0)[0] + self._ffn_weights(p, i)  # held (decode's rows too)
-                kv_token += kv
+                weights += self._attention(p, 1, 1, 0).weights + self._ffn_weights(p, i)  # held (decode's rows too)
+                kv_token += a.kv_token
             t_stage = busy + split["collectives"] + split["overhead"]
             if own.stop == m.num_layers:  # the final norm and the LM head, on each row's last token
                 head = m.vocab_size * m.hidden_size * self.wb / p.tp

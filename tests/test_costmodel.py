@@ -375,17 +375,31 @@ def test_the_kv_cache_split_by_tokens_holds_1_over_tp_of_a_copied_cache():
 
 def test_latent_attention_is_priced_as_it_runs_absorbed_at_decode_up_projected_for_prompts():
     """DeepSeek-V2-Lite (16 heads, P 128, R 64, V 128, C 512): a decode query costs 2 C + R
-    = 1088 multiply-adds a key and head (the absorbed form over the latent); prompt tokens
-    P + R + V = 320 at the head width, plus each key's latent up-projected to every head's
-    key and value once."""
+    = 1088 multiply-adds a key and head (the absorbed form over the latent, which all 16
+    heads read: 16 rows a key); prompt tokens P + R + V = 320 at the head width (a key per
+    head: the prompt's rows), plus each key's latent up-projected to every head's key and
+    value once."""
     cfg = resolve_config("deepseek-v2-lite")
     cm, one = CostModel(cfg, machine()), ParallelConfig()
-    projections = 2 * cm._attention(one, 1, 1, 0)[0] / 2.0  # 2 FLOPs a weight a token (bf16 weights)
+    projections = 2 * cm._attention(one, 1, 1, 0).weights / 2.0  # 2 FLOPs a weight a token (bf16 weights)
     n, p, r, v, c = 16, 128, 64, 128, 512
-    decode = cm._attention(one, 4, 1, 1000)[2] - 4 * projections
-    assert decode == pytest.approx(2 * 4 * 1000 * n * (2 * c + r))
-    prompt = cm._attention(one, 2, 512, 256)[2] - 2 * 512 * projections
-    assert prompt == pytest.approx(2 * 2 * 512 * 256 * n * (p + r + v) + 2 * 2 * 512 * c * n * (p + v))
+    decode = cm._attention(one, 4, 1, 1000)
+    assert decode.flops == pytest.approx(4 * projections)
+    assert decode.score_flops == pytest.approx(2 * 4 * 1000 * n * (2 * c + r)) and decode.score_rows == n
+    prompt = cm._attention(one, 2, 512, 256)
+    assert prompt.flops - 2 * 512 * projections == pytest.approx(2 * 2 * 512 * c * n * (p + v))
+    assert prompt.score_flops == pytest.approx(2 * 2 * 512 * 256 * n * (p + r + v)) and prompt.score_rows == 512
+
+
+def test_decode_attention_runs_at_the_rate_of_the_query_rows_sharing_a_key():
+    """Qwen3-30B-A3B (32 query heads on 4 KV heads): at decode each key read serves 8 query
+    rows, so its scores run at the matmul rate of 8 rows, not of the one new token; and under
+    tp2 the split keeps the group (16 on 2)."""
+    cfg = resolve_config("qwen3-30b-a3b")
+    cm = CostModel(cfg, machine())
+    a = cm._attention(ParallelConfig(), 1, 1, 2048)
+    assert a.score_rows == 8 and a.score_flops == pytest.approx(4 * 2048 * 32 * 128)
+    assert cm._attention(ParallelConfig(tp=2), 1, 1, 2048).score_rows == 8
 
 
 def test_shipped_profiles_load_and_round_trip(tmp_path):
