@@ -132,31 +132,43 @@ def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], toke
     of each model's experts (``models``: Configs), random weights of the model's sizes, each
     call's tokens routed top-k over all the model's experts (uniformly; ids of the other
     ranks' experts masked as expert-parallel ranks holding the same tokens do), several
-    input sets a call, replayed from a CUDA graph on a GPU. The weights are bf16 on a GPU,
-    float32 on the CPU (each one's inference dtype); biases are left out (their bytes are
-    small beside the experts'). ``progress(line)``, where given, hears of each share timed
-    (a run of several models takes minutes, most of it compiling each share's kernels).
-    Shares whose key is in ``skip`` (timed already: two models may share a shape) are not
-    timed again."""
+    input sets a call, replayed from a CUDA graph on a GPU. A model whose shared experts
+    the loader folds into the routed call on one GPU (``Config.folded_experts``) is also
+    timed as it then runs: n more experts that every token takes with weight 1. The
+    weights are bf16 on a GPU, float32 on the CPU (each one's inference dtype); biases are
+    left out (their bytes are small beside the experts'). ``progress(line)``, where given,
+    hears of each share timed (a run of several models takes minutes, most of it compiling
+    each share's kernels). Shares whose key is in ``skip`` (timed already: two models may
+    share a shape) are not timed again."""
     from kernels import fused_moe, topk_gating
+    from moe_infer.config import ParallelConfig
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = {}
     for cfg in models:
         m, e = cfg.model, cfg.moe
         act, gated = _ACTIVATION[m.activation], m.activation in ("swiglu", "swiglu_oai")
-        for ep, s in moe_shares(e.num_experts, e.expert_hidden, ranks):
+        shares = [(ep, s, 0) for ep, s in moe_shares(e.num_experts, e.expert_hidden, ranks)]
+        folded = cfg.folded_experts(ParallelConfig())
+        if folded and (1, 1, 0) in shares:
+            shares.append((1, 1, folded))
+        for ep, s, n in shares:
             local, width = e.num_experts // ep, e.expert_hidden // s
-            key = moe_kernel_key(local, e.num_experts, m.hidden_size, width, e.top_k, m.activation)
+            key = moe_kernel_key(local + n, e.num_experts + n, m.hidden_size, width, e.top_k + n, m.activation)
             if key in out or key in skip:
                 continue
-            w13 = torch.randn(local, (2 if gated else 1) * width, m.hidden_size, device=device, dtype=dtype) * 0.02
-            w2 = torch.randn(local, m.hidden_size, width, device=device, dtype=dtype) * 0.02
+            w13 = torch.randn(local + n, (2 if gated else 1) * width, m.hidden_size, device=device,
+                              dtype=dtype) * 0.02
+            w2 = torch.randn(local + n, m.hidden_size, width, device=device, dtype=dtype) * 0.02
             out[key] = by_tokens = {}
             for t in tokens:
                 calls = []
                 for _ in range(max(1, min(8, 4096 // t)) if device.type == "cuda" else 1):
                     ids, w = topk_gating(torch.randn(t, e.num_experts, device=device), e.top_k)
+                    if n:  # the folded shared experts, in every token's table with weight 1
+                        ids = torch.cat([ids, torch.arange(local, local + n, device=device,
+                                                           dtype=ids.dtype).expand(t, n)], dim=1)
+                        w = torch.cat([w, torch.ones(t, n, device=device, dtype=w.dtype)], dim=1)
                     calls.append((torch.randn(t, m.hidden_size, device=device, dtype=dtype), ids, w))
                 step = lambda: [fused_moe(x, w13, w2, w, ids, act, masked=ep > 1) for x, ids, w in calls]  # noqa: E731
                 by_tokens[t] = _figure(_step_seconds(step, device, reps) / len(calls) * 1e6)

@@ -535,3 +535,9 @@ class Config:
                 and p.expert_slicing == 1 and not e.shared_expert_gate and e.capacity_factor is None
                 and not e.expert_bias and e.shared_experts * e.shared_expert_hidden % e.expert_hidden == 0
                 and engine.gpu_memory_gb is None and engine.quantize != "mxfp4")
+
+    def folded_experts(self, parallel: "ParallelConfig | None" = None) -> int:
+        """The experts of the routed width a layer's shared experts become where the loader
+        folds them under ``parallel`` (``folds_shared``); 0 where it does not."""
+        e = self.moe
+        return e.shared_experts * e.shared_expert_hidden // e.expert_hidden if self.folds_shared(parallel) else 0

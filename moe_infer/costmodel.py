@@ -229,7 +229,8 @@ class CostModel:
         shared = (gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp) if e.shared_experts else 0
         shared_s = 2 * tokens * shared / self._rate(tokens) if shared else 0.0
         shared_reads = shared * self.wb  # a dense MLP's weights, read at the copy rate
-        if shared and self.cfg.folds_shared(p):
+        folded = self.cfg.folded_experts(p)
+        if folded:
             # Experts of the routed call (MoELayer.fold_shared) that every token takes: read at
             # the MoE kernel's rate for experts of this size with all the tokens as rows, their
             # GEMMs in that rate where the profile timed the kernel at that many rows.
@@ -239,12 +240,15 @@ class CostModel:
         # its time: the generic terms below price experts by size and rows alone, and miss
         # what the kernel's launch configuration for the share does. (It was timed on calls
         # holding every token with the other ranks' pairs masked; a rank whose pairs come
-        # through an all-to-all runs on those alone, priced the same.)
-        timed = None if offloaded is not None or self.eb != 2.0 else self.hw.moe_kernel_s(
-            moe_kernel_key(local, e.num_experts, m.hidden_size, e.expert_hidden // p.expert_slicing, e.top_k,
-                           m.activation), group_tokens)
-        if timed is not None:
-            return shared_reads, shared_s, timed, 0.0
+        # through an all-to-all runs on those alone, priced the same.) With the shared
+        # experts folded, the time of the folded call holds them too, where calibrate has it.
+        width = e.expert_hidden // p.expert_slicing
+        calls = [(local + n, e.num_experts + n, e.top_k + n) for n in ((folded, 0) if folded else (0,))]
+        for held, experts, k in (calls if offloaded is None and self.eb == 2.0 else ()):
+            timed = self.hw.moe_kernel_s(moe_kernel_key(held, experts, m.hidden_size, width, k, m.activation),
+                                         group_tokens)
+            if timed is not None:
+                return (0.0, 0.0, timed, 0.0) if held > local else (shared_reads, shared_s, timed, 0.0)
         if self.histogram is None and p.ep > 1 and group_tokens == int(group_tokens):
             hit = busiest_rank_experts(e.num_experts, e.top_k, int(group_tokens), p.ep)
         else:

@@ -488,6 +488,36 @@ def test_calibrate_times_the_moe_kernel_on_each_share_of_the_models_experts(tmp_
         assert match in capsys.readouterr().err
 
 
+def test_calibrate_times_the_call_with_the_shared_experts_folded_in(tmp_path):
+    """A model whose shared experts the loader folds into the routed call on one GPU
+    (``Config.folded_experts``) is also timed as that call: E + n experts, k + n slots. The
+    cost model then prices a one-GPU layer's routed and shared experts by it, and a
+    layout that does not fold (tp2) by the routed share's time plus the shared MLP."""
+    import yaml
+
+    from moe_infer.hardware_profile import moe_kernel_key
+
+    raw = yaml.safe_load((ROOT / "configs" / "tiny-moe.yaml").read_text())
+    raw["name"] = "tiny-folding"
+    raw["moe"].update(shared_expert_gate=False, shared_experts=2, shared_expert_hidden=128)
+    path = tmp_path / "tiny-folding.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = resolve_config(str(path))
+    assert cfg.folded_experts() == 2 and cfg.folded_experts(ParallelConfig(tp=2)) == 0
+    out = tmp_path / "fold.yaml"
+    assert main(["calibrate", "--smoke", "--device", "cpu", "--out", str(out), "--models", str(path),
+                 "--moe-ranks", "1,2", "--moe-tokens", "1,4"]) == 0
+    hw, m, e = Hardware.load(out), cfg.model, cfg.moe
+    folded = moe_kernel_key(8, 8, m.hidden_size, e.expert_hidden, 4, m.activation)
+    routed = moe_kernel_key(6, 6, m.hidden_size, e.expert_hidden, 2, m.activation)
+    assert folded in hw.moe_kernel and routed in hw.moe_kernel
+    cm = CostModel(cfg, hw)
+    assert cm._ffn(ParallelConfig(), 0, 4, 4) == pytest.approx((0.0, 0.0, hw.moe_kernel[folded][4] * 1e-6, 0.0))
+    reads, seconds, timed, _ = cm._ffn(ParallelConfig(tp=2), 0, 4, 4)
+    half = moe_kernel_key(6, 6, m.hidden_size, e.expert_hidden // 2, 2, m.activation)
+    assert timed == pytest.approx(hw.moe_kernel[half][4] * 1e-6) and reads > 0 and seconds > 0
+
+
 def test_calibrate_keeps_what_it_measured_when_cut_short(tmp_path, monkeypatch):
     """The profile is written as it grows: a run stopped while timing the second model's
     kernel (a job's time limit) leaves the machine's figures and the first model's shares,
