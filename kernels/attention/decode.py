@@ -124,13 +124,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _softmax_block(scores, visible, v, m, l, acc, IEEE: tl.constexpr):
     """One key block of the running softmax (flash-decoding): scores [G, BLOCK_S] of the
-    block's keys, visible [BLOCK_S], v [BLOCK_S, D] their values -> the running max, sum
-    and weighted value sum after it."""
+    block's keys (float32), visible [BLOCK_S], v [BLOCK_S, D] their values (float32, or the
+    model dtype for a product at its tensor-core rate) -> the running max, sum and
+    weighted value sum after it."""
     scores = tl.where(visible[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     alpha = tl.exp(m - m_new)
     w = tl.exp(scores - m_new[:, None])
-    return m_new, l * alpha + tl.sum(w, axis=1), acc * alpha[:, None] + _dot(w, v, IEEE)
+    # the weights enter the second product in the values' dtype (as flash attention rounds them)
+    return m_new, l * alpha + tl.sum(w, axis=1), acc * alpha[:, None] + _dot(w.to(v.dtype), v, IEEE)
 
 
 @triton.jit
@@ -272,22 +274,26 @@ def _latent_split_kernel(
     S, scale, stride_qb, stride_qh, stride_kn, stride_mb, stride_slb,
     HQ: tl.constexpr, HB: tl.constexpr, C: tl.constexpr, C_PAD: tl.constexpr, R: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_LEN: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr,
-    ADDITIVE: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, ADDITIVE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, head block, split p): its share of row b's keys for HB >= 16 query heads
     (padding heads masked). Each key block is read once as [BLOCK_S, C] latents and
     [BLOCK_S, R] rotary keys; scores are the two parts' dots, and the latents weigh into
-    the [HB, C] accumulator (the values are the latents)."""
+    the [HB, C] accumulator (the values are the latents). Queries and keys enter the
+    products in the model dtype (float32 where ``UPCAST``: the interpreter, or a float32
+    cache), which keeps a [BLOCK_S, C] block at half the registers of float32 and the
+    products at the tensor cores' bf16 rate."""
     pdl_enter(PDL)
     b, hb, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    KT: tl.constexpr = tl.float32 if UPCAST else q_ptr.dtype.element_ty
     heads = hb * HB + tl.arange(0, HB)
     h_ok = heads < HQ
     c = tl.arange(0, C_PAD)
     r = tl.arange(0, R_PAD)
     c_ok, r_ok = c < C, r < R
     q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    q_c = tl.load(q_row + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32) * scale
-    q_r = tl.load(q_row + C + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32) * scale
+    q_c = tl.load(q_row + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0).to(KT)
+    q_r = tl.load(q_row + C + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(KT)
     m = tl.full([HB], -1e30, tl.float32)  # finite: a block with no visible key leaves it as it was
     l = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, C_PAD], tl.float32)
@@ -298,10 +304,10 @@ def _latent_split_kernel(
         if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no reads
             rows = tl.load(slot_ptr + b * stride_slb + s, mask=visible, other=0)
             base = kv_ptr + rows[:, None] * stride_kn
-            kc = tl.load(base + c[None, :], mask=visible[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-            kr = tl.load(base + C + r[None, :], mask=visible[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+            kc = tl.load(base + c[None, :], mask=visible[:, None] & c_ok[None, :], other=0.0).to(KT)
+            kr = tl.load(base + C + r[None, :], mask=visible[:, None] & r_ok[None, :], other=0.0).to(KT)
             scores = _dot(q_c, tl.trans(kc), IEEE) + _dot(q_r, tl.trans(kr), IEEE)  # [HB, BLOCK_S]
-            m, l, acc = _softmax_block(scores, visible, kc, m, l, acc, IEEE)
+            m, l, acc = _softmax_block(scores * scale, visible, kc, m, l, acc, IEEE)
     row = (b * HQ + heads) * P + p
     tl.store(m_ptr + row, tl.where(l > 0, m, float("-inf")), mask=h_ok)
     tl.store(l_ptr + row, l, mask=h_ok)
@@ -310,7 +316,7 @@ def _latent_split_kernel(
 
 def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
                                latent: int, scale: float | None = None, splits: int | None = None,
-                               block_s: int = 32, pdl: bool = True) -> torch.Tensor:
+                               block_s: int | None = None, pdl: bool = True) -> torch.Tensor:
     """Decode attention of multi-head latent attention over a paged cache read in place:
     q [B, Hq, C + R] (absorbed queries), kv pool [N, C + R] or [N, 1, C + R] (each token's
     latent, which is also its value, then its rotary key; ``latent`` = C), slots [B, S]
@@ -333,15 +339,17 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
     hb = 16
     if splits is None:
         # One cached row serves every head, so at batch 1 B x head blocks is a few programs:
-        # splits double (to 64, and to a block of keys a split) while the grid has fewer than
-        # two programs an SM. Not past that: each split's partials (Hq x C floats a row) are
+        # splits double (to 64, and to 16 keys a split) while the grid has fewer than two
+        # programs an SM. Not past that: each split's partials (Hq x C floats a row) are
         # written and read back by the combine, which at a large batch and a long cache
         # would outweigh the cache itself.
         sms = tuning.sm_count(q.device)
         programs = b * triton.cdiv(hq, hb)
         splits = 1
-        while splits < 64 and splits * block_s < s and programs * splits < 2 * sms:
+        while splits < 64 and splits * 16 < s and programs * splits < 2 * sms:
             splits *= 2
+    if block_s is None:  # a split's keys in one block where they fit in 64: no chain of dependent loads
+        block_s = min(64, max(16, triton.next_power_of_2(triton.cdiv(s, splits))))
     split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
     mask, additive = mask_bytes(visible)
     m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
@@ -352,5 +360,6 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
         q.stride(0), q.stride(1), kv.stride(0), mask.stride(0), slots.stride(0),
         HQ=hq, HB=hb, C=latent, C_PAD=max(16, triton.next_power_of_2(latent)), R=rope,
         R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_S=block_s, SPLIT_LEN=split_len, P=splits,
-        IEEE=kv.dtype == torch.float32, ADDITIVE=additive, num_warps=8, **pdl_launch(q.device, pdl))
+        IEEE=kv.dtype == torch.float32, UPCAST=q.device.type == "cpu" or kv.dtype == torch.float32,
+        ADDITIVE=additive, num_warps=8, **pdl_launch(q.device, pdl))
     return _combine(m, l, acc, q.dtype, pdl=pdl)

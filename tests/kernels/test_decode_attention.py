@@ -191,7 +191,7 @@ def test_merge_partials_matches_its_reference(device, shares, t, d, sinks):
 @pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b,hq,latent,rope,s,splits", [(1, 4, 32, 16, 5, 1), (3, 20, 24, 8, 45, 4),
-                                                         (2, 16, 64, 16, 130, None)])
+                                                         (2, 16, 64, 16, 130, None), (1, 16, 32, 16, 300, 2)])
 def test_paged_latent_decode_matches_per_head_attention(device, dtype, b, hq, latent, rope, s, splits):
     """Latent attention's decode: every head attends over one shared cached row (latent,
     then rotary key) and takes the latent as its value -- the same as ordinary attention
@@ -287,20 +287,20 @@ _COMPILE_LATENT = """
 import sys
 from kernels.attention.decode import _latent_split_kernel as kernel
 
-additive, pdl = bool(int(sys.argv[1])), int(sys.argv[2])
-const = dict(HQ=16, HB=16, C=512, C_PAD=512, R=64, R_PAD=64, BLOCK_S=32, SPLIT_LEN=128, P=16, IEEE=False,
-             ADDITIVE=additive, PDL=pdl)
+additive, pdl, block = bool(int(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3])
+const = dict(HQ=16, HB=16, C=512, C_PAD=512, R=64, R_PAD=64, BLOCK_S=block, SPLIT_LEN=2 * block, P=16, IEEE=False,
+             UPCAST=False, ADDITIVE=additive, PDL=pdl)
 types = {"slot_ptr": "*i64", "mask_ptr": "*fp32" if additive else "*i8", "m_ptr": "*fp32", "l_ptr": "*fp32",
          "acc_ptr": "*fp32", "S": "i32", "scale": "fp32"}
 """
 
 
-@pytest.mark.parametrize("additive, pdl", [(0, 0), (1, 2)])
-def test_paged_latent_decode_compiles_for_hopper(additive, pdl):
+@pytest.mark.parametrize("additive, pdl, block", [(0, 0, 16), (1, 2, 64)])
+def test_paged_latent_decode_compiles_for_hopper(additive, pdl, block):
     """The latent-attention decode kernel's whole Triton compile for sm_90 (tests.hopper) at
-    DeepSeek's widths (latent 512, rotary 64), with an additive mask or a bool one, with PDL
-    and without."""
-    assert compile_kernel(_COMPILE_LATENT, additive, pdl, warps=8) > 0
+    DeepSeek's widths (latent 512, rotary 64) with bf16 products, with an additive mask or a
+    bool one, with PDL and without, at the smallest and largest key blocks it picks."""
+    assert compile_kernel(_COMPILE_LATENT, additive, pdl, block, warps=8) > 0
 
 
 _COMPILE_LATENT_PROLOGUE = """
