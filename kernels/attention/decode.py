@@ -274,7 +274,7 @@ def _latent_split_kernel(
     S, scale, stride_qb, stride_qh, stride_kn, stride_mb, stride_slb,
     HQ: tl.constexpr, HB: tl.constexpr, C: tl.constexpr, C_PAD: tl.constexpr, R: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_LEN: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, ADDITIVE: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, STAGES: tl.constexpr, ADDITIVE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, head block, split p): its share of row b's keys for HB >= 16 query heads
     (padding heads masked). Each key block is read once as [BLOCK_S, C] latents and
@@ -282,7 +282,9 @@ def _latent_split_kernel(
     the [HB, C] accumulator (the values are the latents). Queries and keys enter the
     products in the model dtype (float32 where ``UPCAST``: the interpreter, or a float32
     cache), which keeps a [BLOCK_S, C] block at half the registers of float32 and the
-    products at the tensor cores' bf16 rate."""
+    products at the tensor cores' bf16 rate. The loop over a split's blocks is software
+    pipelined (``STAGES`` blocks in flight): hidden keys are masked out of the loads, not
+    skipped, so a block's loads never wait on the one before."""
     pdl_enter(PDL)
     b, hb, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     KT: tl.constexpr = tl.float32 if UPCAST else q_ptr.dtype.element_ty
@@ -298,16 +300,16 @@ def _latent_split_kernel(
     l = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, C_PAD], tl.float32)
     lo = p * SPLIT_LEN
-    for s0 in range(lo, lo + SPLIT_LEN, BLOCK_S):
+    hi = tl.minimum(lo + SPLIT_LEN, S)
+    for s0 in tl.range(lo, hi, BLOCK_S, num_stages=STAGES):
         s = s0 + tl.arange(0, BLOCK_S)
-        visible = mask_visible(mask_ptr + b * stride_mb, s, s < S, ADDITIVE)
-        if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no reads
-            rows = tl.load(slot_ptr + b * stride_slb + s, mask=visible, other=0)
-            base = kv_ptr + rows[:, None] * stride_kn
-            kc = tl.load(base + c[None, :], mask=visible[:, None] & c_ok[None, :], other=0.0).to(KT)
-            kr = tl.load(base + C + r[None, :], mask=visible[:, None] & r_ok[None, :], other=0.0).to(KT)
-            scores = _dot(q_c, tl.trans(kc), IEEE) + _dot(q_r, tl.trans(kr), IEEE)  # [HB, BLOCK_S]
-            m, l, acc = _softmax_block(scores * scale, visible, kc, m, l, acc, IEEE)
+        visible = mask_visible(mask_ptr + b * stride_mb, s, s < hi, ADDITIVE)
+        rows = tl.load(slot_ptr + b * stride_slb + s, mask=visible, other=0)
+        base = kv_ptr + rows[:, None] * stride_kn
+        kc = tl.load(base + c[None, :], mask=visible[:, None] & c_ok[None, :], other=0.0).to(KT)
+        kr = tl.load(base + C + r[None, :], mask=visible[:, None] & r_ok[None, :], other=0.0).to(KT)
+        scores = _dot(q_c, tl.trans(kc), IEEE) + _dot(q_r, tl.trans(kr), IEEE)  # [HB, BLOCK_S]
+        m, l, acc = _softmax_block(scores * scale, visible, kc, m, l, acc, IEEE)
     row = (b * HQ + heads) * P + p
     tl.store(m_ptr + row, tl.where(l > 0, m, float("-inf")), mask=h_ok)
     tl.store(l_ptr + row, l, mask=h_ok)
@@ -316,12 +318,15 @@ def _latent_split_kernel(
 
 def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
                                latent: int, scale: float | None = None, splits: int | None = None,
-                               block_s: int | None = None, pdl: bool = True) -> torch.Tensor:
+                               block_s: int | None = None, pdl: bool = True, *, stages: int = 3,
+                               warps: int | None = None) -> torch.Tensor:
     """Decode attention of multi-head latent attention over a paged cache read in place:
     q [B, Hq, C + R] (absorbed queries), kv pool [N, C + R] or [N, 1, C + R] (each token's
     latent, which is also its value, then its rotary key; ``latent`` = C), slots [B, S]
     int64, visible [B, S] bool or additive 0 / -inf -> out [B, Hq, C], the softmax-weighted
-    latents."""
+    latents. ``splits``, ``block_s``, ``stages`` and ``warps`` shape the launch (the keys'
+    splits, a block's keys, blocks in flight, warps a program); left out, they follow the
+    batch and the cache length."""
     if kv.dim() == 3:
         if kv.shape[1] != 1:
             raise ValueError(f"kv {list(kv.shape)}: expected one latent row a slot, [N, 1, C + R]")
@@ -348,8 +353,8 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
         splits = 1
         while splits < 64 and splits * 16 < s and programs * splits < 2 * sms:
             splits *= 2
-    if block_s is None:  # a split's keys in one block where they fit in 64: no chain of dependent loads
-        block_s = min(64, max(16, triton.next_power_of_2(triton.cdiv(s, splits))))
+    if block_s is None:  # 16 keys where a split has no more, else blocks of 32 in flight three at a time
+        block_s = 16 if triton.cdiv(s, splits) <= 16 else 32
     split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
     mask, additive = mask_bytes(visible)
     m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
@@ -360,6 +365,6 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
         q.stride(0), q.stride(1), kv.stride(0), mask.stride(0), slots.stride(0),
         HQ=hq, HB=hb, C=latent, C_PAD=max(16, triton.next_power_of_2(latent)), R=rope,
         R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_S=block_s, SPLIT_LEN=split_len, P=splits,
-        IEEE=kv.dtype == torch.float32, UPCAST=q.device.type == "cpu" or kv.dtype == torch.float32,
-        ADDITIVE=additive, num_warps=8, **pdl_launch(q.device, pdl))
+        IEEE=kv.dtype == torch.float32, UPCAST=q.device.type == "cpu" or kv.dtype == torch.float32, STAGES=stages,
+        ADDITIVE=additive, num_warps=warps if warps else (8 if block_s == 16 else 4), **pdl_launch(q.device, pdl))
     return _combine(m, l, acc, q.dtype, pdl=pdl)
