@@ -283,7 +283,7 @@ def _latent_split_kernel(
     products in the model dtype (float32 where ``UPCAST``: the interpreter, or a float32
     cache), which keeps a [BLOCK_S, C] block at half the registers of float32 and the
     products at the tensor cores' bf16 rate. The loop over a split's blocks is software
-    pipelined (``STAGES`` blocks in flight): hidden keys are masked out of the loads, not
+    pipelined (``STAGES`` stages): hidden keys are masked out of the loads, not
     skipped, so a block's loads never wait on the one before."""
     pdl_enter(PDL)
     b, hb, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -353,8 +353,11 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
         splits = 1
         while splits < 64 and splits * 16 < s and programs * splits < 2 * sms:
             splits *= 2
-    if block_s is None:  # 16 keys where a split has no more, else blocks of 32 in flight three at a time
+    if block_s is None:  # 16 keys where a split has no more, else blocks of 32, several in flight
         block_s = 16 if triton.cdiv(s, splits) <= 16 else 32
+    if warps is None:  # more warps a program only where the grid leaves SMs idle (batch 1, long caches)
+        few = b * triton.cdiv(hq, hb) * splits < tuning.sm_count(q.device)
+        warps = 8 if block_s > 16 and few else 4
     split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
     mask, additive = mask_bytes(visible)
     m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
@@ -366,5 +369,5 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
         HQ=hq, HB=hb, C=latent, C_PAD=max(16, triton.next_power_of_2(latent)), R=rope,
         R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_S=block_s, SPLIT_LEN=split_len, P=splits,
         IEEE=kv.dtype == torch.float32, UPCAST=q.device.type == "cpu" or kv.dtype == torch.float32, STAGES=stages,
-        ADDITIVE=additive, num_warps=warps if warps else (8 if block_s == 16 else 4), **pdl_launch(q.device, pdl))
+        ADDITIVE=additive, num_warps=warps, **pdl_launch(q.device, pdl))
     return _combine(m, l, acc, q.dtype, pdl=pdl)
