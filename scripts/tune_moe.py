@@ -306,13 +306,13 @@ def main():
     tokens = {wdtype: toks for wdtype, toks in (("bf16", args.tokens), ("int8", args.int8_tokens)) if toks}
     for name in args.shapes.split(","):
         for (ep, slices), (wdtype, toks) in itertools.product(shares, tokens.items()):
-            for key, entries in tune_shape(name, [int(t) for t in toks.split(",")], wdtype, args.reps,
-                                           args.cuda_only, args.verbose, args.only, ep, slices).items():
-                merge(tables[wdtype].setdefault(key, {}), key, entries)
+            for t in toks.split(","):  # the table written after each T: a run a job limit cuts keeps what it tuned
+                for key, entries in tune_shape(name, [int(t)], wdtype, args.reps, args.cuda_only, args.verbose,
+                                               args.only, ep, slices).items():
+                    merge(tables[wdtype].setdefault(key, {}), key, entries)
+                table = tuning.Table("moe", dev_name, tuning.dtype_name(DTYPES[wdtype]), tables[wdtype])
+                print(f"wrote {tuning.write_table(args.out, table)}", flush=True)
         torch.cuda.empty_cache()
-        for wdtype in tokens:  # after every shape
-            table = tuning.Table("moe", dev_name, tuning.dtype_name(DTYPES[wdtype]), tables[wdtype])
-            print(f"wrote {tuning.write_table(args.out, table)}")
     print(f"done in {time.time() - start:.0f} s")
 
 
