@@ -164,11 +164,8 @@ def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], toke
             for t in tokens:
                 calls = []
                 for _ in range(max(1, min(8, 4096 // t)) if device.type == "cuda" else 1):
-                    ids, w = topk_gating(torch.randn(t, e.num_experts, device=device), e.top_k)
-                    if n:  # the folded shared experts, in every token's table with weight 1
-                        ids = torch.cat([ids, torch.arange(local, local + n, device=device,
-                                                           dtype=ids.dtype).expand(t, n)], dim=1)
-                        w = torch.cat([w, torch.ones(t, n, device=device, dtype=w.dtype)], dim=1)
+                    # (n: the folded shared experts, ids E.. in every token's table with weight 1)
+                    ids, w = topk_gating(torch.randn(t, e.num_experts, device=device), e.top_k, shared=n)
                     calls.append((torch.randn(t, m.hidden_size, device=device, dtype=dtype), ids, w))
                 step = lambda: [fused_moe(x, w13, w2, w, ids, act, masked=ep > 1) for x, ids, w in calls]  # noqa: E731
                 by_tokens[t] = _figure(_step_seconds(step, device, reps) / len(calls) * 1e6)

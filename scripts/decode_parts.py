@@ -31,9 +31,13 @@ def floor_bytes(engine, batch: int, context: int) -> int:
         held = experts.w13.shape[0]  # past E: shared experts folded in, which every token takes
         per_expert = sum(t.numel() * t.element_size() for t in experts.state_dict().values()) / held
         total += (hit + held - e) * per_expert
-    m = cfg.model
-    kv = m.num_layers * model.num_kv_heads * sum(m.kv_widths) * engine.dtype.itemsize  # (latent: one, compressed)
-    return int(total + batch * context * kv)
+    return int(total + batch * context * kv_token_bytes(engine))
+
+
+def kv_token_bytes(engine) -> int:
+    """Bytes of KV cache a token takes over every layer (latent attention: one compressed row)."""
+    m = engine.config.model
+    return m.num_layers * engine.model.num_kv_heads * sum(m.kv_widths) * engine.dtype.itemsize
 
 
 # Kernel name patterns -> the part of the step they belong to (first match wins; the
@@ -125,8 +129,6 @@ def floor_parts(engine, batch: int, context: int, copy_gbs: float) -> dict:
                 if ".experts." not in n and n != "embed.weight" and p.dim() == 2)
     if model.lm_head is None:
         dense += model.embed.weight.numel() * model.embed.weight.element_size()
-    m = cfg.model
-    kv = batch * context * m.num_layers * model.num_kv_heads * sum(m.kv_widths) * engine.dtype.itemsize
-    experts = floor_bytes(engine, batch, 0) - dense - batch * m.hidden_size * engine.dtype.itemsize
-    return {"dense GEMM": dense, "MoE experts": max(experts, 0) if cfg.moe else None, "attention": kv,
-            "copy_gbs": copy_gbs}
+    experts = floor_bytes(engine, batch, 0) - dense - batch * cfg.model.hidden_size * engine.dtype.itemsize
+    return {"dense GEMM": dense, "MoE experts": max(experts, 0) if cfg.moe else None,
+            "attention": batch * context * kv_token_bytes(engine), "copy_gbs": copy_gbs}

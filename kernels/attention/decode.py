@@ -342,22 +342,20 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
         raise ValueError(f"slots: expected contiguous int64 rows, got {slots.dtype} with strides {slots.stride()}")
     rope = width - latent
     hb = 16
+    sms, programs = tuning.sm_count(q.device), b * triton.cdiv(hq, hb)  # programs before the splits
     if splits is None:
         # One cached row serves every head, so at batch 1 B x head blocks is a few programs:
         # splits double (to 64, and to 16 keys a split) while the grid has fewer than two
         # programs an SM. Not past that: each split's partials (Hq x C floats a row) are
         # written and read back by the combine, which at a large batch and a long cache
         # would outweigh the cache itself.
-        sms = tuning.sm_count(q.device)
-        programs = b * triton.cdiv(hq, hb)
         splits = 1
         while splits < 64 and splits * 16 < s and programs * splits < 2 * sms:
             splits *= 2
     if block_s is None:  # 16 keys where a split has no more, else blocks of 32, several in flight
         block_s = 16 if triton.cdiv(s, splits) <= 16 else 32
     if warps is None:  # more warps a program only where the grid leaves SMs idle (batch 1, long caches)
-        few = b * triton.cdiv(hq, hb) * splits < tuning.sm_count(q.device)
-        warps = 8 if block_s > 16 and few else 4
+        warps = 8 if block_s > 16 and programs * splits < sms else 4
     split_len = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
     mask, additive = mask_bytes(visible)
     m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
