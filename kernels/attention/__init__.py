@@ -61,14 +61,16 @@ def merge_partials(parts, sinks=None, dtype=None):
     return merge_partials_ref(parts, sinks, dtype)
 
 
-def paged_latent_decode(q, kv, slots, visible, latent, scale=None, *, pdl=True):
+def paged_latent_decode(q, kv, slots, visible, latent, scale=None, *, pdl=True, positions=None):
     """Multi-head latent attention's decode step over a paged cache (DeepSeek-V2 / V3, the
     up-projections absorbed): q [B, Hq, C + R], kv pool [N, 1, C + R] (the latent, which is
     also the value, then the rotary key; ``latent`` = C), slots [B, S], visible [B, S] ->
-    [B, Hq, C]. A GPU reads each cached row once for all heads, in place."""
+    [B, Hq, C]. A GPU reads each cached row once for all heads, in place. ``positions``
+    [B], where given: each row's newest key's index among its S, after which every key is
+    hidden (a GPU then splits each row's keys by its own length, not by S)."""
     if q.is_cuda:
         from kernels.attention.decode import paged_latent_decode_triton
-        return paged_latent_decode_triton(q, kv, slots, visible, latent, scale, pdl=pdl)
+        return paged_latent_decode_triton(q, kv, slots, visible, latent, scale, pdl=pdl, positions=positions)
     return paged_latent_decode_ref(q, kv, slots, visible, latent, scale)
 
 

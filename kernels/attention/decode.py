@@ -271,10 +271,11 @@ def _latent_split_kernel(
     q_ptr,  # [B, Hq, C + R]: each head's absorbed query (latent part, then rotary part)
     kv_ptr,  # pool [N, C + R]: each token's latent (its value too), then its rotary key
     slot_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,  # as in _paged_split_kernel, acc [B, Hq, P, C]
+    pos_ptr,  # int64 [B]: the index of each row's newest key among its S (POS only)
     S, scale, stride_qb, stride_qh, stride_kn, stride_mb, stride_slb,
     HQ: tl.constexpr, HB: tl.constexpr, C: tl.constexpr, C_PAD: tl.constexpr, R: tl.constexpr,
     R_PAD: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_LEN: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, STAGES: tl.constexpr, ADDITIVE: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, STAGES: tl.constexpr, POS: tl.constexpr, ADDITIVE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (b, head block, split p): its share of row b's keys for HB >= 16 query heads
     (padding heads masked). Each key block is read once as [BLOCK_S, C] latents and
@@ -284,9 +285,15 @@ def _latent_split_kernel(
     cache), which keeps a [BLOCK_S, C] block at half the registers of float32 and the
     products at the tensor cores' bf16 rate. The loop over a split's blocks is software
     pipelined (``STAGES`` stages): hidden keys are masked out of the loads, not
-    skipped, so a block's loads never wait on the one before."""
-    pdl_enter(PDL)
+    skipped, so a block's loads never wait on the one before. With ``POS`` a row's keys
+    0 .. pos[b] are split over the P programs by the row's own length, not by S: keys past
+    it (the rest of the step's key bucket) are never walked."""
     b, hb, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if POS:  # a step's input, which no kernel of the step writes: read before the wait
+        end = tl.minimum(tl.load(pos_ptr + b) + 1, S)
+    else:
+        end = S
+    pdl_enter(PDL)
     KT: tl.constexpr = tl.float32 if UPCAST else q_ptr.dtype.element_ty
     heads = hb * HB + tl.arange(0, HB)
     h_ok = heads < HQ
@@ -299,8 +306,9 @@ def _latent_split_kernel(
     m = tl.full([HB], -1e30, tl.float32)  # finite: a block with no visible key leaves it as it was
     l = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, C_PAD], tl.float32)
-    lo = p * SPLIT_LEN
-    hi = tl.minimum(lo + SPLIT_LEN, S)
+    span = tl.cdiv(tl.cdiv(end, P), BLOCK_S) * BLOCK_S if POS else SPLIT_LEN
+    lo = p * span
+    hi = tl.minimum(lo + span, end)
     for s0 in tl.range(lo, hi, BLOCK_S, num_stages=STAGES):
         s = s0 + tl.arange(0, BLOCK_S)
         visible = mask_visible(mask_ptr + b * stride_mb, s, s < hi, ADDITIVE)
@@ -319,14 +327,16 @@ def _latent_split_kernel(
 def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
                                latent: int, scale: float | None = None, splits: int | None = None,
                                block_s: int | None = None, pdl: bool = True, *, stages: int = 3,
-                               warps: int | None = None) -> torch.Tensor:
+                               warps: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of multi-head latent attention over a paged cache read in place:
     q [B, Hq, C + R] (absorbed queries), kv pool [N, C + R] or [N, 1, C + R] (each token's
     latent, which is also its value, then its rotary key; ``latent`` = C), slots [B, S]
     int64, visible [B, S] bool or additive 0 / -inf -> out [B, Hq, C], the softmax-weighted
-    latents. ``splits``, ``block_s``, ``stages`` and ``warps`` shape the launch (the keys'
-    splits, a block's keys, blocks in flight, warps a program); left out, they follow the
-    batch and the cache length."""
+    latents. ``positions`` [B] int64, where given: the index of each row's newest key among
+    its S (a decode step's position); keys after it are hidden, and are never walked.
+    ``splits``, ``block_s``, ``stages`` and ``warps`` shape the launch (the keys' splits, a
+    block's keys, blocks in flight, warps a program); left out, they follow the batch and
+    the cache length."""
     if kv.dim() == 3:
         if kv.shape[1] != 1:
             raise ValueError(f"kv {list(kv.shape)}: expected one latent row a slot, [N, 1, C + R]")
@@ -340,6 +350,10 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
                          "0 < C < C + R, and [B, S] twice")
     if slots.dtype != torch.int64 or slots.stride(1) != 1:
         raise ValueError(f"slots: expected contiguous int64 rows, got {slots.dtype} with strides {slots.stride()}")
+    if positions is not None:
+        if positions.numel() != b or positions.dtype != torch.int64:
+            raise ValueError(f"positions {list(positions.shape)} {positions.dtype}: expected one int64 index a row, [{b}]")
+        positions = positions.reshape(b).contiguous()
     rope = width - latent
     hb = 16
     sms, programs = tuning.sm_count(q.device), b * triton.cdiv(hq, hb)  # programs before the splits
@@ -362,10 +376,11 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
     l = torch.empty_like(m)
     acc = torch.empty(b, hq, splits, latent, dtype=torch.float32, device=q.device)
     _latent_split_kernel[(b, triton.cdiv(hq, hb), splits)](
-        q, kv, slots, mask, m, l, acc, s, scale if scale is not None else 1.0 / math.sqrt(width),
+        q, kv, slots, mask, m, l, acc, positions if positions is not None else slots, s,
+        scale if scale is not None else 1.0 / math.sqrt(width),
         q.stride(0), q.stride(1), kv.stride(0), mask.stride(0), slots.stride(0),
         HQ=hq, HB=hb, C=latent, C_PAD=max(16, triton.next_power_of_2(latent)), R=rope,
         R_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_S=block_s, SPLIT_LEN=split_len, P=splits,
         IEEE=kv.dtype == torch.float32, UPCAST=q.device.type == "cpu" or kv.dtype == torch.float32, STAGES=stages,
-        ADDITIVE=additive, num_warps=warps, **pdl_launch(q.device, pdl))
+        POS=positions is not None, ADDITIVE=additive, num_warps=warps, **pdl_launch(q.device, pdl))
     return _combine(m, l, acc, q.dtype, pdl=pdl)

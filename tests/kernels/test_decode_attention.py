@@ -213,6 +213,28 @@ def test_paged_latent_decode_matches_per_head_attention(device, dtype, b, hq, la
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("b,s,splits", [(3, 70, 4), (2, 300, None)])
+def test_paged_latent_decode_walks_each_row_to_its_position(device, b, s, splits):
+    """With ``positions`` each row's keys are split by its own length: keys after its
+    position are never read, even where the mask would show them (the contract hides
+    them), so the output is attention over keys 0 .. position alone."""
+    gen = torch.Generator().manual_seed(s)
+    hq, latent, rope = 16, 32, 16
+    q = torch.randn(b, hq, latent + rope, generator=gen).to(device)
+    rows = torch.randn(b, 1, s, latent + rope, generator=gen).to(device)
+    pool, _, slots = in_pool(rows, rows, 8, gen)
+    positions = torch.randint(0, s, (b,), generator=gen).to(device)
+    positions[0] = s // 3
+    upto = torch.arange(s, device=device)[None, :] <= positions[:, None]  # [B, S]
+    everything = torch.ones(b, s, dtype=torch.bool, device=device)
+    got = paged_latent_decode_triton(q, pool, slots, everything, latent, 0.3, splits=splits, positions=positions)
+    want = paged_latent_decode_ref(q, pool, slots, upto, latent, 0.3)
+    assert rel(got, want) < DECODE_TOL[torch.float32]
+    with pytest.raises(ValueError, match="positions"):
+        paged_latent_decode_triton(q, pool, slots, everything, latent, positions=positions.int())
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b,n,c,r,p,rope", [(1, 16, 64, 16, 24, True), (3, 20, 40, 8, 12, True),
                                               (2, 5, 24, 8, 8, False), (37, 3, 136, 16, 40, True)])
@@ -289,9 +311,9 @@ from kernels.attention.decode import _latent_split_kernel as kernel
 
 additive, pdl, block = bool(int(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3])
 const = dict(HQ=16, HB=16, C=512, C_PAD=512, R=64, R_PAD=64, BLOCK_S=block, SPLIT_LEN=4 * block, P=16, IEEE=False,
-             UPCAST=False, STAGES=3, ADDITIVE=additive, PDL=pdl)
+             UPCAST=False, STAGES=3, POS=True, ADDITIVE=additive, PDL=pdl)
 types = {"slot_ptr": "*i64", "mask_ptr": "*fp32" if additive else "*i8", "m_ptr": "*fp32", "l_ptr": "*fp32",
-         "acc_ptr": "*fp32", "S": "i32", "scale": "fp32"}
+         "acc_ptr": "*fp32", "pos_ptr": "*i64", "S": "i32", "scale": "fp32"}
 """
 
 
