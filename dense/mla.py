@@ -148,17 +148,20 @@ class LatentAttention(nn.Module):
         latent, k_r = kv.split([c, r], dim=-1)  # [B, T, C], [B, T, R]
         latent = self.kv_a_norm(latent)
         k_r = k_r[:, None]  # [B, 1, T, R]: one rotary key for every head
+        by_tokens = cache is not None and not ctx.causal and cache.by_tokens
+        prompt = t > 1 and not by_tokens
         if ctx.cos is not None:
             q_r, k_r = apply_rotary(q_r, ctx.cos, ctx.sin), apply_rotary(k_r, ctx.cos, ctx.sin)
+            if prompt:  # turned in place: the projection's rows are then the whole query, no copy of it
+                q[..., p:] = q_r
         key = torch.cat([latent[:, None], k_r], dim=-1)  # [B, 1, T, C + R]
         if cache is not None:
             cache.write(layer, key, key[..., :0])
-        by_tokens = cache is not None and not ctx.causal and cache.by_tokens
         if cache is not None and not ctx.causal:  # earlier keys too: the row's slots, in token order
             key = cache.gather(layer)[0]  # [B, 1, S, C + R]
         mask = None if ctx.causal else ctx.attn_mask
-        if t > 1 and not by_tokens:  # prompt tokens
-            return self._decompressed(torch.cat([q_p, q_r], dim=-1), key, w, mask, ctx.causal)
+        if prompt:
+            return self._decompressed(q, key, w, mask, ctx.causal)
         q_c = torch.einsum("bntp,npc->bntc", q_p, w[:, :p].to(q_p.dtype))
         query = torch.cat([q_c, q_r], dim=-1)  # [B, N, T, C + R]: absorbed, in the latent's space
         if by_tokens:  # the latent split over the ranks by tokens (every rank computed the same new latent)
@@ -175,19 +178,25 @@ class LatentAttention(nn.Module):
                       ) -> torch.Tensor:
         """Prompt tokens: the latent keys [B, 1, S, C + R] up-projected to every head's key
         (W_UK latent, then the rotary key) and value (W_UV latent), then attention at the
-        head width P + R (the queries [B, N, T, P + R] as projected): for T queries over S
-        keys this is P + R + V multiply-adds a query-key pair and head where the absorbed
-        form takes 2 C + R (320 against 1088 for DeepSeek-V2 / V3), and the width takes the
-        fused attention kernels. The values are padded to the key width for them."""
+        head width D = P + R (the queries [B, N, T, D], any strides but unit along D): for T
+        queries over S keys this is P + R + V multiply-adds a query-key pair and head where
+        the absorbed form takes 2 C + R (320 against 1088 for DeepSeek-V2 / V3), and the
+        width takes the fused attention kernels. One GEMM writes each key's heads as
+        [W_UK latent, a gap, W_UV latent] (a zero block of W_UK's rows leaves the gap) and
+        the rotary key fills the gap: the keys are a view of the first D columns and, where
+        V < D, the values a view of the last D (the rotary key, then the value: outputs past
+        the first D - V columns are the values'), so nothing is concatenated or padded."""
         b, n, t, d = query.shape
-        p, v, c = self.nope_dim, self.v_dim, self.latent
-        latent, k_r = key[:, 0].split([c, self.rope_dim], dim=-1)  # [B, S, C], [B, S, R]
-        kv = torch.matmul(latent, w.reshape(n * (p + v), c).t().to(latent.dtype))  # [B, S, N * (P + V)]
-        kv = kv.view(b, -1, n, p + v).transpose(1, 2)  # [B, N, S, P + V]
-        k = torch.cat([kv[..., :p], k_r[:, None].expand(-1, n, -1, -1)], dim=-1)  # [B, N, S, P + R]
-        values = F.pad(kv[..., p:], (0, d - v)) if d > v else kv[..., p:]
-        out = F.scaled_dot_product_attention(query, k, values, attn_mask=mask, is_causal=causal,
-                                             scale=self.scale)[..., :v]  # [B, N, T, V]
+        p, r, v, c = self.nope_dim, self.rope_dim, self.v_dim, self.latent
+        latent, k_r = key[:, 0].split([c, r], dim=-1)  # [B, S, C], [B, S, R]
+        s = latent.shape[1]
+        up = torch.cat([w[:, :p], w.new_zeros(n, r, c), w[:, p:]], dim=1)  # [N, P + R + V, C]
+        kv = torch.matmul(latent, up.reshape(n * (d + v), c).t().to(latent.dtype)).view(b, s, n, d + v)
+        kv[..., p:d] = k_r[:, :, None]  # every head's rotary key in its gap
+        keys = kv[..., :d].transpose(1, 2)  # [B, N, S, D]
+        values = (kv[..., v:] if d > v else kv[..., d:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
+                                             scale=self.scale)[..., max(0, d - v):]  # [B, N, T, V]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, n * v))
 
     def _output(self, out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
