@@ -435,8 +435,8 @@ class Attention(nn.Module):
             # A decode step: its keys are read where they lie in the pool, not gathered row
             # by row into a copy first (a gather and SDPA measured about twice the time, at
             # 1 and at 8 query heads per KV head); sinks join the splits' combine.
-            out = kernels.paged_decode_attention(q[:, :, 0], k_pool, v_pool, cache.read_slots,
-                                                 ctx.attn_mask[:, 0, 0], sinks=self.sinks)  # [B, Hq, D]
+            out = kernels.paged_decode_attention(q[:, :, 0], k_pool, v_pool, cache.read_slots, ctx.attn_mask[:, 0, 0],
+                                                 sinks=self.sinks, positions=ctx.positions)  # [B, Hq, D]
             return out[:, :, None]
         return self._sdpa(q, *cache.gather(layer), ctx)
 

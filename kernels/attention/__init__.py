@@ -25,15 +25,17 @@ from kernels.attention.reference import (latent_output_ref, latent_prologue_ref,
                                          qkv_attention_ref, qkv_decode_ref, qkv_decode_supported)
 
 
-def paged_decode_attention(q, k, v, slots, visible, scale=None, sinks=None):
+def paged_decode_attention(q, k, v, slots, visible, scale=None, sinks=None, *, positions=None):
     """One query token per row over a paged cache: q [B, Hq, D], k / v pools [N, Hkv, D],
     slots [B, S] int64 the pool row of each row's key s, visible [B, S] bool or an additive
     mask of 0 / -inf floats -> [B, Hq, D] (split over the keys on a GPU, GQA-aware). A GPU
     reads the keys in place, without gathering them into a copy. ``sinks`` [Hq]: GPT-OSS's
-    logit per head, in the softmax beside the keys, adding no value."""
+    logit per head, in the softmax beside the keys, adding no value. ``positions`` [B],
+    where given: each row's newest key's index among its S, after which every key is
+    hidden (a GPU then splits each row's keys by its own length, not by S)."""
     if q.is_cuda:
         from kernels.attention.decode import paged_decode_attention_triton
-        return paged_decode_attention_triton(q, k, v, slots, visible, scale, sinks=sinks)
+        return paged_decode_attention_triton(q, k, v, slots, visible, scale, sinks=sinks, positions=positions)
     return paged_decode_attention_ref(q, k, v, slots, visible, scale, sinks)
 
 

@@ -7,7 +7,8 @@ S key slots per row, N pool rows, D head dim, P key splits.
 One token per row. Program (b, kv head, split) reads its share of that KV head's keys and
 values once for all G query heads (GQA / MQA aware) and keeps a running max, sum and
 weighted value sum in float32 (flash-decoding); the combine kernel merges the P splits.
-Masked-off key blocks (past the current slot, padding) are skipped, not just zeroed.
+Hidden keys (padding, a window's past) are masked out of the loads, so they cost no reads;
+keys past a row's position, where the step gives positions, are never walked.
 
 ``_paged_split_kernel`` reads each row's keys in place in the pool [N, Hkv, D], through
 the row's slots, with both products on the tensor cores. ``_latent_split_kernel`` is its
@@ -143,40 +144,48 @@ def _paged_split_kernel(
     mask_ptr,  # [B, S] int8: 1 where the key is visible (ADDITIVE: floats, 0 where visible, -inf hidden)
     m_ptr, l_ptr,  # [B, Hq, P] float32 out: running max and sum of each split
     acc_ptr,  # [B, Hq, P, D] float32 out: unnormalised weighted values
+    pos_ptr,  # int64 [B]: the index of each row's newest key among its S (POS only)
     S, D, scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_mb, stride_slb,
     G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_LEN: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr, ADDITIVE: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STAGES: tl.constexpr,
+    POS: tl.constexpr, ADDITIVE: tl.constexpr,
 ):
     """Program (b, KV head h, split p): its share of row b's keys for the G query heads of
     KV head h, its two products on the tensor cores: the G query heads padded to G_PAD >= 16
     rows make [G_PAD, D] x [D, BLOCK_S] and [G_PAD, BLOCK_S] x [BLOCK_S, D] dots, where a
     broadcast-and-sum form would keep [G, BLOCK_S, D] products in registers. Keys are
-    gathered row by row through the slots, read in place. A float32 cache takes
-    full-precision dots (IEEE)."""
+    gathered row by row through the slots, read in place, and enter the products in the
+    cache's dtype (float32 where ``UPCAST``: the interpreter, or a float32 cache, which takes
+    full-precision dots, IEEE); the scale is applied to the scores. The loop over a split's
+    blocks is software pipelined (``STAGES`` stages): hidden keys are masked out of the
+    loads, not skipped, so a block's loads never wait on the one before. With ``POS`` a
+    row's keys 0 .. pos[b] are split over the P programs by the row's own length, not by S:
+    keys past it (the rest of the step's key bucket) are never walked."""
     b, h, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    end = tl.minimum(tl.load(pos_ptr + b) + 1, S) if POS else S
+    KT: tl.constexpr = tl.float32 if UPCAST else q_ptr.dtype.element_ty
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     g_ok, d_ok = g < G, d < D
     heads = h * G + g
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * scale  # [G_PAD, D]
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(KT)  # [G_PAD, D]
     m = tl.full([G_PAD], -1e30, tl.float32)  # finite: a block with no visible key leaves it as it was
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    lo = p * SPLIT_LEN
-    for s0 in range(lo, lo + SPLIT_LEN, BLOCK_S):
+    span = tl.cdiv(tl.cdiv(end, P), BLOCK_S) * BLOCK_S if POS else SPLIT_LEN
+    lo = p * span
+    hi = tl.minimum(lo + span, end)
+    for s0 in tl.range(lo, hi, BLOCK_S, num_stages=STAGES):
         s = s0 + tl.arange(0, BLOCK_S)
-        visible = mask_visible(mask_ptr + b * stride_mb, s, s < S, ADDITIVE)
-        if tl.sum(visible.to(tl.int32)) > 0:  # a block with no visible key costs no K/V reads
-            rows = tl.load(slot_ptr + b * stride_slb + s, mask=visible, other=0)
-            kv_ok = visible[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + h * stride_kh + rows[:, None] * stride_kn + d[None, :], mask=kv_ok,
-                        other=0.0).to(tl.float32)  # [BLOCK_S, D]
-            v = tl.load(v_ptr + h * stride_vh + rows[:, None] * stride_vn + d[None, :], mask=kv_ok,
-                        other=0.0).to(tl.float32)
-            scores = _dot(q, tl.trans(k), IEEE)  # [G_PAD, BLOCK_S]
-            m, l, acc = _softmax_block(scores, visible, v, m, l, acc, IEEE)
+        visible = mask_visible(mask_ptr + b * stride_mb, s, s < hi, ADDITIVE)
+        rows = tl.load(slot_ptr + b * stride_slb + s, mask=visible, other=0)
+        kv_ok = visible[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + h * stride_kh + rows[:, None] * stride_kn + d[None, :], mask=kv_ok, other=0.0).to(KT)
+        v = tl.load(v_ptr + h * stride_vh + rows[:, None] * stride_vn + d[None, :], mask=kv_ok, other=0.0).to(KT)
+        scores = _dot(q, tl.trans(k), IEEE) * scale  # [G_PAD, BLOCK_S]
+        m, l, acc = _softmax_block(scores, visible, v, m, l, acc, IEEE)
     row = (b * (tl.num_programs(1) * G) + heads) * P + p
     tl.store(m_ptr + row, tl.where(l > 0, m, float("-inf")), mask=g_ok)  # -inf: the combine weighs it 0
     tl.store(l_ptr + row, l, mask=g_ok)
@@ -185,15 +194,21 @@ def _paged_split_kernel(
 
 def paged_decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                                   visible: torch.Tensor, scale: float | None = None, splits: int | None = None,
-                                  block_s: int = 32, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                                  block_s: int = 32, sinks: torch.Tensor | None = None, *,
+                                  positions: torch.Tensor | None = None, stages: int = 3,
+                                  warps: int = 2) -> torch.Tensor:
     """Decode attention over a paged cache, read in place: q [B, Hq, D], k / v pools
     [N, Hkv, D], slots [B, S] int64 (the pool row of each row's key s), visible [B, S] bool,
     or an additive mask of 0 / -inf floats (read as it is: a step builds it once for every
     layer) -> out [B, Hq, D]. ``sinks`` [Hq]: a logit per head in the softmax, no value
-    (GPT-OSS), joined in the combine."""
+    (GPT-OSS), joined in the combine. ``positions`` [B] int64, where given: the index of
+    each row's newest key among its S (a decode step's position); keys after it are
+    hidden, and are never walked. ``splits``, ``block_s``, ``stages`` and ``warps`` shape
+    the launch."""
     if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
         raise ValueError(f"sinks {list(sinks.shape)}: expected one logit per query head, [{q.shape[1]}]")
-    return _combine(*_splits(q, k, v, slots, visible, scale, splits, block_s), q.dtype, sinks)
+    parts = _splits(q, k, v, slots, visible, scale, splits, block_s, positions, stages, warps)
+    return _combine(*parts, q.dtype, sinks)
 
 
 def merge_partials_triton(parts: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -224,7 +239,8 @@ def paged_decode_partial_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return _combine(m, l, acc, q.dtype, lse=lse), lse
 
 
-def _splits(q, k, v, slots, visible, scale, splits, block_s) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _splits(q, k, v, slots, visible, scale, splits, block_s, positions=None, stages=3,
+            warps=2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split kernel's launch (operands as ``paged_decode_attention_triton`` takes them)
     -> each split's (m, l [B, Hq, P], acc [B, Hq, P, D])."""
     b, hq, d = q.shape
@@ -236,6 +252,7 @@ def _splits(q, k, v, slots, visible, scale, splits, block_s) -> tuple[torch.Tens
                          "Hq, and [B, S] twice")
     if slots.dtype != torch.int64 or slots.stride(1) != 1:
         raise ValueError(f"slots: expected contiguous int64 rows, got {slots.dtype} with strides {slots.stride()}")
+    positions = _row_positions(positions, b)
     g = hq // hkv
     if splits is None:  # short splits: many programs in flight hide the gathered loads' latency
         splits = min(16, 1 << (triton.cdiv(s, block_s).bit_length() - 1))
@@ -245,11 +262,23 @@ def _splits(q, k, v, slots, visible, scale, splits, block_s) -> tuple[torch.Tens
     l = torch.empty_like(m)
     acc = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     _paged_split_kernel[(b, hkv, splits)](
-        q, k, v, slots, mask, m, l, acc, s, d, scale if scale is not None else 1.0 / math.sqrt(d),
+        q, k, v, slots, mask, m, l, acc, positions if positions is not None else slots, s, d,
+        scale if scale is not None else 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0), slots.stride(0),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_S=block_s,
-        SPLIT_LEN=split_len, P=splits, IEEE=k.dtype == torch.float32, ADDITIVE=additive, num_warps=2)
+        SPLIT_LEN=split_len, P=splits, IEEE=k.dtype == torch.float32,
+        UPCAST=q.device.type == "cpu" or k.dtype == torch.float32, STAGES=stages, POS=positions is not None,
+        ADDITIVE=additive, num_warps=warps)
     return m, l, acc
+
+
+def _row_positions(positions: torch.Tensor | None, b: int) -> torch.Tensor | None:
+    """A step's positions as the split kernels take them: one int64 index a row, [B]."""
+    if positions is None:
+        return None
+    if positions.numel() != b or positions.dtype != torch.int64:
+        raise ValueError(f"positions {list(positions.shape)} {positions.dtype}: expected one int64 index a row, [{b}]")
+    return positions.reshape(b).contiguous()
 
 
 def _combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype,
@@ -350,10 +379,7 @@ def paged_latent_decode_triton(q: torch.Tensor, kv: torch.Tensor, slots: torch.T
                          "0 < C < C + R, and [B, S] twice")
     if slots.dtype != torch.int64 or slots.stride(1) != 1:
         raise ValueError(f"slots: expected contiguous int64 rows, got {slots.dtype} with strides {slots.stride()}")
-    if positions is not None:
-        if positions.numel() != b or positions.dtype != torch.int64:
-            raise ValueError(f"positions {list(positions.shape)} {positions.dtype}: expected one int64 index a row, [{b}]")
-        positions = positions.reshape(b).contiguous()
+    positions = _row_positions(positions, b)
     rope = width - latent
     hb = 16
     sms, programs = tuning.sm_count(q.device), b * triton.cdiv(hq, hb)  # programs before the splits

@@ -105,6 +105,32 @@ def test_paged_decode_attention_reads_the_pool_in_place(device, dtype, b, hq, hk
 
 
 @pytest.mark.parametrize("device", [CPU, GPU])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,hq,hkv,s,d,splits", [(3, 8, 2, 70, 24, 4), (2, 4, 4, 300, 16, None), (1, 6, 1, 9, 16, 4)])
+def test_paged_decode_attention_walks_each_row_to_its_position(device, dtype, b, hq, hkv, s, d, splits):
+    """With ``positions`` each row's keys are split by its own length: keys after its
+    position (their slots at the pool's NaN row) are never read, even where the mask would
+    show them (the contract hides them), so the output is attention over keys 0 ..
+    position alone, with a window's hidden keys (before a row's first visible one) still
+    hidden; fewer keys than splits."""
+    gen = torch.Generator().manual_seed(s + d)
+    positions = torch.randint(0, s, (b,), generator=gen)
+    positions[0] = s // 3
+    slots, k, v = paged_pool(device, dtype, hkv, d, s, 8, positions + 1, gen)  # past it: the NaN row
+    q = torch.randn(b, hq, d, generator=gen).to(device, dtype)
+    first = (positions * torch.rand(b, generator=gen)).long().to(device)  # a window's start
+    positions = positions.to(device)
+    pos = torch.arange(s, device=device)[None, :]
+    shown = pos >= first[:, None]  # every key from the window's start on, past the position too
+    upto = shown & (pos <= positions[:, None])
+    got = paged_decode_attention_triton(q, k, v, slots, shown, splits=splits, positions=positions)
+    want = paged_decode_attention_ref(q.double(), k.double(), v.double(), slots, upto)
+    assert rel(got, want) < DECODE_TOL[dtype]
+    with pytest.raises(ValueError, match="positions"):
+        paged_decode_attention_triton(q, k, v, slots, shown, positions=positions.int())
+
+
+@pytest.mark.parametrize("device", [CPU, GPU])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_paged_decode_attention_with_sinks(device, splits):
     """GPT-OSS's sinks: a logit per head in the softmax beside the keys, adding no value --
@@ -324,6 +350,26 @@ def test_paged_latent_decode_compiles_for_hopper(additive, pdl, block):
     additive mask or a bool one, with PDL and without, at both key blocks and warp counts
     it picks."""
     assert compile_kernel(_COMPILE_LATENT, additive, pdl, block, warps=4 if block == 16 else 8) > 0
+
+
+_COMPILE_PAGED = """
+import sys
+from kernels.attention.decode import _paged_split_kernel as kernel
+
+additive, g = bool(int(sys.argv[1])), int(sys.argv[2])
+const = dict(G=g, G_PAD=max(16, g), D_PAD=128, BLOCK_S=32, SPLIT_LEN=256, P=16, IEEE=False, UPCAST=False, STAGES=3,
+             POS=True, ADDITIVE=additive)
+types = {"slot_ptr": "*i64", "mask_ptr": "*fp32" if additive else "*i8", "m_ptr": "*fp32", "l_ptr": "*fp32",
+         "acc_ptr": "*fp32", "pos_ptr": "*i64", "S": "i32", "D": "i32", "scale": "fp32"}
+"""
+
+
+@pytest.mark.parametrize("additive, g", [(0, 1), (1, 8)])
+def test_paged_decode_compiles_for_hopper(additive, g):
+    """The paged decode split kernel's whole Triton compile for sm_90 (tests.hopper) at head
+    dim 128 with bf16 products, pipelined, bounded by positions, with an additive mask or a
+    bool one, for one query head a KV head (MHA) and eight (GQA)."""
+    assert compile_kernel(_COMPILE_PAGED, additive, g, warps=2) > 0
 
 
 _COMPILE_LATENT_PROLOGUE = """
