@@ -1,11 +1,12 @@
 """Decode attention over a paged KV pool (``kernels.attention.decode``) against its float64
-references, on CPU under the interpreter and on a GPU, and the latent kernel's Triton
-compile for sm_90 (tests.hopper): split-K decode attention over a pool read in place, also
+references, on CPU under the interpreter and on a GPU, and the split kernels' Triton
+compiles for sm_90 (tests.hopper): split-K decode attention over a pool read in place, also
 against torch's SDPA: GQA ratios 1, 4 and 6 (MQA), odd head dims, ragged visible keys (left
-padding, a current slot), one or several splits, attention sinks, partials over shares of the
-keys; its latent-attention form (one cached row of latent and rotary key for every head, the
-latent also the value) against the same keys expanded per head, with head counts past one
-block of 16 and widths that are not powers of two."""
+padding, a current slot), one or several splits, each row's keys walked to its position
+alone, attention sinks, partials over shares of the keys; its latent-attention form (one
+cached row of latent and rotary key for every head, the latent also the value) against the
+same keys expanded per head, with head counts past one block of 16 and widths that are not
+powers of two."""
 import pytest
 import torch
 import torch.nn.functional as F
