@@ -140,7 +140,7 @@ class LatentAttention(nn.Module):
                                             ctx.cos, ctx.sin, pool, cache.write_slots,
                                             pdl=self.options.pdl)  # [B, N, C + R]
             out = kernels.paged_latent_decode(query, pool, cache.read_slots, ctx.attn_mask[:, 0, 0], c, self.scale,
-                                              pdl=self.options.pdl, positions=ctx.positions[:, -1])
+                                              pdl=self.options.pdl, positions=ctx.positions)
             out = kernels.latent_output(out, w[:, p:], pdl=self.options.pdl)  # [B, N * V]
             return self.o_proj(out.view(b, 1, n * self.v_dim))
         q = q.view(b, t, n, p + r).transpose(1, 2)  # [B, N, T, P + R]

@@ -137,6 +137,18 @@ def _softmax_block(scores, visible, v, m, l, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _key_range(pos_ptr, b, p, S, SPLIT_LEN: tl.constexpr, P: tl.constexpr, BLOCK_S: tl.constexpr,
+               POS: tl.constexpr):
+    """Split p's keys [lo, hi) of row b: SPLIT_LEN of the S slots, or with ``POS`` its share
+    of the row's keys 0 .. pos[b] (the rest of the step's key bucket never walked). Reads
+    only the step's positions, which no kernel of the step writes."""
+    end = tl.minimum(tl.load(pos_ptr + b) + 1, S) if POS else S
+    span = tl.cdiv(tl.cdiv(end, P), BLOCK_S) * BLOCK_S if POS else SPLIT_LEN
+    lo = p * span
+    return lo, tl.minimum(lo + span, end)
+
+
+@triton.jit
 def _paged_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr, v_ptr,  # pools [N, Hkv, D] (D contiguous)
@@ -163,7 +175,7 @@ def _paged_split_kernel(
     row's keys 0 .. pos[b] are split over the P programs by the row's own length, not by S:
     keys past it (the rest of the step's key bucket) are never walked."""
     b, h, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    end = tl.minimum(tl.load(pos_ptr + b) + 1, S) if POS else S
+    lo, hi = _key_range(pos_ptr, b, p, S, SPLIT_LEN, P, BLOCK_S, POS)
     KT: tl.constexpr = tl.float32 if UPCAST else q_ptr.dtype.element_ty
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -174,9 +186,6 @@ def _paged_split_kernel(
     m = tl.full([G_PAD], -1e30, tl.float32)  # finite: a block with no visible key leaves it as it was
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    span = tl.cdiv(tl.cdiv(end, P), BLOCK_S) * BLOCK_S if POS else SPLIT_LEN
-    lo = p * span
-    hi = tl.minimum(lo + span, end)
     for s0 in tl.range(lo, hi, BLOCK_S, num_stages=STAGES):
         s = s0 + tl.arange(0, BLOCK_S)
         visible = mask_visible(mask_ptr + b * stride_mb, s, s < hi, ADDITIVE)
@@ -318,10 +327,7 @@ def _latent_split_kernel(
     0 .. pos[b] are split over the P programs by the row's own length, not by S: keys past
     it (the rest of the step's key bucket) are never walked."""
     b, hb, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if POS:  # a step's input, which no kernel of the step writes: read before the wait
-        end = tl.minimum(tl.load(pos_ptr + b) + 1, S)
-    else:
-        end = S
+    lo, hi = _key_range(pos_ptr, b, p, S, SPLIT_LEN, P, BLOCK_S, POS)  # (before the wait: a step's input)
     pdl_enter(PDL)
     KT: tl.constexpr = tl.float32 if UPCAST else q_ptr.dtype.element_ty
     heads = hb * HB + tl.arange(0, HB)
@@ -335,9 +341,6 @@ def _latent_split_kernel(
     m = tl.full([HB], -1e30, tl.float32)  # finite: a block with no visible key leaves it as it was
     l = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, C_PAD], tl.float32)
-    span = tl.cdiv(tl.cdiv(end, P), BLOCK_S) * BLOCK_S if POS else SPLIT_LEN
-    lo = p * span
-    hi = tl.minimum(lo + span, end)
     for s0 in tl.range(lo, hi, BLOCK_S, num_stages=STAGES):
         s = s0 + tl.arange(0, BLOCK_S)
         visible = mask_visible(mask_ptr + b * stride_mb, s, s < hi, ADDITIVE)
