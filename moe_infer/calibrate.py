@@ -2,8 +2,9 @@
 (``moe_infer.hardware_profile.Hardware``): device memory bandwidth (a device copy, bytes read and
 written), dense matmul rates (bf16, and int8 where the device has an int8 GEMM), the bf16
 rate by activation rows (``matmul_curve``: decode's GEMMs have few rows), pinned
-host-to-device copies, the CPU's matmul weight-read rate, the rate at which the fused MoE
-kernel reads its experts by expert size and rows per expert (``moe_read``), with ``models``
+host-to-device copies, the CPU's matmul weight-read rate, a prompt's attention rate by its
+keys (``attention_curve``: causal and masked, at three head widths), the rate at which the
+fused MoE kernel reads its experts by expert size and rows per expert (``moe_read``), with ``models``
 the kernel's time on each share of those models' experts a rank holds by the tokens of a
 call (``moe_kernel``), and, under ``scripts/launch.sh``,
 all-reduce latency and bandwidth over the job's ranks, and the time of an all-reduce,
@@ -73,6 +74,50 @@ def _matmul_curve(device: torch.device, k: int, rows: tuple[int, ...], reps: int
         x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
         s = _seconds(lambda: [dense_linear(x, w) for w in weights], device, reps)
         out[m] = _figure(2 * m * k * k * CURVE_CALLS / s / 1e12)
+    return out
+
+
+# A prompt's attention: (query / key, value) head widths (most models', GPT-OSS's, a latent
+# model's prompt path) by the keys a query attends, the tokens of a call held fixed.
+ATTENTION_WIDTHS = ((128, 128), (64, 64), (192, 128))
+ATTENTION_KEYS = (128, 512, 2048, 8192)
+ATTENTION_TOKENS = 16384
+ATTENTION_HEADS = 16
+
+
+def _attention_curve(device: torch.device, widths: tuple, keys: tuple[int, ...], tokens: int, reps: int) -> dict:
+    """-> {"causal" / "masked": {"<qk>/<v>": {keys: TFLOP/s}}}: a prompt's attention as the
+    model's layers run it (``F.scaled_dot_product_attention`` with the kernels a forward
+    enables, ``dense.attention.SDPA_BACKENDS``), ``tokens // keys`` prompts of ``keys``
+    tokens, ``ATTENTION_HEADS`` heads. "causal": a fresh prompt over its own keys (no mask;
+    the flash kernels skip the masked half, and the FLOPs count the half computed); "masked":
+    with a boolean mask over every key (sinks, sliding windows, earlier chunks of a prompt:
+    the kernel that takes a mask computes every query against every key, and the FLOPs count
+    them all)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    from dense.attention import SDPA_BACKENDS
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = {"causal": {}, "masked": {}}
+    for dk, dv in widths:
+        for kind in out:
+            out[kind][f"{dk}/{dv}"] = by_keys = {}
+            for s in keys:
+                b = max(1, tokens // s)
+                q, k = (torch.randn(b, ATTENTION_HEADS, s, dk, dtype=dtype, device=device) for _ in range(2))
+                v = torch.randn(b, ATTENTION_HEADS, s, dv, dtype=dtype, device=device)
+                i = torch.arange(s, device=device)
+                mask = (i[None, :] <= i[:, None]).expand(b, 1, s, s) if kind == "masked" else None
+
+                def call(q=q, k=k, v=v, mask=mask):
+                    with sdpa_kernel(SDPA_BACKENDS):
+                        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+
+                pairs = s * (s + 1) / 2 if kind == "causal" else s * s
+                by_keys[s] = _figure(2 * b * ATTENTION_HEADS * (dk + dv) * pairs / _seconds(call, device, reps) / 1e12)
+                del q, k, v, mask
     return out
 
 
@@ -322,6 +367,12 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None, 
         curve = _matmul_curve(device, 1024, CURVE_ROWS[:5], reps)
     mem_gbps = _figure(_copy_gbps(device, big, reps))
     if smoke:
+        attention = _attention_curve(device, ((32, 32),), (16, 64), 256, reps)
+    elif device.type == "cuda":
+        attention = _attention_curve(device, ATTENTION_WIDTHS, ATTENTION_KEYS, ATTENTION_TOKENS, reps)
+    else:  # a CPU's prompts of thousands of keys would take the run's minutes
+        attention = _attention_curve(device, ATTENTION_WIDTHS[:1], ATTENTION_KEYS[:2], 1024, reps)
+    if smoke:
         moe_read = _moe_read(device, ((64, 32), (128, 64)), MOE_ROWS[:2], reps, mem_gbps)
     elif device.type == "cuda":
         moe_read = _moe_read(device, MOE_SHAPES, MOE_ROWS, reps, mem_gbps)
@@ -356,6 +407,7 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None, 
                   layer_overhead_us=15.0, h2d_gbps=_figure(_h2d_gbps(device, big, reps)),
                   cpu_matmul_gbps=_figure(_cpu_matmul_gbps(*((512, 1024) if smoke else (14336, 4096)), reps)),
                   matmul_curve={"bfloat16": curve}, collectives=collectives, moe_read=moe_read, moe_kernel={},
+                  attention_curve=attention,
                   source="; ".join(sources) + f" ({kind}, {time.strftime('%Y-%m-%d')})")
     if reached is not None:
         reached(hw)

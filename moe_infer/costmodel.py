@@ -4,9 +4,11 @@ calibrate``, or shipped from published figures under ``moe_infer/hardware/``).
 
 Each block on a rank costs the larger of its bytes over the memory bandwidth and its
 FLOPs over the matmul rate its GEMMs reach at their rows (a roofline; an expert's rows are
-its share of the routed pairs), plus its collectives (alpha-beta: a latency per message
-and bytes over the link's bandwidth, for the link the group spans) and a fixed per-block
-overhead (the kernels' own latency). What a rank reads and computes follows the
+its share of the routed pairs; a prompt's attention at the measured rate of the attention
+kernel for its keys), plus its element-wise passes over the activations (norms, the
+attention epilogue, the experts' dispatch) at the memory bandwidth, its collectives
+(alpha-beta: a latency per message and bytes over the link's bandwidth, for the link the
+group spans) and a fixed per-block overhead (the kernels' own latency). What a rank reads and computes follows the
 layout: attention and dense FFNs split over tp; experts over ep (whole) and expert_slicing
 (their width); pipeline stages split the blocks (``model.stage_layers``) and their
 micro-batches hide each other (``pipeline``'s schedule); replicas split the batch where
@@ -34,6 +36,8 @@ from typing import NamedTuple
 
 from moe_infer.config import Config, ConfigError, ParallelConfig
 from moe_infer.hardware_profile import GB, Hardware, Link, local_profile, moe_kernel_key
+
+SINK_PAD = 8  # coordinates a head gains for its sink in a prompt's attention (dense.attention.SINK_PAD)
 
 
 # ----------------------------------------------------------------------------- closed forms
@@ -148,6 +152,7 @@ class AttentionCost(NamedTuple):
     score_flops: float  # of the score and output products over the keys
     score_rows: float  # query rows that share each key read: those products' GEMM rows
     kv_token: float  # bytes a cached token takes
+    score_rate: float | None = None  # FLOP/s of those products where measured (a prompt's attention kernel)
 
 
 class CostModel:
@@ -170,11 +175,14 @@ class CostModel:
         self.kv_heads = m.num_kv_heads or m.num_heads
 
     # -- per block, on one rank
-    def _attention(self, p: ParallelConfig, rows: float, tokens: float, context: float) -> "AttentionCost":
-        """One block's attention on a rank: ``rows`` sequences of ``tokens`` new tokens over
-        ``context`` keys. Its score and output products read each key once for every query
-        row that shares it (a KV head's group of query heads, every head for a latent), so
-        they run at the matmul rate of that many rows, not of the projections' ``tokens``."""
+    def _attention(self, p: ParallelConfig, rows: float, tokens: float, context: float,
+                   index: int = 0) -> "AttentionCost":
+        """Block ``index``'s attention on a rank: ``rows`` sequences of ``tokens`` new tokens
+        over ``context`` keys (a prompt's: the mean a query attends). At decode its score and
+        output products read each key once for every query row that shares it (a KV head's
+        group of query heads, every head for a latent), so they run at the matmul rate of
+        that many rows, not of the projections' ``tokens``; a prompt's run in one attention
+        kernel, at the profile's ``attention_rate`` where it has one (``_prompt_attention``)."""
         m, d = self.cfg.model, self.head_dim
         hq = m.num_heads / p.tp
         if m.kv_lora_rank is not None:  # latent attention: the latent and its projection whole on each rank
@@ -189,17 +197,39 @@ class CostModel:
                 # latent up-projected to each head's key and value (``context`` the mean keys a query
                 # attends, half the prompt's), then attention at the head width, a key per head
                 flops += 2 * rows * 2 * context * c * hq * (d - r + v)
-                score, score_rows = 2 * rows * tokens * context * hq * (d + v), tokens
-            else:  # absorbed: scores and outputs in the latent's space, which every head reads
-                score, score_rows = 2 * rows * tokens * context * hq * (2 * c + r), tokens * hq
+                score, rate = self._prompt_attention(index, rows * hq, tokens, context, d, v)
+                return AttentionCost(weights, rows * context * kv_token, flops, score, tokens, kv_token, rate)
+            # absorbed: scores and outputs in the latent's space, which every head reads
+            score, score_rows = 2 * rows * tokens * context * hq * (2 * c + r), tokens * hq
             return AttentionCost(weights, rows * context * kv_token, flops, score, score_rows, kv_token)
         hkv = max(1.0, self.kv_heads / p.tp)  # fewer KV heads than ranks: each holds one
         weights = m.hidden_size * d * (hq + 2 * hkv + hq) * self.wb
         if self._whole_qk(p, tokens):  # the other ranks' q and k rows too
             weights += m.hidden_size * d * (m.num_heads - hq + self.kv_heads - hkv) * self.wb
         kv_token = 2 * (self.kv_heads / p.tp if p.kv_shard == "tokens" else hkv) * d * self.ab
+        score, rate = 4 * rows * tokens * context * hq * d, None
+        if tokens > 1 and p.kv_shard != "tokens":
+            width = d + SINK_PAD if m.attention_sinks else d  # (dense.attention._sdpa_sinks: the sink's coordinates)
+            score, rate = self._prompt_attention(index, rows * hq, tokens, context, width, width)
         return AttentionCost(weights, rows * context * kv_token, 2 * rows * tokens * weights / self.wb,
-                             4 * rows * tokens * context * hq * d, tokens * max(1.0, hq / hkv), kv_token)
+                             score, tokens * max(1.0, hq / hkv), kv_token, rate)
+
+    def _prompt_attention(self, index: int, heads: float, tokens: float, context: float, qk_width: float,
+                          v_width: float) -> tuple[float, float | None]:
+        """(FLOPs, FLOP/s or None: the matmul rate) of block ``index``'s attention over a
+        prompt: ``heads`` (rows x query heads on the rank) of ``tokens`` queries over
+        ``context`` keys each on average. A fresh prompt attends causally over its own keys
+        (``StepContext.paged``: no mask, the flash kernels skip the masked half); sinks,
+        sliding windows and chunks take a mask, and the kernel that takes one computes every
+        query against every key slot (a prompt in pieces: the slots up to its piece, the
+        mean of which is ``context`` + half a piece)."""
+        m = self.cfg.model
+        masked = (m.attention_sinks or m.sliding_window is not None
+                  or (m.attention_chunk is not None and (not m.chunked_layers or index in m.chunked_layers)))
+        keys = context + tokens / 2
+        pairs = tokens * (keys if masked else context)
+        rate = self.hw.attention_rate("masked" if masked else "causal", qk_width, v_width, keys)
+        return 2 * heads * pairs * (qk_width + v_width), rate
 
     def _whole_qk(self, p: ParallelConfig, new_tokens: float) -> bool:
         """Whether a step of ``new_tokens`` tokens a row projects every head's q and k on
@@ -360,13 +390,16 @@ class CostModel:
             split = dict.fromkeys(("memory", "compute", "collectives", "overhead", "host"), 0.0)
             weights, kv_token, busy = 0.0, 0.0, 0.0
             for i in own:
-                a = self._attention(p, rows / mb, new_f, keys)
+                a = self._attention(p, rows / mb, new_f, keys, i)
                 f_reads, f_cmp, f_kernel, f_host = self._ffn(p, i, tokens / mb, group_tokens / mb, phase, offloaded)
                 t_mem = (a.weights + a.kv + f_reads) / bw
-                t_cmp = a.flops / self._rate(tokens / mb) + a.score_flops / self._rate(a.score_rows) + f_cmp
-                busy += max(t_mem, t_cmp) + f_kernel + f_host  # a block's roofline, its timed experts, its cold ones
+                t_cmp = a.flops / self._rate(tokens / mb) + a.score_flops / (a.score_rate or self._rate(a.score_rows)) \
+                    + f_cmp
+                t_act = self._activation_bytes(p, i, tokens / mb) / bw
+                # a block's roofline, its passes over the activations, its timed experts, its cold ones
+                busy += max(t_mem, t_cmp) + t_act + f_kernel + f_host
                 split["host"] += f_host
-                split["memory"] += t_mem + f_kernel  # (a decode step's MoE kernel is bound by its reads)
+                split["memory"] += t_mem + t_act + f_kernel  # (a decode step's MoE kernel is bound by its reads)
                 split["compute"] += t_cmp
                 split["collectives"] += self._block_collectives(p, i, tokens / mb, group_tokens / mb, new_f)
                 split["overhead"] += hw.layer_overhead_us * 1e-6
@@ -414,6 +447,25 @@ class CostModel:
         if e.shared_experts:
             w += gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp * self.wb
         return w
+
+    def _activation_bytes(self, p: ParallelConfig, index: int, tokens: float) -> float:
+        """Bytes block ``index``'s element-wise kernels move on a rank for ``tokens`` tokens,
+        beside its GEMMs and attention: two residual adds with their norms (each reads the
+        hidden state and the residual and writes both), the attention epilogue (reads the
+        projections' output, writes the queries and the cached keys and values: rotary, q /
+        k norms), and at a MoE layer the dispatch (reads each token, writes a copy for each
+        of its picks that this rank's experts take). A prompt's forward spends a tenth of
+        its time in them; a decode step's rows make them small."""
+        m, e = self.cfg.model, self.cfg.moe
+        h, hq = m.hidden_size, m.num_heads / p.tp
+        if m.kv_lora_rank is not None:  # the queries and the latent with its rotary key
+            heads = hq * self.head_dim + m.kv_lora_rank + m.rotary_width
+        else:
+            heads = (hq + 2 * max(1.0, self.kv_heads / p.tp)) * self.head_dim
+        passes = 8 * h + 2 * heads
+        if e is not None and self.cfg.is_moe_layer(index):
+            passes += h * (1 + e.top_k / p.ep)
+        return tokens * passes * self.ab
 
     def _block_collectives(self, p: ParallelConfig, index: int, tokens: float, group_tokens: float,
                            new_tokens: float) -> float:

@@ -39,7 +39,11 @@ class Hardware:
     reads experts of a size when each sees a number of rows (1 where not measured).
     ``moe_kernel``: the fused MoE kernel's time on the experts one rank of a model holds
     (``moe_kernel_key``) by the tokens of a call, where ``moe-infer calibrate --models``
-    timed it; it stands in for ``moe_read``'s generic figure for that share."""
+    timed it; it stands in for ``moe_read``'s generic figure for that share.
+    ``attention_curve``: a prompt's attention (the SDPA kernels a forward runs) in TFLOP/s
+    by the keys a prompt has, "causal" (a fresh prompt, no mask) and "masked", per
+    "<query/key width>/<value width>" of a head (``attention_rate``); without it a
+    prompt's attention runs at the matmul rate."""
 
     name: str
     memory_gb: float  # per GPU
@@ -56,6 +60,7 @@ class Hardware:
     collectives: dict = field(default_factory=dict)  # kind -> {ranks: {bytes: µs}}
     moe_read: dict = field(default_factory=dict)  # bytes of one expert -> {rows per expert: fraction of mem_gbps}
     moe_kernel: dict = field(default_factory=dict)  # moe_kernel_key -> {tokens of a call: µs}
+    attention_curve: dict = field(default_factory=dict)  # "causal" / "masked" -> {"dk/dv": {keys: TFLOP/s}}
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "Hardware":
@@ -93,6 +98,18 @@ class Hardware:
         if rows <= curve[0][0]:
             return curve[0][1] * 1e12 * rows / curve[0][0]
         return _log_between(curve, rows) * 1e12
+
+    def attention_rate(self, kind: str, qk_width: float, v_width: float, keys: float) -> float | None:
+        """FLOP/s of a prompt's attention (``kind`` "causal" or "masked") whose heads are
+        ``qk_width`` / ``v_width`` wide, over prompts of ``keys`` keys: ``attention_curve``'s
+        nearest measured widths, log-linear in the keys between its points, the end points'
+        rates beyond them. None where the profile has no such curve."""
+        curves = self.attention_curve.get(kind)
+        if not curves:
+            return None
+        widths = {tuple(float(w) for w in name.split("/")): by for name, by in curves.items()}
+        near = min(widths, key=lambda w: abs(w[0] - qk_width) + abs(w[1] - v_width))
+        return _log_between(sorted((float(s), float(t)) for s, t in widths[near].items()), max(keys, 1.0)) * 1e12
 
     def expert_read(self, expert_bytes: float, rows: float) -> float:
         """Fraction of the memory bandwidth at which experts of ``expert_bytes`` each read by

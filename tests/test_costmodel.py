@@ -209,10 +209,15 @@ def test_a_prefill_runs_in_the_engines_forwards():
     assert eight.tokens_per_s == pytest.approx(two.tokens_per_s, rel=1e-6)
     # One 4096-token prompt: four 1024-token pieces, each its own forward (its own weight reads)
     assert cm.predict(ParallelConfig(), "prefill", 1, 0, prompt=4096).ms > 3.9 * two.ms
-    # A budget that holds all eight prompts: one forward, the weights read once (their KV too)
+    # A budget that holds all eight prompts: one forward, the weights (and the head) read once
+    # in place of four times; the passes over the activations are the same tokens' either way
     wide = CostModel(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, prefill_tokens=4096)),
                      machine(matmul_tflops={"bfloat16": 1e9, "int8": 1e9}))
-    assert wide.predict(ParallelConfig(), "prefill", 8, 0, prompt=512).ms < 0.4 * eight.ms
+    m = cfg.model
+    weights = m.num_layers * (4 * m.hidden_size ** 2 + 3 * m.hidden_size * m.ffn_hidden) * 2 \
+        + m.vocab_size * m.hidden_size * 2
+    saved = eight.ms - wide.predict(ParallelConfig(), "prefill", 8, 0, prompt=512).ms
+    assert saved == pytest.approx(3 * weights / 1e12 * 1e3, rel=1e-6)  # 1000 GB/s
 
 
 def test_expert_terms_follow_the_layout():
@@ -321,6 +326,52 @@ def test_matmul_rate_follows_the_measured_curve(tmp_path):
     assert hw.matmul_rate("int8", 4) == pytest.approx(2000e12)
     hw.dump(tmp_path / "curve.yaml")
     assert Hardware.load(tmp_path / "curve.yaml") == hw
+
+
+def test_attention_rate_follows_the_measured_curve(tmp_path):
+    """The nearest measured head widths, log-linear in the keys between the measured
+    prompts, the end points' rates beyond them; None for a kind without a curve."""
+    hw = machine(attention_curve={"causal": {"128/128": {512: 10.0, 2048: 40.0}, "64/64": {512: 1.0}}})
+    assert hw.attention_rate("causal", 128, 128, 1024) == pytest.approx(25e12)  # halfway in log
+    assert hw.attention_rate("causal", 136, 136, 256) == pytest.approx(10e12)
+    assert hw.attention_rate("causal", 128, 128, 1 << 20) == pytest.approx(40e12)
+    assert hw.attention_rate("causal", 72, 72, 4096) == pytest.approx(1e12)
+    assert hw.attention_rate("masked", 128, 128, 1024) is None
+    hw.dump(tmp_path / "attention.yaml")
+    assert Hardware.load(tmp_path / "attention.yaml") == hw
+
+
+def test_a_prompts_attention_runs_at_the_measured_attention_rate():
+    """A fresh prompt attends causally (the half of its query-key pairs the kernel computes)
+    at the curve's rate for its keys; with sinks the masked kernel computes every pair, at
+    the padded head width (dense.attention._sdpa_sinks), at the masked curve's rate. On a
+    machine whose memory and GEMMs cost nothing, that is the whole prefill."""
+    import dataclasses
+
+    cfg, t = dense_config(layers=2), 1024
+    m = cfg.model
+    d = m.hidden_size // m.num_heads
+    free = dict(mem_gbps=1e12, matmul_tflops={"bfloat16": 1e12, "int8": 1e12})
+    curves = {"causal": {"128/128": {512: 10.0, 2048: 40.0}}, "masked": {"128/128": {256: 5.0, 4096: 5.0}}}
+    causal = CostModel(cfg, machine(**free, attention_curve=curves)).predict(ParallelConfig(), "prefill", 1, 0, prompt=t)
+    flops = m.num_layers * 2 * m.num_heads * t * (t / 2) * 2 * d
+    assert causal.ms == pytest.approx(flops / 25e12 * 1e3, rel=1e-3)
+    sinks = dataclasses.replace(cfg, model=dataclasses.replace(m, attention_sinks=True))
+    masked = CostModel(sinks, machine(**free, attention_curve=curves)).predict(ParallelConfig(), "prefill", 1, 0,
+                                                                               prompt=t)
+    assert masked.ms == pytest.approx(m.num_layers * 2 * m.num_heads * t * t * 2 * (d + 8) / 5e12 * 1e3, rel=1e-3)
+    # without a curve: the matmul rate of the score rows, far faster here
+    assert CostModel(cfg, machine(**free)).predict(ParallelConfig(), "prefill", 1, 0, prompt=t).ms < causal.ms / 100
+
+
+def test_the_activation_passes_follow_the_layout():
+    """Mixtral's bytes a token in a block's element-wise kernels: two residual adds with
+    norms (8 H), the attention epilogue (twice the rank's query, key and value heads) and
+    the dispatch (each token read once, a copy written for each pick on the rank)."""
+    cm = CostModel(resolve_config("mixtral-8x7b"), machine())
+    h, d = 4096, 128
+    assert cm._activation_bytes(ParallelConfig(), 0, 10) == 10 * 2 * (8 * h + 2 * (32 + 16) * d + 3 * h)
+    assert cm._activation_bytes(ParallelConfig(tp=2, ep=2), 0, 1) == 2 * (8 * h + 2 * (16 + 8) * d + 2 * h)
 
 
 def test_expert_gemms_run_at_the_rate_of_their_rows():
