@@ -375,8 +375,9 @@ class EngineConfig:
     # Prefills of fresh prompts of at most this many tokens (rows x padded width) replay
     # CUDA graphs, one per (rows, width) bucket, where decode steps do: an eager forward
     # costs the host about the same launches whatever its size, several times a small
-    # prefill's device time. 0: every prefill runs eagerly.
-    prefill_graph_tokens: int = 2048
+    # prefill's device time, and as much as the device's own up to several thousand tokens.
+    # 0: every prefill runs eagerly.
+    prefill_graph_tokens: int = 8192
     # Decode-path kernels launch with programmatic dependent launch on GPUs that have it
     # (compute capability 9.0 or later): each may start while the one before finishes and
     # waits for it before reading. false: plain launches, the baseline of an A/B run.
