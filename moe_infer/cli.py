@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
+from pathlib import Path
 
 from comm import shutdown
 from moe_infer import __version__
@@ -152,7 +154,22 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--hit-rate", type=float, metavar="SHARE",
                      help="with --gpu-memory-gb: the measured share of routed pairs whose expert is on the device "
                           "(default: uniform routing's)")
+    pln.add_argument("--routing", metavar="JSON",
+                     help="a routing measured by `moe-infer routing`: the experts a batch hits follow it (default: "
+                          "uniform routing)")
     pln.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+
+    rte = sub.add_parser("routing", help="count each MoE layer's expert picks over prompts (for plan --routing)",
+                         description="Runs each prompt through the model (one eager forward, one process) and "
+                                     "writes each MoE layer's picks per routed expert as JSON, which "
+                                     "`moe-infer plan --routing` prices a step's experts by.")
+    _model_options(rte, "a built-in preset (see `moe-infer presets`) or a model config YAML")
+    rin = rte.add_argument_group("input")
+    rin.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeat for more")
+    rin.add_argument("--prompt-ids", action="append", default=[], type=_ids, metavar="IDS",
+                     help="a prompt as comma-separated token ids")
+    rin.add_argument("--prompts-file", metavar="FILE", help="prompts, one a line (blank lines skipped)")
+    rte.add_argument("--out", required=True, metavar="JSON", help="where to write the counts")
 
     cal = sub.add_parser("calibrate", help="measure this machine into a hardware profile for plan",
                          description="Measures memory bandwidth, matmul rates, host-device copies, the CPU's "
@@ -274,6 +291,31 @@ def _generate(args, job: Job) -> int:
     return 0
 
 
+def _routing(args, job: Job) -> int:
+    from moe_infer.loader import load
+    from moe_infer.routing import measure
+
+    if job.size > 1:
+        raise JobError("moe-infer routing runs in one process (not under scripts/launch.sh)")
+    prompts = args.prompt + args.prompt_ids
+    if args.prompts_file:
+        try:
+            lines = Path(args.prompts_file).read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"--prompts-file {args.prompts_file}: cannot read it ({exc.strerror})") from None
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise ConfigError("no prompt: pass --prompt TEXT, --prompt-ids IDS or --prompts-file FILE")
+    engine = load(args.model, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
+                  quantize=args.quantize, gpu_memory_gb=args.gpu_memory_gb, offload=args.offload,
+                  offload_dir=args.offload_dir)
+    record = measure(engine, engine.encode(prompts))
+    Path(args.out).write_text(json.dumps(record) + "\n")
+    print(f"moe-infer: {len(record['layers'])} MoE layers, {record['tokens']} tokens of {record['prompts']} "
+          f"prompts -> {args.out}", file=sys.stderr)
+    return 0
+
+
 def _plan(args) -> int:
     from moe_infer.costmodel import CostModel, weight_sizes
     from moe_infer.hardware_profile import Hardware
@@ -292,7 +334,12 @@ def _plan(args) -> int:
         raise ConfigError(f"--hit-rate {args.hit_rate:g}: expected a share between 0 and 1")
     hw = Hardware.load(args.hardware)
     quantize = "int8" if args.int8 else "mxfp4" if args.mxfp4 else None
-    model = CostModel(cfg, hw, **weight_sizes(quantize), hit_rate=args.hit_rate)
+    histogram = None
+    if args.routing is not None:
+        from moe_infer.routing import load as load_routing
+
+        histogram = load_routing(args.routing, cfg)
+    model = CostModel(cfg, hw, **weight_sizes(quantize), hit_rate=args.hit_rate, histogram=histogram)
     if args.parallel:
         preds = [model.predict(parse_layout(args.parallel, args.gpus), args.phase, args.batch, args.context,
                                args.prompt)]
@@ -453,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.command == "calibrate":
             return _calibrate(args, job)
+        if args.command == "routing":
+            return _routing(args, job)
     except JobError as exc:  # known on every rank: one prints it
         if job.leader:
             print(f"moe-infer: error: {exc}", file=sys.stderr)

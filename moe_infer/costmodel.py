@@ -161,9 +161,11 @@ class CostModel:
     USABLE = 0.9  # of a GPU's memory, for weights and KV (the rest: activations, workspaces)
 
     def __init__(self, cfg: Config, hw: Hardware, weight_bytes: float = 2.0, act_bytes: float = 2.0,
-                 histogram: list[float] | None = None, expert_bytes: float | None = None,
+                 histogram: list[float] | dict[int, list[float]] | None = None, expert_bytes: float | None = None,
                  hit_rate: float | None = None):
-        """``expert_bytes``: of a routed expert's weight, where it differs (MXFP4 experts).
+        """``histogram``: a measured routing, each expert's share of the picks, for every MoE
+        layer or by layer (``moe_infer.routing.load``; a layer it lacks routes uniformly).
+        ``expert_bytes``: of a routed expert's weight, where it differs (MXFP4 experts).
         ``hit_rate``: offloaded models, the share of routed pairs whose expert is on the
         device, where measured (default: the routing's share of the experts kept there)."""
         self.cfg, self.hw = cfg, hw
@@ -254,6 +256,7 @@ class CostModel:
         if e is None or not self.cfg.is_moe_layer(index):
             w = gated * m.hidden_size * m.ffn_hidden / p.tp
             return w * self.wb, 2 * tokens * w / self._rate(tokens), 0.0, 0.0
+        histogram = self._histogram(index)
         expert = gated * m.hidden_size * e.expert_hidden / p.expert_slicing  # one expert's slice here
         local = e.num_experts // p.ep
         shared = (gated * m.hidden_size * e.shared_experts * e.shared_expert_hidden / p.tp) if e.shared_experts else 0
@@ -278,11 +281,13 @@ class CostModel:
             timed = self.hw.moe_kernel_s(moe_kernel_key(held, experts, m.hidden_size, width, k, m.activation),
                                          group_tokens)
             if timed is not None:
+                if histogram is not None:
+                    timed = self._rerouted(timed, group_tokens, local, held - local, expert, histogram)
                 return (0.0, 0.0, timed, 0.0) if held > local else (shared_reads, shared_s, timed, 0.0)
-        if self.histogram is None and p.ep > 1 and group_tokens == int(group_tokens):
+        if histogram is None and p.ep > 1 and group_tokens == int(group_tokens):
             hit = busiest_rank_experts(e.num_experts, e.top_k, int(group_tokens), p.ep)
         else:
-            hit = distinct_experts(e.num_experts, e.top_k, group_tokens, local, self.histogram)
+            hit = distinct_experts(e.num_experts, e.top_k, group_tokens, local, histogram)
         pairs = group_tokens * e.top_k / p.ep
         # each expert hit runs its GEMMs over its share of the pairs
         rows = pairs / max(hit, 1e-9)
@@ -303,6 +308,32 @@ class CostModel:
         seconds = 0.0 if measured else 2 * pairs * expert / self._rate(rows)
         return reads + shared_reads, seconds + shared_s, 0.0, host
 
+    def _histogram(self, index: int | None = None) -> list[float] | None:
+        """The measured routing of MoE layer ``index`` (None: uniform); without an index, the
+        layers' shares averaged."""
+        h = self.histogram
+        if not isinstance(h, dict):
+            return h
+        if index is not None:
+            return h.get(index)
+        if not h:
+            return None
+        shares = [[x / sum(v) for x in v] for v in h.values()]
+        return [sum(col) / len(shares) for col in zip(*shares)]
+
+    def _rerouted(self, timed: float, tokens: float, local: int, folded: int, expert: float,
+                  histogram: list[float]) -> float:
+        """The MoE kernel's ``timed`` seconds (calibrate routes uniformly) under a measured
+        routing: its weight reads follow the distinct experts ``tokens`` tokens hit (the
+        ``folded`` shared experts, hit by every token, either way), its math does not shrink:
+        at least the pairs' FLOPs at the rate of the rows each expert then gets."""
+        e = self.cfg.moe
+        uniform = distinct_experts(e.num_experts, e.top_k, tokens, local) + folded
+        measured = distinct_experts(e.num_experts, e.top_k, tokens, local, histogram) + folded
+        pairs = tokens * (e.top_k * local / e.num_experts + folded)
+        math_s = 2 * pairs * expert / self._rate(pairs / max(measured, 1e-9))
+        return max(timed * measured / max(uniform, 1e-9), math_s)
+
     def _offloaded(self, p: ParallelConfig) -> tuple[float, float] | None:
         """Offloaded models (``engine.gpu_memory_gb``): (the experts a layer keeps on a
         rank's device: the budget's room after every other weight, spread evenly over the
@@ -320,9 +351,10 @@ class CostModel:
         kept = min(local, max(0.0, budget * GB - fixed) // expert / max(1, len(layers)))
         if self.hit_rate is not None:
             return kept, self.hit_rate
-        if self.histogram is None:
+        histogram = self._histogram()
+        if histogram is None:
             return kept, kept / local
-        shares = sorted(self.histogram[:local], reverse=True)
+        shares = sorted(histogram[:local], reverse=True)
         return kept, sum(shares[:int(kept)]) / sum(shares)
 
     def _cold_s(self, nbytes: float, phase: str) -> float:
