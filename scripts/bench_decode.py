@@ -43,6 +43,7 @@ sys.path[:0] = [str(_SCRIPTS.parent), str(_SCRIPTS)]
 
 import bench_common as bc  # noqa: E402
 import moe_infer  # noqa: E402
+import moe_infer.routing  # noqa: E402
 from decode_parts import floor_bytes, floor_parts, kernel_times, profile_step  # noqa: E402
 from peer_configs import hf_config  # noqa: E402
 
@@ -166,13 +167,14 @@ def prefill_rate(engine, prompt_len: int, batch: int, reps: int, gen, profile: b
 
 
 def matrix_cell(engine, prompt_len: int, batch: int, new_tokens: int, reps: int, gen, copy_gbs: float | None,
-                prompts_for: dict) -> dict:
+                prompts_for: dict, routing: bool = False) -> dict:
     """One (prompt length, batch) cell of the issue's table, as a user's generate() call
     runs it: prefill = the time to the first token on the host (``Completion.
     time_to_first_token_s``), decode = the mean time between later tokens (host loop, one
     sync a token); medians of ``reps`` calls after a warm-up that compiles and captures.
     Beside them the captured step's device time at the middle of the generated span, and
-    the floor there."""
+    the floor there; with ``routing``, each MoE layer's picks per expert over the cell's
+    prompts (``moe_infer.routing.measure``: what the prefill's experts saw)."""
     vocab = engine.config.model.vocab_size
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
     prompts_for[(prompt_len, batch)] = prompts
@@ -191,7 +193,8 @@ def matrix_cell(engine, prompt_len: int, batch: int, new_tokens: int, reps: int,
     mid = prompt_len + new_tokens // 2
     prefill_s, decode_ms = statistics.median(ttft), 1e3 * statistics.median(gap)
     nbytes = floor_bytes(engine, batch, mid)
-    return {"prompt_len": prompt_len, "batch": batch, "prefill_s": prefill_s,
+    extra = {"routing": moe_infer.routing.measure(engine, prompts)["layers"]} if routing else {}
+    return {**extra, "prompt_len": prompt_len, "batch": batch, "prefill_s": prefill_s,
             "prefill_tokens_per_s": batch * prompt_len / prefill_s,
             "prefill_tflops": prefill_flops(engine, prompt_len, batch) / prefill_s / 1e12,
             "decode_ms_per_token": decode_ms, "decode_tokens_per_s": 1e3 * batch / decode_ms,
@@ -272,7 +275,8 @@ def run_matrix(engine, args, lens: list[int], batches: list[int], peer_cells: se
     cells, prompts_for = [], {}
     for length in lens:
         for b in batches:
-            cells.append(matrix_cell(engine, length, b, args.new_tokens, args.reps, gen, copy_gbs, prompts_for))
+            cells.append(matrix_cell(engine, length, b, args.new_tokens, args.reps, gen, copy_gbs, prompts_for,
+                                     args.routing))
             print(f"prompt {length} batch {b}: prefill {1e3 * cells[-1]['prefill_s']:.1f} ms, decode "
                   f"{cells[-1]['decode_ms_per_token']:.3f} ms/token", flush=True)
     mm = bc.measure_matmul_tflops(engine.device) if engine.device.type == "cuda" else None
@@ -340,6 +344,9 @@ def main():
                          "model does not fit)")
     ap.add_argument("--quantize", choices=["int8", "mxfp4"], default=None,
                     help="int8 weights for every linear layer, or MXFP4 experts")
+    ap.add_argument("--routing", action="store_true",
+                    help="with --prompt-lens: each cell also records its prompts' routing (each MoE layer's picks "
+                         "per expert), which validate_costmodel.py prices the cell's prefill by")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel device time of one decode step (first batch size, fast mode) and of "
                          "the first --prefill case")

@@ -17,7 +17,8 @@ whether the layout the model ranks first among them is the measured-fastest one 
 5% of it (``choices``). Prefill, in a table of its own: the time to the first token of
 ``scripts/bench_decode.py``'s prompt x batch matrix (one GPU, bf16: its decode-matrix-*.json)
 and the pipelined prompt processing of ``scripts/bench_pipeline.py`` (pp with each
-micro-batch count), each against the model's prefill of those prompts. ``--offload``: the
+micro-batch count), each against the model's prefill of those prompts (by the routing a
+matrix cell recorded of its prompts, ``bench_decode.py --routing``, where it did). ``--offload``: the
 decode rows of ``scripts/bench_offload.py`` results too (an offloaded model in a budget),
 each predicted with the hit rate the run measured, summed up apart. No GPU needed.
 """
@@ -64,8 +65,8 @@ def rows_of(path: Path) -> list[dict]:
             return []
         cell = dict(model=d["model"], device=device, layout="one GPU", parallel={}, layers=args.get("layers"),
                     file=path.name, when=when)
-        return [dict(cell, batch=c["batch"], ms=c["prefill_s"] * 1e3, context=c["prompt_len"], phase="prefill")
-                for c in d["cells"]] + [
+        return [dict(cell, batch=c["batch"], ms=c["prefill_s"] * 1e3, context=c["prompt_len"], phase="prefill",
+                     **({"routing": c["routing"]} if "routing" in c else {})) for c in d["cells"]] + [
             dict(cell, batch=c["batch"], ms=c["decode_ms_per_token"], context=c["prompt_len"] + args["new_tokens"] / 2)
             for c in d["cells"]]
     if "ms_per_token" in d:  # a --baseline run: one GPU alone
@@ -119,7 +120,9 @@ def compare(files: list[Path], hardware: str | None = None, offload_files: list[
         if "offload" in r:
             budget, mode, hit_rate = r["offload"]
             cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, gpu_memory_gb=budget, offload=mode))
-        model = CostModel(cfg, Hardware.load(profile), hit_rate=hit_rate)
+        # a prefill whose prompts' routing the run recorded (bench_decode.py --routing): priced by it
+        histogram = {int(k): [float(n) for n in v] for k, v in r["routing"].items()} if "routing" in r else None
+        model = CostModel(cfg, Hardware.load(profile), hit_rate=hit_rate, histogram=histogram)
         phase = r.get("phase", "decode")  # (a prefill's context: its prompt)
         pred = model.predict(ParallelConfig(**r["parallel"]), phase, r["batch"], round(r["context"]),
                              prompt=r["context"] if phase == "prefill" else None)

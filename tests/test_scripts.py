@@ -55,10 +55,11 @@ def test_bench_decode_peer_after_our_model_is_freed():
 
 def test_bench_decode_table_of_prompt_lengths_and_batches():
     """--prompt-lens: one row per (prompt length, batch) cell with prefill and decode figures,
-    and the peer's columns filled for the cells --peer-cells names, "-" elsewhere."""
+    and the peer's columns filled for the cells --peer-cells names, "-" elsewhere (with
+    --routing, each cell's routing counted too)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_decode.py"), "--device", "cpu", "--smoke",
-                          "--prompt-lens", "4,20", "--peer", "--peer-cells", "20:3"], cwd=ROOT, env=env,
+                          "--prompt-lens", "4,20", "--peer", "--peer-cells", "20:3", "--routing"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
@@ -219,6 +220,30 @@ def test_cost_model_validation_reads_the_decode_matrix_and_the_pipeline(tmp_path
     want = cost.predict(validate.ParallelConfig(), "decode", 8, 144).ms
     assert next(r for r in rows if r.get("phase") is None and r["layout"] == "one GPU")["predicted"] == \
         pytest.approx(want)
+
+
+def test_cost_model_validation_prices_a_prefill_by_the_routing_its_run_recorded(tmp_path):
+    """A matrix cell recorded with --routing (each MoE layer's picks per expert over its
+    prompts) is predicted with that routing at prefill; its decode row, whose tokens the
+    prompts' routing did not see, stays uniform."""
+    import json
+
+    validate = _script("validate_costmodel")
+    cfg = validate.bc.first_layers(validate.resolve_config("olmoe-1b-7b"), 2)
+    routing = {str(i): [100] * 8 + [0] * 56 for i in range(2) if cfg.is_moe_layer(i)}
+    cells = [{"prompt_len": 128, "batch": 1, "prefill_s": 0.004, "decode_ms_per_token": 0.5, "routing": routing}]
+    matrix = tmp_path / "decode-matrix-olmoe.json"
+    matrix.write_text(json.dumps({"run": {"device": "NVIDIA H200", "time": "2026-11-29T10:00:00"},
+                                  "model": "olmoe-1b-7b", "args": {"quantize": None, "layers": 2, "new_tokens": 32},
+                                  "cells": cells}))
+    rows = validate.compare([matrix])
+    hw = validate.Hardware.load("nvidia-h200")
+    measured = validate.CostModel(cfg, hw, histogram={int(k): v for k, v in routing.items()})
+    prefill = next(r for r in rows if r.get("phase") == "prefill")["predicted"]
+    assert prefill == pytest.approx(measured.predict(validate.ParallelConfig(), "prefill", 1, 128, prompt=128).ms)
+    assert prefill < validate.CostModel(cfg, hw).predict(validate.ParallelConfig(), "prefill", 1, 128, prompt=128).ms
+    decode = next(r for r in rows if r.get("phase") is None)["predicted"]
+    assert decode == pytest.approx(validate.CostModel(cfg, hw).predict(validate.ParallelConfig(), "decode", 1, 144).ms)
 
 
 def test_tune_moe_large_t_candidates_try_short_last_tiles():
