@@ -324,15 +324,18 @@ class CostModel:
     def _rerouted(self, timed: float, tokens: float, local: int, folded: int, expert: float,
                   histogram: list[float]) -> float:
         """The MoE kernel's ``timed`` seconds (calibrate routes uniformly) under a measured
-        routing: its weight reads follow the distinct experts ``tokens`` tokens hit (the
-        ``folded`` shared experts, hit by every token, either way), its math does not shrink:
-        at least the pairs' FLOPs at the rate of the rows each expert then gets."""
+        routing: the experts ``tokens`` tokens hit under it and not under uniform routing
+        (or the reverse) read at the kernel's rate for experts of their size (the ``folded``
+        shared experts, hit by every token, either way); the rest of the time (its launches,
+        its math) stays; its math does not shrink: at least the pairs' FLOPs at the rate of
+        the rows each expert then gets."""
         e = self.cfg.moe
         uniform = distinct_experts(e.num_experts, e.top_k, tokens, local) + folded
         measured = distinct_experts(e.num_experts, e.top_k, tokens, local, histogram) + folded
         pairs = tokens * (e.top_k * local / e.num_experts + folded)
+        read_s = expert * self.eb / (self.hw.mem_gbps * GB * self.hw.expert_read(expert * self.eb, pairs / uniform))
         math_s = 2 * pairs * expert / self._rate(pairs / max(measured, 1e-9))
-        return max(timed * measured / max(uniform, 1e-9), math_s)
+        return max(timed - (uniform - measured) * read_s, math_s)
 
     def _offloaded(self, p: ParallelConfig) -> tuple[float, float] | None:
         """Offloaded models (``engine.gpu_memory_gb``): (the experts a layer keeps on a

@@ -99,13 +99,15 @@ def test_a_peaked_routing_reads_only_the_experts_it_hits():
 
 def test_a_timed_kernel_follows_the_routing_down_to_its_math():
     """calibrate times the kernel under uniform routing: a routing that hits fewer experts
-    scales its time by the distinct experts hit, but never below the pairs' FLOPs."""
+    takes off the reads of the experts it no longer hits, but never goes below the pairs'
+    FLOPs."""
     cfg = moe_config()
     key = moe_kernel_key(8, 8, 1024, 4096, 2, "swiglu")
     hw = machine(moe_kernel={key: {1: 100.0, 8: 400.0, 1024: 5000.0}})
     peaked = [1.0, 1.0] + [0.0] * 6
     cm = CostModel(cfg, hw, histogram={0: peaked})
-    assert cm._ffn(ParallelConfig(), 0, 8, 8)[2] == pytest.approx(400e-6 * 2 / distinct_experts(8, 2, 8))
+    read = 3 * 1024 * 4096 * 2 / 1000e9  # one expert at 1000 GB/s
+    assert cm._ffn(ParallelConfig(), 0, 8, 8)[2] == pytest.approx(400e-6 - (distinct_experts(8, 2, 8) - 2) * read)
     assert cm._ffn(ParallelConfig(), 1, 8, 8)[2] == pytest.approx(400e-6)  # layer 1: uniform
     slow = CostModel(cfg, machine(moe_kernel=hw.moe_kernel, matmul_tflops={"bfloat16": 0.001, "int8": 0.001}),
                      histogram={0: peaked})
