@@ -337,5 +337,9 @@ def write_results(name: str, device: torch.device | str, payload: dict[str, Any]
     A later run on the same day and device replaces the earlier file."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = results_path(name, device, date)
-    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    text = json.dumps(payload, indent=1, default=str)
+    # each list of plain numbers on one line (a routing record's thousands of counts)
+    text = re.sub(r"\[\n\s+(-?[\d.eE+-]+(?:,\n\s+-?[\d.eE+-]+)*)\n\s+\]",
+                  lambda m: "[" + re.sub(r",\n\s+", ", ", m.group(1)) + "]", text)
+    path.write_text(text + "\n")
     return path
