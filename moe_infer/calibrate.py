@@ -1,15 +1,15 @@
 """``moe-infer calibrate``: measures this machine into a cost-model hardware profile
-(``moe_infer.hardware_profile.Hardware``): device memory bandwidth (a device copy, bytes read and
-written), dense matmul rates (bf16, and int8 where the device has an int8 GEMM), the bf16
-rate by activation rows (``matmul_curve``: decode's GEMMs have few rows), pinned
+(``moe_infer.hardware_profile.Hardware``): device memory bandwidth (a device copy, bytes
+read and written), dense matmul rates (bf16, and int8 where the device has an int8 GEMM),
+the bf16 rate by activation rows (``matmul_curve``: decode's GEMMs have few rows), pinned
 host-to-device copies, the CPU's matmul weight-read rate, a prompt's attention rate by its
 keys (``attention_curve``: causal and masked, at three head widths), the rate at which the
-fused MoE kernel reads its experts by expert size and rows per expert (``moe_read``), with ``models``
-the kernel's time on each share of those models' experts a rank holds by the tokens of a
-call (``moe_kernel``), and, under ``scripts/launch.sh``,
-all-reduce latency and bandwidth over the job's ranks, and the time of an all-reduce,
-all-gather and all-to-all by message size over groups of 2, 4, ... of the job's ranks
-(``collectives``). ``smoke``: small sizes (CPU tests).
+fused MoE kernel reads its experts by expert size and rows per expert (``moe_read``), with
+``models`` the kernel's time on each share of those models' experts a rank holds by the
+tokens of a call (``moe_kernel``), and, under ``scripts/launch.sh``, all-reduce latency
+and bandwidth over the job's ranks, and the time of an all-reduce, all-gather and
+all-to-all by message size over groups of 2, 4, ... of the job's ranks (``collectives``).
+``smoke``: small sizes (CPU tests).
 """
 from __future__ import annotations
 

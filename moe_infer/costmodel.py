@@ -2,24 +2,25 @@
 memory each GPU needs, from a hardware profile (``Hardware``: measured by ``moe-infer
 calibrate``, or shipped from published figures under ``moe_infer/hardware/``).
 
-Each block on a rank costs the larger of its bytes over the memory bandwidth and its
-FLOPs over the matmul rate its GEMMs reach at their rows (a roofline; an expert's rows are
-its share of the routed pairs; a prompt's attention at the measured rate of the attention
+Each block on a rank costs the larger of its bytes over the memory bandwidth and its FLOPs
+over the matmul rate its GEMMs reach at their rows (a roofline; an expert's rows are its
+share of the routed pairs; a prompt's attention at the measured rate of the attention
 kernel for its keys), plus its element-wise passes over the activations (norms, the
 attention epilogue, the experts' dispatch) at the memory bandwidth, its collectives
 (alpha-beta: a latency per message and bytes over the link's bandwidth, for the link the
-group spans) and a fixed per-block overhead (the kernels' own latency). What a rank reads and computes follows the
-layout: attention and dense FFNs split over tp; experts over ep (whole) and expert_slicing
-(their width); pipeline stages split the blocks (``model.stage_layers``) and their
-micro-batches hide each other (``pipeline``'s schedule); replicas split the batch where
-``Engine.split_prompts`` says they do. The routed experts a step reads are the expected
-number of distinct experts its tokens hit (``distinct_experts``: uniform routing, or a
-measured histogram). A model offloaded to host memory (``engine.gpu_memory_gb``) keeps
-the experts its budget holds after every other weight on the device, the same number a
-layer as the planner does; the share of those a step hits (the hit rate: the routing's, or
-a measured one) is read there, the rest ("cold") comes over the host link (read in place or
-copied: ``h2d_gbps``) or is computed by the CPU (``engine.offload: cpu``: its weight-read
-rate ``cpu_matmul_gbps``), after the device's part of the layer.
+group spans) and a fixed per-block overhead (the kernels' own latency). What a rank reads
+and computes follows the layout: attention and dense FFNs split over tp; experts over ep
+(whole) and expert_slicing (their width); pipeline stages split the blocks
+(``model.stage_layers``) and their micro-batches hide each other (``pipeline``'s
+schedule); replicas split the batch where ``Engine.split_prompts`` says they do. The
+routed experts a step reads are the expected number of distinct experts its tokens hit
+(``distinct_experts``: uniform routing, or a measured histogram). A model offloaded to
+host memory (``engine.gpu_memory_gb``) keeps the experts its budget holds after every
+other weight on the device, the same number a layer as the planner does; the share of
+those a step hits (the hit rate: the routing's, or a measured one) is read there, the rest
+("cold") comes over the host link (read in place or copied: ``h2d_gbps``) or is computed
+by the CPU (``engine.offload: cpu``: its weight-read rate ``cpu_matmul_gbps``), after the
+device's part of the layer.
 
 Shape letters: B rows, S tokens of context, H hidden, D head dim, E experts, k slots, F
 expert width, V vocab, L blocks.
@@ -324,11 +325,12 @@ class CostModel:
     def _rerouted(self, timed: float, tokens: float, local: int, folded: int, expert: float,
                   histogram: list[float]) -> float:
         """The MoE kernel's ``timed`` seconds (calibrate routes uniformly) under a measured
-        routing: the experts ``tokens`` tokens hit under it and not under uniform routing
-        (or the reverse) read at the kernel's rate for experts of their size (the ``folded``
-        shared experts, hit by every token, either way); the rest of the time (its launches,
-        its math) stays; its math does not shrink: at least the pairs' FLOPs at the rate of
-        the rows each expert then gets."""
+        routing: less the reads (at the kernel's rate for experts of their size) of the
+        experts uniform routing hits and this one does not (the ``folded`` shared experts,
+        hit by every token, either way); the rest of the time, its launches and math, stays,
+        and it is at least the pairs' FLOPs at the rate of the rows each expert then gets.
+        Routing concentrated on a few experts takes longer than this: the kernel's tiles
+        follow the call's tokens, not the rows each expert then gets."""
         e = self.cfg.moe
         uniform = distinct_experts(e.num_experts, e.top_k, tokens, local) + folded
         measured = distinct_experts(e.num_experts, e.top_k, tokens, local, histogram) + folded

@@ -1,9 +1,9 @@
 """How a model routes its tokens: each MoE layer's count of picks per routed expert over a
 set of prompts (``measure``; ``moe-infer routing`` writes it as JSON), and that file read
 back for the cost model (``load``; ``moe-infer plan --routing``), which then prices a step's
-experts by the distinct experts such routing hits in place of uniform routing's. Trained
-routers are seldom uniform: a batch hits fewer experts than uniform routing would, and a
-decode step reads fewer weights.
+experts by the distinct experts such routing hits in place of uniform routing's. Where a
+router favours some experts, a batch hits fewer of them than uniform routing would, and a
+step reads fewer weights.
 """
 from __future__ import annotations
 
