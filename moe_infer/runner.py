@@ -18,7 +18,6 @@ copy to the host a step.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -464,33 +463,20 @@ class PagedRunner:
         prompts (nothing cached) are right-padded, so they attend causally over their own
         keys (no mask, nothing gathered), where only their last logits are wanted or none
         is padded; any other rows are left-padded, each token's keys masked."""
-        dev, bs = self.engine.device, self.block_size
+        dev = self.engine.device
         t = max(len(r.tokens) for r in rows)
         fresh = all(r.start == 0 for r in rows) and (last_only or all(len(r.tokens) == t for r in rows))
-        tokens, positions, valid, write = [], [], [], []
-        for r in rows:
-            pad, n = t - len(r.tokens), len(r.tokens)
-            slots = self.cache.slots(r.table, r.start, r.start + n)
-            if fresh:
-                tokens.append(r.tokens + [0] * pad)
-                positions.append(list(range(t)))
-                valid.append([True] * n + [False] * pad)
-                write.append(slots + [self.cache.trash] * pad)
-            else:
-                tokens.append([0] * pad + r.tokens)
-                positions.append([0] * pad + list(range(r.start, r.start + n)))
-                valid.append([False] * pad + [True] * n)
-                write.append([self.cache.trash] * pad + slots)
+        tokens, positions, valid, write, tables = eager_inputs(rows, t, fresh, self.block_size, self.cache.trash)
         s = max(r.start + len(r.tokens) for r in rows)  # keys of the longest row
         lens = to_device([r.start + len(r.tokens) for r in rows], dev)  # [B]
-        width = math.ceil(s / bs)
-        tables = to_device([r.table[:width] + [0] * (width - len(r.table[:width])) for r in rows], dev)  # [B, N]
-        self.cache.set_step(to_device(write, dev), tables, lens, s)
+        tables = tables.to(dev, non_blocking=True)
+        self.cache.set_step(write.to(dev, non_blocking=True), tables, lens, s)
         real = None  # the real tokens' flat indices, where some rows are padded
         if any(len(r.tokens) < t for r in rows):
-            real = to_device([i * t + j for i, v in enumerate(valid) for j, ok in enumerate(v) if ok], dev)
-        ctx = self.model.paged_context(to_device(positions, dev), to_device(valid, dev), lens, s, fresh, real)
-        tokens = to_device(tokens, dev)
+            real = valid.view(-1).nonzero().view(-1).to(dev, non_blocking=True)
+        ctx = self.model.paged_context(positions.to(dev, non_blocking=True), valid.to(dev, non_blocking=True), lens,
+                                       s, fresh, real)
+        tokens = tokens.to(dev, non_blocking=True)
         last = [len(r.tokens) - 1 if fresh else t - 1 for r in rows]  # each row's last token's slot
         fed = [(i, last[i], r.src) for i, r in enumerate(rows) if r.src >= 0]
         if fed:
@@ -503,6 +489,36 @@ class PagedRunner:
             out = model(tokens, ctx, self.cache, last_only=last_only)
         self.cache.finish_step()
         return out
+
+
+def eager_inputs(rows: list[Row], t: int, fresh: bool, block_size: int, trash: int) -> tuple[torch.Tensor, ...]:
+    """An eager forward's inputs on the host, [B, t] each, built by tensor ops (a long
+    prompt's per-token Python lists took the host longer than a kernel launch chain): the
+    token ids, their positions, which are real, the cache slot each writes (``trash`` for
+    padding), and the rows' block tables [B, N] up to the longest row's keys. ``fresh``:
+    rows right-padded, every position counted from 0 (a padding token's is its index);
+    else left-padded, a padding token at position 0."""
+    b = len(rows)
+    n = torch.tensor([len(r.tokens) for r in rows])
+    start = torch.tensor([r.start for r in rows])
+    width = -(-max(r.start + len(r.tokens) for r in rows) // block_size)
+    tables = torch.zeros(b, width, dtype=torch.long)
+    tokens = torch.zeros(b, t, dtype=torch.long)
+    for i, r in enumerate(rows):
+        held = r.table[:width]
+        tables[i, :len(held)] = torch.tensor(held, dtype=torch.long)
+        at = 0 if fresh else t - len(r.tokens)
+        tokens[i, at:at + len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
+    j = torch.arange(t)
+    if fresh:
+        valid = j[None, :] < n[:, None]
+        positions = j.expand(b, t)
+    else:
+        valid = j[None, :] >= (t - n)[:, None]
+        positions = torch.where(valid, start[:, None] + j[None, :] - (t - n)[:, None], 0)
+    held = positions.clamp(max=width * block_size - 1)  # (a padding token's slot is not read)
+    slots = tables.gather(1, held // block_size) * block_size + held % block_size
+    return tokens, positions.contiguous(), valid, torch.where(valid, slots, trash), tables
 
 
 def to_device(data: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

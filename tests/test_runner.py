@@ -426,3 +426,33 @@ def test_every_decode_bucket_is_made_before_serving(engine):
         for k in (1, 63, 65, 300, runner.max_keys):
             assert runner.step_for(b, k) is made[(1 << (b - 1).bit_length(), runner.step_for(b, k).keys)]
     assert runner._steps == made
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_an_eager_forwards_inputs_are_each_rows_tokens_padded(fresh):
+    """eager_inputs builds by tensor ops what the rows say: fresh rows right-padded with
+    positions 0..t-1, others left-padded with their own positions (0 under padding); every
+    real token writes the slot its block table gives its position, padding the trash slot."""
+    from moe_infer.runner import eager_inputs
+
+    rng, bs, trash = random.Random(3 + fresh), 4, 999
+    rows = []
+    for _ in range(5):
+        start = 0 if fresh else rng.randrange(0, 9)
+        n = rng.randrange(1, 11)
+        table = rng.sample(range(200), -(-(start + n) // bs) + rng.randrange(0, 3))  # spare blocks beyond
+        rows.append(Row([rng.randrange(1000) for _ in range(n)], start, table))
+    t = max(len(r.tokens) for r in rows)
+    tokens, positions, valid, write, tables = eager_inputs(rows, t, fresh, bs, trash)
+    width = -(-max(r.start + len(r.tokens) for r in rows) // bs)
+    for i, r in enumerate(rows):
+        n, pad = len(r.tokens), t - len(r.tokens)
+        slots = [r.table[p // bs] * bs + p % bs for p in range(r.start, r.start + n)]
+        if fresh:
+            want = (r.tokens + [0] * pad, list(range(t)), [True] * n + [False] * pad, slots + [trash] * pad)
+        else:
+            want = ([0] * pad + r.tokens, [0] * pad + list(range(r.start, r.start + n)), [False] * pad + [True] * n,
+                    [trash] * pad + slots)
+        assert (tokens[i].tolist(), positions[i].tolist(), valid[i].tolist(), write[i].tolist()) == want
+        held = r.table[:width]
+        assert tables[i].tolist() == held + [0] * (width - len(held))
