@@ -275,9 +275,10 @@ COLLECTIVE_CALLS = 16  # calls a timed graph (or eager call) runs back to back
 
 
 def _collectives(device: torch.device, sizes: tuple[int, ...], reps: int) -> dict:
-    """-> {kind: {ranks: {bytes: µs}}}: one all-reduce (``bytes`` summed), all-gather (each
-    rank's part) and all-to-all (each rank's send buffer), over groups of 2, 4, ... up to
-    the job's consecutive ranks, every group of a size at once (as a layout's TP groups
+    """-> {kind: {ranks: {bytes: µs}}}: one all-reduce (``bytes`` summed; as the layers sum,
+    and NCCL's own, "all_reduce_nccl", as ``parallel.all_reduce: nccl`` sums), all-gather
+    (each rank's part) and all-to-all (each rank's send buffer), over groups of 2, 4, ... up
+    to the job's consecutive ranks, every group of a size at once (as a layout's TP groups
     run). On GPUs each call is timed as decode steps make it, replayed from a CUDA graph
     (small sums take the symmetric-memory kernel where the GPUs reach each other); the
     slowest rank's median."""
@@ -285,7 +286,7 @@ def _collectives(device: torch.device, sizes: tuple[int, ...], reps: int) -> dic
     from moe_infer.config import ParallelConfig
 
     p, rank = dist.get_world_size(), dist.get_rank()
-    out = {"all_reduce": {}, "all_gather": {}, "all_to_all": {}}
+    out = {"all_reduce": {}, "all_reduce_nccl": {}, "all_gather": {}, "all_to_all": {}}
     g = 2
     while g <= p and p % g == 0:
         group = ParallelGroups.build(ParallelConfig(tp=g, dp=p // g), rank, p).tp
@@ -294,6 +295,7 @@ def _collectives(device: torch.device, sizes: tuple[int, ...], reps: int) -> dic
             gathered = torch.empty(g * x.numel(), dtype=x.dtype, device=device)
             received = torch.empty_like(x)
             calls = {"all_reduce": lambda: all_reduce(x, group),
+                     "all_reduce_nccl": lambda: dist.all_reduce(x, group=group.group),
                      "all_gather": lambda: dist.all_gather_into_tensor(gathered, x, group=group.group),
                      "all_to_all": lambda: dist.all_to_all_single(received, x, group=group.group)}
             for kind, call in calls.items():

@@ -100,7 +100,8 @@ def all_gather_s(nbytes: float, ranks: int, link: Link) -> float:
     return (ranks - 1) * link.seconds(nbytes)
 
 
-CLOSED_FORMS = {"all_reduce": all_reduce_s, "all_gather": all_gather_s, "all_to_all": all_to_all_s}
+CLOSED_FORMS = {"all_reduce": all_reduce_s, "all_reduce_nccl": all_reduce_s, "all_gather": all_gather_s,
+                "all_to_all": all_to_all_s}
 
 
 def pipeline_slots(stages: int, micro_batches: int, units: int) -> int:
@@ -380,7 +381,11 @@ class CostModel:
         if ranks <= 1:
             return 0.0
         span = span or ranks
-        measured = self.hw.collective_s(kind, nbytes, ranks) if span <= self.hw.gpus_per_node else None
+        measured = None
+        if span <= self.hw.gpus_per_node:
+            measured = self.hw.collective_s(kind, nbytes, ranks)
+            if measured is None and kind == "all_reduce_nccl":  # NCCL's not measured: the layers' sum's
+                measured = self.hw.collective_s("all_reduce", nbytes, ranks)
         return measured if measured is not None else CLOSED_FORMS[kind](nbytes, ranks, self.hw.link(span))
 
     def _rate(self, rows: float) -> float:
@@ -509,28 +514,29 @@ class CostModel:
         """Seconds of one block's collectives on a rank (``new_tokens`` a row)."""
         m, e = self.cfg.model, self.cfg.moe
         act = tokens * m.hidden_size * self.ab
-        seconds = self._collective("all_reduce", act, p.tp)  # after attention
+        ar = "all_reduce_nccl" if p.all_reduce == "nccl" else "all_reduce"  # (parallel.all_reduce)
+        seconds = self._collective(ar, act, p.tp)  # after attention
         if p.kv_shard == "tokens":  # the queries (and new keys) gathered, then the partial outputs
             heads = m.num_heads * self.head_dim * self.ab
             q_and_kv = tokens * (heads + (0 if m.kv_lora_rank is not None else 2 * self.kv_heads * self.head_dim * self.ab))
             outs = tokens * m.num_heads * ((m.kv_lora_rank or self.head_dim) + 1) * 4 * p.tp  # float32, with the lse
             seconds += self._collective("all_to_all", q_and_kv, p.tp) + self._collective("all_to_all", outs, p.tp)
         if m.qk_norm == "full" and not self._whole_qk(p, new_tokens):  # its sums of squares (float32)
-            seconds += self._collective("all_reduce", tokens * 2 * 4, p.tp)
+            seconds += self._collective(ar, tokens * 2 * 4, p.tp)
         moe = e is not None and self.cfg.is_moe_layer(index)
         expert_ranks = p.ep * p.expert_slicing
         if not moe or expert_ranks == 1:
-            return seconds + self._collective("all_reduce", act, p.tp)  # after the FFN
+            return seconds + self._collective(ar, act, p.tp)  # after the FFN
         same_tokens = not p.dp_attention or expert_ranks <= p.tp
         if e.shared_experts and not (same_tokens and expert_ranks == p.tp):  # (else one sum with the experts')
-            seconds += self._collective("all_reduce", act, p.tp)
+            seconds += self._collective(ar, act, p.tp)
         if same_tokens:  # every expert rank holds the tokens: one all-reduce sums their parts
-            return seconds + self._collective("all_reduce", act, expert_ranks)
+            return seconds + self._collective(ar, act, expert_ranks)
         # dp-attention: the pairs out and back (PCC: within the ranks of one TP index)
         peers = expert_ranks // p.tp if p.pcc else expert_ranks
         pairs = tokens * e.top_k * p.expert_slicing / (p.tp if p.pcc else 1)
         a2a = self._collective("all_to_all", pairs * m.hidden_size * self.ab, peers, expert_ranks)
-        return seconds + 2 * a2a + (self._collective("all_reduce", act, p.tp) if p.pcc else 0.0)
+        return seconds + 2 * a2a + (self._collective(ar, act, p.tp) if p.pcc else 0.0)
 
     # -- choosing
     def layouts(self, gpus: int) -> list[ParallelConfig]:

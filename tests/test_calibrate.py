@@ -138,7 +138,7 @@ def test_calibrate_under_two_ranks_measures_the_link(tmp_path):
     assert hw.nvlink.alpha_us > 0 and hw.nvlink.gbps > 0
     assert "all-reduces over 2 ranks (latency: eager all-reduces)" in hw.source
     # every collective measured over the one group size two ranks form, at each smoke size
-    assert sorted(hw.collectives) == ["all_gather", "all_reduce", "all_to_all"]
+    assert sorted(hw.collectives) == ["all_gather", "all_reduce", "all_reduce_nccl", "all_to_all"]
     for kind, by_ranks in hw.collectives.items():
         assert sorted(by_ranks) == [2] and len(by_ranks[2]) == 2 and all(us > 0 for us in by_ranks[2].values())
         assert hw.collective_s(kind, 1.0, 2) > 0 and hw.collective_s(kind, 1.0, 4) is None

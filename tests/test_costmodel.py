@@ -69,6 +69,19 @@ def test_measured_collectives_interpolate_and_replace_the_closed_forms():
     assert cm._collective("all_reduce", act, 2) == pytest.approx(all_reduce_s(act, 2, Link(50.0, 10.0)))
 
 
+def test_layouts_that_sum_through_nccl_take_its_measured_all_reduce():
+    """parallel.all_reduce nccl: every sum of a block at NCCL's measured time
+    ("all_reduce_nccl", calibrate's), the layers' own sum's where that was not measured."""
+    cfg = dense_config(layers=1)
+    both = machine(gpus_per_node=4, collectives={"all_reduce": {2: {1000: 10.0}}, "all_reduce_nccl": {2: {1000: 30.0}}})
+    auto = CostModel(cfg, both).predict(ParallelConfig(tp=2), "decode", batch=1, context=16)
+    nccl = CostModel(cfg, both).predict(ParallelConfig(tp=2, all_reduce="nccl"), "decode", batch=1, context=16)
+    assert nccl.split["collectives"] - auto.split["collectives"] == pytest.approx(2 * 20e-3)  # two sums a block, ms
+    only_auto = machine(gpus_per_node=4, collectives={"all_reduce": {2: {1000: 10.0}}})
+    assert CostModel(cfg, only_auto).predict(ParallelConfig(tp=2, all_reduce="nccl"), "decode", 1, 16).ms == \
+        pytest.approx(auto.ms)
+
+
 def test_experts_read_at_the_measured_fraction_of_the_bandwidth():
     table = {1000: {1: 0.5, 16: 0.9}, 100000: {1: 0.8, 16: 1.0}}
     hw = machine(moe_read=table)
