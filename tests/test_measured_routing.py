@@ -121,3 +121,18 @@ def test_the_command_refuses_a_run_without_prompts_in_one_line(tmp_path, capsys)
     assert main(["routing", "--model", "tiny-moe", "--device", "cpu", "--prompts-file", str(tmp_path / "none.txt"),
                  "--out", str(tmp_path / "r.json")]) == 2
     assert "--prompts-file" in capsys.readouterr().err and not (tmp_path / "r.json").exists()
+
+
+def test_folded_shared_experts_are_not_counted_as_routed_picks(tmp_path):
+    """Where the loader folds the shared experts into the routed call (ids E.. in every
+    token's table), only the top-k routed slots count."""
+    text = (moe_infer.config_files.configs_dir() / "tiny-moe.yaml").read_text()
+    text = text.replace("shared_expert_hidden: 96", "shared_expert_hidden: 256").replace(
+        "shared_expert_gate: true", "shared_expert_gate: false")
+    path = tmp_path / "folded.yaml"
+    path.write_text(text)
+    engine = moe_infer.load(str(path), device="cpu", progress=False)
+    assert engine.config.folded_experts() == 2 and engine.model.layers[0].ffn.router.slots == 4
+    record = measure(engine, [[5, 9, 2, 7], [3, 1]])
+    for picks in record["layers"].values():
+        assert len(picks) == 6 and sum(picks) == 6 * 2
