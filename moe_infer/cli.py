@@ -34,6 +34,13 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token ids, e.g. 1,2,3") from None
 
 
+def _prompt_options(group, prompt_help: str):
+    """--prompt TEXT and --prompt-ids IDS, each repeatable (generate, routing)."""
+    group.add_argument("--prompt", action="append", default=[], metavar="TEXT", help=prompt_help)
+    group.add_argument("--prompt-ids", action="append", default=[], type=_ids, metavar="IDS",
+                       help="a prompt as comma-separated token ids (for models without a tokenizer)")
+
+
 def _model_options(parser: argparse.ArgumentParser, config_help: str | None):
     """The options that pick and place a model, the same for generate and serve."""
     src = parser.add_argument_group("model")
@@ -99,11 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_options(gen, "a built-in preset (see `moe-infer presets`) or a model config YAML (--config is "
                         "the same option)")
-    inp = gen.add_argument_group("input")
-    inp.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                     help="a prompt; repeat for a batch")
-    inp.add_argument("--prompt-ids", action="append", default=[], type=_ids, metavar="IDS",
-                     help="a prompt as comma-separated token ids (for models without a tokenizer)")
+    _prompt_options(gen.add_argument_group("input"), "a prompt; repeat for a batch")
     smp = gen.add_argument_group("sampling")
     smp.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: 64")
     smp.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -165,9 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "`moe-infer plan --routing` prices a step's experts by.")
     _model_options(rte, "a built-in preset (see `moe-infer presets`) or a model config YAML")
     rin = rte.add_argument_group("input")
-    rin.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeat for more")
-    rin.add_argument("--prompt-ids", action="append", default=[], type=_ids, metavar="IDS",
-                     help="a prompt as comma-separated token ids")
+    _prompt_options(rin, "a prompt; repeat for more")
     rin.add_argument("--prompts-file", metavar="FILE", help="prompts, one a line (blank lines skipped)")
     rte.add_argument("--out", required=True, metavar="JSON", help="where to write the counts")
 

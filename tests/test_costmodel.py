@@ -8,8 +8,8 @@ import pytest
 
 from moe_infer.cli import main, parse_layout
 from moe_infer.config import ConfigError, ModelConfig, ParallelConfig
-from moe_infer.costmodel import (CostModel, all_reduce_s, all_to_all_s, busiest_rank_experts, distinct_experts,
-                                 layout_name, pipeline_slots)
+from moe_infer.closed_forms import all_reduce_s, all_to_all_s, busiest_rank_experts, distinct_experts, pipeline_slots
+from moe_infer.costmodel import CostModel, layout_name
 from moe_infer.hardware_profile import HARDWARE_DIR, Hardware, Link
 from moe_infer.loader import resolve_config
 from moe_infer.pipeline import simulate

@@ -8,7 +8,8 @@ import pytest
 import moe_infer
 from moe_infer.cli import main
 from moe_infer.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig
-from moe_infer.costmodel import CostModel, distinct_experts
+from moe_infer.closed_forms import distinct_experts
+from moe_infer.costmodel import CostModel
 from moe_infer.hardware_profile import Hardware, Link, moe_kernel_key
 from moe_infer.routing import load, measure
 
