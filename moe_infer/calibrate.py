@@ -6,7 +6,8 @@ host-to-device copies, the CPU's matmul weight-read rate, a prompt's attention r
 keys (``attention_curve``: causal and masked, at three head widths), the rate at which the
 fused MoE kernel reads its experts by expert size and rows per expert (``moe_read``), with
 ``models`` the kernel's time on each share of those models' experts a rank holds by the
-tokens of a call (``moe_kernel``), and, under ``scripts/launch.sh``, all-reduce latency
+tokens of a call (``moe_kernel``) and, on the shares of one GPU's experts, by the experts
+a call's routing hits (``moe_skew``), and, under ``scripts/launch.sh``, all-reduce latency
 and bandwidth over the job's ranks, and the time of an all-reduce, all-gather and
 all-to-all by message size over groups of 2, 4, ... of the job's ranks (``collectives``).
 ``smoke``: small sizes (CPU tests).
@@ -160,6 +161,9 @@ MOE_KERNEL_TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 1024)  # a call's tokens: de
 # and on a GPU prefill forwards up to engine.prefill_tokens' default (a CPU's reference experts
 # take minutes at these sizes: the generic terms price its prefills)
 MOE_KERNEL_PREFILL_TOKENS = (4096, 16384)
+# a call's tokens at which the kernel is also timed with its routing concentrated on fewer
+# experts (a prompt's tokens tend to pick the same ones; decode's few tokens meet few anyway)
+MOE_SKEW_TOKENS = (32, 128, 512, 2048, 8192)
 _ACTIVATION = {"swiglu": "silu", "gelu": "gelu", "swiglu_oai": "swiglu_oai"}  # config's -> the kernel's name
 
 
@@ -171,9 +175,31 @@ def moe_shares(num_experts: int, width: int, ranks: tuple[int, ...]) -> list[tup
             if ep * s <= max(ranks) and num_experts % ep == 0 and width % s == 0]
 
 
+def concentrated_ids(tokens: int, top_k: int, experts: list[int], device: torch.device) -> torch.Tensor:
+    """A routing table [tokens, top_k] (int32) of ``top_k`` distinct ids a token from
+    ``experts`` alone (at least ``top_k`` of them), the picks spread evenly over them."""
+    n = len(experts)
+    slots = (torch.arange(tokens)[:, None] * top_k + torch.arange(top_k)[None, :]) % n
+    return torch.tensor(experts, dtype=torch.int32)[slots].to(device)
+
+
+def skew_counts(num_experts: int, top_k: int, tokens: int) -> list[int]:
+    """The experts hit at which calibrate times a call of ``tokens`` tokens besides uniform
+    routing: top_k, 2 top_k, 4 top_k, ... while fewer than uniform routing hits, and no more
+    than the picks."""
+    from moe_infer.closed_forms import distinct_experts
+
+    uniform, out, n = distinct_experts(num_experts, top_k, tokens), [], top_k
+    while n < min(uniform, num_experts) and n <= tokens * top_k:
+        out.append(n)
+        n *= 2
+    return out
+
+
 def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], tokens: tuple[int, ...],
-                reps: int, progress=None, skip=()) -> dict:
-    """-> {moe_kernel_key: {tokens: µs}}: ``kernels.fused_moe`` on each share (``moe_shares``)
+                reps: int, progress=None, skip=(), skew_tokens: tuple[int, ...] = ()) -> tuple[dict, dict]:
+    """-> ({moe_kernel_key: {tokens: µs}}, {moe_kernel_key: {tokens: {experts hit: µs}}}):
+    ``kernels.fused_moe`` on each share (``moe_shares``)
     of each model's experts (``models``: Configs), random weights of the model's sizes, each
     call's tokens routed top-k over all the model's experts (uniformly; ids of the other
     ranks' experts masked as expert-parallel ranks holding the same tokens do), several
@@ -184,12 +210,17 @@ def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], toke
     left out (their bytes are small beside the experts'). ``progress(line)``, where given,
     hears of each share timed (a run of several models takes minutes, most of it compiling
     each share's kernels). Shares whose key is in ``skip`` (timed already: two models may
-    share a shape) are not timed again."""
+    share a shape) are not timed again. The second table: the shares of one GPU's experts
+    (every expert, any slicing) at ``skew_tokens`` tokens with the routed picks concentrated
+    on a few experts (``skew_counts``; ``concentrated_ids``), and uniform routing beside them
+    at its expected distinct experts: the kernel's tiles follow a call's tokens, not the
+    rows each expert gets, so fewer experts hit save less than their reads."""
+    from moe_infer.closed_forms import distinct_experts
     from kernels import fused_moe, topk_gating
     from moe_infer.config import ParallelConfig
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    out = {}
+    out, skew = {}, {}
     for cfg in models:
         m, e = cfg.model, cfg.moe
         act, gated = _ACTIVATION[m.activation], m.activation in ("swiglu", "swiglu_oai")
@@ -205,19 +236,30 @@ def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], toke
             w13 = torch.randn(local + n, (2 if gated else 1) * width, m.hidden_size, device=device,
                               dtype=dtype) * 0.02
             w2 = torch.randn(local + n, m.hidden_size, width, device=device, dtype=dtype) * 0.02
-            out[key] = by_tokens = {}
-            for t in tokens:
+
+            def timed(t: int, hit: int | None = None) -> float:
                 calls = []
                 for _ in range(max(1, min(8, 4096 // t)) if device.type == "cuda" else 1):
                     # (n: the folded shared experts, ids E.. in every token's table with weight 1)
                     ids, w = topk_gating(torch.randn(t, e.num_experts, device=device), e.top_k, shared=n)
+                    if hit is not None:  # the routed slots' ids from ``hit`` experts alone
+                        chosen = torch.randperm(e.num_experts)[:hit].tolist()
+                        ids[:, :e.top_k] = concentrated_ids(t, e.top_k, chosen, device)
                     calls.append((torch.randn(t, m.hidden_size, device=device, dtype=dtype), ids, w))
                 step = lambda: [fused_moe(x, w13, w2, w, ids, act, masked=ep > 1) for x, ids, w in calls]  # noqa: E731
-                by_tokens[t] = _figure(_step_seconds(step, device, reps) / len(calls) * 1e6)
+                return _figure(_step_seconds(step, device, reps) / len(calls) * 1e6)
+
+            out[key] = by_tokens = {t: timed(t) for t in tokens}
+            lines = [", ".join(f"{t} tokens {us:g} us" for t, us in by_tokens.items())]
+            for t in skew_tokens if ep == 1 else ():
+                uniform = _figure(distinct_experts(e.num_experts, e.top_k, t))
+                skew.setdefault(key, {})[t] = by_hit = {**{h: timed(t, h) for h in skew_counts(
+                    e.num_experts, e.top_k, t)}, uniform: by_tokens.get(t) or timed(t)}
+                lines.append(f"{t} tokens over " + ", ".join(f"{h:g} experts {us:g} us" for h, us in by_hit.items()))
             del w13, w2
             if progress is not None:
-                progress(f"moe kernel {key}: " + ", ".join(f"{t} tokens {us:g} us" for t, us in by_tokens.items()))
-    return out
+                progress(f"moe kernel {key}: " + "; ".join(lines))
+    return out, skew
 
 
 def _step_seconds(step, device: torch.device, reps: int) -> float:
@@ -409,6 +451,7 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None, 
                   layer_overhead_us=15.0, h2d_gbps=_figure(_h2d_gbps(device, big, reps)),
                   cpu_matmul_gbps=_figure(_cpu_matmul_gbps(*((512, 1024) if smoke else (14336, 4096)), reps)),
                   matmul_curve={"bfloat16": curve}, collectives=collectives, moe_read=moe_read, moe_kernel={},
+                  moe_skew={},
                   attention_curve=attention,
                   source="; ".join(sources) + f" ({kind}, {time.strftime('%Y-%m-%d')})")
     if reached is not None:
@@ -418,8 +461,13 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None, 
         ranks = moe_ranks or tuple(2 ** i for i in range(world.bit_length()) if 2 ** i <= world)
         tokens = moe_tokens or (MOE_KERNEL_TOKENS[:2] if smoke else MOE_KERNEL_TOKENS + (
             MOE_KERNEL_PREFILL_TOKENS if device.type == "cuda" else ()))
+        skew_tokens = (4, 16) if smoke else (MOE_SKEW_TOKENS if device.type == "cuda" else ())
+        skew_tokens = tuple(t for t in skew_tokens if t <= max(tokens))  # none past the calls asked for
         for cfg in models:
-            hw.moe_kernel.update(_moe_kernel(device, [cfg], ranks, tokens, reps, progress, skip=hw.moe_kernel))
+            kernel, skew = _moe_kernel(device, [cfg], ranks, tokens, reps, progress, skip=hw.moe_kernel,
+                                       skew_tokens=skew_tokens)
+            hw.moe_kernel.update(kernel)
+            hw.moe_skew.update(skew)
             if reached is not None:
                 reached(hw)
     return hw

@@ -213,11 +213,14 @@ class CostModel:
         width = e.expert_hidden // p.expert_slicing
         calls = [(local + n, e.num_experts + n, e.top_k + n) for n in ((folded, 0) if folded else (0,))]
         for held, experts, k in (calls if offloaded is None and self.eb == 2.0 else ()):
-            timed = self.hw.moe_kernel_s(moe_kernel_key(held, experts, m.hidden_size, width, k, m.activation),
-                                         group_tokens)
+            key = moe_kernel_key(held, experts, m.hidden_size, width, k, m.activation)
+            timed = self.hw.moe_kernel_s(key, group_tokens)
             if timed is not None:
-                if histogram is not None:
-                    timed = self._rerouted(timed, group_tokens, local, held - local, expert, histogram)
+                if histogram is not None:  # as calibrate timed it under such a routing, else estimated
+                    hit = distinct_experts(e.num_experts, e.top_k, group_tokens, local, histogram)
+                    skewed = self.hw.moe_skewed_s(key, group_tokens, hit)
+                    timed = skewed if skewed is not None else self._rerouted(
+                        timed, group_tokens, local, held - local, expert, histogram)
                 return (0.0, 0.0, timed, 0.0) if held > local else (shared_reads, shared_s, timed, 0.0)
         if histogram is None and p.ep > 1 and group_tokens == int(group_tokens):
             hit = busiest_rank_experts(e.num_experts, e.top_k, int(group_tokens), p.ep)
@@ -264,7 +267,8 @@ class CostModel:
         hit by every token, either way); the rest of the time, its launches and math, stays,
         and it is at least the pairs' FLOPs at the rate of the rows each expert then gets.
         Routing concentrated on a few experts takes longer than this: the kernel's tiles
-        follow the call's tokens, not the rows each expert then gets."""
+        follow the call's tokens, not the rows each expert then gets (``moe_skew``, where
+        calibrate timed the share so, prices that instead)."""
         e = self.cfg.moe
         uniform = distinct_experts(e.num_experts, e.top_k, tokens, local) + folded
         measured = distinct_experts(e.num_experts, e.top_k, tokens, local, histogram) + folded

@@ -39,7 +39,9 @@ class Hardware:
     reads experts of a size when each sees a number of rows (1 where not measured).
     ``moe_kernel``: the fused MoE kernel's time on the experts one rank of a model holds
     (``moe_kernel_key``) by the tokens of a call, where ``moe-infer calibrate --models``
-    timed it; it stands in for ``moe_read``'s generic figure for that share.
+    timed it; it stands in for ``moe_read``'s generic figure for that share. ``moe_skew``:
+    the same kernel on one GPU's experts by the tokens of a call and the experts its routing
+    hits (uniform routing's count among them), for a measured routing.
     ``attention_curve``: a prompt's attention (the SDPA kernels a forward runs) in TFLOP/s
     by the keys a prompt has, "causal" (a fresh prompt, no mask) and "masked", per
     "<query/key width>/<value width>" of a head (``attention_rate``); without it a
@@ -60,6 +62,7 @@ class Hardware:
     collectives: dict = field(default_factory=dict)  # kind -> {ranks: {bytes: µs}}
     moe_read: dict = field(default_factory=dict)  # bytes of one expert -> {rows per expert: fraction of mem_gbps}
     moe_kernel: dict = field(default_factory=dict)  # moe_kernel_key -> {tokens of a call: µs}
+    moe_skew: dict = field(default_factory=dict)  # moe_kernel_key -> {tokens: {experts hit: µs}}
     attention_curve: dict = field(default_factory=dict)  # "causal" / "masked" -> {"dk/dv": {keys: TFLOP/s}}
 
     @classmethod
@@ -137,6 +140,32 @@ class Hardware:
             if at <= t1:
                 return math.exp(math.log(u0) + math.log(u1 / u0) * math.log(at / t0) / math.log(t1 / t0)) * 1e-6
         return points[-1][1] * 1e-6
+
+    def moe_skewed_s(self, key: str, tokens: float, hit: float) -> float | None:
+        """Seconds of one fused MoE call over ``tokens`` tokens on the experts ``key`` names
+        when its routing hits ``hit`` of them, where calibrate timed that share so
+        (``moe_skew``): linear in the experts hit between the counts timed at a token count
+        (the nearest count beyond them), log-log in the tokens between the counts timed.
+        None outside the token counts timed and where the share was not."""
+        table = self.moe_skew.get(key)
+        if not table:
+            return None
+        by_tokens = sorted((float(t), sorted((float(h), float(us)) for h, us in by.items()))
+                           for t, by in table.items())
+        if not by_tokens[0][0] <= tokens <= by_tokens[-1][0]:
+            return None
+
+        def at(points):  # µs at ``hit`` experts
+            x = min(max(hit, points[0][0]), points[-1][0])
+            for (h0, u0), (h1, u1) in zip(points, points[1:]):
+                if x <= h1:
+                    return u0 + (u1 - u0) * (x - h0) / (h1 - h0)
+            return points[-1][1]
+
+        curve = [(t, at(points)) for t, points in by_tokens]
+        if len(curve) == 1:
+            return curve[0][1] * 1e-6
+        return math.exp(_log_between([(t, math.log(us)) for t, us in curve], tokens)) * 1e-6
 
     def moe_rows_measured(self) -> float:
         """The most rows per expert ``moe_read`` measured the kernel at (0 without a table):

@@ -4,8 +4,10 @@ and a step's experts priced by the distinct experts that routing hits."""
 import json
 
 import pytest
+import torch
 
 import moe_infer
+import moe_infer.loader
 from moe_infer.cli import main
 from moe_infer.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig
 from moe_infer.closed_forms import distinct_experts
@@ -114,6 +116,58 @@ def test_a_timed_kernel_follows_the_routing_down_to_its_math():
                      histogram={0: peaked})
     flops = 2 * 1024 * 2 * 3 * 1024 * 4096  # 1024 tokens, two picks each
     assert slow._ffn(ParallelConfig(), 0, 1024, 1024)[2] == pytest.approx(flops / 1e9)
+
+
+def test_a_kernel_timed_under_concentrated_routing_prices_it_where_calibrate_timed_it():
+    """``moe_skew`` (calibrate on one GPU's experts): linear in the experts hit between the
+    counts timed at a token count, log-log in the tokens between the counts timed; it takes
+    the place of the estimate from uniform routing's time, which stays where the tokens or
+    the share were not timed so."""
+    cfg = moe_config()
+    key = moe_kernel_key(8, 8, 1024, 4096, 2, "swiglu")
+    skew = {16: {2: 200.0, 4: 300.0, 7.2: 500.0}, 64: {2: 800.0, 4: 1000.0, 8.0: 1600.0}}
+    hw = machine(moe_kernel={key: {1: 100.0, 16: 500.0, 64: 1600.0, 256: 4000.0}}, moe_skew={key: skew})
+    assert hw.moe_skewed_s(key, 16, 3) == pytest.approx(250e-6)
+    assert hw.moe_skewed_s(key, 16, 1) == pytest.approx(200e-6)  # fewer than timed: the fewest's
+    assert hw.moe_skewed_s(key, 64, 6) == pytest.approx(1300e-6)
+    assert hw.moe_skewed_s(key, 32, 2) == pytest.approx((200 * 800) ** 0.5 * 1e-6)  # halfway in log tokens
+    assert hw.moe_skewed_s(key, 8, 2) is None and hw.moe_skewed_s(key, 128, 2) is None
+    assert hw.moe_skewed_s(moe_kernel_key(4, 8, 1024, 4096, 2, "swiglu"), 16, 2) is None
+    peaked = [1.0, 1.0] + [0.0] * 6  # two experts hit, whatever the tokens
+    cm = CostModel(cfg, hw, histogram={0: peaked})
+    assert cm._ffn(ParallelConfig(), 0, 16, 16)[2] == pytest.approx(200e-6)
+    assert cm._ffn(ParallelConfig(), 1, 16, 16)[2] == pytest.approx(500e-6)  # uniform: the uniform table
+    read = 3 * 1024 * 4096 * 2 / 1000e9
+    assert cm._ffn(ParallelConfig(), 0, 256, 256)[2] == pytest.approx(  # past the tokens timed so
+        4000e-6 - (distinct_experts(8, 2, 256) - 2) * read)
+
+
+def test_calibrate_times_one_gpus_share_under_concentrated_routing(tmp_path):
+    """The shares of one GPU's experts are timed with the routed picks on top_k, 2 top_k, ...
+    experts (each token's picks distinct, spread evenly) and under uniform routing at its
+    expected count; expert-parallel shares are not."""
+    from moe_infer.calibrate import concentrated_ids, skew_counts
+
+    ids = concentrated_ids(10, 3, [7, 1, 4, 6], torch.device("cpu"))
+    assert ids.dtype == torch.int32 and ids.shape == (10, 3)
+    assert all(len(set(row.tolist())) == 3 for row in ids)
+    assert sorted(torch.bincount(ids.flatten(), minlength=8).tolist()) == [0, 0, 0, 0, 7, 7, 8, 8]
+    assert skew_counts(128, 8, 128) == [8, 16, 32, 64] and skew_counts(128, 8, 1) == []
+    assert skew_counts(8, 2, 2) == [2]  # uniform hits 3.5 of 8
+    out = tmp_path / "skew.yaml"
+    assert main(["calibrate", "--smoke", "--device", "cpu", "--out", str(out), "--models", "tiny-moe",
+                 "--moe-ranks", "1,2", "--moe-tokens", "1,4,16"]) == 0
+    hw = Hardware.load(out)
+    e, m = moe_infer.loader.resolve_config("tiny-moe").moe, moe_infer.loader.resolve_config("tiny-moe").model
+    ep2 = moe_kernel_key(e.num_experts // 2, e.num_experts, m.hidden_size, e.expert_hidden, e.top_k, m.activation)
+    assert ep2 in hw.moe_kernel and ep2 not in hw.moe_skew and len(hw.moe_skew) == 2
+    for key, by_tokens in hw.moe_skew.items():
+        assert sorted(by_tokens) == [4, 16]
+        for t, by_hit in by_tokens.items():
+            uniform = round(distinct_experts(e.num_experts, e.top_k, t), 1)
+            assert sorted(by_hit) == [*skew_counts(e.num_experts, e.top_k, t), pytest.approx(uniform, abs=0.01)]
+            assert all(us > 0 for us in by_hit.values())
+            assert by_hit[max(by_hit)] == hw.moe_kernel[key][t]  # the uniform call is the table's
 
 
 def test_the_command_refuses_a_run_without_prompts_in_one_line(tmp_path, capsys):
