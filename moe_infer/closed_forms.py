@@ -14,13 +14,32 @@ def distinct_experts(num_experts: int, top_k: int, tokens: float, local: int | N
                      histogram: list[float] | None = None) -> float:
     """Expected number of distinct experts among ``local`` of them (default all) that
     ``tokens`` tokens hit, each picking ``top_k`` distinct experts: uniformly (each expert
-    missed by a token with probability 1 - k / E), or with ``histogram`` (each expert's
-    share of the picks, summing to 1; the first ``local`` are this rank's)."""
+    missed by a token with probability 1 - k / E), or with ``histogram`` (the first
+    ``local`` entries are this rank's experts). A histogram of whole pick counts whose sum
+    is a multiple of k (``moe_infer.routing``: N tokens counted) gives the experts a random
+    ``tokens`` of those N tokens hit (an expert c of them picked is missed with probability
+    C(N - c, tokens) / C(N, tokens)), and beyond N the experts they picked; any other
+    histogram is each expert's share of the picks, every token drawn from them alone."""
     local = num_experts if local is None else local
     if histogram is None:
         return local * (1.0 - (1.0 - top_k / num_experts) ** tokens)
     total = sum(histogram)
+    counted = total / top_k
+    if counted == int(counted) and all(h == int(h) and h <= counted for h in histogram):
+        return sum(1.0 - _missed(counted, h, tokens) for h in histogram[:local])
     return sum(1.0 - (1.0 - min(1.0, top_k * h / total)) ** tokens for h in histogram[:local])
+
+
+def _missed(counted: float, picked: float, tokens: float) -> float:
+    """The chance that ``tokens`` of ``counted`` tokens drawn without replacement miss all
+    ``picked`` of them: C(counted - picked, tokens) / C(counted, tokens)."""
+    if picked == 0:
+        return 1.0
+    if tokens > counted - picked:
+        return 0.0
+    lg = math.lgamma
+    return math.exp(lg(counted - picked + 1) - lg(counted - picked - tokens + 1) - lg(counted + 1)
+                    + lg(counted - tokens + 1))
 
 
 @functools.lru_cache(maxsize=1024)
