@@ -32,7 +32,24 @@ def test_distinct_experts_follows_a_routing_histogram():
     hist = [0.5, 0.5] + [0.0] * 6
     assert distinct_experts(8, 2, 50, histogram=hist) == pytest.approx(2.0)
     assert distinct_experts(8, 2, 50, local=4, histogram=[0, 0, 0, 0] + [0.5, 0.5, 0, 0]) == 0.0
-    assert distinct_experts(8, 2, 3, histogram=[1] * 8) == pytest.approx(distinct_experts(8, 2, 3))
+    assert distinct_experts(8, 2, 3, histogram=[0.125] * 8) == pytest.approx(distinct_experts(8, 2, 3))
+
+
+def test_distinct_experts_of_pick_counts_are_those_a_subset_of_the_counted_tokens_hits():
+    """Whole pick counts (``moe-infer routing``): N tokens counted; T of them drawn without
+    replacement hit what they picked, checked against every subset of tokens picking
+    (0, 3), (0, 3), (0, 1) of four experts; at or past N, the experts picked."""
+    import itertools
+
+    tokens = [(0, 3), (0, 3), (0, 1)]
+    counts = [3, 1, 0, 2]
+    for t in (1, 2, 3):
+        subsets = [len({e for tok in sub for e in tok}) for sub in itertools.combinations(tokens, t)]
+        assert distinct_experts(4, 2, t, histogram=counts) == pytest.approx(sum(subsets) / len(subsets))
+    assert distinct_experts(4, 2, 50, histogram=counts) == pytest.approx(3.0)
+    assert distinct_experts(4, 2, 2, local=2, histogram=counts) == pytest.approx(1 + 2 / 3)
+    # every expert picked once by four tokens: three of them hit six of eight
+    assert distinct_experts(8, 2, 3, histogram=[1] * 8) == pytest.approx(6.0)
 
 
 def test_collectives_by_hand():
