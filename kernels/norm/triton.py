@@ -76,8 +76,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 
 @triton.jit
 def _normed_rows(s, rstd, nw, pid, sum_ptr, h_ptr, rows, ks, m, H, DT: tl.constexpr):
-    """h = norm(s) * weight for columns ks of the rows (s = x + residual, in DT); program 0
-    also stores s and h there."""
+    """h = norm(s) * weight for columns ks of the rows (s = x + residual, in DT); the
+    programs of the first expert block (``pid`` 0) also store s and h there."""
     h = ((s.to(tl.float32) * rstd[:, None]).to(DT).to(tl.float32) * nw[None, :]).to(DT)
     if pid == 0:
         tl.store(sum_ptr + rows[:, None] * H + ks[None, :], s, mask=m)
@@ -91,17 +91,21 @@ def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logi
                             ids_ptr, weights_ptr, count_ptr,  # top-k outputs [T, K] and the ticket (K > 0)
                             BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
                             K: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
-                            E_ALL: tl.constexpr, BLOCK_K: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):
-    """Program p: logits of experts p*BE .. for every row; program 0 also writes h and the sum.
-    Products are summed in float32 on the CUDA cores ([BT, BE, BK] per step): a decode step
-    has too few rows for the tensor cores to pay, and each program's weights are a few KB.
-    ONE: one step covers H (BK >= H: a decode step's few rows); the norm and router weights
-    are then loaded before the PDL wait, so their DRAM round trip overlaps the kernel before.
-    With K > 0 each program then takes a ticket, and the last one computes the top-k table
-    from every program's (rounded) logits, as ``kernels.topk_gating`` would, and resets the
-    counter: the MoE layer's gating without a launch of its own."""
+                            E_ALL: tl.constexpr, BLOCK_K: tl.constexpr, ONE: tl.constexpr, BT_ALL: tl.constexpr,
+                            PDL: tl.constexpr):
+    """Program (p, r): logits of experts p*BE .. for rows r*BT ..; programs (0, r) also write
+    their rows' h and sum. Products are summed in float32 on the CUDA cores ([BT, BE, BK] per
+    step): a decode step has too few rows for the tensor cores to pay, and each program's
+    weights are a few KB. ONE: one step covers H (BK >= H); the norm and router weights are
+    then loaded before the PDL wait, so their DRAM round trip overlaps the kernel before.
+    Rows are split over programs so that one step does cover H: a program walking H in
+    steps, twice (the norm, then the products), waits on each step's loads in turn. With
+    K > 0 each program then takes a ticket, and the last one computes the top-k table of
+    every row (BT_ALL: the rows, padded) from every program's (rounded) logits, as
+    ``kernels.topk_gating`` would, and resets the counter: the MoE layer's gating without a
+    launch of its own."""
     pid = tl.program_id(0)
-    rows = tl.arange(0, BT)
+    rows = tl.program_id(1) * BT + tl.arange(0, BT)
     row_ok = rows < T
     experts = pid * BE + tl.arange(0, BE)
     e_ok = experts < E
@@ -147,22 +151,25 @@ def _rms_norm_router_kernel(x_ptr, res_ptr, nw_ptr, rw_ptr, h_ptr, sum_ptr, logi
     if K > 0:
         tl.debug_barrier()  # every thread's logits are written before the ticket is taken
         ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-        if ticket == tl.num_programs(0) - 1:  # the last program: the top-k of all the logits
-            top_ids, top_w = _topk_table(logits_ptr, rows, row_ok, E, E, 1, K, SOFTMAX, RENORMALIZE, E_ALL,
+        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last program: the top-k of all
+            every = tl.arange(0, BT_ALL)
+            top_ids, top_w = _topk_table(logits_ptr, every, every < T, E, E, 1, K, SOFTMAX, RENORMALIZE, E_ALL,
                                          BLOCK_K, True)
             slots = tl.arange(0, BLOCK_K)
-            out = rows[:, None] * K + slots[None, :]
-            out_ok = row_ok[:, None] & (slots[None, :] < K)
+            out = every[:, None] * K + slots[None, :]
+            out_ok = (every < T)[:, None] & (slots[None, :] < K)
             tl.store(ids_ptr + out, top_ids, mask=out_ok)
             tl.store(weights_ptr + out, top_w, mask=out_ok)
             tl.atomic_xchg(count_ptr, 0)  # ready for the next call (or graph replay)
 
 
 def _router_blocks(t: int, h: int, e: int) -> tuple[int, int, int]:
-    """(BT, BE, BK): rows padded to a power of two; up to 4 experts a program, fewer when
-    that leaves under 16 programs (Mixtral's 8 experts: one each); a K step that keeps the
-    [BT, BE, BK] product at 8K values."""
-    bt, be = triton.next_power_of_2(max(t, 1)), max(1, min(4, triton.next_power_of_2(e) // 16))
+    """(BT, BE, BK): up to 4 experts a program, fewer when that leaves under 16 programs
+    (Mixtral's 8 experts: one each); the rows (padded to a power of two) a program takes,
+    as many as keep one K step over H within a [BT, BE, BK] product of 8K values (at least
+    one); a K step that keeps the product at 8K values."""
+    be = max(1, min(4, triton.next_power_of_2(e) // 16))
+    bt = min(triton.next_power_of_2(max(t, 1)), max(1, 8192 // (be * triton.next_power_of_2(h))))
     bk = max(32, min(triton.next_power_of_2(h), 8192 // (bt * be)))
     return bt, be, bk
 
@@ -192,12 +199,12 @@ def rms_norm_router_triton(x, residual, norm_w, eps, router_w, gating: tuple | N
         ids, weights = _outputs(t, k, x.device)
     bt, be, bk = _router_blocks(t, h, e)
     # ONE: where one K step covers H, the router weights load before the PDL wait.
-    _rms_norm_router_kernel[(triton.cdiv(e, be),)](
+    _rms_norm_router_kernel[(triton.cdiv(e, be), triton.cdiv(t, bt))](
         x, residual, norm_w, router_w, out_h, summed, logits, t, h, e, eps, x.stride(0), residual.stride(0),
         router_w.stride(0), ids, weights, ticket_counters(x.device, 1, "rms_norm_router"),
         BT=bt, BE=be, BK=bk, K=k, SOFTMAX=score == "softmax", RENORMALIZE=bool(renormalize),
         E_ALL=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(max(k, 1)), ONE=bk >= h,
-        num_warps=4,
+        BT_ALL=triton.next_power_of_2(t), num_warps=4,
         **pdl_launch(x.device, pdl))
     return RouterEntry(out_h, summed, logits, *((ids, weights) if gating is not None else ()))
 

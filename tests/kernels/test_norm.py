@@ -91,7 +91,7 @@ def test_rms_norm_rejects_mismatched_shapes():
 
 
 @pytest.mark.parametrize("device,dtype", BACKENDS)
-@pytest.mark.parametrize("t,h,e", [(1, 64, 8), (3, 200, 20), (16, 256, 64)])
+@pytest.mark.parametrize("t,h,e", [(1, 64, 8), (3, 200, 20), (16, 256, 64), (5, 2000, 40)])
 def test_rms_norm_router_matches_reference(device, dtype, t, h, e):
     gen = torch.Generator().manual_seed(t + h + e)
     x = (torch.randn(t, h, generator=gen) * 2).to(device, dtype)
@@ -109,7 +109,8 @@ def test_rms_norm_router_matches_reference(device, dtype, t, h, e):
 
 @pytest.mark.parametrize("device,dtype", BACKENDS)
 @pytest.mark.parametrize("t,h,e,k,score,renorm", [(1, 64, 8, 2, "softmax", True), (3, 200, 20, 4, "sigmoid", False),
-                                                 (16, 256, 64, 8, "softmax", False), (2, 128, 128, 8, "softmax", True)])
+                                                 (16, 256, 64, 8, "softmax", False), (2, 128, 128, 8, "softmax", True),
+                                                 (7, 1024, 40, 6, "softmax", True)])
 def test_rms_norm_router_with_gating(device, dtype, t, h, e, k, score, renorm):
     """The top-k table from the norm + router launch (its last program, by ticket) equals
     the gating kernel run on the logits the same launch wrote; twice in a row, so the
@@ -145,7 +146,7 @@ from kernels.norm.triton import _rms_norm_router_kernel as kernel
 
 bk, k, one, pdl = (int(v) for v in sys.argv[1:])
 const = dict(BT=1, BE=4, BK=bk, K=k, SOFTMAX=True, RENORMALIZE=False, E_ALL=64, BLOCK_K=max(k, 1), ONE=bool(one),
-             PDL=pdl)
+             BT_ALL=8, PDL=pdl)
 types = {"ids_ptr": "*i32", "weights_ptr": "*fp32", "count_ptr": "*i32", "T": "i32", "H": "i32", "E": "i32",
          "eps": "fp32"}
 """
