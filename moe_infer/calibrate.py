@@ -162,7 +162,7 @@ MOE_KERNEL_TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 1024)  # a call's tokens: de
 # take minutes at these sizes: the generic terms price its prefills)
 MOE_KERNEL_PREFILL_TOKENS = (4096, 16384)
 # a call's tokens at which the kernel is also timed with its routing concentrated on fewer
-# experts (a prompt's tokens tend to pick the same ones; decode's few tokens meet few anyway)
+# experts, as a measured routing may be (decode's few tokens meet few experts either way)
 MOE_SKEW_TOKENS = (32, 128, 512, 2048, 8192)
 _ACTIVATION = {"swiglu": "silu", "gelu": "gelu", "swiglu_oai": "swiglu_oai"}  # config's -> the kernel's name
 
@@ -215,8 +215,8 @@ def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], toke
     on a few experts (``skew_counts``; ``concentrated_ids``), and uniform routing beside them
     at its expected distinct experts: the kernel's tiles follow a call's tokens, not the
     rows each expert gets, so fewer experts hit save less than their reads."""
-    from moe_infer.closed_forms import distinct_experts
     from kernels import fused_moe, topk_gating
+    from moe_infer.closed_forms import distinct_experts
     from moe_infer.config import ParallelConfig
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
