@@ -25,6 +25,10 @@ from kernels.options import KernelOptions
 # cuDNN's: it builds an execution plan for every new shape, at a cost far above the
 # attention's own, and a server meets a new prompt length or batch with nearly every request.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# A forward replayed from a CUDA graph has fixed shapes: cuDNN's plan is built once, when the
+# graph is captured, and its kernels ran every prefill bucket's causal attention faster than
+# flash's on the GPUs measured (``KernelOptions.cudnn_prefill_graphs``); in this order.
+GRAPH_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *SDPA_BACKENDS]
 
 
 def _rotary(rotary: Rotary | None, positions: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor):
@@ -57,6 +61,9 @@ class StepContext:
     # costs no GEMM or expert work; None: every query is real, or the step's shapes are
     # fixed (a captured step).
     tokens: torch.Tensor | None = None
+    # The step is replayed from a CUDA graph (its shapes never change): SDPA may take
+    # kernels that plan per shape (``GRAPH_SDPA_BACKENDS``).
+    graphed: bool = False
 
     def per_token(self, fn, x: torch.Tensor) -> torch.Tensor:
         """``fn`` over x [B, T, H]: over its real tokens alone where some are padding, the

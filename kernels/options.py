@@ -1,7 +1,7 @@
 """The kernel options a user may set, as one object that layers take at construction.
 
 The engine fills a ``KernelOptions`` from its config (``engine: {pdl, fused_decode_attention,
-fold_shared_experts, overlap_shared_experts}``) and the model hands it to every layer that
+fold_shared_experts, overlap_shared_experts, cudnn_prefill_graphs}``) and the model hands it to every layer that
 launches kernels; a layer passes ``pdl`` on to each kernel call. Nothing in ``kernels/`` or
 ``dense/`` reads the environment for these: an A/B comparison builds two option objects (two
 engine configs).
@@ -27,6 +27,11 @@ class KernelOptions:
     # MLP runs on a second stream while the routed experts and their collectives run
     # (MoELayer.forward). False: after them.
     overlap_shared_experts: bool = True
+    # A prefill replayed from a CUDA graph runs its attention on cuDNN's SDPA kernels where
+    # they take the shapes (dense.attention.GRAPH_SDPA_BACKENDS): its shapes never change, so
+    # cuDNN's execution plan is built once, at capture. False: the kernels eager forwards
+    # take (dense.attention.SDPA_BACKENDS).
+    cudnn_prefill_graphs: bool = True
 
     def __post_init__(self):
         for f in fields(self):

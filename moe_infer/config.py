@@ -393,6 +393,10 @@ class EngineConfig:
     # split them) run on a second stream of the device while the routed experts and their
     # collectives run. false: after them.
     overlap_shared_experts: bool = True
+    # A prefill replayed from a CUDA graph (``prefill_graph_tokens``) runs its attention on
+    # cuDNN's SDPA kernels where they take the shapes: one execution plan a bucket, built at
+    # capture. false: the flash kernels eager prefills run.
+    cudnn_prefill_graphs: bool = True
     # Models larger than the device: at most this many GB of weights stay on it (None: all).
     # Everything but the routed experts first, then the experts hit most; the others live
     # in host memory and run as ``offload`` says: "cpu" (computed by the CPU; decode runs
@@ -444,7 +448,7 @@ class EngineConfig:
         if self.kv_offload is not None:
             _check_choice(s, self, "kv_offload", ("all", "alternate"))
         for name in ("cuda_graphs", "pdl", "fused_decode_attention", "fold_shared_experts",
-                     "overlap_shared_experts"):
+                     "overlap_shared_experts", "cudnn_prefill_graphs"):
             if not isinstance(getattr(self, name), bool):
                 _fail(f"{s}.{name}", getattr(self, name), "true or false")
         if self.max_seq_len is not None:
@@ -461,7 +465,8 @@ class EngineConfig:
         """The options the model hands to every layer that launches kernels."""
         return KernelOptions(pdl=self.pdl, fused_decode_attention=self.fused_decode_attention,
                              fold_shared_experts=self.fold_shared_experts,
-                             overlap_shared_experts=self.overlap_shared_experts)
+                             overlap_shared_experts=self.overlap_shared_experts,
+                             cudnn_prefill_graphs=self.cudnn_prefill_graphs)
 
 
 @dataclass

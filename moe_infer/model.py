@@ -15,7 +15,7 @@ from torch.nn.attention import sdpa_kernel
 import kernels
 from comm import ParallelGroups
 from dense import MLP, Attention, PagedKVCache, Rotary, StepContext, make_norm
-from dense.attention import SDPA_BACKENDS
+from dense.attention import GRAPH_SDPA_BACKENDS, SDPA_BACKENDS
 from dense.mla import LatentAttention
 from dense.norm import RMSNorm
 from dense.parallel_linear import Linear, VocabParallelHead
@@ -327,7 +327,8 @@ class Transformer(nn.Module):
         else:
             x = hidden
         pending = None
-        with sdpa_kernel(SDPA_BACKENDS):
+        graph = ctx.graphed and self.options.cudnn_prefill_graphs
+        with sdpa_kernel(GRAPH_SDPA_BACKENDS if graph else SDPA_BACKENDS, set_priority=graph):
             for i in self.own:
                 x, pending = self.layers[i](x, ctx, cache, pending)
         if pp.rank < pp.size - 1:

@@ -97,6 +97,10 @@ def test_kernel_options_come_from_the_engine_section():
         EngineConfig(pdl="no")
     with pytest.raises(ConfigError, match=r"^engine\.fused_decode_attention=1: expected true or false$"):
         EngineConfig(fused_decode_attention=1)
+    off = config_from_dict(with_change("engine", cudnn_prefill_graphs=False)).engine.kernel_options()
+    assert off == KernelOptions(cudnn_prefill_graphs=False) and KernelOptions().cudnn_prefill_graphs
+    with pytest.raises(ConfigError, match=r"^engine\.cudnn_prefill_graphs='yes': expected true or false$"):
+        EngineConfig(cudnn_prefill_graphs="yes")
 
 
 def test_missing_required_key_is_named():

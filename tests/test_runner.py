@@ -414,6 +414,62 @@ def test_graph_decode_equals_eager_decode_token_for_token_on_a_gpu():
     assert captured >= 2 and graph == eager
 
 
+def test_a_step_replayed_from_a_graph_asks_sdpa_for_cudnn_first(engine, monkeypatch):
+    """A forward whose context says it is replayed from a CUDA graph (fixed shapes) enters
+    SDPA with cuDNN's kernels first, in that priority, unless ``cudnn_prefill_graphs`` is
+    off; any other forward with the kernels eager prefills take. The logits do not change."""
+    from dataclasses import replace
+
+    import moe_infer.model
+    from dense.attention import GRAPH_SDPA_BACKENDS, SDPA_BACKENDS
+
+    seen, real = [], moe_infer.model.sdpa_kernel
+    monkeypatch.setattr(moe_infer.model, "sdpa_kernel",
+                        lambda backends, set_priority=False: seen.append((backends, set_priority)) or real(
+                            backends, set_priority=set_priority))
+    model, options = engine.model, engine.model.options
+    tokens = torch.tensor([[5, 9, 2, 7, 11]])
+    ctx = model.context(torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool), no_padding=True)
+    try:
+        plain = model(tokens, ctx)
+        graphed = model(tokens, replace(ctx, graphed=True))
+        model.options = replace(options, cudnn_prefill_graphs=False)
+        off = model(tokens, replace(ctx, graphed=True))
+    finally:
+        model.options = options
+    assert seen == [(SDPA_BACKENDS, False), (GRAPH_SDPA_BACKENDS, True), (SDPA_BACKENDS, False)]
+    assert torch.equal(plain, graphed) and torch.equal(plain, off)
+
+
+@pytest.mark.gpu
+def test_a_captured_prefill_on_cudnn_attention_equals_the_flash_one_and_the_eager_forward_on_a_gpu():
+    """bf16: fresh prompts prefilled through a captured bucket with its attention on cuDNN's
+    SDPA kernels (``cudnn_prefill_graphs``, the default) and on flash's give the last
+    tokens' logits of the eager forward, to bf16 rounding, and the same greedy tokens."""
+    from dataclasses import replace
+
+    engine = moe_infer.load("tiny-moe", device="cuda", dtype="bfloat16", progress=False)
+    rng = random.Random(3)
+    vocab = engine.config.model.vocab_size
+    rows, free = [], list(range(64))
+    for n in (7, 30, 19):
+        need = -(-n // 8)
+        rows.append(Row([rng.randrange(vocab) for _ in range(n)], 0, free[:need]))
+        free = free[need:]
+    eager = PagedRunner(engine, num_blocks=64, block_size=8, max_batch=8).forward_all(rows)[:, -1].float()
+    got = {}
+    for cudnn in (True, False):
+        engine.model.options = replace(engine.model.options, cudnn_prefill_graphs=cudnn)
+        runner = PagedRunner(engine, num_blocks=64, block_size=8, max_batch=8)
+        runner.static = True
+        logits, ids = runner.decode(rows)
+        assert runner._prefills and all(step.graph is not None for step in runner._prefills.values())
+        got[cudnn] = logits.float(), ids.tolist()
+    for logits, ids in got.values():
+        torch.testing.assert_close(logits, eager, rtol=3e-2, atol=3e-2)
+    assert got[True][1] == got[False][1]
+
+
 def test_every_decode_bucket_is_made_before_serving(engine):
     runner = PagedRunner(engine, num_blocks=64, block_size=8, max_batch=6)
     runner.static = True
