@@ -86,10 +86,13 @@ ATTENTION_TOKENS = 16384
 ATTENTION_HEADS = 16
 
 
-def _attention_curve(device: torch.device, widths: tuple, keys: tuple[int, ...], tokens: int, reps: int) -> dict:
+def _attention_curve(device: torch.device, widths: tuple, keys: tuple[int, ...], tokens: int, reps: int,
+                     graphed: bool = False) -> dict:
     """-> {"causal" / "masked": {"<qk>/<v>": {keys: TFLOP/s}}}: a prompt's attention as the
-    model's layers run it (``F.scaled_dot_product_attention`` with the kernels a forward
-    enables, ``dense.attention.SDPA_BACKENDS``), ``tokens // keys`` prompts of ``keys``
+    model's layers run it (``F.scaled_dot_product_attention`` with the kernels an eager
+    forward enables, ``dense.attention.SDPA_BACKENDS``; ``graphed``: those of a forward
+    replayed from a CUDA graph, ``GRAPH_SDPA_BACKENDS`` in that order, under the kinds
+    "causal-graph" / "masked-graph"), ``tokens // keys`` prompts of ``keys``
     tokens, ``ATTENTION_HEADS`` heads. "causal": a fresh prompt over its own keys (no mask;
     the flash kernels skip the masked half, and the FLOPs count the half computed); "masked":
     with a boolean mask over every key (sinks, sliding windows, earlier chunks of a prompt:
@@ -98,9 +101,10 @@ def _attention_curve(device: torch.device, widths: tuple, keys: tuple[int, ...],
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    from dense.attention import SDPA_BACKENDS
+    from dense.attention import GRAPH_SDPA_BACKENDS, SDPA_BACKENDS
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backends = GRAPH_SDPA_BACKENDS if graphed else SDPA_BACKENDS
     out = {"causal": {}, "masked": {}}
     for dk, dv in widths:
         for kind in out:
@@ -113,13 +117,13 @@ def _attention_curve(device: torch.device, widths: tuple, keys: tuple[int, ...],
                 mask = (i[None, :] <= i[:, None]).expand(b, 1, s, s) if kind == "masked" else None
 
                 def call(q=q, k=k, v=v, mask=mask):
-                    with sdpa_kernel(SDPA_BACKENDS):
+                    with sdpa_kernel(backends, set_priority=graphed):
                         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
                 pairs = s * (s + 1) / 2 if kind == "causal" else s * s
                 by_keys[s] = _figure(2 * b * ATTENTION_HEADS * (dk + dv) * pairs / _seconds(call, device, reps) / 1e12)
                 del q, k, v, mask
-    return out
+    return {f"{kind}-graph": by for kind, by in out.items()} if graphed else out
 
 
 MOE_SHAPES = ((2048, 256), (2048, 1024), (4096, 3584), (4096, 14336))  # (H, F) of one expert (or its slice)
@@ -411,9 +415,11 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None, 
         curve = _matmul_curve(device, 1024, CURVE_ROWS[:5], reps)
     mem_gbps = _figure(_copy_gbps(device, big, reps))
     if smoke:
-        attention = _attention_curve(device, ((32, 32),), (16, 64), 256, reps)
+        attention = {**_attention_curve(device, ((32, 32),), (16, 64), 256, reps),
+                     **_attention_curve(device, ((32, 32),), (16, 64), 256, reps, True)}
     elif device.type == "cuda":
-        attention = _attention_curve(device, ATTENTION_WIDTHS, ATTENTION_KEYS, ATTENTION_TOKENS, reps)
+        attention = {**_attention_curve(device, ATTENTION_WIDTHS, ATTENTION_KEYS, ATTENTION_TOKENS, reps),
+                     **_attention_curve(device, ATTENTION_WIDTHS, ATTENTION_KEYS, ATTENTION_TOKENS, reps, True)}
     else:  # a CPU's prompts of thousands of keys would take the run's minutes
         attention = _attention_curve(device, ATTENTION_WIDTHS[:1], ATTENTION_KEYS[:2], 1024, reps)
     if smoke:

@@ -28,7 +28,7 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
                                          for by in hw.moe_read.values())
     curve = hw.matmul_curve["bfloat16"]
     assert sorted(curve) == [1, 8, 32] and all(rate > 0 for rate in curve.values())
-    assert sorted(hw.attention_curve) == ["causal", "masked"]
+    assert sorted(hw.attention_curve) == ["causal", "causal-graph", "masked", "masked-graph"]
     assert all(sorted(by) == [16, 64] and all(rate > 0 for rate in by.values())
                for kind in hw.attention_curve.values() for by in kind.values())
     assert hw.attention_rate("causal", 32, 32, 32) > 0
