@@ -130,7 +130,7 @@ class CostModel:
                 # latent up-projected to each head's key and value (``context`` the mean keys a query
                 # attends, half the prompt's), then attention at the head width, a key per head
                 flops += 2 * rows * 2 * context * c * hq * (d - r + v)
-                score, rate = self._prompt_attention(index, rows * hq, tokens, context, d, v)
+                score, rate = self._prompt_attention(index, rows, hq, tokens, context, d, v)
                 return AttentionCost(weights, rows * context * kv_token, flops, score, tokens, kv_token, rate)
             # absorbed: scores and outputs in the latent's space, which every head reads
             score, score_rows = 2 * rows * tokens * context * hq * (2 * c + r), tokens * hq
@@ -147,26 +147,29 @@ class CostModel:
                 from dense.attention import SINK_PAD
 
                 width += SINK_PAD
-            score, rate = self._prompt_attention(index, rows * hq, tokens, context, width, width)
+            score, rate = self._prompt_attention(index, rows, hq, tokens, context, width, width)
         return AttentionCost(weights, rows * context * kv_token, 2 * rows * tokens * weights / self.wb,
                              score, tokens * max(1.0, hq / hkv), kv_token, rate)
 
-    def _prompt_attention(self, index: int, heads: float, tokens: float, context: float, qk_width: float,
-                          v_width: float) -> tuple[float, float | None]:
+    def _prompt_attention(self, index: int, rows: float, heads: float, tokens: float, context: float,
+                          qk_width: float, v_width: float) -> tuple[float, float | None]:
         """(FLOPs, FLOP/s or None: the matmul rate) of block ``index``'s attention over a
-        prompt: ``heads`` (rows x query heads on the rank) of ``tokens`` queries over
-        ``context`` keys each on average. A fresh prompt attends causally over its own keys
-        (``StepContext.paged``: no mask, the flash kernels skip the masked half); sinks,
-        sliding windows and chunks take a mask, and the kernel that takes one computes every
-        query against every key slot (a prompt in pieces: the slots up to its piece, the
-        mean of which is ``context`` + half a piece)."""
-        m = self.cfg.model
+        forward's ``rows`` prompts, ``heads`` query heads each on the rank, ``tokens``
+        queries over ``context`` keys each on average. A fresh prompt attends causally over
+        its own keys (``StepContext.paged``: no mask, the flash kernels skip the masked
+        half); sinks, sliding windows and chunks take a mask, and the kernel that takes one
+        computes every query against every key slot (a prompt in pieces: the slots up to its
+        piece, the mean of which is ``context`` + half a piece). A forward replayed from a
+        CUDA graph (``engine.prefill_graph_tokens``; padding to its bucket aside) runs on the
+        kernels ``engine.cudnn_prefill_graphs`` picks, at their curve."""
+        m, e = self.cfg.model, self.cfg.engine
         masked = (m.attention_sinks or m.sliding_window is not None
                   or (m.attention_chunk is not None and (not m.chunked_layers or index in m.chunked_layers)))
         keys = context + tokens / 2
         pairs = tokens * (keys if masked else context)
-        rate = self.hw.attention_rate("masked" if masked else "causal", qk_width, v_width, keys)
-        return 2 * heads * pairs * (qk_width + v_width), rate
+        graphed = e.cuda_graphs and e.cudnn_prefill_graphs and rows * tokens <= e.prefill_graph_tokens
+        rate = self.hw.attention_rate("masked" if masked else "causal", qk_width, v_width, keys, graphed)
+        return 2 * rows * heads * pairs * (qk_width + v_width), rate
 
     def _whole_qk(self, p: ParallelConfig, new_tokens: float) -> bool:
         """Whether a step of ``new_tokens`` tokens a row projects every head's q and k on

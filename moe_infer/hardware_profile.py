@@ -44,7 +44,8 @@ class Hardware:
     hits (uniform routing's count among them), for a measured routing.
     ``attention_curve``: a prompt's attention (the SDPA kernels a forward runs) in TFLOP/s
     by the keys a prompt has, "causal" (a fresh prompt, no mask) and "masked", per
-    "<query/key width>/<value width>" of a head (``attention_rate``); without it a
+    "<query/key width>/<value width>" of a head (``attention_rate``), and "causal-graph" /
+    "masked-graph" on the kernels a prefill replayed from a CUDA graph takes; without it a
     prompt's attention runs at the matmul rate."""
 
     name: str
@@ -63,7 +64,7 @@ class Hardware:
     moe_read: dict = field(default_factory=dict)  # bytes of one expert -> {rows per expert: fraction of mem_gbps}
     moe_kernel: dict = field(default_factory=dict)  # moe_kernel_key -> {tokens of a call: µs}
     moe_skew: dict = field(default_factory=dict)  # moe_kernel_key -> {tokens: {experts hit: µs}}
-    attention_curve: dict = field(default_factory=dict)  # "causal" / "masked" -> {"dk/dv": {keys: TFLOP/s}}
+    attention_curve: dict = field(default_factory=dict)  # "causal" / "masked" [-graph] -> {"dk/dv": {keys: TFLOP/s}}
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "Hardware":
@@ -102,12 +103,14 @@ class Hardware:
             return curve[0][1] * 1e12 * rows / curve[0][0]
         return _log_between(curve, rows) * 1e12
 
-    def attention_rate(self, kind: str, qk_width: float, v_width: float, keys: float) -> float | None:
+    def attention_rate(self, kind: str, qk_width: float, v_width: float, keys: float,
+                       graphed: bool = False) -> float | None:
         """FLOP/s of a prompt's attention (``kind`` "causal" or "masked") whose heads are
         ``qk_width`` / ``v_width`` wide, over prompts of ``keys`` keys: ``attention_curve``'s
         nearest measured widths, log-linear in the keys between its points, the end points'
-        rates beyond them. None where the profile has no such curve."""
-        curves = self.attention_curve.get(kind)
+        rates beyond them; ``graphed``: a prefill replayed from a CUDA graph, on that kind's
+        "-graph" curve where the profile has one. None where it has no such curve."""
+        curves = (self.attention_curve.get(f"{kind}-graph") if graphed else None) or self.attention_curve.get(kind)
         if not curves:
             return None
         widths = {tuple(float(w) for w in name.split("/")): by for name, by in curves.items()}

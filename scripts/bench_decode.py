@@ -30,6 +30,7 @@ Writes bench/results/decode-<model>[-int8|-mxfp4]-<device>-<date>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import sys
@@ -303,6 +304,8 @@ def run_matrix(engine, args, lens: list[int], batches: list[int], peer_cells: se
     if not args.smoke:
         name = f"decode-matrix-{model_slug(args)}{'-' + args.quantize if args.quantize else ''}"
         bc.write_results(name, engine.device, {"run": run, "model": args.model or "default", "args": vars(args),
+                                                   "kernel_options": dataclasses.asdict(
+                                                       engine.config.engine.kernel_options()),
                                                    "copy_gbs": copy_gbs, "matmul_tflops": mm, "peer": peer_note,
                                                    "cells": cells})
 

@@ -17,6 +17,7 @@ Writes bench/results/pipeline-<model>-<P>ranks-<device>-<date>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ import bench_common as bc  # noqa: E402
 import moe_infer  # noqa: E402
 from bench_decode import decode_step_ms  # noqa: E402
 from moe_infer import ParallelConfig  # noqa: E402
+from moe_infer.loader import resolve_config  # noqa: E402
 
 
 def main():
@@ -128,7 +130,9 @@ def main():
         if not args.no_json:
             bc.write_results(f"pipeline-{Path(args.model).stem}-{world}ranks", info.device,
                              {"run": run, "model": args.model, "args": vars(args), "decode": decode,
-                              "prompts": prompt_rows})
+                              "prompts": prompt_rows,
+                              "kernel_options": dataclasses.asdict(
+                                  resolve_config(args.model).engine.kernel_options())})
     shutdown()
 
 

@@ -49,6 +49,8 @@ def rows_of(path: Path) -> list[dict]:
     context = args.get("prompt_len", 128) + args.get("new_tokens", 32) / 2
     # when it ran: the later of two runs of the same row replaces the earlier (``latest``)
     when = (d["run"].get("time") or d["run"].get("date", ""), path.name)
+    # the SDPA kernels its graphed prefills took (a file from before the option: flash's)
+    cudnn = bool((d.get("kernel_options") or {}).get("cudnn_prefill_graphs", False))
     if "rows" in d:
         return [dict(model=d["model"], device=device, layout=r["layout"], parallel=r["parallel"], batch=r["batch"],
                      ms=r["ms_per_token"], context=context, file=path.name, when=when) for r in d["rows"]]
@@ -58,15 +60,16 @@ def rows_of(path: Path) -> list[dict]:
                      ms=r["ms_per_step"], context=context, file=path.name, when=when) for r in d["decode"]] + [
             dict(model=d["model"], device=device, layout=f"pp{world}, {r['micro_batches']} micro-batches",
                  parallel={"pp": world, "prompt_micro_batches": r["micro_batches"]}, batch=args["prompts"],
-                 ms=r["seconds"] * 1e3, context=args["prompt_tokens"], phase="prefill", file=path.name, when=when)
-            for r in d.get("prompts", [])]
+                 ms=r["seconds"] * 1e3, context=args["prompt_tokens"], phase="prefill", file=path.name, when=when,
+                 cudnn_prefill_graphs=cudnn) for r in d.get("prompts", [])]
     if "cells" in d:  # scripts/bench_decode.py's matrix, bf16 on one GPU: the time to the first token, decode
         if args.get("quantize") is not None:
             return []
         cell = dict(model=d["model"], device=device, layout="one GPU", parallel={}, layers=args.get("layers"),
                     file=path.name, when=when)
         return [dict(cell, batch=c["batch"], ms=c["prefill_s"] * 1e3, context=c["prompt_len"], phase="prefill",
-                     **({"routing": c["routing"]} if "routing" in c else {})) for c in d["cells"]] + [
+                     cudnn_prefill_graphs=cudnn, **({"routing": c["routing"]} if "routing" in c else {}))
+                for c in d["cells"]] + [
             dict(cell, batch=c["batch"], ms=c["decode_ms_per_token"], context=c["prompt_len"] + args["new_tokens"] / 2)
             for c in d["cells"]]
     if "ms_per_token" in d:  # a --baseline run: one GPU alone
@@ -120,6 +123,9 @@ def compare(files: list[Path], hardware: str | None = None, offload_files: list[
         if "offload" in r:
             budget, mode, hit_rate = r["offload"]
             cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, gpu_memory_gb=budget, offload=mode))
+        if "cudnn_prefill_graphs" in r:  # a prefill priced on the attention kernels it ran
+            cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
+                cfg.engine, cudnn_prefill_graphs=r["cudnn_prefill_graphs"]))
         # a prefill whose prompts' routing the run recorded (bench_decode.py --routing): priced by it
         histogram = {int(k): [float(n) for n in v] for k, v in r["routing"].items()} if "routing" in r else None
         model = CostModel(cfg, Hardware.load(profile), hit_rate=hit_rate, histogram=histogram)

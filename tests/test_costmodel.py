@@ -394,6 +394,30 @@ def test_a_prompts_attention_runs_at_the_measured_attention_rate():
     assert CostModel(cfg, machine(**free)).predict(ParallelConfig(), "prefill", 1, 0, prompt=t).ms < causal.ms / 100
 
 
+def test_a_prefill_replayed_from_a_graph_runs_at_the_graph_kernels_rate():
+    """A forward within ``engine.prefill_graph_tokens`` replays a CUDA graph, whose attention
+    runs on the kernels ``cudnn_prefill_graphs`` picks: the "causal-graph" curve's rate; a
+    larger forward, or the option off, at the eager kernels' curve."""
+    import dataclasses
+
+    cfg, t = dense_config(layers=2), 1024
+    m = cfg.model
+    flops = m.num_layers * 2 * m.num_heads * t * (t / 2) * 2 * (m.hidden_size // m.num_heads)
+    free = dict(mem_gbps=1e12, matmul_tflops={"bfloat16": 1e12, "int8": 1e12})
+    curves = {"causal": {"128/128": {512: 10.0, 2048: 10.0}}, "causal-graph": {"128/128": {512: 20.0, 2048: 20.0}}}
+    hw = machine(**free, attention_curve=curves)
+    assert hw.attention_rate("causal", 128, 128, 1024, graphed=True) == pytest.approx(20e12)
+    assert hw.attention_rate("masked", 128, 128, 1024, graphed=True) is None
+
+    def ms(**engine):
+        c = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **engine))
+        return CostModel(c, hw).predict(ParallelConfig(), "prefill", 1, 0, prompt=t).ms
+
+    assert ms() == pytest.approx(flops / 20e12 * 1e3, rel=1e-3)
+    for eager in (dict(prefill_graph_tokens=512), dict(cudnn_prefill_graphs=False), dict(cuda_graphs=False)):
+        assert ms(**eager) == pytest.approx(flops / 10e12 * 1e3, rel=1e-3)
+
+
 def test_the_activation_passes_follow_the_layout():
     """Mixtral's bytes a token in a block's element-wise kernels: two residual adds with
     norms (8 H), the attention epilogue (twice the rank's query, key and value heads) and

@@ -220,6 +220,12 @@ def test_cost_model_validation_reads_the_decode_matrix_and_the_pipeline(tmp_path
     want = cost.predict(validate.ParallelConfig(), "decode", 8, 144).ms
     assert next(r for r in rows if r.get("phase") is None and r["layout"] == "one GPU")["predicted"] == \
         pytest.approx(want)
+    # graphed prefills ran flash's attention before the run recorded its kernel options
+    assert [r["cudnn_prefill_graphs"] for r in rows if r.get("phase") == "prefill"] == [False, False]
+    later = tmp_path / "decode-matrix-olmoe-later.json"
+    later.write_text(json.dumps({"run": run, "model": "olmoe-1b-7b", "kernel_options": {"cudnn_prefill_graphs": True},
+                                 "args": {"quantize": None, "layers": 4, "new_tokens": 32}, "cells": cells}))
+    assert [r.get("cudnn_prefill_graphs") for r in validate.rows_of(later)] == [True, None]
 
 
 def test_cost_model_validation_prices_a_prefill_by_the_routing_its_run_recorded(tmp_path):
