@@ -1,10 +1,10 @@
 """The kernel options a user may set, as one object that layers take at construction.
 
 The engine fills a ``KernelOptions`` from its config (``engine: {pdl, fused_decode_attention,
-fold_shared_experts, overlap_shared_experts, cudnn_prefill_graphs}``) and the model hands it to every layer that
-launches kernels; a layer passes ``pdl`` on to each kernel call. Nothing in ``kernels/`` or
-``dense/`` reads the environment for these: an A/B comparison builds two option objects (two
-engine configs).
+fold_shared_experts, overlap_shared_experts, cudnn_prefill_graphs}``) and the model hands it to
+every layer that launches kernels; a layer passes ``pdl`` on to each kernel call. Nothing in
+``kernels/`` or ``dense/`` reads the environment for these: an A/B comparison builds two option
+objects (two engine configs).
 """
 from __future__ import annotations
 

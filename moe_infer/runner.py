@@ -175,7 +175,7 @@ class PagedPrefillStep:
         self.inputs = torch.zeros(batch, 1 + self.blocks, dtype=torch.long, device=dev)
         self.tokens = torch.zeros(batch, width, dtype=torch.long, device=dev)
         self.staging = HostStaging((self.inputs, self.tokens))
-        self.graph, self.graph_step = None, graph
+        self.graph, self.graphed = None, graph
         if graph:  # every row padding: the warm-up runs write only the cache's trash slot
             self.graph, self.outputs = capture(self._step, dev, pool)
 
@@ -187,7 +187,7 @@ class PagedPrefillStep:
         slots = torch.where(valid, tables[:, p // bs] * bs + p % bs, cache.trash)
         cache.use_slots(slots, slots)  # the keys each row reads are the ones it writes
         ctx = replace(model.paged_context(p.expand(self.batch, -1), valid, n, self.width, causal=True),
-                      graphed=self.graph_step)
+                      graphed=self.graphed)
         last = (n - 1).clamp(min=0)
         if not self.stage:
             logits = model(self.tokens, ctx, cache, last=last)[:, -1].float()
