@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from moe_infer.closed_forms import distinct_experts
 from moe_infer.hardware_profile import Hardware, Link, moe_kernel_key
 
 
@@ -193,8 +194,6 @@ def skew_counts(num_experts: int, top_k: int, tokens: int) -> list[int]:
     """The experts hit at which calibrate times a call of ``tokens`` tokens besides uniform
     routing: top_k, 2 top_k, 4 top_k, ... while fewer than uniform routing hits, and no more
     than the picks."""
-    from moe_infer.closed_forms import distinct_experts
-
     uniform, out, n = distinct_experts(num_experts, top_k, tokens), [], top_k
     while n < min(uniform, num_experts) and n <= tokens * top_k:
         out.append(n)
@@ -222,7 +221,6 @@ def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], toke
     at its expected distinct experts: the kernel's tiles follow a call's tokens, not the
     rows each expert gets, so fewer experts hit save less than their reads."""
     from kernels import fused_moe, topk_gating
-    from moe_infer.closed_forms import distinct_experts
     from moe_infer.config import ParallelConfig
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -417,13 +415,14 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None, 
         curve = _matmul_curve(device, 1024, CURVE_ROWS[:5], reps)
     mem_gbps = _figure(_copy_gbps(device, big, reps))
     if smoke:
-        attention = {**_attention_curve(device, ((32, 32),), (16, 64), 256, reps),
-                     **_attention_curve(device, ((32, 32),), (16, 64), 256, reps, True)}
+        shapes = (((32, 32),), (16, 64), 256)
     elif device.type == "cuda":
-        attention = {**_attention_curve(device, ATTENTION_WIDTHS, ATTENTION_KEYS, ATTENTION_TOKENS, reps),
-                     **_attention_curve(device, ATTENTION_WIDTHS, ATTENTION_KEYS, ATTENTION_TOKENS, reps, True)}
+        shapes = (ATTENTION_WIDTHS, ATTENTION_KEYS, ATTENTION_TOKENS)
     else:  # a CPU's prompts of thousands of keys would take the run's minutes
-        attention = _attention_curve(device, ATTENTION_WIDTHS[:1], ATTENTION_KEYS[:2], 1024, reps)
+        shapes = (ATTENTION_WIDTHS[:1], ATTENTION_KEYS[:2], 1024)
+    attention = _attention_curve(device, *shapes, reps)
+    if smoke or device.type == "cuda":  # (a CPU never replays a prefill from a graph)
+        attention.update(_attention_curve(device, *shapes, reps, graphed=True))
     if smoke:
         moe_read = _moe_read(device, ((64, 32), (128, 64)), MOE_ROWS[:2], reps, mem_gbps)
     elif device.type == "cuda":

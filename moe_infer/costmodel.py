@@ -94,8 +94,9 @@ class CostModel:
     def __init__(self, cfg: Config, hw: Hardware, weight_bytes: float = 2.0, act_bytes: float = 2.0,
                  histogram: list[float] | dict[int, list[float]] | None = None, expert_bytes: float | None = None,
                  hit_rate: float | None = None):
-        """``histogram``: a measured routing, each expert's share of the picks, for every MoE
-        layer or by layer (``moe_infer.routing.load``; a layer it lacks routes uniformly).
+        """``histogram``: a measured routing, each expert's picks (counts, as
+        ``moe_infer.routing.load`` gives them) or share of the picks, for every MoE layer or
+        by layer (a layer it lacks routes uniformly; ``distinct_experts`` reads either).
         ``expert_bytes``: of a routed expert's weight, where it differs (MXFP4 experts).
         ``hit_rate``: offloaded models, the share of routed pairs whose expert is on the
         device, where measured (default: the routing's share of the experts kept there)."""

@@ -153,22 +153,15 @@ class Hardware:
         table = self.moe_skew.get(key)
         if not table:
             return None
+        import numpy as np
+
         by_tokens = sorted((float(t), sorted((float(h), float(us)) for h, us in by.items()))
                            for t, by in table.items())
         if not by_tokens[0][0] <= tokens <= by_tokens[-1][0]:
             return None
-
-        def at(points):  # µs at ``hit`` experts
-            x = min(max(hit, points[0][0]), points[-1][0])
-            for (h0, u0), (h1, u1) in zip(points, points[1:]):
-                if x <= h1:
-                    return u0 + (u1 - u0) * (x - h0) / (h1 - h0)
-            return points[-1][1]
-
-        curve = [(t, at(points)) for t, points in by_tokens]
-        if len(curve) == 1:
-            return curve[0][1] * 1e-6
-        return math.exp(_log_between([(t, math.log(us)) for t, us in curve], tokens)) * 1e-6
+        # (np.interp holds the end points' values beyond them)
+        curve = [(t, math.log(np.interp(hit, *zip(*points)))) for t, points in by_tokens]
+        return math.exp(_log_between(curve, tokens)) * 1e-6
 
     def moe_rows_measured(self) -> float:
         """The most rows per expert ``moe_read`` measured the kernel at (0 without a table):
