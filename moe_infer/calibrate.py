@@ -9,11 +9,13 @@ fused MoE kernel reads its experts by expert size and rows per expert (``moe_rea
 tokens of a call (``moe_kernel``) and, on the shares of one GPU's experts, by the experts
 a call's routing hits (``moe_skew``), and, under ``scripts/launch.sh``, all-reduce latency
 and bandwidth over the job's ranks, and the time of an all-reduce, all-gather and
-all-to-all by message size over groups of 2, 4, ... of the job's ranks (``collectives``).
+all-to-all by message size over groups of 2, 4, ... of the job's ranks (``collectives``),
+and a generate() call's fixed cost before its first token (``prefill_call_us``).
 ``smoke``: small sizes (CPU tests).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -266,6 +268,29 @@ def _moe_kernel(device: torch.device, models: list, ranks: tuple[int, ...], toke
     return out, skew
 
 
+CALL_PROMPT = 16  # tokens of the prompt whose time to the first token gives a call's fixed cost
+
+
+def _prefill_call_us(device: torch.device, hw: Hardware, reps: int) -> float:
+    """``Hardware.prefill_call_us``: the embedded model (a few MB: nothing to read or compute)
+    run as a user's generate() runs it on ``device``, the median time to the first token of
+    a CALL_PROMPT-token prompt over ``reps`` calls (after one that compiles and captures),
+    less what the cost model gives its forward on ``hw``."""
+    from moe_infer.config import ParallelConfig
+    from moe_infer.costmodel import CostModel
+    from moe_infer.loader import load, resolve_config
+
+    cfg = resolve_config(None)
+    engine = load(cfg, device=device, progress=False)
+    prompt = [list(range(1, CALL_PROMPT + 1))]
+    engine.generate(prompt, max_new_tokens=1)
+    first = statistics.median(engine.generate(prompt, max_new_tokens=1)[0].time_to_first_token_s
+                              for _ in range(reps))
+    bare = dataclasses.replace(hw, prefill_call_us=0.0)
+    forward = CostModel(cfg, bare).predict(ParallelConfig(), "prefill", 1, CALL_PROMPT, prompt=CALL_PROMPT).ms
+    return _figure(max(0.0, first * 1e6 - forward * 1e3))
+
+
 def _step_seconds(step, device: torch.device, reps: int) -> float:
     """Median seconds of ``step()``: replayed from a CUDA graph on a GPU (no launch costs,
     as a captured decode step), else called."""
@@ -448,7 +473,8 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None, 
                        f"network taken as the same (one node); collectives by size over groups of up to "
                        f"{dist.get_world_size()} ranks ({timed_how})")
         network = link
-    sources.append("per-block overhead not measured: 15 us")
+    sources.append("per-block overhead not measured: 15 us; a call's prompts' fixed cost from the embedded model's "
+                   "time to its first token")
     sources.append("int8 GEMMs at the int8 rate whatever their rows (the rows curve is bf16's); int8 experts read "
                    "at the measured fraction of bf16 experts of the same bytes")
     hw = Hardware(name=name or kind.lower().replace(" ", "-"), memory_gb=round(memory_gb, 1),
@@ -461,6 +487,7 @@ def measure(device: torch.device, smoke: bool = False, name: str | None = None, 
                   moe_skew={},
                   attention_curve=attention,
                   source="; ".join(sources) + f" ({kind}, {time.strftime('%Y-%m-%d')})")
+    hw.prefill_call_us = _prefill_call_us(device, hw, reps)
     if reached is not None:
         reached(hw)
     if models:

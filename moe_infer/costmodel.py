@@ -8,7 +8,8 @@ share of the routed pairs; a prompt's attention at the measured rate of the atte
 kernel for its keys), plus its element-wise passes over the activations (norms, the
 attention epilogue, the experts' dispatch) at the memory bandwidth, its collectives
 (alpha-beta: a latency per message and bytes over the link's bandwidth, for the link the
-group spans) and a fixed per-block overhead (the kernels' own latency). What a rank reads
+group spans) and a fixed per-block overhead (the kernels' own latency); a call's prompts
+add the host's fixed cost of a call (``Hardware.prefill_call_us``). What a rank reads
 and computes follows the layout: attention and dense FFNs split over tp; experts over ep
 (whole) and expert_slicing (their width); pipeline stages split the blocks
 (``model.stage_layers``) and their micro-batches hide each other (``pipeline``'s
@@ -415,6 +416,9 @@ class CostModel:
         else:
             seconds = mb * pieces * slot
             split = {k: v * mb * pieces for k, v in split.items()}  # every forward's
+        if prefill:  # the call's own: its set-up on the host before the forwards, the sync after them
+            seconds += hw.prefill_call_us * 1e-6
+            split["overhead"] += hw.prefill_call_us * 1e-6
         out_tokens = batch * (new if prefill else 1)
         memory = max(mem_bytes) / GB
         return Prediction(layout_name(p), phase, batch, seconds * 1e3, out_tokens / seconds, memory,

@@ -46,7 +46,11 @@ class Hardware:
     by the keys a prompt has, "causal" (a fresh prompt, no mask) and "masked", per
     "<query/key width>/<value width>" of a head (``attention_rate``), and "causal-graph" /
     "masked-graph" on the kernels a prefill replayed from a CUDA graph takes; without it a
-    prompt's attention runs at the matmul rate."""
+    prompt's attention runs at the matmul rate. ``prefill_call_us``: what a generate()
+    call's prompts cost beside their forwards' blocks and head, whatever their size (the
+    host's set-up of the call, the graph's launch, the sampling and the sync before the
+    first token), measured by ``moe-infer calibrate`` on a model too small to read or
+    compute anything."""
 
     name: str
     memory_gb: float  # per GPU
@@ -65,6 +69,7 @@ class Hardware:
     moe_kernel: dict = field(default_factory=dict)  # moe_kernel_key -> {tokens of a call: µs}
     moe_skew: dict = field(default_factory=dict)  # moe_kernel_key -> {tokens: {experts hit: µs}}
     attention_curve: dict = field(default_factory=dict)  # "causal" / "masked" [-graph] -> {"dk/dv": {keys: TFLOP/s}}
+    prefill_call_us: float = 0.0  # a generate() call's prompts' fixed cost beside their forwards (the host's)
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "Hardware":

@@ -33,6 +33,7 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
                for kind in hw.attention_curve.values() for by in kind.values())
     assert hw.attention_rate("causal", 32, 32, 32) > 0
     assert hw.moe_kernel == {}  # no --models
+    assert hw.prefill_call_us > 0  # the embedded model's time to its first token, beyond its forward
     capsys.readouterr()
     assert main(["plan", "--model", "tiny-moe", "--gpus", "1", "--hardware", str(out)]) == 0
     assert "tiny-moe on 1 x here" in capsys.readouterr().out

@@ -224,6 +224,17 @@ def test_a_dense_decode_step_reads_its_weights_once():
     assert pp.memory_gb == pytest.approx(one.memory_gb / 2, rel=0.1)
 
 
+def test_a_calls_fixed_cost_is_paid_once_by_its_prompts_not_by_decode_steps():
+    """``prefill_call_us``: the host's set-up and sync of a generate() call, once for all its
+    prompts and forwards whatever their size; a decode step does not pay it."""
+    cfg = dense_config()
+    bare, host = CostModel(cfg, machine()), CostModel(cfg, machine(prefill_call_us=500.0))
+    for batch, prompt in ((1, 16), (8, 2048)):
+        a, b = (m.predict(ParallelConfig(), "prefill", batch, 0, prompt=prompt) for m in (bare, host))
+        assert b.ms == pytest.approx(a.ms + 0.5, rel=1e-9) and b.split["overhead"] == pytest.approx(a.split["overhead"] + 0.5)
+    assert host.predict(ParallelConfig(), "decode", 4, 128).ms == bare.predict(ParallelConfig(), "decode", 4, 128).ms
+
+
 def test_a_prefill_runs_in_the_engines_forwards():
     """A prefill is priced as generate() runs it (``engine.prefill_plan``): forwards of at
     most ``engine.prefill_tokens`` tokens, whole prompts together while they fit, each
