@@ -5,7 +5,7 @@ on nothing else of ours.
 One package per operator family, each an ``__init__`` with the ops, a ``reference.py`` and
 its GPU backends (Triton; CUDA C++ compiled through CuPy):
 
-  routing    topk_gating, grouped_topk, route
+  routing    topk_gating, grouped_topk, route, cold_pairs
   layout     token_maps, scatter_rows, gather_rows, dispatch_rows
   moe        fused_moe, gated_mlp, quantize_int8, quantize_mxfp4
   linear     dense_linear, norm_linear, sbi_linear
@@ -34,10 +34,10 @@ from kernels.layout import dispatch_rows, gather_rows, scatter_rows, token_maps
 from kernels.linear import dense_linear, norm_linear, sbi_linear
 from kernels.moe import fused_moe, gated_mlp, quantize_int8, quantize_mxfp4
 from kernels.norm import qk_norm_apply, qk_sum_squares, rms_norm, rms_norm_router
-from kernels.routing import grouped_topk, route, topk_gating
+from kernels.routing import cold_pairs, grouped_topk, route, topk_gating
 
 __all__ = [
-    "topk_gating", "grouped_topk", "route",
+    "topk_gating", "grouped_topk", "route", "cold_pairs",
     "token_maps", "scatter_rows", "gather_rows", "dispatch_rows",
     "fused_moe", "gated_mlp", "quantize_int8", "quantize_mxfp4",
     "dense_linear", "norm_linear", "sbi_linear",

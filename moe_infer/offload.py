@@ -340,6 +340,10 @@ class OffloadedExperts(nn.Module):
         ``first_expert``, experts not here add nothing)."""
         if capacity is not None:
             raise ValueError("offloaded experts run dropless: moe.capacity_factor must be null")
+        if not masked and not self.waits_for_host(x.shape[0]):  # a decode step's: no wait, one bookkeeping launch
+            slot, cold = kernels.cold_pairs(expert_ids, self.slot, self.routed, self.tally, STATS.index("stream"),
+                                            pdl=self.options.pdl)
+            return self._in_place(x, weights, slot, cold)
         ids = expert_ids.long()
         elsewhere = None
         if masked:
@@ -351,7 +355,7 @@ class OffloadedExperts(nn.Module):
             slot = slot.masked_fill(elsewhere, -2)  # -1: cold here; below it: not here at all
         if not self.waits_for_host(x.shape[0]):
             self._count(ids, slot, "stream")
-            return self._in_place(x, ids, weights, slot)
+            return self._in_place(x, weights, slot, torch.where(slot == -1, ids, -1))
         cold = slot == -1
         cold_t, cold_s = cold.nonzero(as_tuple=True)  # the call's wait for the host
         if not len(cold_t):
@@ -385,12 +389,13 @@ class OffloadedExperts(nn.Module):
             timed()
         return out.to(x.dtype)
 
-    def _in_place(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """Every pair on the device, no wait for the host: the device experts' pairs by the
-        kernel over ``w13`` / ``w2``, the cold ones by the same kernel over the host copies,
-        read where they lie (pinned host memory is in the device's address space; each
-        cold expert crosses the bus once per row tile of its pairs: once at decode sizes)
-        -> [T, H] in x's dtype."""
+    def _in_place(self, x: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor, cold: torch.Tensor) -> torch.Tensor:
+        """Every pair on the device, no wait for the host: the device experts' pairs (``slot``
+        [T, k]: their device slots, negative elsewhere) by the kernel over ``w13`` / ``w2``,
+        the cold ones (``cold`` [T, k]: their experts, -1 elsewhere) by the same kernel over
+        the host copies, read where they lie (pinned host memory is in the device's address
+        space; each cold expert crosses the bus once per row tile of its pairs: once at
+        decode sizes) -> [T, H] in x's dtype."""
         run = dict(pdl=self.options.pdl, masked=True, weighted_input=self.weighted_input)
         parts = []
         if self.hot:  # cold pairs and pairs elsewhere are masked (negative slots)
@@ -398,11 +403,10 @@ class OffloadedExperts(nn.Module):
                                            **self.device_extras))
         if self.num_cold:
             extras = {k: v for k, v in self.host.items() if k not in ("w13", "w2")}
-            cold = torch.where(slot == -1, ids, -1)  # only the cold pairs, by expert
             parts.append(kernels.fused_moe(x, self.host["w13"], self.host["w2"], weights, cold, self.activation,
                                            **run, **extras))
-        if len(parts) == 2:  # (summed in float32, as a token's slots are)
-            return (parts[0].float() + parts[1]).to(x.dtype)
+        if len(parts) == 2:  # (one add in x's dtype: summed in float32 and rounded once, as a token's slots are)
+            return parts[0] + parts[1]
         return parts[0] if parts else torch.zeros_like(x)
 
     def _on_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, used: list[int]) -> torch.Tensor:

@@ -7,12 +7,13 @@ Backends: a CPU tensor runs the plain-torch reference (``reference.py``); a CUDA
 runs the Triton kernels, imported at that first call: ``gating.py`` (top-k and DeepSeek-V3's
 grouped top-k, one launch each) and ``route_triton.py`` (gating and maps in one launch at
 decode sizes, else the gating launch followed by the maps of ``kernels.layout.maps``; not
-``route.py``, whose import would rebind ``kernels.routing.route`` from the op to the module).
+``route.py``, whose import would rebind ``kernels.routing.route`` from the op to the module)
+and ``cold_triton.py`` (an offloaded layer's split of its pairs, one launch).
 """
 from __future__ import annotations
 
 from kernels.layout.reference import row_pair_ref, token_maps_ref
-from kernels.routing.reference import grouped_topk_ref, topk_gating_ref
+from kernels.routing.reference import check_cold_pairs, cold_pairs_ref, grouped_topk_ref, topk_gating_ref
 
 
 def topk_gating(logits, k, score="softmax", renormalize=True, *, pdl=True, shared=0):
@@ -48,3 +49,14 @@ def grouped_topk(logits, bias, k, n_group, topk_group, score="sigmoid", renormal
 
 
 __all__ = ["topk_gating", "grouped_topk", "route"]
+
+
+def cold_pairs(ids, table, routed, tally, way, *, pdl=True):
+    """An offloaded layer's pairs split by where their experts lie, with its counters
+    (``cold_pairs_ref``): ids [T, k], table [E] -> (slot [T, k], cold [T, k]) int64; one
+    launch on a GPU."""
+    check_cold_pairs(ids, table, routed, tally, way)
+    if ids.is_cuda:
+        from kernels.routing.cold_triton import cold_pairs_triton
+        return cold_pairs_triton(ids, table, routed, tally, way, pdl)
+    return cold_pairs_ref(ids, table, routed, tally, way)

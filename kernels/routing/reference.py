@@ -105,3 +105,35 @@ def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: 
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return with_shared_ref(ids.to(torch.int32), weights * routed_scaling_factor, e, shared)
+
+
+def cold_pairs_ref(ids: torch.Tensor, table: torch.Tensor, routed: torch.Tensor, tally: torch.Tensor,
+                   way: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An offloaded layer's pairs split by where their experts lie, and its counters: ids
+    [T, k] (int32 or int64), table [E] int64 (each expert's device slot, -1 where it lies in
+    host memory) -> (slot [T, k] int64: each pair's device slot or -1, cold [T, k] int64:
+    the pair's expert where it is in host memory, else -1). Adds each pair to ``routed``
+    [E] float32 (by expert) and to ``tally`` [>= 3] float64: pairs, cold pairs, the cold
+    experts the call met, and 1 at index ``way`` where it met any
+    (``moe_infer.offload.STATS``)."""
+    ids = ids.long()
+    slot = table[ids]
+    cold = slot == -1
+    routed.index_add_(0, ids.flatten(), torch.ones(ids.numel(), dtype=routed.dtype, device=routed.device))
+    n = int(cold.sum())
+    tally[0] += ids.numel()
+    tally[1] += n
+    tally[2] += len(torch.unique(ids[cold]))
+    tally[way] += n > 0
+    return slot, torch.where(cold, ids, -1)
+
+
+def check_cold_pairs(ids, table, routed, tally, way: int) -> None:
+    """``cold_pairs``' operands as every device takes them; ValueError naming them."""
+    if ids.dtype not in (torch.int32, torch.int64) or table.dtype != torch.int64 or table.dim() != 1:
+        raise ValueError(f"ids {ids.dtype}, table {table.dtype} {list(table.shape)}: expected int32 or int64 ids "
+                         "and an int64 table [E]")
+    if routed.shape != table.shape or routed.dtype != torch.float32 or tally.dtype != torch.float64 \
+            or not 3 <= way < tally.numel() or not routed.is_contiguous() or not tally.is_contiguous():
+        raise ValueError(f"routed {routed.dtype} {list(routed.shape)}, tally {tally.dtype} {list(tally.shape)}, "
+                         f"way {way}: expected float32 [E] and float64 counters with 3 <= way < their number")

@@ -387,3 +387,46 @@ def test_topk_gating_matches_dense_scores(score, renorm):
         torch.zeros_like(scores, dtype=torch.bool).scatter(1, ids.long(), True), -1)).all()
     expect = picked / picked.sum(-1, keepdim=True) if renorm else picked
     torch.testing.assert_close(w, expect)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t,k,e,ids_dtype", [(1, 8, 128, torch.int32), (5, 8, 64, torch.int64),
+                                             (16, 8, 40, torch.int32), (70, 8, 128, torch.int64)])
+def test_cold_pairs_triton_matches_ref(device, t, k, e, ids_dtype):
+    """An offloaded layer's split of its pairs in one launch: each pair's device slot, the
+    cold pairs' experts, the experts' routed counts and the counters (pairs, cold pairs,
+    distinct cold experts met, the way) against the torch reference, with experts repeated
+    within and across tokens, within one block of pairs and past several; a second call
+    adds to the counters."""
+    from kernels.routing.cold_triton import cold_pairs_triton
+    from kernels.routing.reference import cold_pairs_ref
+
+    gen = torch.Generator().manual_seed(t * e)
+    ids = torch.randint(0, e, (t, k), generator=gen).to(device, ids_dtype)
+    table = torch.full((e,), -1, dtype=torch.int64)
+    hot = torch.randperm(e, generator=gen)[: e // 3]
+    table[hot] = torch.arange(len(hot))
+    table = table.to(device)
+    got_r, want_r = (torch.rand(e, generator=gen).to(device) for _ in range(2))
+    want_r.copy_(got_r)
+    got_t, want_t = (torch.arange(5, dtype=torch.float64, device=device) for _ in range(2))
+    for _ in range(2):
+        slot, cold = cold_pairs_triton(ids, table, got_r, got_t, 4)
+        want_slot, want_cold = cold_pairs_ref(ids, table, want_r, want_t, 4)
+        assert slot.dtype == cold.dtype == torch.int64 and slot.shape == cold.shape == (t, k)
+        assert torch.equal(slot, want_slot) and torch.equal(cold, want_cold)
+        assert torch.allclose(got_r, want_r) and torch.equal(got_t, want_t)
+    assert want_t[2] > 0 and (t == 1 or want_t[1] > want_t[2])  # some cold experts; past one token, some met twice
+
+
+def test_cold_pairs_rejects_bad_operands():
+    from kernels import cold_pairs
+
+    ids, table = torch.zeros(2, 4, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
+    routed, tally = torch.zeros(8), torch.zeros(5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="int64 table"):
+        cold_pairs(ids.float(), table, routed, tally, 4)
+    with pytest.raises(ValueError, match="3 <= way"):
+        cold_pairs(ids, table, routed, tally, 5)
+    with pytest.raises(ValueError, match="float32 \\[E\\]"):
+        cold_pairs(ids, table, torch.zeros(7), tally, 4)
