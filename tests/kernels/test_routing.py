@@ -430,3 +430,23 @@ def test_cold_pairs_rejects_bad_operands():
         cold_pairs(ids, table, routed, tally, 5)
     with pytest.raises(ValueError, match="float32 \\[E\\]"):
         cold_pairs(ids, table, torch.zeros(7), tally, 4)
+
+
+_COMPILE_COLD = """
+import sys
+from kernels.routing.cold_triton import _cold_pairs_kernel as kernel
+
+pdl, ids = int(sys.argv[1]), sys.argv[2]
+const = dict(WAY=4, BLOCK=64, PDL=pdl)
+types = {"ids_ptr": ids, "table_ptr": "*i64", "routed_ptr": "*fp32", "tally_ptr": "*fp64", "slot_ptr": "*i64",
+         "cold_ptr": "*i64", "P": "i32"}
+"""
+
+
+@pytest.mark.parametrize("pdl, ids", [(0, "*i32"), (2, "*i64")])
+def test_cold_pairs_compiles_for_hopper(pdl, ids):
+    """The offload split's whole Triton compile for sm_90 (tests.hopper): float64 counters,
+    float32 atomics, int32 or int64 ids, with PDL and without."""
+    from tests.hopper import compile_kernel
+
+    assert compile_kernel(_COMPILE_COLD, pdl, ids) > 0
