@@ -48,9 +48,6 @@ def grouped_topk(logits, bias, k, n_group, topk_group, score="sigmoid", renormal
                             group_max, shared)
 
 
-__all__ = ["topk_gating", "grouped_topk", "route"]
-
-
 def cold_pairs(ids, table, routed, tally, way, *, pdl=True):
     """An offloaded layer's pairs split by where their experts lie, with its counters
     (``cold_pairs_ref``): ids [T, k], table [E] -> (slot [T, k], cold [T, k]) int64; one
@@ -60,3 +57,6 @@ def cold_pairs(ids, table, routed, tally, way, *, pdl=True):
         from kernels.routing.cold_triton import cold_pairs_triton
         return cold_pairs_triton(ids, table, routed, tally, way, pdl)
     return cold_pairs_ref(ids, table, routed, tally, way)
+
+
+__all__ = ["topk_gating", "grouped_topk", "route", "cold_pairs"]
