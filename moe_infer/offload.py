@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import kernels
-from kernels.moe.reference import dequantize_ref, expert_ffn_ref, here_or_past
+from kernels.moe.reference import dequantize_ref, expert_ffn_ref
 from moe_infer.config import ConfigError
 from moe_infer.experts import Experts
 
@@ -311,17 +311,6 @@ class OffloadedExperts(nn.Module):
         """Whether a call of ``num_tokens`` tokens waits for the host (so no CUDA graph holds it)."""
         return num_tokens > self.in_place
 
-    def _count(self, ids: torch.Tensor, slot: torch.Tensor, way: str) -> None:
-        """Adds a call's pairs (``slot``: -1 cold, below it elsewhere) to ``routed`` and
-        ``tally``, on the device (no wait), its cold pairs counted as run ``way``."""
-        here, cold = slot > -2, slot == -1
-        self.routed.index_add_(0, ids.flatten(), here.flatten().float())
-        e = len(self.routed)
-        met = torch.zeros(e + 1, device=ids.device).index_fill_(0, torch.where(cold, ids, e).flatten(), 1)
-        n = cold.sum()
-        ways = [(n > 0) * (way == w) for w in WAYS]
-        self.tally.add_(torch.stack([here.sum(), n, met[:e].sum(), *ways]).double())
-
     @property
     def num_cold(self) -> int:
         return len(self.slot) - len(self.hot)
@@ -340,35 +329,25 @@ class OffloadedExperts(nn.Module):
         ``first_expert``, experts not here add nothing)."""
         if capacity is not None:
             raise ValueError("offloaded experts run dropless: moe.capacity_factor must be null")
-        if not masked and not self.waits_for_host(x.shape[0]):  # a decode step's: no wait, one bookkeeping launch
-            slot, cold = kernels.cold_pairs(expert_ids, self.slot, self.routed, self.tally, STATS.index("stream"),
-                                            pdl=self.options.pdl)
+        # Each pair's device slot (-1: cold, -2: not here) and cold expert, counted on the
+        # device in one launch; a call without a host wait counts its cold pairs as read in place.
+        waits = self.waits_for_host(x.shape[0])
+        slot, cold = kernels.cold_pairs(expert_ids, self.slot, self.routed, self.tally,
+                                        None if waits else STATS.index("stream"), first_expert if masked else 0,
+                                        pdl=self.options.pdl)
+        if not waits:
             return self._in_place(x, weights, slot, cold)
-        ids = expert_ids.long()
-        elsewhere = None
-        if masked:
-            ids = here_or_past(ids, first_expert, len(self.slot))
-            elsewhere = ids == len(self.slot)
-            ids = ids.masked_fill(elsewhere, 0)
-        slot = self.slot[ids]  # [T, k]
-        if masked:
-            slot = slot.masked_fill(elsewhere, -2)  # -1: cold here; below it: not here at all
-        if not self.waits_for_host(x.shape[0]):
-            self._count(ids, slot, "stream")
-            return self._in_place(x, weights, slot, torch.where(slot == -1, ids, -1))
-        cold = slot == -1
-        cold_t, cold_s = cold.nonzero(as_tuple=True)  # the call's wait for the host
+        cold_t, cold_s = (cold >= 0).nonzero(as_tuple=True)  # the call's wait for the host
         if not len(cold_t):
-            self._count(ids, slot, "stream")
             if not self.hot:  # no expert here at all (every pair is elsewhere): the kernels take none
                 return torch.zeros_like(x)
             return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, pdl=self.options.pdl,
                                      masked=masked, weighted_input=self.weighted_input, **self.device_extras)
-        pair_ids = ids[cold_t, cold_s]
+        pair_ids = cold[cold_t, cold_s]
         used = sorted(set(pair_ids.tolist()))
         mode = self.mode if self.mode != "auto" else self.cost.mode(len(cold_t), len(used))
         timed = self.cost.timed(mode, len(cold_t), len(used), x.device) if self.mode == "auto" else None
-        self._count(ids, slot, mode)
+        self.tally[STATS.index(mode)] += 1  # the way this call's cold pairs take
         # The cold experts' first copies (stream) start before the device experts run; the
         # CPU's work (cpu) runs while they do.
         first = self._stage_round(used[:self.staging]) if mode == "stream" else None

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.moe.reference import here_or_past
+
 # The gating kernels' limits, checked on every device so that a CPU run refuses what a GPU would.
 LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SCORES = ("softmax", "sigmoid")
@@ -108,24 +110,29 @@ def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: 
 
 
 def cold_pairs_ref(ids: torch.Tensor, table: torch.Tensor, routed: torch.Tensor, tally: torch.Tensor,
-                   way: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   way: int | None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """An offloaded layer's pairs split by where their experts lie, and its counters: ids
-    [T, k] (int32 or int64), table [E] int64 (each expert's device slot, -1 where it lies in
-    host memory) -> (slot [T, k] int64: each pair's device slot or -1, cold [T, k] int64:
-    the pair's expert where it is in host memory, else -1). Adds each pair to ``routed``
-    [E] float32 (by expert) and to ``tally`` [>= 3] float64: pairs, cold pairs, the cold
-    experts the call met, and 1 at index ``way`` where it met any
-    (``moe_infer.offload.STATS``)."""
-    ids = ids.long()
-    slot = table[ids]
+    [T, k] (int32 or int64) counted from ``first`` over the E experts of table [E] int64
+    (each one's device slot, -1 where it lies in host memory) -> (slot [T, k] int64: each
+    pair's device slot, -1 where its expert is in host memory, -2 where it is not among the
+    E; cold [T, k] int64: the expert's index among the E where it is in host memory, else
+    -1). Adds the pairs of the E to ``routed`` [E] float32 (by expert) and to ``tally``
+    [>= 3] float64: those pairs, the cold ones, the cold experts the call met, and 1 at
+    index ``way`` (None: none) where it met any (``moe_infer.offload.STATS``)."""
+    e = table.numel()
+    local = here_or_past(ids.long(), first, e)
+    here = local < e
+    index = torch.where(here, local, 0)
+    slot = torch.where(here, table[index], -2)
     cold = slot == -1
-    routed.index_add_(0, ids.flatten(), torch.ones(ids.numel(), dtype=routed.dtype, device=routed.device))
+    routed.index_add_(0, index.flatten(), here.flatten().to(routed.dtype))
     n = int(cold.sum())
-    tally[0] += ids.numel()
+    tally[0] += int(here.sum())
     tally[1] += n
-    tally[2] += len(torch.unique(ids[cold]))
-    tally[way] += n > 0
-    return slot, torch.where(cold, ids, -1)
+    tally[2] += len(torch.unique(local[cold]))
+    if way is not None:
+        tally[way] += n > 0
+    return slot, torch.where(cold, local, -1)
 
 
 def check_cold_pairs(ids, table, routed, tally, way: int) -> None:
@@ -134,6 +141,8 @@ def check_cold_pairs(ids, table, routed, tally, way: int) -> None:
         raise ValueError(f"ids {ids.dtype}, table {table.dtype} {list(table.shape)}: expected int32 or int64 ids "
                          "and an int64 table [E]")
     if routed.shape != table.shape or routed.dtype != torch.float32 or tally.dtype != torch.float64 \
-            or not 3 <= way < tally.numel() or not routed.is_contiguous() or not tally.is_contiguous():
+            or not (way is None or 3 <= way < tally.numel()) or not routed.is_contiguous() \
+            or not tally.is_contiguous():
         raise ValueError(f"routed {routed.dtype} {list(routed.shape)}, tally {tally.dtype} {list(tally.shape)}, "
-                         f"way {way}: expected float32 [E] and float64 counters with 3 <= way < their number")
+                         f"way {way}: expected float32 [E] and float64 counters with 3 <= way < their number "
+                         "(or no way)")
