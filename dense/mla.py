@@ -119,16 +119,33 @@ class LatentAttention(nn.Module):
         """x [B, T, H] -> the queries [B, T, N * (P + R)] and the latent projection's rows
         [B, T, C + R] (the latent, then the rotary key)."""
         if self.in_proj is not None:
-            q, kv = self.in_proj(x).split(self.in_split, dim=-1)
-        else:
-            q, kv = self.q_a_proj(x) if self.lora else self.q_proj(x), self.kv_a_proj(x)
+            return self._queries(*self.in_proj(x).split(self.in_split, dim=-1))
+        return self._queries(self.q_a_proj(x) if self.lora else self.q_proj(x), self.kv_a_proj(x))
+
+    def _queries(self, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input projections' outputs -> (queries, latent rows): q-LoRA's up projection."""
         return (self.q_b_proj(self.q_a_norm(q)) if self.lora else q), kv
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
-        b, t, _ = x.shape
+        return self._attend(*self._project(x), ctx, cache, layer)
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm, ctx: StepContext,
+                       cache: PagedKVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention on norm(x + residual) -> (output, x + residual): with the input
+        projections merged (``merge_projections``), the add and the norm go into their
+        GEMM's prologue where that is one launch (``kernels.norm_linear``)."""
+        if self.in_proj is None:
+            h, summed = norm.add_and_norm(x, residual)
+            return self.forward(h, ctx, cache, layer), summed
+        y, summed = self.in_proj.normed(x, residual, norm)
+        return self._attend(*self._queries(*y.split(self.in_split, dim=-1)), ctx, cache, layer), summed
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None,
+                layer: int) -> torch.Tensor:
+        """The queries [B, T, N * (P + R)] and latent rows [B, T, C + R] -> the output [B, T, H]."""
+        b, t, _ = kv.shape
         n, p, r, c = self.num_heads, self.nope_dim, self.rope_dim, self.latent
-        q, kv = self._project(x)
         w = self.kv_b_proj.weight.view(n, p + self.v_dim, c)  # [N, P + V, C]: W_UK rows, then W_UV
         if cache is not None and t == 1 and not ctx.causal and not cache.by_tokens:
             # A decode step: the absorbed query (q_p W_UK per head, in the latent's space),

@@ -90,15 +90,15 @@ class Block(nn.Module):
         # The block's layer of this stage's KV cache (its index where one stage holds all).
         self.index, self.options = index if cache_index is None else cache_index, options
         self.fused_router = isinstance(self.ffn, MoELayer) and isinstance(self.ffn_norm, RMSNorm)
-        # The attention norm and its residual add run inside the QKV GEMM's launch
-        # (Attention.forward_normed -> kernels.norm_linear) where the dense table's entry
-        # for the QKV weights is the CUDA SBI-GeMM with "norm"; elsewhere norm_linear makes
-        # the two launches. Every GEMM block recomputes the norm, in one round trip after
-        # its wait. The tables give "norm" only to the entries where the decode step
-        # measured faster with it (see kernels.linear.select).
+        # The attention norm and its residual add run inside the QKV GEMM's launch (latent
+        # attention: its merged input projection's; forward_normed -> kernels.norm_linear)
+        # where the dense table's entry for those weights is the CUDA SBI-GeMM with "norm";
+        # elsewhere norm_linear makes the two launches. Every GEMM block recomputes the
+        # norm, in one round trip after its wait. The tables give "norm" only to the
+        # entries where the decode step measured faster with it (see kernels.linear.select).
         # A parallel block also feeds the normed input to its FFN, so it keeps the norm's output.
         self.norm_fusable = (isinstance(self.attn_norm, RMSNorm) and not self.parallel
-                             and isinstance(self.attn, Attention))  # (latent attention: its own projections)
+                             and isinstance(self.attn, (Attention, LatentAttention)))
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: PagedKVCache | None,
                 pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,6 +46,34 @@ def test_loaded_latent_attention_runs_merged_and_quantizes_merged(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_the_blocks_add_and_norm_go_into_the_input_projection(tmp_path, monkeypatch, family):
+    """``forward_normed`` (the block's residual add and attention norm, inside the merged
+    input projection's launch where its table entry says so): the same queries and latent
+    rows as the layer on the normed sum, and the sum; unmerged, the norm runs before."""
+    from dense.norm import RMSNorm
+
+    save_hf_model(family, tmp_path)
+    m = read_hf_config(tmp_path).model
+    attn = LatentAttention(m).double()
+    init_random(attn, torch.Generator().manual_seed(0))
+    norm = RMSNorm(m.hidden_size, m.norm_eps).double()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(m.hidden_size, dtype=torch.float64, generator=gen) + 0.5)
+    x, residual = (torch.randn(2, 1, m.hidden_size, dtype=torch.float64, generator=gen) for _ in range(2))
+    monkeypatch.setattr(attn, "_attend", lambda q, kv, ctx, cache, layer: (q, kv))  # what attention would get
+    with torch.no_grad():
+        want = attn(norm(x + residual), None)
+        for merged in (False, True):
+            if merged:
+                assert attn.merge_projections()
+            (q, kv), summed = attn.forward_normed(x, residual, norm, None)
+            torch.testing.assert_close(q, want[0], rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(kv, want[1], rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(summed, x + residual, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_prompt_attention_up_projected_equals_the_absorbed_form(tmp_path, family, causal):
     """Prompt tokens attend over keys and values up-projected from the latents at the head

@@ -21,8 +21,9 @@ CuPy) are imported in the branches that run them, so a CPU-only install needs ne
 
 ``norm_linear`` is the decode step's residual add + RMSNorm + GEMM: one launch where the
 table picked the CUDA SBI-GeMM with ``norm`` set (its prologue adds and normalises; set
-where the decode step measured it faster: Qwen3-30B-A3B's bf16 and int8 QKV at batch 1, not
-OLMoE's), else the norm launch and ``dense_linear``.
+where the decode step measured it faster: Qwen3-30B-A3B's bf16 and int8 QKV and
+DeepSeek-V2-Lite's bf16 merged input projections at batch 1, not OLMoE's), else the norm
+launch and ``dense_linear``.
 """
 from __future__ import annotations
 
