@@ -392,14 +392,16 @@ def test_topk_gating_matches_dense_scores(score, renorm):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("t,k,e,ids_dtype,first,way", [(1, 8, 128, torch.int32, 0, 4), (5, 8, 64, torch.int64, 0, 3),
                                                        (16, 8, 40, torch.int32, 6, None),
-                                                       (70, 8, 128, torch.int64, 32, 4)])
+                                                       (70, 8, 128, torch.int64, 32, 4),
+                                                       (512, 6, 1000, torch.int32, 0, 3)])
 def test_cold_pairs_triton_matches_ref(device, t, k, e, ids_dtype, first, way):
     """An offloaded layer's split of its pairs in one launch: each pair's device slot, the
     cold pairs' experts, the experts' routed counts and the counters (pairs, cold pairs,
     distinct cold experts met, the way or none) against the torch reference, with experts
     repeated within and across tokens, within one block of pairs and past several; ids
     counted from an offset, some of experts that are not here (expert parallelism: slot
-    -2, counted nowhere); a second call adds to the counters."""
+    -2, counted nowhere); a prefill's call (3072 pairs over 1000 experts, not a power of
+    two, fewer pairs a block); a second call adds to the counters."""
     from kernels.routing.cold_triton import cold_pairs_triton
     from kernels.routing.reference import cold_pairs_ref
 
@@ -440,7 +442,7 @@ import sys
 from kernels.routing.cold_triton import _cold_pairs_kernel as kernel
 
 pdl, ids = int(sys.argv[1]), sys.argv[2]
-const = dict(WAY=4 if pdl else -1, BLOCK=64, PDL=pdl)
+const = dict(WAY=4 if pdl else -1, BLOCK=64, E_PAD=256, PDL=pdl)
 types = {"ids_ptr": ids, "table_ptr": "*i64", "routed_ptr": "*fp32", "tally_ptr": "*fp64", "slot_ptr": "*i64",
          "cold_ptr": "*i64", "P": "i32", "E": "i32", "first": "i32"}
 """
