@@ -1,6 +1,7 @@
-"""``kernels.cold_pairs`` in one launch: an offloaded layer's decode-step bookkeeping (each
-pair's device slot, the pairs whose experts lie in host memory, the layer's counters),
-which as torch ops is about twenty launches a layer a step (``moe_infer.offload``).
+"""``kernels.cold_pairs`` in one launch: an offloaded layer's bookkeeping for each call, a
+decode step's or a prompt's (each pair's device slot, the pairs whose experts lie in host
+memory, the layer's counters), which as torch ops is about twenty launches a layer a step
+(``moe_infer.offload``).
 
 Shape letters: P pairs (T tokens x k slots), E experts.
 """
