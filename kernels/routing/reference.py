@@ -135,7 +135,7 @@ def cold_pairs_ref(ids: torch.Tensor, table: torch.Tensor, routed: torch.Tensor,
     return slot, torch.where(cold, local, -1)
 
 
-def check_cold_pairs(ids, table, routed, tally, way: int) -> None:
+def check_cold_pairs(ids, table, routed, tally, way: int | None) -> None:
     """``cold_pairs``' operands as every device takes them; ValueError naming them."""
     if ids.dtype not in (torch.int32, torch.int64) or table.dtype != torch.int64 or table.dim() != 1:
         raise ValueError(f"ids {ids.dtype}, table {table.dtype} {list(table.shape)}: expected int32 or int64 ids "
