@@ -18,7 +18,7 @@ experts run the fused kernel there. The others ("cold") run in one of three ways
 - on the CPU over the host copies.
 For calls past decode sizes, "auto" takes the CPU or the staging area, whichever the
 machine's measured figures say is faster for the call's size (``ColdCost``); those calls
-wait for the host once (which pairs are cold).
+wait for the host once (which experts are cold; the CPU's way then also for its rows).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from moe_infer.experts import Experts
 GB = 1e9
 MODES = ("auto", "cpu", "stream")
 WAYS = ("cpu", "stream")  # where auto may run a call's cold pairs
+AREAS = 2  # the staging area's parts a streamed call's rounds take in turn (one copies while one computes)
 STATS = ("pairs", "cold_pairs", "cold_experts", "cpu", "stream")  # what a layer's calls met (``tally``)
 
 
@@ -240,7 +241,8 @@ class OffloadedExperts(nn.Module):
     experts (in the order of ``hot``), the host tensors every expert (pinned where the
     device is a GPU). ``mode``: "cpu" (cold pairs run on the CPU), "stream" (their experts
     are copied into a device staging area of ``staging`` experts, as many rounds as
-    needed), or "auto" (``ColdCost`` chooses per call). ``in_place``: calls of at most that
+    needed, each round into one of its ``AREAS`` parts in turn), or "auto" (``ColdCost``
+    chooses per call). ``in_place``: calls of at most that
     many tokens read their cold experts in place (modes "stream" and "auto"; 0: none)."""
 
     def __init__(self, experts: Experts, hot: list[int], device: torch.device, mode: str, cost: ColdCost,
@@ -269,7 +271,9 @@ class OffloadedExperts(nn.Module):
         self.register_buffer("routed", torch.zeros(e, dtype=torch.float32, device=device), persistent=False)
         self.w13 = self.w2 = None
         self.set_hot(hot)
-        self.staging = max(1, min(staging, e))  # experts a streamed round holds (a rebalance may cool any)
+        # Experts a streamed round holds (a rebalance may cool any); the staging area holds
+        # AREAS rounds.
+        self.round_size = max(1, min(staging, e) // AREAS)
         self._stage: dict | None = None  # the staging area, made at the first streamed call
         # What the calls met (``STATS``; in-place calls count as streamed: their cold experts
         # cross the bus), summed on the device so that graph replays count too.
@@ -329,41 +333,41 @@ class OffloadedExperts(nn.Module):
         ``first_expert``, experts not here add nothing)."""
         if capacity is not None:
             raise ValueError("offloaded experts run dropless: moe.capacity_factor must be null")
-        # Each pair's device slot (-1: cold, -2: not here) and cold expert, counted on the
-        # device in one launch; a call without a host wait counts its cold pairs as read in place.
+        # Each pair's device slot (-1: cold, -2: not here), its cold expert and each expert's
+        # cold pairs, counted on the device in one launch; a call without a host wait counts
+        # its cold pairs as read in place.
         waits = self.waits_for_host(x.shape[0])
-        slot, cold = kernels.cold_pairs(expert_ids, self.slot, self.routed, self.tally,
-                                        None if waits else STATS.index("stream"), first_expert if masked else 0,
-                                        pdl=self.options.pdl)
+        slot, cold, met = kernels.cold_pairs(expert_ids, self.slot, self.routed, self.tally,
+                                             None if waits else STATS.index("stream"), first_expert if masked else 0,
+                                             pdl=self.options.pdl)
         if not waits:
             return self._in_place(x, weights, slot, cold)
-        cold_t, cold_s = (cold >= 0).nonzero(as_tuple=True)  # the call's wait for the host
-        if not len(cold_t):
+        counts = met.tolist()  # the call's one wait for the host
+        used = [e for e, n in enumerate(counts) if n]
+        run = dict(pdl=self.options.pdl, weighted_input=self.weighted_input)
+        if not used:
             if not self.hot:  # no expert here at all (every pair is elsewhere): the kernels take none
                 return torch.zeros_like(x)
-            return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, pdl=self.options.pdl,
-                                     masked=masked, weighted_input=self.weighted_input, **self.device_extras)
-        pair_ids = cold[cold_t, cold_s]
-        used = sorted(set(pair_ids.tolist()))
-        mode = self.mode if self.mode != "auto" else self.cost.mode(len(cold_t), len(used))
-        timed = self.cost.timed(mode, len(cold_t), len(used), x.device) if self.mode == "auto" else None
+            return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, masked=masked, **run,
+                                     **self.device_extras)
+        mode = self.mode if self.mode != "auto" else self.cost.mode(sum(counts), len(used))
+        timed = self.cost.timed(mode, sum(counts), len(used), x.device) if self.mode == "auto" else None
         self.tally[STATS.index(mode)] += 1  # the way this call's cold pairs take
         # The cold experts' first copies (stream) start before the device experts run; the
         # CPU's work (cpu) runs while they do.
-        first = self._stage_round(used[:self.staging]) if mode == "stream" else None
+        rounds = [used[lo:lo + self.round_size] for lo in range(0, len(used), self.round_size)]
+        copies = [self._stage_round(chunk, i) for i, chunk in enumerate(rounds[:AREAS])] if mode == "stream" else []
+        if mode == "cpu":  # the cold pairs' rows to the host before the device experts are queued
+            cold_t, cold_s = (cold >= 0).nonzero(as_tuple=True)
+            pairs = [t.cpu() for t in (x[cold_t], cold[cold_t, cold_s], weights[cold_t, cold_s].float())]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        hot_t, hot_s = (slot >= 0).nonzero(as_tuple=True)
-        if len(hot_t):  # one row a pair: the cold pairs cost the device nothing
-            y = kernels.fused_moe(x[hot_t], self.w13, self.w2, weights[hot_t, hot_s, None],
-                                  slot[hot_t, hot_s, None], self.activation, pdl=self.options.pdl,
-                                  weighted_input=self.weighted_input, **self.device_extras)
-            out.index_add_(0, hot_t, y.float())
-        pair_w = weights[cold_t, cold_s]
+        if self.hot:  # cold pairs and pairs elsewhere are masked (negative slots)
+            out += kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, masked=True, **run,
+                                     **self.device_extras)
         if mode == "cpu":
-            y = self._on_cpu(x[cold_t], pair_ids, pair_w, used)
+            out.index_add_(0, cold_t, self._on_cpu(*pairs, used).to(x.device, non_blocking=True))
         else:
-            y = self._streamed(x[cold_t], pair_ids, pair_w, used, first)
-        out.index_add_(0, cold_t, y)
+            self._streamed(x, weights, cold, met, rounds, copies, out)
         if timed is not None:
             timed()
         return out.to(x.dtype)
@@ -388,10 +392,10 @@ class OffloadedExperts(nn.Module):
             return parts[0] + parts[1]
         return parts[0] if parts else torch.zeros_like(x)
 
-    def _on_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, used: list[int]) -> torch.Tensor:
-        """The cold pairs [P, H] on the CPU, expert by expert over the host weights -> their
-        weighted outputs [P, H] float32 on x's device."""
-        xc, ids_c, wc = x.cpu(), ids.cpu(), w.float().cpu()
+    def _on_cpu(self, xc: torch.Tensor, ids_c: torch.Tensor, wc: torch.Tensor, used: list[int]) -> torch.Tensor:
+        """The cold pairs (rows xc [P, H], experts ids_c [P], weights wc [P] float32, in host
+        memory) on the CPU, expert by expert over the host weights -> their weighted outputs
+        [P, H] float32 in host memory."""
         dtype = xc.dtype if self.host["w13"].dtype in (torch.int8, torch.uint8) else self.host["w13"].dtype
         yc = torch.zeros(xc.shape, dtype=torch.float32)
         s13, s2 = self.host.get("w13_scale"), self.host.get("w2_scale")  # int8 / MXFP4 only
@@ -406,53 +410,60 @@ class OffloadedExperts(nn.Module):
             y = expert_ffn_ref(xr.to(dtype), w13, w2, self.activation, None if b13 is None else b13[e].to(dtype),
                                None if b2 is None else b2[e].to(dtype))
             yc.index_add_(0, rows, y.float() * wr)
-        return yc.to(x.device, non_blocking=True)
+        return yc
 
-    def _stage_round(self, chunk: list[int]):
-        """Copies experts ``chunk`` into the staging area (on a copy stream on a GPU, once
-        the kernels before have finished with the area) -> the copies' event (None on CPU)."""
+    def _stage_round(self, chunk: list[int], i: int):
+        """Copies experts ``chunk`` into area ``i % AREAS`` of the staging area (on a copy
+        stream on a GPU, once the kernels of the round that used the area last are done) ->
+        the copies' event (None on CPU)."""
         dev = self.w13.device
         if self._stage is None:
-            self._stage = {k: torch.empty((self.staging, *v.shape[1:]), dtype=v.dtype, device=dev)
+            self._stage = {k: torch.empty((self.round_size * AREAS, *v.shape[1:]), dtype=v.dtype, device=dev)
                            for k, v in self.host.items()}
-            self._stage_slot = torch.full((len(self.slot),), -1, dtype=torch.long, device=dev)
             self._copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+            self._free = [None] * AREAS
+        base = (i % AREAS) * self.round_size
         if self._copies is None:
             for j, e in enumerate(chunk):
                 for k, v in self.host.items():
-                    self._stage[k][j].copy_(v[e])
+                    self._stage[k][base + j].copy_(v[e])
             return None
-        self._copies.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(self._copies):
+            if self._free[i % AREAS] is not None:
+                self._copies.wait_event(self._free[i % AREAS])
             for j, e in enumerate(chunk):
                 for k, v in self.host.items():
-                    self._stage[k][j].copy_(v[e], non_blocking=True)
+                    self._stage[k][base + j].copy_(v[e], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         return done
 
-    def _streamed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, used: list[int], first) -> torch.Tensor:
-        """The cold pairs [P, H] on the device, their experts copied into the staging area,
-        ``staging`` at a time (the first round's copies already queued: ``first``, their
-        event) -> their weighted outputs [P, H] float32."""
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    def _streamed(self, x: torch.Tensor, weights: torch.Tensor, cold: torch.Tensor, met: torch.Tensor,
+                  rounds: list[list[int]], copies: list, out: torch.Tensor) -> None:
+        """Adds the cold pairs' outputs to ``out`` [T, H] float32: their experts (``met``'s,
+        in ``rounds``) copied into the staging area a round at a time, the areas taken in
+        turn, so that a round's copies run while the round before computes (the first
+        ``AREAS`` rounds' copies already queued: ``copies``, their events). Each round's
+        kernel takes every pair, those of other rounds masked: no wait for the host."""
+        # Each cold pair's place among the call's cold experts (``rounds`` in order), -1 elsewhere.
+        rank = torch.cumsum(met > 0, 0) - 1
+        place = torch.where(cold >= 0, rank[cold.clamp(min=0)], -1)
         # The kernels take the whole staging area, however few experts a round holds: they
         # specialise on the expert count, and a count a round would compile a variant each.
         extras = {k: self._stage[k] for k in self.host if k not in ("w13", "w2")}
-        for lo in range(0, len(used), self.staging):
-            chunk = used[lo:lo + self.staging]
-            done = first if lo == 0 else self._stage_round(chunk)
+        stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
+        lo = 0
+        for i, chunk in enumerate(rounds):
+            done = copies[i] if i < len(copies) else self._stage_round(chunk, i)
             if done is not None:
-                torch.cuda.current_stream(x.device).wait_event(done)
-            self._stage_slot.fill_(-1)
-            self._stage_slot[torch.tensor(chunk, device=x.device)] = torch.arange(len(chunk), device=x.device)
-            s = self._stage_slot[ids]
-            rows = (s >= 0).nonzero(as_tuple=True)[0]
-            part = kernels.fused_moe(x[rows], self._stage["w13"], self._stage["w2"], w[rows, None],
-                                     s[rows, None], self.activation, pdl=self.options.pdl,
-                                     weighted_input=self.weighted_input, **extras)
-            y.index_add_(0, rows, part.float())
-        return y
+                stream.wait_event(done)
+            here = place - lo
+            slots = torch.where((here >= 0) & (here < len(chunk)), here + (i % AREAS) * self.round_size, -1)
+            out += kernels.fused_moe(x, self._stage["w13"], self._stage["w2"], weights, slots, self.activation,
+                                     pdl=self.options.pdl, masked=True, weighted_input=self.weighted_input, **extras)
+            if stream is not None:  # the area is free for a later round's copies once these kernels are done
+                self._free[i % AREAS] = stream.record_event()
+            lo += len(chunk)
 
 
 def apply(model: nn.Module, placement: Placement, device: torch.device, mode: str, cost: ColdCost,

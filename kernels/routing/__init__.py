@@ -51,7 +51,7 @@ def grouped_topk(logits, bias, k, n_group, topk_group, score="sigmoid", renormal
 def cold_pairs(ids, table, routed, tally, way, first=0, *, pdl=True):
     """An offloaded layer's pairs split by where their experts lie, with its counters
     (``cold_pairs_ref``): ids [T, k] counted from ``first``, table [E] -> (slot [T, k],
-    cold [T, k]) int64; one launch on a GPU."""
+    cold [T, k]) int64 and each expert's cold pairs, met [E] int32; one launch on a GPU."""
     check_cold_pairs(ids, table, routed, tally, way)
     if ids.is_cuda:
         from kernels.routing.cold_triton import cold_pairs_triton

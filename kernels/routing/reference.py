@@ -110,15 +110,16 @@ def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: 
 
 
 def cold_pairs_ref(ids: torch.Tensor, table: torch.Tensor, routed: torch.Tensor, tally: torch.Tensor,
-                   way: int | None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   way: int | None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An offloaded layer's pairs split by where their experts lie, and its counters: ids
     [T, k] (int32 or int64) counted from ``first`` over the E experts of table [E] int64
     (each one's device slot, -1 where it lies in host memory) -> (slot [T, k] int64: each
     pair's device slot, -1 where its expert is in host memory, -2 where it is not among the
     E; cold [T, k] int64: the expert's index among the E where it is in host memory, else
-    -1). Adds the pairs of the E to ``routed`` [E] float32 (by expert) and to ``tally``
-    [>= 3] float64: those pairs, the cold ones, the cold experts the call met, and 1 at
-    index ``way`` (None: none) where it met any (``moe_infer.offload.STATS``)."""
+    -1; met [E] int32: each expert's cold pairs). Adds the pairs of the E to ``routed`` [E]
+    float32 (by expert) and to ``tally`` [>= 3] float64: those pairs, the cold ones, the
+    cold experts the call met, and 1 at index ``way`` (None: none) where it met any
+    (``moe_infer.offload.STATS``)."""
     e = table.numel()
     local = here_or_past(ids.long(), first, e)
     here = local < e
@@ -126,13 +127,14 @@ def cold_pairs_ref(ids: torch.Tensor, table: torch.Tensor, routed: torch.Tensor,
     slot = torch.where(here, table[index], -2)
     cold = slot == -1
     routed.index_add_(0, index.flatten(), here.flatten().to(routed.dtype))
+    met = torch.bincount(local[cold], minlength=e).to(torch.int32)
     n = int(cold.sum())
     tally[0] += int(here.sum())
     tally[1] += n
-    tally[2] += len(torch.unique(local[cold]))
+    tally[2] += int((met > 0).sum())
     if way is not None:
         tally[way] += n > 0
-    return slot, torch.where(cold, local, -1)
+    return slot, torch.where(cold, local, -1), met
 
 
 def check_cold_pairs(ids, table, routed, tally, way: int | None) -> None:

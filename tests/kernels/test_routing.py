@@ -393,15 +393,17 @@ def test_topk_gating_matches_dense_scores(score, renorm):
 @pytest.mark.parametrize("t,k,e,ids_dtype,first,way", [(1, 8, 128, torch.int32, 0, 4), (5, 8, 64, torch.int64, 0, 3),
                                                        (16, 8, 40, torch.int32, 6, None),
                                                        (70, 8, 128, torch.int64, 32, 4),
-                                                       (512, 6, 1000, torch.int32, 0, 3)])
+                                                       (512, 6, 1000, torch.int32, 0, 3),
+                                                       (700, 8, 64, torch.int64, 8, None)])
 def test_cold_pairs_triton_matches_ref(device, t, k, e, ids_dtype, first, way):
     """An offloaded layer's split of its pairs in one launch: each pair's device slot, the
     cold pairs' experts, the experts' routed counts and the counters (pairs, cold pairs,
     distinct cold experts met, the way or none) against the torch reference, with experts
     repeated within and across tokens, within one block of pairs and past several; ids
     counted from an offset, some of experts that are not here (expert parallelism: slot
-    -2, counted nowhere); a prefill's call (3072 pairs over 1000 experts, not a power of
-    two, fewer pairs a block); a second call adds to the counters."""
+    -2, counted nowhere); prompts' calls, whose pairs several programs share (3072 pairs
+    over 1000 experts, not a power of two, fewer pairs a block; 5600 over 64); a second
+    call adds to the counters and meets scratch sums left at zero by the first."""
     from kernels.routing.cold_triton import cold_pairs_triton
     from kernels.routing.reference import cold_pairs_ref
 
@@ -415,10 +417,10 @@ def test_cold_pairs_triton_matches_ref(device, t, k, e, ids_dtype, first, way):
     want_r.copy_(got_r)
     got_t, want_t = (torch.arange(5, dtype=torch.float64, device=device) for _ in range(2))
     for _ in range(2):
-        slot, cold = cold_pairs_triton(ids, table, got_r, got_t, way, first)
-        want_slot, want_cold = cold_pairs_ref(ids, table, want_r, want_t, way, first)
+        slot, cold, met = cold_pairs_triton(ids, table, got_r, got_t, way, first)
+        want_slot, want_cold, want_met = cold_pairs_ref(ids, table, want_r, want_t, way, first)
         assert slot.dtype == cold.dtype == torch.int64 and slot.shape == cold.shape == (t, k)
-        assert torch.equal(slot, want_slot) and torch.equal(cold, want_cold)
+        assert torch.equal(slot, want_slot) and torch.equal(cold, want_cold) and torch.equal(met, want_met)
         assert torch.allclose(got_r, want_r) and torch.equal(got_t, want_t)
     assert want_t[2] > 0 and (t == 1 or want_t[1] > want_t[2])  # some cold experts; past one token, some met twice
     assert (first == 0) == bool((want_slot > -2).all())  # with an offset, some pairs are not here
@@ -442,16 +444,17 @@ import sys
 from kernels.routing.cold_triton import _cold_pairs_kernel as kernel
 
 pdl, ids = int(sys.argv[1]), sys.argv[2]
-const = dict(WAY=4 if pdl else -1, BLOCK=64, E_PAD=256, PDL=pdl)
+const = dict(WAY=4 if pdl else -1, BLOCK=64, E_PAD=256, SPAN=1024, PDL=pdl)
 types = {"ids_ptr": ids, "table_ptr": "*i64", "routed_ptr": "*fp32", "tally_ptr": "*fp64", "slot_ptr": "*i64",
-         "cold_ptr": "*i64", "P": "i32", "E": "i32", "first": "i32"}
+         "cold_ptr": "*i64", "met_ptr": "*i32", "scratch_ptr": "*i32", "P": "i32", "E": "i32", "first": "i32"}
 """
 
 
 @pytest.mark.parametrize("pdl, ids", [(0, "*i32"), (2, "*i64")])
 def test_cold_pairs_compiles_for_hopper(pdl, ids):
     """The offload split's whole Triton compile for sm_90 (tests.hopper): float64 counters,
-    float32 atomics, int32 or int64 ids, with PDL and a way counted, and without either."""
+    float32 and int32 atomics and the ticket, int32 or int64 ids, with PDL and a way
+    counted, and without either."""
     from tests.hopper import compile_kernel
 
     assert compile_kernel(_COMPILE_COLD, pdl, ids) > 0
