@@ -10,14 +10,15 @@ model fits, and transformers + accelerate at the same budget.
 
 Random weights. Per budget and mode (``engine.offload``: auto, cpu, stream): decode ms per
 step at each batch (generate()'s own clock, 128-token prompts), prefill tokens/s of
-``--prefill`` prompts (time to the first token), and from the layers' counters over the same
-decode steps (``decode_run``) the share of routed pairs that found their expert on the
-device (hit rate) and the cold experts a step met, and the share of the calls with cold
-pairs that ran them on the CPU (the rest read them in place or streamed them). The floor of
-a decode step: the device-resident bytes it reads (everything but the routed experts, and
-the device experts it is expected to hit) over the copy bandwidth, plus the cold experts it
-met over the bandwidth of the way they ran (pinned host-to-device copy for streamed ones,
-the CPU's matmul read rate for CPU ones), both measured in this run.
+``--prefill`` prompts (time to the first token, the median of ``--reps`` runs), and from the
+layers' counters over the same decode steps (``decode_run``) the share of routed pairs that
+found their expert on the device (hit rate) and the cold experts a step met, and the share
+of the calls with cold pairs that ran them on the CPU (the rest read them in place or
+streamed them). The floor of a decode step: the device-resident bytes it reads (everything
+but the routed experts, and the device experts it is expected to hit) over the copy
+bandwidth, plus the cold experts it met over the bandwidth of the way they ran (pinned
+host-to-device copy for streamed ones, the CPU's matmul read rate for CPU ones), both
+measured in this run.
 The peer: transformers' ``generate()`` on a model of the same shape placed by accelerate
 (``device_map="auto"``, ``max_memory`` = the budget on the GPU, the rest in CPU memory).
 ``--layers-batches``: ZeRO-Inference mode (``engine.offload: layers``), prefill tokens/s and
@@ -32,6 +33,7 @@ Writes bench/results/offload-<model>-<device>-<date>.json.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -121,13 +123,17 @@ def decode_run(engine, prompts, n: int, reps: int) -> tuple[float, dict, int]:
     return 1e3 * seconds / steps, counters(engine), steps
 
 
-def prefill_tokens_s(engine, prompts) -> float:
+def prefill_tokens_s(engine, prompts, reps: int = 1) -> float:
+    """Prompt tokens a second of ``prompts`` (time to the first token), the median of ``reps`` runs."""
     engine.generate(prompts, max_new_tokens=1)  # warm-up
-    bc.synchronize(engine.device)
-    t = time.perf_counter()
-    engine.generate(prompts, max_new_tokens=1)
-    bc.synchronize(engine.device)
-    return sum(map(len, prompts)) / (time.perf_counter() - t)
+    times = []
+    for _ in range(reps):
+        bc.synchronize(engine.device)
+        t = time.perf_counter()
+        engine.generate(prompts, max_new_tokens=1)
+        bc.synchronize(engine.device)
+        times.append(time.perf_counter() - t)
+    return sum(map(len, prompts)) / statistics.median(times)
 
 
 def peer_ms(model_name: str, budget_gb: float, prompts, n: int) -> float | None:
@@ -240,7 +246,7 @@ def main():
         engine.eos = set()
         if copy_bytes_s is None:
             copy_bytes_s = bc.measure_copy_bandwidth(engine.device) * 1e9
-        prefill = prefill_tokens_s(engine, prompts_of(engine, rows, width))
+        prefill = prefill_tokens_s(engine, prompts_of(engine, rows, width), args.reps)
         for b in [int(x) for x in args.batches.split(",")]:
             ps = prompts_of(engine, b, args.prompt_len)
             ms, seen, steps = decode_run(engine, ps, args.new_tokens, args.reps)
