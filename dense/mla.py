@@ -79,6 +79,7 @@ class LatentAttention(nn.Module):
         self.tp = tp
         self.lora = bool(cfg.q_lora_rank)
         self.in_proj, self.in_split = None, None  # both input projections as one (merge_projections)
+        self.kv_b = None  # kv_b_proj's weight with the rotary gap (gap_up_projection)
         if cfg.rope_interleaved:  # the checkpoint rotates interleaved pairs: its rotary rows read as halves
             q = self.q_b_proj if cfg.q_lora_rank else self.q_proj
             q.load_fns = {"weight": lambda t: pairs_to_halves(t, p + r, p, r)}
@@ -115,6 +116,28 @@ class LatentAttention(nn.Module):
             del self.q_proj
         return True
 
+    def gap_up_projection(self) -> bool:
+        """kv_b_proj's weight kept as each head's [W_UK rows, R rows, W_UV rows] (``kv_b``
+        [N, P + R + V, C]; the R rows' products are the rotary key's gap, which it
+        overwrites), the form a prompt's one up-projection GEMM takes (``_decompressed``),
+        instead of a copy of the weight made at each prompt; decode reads W_UK and W_UV as
+        views of it. -> whether it did: not once (called after loading)."""
+        if self.kv_b is not None:
+            return False
+        w_uk, w_uv = self._up_weights()
+        gap = w_uk.new_zeros(self.num_heads, self.rope_dim, self.latent)
+        self.kv_b = nn.Parameter(torch.cat([w_uk, gap, w_uv], dim=1), requires_grad=False)
+        del self.kv_b_proj
+        return True
+
+    def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (W_UK [N, P, C], W_UV [N, V, C]): views of kv_b_proj's weight or of ``kv_b``."""
+        p, c = self.nope_dim, self.latent
+        if self.kv_b is not None:
+            return self.kv_b[:, :p], self.kv_b[:, p + self.rope_dim:]
+        w = self.kv_b_proj.weight.view(self.num_heads, p + self.v_dim, c)
+        return w[:, :p], w[:, p:]
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> the queries [B, T, N * (P + R)] and the latent projection's rows
         [B, T, C + R] (the latent, then the rotary key)."""
@@ -146,19 +169,19 @@ class LatentAttention(nn.Module):
         """The queries [B, T, N * (P + R)] and latent rows [B, T, C + R] -> the output [B, T, H]."""
         b, t, _ = kv.shape
         n, p, r, c = self.num_heads, self.nope_dim, self.rope_dim, self.latent
-        w = self.kv_b_proj.weight.view(n, p + self.v_dim, c)  # [N, P + V, C]: W_UK rows, then W_UV
+        w_uk, w_uv = self._up_weights()  # [N, P, C], [N, V, C]
         if cache is not None and t == 1 and not ctx.causal and not cache.by_tokens:
             # A decode step: the absorbed query (q_p W_UK per head, in the latent's space),
             # the latent's norm, the rotations and the cache append in one launch; the
             # attention reads the pool in place, each cached row once for every head; then
             # each head's W_UV in one more launch, in the layout o_proj reads.
             pool = cache.pools(layer)[0]
-            query = kernels.latent_prologue(q.view(b, -1), w[:, :p], kv, self.kv_a_norm.weight, self.kv_a_norm.eps,
+            query = kernels.latent_prologue(q.view(b, -1), w_uk, kv, self.kv_a_norm.weight, self.kv_a_norm.eps,
                                             ctx.cos, ctx.sin, pool, cache.write_slots,
                                             pdl=self.options.pdl)  # [B, N, C + R]
             out = kernels.paged_latent_decode(query, pool, cache.read_slots, ctx.attn_mask[:, 0, 0], c, self.scale,
                                               pdl=self.options.pdl, positions=ctx.positions)
-            out = kernels.latent_output(out, w[:, p:], pdl=self.options.pdl)  # [B, N * V]
+            out = kernels.latent_output(out, w_uv, pdl=self.options.pdl)  # [B, N * V]
             return self.o_proj(out.view(b, 1, n * self.v_dim))
         q = q.view(b, t, n, p + r).transpose(1, 2)  # [B, N, T, P + R]
         q_p, q_r = q.split([p, r], dim=-1)
@@ -178,8 +201,8 @@ class LatentAttention(nn.Module):
             key = cache.gather(layer)[0]  # [B, 1, S, C + R]
         mask = None if ctx.causal else ctx.attn_mask
         if prompt:
-            return self._decompressed(q, key, w, mask, ctx.causal)
-        q_c = torch.einsum("bntp,npc->bntc", q_p, w[:, :p].to(q_p.dtype))
+            return self._decompressed(q, key, w_uk, w_uv, mask, ctx.causal)
+        q_c = torch.einsum("bntp,npc->bntc", q_p, w_uk.to(q_p.dtype))
         query = torch.cat([q_c, q_r], dim=-1)  # [B, N, T, C + R]: absorbed, in the latent's space
         if by_tokens:  # the latent split over the ranks by tokens (every rank computed the same new latent)
             from dense.kv_shard import gather_heads, split_attention
@@ -189,10 +212,10 @@ class LatentAttention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(query, key.expand(-1, n, -1, -1), key[..., :c].expand(-1, n, -1, -1),
                                                  attn_mask=mask, is_causal=ctx.causal, scale=self.scale)  # [B, N, T, C]
-        return self._output(out, w)
+        return self._output(out, w_uv)
 
-    def _decompressed(self, query: torch.Tensor, key: torch.Tensor, w: torch.Tensor, mask, causal: bool
-                      ) -> torch.Tensor:
+    def _decompressed(self, query: torch.Tensor, key: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                      mask, causal: bool) -> torch.Tensor:
         """Prompt tokens: the latent keys [B, 1, S, C + R] up-projected to every head's key
         (W_UK latent, then the rotary key) and value (W_UV latent), then attention at the
         head width D = P + R (the queries [B, N, T, D], any strides but unit along D): for T
@@ -202,12 +225,13 @@ class LatentAttention(nn.Module):
         [W_UK latent, a gap, W_UV latent] (a zero block of W_UK's rows leaves the gap) and
         the rotary key fills the gap: the keys are a view of the first D columns and, where
         V < D, the values a view of the last D (the rotary key, then the value: outputs past
-        the first D - V columns are the values'), so nothing is concatenated or padded."""
+        the first D - V columns are the values'), so nothing is concatenated or padded. The
+        gapped weight is kept from load (``gap_up_projection``), else made for the call."""
         b, n, t, d = query.shape
         p, r, v, c = self.nope_dim, self.rope_dim, self.v_dim, self.latent
         latent, k_r = key[:, 0].split([c, r], dim=-1)  # [B, S, C], [B, S, R]
         s = latent.shape[1]
-        up = torch.cat([w[:, :p], w.new_zeros(n, r, c), w[:, p:]], dim=1)  # [N, P + R + V, C]
+        up = self.kv_b if self.kv_b is not None else torch.cat([w_uk, w_uk.new_zeros(n, r, c), w_uv], dim=1)
         kv = torch.matmul(latent, up.reshape(n * (d + v), c).t().to(latent.dtype)).view(b, s, n, d + v)
         kv[..., p:d] = k_r[:, :, None]  # every head's rotary key in its gap
         keys = kv[..., :d].transpose(1, 2)  # [B, N, S, D]
@@ -216,8 +240,8 @@ class LatentAttention(nn.Module):
                                              scale=self.scale)[..., max(0, d - v):]  # [B, N, T, V]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, n * v))
 
-    def _output(self, out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _output(self, out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
         """The softmax-weighted latents [B, N, T, C] -> (out W_UV per head) o_proj [B, T, H]."""
         b, n, t, _ = out.shape
-        out = torch.einsum("bntc,nvc->btnv", out, w[:, self.nope_dim:].to(out.dtype))
+        out = torch.einsum("bntc,nvc->btnv", out, w_uv.to(out.dtype))
         return self.o_proj(out.reshape(b, t, n * self.v_dim))

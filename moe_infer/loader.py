@@ -206,7 +206,8 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
     else:
         model.init_random(cfg.engine.seed)
     # Layers whose GEMMs merge once their weights are in (before quantizing, which int8
-    # does to both alike): latent attention's two input projections; an MoE layer's shared
+    # does to both alike): latent attention's two input projections (and its up projection
+    # with the rotary key's gap, which is never quantized); an MoE layer's shared
     # experts as experts of its routed call, where the config allows (``Config.folds_shared``).
     from dense.mla import LatentAttention
     from moe_infer.moe_layer import MoELayer
@@ -215,6 +216,7 @@ def load(path_or_name: str | Path | None = None, *, device: str | torch.device |
     for layer in model.modules():
         if isinstance(layer, LatentAttention):
             layer.merge_projections()
+            layer.gap_up_projection()
         elif isinstance(layer, MoELayer) and fold:
             layer.fold_shared()
     if cfg.engine.quantize is not None:  # bf16 / fp32 weights in, int8 (or MXFP4 experts) on the device

@@ -75,10 +75,13 @@ def test_the_blocks_add_and_norm_go_into_the_input_projection(tmp_path, monkeypa
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_prompt_attention_up_projected_equals_the_absorbed_form(tmp_path, family, causal):
+@pytest.mark.parametrize("gapped", [False, True])
+def test_prompt_attention_up_projected_equals_the_absorbed_form(tmp_path, family, causal, gapped):
     """Prompt tokens attend over keys and values up-projected from the latents at the head
     width (``_decompressed``); the absorbed form (scores and outputs in the latent's space,
-    as decode runs) gives the same output, causal or under a mask over more keys."""
+    as decode runs) gives the same output, causal or under a mask over more keys; with the
+    up projection's weight as loaded and as kept with the rotary key's gap (its views give
+    the same W_UK and W_UV)."""
     import torch.nn.functional as F
 
     save_hf_model(family, tmp_path)
@@ -94,13 +97,17 @@ def test_prompt_attention_up_projected_equals_the_absorbed_form(tmp_path, family
     mask = None if causal else torch.rand(b, 1, t, s, generator=gen) < 0.7
     if mask is not None:
         mask[..., 0] = True  # every query sees a key
-    w = attn.kv_b_proj.weight.view(n, p + attn.v_dim, c)
+    w = attn.kv_b_proj.weight.view(n, p + attn.v_dim, c).clone()
+    if gapped:
+        assert attn.gap_up_projection() and not hasattr(attn, "kv_b_proj") and not attn.gap_up_projection()
+    w_uk, w_uv = attn._up_weights()
+    assert torch.equal(w_uk, w[:, :p]) and torch.equal(w_uv, w[:, p:])
     with torch.no_grad():
         query = torch.cat([torch.einsum("bntp,npc->bntc", q_p, w[:, :p]), q_r], dim=-1)
         out = F.scaled_dot_product_attention(query, key.expand(-1, n, -1, -1), key[..., :c].expand(-1, n, -1, -1),
                                              attn_mask=mask, is_causal=causal, scale=attn.scale)
-        want = attn._output(out, w)
-        got = attn._decompressed(torch.cat([q_p, q_r], dim=-1), key, w, mask, causal)
+        want = attn._output(out, w[:, p:])
+        got = attn._decompressed(torch.cat([q_p, q_r], dim=-1), key, w_uk, w_uv, mask, causal)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
