@@ -15,10 +15,10 @@ layers' counters over the same decode steps (``decode_run``) the share of routed
 found their expert on the device (hit rate) and the cold experts a step met, and the share
 of the calls with cold pairs that ran them on the CPU (the rest read them in place or
 streamed them). The floor of a decode step: the device-resident bytes it reads (everything
-but the routed experts, and the device experts it is expected to hit) over the copy
-bandwidth, plus the cold experts it met over the bandwidth of the way they ran (pinned
-host-to-device copy for streamed ones, the CPU's matmul read rate for CPU ones), both
-measured in this run.
+but the routed experts, and the device experts it is expected to hit: the run's hit rate of
+a token's picks, spread evenly over them) over the copy bandwidth, plus the cold experts it
+met over the bandwidth of the way they ran (pinned host-to-device copy for streamed ones,
+the CPU's matmul read rate for CPU ones), both measured in this run.
 The peer: transformers' ``generate()`` on a model of the same shape placed by accelerate
 (``device_map="auto"``, ``max_memory`` = the budget on the GPU, the rest in CPU memory).
 ``--layers-batches``: ZeRO-Inference mode (``engine.offload: layers``), prefill tokens/s and
@@ -69,9 +69,14 @@ def floor_ms(engine, batch: int, tokens: int, seen: dict, copy_bytes_s: float) -
         return None
     inside = {id(p) for m in layers for p in (m.w13, m.w2)}
     dense = sum(p.numel() * p.element_size() for p in engine.model.parameters() if id(p) not in inside)
-    k, e = engine.config.moe.top_k, engine.config.moe.num_experts
+    k = engine.config.moe.top_k
     one, profile = layers[0].cost.expert_bytes, layers[0].cost.profile
-    hot_hit = sum(len(m.hot) * (1 - (1 - k / e) ** batch) for m in layers)  # expected, uniform routing
+    # The device experts a step reads: a token's picks that found their expert on the device
+    # (k x the run's hit rate) spread evenly over each layer's device experts. (At batch 1
+    # exactly k x the hit rate; not k / E of them, as uniform routing would have it, once the
+    # placement follows the prompts' own routing and a step meets few cold experts.)
+    picks = k * (1 - seen["cold_pairs"] / seen["pairs"] if seen["pairs"] else 1.0)
+    hot_hit = sum(len(m.hot) * (1 - (1 - min(1.0, picks / len(m.hot))) ** batch) for m in layers if m.hot)
     device = (dense + hot_hit * one) / copy_bytes_s
     cold = 0.0
     if seen["cold_experts"]:  # the bandwidth of the ways the calls took, weighed by their number
