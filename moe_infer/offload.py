@@ -240,10 +240,10 @@ class OffloadedExperts(nn.Module):
     """One layer's experts split by a ``Placement``: ``w13`` / ``w2`` hold the device
     experts (in the order of ``hot``), the host tensors every expert (pinned where the
     device is a GPU). ``mode``: "cpu" (cold pairs run on the CPU), "stream" (their experts
-    are copied into a device staging area of ``staging`` experts, as many rounds as
-    needed, each round into one of its ``AREAS`` parts in turn), or "auto" (``ColdCost``
-    chooses per call). ``in_place``: calls of at most that
-    many tokens read their cold experts in place (modes "stream" and "auto"; 0: none)."""
+    are copied into a device staging area of ``staging`` experts, as many rounds as needed,
+    each round into one of its ``AREAS`` parts in turn), or "auto" (``ColdCost`` chooses per
+    call). ``in_place``: calls of at most that many tokens read their cold experts in place
+    (modes "stream" and "auto"; 0: none)."""
 
     def __init__(self, experts: Experts, hot: list[int], device: torch.device, mode: str, cost: ColdCost,
                  staging: int = 8, in_place: int = 0):
