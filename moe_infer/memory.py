@@ -152,8 +152,9 @@ def _spread(cfg: Config, ranks: int) -> Config | None:
 def check_offload_fits(cfg: Config, dtype: torch.dtype, device: torch.device, model) -> None:
     """Raises ``ConfigError`` unless what an offloaded model keeps on the device and one
     full-length sequence's KV cache fit in its free memory: ``engine.gpu_memory_gb`` of
-    weights, or with offload "layers" everything but the blocks and ``prefetch_layers`` + 1
-    of the largest block (the rest lives in host memory)."""
+    weights and, where calls stream experts in, their staging area; or with offload
+    "layers" everything but the blocks and ``prefetch_layers`` + 1 of the largest block (the
+    rest lives in host memory)."""
     e = cfg.engine
     kv = memory_need(cfg, dtype, model, int8=False).kv
     have = available_bytes(device)
@@ -169,10 +170,16 @@ def check_offload_fits(cfg: Config, dtype: torch.dtype, device: torch.device, mo
                               f"{have / GB:.2f} GB free")
         return
     budget = e.gpu_memory_gb * GB
-    if budget + kv > have:
+    staging = 0
+    if e.offload != "cpu":  # streamed calls copy cold experts into one staging area the layers share
+        from moe_infer.offload import staging_bytes
+
+        staging = staging_bytes(model, dtype)
+    if budget + kv + staging > have:
         raise ConfigError(f"engine.gpu_memory_gb={e.gpu_memory_gb:g}: with one sequence's KV cache "
-                          f"({kv / GB:.2f} GB) it needs {(budget + kv) / GB:.2f} GB, but {device} has "
-                          f"{have / GB:.2f} GB free; expected at most {(have - kv) / GB:.2f}")
+                          f"({kv / GB:.2f} GB) and the staging area for streamed experts ({staging / GB:.2f} GB) it "
+                          f"needs {(budget + kv + staging) / GB:.2f} GB, but {device} has {have / GB:.2f} GB free; "
+                          f"expected at most {(have - kv - staging) / GB:.2f}")
 
 
 def check_fits(cfg: Config, dtype: torch.dtype, device: torch.device, model, ranks_here: int = 1) -> bool:

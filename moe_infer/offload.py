@@ -22,6 +22,7 @@ wait for the host once (which experts are cold; the CPU's way then also for its 
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ GB = 1e9
 MODES = ("auto", "cpu", "stream")
 WAYS = ("cpu", "stream")  # where auto may run a call's cold pairs
 AREAS = 2  # the staging area's parts a streamed call's rounds take in turn (one copies while one computes)
+STAGING = 8  # experts the staging area a model's layers share holds
 STATS = ("pairs", "cold_pairs", "cold_experts", "cpu", "stream")  # what a layer's calls met (``tally``)
 
 
@@ -236,17 +238,53 @@ def rebalance(model: nn.Module, decay: float = 0.5) -> int:
     return moved
 
 
+class Staging:
+    """The device staging area a model's offloaded layers share (they run one after another):
+    ``AREAS`` parts of ``round_size`` experts each, which the rounds of every layer's streamed
+    calls take in turn; a copy stream (on a GPU); and for each part the event of the kernels
+    that read it last, which a copy into it waits for. Made whole at the first streamed call
+    (the experts' tensors as the host holds them). Shared, it costs ``AREAS x round_size``
+    experts of device memory whatever the layers, and a layer's first copies run while the
+    layer before computes its last round."""
+
+    def __init__(self, round_size: int):
+        self.round_size = round_size
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.copies: torch.cuda.Stream | None = None
+        self.free: list = [None] * AREAS
+        self.turn = 0  # the part the next round takes
+
+    def take(self, host: dict[str, torch.Tensor], device: torch.device) -> int:
+        """-> the first slot of the part the next round copies into (the tensors made at the
+        first call, shaped as ``host``'s experts)."""
+        if not self.tensors:
+            self.tensors = {k: torch.empty((self.round_size * AREAS, *v.shape[1:]), dtype=v.dtype, device=device)
+                            for k, v in host.items()}
+            self.copies = torch.cuda.Stream(device) if device.type == "cuda" else None
+        part = self.turn % AREAS
+        self.turn += 1
+        return part * self.round_size
+
+
+def staging_bytes(model: nn.Module, dtype: torch.dtype, staging: int = STAGING) -> int:
+    """Device bytes of the staging areas ``apply`` gives ``model``'s layers (each expert's
+    weights in ``dtype``, before any quantization: at most what they take after)."""
+    kinds = {(tuple(e.w13.shape), tuple(e.w2.shape)) for _, _, e in expert_layers(model)}
+    return sum(max(1, min(staging, w13[0]) // AREAS) * AREAS * (math.prod(w13[1:]) + math.prod(w2[1:]))
+               * dtype.itemsize for w13, w2 in kinds)
+
+
 class OffloadedExperts(nn.Module):
     """One layer's experts split by a ``Placement``: ``w13`` / ``w2`` hold the device
     experts (in the order of ``hot``), the host tensors every expert (pinned where the
     device is a GPU). ``mode``: "cpu" (cold pairs run on the CPU), "stream" (their experts
     are copied into a device staging area of ``staging`` experts, as many rounds as needed,
-    each round into one of its ``AREAS`` parts in turn), or "auto" (``ColdCost`` chooses per
-    call). ``in_place``: calls of at most that many tokens read their cold experts in place
+    each round into one of its ``AREAS`` parts in turn; ``area``: a ``Staging`` shared with
+    the model's other layers instead), or "auto" (``ColdCost`` chooses per call). ``in_place``: calls of at most that many tokens read their cold experts in place
     (modes "stream" and "auto"; 0: none)."""
 
     def __init__(self, experts: Experts, hot: list[int], device: torch.device, mode: str, cost: ColdCost,
-                 staging: int = 8, in_place: int = 0):
+                 staging: int = STAGING, in_place: int = 0, area: Staging | None = None):
         super().__init__()
         self.activation, self.options = experts.activation, experts.options
         self.weighted_input = experts.weighted_input  # (Llama 4: the weight on the expert's input)
@@ -271,10 +309,9 @@ class OffloadedExperts(nn.Module):
         self.register_buffer("routed", torch.zeros(e, dtype=torch.float32, device=device), persistent=False)
         self.w13 = self.w2 = None
         self.set_hot(hot)
-        # Experts a streamed round holds (a rebalance may cool any); the staging area holds
+        # Experts a streamed round holds (a rebalance may cool any): the staging area holds
         # AREAS rounds.
-        self.round_size = max(1, min(staging, e) // AREAS)
-        self._stage: dict | None = None  # the staging area, made at the first streamed call
+        self.area = area or Staging(max(1, min(staging, e) // AREAS))
         # What the calls met (``STATS``; in-place calls count as streamed: their cold experts
         # cross the bus), summed on the device so that graph replays count too.
         self.register_buffer("tally", torch.zeros(len(STATS), dtype=torch.float64, device=device),
@@ -355,8 +392,9 @@ class OffloadedExperts(nn.Module):
         self.tally[STATS.index(mode)] += 1  # the way this call's cold pairs take
         # The cold experts' first copies (stream) start before the device experts run; the
         # CPU's work (cpu) runs while they do.
-        rounds = [used[lo:lo + self.round_size] for lo in range(0, len(used), self.round_size)]
-        copies = [self._stage_round(chunk, i) for i, chunk in enumerate(rounds[:AREAS])] if mode == "stream" else []
+        size = self.area.round_size
+        rounds = [used[lo:lo + size] for lo in range(0, len(used), size)]
+        copies = [self._stage_round(chunk) for chunk in rounds[:AREAS]] if mode == "stream" else []
         if mode == "cpu":  # the cold pairs' rows to the host before the device experts are queued
             cold_t, cold_s = (cold >= 0).nonzero(as_tuple=True)
             pairs = [t.cpu() for t in (x[cold_t], cold[cold_t, cold_s], weights[cold_t, cold_s].float())]
@@ -412,65 +450,66 @@ class OffloadedExperts(nn.Module):
             yc.index_add_(0, rows, y.float() * wr)
         return yc
 
-    def _stage_round(self, chunk: list[int], i: int):
-        """Copies experts ``chunk`` into area ``i % AREAS`` of the staging area (on a copy
-        stream on a GPU, once the kernels of the round that used the area last are done) ->
-        the copies' event (None on CPU)."""
-        dev = self.w13.device
-        if self._stage is None:
-            self._stage = {k: torch.empty((self.round_size * AREAS, *v.shape[1:]), dtype=v.dtype, device=dev)
-                           for k, v in self.host.items()}
-            self._copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-            self._free = [None] * AREAS
-        base = (i % AREAS) * self.round_size
-        if self._copies is None:
+    def _stage_round(self, chunk: list[int]) -> tuple[int, torch.cuda.Event | None]:
+        """Copies experts ``chunk`` into the staging area's next part (on its copy stream on a
+        GPU, once the kernels of the round that read that part last are done) -> (the part's
+        first slot, the copies' event: None on CPU)."""
+        area = self.area
+        base = area.take(self.host, self.w13.device)
+        if area.copies is None:
             for j, e in enumerate(chunk):
                 for k, v in self.host.items():
-                    self._stage[k][base + j].copy_(v[e])
-            return None
-        with torch.cuda.stream(self._copies):
-            if self._free[i % AREAS] is not None:
-                self._copies.wait_event(self._free[i % AREAS])
+                    area.tensors[k][base + j].copy_(v[e])
+            return base, None
+        with torch.cuda.stream(area.copies):
+            if area.free[base // area.round_size] is not None:
+                area.copies.wait_event(area.free[base // area.round_size])
             for j, e in enumerate(chunk):
                 for k, v in self.host.items():
-                    self._stage[k][base + j].copy_(v[e], non_blocking=True)
+                    area.tensors[k][base + j].copy_(v[e], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        return done
+        return base, done
 
     def _streamed(self, x: torch.Tensor, weights: torch.Tensor, cold: torch.Tensor, met: torch.Tensor,
                   rounds: list[list[int]], copies: list, out: torch.Tensor) -> None:
         """Adds the cold pairs' outputs to ``out`` [T, H] float32: their experts (``met``'s,
-        in ``rounds``) copied into the staging area a round at a time, the areas taken in
+        in ``rounds``) copied into the staging area a round at a time, its parts taken in
         turn, so that a round's copies run while the round before computes (the first
-        ``AREAS`` rounds' copies already queued: ``copies``, their events). Each round's
-        kernel takes every pair, those of other rounds masked: no wait for the host."""
+        ``AREAS`` rounds' copies already queued: ``copies``, their parts and events). Each
+        round's kernel takes every pair, those of other rounds masked: no wait for the host."""
         # Each cold pair's place among the call's cold experts (``rounds`` in order), -1 elsewhere.
         rank = torch.cumsum(met > 0, 0) - 1
         place = torch.where(cold >= 0, rank[cold.clamp(min=0)], -1)
+        area = self.area
         # The kernels take the whole staging area, however few experts a round holds: they
         # specialise on the expert count, and a count a round would compile a variant each.
-        extras = {k: self._stage[k] for k in self.host if k not in ("w13", "w2")}
+        extras = {k: area.tensors[k] for k in self.host if k not in ("w13", "w2")}
         stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
         lo = 0
         for i, chunk in enumerate(rounds):
-            done = copies[i] if i < len(copies) else self._stage_round(chunk, i)
+            base, done = copies[i] if i < len(copies) else self._stage_round(chunk)
             if done is not None:
                 stream.wait_event(done)
             here = place - lo
-            slots = torch.where((here >= 0) & (here < len(chunk)), here + (i % AREAS) * self.round_size, -1)
-            out += kernels.fused_moe(x, self._stage["w13"], self._stage["w2"], weights, slots, self.activation,
+            slots = torch.where((here >= 0) & (here < len(chunk)), here + base, -1)
+            out += kernels.fused_moe(x, area.tensors["w13"], area.tensors["w2"], weights, slots, self.activation,
                                      pdl=self.options.pdl, masked=True, weighted_input=self.weighted_input, **extras)
-            if stream is not None:  # the area is free for a later round's copies once these kernels are done
-                self._free[i % AREAS] = stream.record_event()
+            if stream is not None:  # the part is free for a later round's copies once these kernels are done
+                area.free[base // area.round_size] = stream.record_event()
             lo += len(chunk)
 
 
 def apply(model: nn.Module, placement: Placement, device: torch.device, mode: str, cost: ColdCost,
-          in_place: int = 0) -> None:
-    """Replaces every layer's experts by its ``OffloadedExperts``."""
+          in_place: int = 0, staging: int = STAGING) -> None:
+    """Replaces every layer's experts by its ``OffloadedExperts``; the layers whose experts
+    have the same shapes and dtypes share one ``Staging`` area of ``staging`` experts."""
+    areas: dict = {}
     for (parent, name, experts), hot in zip(expert_layers(model), placement.hot):
-        setattr(parent, name, OffloadedExperts(experts, hot, device, mode, cost, in_place=in_place))
+        tensors = {"w13": experts.w13, "w2": experts.w2, **experts.scales(), **experts.biases()}
+        kind = tuple((k, tuple(v.shape), v.dtype) for k, v in tensors.items() if v is not None)
+        area = areas.setdefault(kind, Staging(max(1, min(staging, experts.w13.shape[0]) // AREAS)))
+        setattr(parent, name, OffloadedExperts(experts, hot, device, mode, cost, in_place=in_place, area=area))
 
 
 def offload_experts(model: nn.Module, cfg, device: torch.device, dtype: torch.dtype) -> Placement:

@@ -108,6 +108,11 @@ def test_an_offloaded_model_gives_the_unbounded_tokens(full, mode, hot):
     assert [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=8)] == \
         [o.token_ids for o in full.generate(PROMPTS, max_new_tokens=8)]
     torch.testing.assert_close(engine.logits(PROMPTS), full.logits(PROMPTS), rtol=1e-5, atol=1e-5)
+    area = layers[0].area  # one staging area for every layer, of AREAS rounds
+    assert all(m.area is area for m in layers)
+    if mode == "stream":
+        assert area.turn >= len(layers) and all(t.shape[0] == off.AREAS * area.round_size
+                                                for t in area.tensors.values())
     if mode == "auto":  # the calls' times reached the choice
         assert any(layers[0].cost.ratios.values())
 
@@ -124,8 +129,9 @@ def test_quantized_experts_offload_too(quantize, mode):
 
 @pytest.mark.parametrize("mode", ["cpu", "stream"])
 def test_cold_experts_in_several_staging_rounds_and_mixed_pairs(mode):
-    """One layer, its experts split 2 on the device / 5 cold, a staging area of one expert:
-    every pair's output (hot, cold, several rounds) as the whole layer's."""
+    """One layer, its experts split 2 on the device / 5 cold, a staging area of one expert a
+    round: every pair's output (hot, cold, several rounds) as the whole layer's; and two
+    layers sharing one area."""
     gen = torch.Generator().manual_seed(0)
     experts = Experts(7, 24, 40, "swiglu")
     with torch.no_grad():
@@ -142,6 +148,16 @@ def test_cold_experts_in_several_staging_rounds_and_mixed_pairs(mode):
     every = off.OffloadedExperts(experts, list(range(7)), torch.device("cpu"), mode, off.ColdCost(profile, 1, 1))
     every.set_hot([3])  # a layer placed whole, then cooled by a rebalance
     torch.testing.assert_close(every.fused(x, ids, w), experts.fused(x, ids, w), rtol=1e-5, atol=1e-6)
+    # Two layers sharing one staging area (as a model's do), their calls in turn: each
+    # call's rounds take the parts where the other's left off.
+    other = random_experts(7, 24, 40, seed=1)
+    area = off.Staging(1)
+    pair = [off.OffloadedExperts(e, hot, torch.device("cpu"), mode, off.ColdCost(profile, 1, 1), area=area)
+            for e, hot in ((experts, [2, 5]), (other, [0]))]
+    for _ in range(2):
+        for layer, e in zip(pair, (experts, other)):
+            torch.testing.assert_close(layer.fused(x, ids, w), e.fused(x, ids, w), rtol=1e-5, atol=1e-6)
+    assert area.turn == (0 if mode == "cpu" else 2 * (5 + 6))  # a round an expert: 5 cold, then 6
 
 
 def random_experts(e: int, h: int, f: int, seed: int = 0) -> Experts:
@@ -209,6 +225,29 @@ def test_a_budget_below_the_dense_part_fails_at_load_with_one_line(full):
     fixed, _ = budgets(full)
     with pytest.raises(ConfigError, match=r"^engine\.gpu_memory_gb=[0-9.e-]+: the weights that are not routed experts"):
         moe_infer.load("tiny-moe", progress=False, device="cpu", gpu_memory_gb=fixed / 2)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "stream"])
+def test_the_fit_check_counts_the_staging_area_streamed_calls_take(monkeypatch, mode):
+    """Mixtral at a 40 GB budget: its layers share one staging area of 8 experts (2.8 GB in
+    bf16), which a device with room for the budget and the KV cache alone lacks; the CPU
+    way takes none."""
+    from moe_infer import memory
+    from moe_infer.config_files import load_preset
+
+    cfg = load_preset("mixtral-8x7b")
+    cfg.engine.gpu_memory_gb, cfg.engine.offload = 40.0, mode
+    model = memory.meta_model(cfg)
+    staging = off.staging_bytes(model, torch.bfloat16)
+    assert staging == 8 * 3 * 4096 * 14336 * 2
+    kv = memory.memory_need(cfg, torch.bfloat16, int8=False).kv
+    monkeypatch.setattr(memory, "available_bytes", lambda device: int(40e9) + kv + staging // 2)
+    if mode == "cpu":
+        memory.check_offload_fits(cfg, torch.bfloat16, torch.device("cuda"), model)
+        return
+    with pytest.raises(ConfigError, match=r"^engine\.gpu_memory_gb=40: with one sequence's KV cache \([\d.]+ GB\) "
+                                          r"and the staging area for streamed experts \(2\.82 GB\) it needs"):
+        memory.check_offload_fits(cfg, torch.bfloat16, torch.device("cuda"), model)
 
 
 def test_rebalance_moves_each_layers_most_routed_experts_onto_the_device(full):
