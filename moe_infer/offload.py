@@ -280,8 +280,9 @@ class OffloadedExperts(nn.Module):
     device is a GPU). ``mode``: "cpu" (cold pairs run on the CPU), "stream" (their experts
     are copied into a device staging area of ``staging`` experts, as many rounds as needed,
     each round into one of its ``AREAS`` parts in turn; ``area``: a ``Staging`` shared with
-    the model's other layers instead), or "auto" (``ColdCost`` chooses per call). ``in_place``: calls of at most that many tokens read their cold experts in place
-    (modes "stream" and "auto"; 0: none)."""
+    the model's other layers instead), or "auto" (``ColdCost`` chooses per call).
+    ``in_place``: calls of at most that many tokens read their cold experts in place (modes
+    "stream" and "auto"; 0: none)."""
 
     def __init__(self, experts: Experts, hot: list[int], device: torch.device, mode: str, cost: ColdCost,
                  staging: int = STAGING, in_place: int = 0, area: Staging | None = None):
