@@ -124,11 +124,16 @@ class LatentAttention(nn.Module):
         views of it. -> whether it did: not once (called after loading)."""
         if self.kv_b is not None:
             return False
-        w_uk, w_uv = self._up_weights()
-        gap = w_uk.new_zeros(self.num_heads, self.rope_dim, self.latent)
-        self.kv_b = nn.Parameter(torch.cat([w_uk, gap, w_uv], dim=1), requires_grad=False)
+        self.kv_b = nn.Parameter(self._gapped(), requires_grad=False)
         del self.kv_b_proj
         return True
+
+    def _gapped(self) -> torch.Tensor:
+        """-> [N, P + R + V, C]: ``kv_b``, or kv_b_proj's weight with a zero gap (made here)."""
+        if self.kv_b is not None:
+            return self.kv_b
+        w_uk, w_uv = self._up_weights()
+        return torch.cat([w_uk, w_uk.new_zeros(self.num_heads, self.rope_dim, self.latent), w_uv], dim=1)
 
     def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (W_UK [N, P, C], W_UV [N, V, C]): views of kv_b_proj's weight or of ``kv_b``."""
@@ -201,7 +206,7 @@ class LatentAttention(nn.Module):
             key = cache.gather(layer)[0]  # [B, 1, S, C + R]
         mask = None if ctx.causal else ctx.attn_mask
         if prompt:
-            return self._decompressed(q, key, w_uk, w_uv, mask, ctx.causal)
+            return self._decompressed(q, key, mask, ctx.causal)
         q_c = torch.einsum("bntp,npc->bntc", q_p, w_uk.to(q_p.dtype))
         query = torch.cat([q_c, q_r], dim=-1)  # [B, N, T, C + R]: absorbed, in the latent's space
         if by_tokens:  # the latent split over the ranks by tokens (every rank computed the same new latent)
@@ -214,8 +219,7 @@ class LatentAttention(nn.Module):
                                                  attn_mask=mask, is_causal=ctx.causal, scale=self.scale)  # [B, N, T, C]
         return self._output(out, w_uv)
 
-    def _decompressed(self, query: torch.Tensor, key: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                      mask, causal: bool) -> torch.Tensor:
+    def _decompressed(self, query: torch.Tensor, key: torch.Tensor, mask, causal: bool) -> torch.Tensor:
         """Prompt tokens: the latent keys [B, 1, S, C + R] up-projected to every head's key
         (W_UK latent, then the rotary key) and value (W_UV latent), then attention at the
         head width D = P + R (the queries [B, N, T, D], any strides but unit along D): for T
@@ -231,8 +235,7 @@ class LatentAttention(nn.Module):
         p, r, v, c = self.nope_dim, self.rope_dim, self.v_dim, self.latent
         latent, k_r = key[:, 0].split([c, r], dim=-1)  # [B, S, C], [B, S, R]
         s = latent.shape[1]
-        up = self.kv_b if self.kv_b is not None else torch.cat([w_uk, w_uk.new_zeros(n, r, c), w_uv], dim=1)
-        kv = torch.matmul(latent, up.reshape(n * (d + v), c).t().to(latent.dtype)).view(b, s, n, d + v)
+        kv = torch.matmul(latent, self._gapped().reshape(n * (d + v), c).t().to(latent.dtype)).view(b, s, n, d + v)
         kv[..., p:d] = k_r[:, :, None]  # every head's rotary key in its gap
         keys = kv[..., :d].transpose(1, 2)  # [B, N, S, D]
         values = (kv[..., v:] if d > v else kv[..., d:]).transpose(1, 2)

@@ -388,8 +388,9 @@ class OffloadedExperts(nn.Module):
                 return torch.zeros_like(x)
             return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, masked=masked, **run,
                                      **self.device_extras)
-        mode = self.mode if self.mode != "auto" else self.cost.mode(sum(counts), len(used))
-        timed = self.cost.timed(mode, sum(counts), len(used), x.device) if self.mode == "auto" else None
+        n_cold = sum(counts)
+        mode = self.mode if self.mode != "auto" else self.cost.mode(n_cold, len(used))
+        timed = self.cost.timed(mode, n_cold, len(used), x.device) if self.mode == "auto" else None
         self.tally[STATS.index(mode)] += 1  # the way this call's cold pairs take
         # The cold experts' first copies (stream) start before the device experts run; the
         # CPU's work (cpu) runs while they do.

@@ -107,7 +107,7 @@ def test_prompt_attention_up_projected_equals_the_absorbed_form(tmp_path, family
         out = F.scaled_dot_product_attention(query, key.expand(-1, n, -1, -1), key[..., :c].expand(-1, n, -1, -1),
                                              attn_mask=mask, is_causal=causal, scale=attn.scale)
         want = attn._output(out, w[:, p:])
-        got = attn._decompressed(torch.cat([q_p, q_r], dim=-1), key, w_uk, w_uv, mask, causal)
+        got = attn._decompressed(torch.cat([q_p, q_r], dim=-1), key, mask, causal)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
