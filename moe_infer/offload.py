@@ -375,9 +375,10 @@ class OffloadedExperts(nn.Module):
         # cold pairs, counted on the device in one launch; a call without a host wait counts
         # its cold pairs as read in place.
         waits = self.waits_for_host(x.shape[0])
+        both = not waits and self.hot and self.num_cold  # (one call over both places)
         slot, cold, met = kernels.cold_pairs(expert_ids, self.slot, self.routed, self.tally,
                                              None if waits else STATS.index("stream"), first_expert if masked else 0,
-                                             pdl=self.options.pdl)
+                                             near=len(self.hot) if both else None, pdl=self.options.pdl)
         if not waits:
             return self._in_place(x, weights, slot, cold)
         counts = met.tolist()  # the call's one wait for the host
@@ -413,24 +414,24 @@ class OffloadedExperts(nn.Module):
         return out.to(x.dtype)
 
     def _in_place(self, x: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor, cold: torch.Tensor) -> torch.Tensor:
-        """Every pair on the device, no wait for the host: the device experts' pairs (``slot``
-        [T, k]: their device slots, negative elsewhere) by the kernel over ``w13`` / ``w2``,
-        the cold ones (``cold`` [T, k]: their experts, -1 elsewhere) by the same kernel over
-        the host copies, read where they lie (pinned host memory is in the device's address
+        """Every pair on the device, no wait for the host: ``slot`` [T, k] (``cold_pairs``):
+        device slots, and where the layer has experts in both places, the cold pairs'
+        experts past them (negative: elsewhere); the kernels read the device experts and
+        the host copies where they lie (pinned host memory is in the device's address
         space; each cold expert crosses the bus once per row tile of its pairs: once at
-        decode sizes) -> [T, H] in x's dtype."""
+        decode sizes), in one launch each where they can (``fused_moe``'s ``far``). A layer
+        with experts in one place: ``slot`` / ``cold`` [T, k] (their experts, -1 elsewhere)
+        over that place -> [T, H] in x's dtype."""
         run = dict(pdl=self.options.pdl, masked=True, weighted_input=self.weighted_input)
-        parts = []
-        if self.hot:  # cold pairs and pairs elsewhere are masked (negative slots)
-            parts.append(kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, **run,
-                                           **self.device_extras))
-        if self.num_cold:
-            extras = {k: v for k, v in self.host.items() if k not in ("w13", "w2")}
-            parts.append(kernels.fused_moe(x, self.host["w13"], self.host["w2"], weights, cold, self.activation,
-                                           **run, **extras))
-        if len(parts) == 2:  # (one add in x's dtype: summed in float32 and rounded once, as a token's slots are)
-            return parts[0] + parts[1]
-        return parts[0] if parts else torch.zeros_like(x)
+        if self.hot and self.num_cold:
+            return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, **run,
+                                     **self.device_extras, far=self.host)
+        if self.hot:
+            return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, **run,
+                                     **self.device_extras)
+        extras = {k: v for k, v in self.host.items() if k not in ("w13", "w2")}
+        return kernels.fused_moe(x, self.host["w13"], self.host["w2"], weights, cold, self.activation, **run,
+                                 **extras)
 
     def _on_cpu(self, xc: torch.Tensor, ids_c: torch.Tensor, wc: torch.Tensor, used: list[int]) -> torch.Tensor:
         """The cold pairs (rows xc [P, H], experts ids_c [P], weights wc [P] float32, in host

@@ -33,6 +33,23 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w
         raise ValueError(f"topk_ids: expected int32 or int64, got {topk_ids.dtype}")
 
 
+FAR_KEYS = ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2")
+
+
+def _check_far(far: dict, near: dict) -> None:
+    """``far``'s experts as the near ones (``near``: fused_moe's w13, w2, scales, biases):
+    the same tensors but for the number of experts, the same dtypes; ValueError naming them."""
+    if set(far) - set(FAR_KEYS) or {k for k, v in near.items() if v is not None} != set(far):
+        raise ValueError(f"far {sorted(far)}: expected the tensors given for the near experts, "
+                         f"{sorted(k for k, v in near.items() if v is not None)}")
+    e = far["w2"].shape[0]
+    for k, v in far.items():
+        want = (e, *near[k].shape[1:])
+        if tuple(v.shape) != want or v.dtype != near[k].dtype:
+            raise ValueError(f"far {k} {list(v.shape)} {v.dtype}: expected {list(want)} {near[k].dtype} (its near "
+                             f"one's shape with far {k}'s experts)")
+
+
 def _check_experts(x, w13, w2, activation, w13_scale, w2_scale):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
@@ -67,7 +84,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               capacity: int | None = None, maps: tuple | None = None, *, pdl: bool = True,
               masked: bool = False, first_expert: int = 0, b13: torch.Tensor | None = None,
-              b2: torch.Tensor | None = None, weighted_input: bool = False) -> torch.Tensor:
+              b2: torch.Tensor | None = None, weighted_input: bool = False,
+              far: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """MoE expert computation on one device: x [T, H] -> [T, H].
 
     w13 [E, 2F, H] holds each expert's gate rows then up rows (Hugging Face / vLLM layout;
@@ -88,13 +106,26 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     expert's once per row tile of its pairs: once at decode sizes).
     ``weighted_input`` (Llama 4): each pair's weight scales its expert's input, not its output
     (the same as scaling the up GEMM's output before the activation).
+    ``far``: more experts in a second place ({"w13": [E', ...], "w2": ..., and the scales and
+    biases the near ones have}), ids E .. E + E' - 1 (from ``first_expert``) naming far's
+    experts 0 .. E' - 1: an offloaded layer's device experts with the host ones, read in
+    place. The CUDA decode kernels take both places in one launch each (pairs of either
+    place side by side); elsewhere the places run as two calls, summed.
     """
     _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, b13, b2)
+    if far is not None:
+        _check_far(far, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, b13=b13, b2=b2))
+        if capacity is not None:
+            raise ValueError("far: experts in two places run dropless (capacity None)")
     if x.is_cuda:
         from kernels.moe.triton import fused_moe_triton
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
                                 capacity, maps=None if masked else maps, pdl=pdl, masked=masked,
-                                first_expert=first_expert, b13=b13, b2=b2, weighted_input=weighted_input)
+                                first_expert=first_expert, b13=b13, b2=b2, weighted_input=weighted_input, far=far)
+    if far is not None:  # one place of E + E' experts
+        cat = {k: torch.cat([v, far[k]]) for k, v in
+               dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, b13=b13, b2=b2).items() if k in far}
+        w13, w2, w13_scale, w2_scale, b13, b2 = (cat.get(k) for k in FAR_KEYS)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity, masked,
                          b13, b2, weighted_input, first_expert)
 

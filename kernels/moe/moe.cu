@@ -21,6 +21,23 @@
 #define E_HERE 0  // MASKED: the experts here, ids FIRST .. FIRST + E_HERE - 1 (0: every id from FIRST on)
 #endif
 
+#ifndef NEAR
+#define NEAR 0  // > 0: ids NEAR and past address a second place of experts (the far arguments), id - NEAR there
+#endif
+
+// The place of expert e (a tier: the first NEAR ids, or the far ones past them), e made an
+// index there.
+template <class T>
+__device__ __forceinline__ const T* tier(const T* near, const T* far, long long& e) {
+#if NEAR
+  if (e >= NEAR) {
+    e -= NEAR;
+    return far;
+  }
+#endif
+  return near;
+}
+
 #ifndef OAI
 #define OAI 0  // GATED: GPT-OSS's SwiGLU (gate clamped above at 7, up to [-7, 7], gate sigmoid(1.702 gate) (up + 1))
 #endif
@@ -175,11 +192,14 @@ __device__ __forceinline__ void store_down(float (*part)[NV], void* __restrict__
 // The int8 scales of rows n0 .. n0 + BN of each of the token's experts (times mul) into
 // sc[slot], in shared memory. Called once the block's first weights are on their way: the
 // two loads then wait together.
-__device__ __forceinline__ void token_scales(const float* __restrict__ scale, const long long* expert, int topk,
-                                             float (*sc)[BN], int n0, int H, float mul) {
+__device__ __forceinline__ void token_scales(const float* __restrict__ scale, const float* __restrict__ scale_far,
+                                             const long long* expert, int topk, float (*sc)[BN], int n0, int H,
+                                             float mul) {
   for (int i = threadIdx.x; i < topk * BN; i += THREADS) {
     const int n = n0 + i % BN;
-    sc[i / BN][i % BN] = n < H && (!MASKED || expert[i / BN] >= 0) ? scale[expert[i / BN] * H + n] * mul : 0.f;
+    long long e = expert[i / BN];
+    const float* s = tier(scale, scale_far, e);
+    sc[i / BN][i % BN] = n < H && (!MASKED || e >= 0) ? s[e * H + n] * mul : 0.f;
   }
   __syncthreads();
 }
@@ -187,14 +207,18 @@ __device__ __forceinline__ void token_scales(const float* __restrict__ scale, co
 // B2: the sum over token t's slots of each pair's weight (1 under WIN) times its expert's
 // bias of row n0 + tid, for thread tid < BN, in the first split only (the others' partials
 // are summed with it). Loaded beside the first weights.
-__device__ __forceinline__ float token_bias(const u16* __restrict__ b2, const float* __restrict__ pair_w,
-                                            const long long* expert, int t, int topk, int n0, int H) {
+__device__ __forceinline__ float token_bias(const u16* __restrict__ b2, const u16* __restrict__ b2_far,
+                                            const float* __restrict__ pair_w, const long long* expert, int t,
+                                            int topk, int n0, int H) {
   float v = 0.f;
 #if B2
   const int n = n0 + threadIdx.x;
   if (threadIdx.x < BN && n < H && blockIdx.y == 0)
-    for (int i = 0; i < topk; ++i)
-      if (!MASKED || expert[i] >= 0) v += (WIN ? 1.f : pair_w[t * topk + i]) * act_f(b2 + expert[i] * H + n);
+    for (int i = 0; i < topk; ++i) {
+      long long e = expert[i];
+      const u16* b = tier(b2, b2_far, e);
+      if (!MASKED || e >= 0) v += (WIN ? 1.f : pair_w[t * topk + i]) * act_f(b + e * H + n);
+    }
 #endif
   return v;
 }
@@ -207,7 +231,10 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
        const void* __restrict__ ids,     // [P] expert of each pair (int32, IDS64: int64)
        const float* __restrict__ pair_w, // [P] combine weight of each pair
        u16* __restrict__ h,              // [P, F] out
-       int H, int F, int topk, long long stride_x) {
+       int H, int F, int topk, long long stride_x,
+       const void* __restrict__ w13_far,     // NEAR: the far experts' w13, scales and biases
+       const float* __restrict__ scale_far,
+       const u16* __restrict__ b13_far) {
   const int tid = threadIdx.x;
   UpBlock blk = up_tile();
   const int p = blk.p, n0 = blk.n0;
@@ -228,7 +255,7 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   }
   pin(xr);
   up_expert(blk, ids, pair_w);  // waits: x and the ids are earlier kernels' outputs
-  const long long e = blk.e;
+  long long e = blk.e;
   const float weight = blk.weight;
 #if MASKED
   if (e < 0) {  // the expert is elsewhere: zeros, which the down kernel skips anyway
@@ -237,9 +264,11 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
     return;
   }
 #endif
-  const char* w_e = (const char*)w13 + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
-  const float2 sc = up_scales(scale, e, n0, F);  // in flight beside the weights, not after them
-  const float2 bias = up_bias(b13, e, n0, F);
+  const bool far = NEAR && e >= NEAR;  // (its weights, scales and biases in the far place)
+  e -= far ? NEAR : 0;
+  const char* w_e = (const char*)(far ? w13_far : w13) + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
+  const float2 sc = up_scales(far ? scale_far : scale, e, n0, F);  // in flight beside the weights, not after
+  const float2 bias = up_bias(far ? b13_far : b13, e, n0, F);
 
   float acc[RR];
 #pragma unroll
@@ -302,7 +331,10 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
          const void* __restrict__ ids,     // [P] expert of each pair (int32, IDS64: int64)
          const float* __restrict__ pair_w, // [P] combine weight of each pair (B2: the biases')
          void* __restrict__ out,           // [T, H] (PARTIAL: float32 [S, T, H])
-         int H, int F, int topk, int k_span, long long stride_o) {
+         int H, int F, int topk, int k_span, long long stride_o,
+         const void* __restrict__ w2_far,      // NEAR: the far experts' w2, scales and biases
+         const float* __restrict__ scale_far,
+         const u16* __restrict__ b2_far) {
   const DownBlock blk = down_block(F, topk, k_span);
   const int t = blk.t, n0 = blk.n0, tokens = blk.tokens, k_lo = blk.k_lo, k_hi = blk.k_hi;
   const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
@@ -327,8 +359,10 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
       s -= s * F > k;
       s += (s + 1) * F <= k;
       sl[u] = k < k_hi ? s : 0;
-      at[u] = (const char*)w2 + ((size_t)expert[sl[u]] * H + n0 + r0) * row_bytes + (size_t)(k - sl[u] * F) * W_BYTES;
-      if (MASKED && expert[sl[u]] < 0) at[u] = nullptr;  // an expert elsewhere: no weights read
+      long long e = expert[sl[u]];
+      const char* w = tier((const char*)w2, (const char*)w2_far, e);
+      at[u] = w + ((size_t)e * H + n0 + r0) * row_bytes + (size_t)(k - sl[u] * F) * W_BYTES;
+      if (MASKED && e < 0) at[u] = nullptr;  // an expert elsewhere: no weights read
     }
   };
   auto issue_step = [&](u32x4 (&w)[U][RR], const char* const (&at)[U], int kb) {
@@ -348,9 +382,9 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
   load_step(wv, slot, kb);
 #if INT8
   __shared__ float sc[MAX_K][BN];  // the scales of this block's rows, per slot
-  token_scales(scale, expert, topk, sc, n0, H, UNIT_SCALE);
+  token_scales(scale, scale_far, expert, topk, sc, n0, H, UNIT_SCALE);
 #endif
-  const float bias = token_bias(b2, pair_w, expert, t, topk, n0, H);  // (0 without B2)
+  const float bias = token_bias(b2, b2_far, pair_w, expert, t, topk, n0, H);  // (0 without B2)
 #if PIPE
   const char* nx_at[U];  // the second step's rows, planned before the wait and issued after it
   int nx_slot[U];

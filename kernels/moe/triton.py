@@ -99,9 +99,12 @@ def grouped_mm_ok(cfg: MoeEntry, a: torch.Tensor, w: torch.Tensor) -> bool:
         and a.stride(1) == 1 and w.is_contiguous()
 
 
-def _table_configs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int) -> tuple[MoeEntry, MoeEntry]:
-    """The (up, down) launch configurations of the table (or the heuristic) for x [T, H]."""
+def _table_configs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int,
+                   experts: int | None = None) -> tuple[MoeEntry, MoeEntry]:
+    """The (up, down) launch configurations of the table (or the heuristic) for x [T, H]
+    (for ``experts`` experts; None: w2's)."""
     (t, h), (e, _, f) = x.shape, w2.shape
+    e = experts or e
     f *= 2 if w2.dtype == torch.uint8 else 1  # MXFP4: two weights a byte
     return (launch_config("up", x.device, t, e, w13.shape[1], h, w13.dtype, topk, x.element_size(), True),
             launch_config("down", x.device, t, e, h, f, w2.dtype, topk, x.element_size(), True))
@@ -161,10 +164,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      capacity: int | None = None, configs: tuple[MoeEntry, MoeEntry] | None = None,
                      maps: tuple | None = None, pdl: bool = True, masked: bool = False,
                      b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                     weighted_input: bool = False, first_expert: int = 0) -> torch.Tensor:
+                     weighted_input: bool = False, first_expert: int = 0,
+                     far: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Same contract as ``kernels.fused_moe``; ``configs`` overrides the (up, down) launch
     configurations (``kernels.tuning`` entries; the tuning script uses it); ``maps`` are
     (offsets, rows, row_pair) already built from ``topk_ids`` (``kernels.route``)."""
+    if far is not None:
+        return _two_places(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, configs, pdl,
+                           masked, b13, b2, weighted_input, first_expert, far)
     t, h = x.shape
     e, topk = w2.shape[0], topk_ids.shape[1]
     mxfp4 = w2.dtype == torch.uint8
@@ -227,6 +234,33 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                            pair_weights=None if weighted_input else pair_w,
                            out_dtype=x.dtype, pair_ids=pair_ids, pdl=pdl)  # [S, N, H], already weighted
     return combine_rows_triton(partial, rows, None, x.dtype, topk, pdl=pdl)
+
+
+def _two_places(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, configs, pdl, masked, b13, b2,
+                weighted_input, first_expert, far) -> torch.Tensor:
+    """``fused_moe_triton`` over the near experts and ``far``'s (ids from E on, E the near
+    ones): where the table chooses the CUDA decode kernels for the layer's E + E' experts
+    and they take both places, one launch each reads either place's weights by pair;
+    otherwise a masked call a place (far's ids counted from E), summed."""
+    e = w2.shape[0]
+    cfg = configs if configs is not None else _table_configs(x, w13, w2, topk_weights.shape[1],
+                                                             e + far["w2"].shape[0])
+    run = dict(activation=activation, pdl=pdl, weighted_input=weighted_input)
+    if isinstance(cfg[0], MoeCuda):
+        pair, topk = _cuda_pair(*cfg), topk_ids.shape[1]
+        near = dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, b13=b13, b2=b2)
+        if all(cuda_reason(x, place["w13"], place["w2"], topk, activation, place.get("w13_scale"),
+                           place.get("w2_scale"), pair, place.get("b13"), place.get("b2")) is None
+               for place in (near, far)):
+            return moe_cuda.run(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, pair, pdl,
+                                masked, b13=b13, b2=b2, weighted_input=weighted_input, first_expert=first_expert,
+                                far=far)
+    near = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale, masked=True,
+                            first_expert=first_expert, b13=b13, b2=b2, **run)
+    other = fused_moe_triton(x, far["w13"], far["w2"], topk_weights, topk_ids, w13_scale=far.get("w13_scale"),
+                             w2_scale=far.get("w2_scale"), masked=True, first_expert=first_expert + e,
+                             b13=far.get("b13"), b2=far.get("b2"), **run)
+    return near + other  # (in x's dtype: summed in float32 and rounded once, as a token's slots are)
 
 
 _ROW_TABLES: dict = {}  # (rows, device) -> the pair ids / segment offsets of one dense GEMM

@@ -302,6 +302,90 @@ def test_weights_in_pinned_host_memory_are_read_in_place(t, int8):
         assert rel(got.float(), want.float()) < TOL[torch.bfloat16]
 
 
+def two_places(tensors: dict, near: int, pin: bool) -> tuple[dict, dict]:
+    """A layer's tensors (w13, w2, scales, biases) split at expert ``near``: (the first ones,
+    the rest in pinned host memory where ``pin``)."""
+    far = {k: v[near:].cpu() for k, v in tensors.items()}
+    return {k: v[:near] for k, v in tensors.items()}, {k: v.pin_memory() if pin else v for k, v in far.items()}
+
+
+def experts_of(kind: str, t: int, device, gen):
+    """x, ids, weights, the activation and a layer's tensors of 12 experts, k = 4: bf16
+    ("bf16"), int8 with scales ("int8"), GPT-OSS's with biases ("gpt_oss")."""
+    e, h, f, k = 12, 64, 32, 4
+    if kind == "gpt_oss":
+        x, w13, w2, b13, b2, ids, w = gpt_oss_experts(t, h, f, e, k, device, torch.bfloat16, t)
+        return x, ids, w, "swiglu_oai", dict(w13=w13, w2=w2, b13=b13, b2=b2)
+    w13, w2 = weights(e, h, f, "silu", torch.bfloat16, "cpu", gen)
+    x = torch.randn(t, h, generator=gen).to(device, torch.bfloat16)
+    ids, w = routing(t, e, k, device, gen)
+    tensors = dict(w13=w13, w2=w2)
+    if kind == "int8":
+        (q13, s13), (q2, s2) = quantize_int8(w13), quantize_int8(w2)
+        tensors = dict(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
+    return x, ids, w, "silu", {n: z.to(device) for n, z in tensors.items()}
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "gpt_oss"])
+def test_experts_in_two_places_on_cpu_and_bad_places(kind):
+    """``far`` on the CPU: the experts of both places as one (ids past the near ones name
+    far's), plain, masked and from a first expert, against a masked call a place; a far
+    place unlike the near one is named."""
+    gen = torch.Generator().manual_seed(3)
+    x, ids, w, act, tensors = experts_of(kind, 5, "cpu", gen)
+    near, far = two_places(tensors, 5, pin=False)
+    for tid, first in ((ids, 0), (torch.where(ids % 3 == 0, -1, ids), 0), (ids + 2, 2)):
+        got = fused_moe(x, topk_weights=w, topk_ids=tid, activation=act, masked=True, first_expert=first,
+                        far=far, **near)
+        want = sum(fused_moe(x, topk_weights=w, topk_ids=tid, activation=act, masked=True, first_expert=first + lo,
+                             **place).float() for lo, place in ((0, near), (5, far)))
+        assert rel(got.float(), want) < TOL[torch.bfloat16], first
+    with pytest.raises(ValueError, match="far w2 .*expected"):
+        fused_moe(x, topk_weights=w, topk_ids=ids, activation=act, far={**far, "w2": far["w2"][:, :8]},
+                  **near)
+    with pytest.raises(ValueError, match="far .*expected the tensors given for the near experts"):
+        fused_moe(x, topk_weights=w, topk_ids=ids, activation=act, far={"w13": far["w13"]}, **near)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("t", [1, 5])
+def test_experts_in_two_places_interpreted(t):
+    """``far`` through the GPU path's choice under the interpreter (the CUDA decode kernels
+    cannot run there: a masked call a place), against the float64 reference of one place."""
+    gen = torch.Generator().manual_seed(t)
+    x, ids, w, act, tensors = experts_of("bf16", t, "cpu", gen)
+    x, tensors = x.float(), {k: v.float() for k, v in tensors.items()}
+    near, far = two_places(tensors, 5, pin=False)
+    ref = fused_moe_ref(x.double(), tensors["w13"].double(), tensors["w2"].double(), w.double(), ids, act)
+    assert rel(fused_moe_triton(x, near["w13"], near["w2"], w, ids, act, far=far), ref) < TOL[torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 2, 8, 64])
+@pytest.mark.parametrize("kind", ["bf16", "int8", "gpt_oss"])
+def test_experts_in_two_places_read_in_one_call(t, kind, monkeypatch):
+    """``far``: a layer's first experts on the device, the rest in pinned host memory read
+    in place, pairs of both places side by side, plain, masked (pairs of no expert) and
+    from a first expert: the result of every expert on the device. Where the CUDA decode
+    kernels run (T <= 2 here) one launch each takes both places; elsewhere a call a place."""
+    from kernels.moe import cuda as moe_cuda
+
+    gen = torch.Generator().manual_seed(t)
+    x, ids, w, act, tensors = experts_of(kind, t, "cuda", gen)
+    near, far = two_places(tensors, 5, pin=True)
+    calls = []
+    run = moe_cuda.run
+    monkeypatch.setattr(moe_cuda, "run", lambda *a, **kw: calls.append(kw.get("far") is not None) or run(*a, **kw))
+    for tid, m, first in ((ids, False, 0), (torch.where(ids % 3 == 0, -1, ids), True, 0), (ids + 2, True, 2)):
+        want = fused_moe(x, topk_weights=w, topk_ids=tid, activation=act, masked=m, first_expert=first,
+                         **tensors)
+        calls.clear()
+        got = fused_moe(x, topk_weights=w, topk_ids=tid, activation=act, masked=m, first_expert=first, far=far,
+                        **near)
+        assert rel(got.float(), want.float()) < TOL[torch.bfloat16], (m, first)
+        assert calls == ([True] if t <= 2 else []), calls
+
+
 @pytest.mark.gpu
 def test_moe_layer_in_cuda_graph_matches_eager():
     """The whole MoE layer (router, gating, maps, expert GEMMs, combine) captured once per
