@@ -22,6 +22,7 @@ wait for the host once (which experts are cold; the CPU's way then also for its 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -317,6 +318,7 @@ class OffloadedExperts(nn.Module):
         # cross the bus), summed on the device so that graph replays count too.
         self.register_buffer("tally", torch.zeros(len(STATS), dtype=torch.float64, device=device),
                              persistent=False)
+        self._side: dict = {}  # device -> the stream in-place calls count on
 
     def set_hot(self, hot: list[int]) -> None:
         """Keeps experts ``hot`` on the device, copied from the host copies. As many as
@@ -374,13 +376,11 @@ class OffloadedExperts(nn.Module):
         # Each pair's device slot (-1: cold, -2: not here), its cold expert and each expert's
         # cold pairs, counted on the device in one launch; a call without a host wait counts
         # its cold pairs as read in place.
-        waits = self.waits_for_host(x.shape[0])
-        both = not waits and self.hot and self.num_cold  # (one call over both places)
-        slot, cold, met = kernels.cold_pairs(expert_ids, self.slot, self.routed, self.tally,
-                                             None if waits else STATS.index("stream"), first_expert if masked else 0,
-                                             near=len(self.hot) if both else None, pdl=self.options.pdl)
-        if not waits:
-            return self._in_place(x, weights, slot, cold)
+        first = first_expert if masked else 0
+        if not self.waits_for_host(x.shape[0]):
+            return self._in_place(x, expert_ids, weights, masked, first)
+        slot, cold, met = kernels.cold_pairs(expert_ids, self.slot, self.routed, self.tally, None, first,
+                                             pdl=self.options.pdl)
         counts = met.tolist()  # the call's one wait for the host
         used = [e for e, n in enumerate(counts) if n]
         run = dict(pdl=self.options.pdl, weighted_input=self.weighted_input)
@@ -413,25 +413,35 @@ class OffloadedExperts(nn.Module):
             timed()
         return out.to(x.dtype)
 
-    def _in_place(self, x: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor, cold: torch.Tensor) -> torch.Tensor:
-        """Every pair on the device, no wait for the host: ``slot`` [T, k] (``cold_pairs``):
-        device slots, and where the layer has experts in both places, the cold pairs'
-        experts past them (negative: elsewhere); the kernels read the device experts and
-        the host copies where they lie (pinned host memory is in the device's address
-        space; each cold expert crosses the bus once per row tile of its pairs: once at
-        decode sizes), in one launch each where they can (``fused_moe``'s ``far``). A layer
-        with experts in one place: ``slot`` / ``cold`` [T, k] (their experts, -1 elsewhere)
-        over that place -> [T, H] in x's dtype."""
-        run = dict(pdl=self.options.pdl, masked=True, weighted_input=self.weighted_input)
-        if self.hot and self.num_cold:
-            return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, **run,
-                                     **self.device_extras, far=self.host)
+    def _in_place(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, masked: bool,
+                  first: int) -> torch.Tensor:
+        """Every pair on the device, no wait for the host: the kernels read the device
+        experts, and the host copies of the others where they lie (pinned host memory is in
+        the device's address space; each cold expert crosses the bus once per row tile of
+        its pairs: once at decode sizes), in one launch each where they can (``fused_moe``'s
+        ``far`` and ``slots``: the layer's table of device slots). The call's counters
+        (``cold_pairs``, its cold pairs counted as streamed) run beside them on a second
+        stream: nothing but the layer's output waits for them -> [T, H] in x's dtype."""
+        side = None
+        if x.is_cuda:
+            side = self._side.get(x.device)
+            if side is None:
+                side = self._side[x.device] = torch.cuda.Stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))  # the ids are ready
+            ids.record_stream(side)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            kernels.cold_pairs(ids, self.slot, self.routed, self.tally, STATS.index("stream"), first, pdl=False)
+        run = dict(pdl=self.options.pdl, masked=masked, first_expert=first, weighted_input=self.weighted_input)
         if self.hot:
-            return kernels.fused_moe(x, self.w13, self.w2, weights, slot, self.activation, **run,
-                                     **self.device_extras)
-        extras = {k: v for k, v in self.host.items() if k not in ("w13", "w2")}
-        return kernels.fused_moe(x, self.host["w13"], self.host["w2"], weights, cold, self.activation, **run,
-                                 **extras)
+            out = kernels.fused_moe(x, self.w13, self.w2, weights, ids, self.activation, **run, **self.device_extras,
+                                    far=self.host, slots=self.slot)
+        else:
+            extras = {k: v for k, v in self.host.items() if k not in ("w13", "w2")}
+            out = kernels.fused_moe(x, self.host["w13"], self.host["w2"], weights, ids, self.activation, **run,
+                                    **extras)
+        if side is not None:
+            torch.cuda.current_stream(x.device).wait_stream(side)
+        return out
 
     def _on_cpu(self, xc: torch.Tensor, ids_c: torch.Tensor, wc: torch.Tensor, used: list[int]) -> torch.Tensor:
         """The cold pairs (rows xc [P, H], experts ids_c [P], weights wc [P] float32, in host

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kernels.moe.mxfp4 import GROUP, quantize_mxfp4
-from kernels.moe.reference import ACTIVATIONS, GATED, fused_moe_ref, quantize_int8
+from kernels.moe.reference import ACTIVATIONS, GATED, fused_moe_ref, placed_ids, quantize_int8
 
 
 def _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, b13=None, b2=None):
@@ -36,9 +36,10 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w
 FAR_KEYS = ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2")
 
 
-def _check_far(far: dict, near: dict) -> None:
+def _check_far(far: dict, slots, near: dict) -> None:
     """``far``'s experts as the near ones (``near``: fused_moe's w13, w2, scales, biases):
-    the same tensors but for the number of experts, the same dtypes; ValueError naming them."""
+    the same tensors but for the number of experts, the same dtypes; ``slots`` int64 [E'];
+    ValueError naming them."""
     if set(far) - set(FAR_KEYS) or {k for k, v in near.items() if v is not None} != set(far):
         raise ValueError(f"far {sorted(far)}: expected the tensors given for the near experts, "
                          f"{sorted(k for k, v in near.items() if v is not None)}")
@@ -48,6 +49,9 @@ def _check_far(far: dict, near: dict) -> None:
         if tuple(v.shape) != want or v.dtype != near[k].dtype:
             raise ValueError(f"far {k} {list(v.shape)} {v.dtype}: expected {list(want)} {near[k].dtype} (its near "
                              f"one's shape with far {k}'s experts)")
+    if slots is None or slots.dtype != torch.int64 or tuple(slots.shape) != (e,) or not slots.is_contiguous():
+        raise ValueError(f"slots {None if slots is None else (slots.dtype, list(slots.shape))}: expected int64 "
+                         f"[{e}] (far's experts), contiguous, with far")
 
 
 def _check_experts(x, w13, w2, activation, w13_scale, w2_scale):
@@ -85,7 +89,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               capacity: int | None = None, maps: tuple | None = None, *, pdl: bool = True,
               masked: bool = False, first_expert: int = 0, b13: torch.Tensor | None = None,
               b2: torch.Tensor | None = None, weighted_input: bool = False,
-              far: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+              far: dict[str, torch.Tensor] | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
     """MoE expert computation on one device: x [T, H] -> [T, H].
 
     w13 [E, 2F, H] holds each expert's gate rows then up rows (Hugging Face / vLLM layout;
@@ -106,24 +110,27 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     expert's once per row tile of its pairs: once at decode sizes).
     ``weighted_input`` (Llama 4): each pair's weight scales its expert's input, not its output
     (the same as scaling the up GEMM's output before the activation).
-    ``far``: more experts in a second place ({"w13": [E', ...], "w2": ..., and the scales and
-    biases the near ones have}), ids E .. E + E' - 1 (from ``first_expert``) naming far's
-    experts 0 .. E' - 1: an offloaded layer's device experts with the host ones, read in
-    place. The CUDA decode kernels take both places in one launch each (pairs of either
-    place side by side); elsewhere the places run as two calls, summed.
+    ``far`` / ``slots``: the experts in two places (an offloaded layer: every expert in
+    pinned host memory, read in place, some also on the device): ``far`` {"w13": [E', ...],
+    "w2": ..., and the scales and biases the near ones have} holds the E' experts the ids
+    name, ``slots`` [E'] int64 where w13 / w2 hold each one (-1: only in far). The CUDA
+    decode kernels take both places in one launch each (pairs of either place side by
+    side); elsewhere a masked call a place, summed.
     """
     _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, b13, b2)
-    if far is not None:
-        _check_far(far, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, b13=b13, b2=b2))
+    if far is not None or slots is not None:
+        _check_far(far or {}, slots, dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, b13=b13, b2=b2))
         if capacity is not None:
             raise ValueError("far: experts in two places run dropless (capacity None)")
     if x.is_cuda:
         from kernels.moe.triton import fused_moe_triton
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
                                 capacity, maps=None if masked else maps, pdl=pdl, masked=masked,
-                                first_expert=first_expert, b13=b13, b2=b2, weighted_input=weighted_input, far=far)
-    if far is not None:  # one place of E + E' experts
-        cat = {k: torch.cat([v, far[k]]) for k, v in
+                                first_expert=first_expert, b13=b13, b2=b2, weighted_input=weighted_input, far=far,
+                                slots=slots)
+    if far is not None:  # one place: the near experts, then far's, the ids made its
+        topk_ids, masked, first_expert = placed_ids(topk_ids, first_expert, slots, w2.shape[0]), True, 0
+        cat = {k: torch.cat([v, far[k].to(v.device)]) for k, v in
                dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, b13=b13, b2=b2).items() if k in far}
         w13, w2, w13_scale, w2_scale, b13, b2 = (cat.get(k) for k in FAR_KEYS)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, capacity, masked,

@@ -177,10 +177,11 @@ def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, 
             ids64: bool = False, pair_major: bool = False, min_blocks: int = 1, unit: bool = False,
             pipe: bool = False, row_groups: int = 1, masked: bool = False, oai: bool = False,
             b13: bool = False, b2: bool = False, weighted_input: bool = False,
-            here: tuple[int, int] = (0, 0), near: int = 0) -> tuple:
-    """The compile flags; ``here`` (masked): (first expert id, experts) of both places;
-    ``near``: the experts of w13 / w2 where the ids go on to a far place (0: one place)."""
-    return ("-std=c++17", f"-DMASKED={int(masked)}", f"-DFIRST={here[0]}", f"-DE_HERE={here[1]}", f"-DNEAR={near}",
+            here: tuple[int, int] = (0, 0), slots: bool = False) -> tuple:
+    """The compile flags; ``here`` (masked): (first expert id, experts) the ids name;
+    ``slots``: the ids name a far place's experts, some also at near slots."""
+    return ("-std=c++17", f"-DMASKED={int(masked)}", f"-DFIRST={here[0]}", f"-DE_HERE={here[1]}",
+            f"-DSLOTS={int(slots)}",
             f"-DOAI={int(oai)}",
             f"-DB13={int(b13)}", f"-DB2={int(b2)}", f"-DWIN={int(weighted_input)}", f"-DBN={bn}",
             f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
@@ -220,23 +221,25 @@ def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torc
         activation: str, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
         configs: tuple[MoeCuda | None, MoeCuda | None] | None, pdl: bool, masked: bool = False, *,
         b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, weighted_input: bool = False,
-        first_expert: int = 0, far: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        first_expert: int = 0, far: dict[str, torch.Tensor] | None = None,
+        slots: torch.Tensor | None = None) -> torch.Tensor:
     """``fused_moe_cuda`` without its checks, for callers that made them (``check``, or
     ``supports`` once per key and then ``layout``: ``kernels.moe.triton``; for ``far``'s
     tensors too). ``masked``: the ids count from ``first_expert``, pairs of no expert here
-    add nothing and read no weights; ``b13`` / ``b2``, ``weighted_input``, ``far``: as
-    ``kernels.fused_moe`` takes them."""
+    add nothing and read no weights; ``b13`` / ``b2``, ``weighted_input``, ``far`` and
+    ``slots``: as ``kernels.fused_moe`` takes them."""
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     pair_w = topk_weights.reshape(-1).float().contiguous()  # [P]
     return _experts(x, w13, w2, ids, pair_w, topk_ids.shape[1], activation, w13_scale, w2_scale, configs, pdl,
-                    masked, b13, b2, weighted_input, first_expert, far)
+                    masked, b13, b2, weighted_input, first_expert, far, slots)
 
 
 def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, configs, pdl: bool,
              masked: bool = False, b13=None, b2=None, weighted_input: bool = False,
-             first_expert: int = 0, far: dict | None = None) -> torch.Tensor:
+             first_expert: int = 0, far: dict | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
     """The two launches (and the split-K sum); ``ids`` [P] are the pairs' experts, ``pair_w``
-    [P] their combine weights; ``far``: the experts past w13 / w2's ({}: none)."""
+    [P] their combine weights; ``far`` / ``slots``: every expert in a second place, and
+    which of them w13 / w2 hold (None: one place)."""
     far = far or {}
     t, h = x.shape
     f = w2.shape[2]
@@ -246,10 +249,9 @@ def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, con
         default_up, default_down = default_configs(t, h, sms)
         up, down = up or default_up, down or default_down
     int8, gated, dt, ids64 = w13.dtype == torch.int8, activation != "gelu", DTYPES[x.dtype], ids.dtype == torch.int64
-    near = w2.shape[0] if far else 0
     extras = dict(masked=masked, oai=activation == "swiglu_oai", b13=b13 is not None, b2=b2 is not None,
-                  weighted_input=weighted_input, near=near,
-                  here=(first_expert, near + far["w2"].shape[0] if far else w2.shape[0]) if masked else (0, 0))
+                  weighted_input=weighted_input, slots=bool(far),
+                  here=(first_expert, (far or dict(w2=w2))["w2"].shape[0]) if masked else (0, 0))
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.
@@ -259,7 +261,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, con
     up_grid = (-(-f // up.bn), t * topk)
     launch(x.device, SOURCE, "moe_up", up_opts, up_grid[::-1] if up_major else up_grid,
            up.warps * 32, (ptr(x), ptr(w13), ptr(w13_scale), ptr(b13), ptr(ids), ptr(pair_w), ptr(hidden), np.int32(h),
-                              np.int32(f), np.int32(topk), np.int64(x.stride(0)), ptr(far.get("w13")),
+                              np.int32(f), np.int32(topk), np.int64(x.stride(0)), ptr(slots), ptr(far.get("w13")),
                               ptr(far.get("w13_scale")), ptr(far.get("b13"))), pdl=pdl)
     step = down.warps * 32 * (16 if int8 else 8)
     length = topk * f
@@ -274,7 +276,7 @@ def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, con
     down_grid = (-(-h // down.bn), split, t)
     launch(x.device, SOURCE, "moe_down", opts, down_grid[::-1] if down_major else down_grid, down.warps * 32,
            (ptr(hidden), ptr(w2), ptr(w2_scale), ptr(b2), ptr(ids), ptr(pair_w), ptr(target), np.int32(h),
-            np.int32(f), np.int32(topk), np.int32(k_span), np.int64(out.stride(0)), ptr(far.get("w2")),
+            np.int32(f), np.int32(topk), np.int32(k_span), np.int64(out.stride(0)), ptr(slots), ptr(far.get("w2")),
             ptr(far.get("w2_scale")), ptr(far.get("b2"))), pdl=pdl)
     if split > 1:
         launch(x.device, SOURCE, "splitk_reduce", opts, (-(-h // 256), t), 256,
@@ -297,12 +299,12 @@ def compile_all(arch: str = "sm_90") -> int:
         compile_check(SOURCE, options(up.bn, up.warps, up.unroll, int8, dt, gated, False, ids64=i % 2 == 0,
                                       pair_major=i % 2 == 1, min_blocks=min_blocks, unit=i % 4 == 1,
                                       row_groups=groups, masked=i % 3 == 0, **extras,
-                                      here=(8, 8) if i % 3 == 0 else (0, 0), near=4 if i % 4 == 0 else 0)
+                                      here=(8, 8) if i % 3 == 0 else (0, 0), slots=i % 4 == 0)
                       + launch_flags, arch, "moe_cuda.cu")
         compile_check(SOURCE, options(down.bn, down.warps, down.unroll, int8, dt, gated, i % 4 < 2,
                                       ids64=i % 2 == 1, pair_major=i % 4 >= 2, min_blocks=min_blocks,
                                       unit=i % 4 == 3, pipe=i % 3 != 1, row_groups=groups, masked=i % 3 == 0,
-                                      **extras, near=4 if i % 4 >= 2 else 0)
+                                      **extras, slots=i % 4 >= 2)
                       + launch_flags, arch, "moe_cuda.cu")
         count += 2
     return count

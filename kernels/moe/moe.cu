@@ -21,17 +21,28 @@
 #define E_HERE 0  // MASKED: the experts here, ids FIRST .. FIRST + E_HERE - 1 (0: every id from FIRST on)
 #endif
 
-#ifndef NEAR
-#define NEAR 0  // > 0: ids NEAR and past address a second place of experts (the far arguments), id - NEAR there
+#ifndef SLOTS
+#define SLOTS 0  // the ids name the far place's experts; slots[e] >= 0: expert e is also near, at that slot
 #endif
 
-// The place of expert e (a tier: the first NEAR ids, or the far ones past them), e made an
-// index there.
+// SLOTS: where expert e (an id, -1: elsewhere) is read: its near slot (>= 0), or -2 - e
+// for the far place (-1 stays). Otherwise e itself.
+__device__ __forceinline__ long long placed(const long long* __restrict__ slots, long long e) {
+#if SLOTS
+  if (e >= 0) {
+    const long long s = slots[e];
+    return s >= 0 ? s : -2 - e;
+  }
+#endif
+  return e;
+}
+
+// The place of a ``placed`` expert e (near or far tensor), e made an index there.
 template <class T>
 __device__ __forceinline__ const T* tier(const T* near, const T* far, long long& e) {
-#if NEAR
-  if (e >= NEAR) {
-    e -= NEAR;
+#if SLOTS
+  if (e <= -2) {
+    e = -2 - e;
     return far;
   }
 #endif
@@ -85,7 +96,7 @@ __device__ __forceinline__ long long id_at(const void* ids, int p) {
 #endif
 #if MASKED
   e -= FIRST;
-  if (E_HERE > 0 && e >= E_HERE) e = -1;
+  if (e < 0 || (E_HERE > 0 && e >= E_HERE)) e = -1;
 #endif
   return e;
 }
@@ -163,9 +174,10 @@ __device__ __forceinline__ DownBlock down_block(int F, int topk, int k_span) {
   return b;
 }
 
-// Token t's k experts into expert (the down kernels), in shared memory.
-__device__ __forceinline__ void token_experts(const void* __restrict__ ids, int t, int topk, long long* expert) {
-  for (int i = threadIdx.x; i < topk; i += THREADS) expert[i] = id_at(ids, t * topk + i);
+// Token t's k experts into expert (the down kernels), in shared memory, ``placed``.
+__device__ __forceinline__ void token_experts(const void* __restrict__ ids, const long long* __restrict__ slots, int t,
+                                              int topk, long long* expert) {
+  for (int i = threadIdx.x; i < topk; i += THREADS) expert[i] = placed(slots, id_at(ids, t * topk + i));
   __syncthreads();
 }
 
@@ -232,7 +244,8 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
        const float* __restrict__ pair_w, // [P] combine weight of each pair
        u16* __restrict__ h,              // [P, F] out
        int H, int F, int topk, long long stride_x,
-       const void* __restrict__ w13_far,     // NEAR: the far experts' w13, scales and biases
+       const long long* __restrict__ slots,  // SLOTS: [E] each expert's near slot, -1: read from far
+       const void* __restrict__ w13_far,     // SLOTS: every expert's w13, scales and biases
        const float* __restrict__ scale_far,
        const u16* __restrict__ b13_far) {
   const int tid = threadIdx.x;
@@ -264,8 +277,9 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
     return;
   }
 #endif
-  const bool far = NEAR && e >= NEAR;  // (its weights, scales and biases in the far place)
-  e -= far ? NEAR : 0;
+  e = placed(slots, e);
+  const bool far = e < 0;  // (SLOTS: its weights, scales and biases in the far place)
+  e = far ? -2 - e : e;
   const char* w_e = (const char*)(far ? w13_far : w13) + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
   const float2 sc = up_scales(far ? scale_far : scale, e, n0, F);  // in flight beside the weights, not after
   const float2 bias = up_bias(far ? b13_far : b13, e, n0, F);
@@ -332,14 +346,15 @@ moe_down(const u16* __restrict__ h,        // [P, F] weighted up outputs (moe_up
          const float* __restrict__ pair_w, // [P] combine weight of each pair (B2: the biases')
          void* __restrict__ out,           // [T, H] (PARTIAL: float32 [S, T, H])
          int H, int F, int topk, int k_span, long long stride_o,
-         const void* __restrict__ w2_far,      // NEAR: the far experts' w2, scales and biases
+         const long long* __restrict__ slots,  // SLOTS: [E] each expert's near slot, -1: read from far
+         const void* __restrict__ w2_far,      // SLOTS: every expert's w2, scales and biases
          const float* __restrict__ scale_far,
          const u16* __restrict__ b2_far) {
   const DownBlock blk = down_block(F, topk, k_span);
   const int t = blk.t, n0 = blk.n0, tokens = blk.tokens, k_lo = blk.k_lo, k_hi = blk.k_hi;
   const int len = topk * F;  // this token's reduction: its k pairs' F columns back to back
   __shared__ long long expert[MAX_K];
-  token_experts(ids, t, topk, expert);
+  token_experts(ids, slots, t, topk, expert);
 
   // A thread's rows are its row group's: n0 + r0 + i, i < RR.
   constexpr int RR = BN / RG;

@@ -101,6 +101,17 @@ def here_or_past(ids: torch.Tensor, first: int, e: int) -> torch.Tensor:
     return torch.where((local >= 0) & (local < e), local, e)
 
 
+def placed_ids(ids: torch.Tensor, first: int, slots: torch.Tensor, near: int) -> torch.Tensor:
+    """Ids of a far place's E' experts (counted from ``first``; other ids: elsewhere) and
+    ``slots`` [E'] (each one's near slot, -1: none) -> ids into the ``near`` near experts
+    then far's, [T, k] int64, -1 elsewhere (``kernels.fused_moe``'s ``far``)."""
+    e = slots.numel()
+    local = ids.long() - first
+    ok = (local >= 0) & (local < e)
+    s = slots[local.clamp(0, e - 1)]
+    return torch.where(ok, torch.where(s >= 0, s, near + local), -1)
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   activation: str = "silu", w13_scale: torch.Tensor | None = None,

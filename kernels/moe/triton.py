@@ -22,6 +22,7 @@ from kernels.layout.maps import token_maps_triton
 from kernels.layout.rows import combine_rows_triton
 from kernels.moe import cuda as moe_cuda
 from kernels.moe.grouped_gemm import grouped_gemm
+from kernels.moe.reference import placed_ids
 from kernels.tuning import MoeCuda, MoeDequant, MoeEntry, MoeGroupedMm, MoeTriton
 
 # Up to this many (token, slot) pairs the GEMMs group pairs themselves (no maps kernel).
@@ -165,13 +166,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      maps: tuple | None = None, pdl: bool = True, masked: bool = False,
                      b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                      weighted_input: bool = False, first_expert: int = 0,
-                     far: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                     far: dict[str, torch.Tensor] | None = None, slots: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """Same contract as ``kernels.fused_moe``; ``configs`` overrides the (up, down) launch
     configurations (``kernels.tuning`` entries; the tuning script uses it); ``maps`` are
     (offsets, rows, row_pair) already built from ``topk_ids`` (``kernels.route``)."""
     if far is not None:
         return _two_places(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, configs, pdl,
-                           masked, b13, b2, weighted_input, first_expert, far)
+                           masked, b13, b2, weighted_input, first_expert, far, slots)
     t, h = x.shape
     e, topk = w2.shape[0], topk_ids.shape[1]
     mxfp4 = w2.dtype == torch.uint8
@@ -237,14 +239,12 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def _two_places(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, configs, pdl, masked, b13, b2,
-                weighted_input, first_expert, far) -> torch.Tensor:
-    """``fused_moe_triton`` over the near experts and ``far``'s (ids from E on, E the near
-    ones): where the table chooses the CUDA decode kernels for the layer's E + E' experts
-    and they take both places, one launch each reads either place's weights by pair;
-    otherwise a masked call a place (far's ids counted from E), summed."""
-    e = w2.shape[0]
-    cfg = configs if configs is not None else _table_configs(x, w13, w2, topk_weights.shape[1],
-                                                             e + far["w2"].shape[0])
+                weighted_input, first_expert, far, slots) -> torch.Tensor:
+    """``fused_moe_triton`` over the experts of ``far`` that the ids name, those at a
+    ``slots`` entry read from w13 / w2: where the table chooses the CUDA decode kernels for
+    the layer's E' experts and they take both places, one launch each reads either place
+    by pair; otherwise a masked call a place over ``placed_ids``, summed."""
+    cfg = configs if configs is not None else _table_configs(x, w13, w2, topk_weights.shape[1], far["w2"].shape[0])
     run = dict(activation=activation, pdl=pdl, weighted_input=weighted_input)
     if isinstance(cfg[0], MoeCuda):
         pair, topk = _cuda_pair(*cfg), topk_ids.shape[1]
@@ -254,13 +254,14 @@ def _two_places(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_sc
                for place in (near, far)):
             return moe_cuda.run(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale, pair, pdl,
                                 masked, b13=b13, b2=b2, weighted_input=weighted_input, first_expert=first_expert,
-                                far=far)
-    near = fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale, masked=True,
-                            first_expert=first_expert, b13=b13, b2=b2, **run)
-    other = fused_moe_triton(x, far["w13"], far["w2"], topk_weights, topk_ids, w13_scale=far.get("w13_scale"),
-                             w2_scale=far.get("w2_scale"), masked=True, first_expert=first_expert + e,
-                             b13=far.get("b13"), b2=far.get("b2"), **run)
-    return near + other  # (in x's dtype: summed in float32 and rounded once, as a token's slots are)
+                                far=far, slots=slots)
+    e = w2.shape[0]
+    ids = placed_ids(topk_ids, first_expert, slots, e)  # the near experts, then far's
+    out = fused_moe_triton(x, w13, w2, topk_weights, ids, w13_scale=w13_scale, w2_scale=w2_scale, masked=True,
+                           b13=b13, b2=b2, **run)
+    return out + fused_moe_triton(x, far["w13"], far["w2"], topk_weights, ids, w13_scale=far.get("w13_scale"),
+                                  w2_scale=far.get("w2_scale"), masked=True, first_expert=e, b13=far.get("b13"),
+                                  b2=far.get("b2"), **run)  # (summed in float32, rounded once, as slots are)
 
 
 _ROW_TABLES: dict = {}  # (rows, device) -> the pair ids / segment offsets of one dense GEMM

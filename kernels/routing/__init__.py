@@ -48,17 +48,15 @@ def grouped_topk(logits, bias, k, n_group, topk_group, score="sigmoid", renormal
                             group_max, shared)
 
 
-def cold_pairs(ids, table, routed, tally, way, first=0, *, near=None, pdl=True):
+def cold_pairs(ids, table, routed, tally, way, first=0, *, pdl=True):
     """An offloaded layer's pairs split by where their experts lie, with its counters
     (``cold_pairs_ref``): ids [T, k] counted from ``first``, table [E] -> (slot [T, k],
-    cold [T, k]) int64 and each expert's cold pairs, met [E] int32; one launch on a GPU.
-    ``near`` (the device experts): a cold pair's slot is ``near`` + its expert, its id in
-    ``fused_moe``'s far place (the host copies), instead of -1."""
+    cold [T, k]) int64 and each expert's cold pairs, met [E] int32; one launch on a GPU."""
     check_cold_pairs(ids, table, routed, tally, way)
     if ids.is_cuda:
         from kernels.routing.cold_triton import cold_pairs_triton
-        return cold_pairs_triton(ids, table, routed, tally, way, first, pdl, near)
-    return cold_pairs_ref(ids, table, routed, tally, way, first, near)
+        return cold_pairs_triton(ids, table, routed, tally, way, first, pdl)
+    return cold_pairs_ref(ids, table, routed, tally, way, first)
 
 
 __all__ = ["topk_gating", "grouped_topk", "route", "cold_pairs"]

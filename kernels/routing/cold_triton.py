@@ -19,7 +19,7 @@ SPAN = 1024  # pairs a program takes (a multiple of every block): a decode step'
 
 @triton.jit
 def _cold_pairs_kernel(ids_ptr, table_ptr, routed_ptr, tally_ptr, slot_ptr, cold_ptr, met_ptr, scratch_ptr, P, E,
-                       first, near, WAY: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr, SPAN: tl.constexpr,
+                       first, WAY: tl.constexpr, BLOCK: tl.constexpr, E_PAD: tl.constexpr, SPAN: tl.constexpr,
                        PDL: tl.constexpr):
     """Program i: pairs i * SPAN .. in blocks of BLOCK; each block's cold pairs counted by
     expert ([BLOCK, E_PAD] comparisons), so a call of many pairs costs its pairs times E.
@@ -27,8 +27,7 @@ def _cold_pairs_kernel(ids_ptr, table_ptr, routed_ptr, tally_ptr, slot_ptr, cold
     ``scratch`` [E + 2] int32 (zeros between calls: the last slot is the ticket) and take
     a ticket; the last one reads the sums back, setting them to zero, and writes the
     counts and the counters. The counters are read, added to and written back by one
-    program (the calls of a stream follow each other). WAY < 0: no way counted. near >= 0:
-    a cold pair's slot is near + its expert."""
+    program (the calls of a stream follow each other). WAY < 0: no way counted."""
     pdl_enter(PDL)
     lo = tl.program_id(0) * SPAN
     n_here = 0
@@ -42,7 +41,7 @@ def _cold_pairs_kernel(ids_ptr, table_ptr, routed_ptr, tally_ptr, slot_ptr, cold
         here = ok & (e >= 0) & (e < E)
         s = tl.load(table_ptr + e, mask=here, other=-2)
         cold = here & (s == -1)
-        tl.store(slot_ptr + i, tl.where(cold & (near >= 0), near + e, s), mask=ok)
+        tl.store(slot_ptr + i, s, mask=ok)
         tl.store(cold_ptr + i, tl.where(cold, e, -1), mask=ok)
         tl.atomic_add(routed_ptr + e, tl.where(here, 1.0, 0.0), mask=here)
         n_here += tl.sum(here.to(tl.int32), axis=0)
@@ -68,7 +67,7 @@ def _cold_pairs_kernel(ids_ptr, table_ptr, routed_ptr, tally_ptr, slot_ptr, cold
 
 
 def cold_pairs_triton(ids: torch.Tensor, table: torch.Tensor, routed: torch.Tensor, tally: torch.Tensor,
-                      way: int | None, first: int = 0, pdl: bool = True, near: int | None = None
+                      way: int | None, first: int = 0, pdl: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as ``cold_pairs_ref``: one program for up to ``SPAN`` pairs, one a
     ``SPAN`` beyond."""
@@ -83,6 +82,6 @@ def cold_pairs_triton(ids: torch.Tensor, table: torch.Tensor, routed: torch.Tens
     block = max(16, min(64, TILE // e_pad))
     _cold_pairs_kernel[(max(1, triton.cdiv(flat.numel(), SPAN)),)](
         flat, table, routed, tally, slot, cold, met, ticket_counters(ids.device, e + 2, "cold_pairs"), flat.numel(),
-        e, first, -1 if near is None else near, WAY=-1 if way is None else way, BLOCK=block, E_PAD=e_pad, SPAN=SPAN, num_warps=4,
+        e, first, WAY=-1 if way is None else way, BLOCK=block, E_PAD=e_pad, SPAN=SPAN, num_warps=4,
         **pdl_launch(ids.device, pdl))
     return slot, cold, met

@@ -110,8 +110,7 @@ def grouped_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: 
 
 
 def cold_pairs_ref(ids: torch.Tensor, table: torch.Tensor, routed: torch.Tensor, tally: torch.Tensor,
-                   way: int | None, first: int = 0, near: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   way: int | None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An offloaded layer's pairs split by where their experts lie, and its counters: ids
     [T, k] (int32 or int64) counted from ``first`` over the E experts of table [E] int64
     (each one's device slot, -1 where it lies in host memory) -> (slot [T, k] int64: each
@@ -120,8 +119,7 @@ def cold_pairs_ref(ids: torch.Tensor, table: torch.Tensor, routed: torch.Tensor,
     -1; met [E] int32: each expert's cold pairs). Adds the pairs of the E to ``routed`` [E]
     float32 (by expert) and to ``tally`` [>= 3] float64: those pairs, the cold ones, the
     cold experts the call met, and 1 at index ``way`` (None: none) where it met any
-    (``moe_infer.offload.STATS``). ``near``: a cold pair's slot is ``near`` + its expert
-    instead of -1."""
+    (``moe_infer.offload.STATS``)."""
     e = table.numel()
     local = here_or_past(ids.long(), first, e)
     here = local < e
@@ -136,8 +134,6 @@ def cold_pairs_ref(ids: torch.Tensor, table: torch.Tensor, routed: torch.Tensor,
     tally[2] += int((met > 0).sum())
     if way is not None:
         tally[way] += n > 0
-    if near is not None:
-        slot = torch.where(cold, near + local, slot)
     return slot, torch.where(cold, local, -1), met
 
 

@@ -403,8 +403,7 @@ def test_cold_pairs_triton_matches_ref(device, t, k, e, ids_dtype, first, way):
     counted from an offset, some of experts that are not here (expert parallelism: slot
     -2, counted nowhere); prompts' calls, whose pairs several programs share (3072 pairs
     over 1000 experts, not a power of two, fewer pairs a block; 5600 over 64); a second
-    call adds to the counters and meets scratch sums left at zero by the first; with
-    ``near`` (the second call) a cold pair's slot names its expert past the device ones."""
+    call adds to the counters and meets scratch sums left at zero by the first."""
     from kernels.routing.cold_triton import cold_pairs_triton
     from kernels.routing.reference import cold_pairs_ref
 
@@ -417,15 +416,12 @@ def test_cold_pairs_triton_matches_ref(device, t, k, e, ids_dtype, first, way):
     got_r, want_r = (torch.rand(e, generator=gen).to(device) for _ in range(2))
     want_r.copy_(got_r)
     got_t, want_t = (torch.arange(5, dtype=torch.float64, device=device) for _ in range(2))
-    for near in (None, len(hot)):
-        slot, cold, met = cold_pairs_triton(ids, table, got_r, got_t, way, first, near=near)
-        want_slot, want_cold, want_met = cold_pairs_ref(ids, table, want_r, want_t, way, first, near)
+    for _ in range(2):
+        slot, cold, met = cold_pairs_triton(ids, table, got_r, got_t, way, first)
+        want_slot, want_cold, want_met = cold_pairs_ref(ids, table, want_r, want_t, way, first)
         assert slot.dtype == cold.dtype == torch.int64 and slot.shape == cold.shape == (t, k)
         assert torch.equal(slot, want_slot) and torch.equal(cold, want_cold) and torch.equal(met, want_met)
         assert torch.allclose(got_r, want_r) and torch.equal(got_t, want_t)
-        is_cold = want_cold >= 0
-        assert torch.equal(want_slot[is_cold], want_cold[is_cold] + len(hot) if near else -torch.ones_like(
-            want_cold[is_cold]))
     assert want_t[2] > 0 and (t == 1 or want_t[1] > want_t[2])  # some cold experts; past one token, some met twice
     assert (first == 0) == bool((want_slot > -2).all())  # with an offset, some pairs are not here
 
@@ -450,8 +446,7 @@ from kernels.routing.cold_triton import _cold_pairs_kernel as kernel
 pdl, ids = int(sys.argv[1]), sys.argv[2]
 const = dict(WAY=4 if pdl else -1, BLOCK=64, E_PAD=256, SPAN=1024, PDL=pdl)
 types = {"ids_ptr": ids, "table_ptr": "*i64", "routed_ptr": "*fp32", "tally_ptr": "*fp64", "slot_ptr": "*i64",
-         "cold_ptr": "*i64", "met_ptr": "*i32", "scratch_ptr": "*i32", "P": "i32", "E": "i32", "first": "i32",
-         "near": "i32"}
+         "cold_ptr": "*i64", "met_ptr": "*i32", "scratch_ptr": "*i32", "P": "i32", "E": "i32", "first": "i32"}
 """
 
 
