@@ -9,10 +9,10 @@ norms, routers, embeddings, shared experts, dense layers), then as many experts 
 budget holds, those hit most first (routing counts where given, else the same number in
 every layer). ``OffloadedExperts`` takes a layer's place: the pairs routed to its device
 experts run the fused kernel there. The others ("cold") run in one of three ways:
-- in place (decode sizes, modes "auto" and "stream"): the same kernel reads the cold
-  experts' weights where they lie, in pinned host memory, which the GPU addresses
-  directly: no host wait and no copy step, so decode steps replay as CUDA graphs and each
-  cold expert a step meets crosses the bus once;
+- in place (decode sizes, modes "auto" and "stream"): the same launches that read the
+  device experts read the cold experts' weights where they lie, in pinned host memory,
+  which the GPU addresses directly: no host wait and no copy step, so decode steps replay
+  as CUDA graphs and each cold expert a step meets crosses the bus once;
 - copied into a device staging area first (larger calls: a prefill's experts each serve
   many rows, and one copy serves them all);
 - on the CPU over the host copies.
@@ -373,12 +373,11 @@ class OffloadedExperts(nn.Module):
         ``first_expert``, experts not here add nothing)."""
         if capacity is not None:
             raise ValueError("offloaded experts run dropless: moe.capacity_factor must be null")
-        # Each pair's device slot (-1: cold, -2: not here), its cold expert and each expert's
-        # cold pairs, counted on the device in one launch; a call without a host wait counts
-        # its cold pairs as read in place.
         first = first_expert if masked else 0
         if not self.waits_for_host(x.shape[0]):
             return self._in_place(x, expert_ids, weights, masked, first)
+        # Each pair's device slot (-1: cold, -2: not here), its cold expert and each expert's
+        # cold pairs, counted on the device in one launch.
         slot, cold, met = kernels.cold_pairs(expert_ids, self.slot, self.routed, self.tally, None, first,
                                              pdl=self.options.pdl)
         counts = met.tolist()  # the call's one wait for the host

@@ -30,19 +30,21 @@ never takes the early trigger, see ``kernels/pdl.py``).
 Compile-time parameters: BN, WARPS, U, INT8, DT (0 bf16, 1 fp16), GATED (SiLU gate * up,
 else GeLU), OAI (GATED: GPT-OSS's clamped SwiGLU instead of SiLU), B13 / B2 (per-expert
 biases, added before the activation / before the combine weight: the down kernel adds each
-slot's bias times its weight once, in the first split), WIN (Llama 4: the pair's weight
-scales the up GEMM's output before the activation, and not h), IDS64 (int64 ids, else
-int32), PARTIAL (down: float32 split-K partials), PAIR_MAJOR (grid: pairs / tokens
-fastest, else column tiles fastest), MINB (the registers are capped so that MINB blocks
-fit on an SM), UNIT (int8 widened by one byte permute a
-weight, its offset cancelled once per 16 activations: about a third fewer instructions,
-relative error about 1e-4 against 1e-7; the tuner picks it for the small experts at
-T = 1), PIPE (``moe_down``, a down entry's ``pipe``: two weight buffers, each step's loads
-issued before the arithmetic of the step before it, the second step's right after the
-wait), RG (``row_groups``: the block's warps split its rows into RG groups, each group
-over all of K, so a thread's arithmetic after the wait is shorter; chosen for DS-MoE's
-int8 down kernel at T = 1). int8 kernels on the tensor cores (mma m16n8k16) halve the
-instructions a weight again, but at T = 1 they measured slower than ``unit`` for the
+slot's bias times its weight once, in the first split), SLOTS (the ids name the experts of a
+far place, the weights, scales and biases after the usual arguments, and ``slots[e]`` >= 0
+reads expert e from w13 / w2 at that slot instead: an offloaded layer's device experts and
+pinned host ones in one launch each), WIN (Llama 4: the pair's weight scales the up GEMM's
+output before the activation, and not h), IDS64 (int64 ids, else int32), PARTIAL (down:
+float32 split-K partials), PAIR_MAJOR (grid: pairs / tokens fastest, else column tiles
+fastest), MINB (the registers are capped so that MINB blocks fit on an SM), UNIT (int8
+widened by one byte permute a weight, its offset cancelled once per 16 activations: about a
+third fewer instructions, relative error about 1e-4 against 1e-7; the tuner picks it for the
+small experts at T = 1), PIPE (``moe_down``, a down entry's ``pipe``: two weight buffers,
+each step's loads issued before the arithmetic of the step before it, the second step's
+right after the wait), RG (``row_groups``: the block's warps split its rows into RG groups,
+each group over all of K, so a thread's arithmetic after the wait is shorter; chosen for
+DS-MoE's int8 down kernel at T = 1). int8 kernels on the tensor cores (mma m16n8k16) halve
+the instructions a weight again, but at T = 1 they measured slower than ``unit`` for the
 small shapes and for Mixtral's decode step, and were removed.
 
 At decode sizes a block is one short chain of dependent memory round trips (expert id,
@@ -181,8 +183,7 @@ def options(bn: int, warps: int, unroll: int, int8: bool, dt: int, gated: bool, 
     """The compile flags; ``here`` (masked): (first expert id, experts) the ids name;
     ``slots``: the ids name a far place's experts, some also at near slots."""
     return ("-std=c++17", f"-DMASKED={int(masked)}", f"-DFIRST={here[0]}", f"-DE_HERE={here[1]}",
-            f"-DSLOTS={int(slots)}",
-            f"-DOAI={int(oai)}",
+            f"-DSLOTS={int(slots)}", f"-DOAI={int(oai)}",
             f"-DB13={int(b13)}", f"-DB2={int(b2)}", f"-DWIN={int(weighted_input)}", f"-DBN={bn}",
             f"-DWARPS={warps}", f"-DU={unroll}", f"-DINT8={int(int8)}",
             f"-DUNIT={int(unit)}", f"-DDT={dt}", f"-DGATED={int(gated)}", f"-DIDS64={int(ids64)}",
@@ -249,9 +250,9 @@ def _experts(x, w13, w2, ids, pair_w, topk, activation, w13_scale, w2_scale, con
         default_up, default_down = default_configs(t, h, sms)
         up, down = up or default_up, down or default_down
     int8, gated, dt, ids64 = w13.dtype == torch.int8, activation != "gelu", DTYPES[x.dtype], ids.dtype == torch.int64
+    named = (far or {"w2": w2})["w2"].shape[0]  # the experts the ids name
     extras = dict(masked=masked, oai=activation == "swiglu_oai", b13=b13 is not None, b2=b2 is not None,
-                  weighted_input=weighted_input, slots=bool(far),
-                  here=(first_expert, (far or dict(w2=w2))["w2"].shape[0]) if masked else (0, 0))
+                  weighted_input=weighted_input, slots=bool(far), here=(first_expert, named) if masked else (0, 0))
     hidden = torch.empty(t * topk, f, dtype=x.dtype, device=x.device)  # [P, F]
     # The up kernel lets the down kernel launch only after its own wait (never early): the
     # down kernel reads the ids before its wait, and they are from the kernel before this one.

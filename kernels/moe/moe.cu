@@ -278,7 +278,7 @@ moe_up(const u16* __restrict__ x,        // [T, H] tokens, row stride stride_x
   }
 #endif
   e = placed(slots, e);
-  const bool far = e < 0;  // (SLOTS: its weights, scales and biases in the far place)
+  const bool far = SLOTS && e < 0;  // (its weights, scales and biases in the far place)
   e = far ? -2 - e : e;
   const char* w_e = (const char*)(far ? w13_far : w13) + (size_t)e * ROWS_PER_F * F * H * W_BYTES;
   const float2 sc = up_scales(far ? scale_far : scale, e, n0, F);  // in flight beside the weights, not after
