@@ -241,19 +241,26 @@ def rebalance(model: nn.Module, decay: float = 0.5) -> int:
 
 class Staging:
     """The device staging area a model's offloaded layers share (they run one after another):
-    ``AREAS`` parts of ``round_size`` experts each, which the rounds of every layer's streamed
-    calls take in turn; a copy stream (on a GPU); and for each part the event of the kernels
-    that read it last, which a copy into it waits for. Made whole at the first streamed call
-    (the experts' tensors as the host holds them). Shared, it costs ``AREAS x round_size``
-    experts of device memory whatever the layers, and a layer's first copies run while the
-    layer before computes its last round."""
+    ``AREAS`` parts of ``round_size`` experts each (``staging`` experts in all, for
+    layers of ``experts``), which the rounds of every layer's streamed calls take in
+    turn; a copy stream (on a GPU); and for each part the event of the kernels that read
+    it last, which a copy into it waits for. Made whole at the first streamed call (the
+    experts' tensors as the host holds them). Shared, it costs ``AREAS x round_size``
+    experts of device memory whatever the layers, and a layer's first copies run while
+    the layer before computes its last round."""
 
-    def __init__(self, round_size: int):
-        self.round_size = round_size
+    def __init__(self, experts: int, staging: int = STAGING):
+        self.round_size = self.round_size_of(experts, staging)
         self.tensors: dict[str, torch.Tensor] = {}
         self.copies: torch.cuda.Stream | None = None
         self.free: list = [None] * AREAS
         self.turn = 0  # the part the next round takes
+
+    @staticmethod
+    def round_size_of(experts: int, staging: int = STAGING) -> int:
+        """Experts a round holds for a layer of ``experts``: ``staging`` (at most the layer's
+        experts) over the ``AREAS`` parts, at least one."""
+        return max(1, min(staging, experts) // AREAS)
 
     def take(self, host: dict[str, torch.Tensor], device: torch.device) -> int:
         """-> the first slot of the part the next round copies into (the tensors made at the
@@ -271,7 +278,7 @@ def staging_bytes(model: nn.Module, dtype: torch.dtype, staging: int = STAGING) 
     """Device bytes of the staging areas ``apply`` gives ``model``'s layers (each expert's
     weights in ``dtype``, before any quantization: at most what they take after)."""
     kinds = {(tuple(e.w13.shape), tuple(e.w2.shape)) for _, _, e in expert_layers(model)}
-    return sum(max(1, min(staging, w13[0]) // AREAS) * AREAS * (math.prod(w13[1:]) + math.prod(w2[1:]))
+    return sum(Staging.round_size_of(w13[0], staging) * AREAS * (math.prod(w13[1:]) + math.prod(w2[1:]))
                * dtype.itemsize for w13, w2 in kinds)
 
 
@@ -313,7 +320,7 @@ class OffloadedExperts(nn.Module):
         self.set_hot(hot)
         # Experts a streamed round holds (a rebalance may cool any): the staging area holds
         # AREAS rounds.
-        self.area = area or Staging(max(1, min(staging, e) // AREAS))
+        self.area = area or Staging(e, staging)
         # What the calls met (``STATS``; in-place calls count as streamed: their cold experts
         # cross the bus), summed on the device so that graph replays count too.
         self.register_buffer("tally", torch.zeros(len(STATS), dtype=torch.float64, device=device),
@@ -520,7 +527,7 @@ def apply(model: nn.Module, placement: Placement, device: torch.device, mode: st
     for (parent, name, experts), hot in zip(expert_layers(model), placement.hot):
         tensors = {"w13": experts.w13, "w2": experts.w2, **experts.scales(), **experts.biases()}
         kind = tuple((k, tuple(v.shape), v.dtype) for k, v in tensors.items() if v is not None)
-        area = areas.setdefault(kind, Staging(max(1, min(staging, experts.w13.shape[0]) // AREAS)))
+        area = areas.setdefault(kind, Staging(experts.w13.shape[0], staging))
         setattr(parent, name, OffloadedExperts(experts, hot, device, mode, cost, in_place=in_place, area=area))
 
 

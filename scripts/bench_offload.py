@@ -61,6 +61,11 @@ def counters(engine) -> dict:
     return total
 
 
+def hit_rate(seen: dict) -> float:
+    """The share of a run's routed pairs (the layers' counters ``seen``) whose expert was on the device."""
+    return 1 - seen["cold_pairs"] / seen["pairs"] if seen["pairs"] else 1.0
+
+
 def floor_ms(engine, batch: int, tokens: int, seen: dict, copy_bytes_s: float) -> float | None:
     """The placement's floor of one decode step (see the module doc) from ``seen``, the
     counters of a run that decoded ``tokens`` steps."""
@@ -75,7 +80,7 @@ def floor_ms(engine, batch: int, tokens: int, seen: dict, copy_bytes_s: float) -
     # (k x the run's hit rate) spread evenly over each layer's device experts. (At batch 1
     # exactly k x the hit rate; not k / E of them, as uniform routing would have it, once the
     # placement follows the prompts' own routing and a step meets few cold experts.)
-    picks = k * (1 - seen["cold_pairs"] / seen["pairs"] if seen["pairs"] else 1.0)
+    picks = k * hit_rate(seen)
     hot_hit = sum(len(m.hot) * (1 - (1 - min(1.0, picks / len(m.hot))) ** batch) for m in layers if m.hot)
     device = (dense + hot_hit * one) / copy_bytes_s
     cold = 0.0
@@ -256,7 +261,7 @@ def main():
             ps = prompts_of(engine, b, args.prompt_len)
             ms, seen, steps = decode_run(engine, ps, args.new_tokens, args.reps)
             fl = floor_ms(engine, b, steps, seen, copy_bytes_s)
-            hit = 1 - seen["cold_pairs"] / seen["pairs"] if seen["pairs"] else 1.0
+            hit = hit_rate(seen)
             mine.append({"budget_gb": budget, "mode": mode, "batch": b, "ms_per_token": ms, "floor_ms": fl,
                          "hit_rate": hit, "cold_experts_per_step": seen["cold_experts"] / steps,
                          "cpu_calls": seen["cpu"] / max(1, seen["cpu"] + seen["stream"]), "prefill_tokens_s": None})

@@ -151,7 +151,7 @@ def test_cold_experts_in_several_staging_rounds_and_mixed_pairs(mode):
     # Two layers sharing one staging area (as a model's do), their calls in turn: each
     # call's rounds take the parts where the other's left off.
     other = random_experts(7, 24, 40, seed=1)
-    area = off.Staging(1)
+    area = off.Staging(7, staging=2)
     pair = [off.OffloadedExperts(e, hot, torch.device("cpu"), mode, off.ColdCost(profile, 1, 1), area=area)
             for e, hot in ((experts, [2, 5]), (other, [0]))]
     for _ in range(2):

@@ -106,10 +106,9 @@ def placed_ids(ids: torch.Tensor, first: int, slots: torch.Tensor, near: int) ->
     ``slots`` [E'] (each one's near slot, -1: none) -> ids into the ``near`` near experts
     then far's, [T, k] int64, -1 elsewhere (``kernels.fused_moe``'s ``far``)."""
     e = slots.numel()
-    local = ids.long() - first
-    ok = (local >= 0) & (local < e)
-    s = slots[local.clamp(0, e - 1)]
-    return torch.where(ok, torch.where(s >= 0, s, near + local), -1)
+    local = here_or_past(ids.long(), first, e)
+    s = slots[local.clamp(max=e - 1)]
+    return torch.where(local < e, torch.where(s >= 0, s, near + local), -1)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
